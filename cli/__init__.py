@@ -1,0 +1,1 @@
+"""The `hf` command-line interface (typer + rich)."""

@@ -1,0 +1,139 @@
+"""The actor: the policy being trained. Computes response log-probs and runs the PPO policy update.
+
+One process, one model here; the worker groups of the orchestration layer call these same methods on each rank.
+The update follows PPO (Schulman et al. 2017, Alg. 1): for ``ppo_epochs`` passes, split the batch into
+mini-batches (one optimizer step each), each accumulated over micro-batches (one forward/backward each).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.config import ActorConfig
+from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty
+from hybridflow.engine.models import compute_log_probs, response_log_probs
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.training import MetricLog, build_optimizer, mini_batches, optimizer_step
+
+UPDATE_KEYS = [
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "responses",
+    "response_mask",
+    "old_log_probs",
+    "advantages",
+]
+
+
+class Actor:
+    """PPO actor around a Hugging Face causal LM.
+
+    Args:
+        model: the policy (trained in place; the rollout may share it).
+        config: the ``actor`` config section.
+        rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
+        seed: seeds the mini-batch shuffling (with the iteration number from ``meta_info["global_steps"]``).
+    """
+
+    def __init__(self, model, config: ActorConfig, rollout_n: int, seed: int = 0):
+        self.model = model
+        self.config = config
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n
+        self.seed = seed
+        self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
+
+    def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto:
+        """Log-probs of the responses under the current weights.
+
+        Args:
+            data: rollout output (``input_ids``, ``attention_mask``, ``position_ids``, ``responses``);
+                ``meta_info["temperature"]`` (sampling temperature, default 1.0) divides the logits.
+
+        Returns:
+            DataProto with ``old_log_probs`` float32 [B, T] (and ``entropys`` float32 [B, T] if asked).
+        """
+        self.model.eval()
+        temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        log_probs, entropy = compute_log_probs(
+            self.model, data, self.config.log_prob_micro_batch_size, temperature, calculate_entropy
+        )
+        tensors = {"old_log_probs": log_probs}
+        if entropy is not None:
+            tensors["entropys"] = entropy
+        return DataProto.from_dict(tensors)
+
+    def update_policy(self, data: DataProto) -> dict[str, float]:
+        """PPO update on a batch with advantages.
+
+        Args:
+            data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``).
+
+        Returns:
+            metrics averaged over micro-batches: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
+            ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), and per optimizer step
+            ``actor/grad_norm``, ``actor/lr``.
+        """
+        cfg = self.config
+        keys = UPDATE_KEYS + (["ref_log_prob"] if cfg.use_kl_loss else [])
+        data = data.select(batch_keys=keys)
+        temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 0)
+        self.model.train()
+        log = MetricLog()
+        for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
+            for micro in mini.split(cfg.ppo_micro_batch_size):
+                loss_scale = len(micro) / len(mini)
+                self._micro_step(micro, temperature, loss_scale, log)
+            grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
+            log.add(grad_norm=grad_norm, lr=self.lr_scheduler.get_last_lr()[0])
+        return log.mean("actor")
+
+    def _micro_step(self, micro: DataProto, temperature: float, loss_scale: float, log: MetricLog) -> None:
+        cfg = self.config
+        batch = micro.batch
+        mask = batch["response_mask"]
+        calculate_entropy = cfg.entropy_coeff != 0
+        log_prob, entropy = response_log_probs(self.model, micro, temperature, calculate_entropy)
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
+            old_log_prob=batch["old_log_probs"],
+            log_prob=log_prob,
+            advantages=batch["advantages"],
+            response_mask=mask,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+        )
+        loss = pg_loss
+        if calculate_entropy:
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+            loss = loss - cfg.entropy_coeff * entropy_loss
+            log.add(entropy=entropy_loss)
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            log.add(kl_loss=kl_loss, kl_coef=cfg.kl_loss_coef)
+        (loss * loss_scale).backward()
+        log.add(pg_loss=pg_loss, pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
+
+
+class RefPolicy:
+    """The frozen reference policy: log-probs only, for the KL term.
+
+    Args:
+        model: a copy of the initial policy (never updated).
+        micro_batch_size: sequences per forward (``ref.log_prob_micro_batch_size``).
+    """
+
+    def __init__(self, model, micro_batch_size: int):
+        self.model = model.eval().requires_grad_(False)
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """Returns DataProto with ``ref_log_prob`` float32 [B, T] (logits divided by the rollout temperature)."""
+        temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        log_probs, _ = compute_log_probs(self.model, data, self.micro_batch_size, temperature)
+        return DataProto.from_dict({"ref_log_prob": log_probs})

@@ -1,0 +1,231 @@
+"""Typed run configuration (pydantic), loaded from YAML with ``-o key=value`` overrides.
+
+Sections follow verl's vocabulary, flattened one level: ``model``, ``data``, ``rollout``, ``actor``, ``ref``,
+``critic``, ``algorithm``, ``reward``, ``trainer`` (verl's ``actor_rollout_ref.actor.ppo_epochs`` is our
+``actor.ppo_epochs``). Unknown or ill-typed keys are errors that name the key and the allowed values.
+Batch sizes: ``data.train_batch_size`` and ``*.ppo_mini_batch_size`` count prompts (as in verl);
+micro-batch sizes count sequences (prompt + one response).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("tiny", description="local Hugging Face folder, or an embedded model: 'smollm2', 'tiny'")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
+
+
+class ReasoningGymConfig(_Section):
+    name: str = Field(description="reasoning-gym generator, e.g. basic_arithmetic")
+    config: dict[str, Any] = Field(default_factory=dict, description="generator keyword arguments")
+    train_size: int = Field(1000, gt=0)
+    val_size: int = Field(100, ge=0)
+    seed: int = 0
+    instruction: str | None = Field(None, description="appended to each question; None uses the default")
+
+
+class DataConfig(_Section):
+    train_files: list[str] = Field(default_factory=list, description="parquet/jsonl files in verl's layout")
+    val_files: list[str] = Field(default_factory=list)
+    reasoning_gym: ReasoningGymConfig | None = None
+    max_prompt_length: int = Field(256, gt=0, description="tokens; longer prompts are dropped")
+    train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
+    val_batch_size: int = Field(64, gt=0, description="prompts per validation generate call")
+    shuffle: bool = True
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if not self.train_files and self.reasoning_gym is None:
+            raise ValueError("set data.train_files (parquet/jsonl) or data.reasoning_gym.name")
+        return self
+
+
+class RolloutConfig(_Section):
+    name: Literal["hf"] = "hf"
+    n: int = Field(4, gt=0, description="responses sampled per prompt")
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = disabled")
+    response_length: int = Field(64, gt=0, description="max new tokens")
+    micro_batch_size: int = Field(32, gt=0, description="sequences per generate call")
+    val_temperature: float = Field(0.0, ge=0.0, description="validation sampling temperature (0 = greedy)")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-6, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up, then constant")
+    grad_clip: float = Field(1.0, gt=0.0, description="max global grad norm")
+
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+
+
+class ActorConfig(_Section):
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = Field(8, gt=0, description="prompts per optimizer step (times rollout.n sequences)")
+    ppo_micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward")
+    log_prob_micro_batch_size: int = Field(16, gt=0, description="sequences per forward when computing log-probs")
+    ppo_epochs: int = Field(1, gt=0)
+    shuffle: bool = True
+    clip_ratio_low: float = Field(0.2, ge=0.0)
+    clip_ratio_high: float = Field(0.2, ge=0.0)
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip lower bound for negative advantages")
+    loss_agg_mode: LossAggMode = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0.0)
+    kl_loss_type: KLType = "low_var_kl"
+
+
+class RefConfig(_Section):
+    log_prob_micro_batch_size: int = Field(16, gt=0)
+
+
+class CriticConfig(_Section):
+    model_path: str | None = Field(None, description="None: initialise from model.path")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = Field(8, gt=0)
+    ppo_micro_batch_size: int = Field(8, gt=0)
+    forward_micro_batch_size: int = Field(16, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+    shuffle: bool = True
+    cliprange_value: float = Field(0.5, gt=0.0)
+    loss_agg_mode: LossAggMode = "token-mean"
+
+
+class KLControlConfig(_Section):
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0.0)
+    target_kl: float = Field(0.1, gt=0.0)
+    horizon: int = Field(10000, gt=0)
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: Literal["grpo", "gae", "rloo"] = "grpo"
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: KLType = "kl"
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+
+
+class RewardConfig(_Section):
+    custom_function: str | None = Field(None, description="'module:function' or 'path.py:function'")
+
+
+class TrainerConfig(_Section):
+    total_iterations: int = Field(1, ge=0)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    test_freq: int = Field(0, ge=0, description="validate every K iterations (0 = only before and after)")
+    val_before_train: bool = True
+    experiment_name: str = "hybridflow"
+    output_dir: str = "outputs"
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
+
+
+class HybridFlowConfig(_Section):
+    """The whole run configuration. See the README's configuration reference."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_section(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "data" not in values:
+            raise ValueError("no data section: set data.train_files (parquet/jsonl) or data.reasoning_gym.name")
+        return values
+
+    @model_validator(mode="after")
+    def _batch_sizes(self) -> HybridFlowConfig:
+        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
+            )
+        if self.algorithm.adv_estimator == "gae" and self.data.train_batch_size % self.critic.ppo_mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
+            )
+        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
+                "group: set rollout.n >= 2"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names each offending key."""
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        elif e["type"] == "literal_error":
+            lines.append(f"  {key}: {e['msg']} (got {e['input']!r})")
+        else:
+            lines.append(f"  {key}: {e['msg']}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> HybridFlowConfig:
+    """Read a YAML config, apply ``key.sub=value`` overrides (values parsed as YAML), and validate.
+
+    Raises:
+        ConfigError: naming every unknown, missing or ill-typed key and, for choices, the allowed values.
+        FileNotFoundError: if `path` does not exist.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        tree = yaml.safe_load(text) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    try:
+        return HybridFlowConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None

@@ -1,0 +1,893 @@
+"""The RL algorithms of HybridFlow as small, pure torch functions.
+
+Nothing here knows about workers, models or configs: every function takes tensors and numbers and returns tensors
+(or floats for metrics), so each one can be tested on its own. The module holds
+
+- masked statistics: `masked_sum`, `masked_mean`, `masked_var`, `masked_whiten`;
+- advantage estimators, in a registry keyed by the config value ``algorithm.adv_estimator``:
+  ``"gae"`` (`compute_gae_advantage_return`), ``"grpo"`` (`compute_grpo_outcome_advantage`) and
+  ``"rloo"`` (`compute_rloo_outcome_advantage`);
+- the KL machinery: per-token estimators (`kl_penalty`), fixed and adaptive coefficient controllers, and
+  `apply_kl_penalty`, which folds the KL into the token-level rewards;
+- losses: `agg_loss` (how a [B, T] loss matrix becomes a scalar), `compute_policy_loss` (PPO clip with
+  clip-higher and dual-clip) and `compute_value_loss` (clipped critic loss);
+- `entropy_from_logits` and `logprobs_from_logits`.
+
+Conventions. B is the number of sequences in the batch and T the padded response length in tokens. A mask is a
+[B, T] tensor (bool, int or float) with 1 for real response tokens and 0 for padding; responses are right-padded,
+so a row of the mask is ones followed by zeros. Positions where the mask is 0 never influence a result: they are
+replaced by 0 before any arithmetic, so even NaN or inf there is harmless. Names follow verl, so that the config
+keys (``actor.loss_agg_mode``, ``algorithm.kl_penalty``, ...) mean what verl users expect.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ADV_ESTIMATORS_NEEDING_CRITIC",
+    "AGG_LOSS_MODES",
+    "KL_PENALTY_TYPES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
+    "compute_rloo_outcome_advantage",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "get_adv_estimator_fn",
+    "get_kl_controller",
+    "get_policy_loss_fn",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_adv_est",
+    "uses_critic",
+]
+
+WHITEN_EPS = 1e-8
+"""Added to the variance in `masked_whiten` before the square root."""
+
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to [-20, 20] before `exp` (exp(20) is about 4.9e8), so the ratio never overflows."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Masked statistics
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    """Raise ValueError naming every shape when the given tensors do not all have the same shape."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
+        raise ValueError(f"Shape mismatch: {listed}. These tensors must all have the same shape (usually [B, T]).")
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (values * mask with masked-out entries set to exactly 0, mask as values' dtype expanded to its shape).
+
+    The mask may broadcast to ``values`` (e.g. [B, 1] for [B, T]) but must not enlarge it.
+    """
+    try:
+        shape = torch.broadcast_shapes(values.shape, mask.shape)
+    except RuntimeError:
+        shape = None
+    if shape != values.shape:
+        raise ValueError(
+            f"Mask of shape {list(mask.shape)} does not fit values of shape {list(values.shape)}: "
+            "the mask must have the same shape as the values (or broadcast to it)."
+        )
+    mask = mask.expand(values.shape)
+    dtype = values.dtype if values.is_floating_point() else torch.get_default_dtype()
+    weights = mask.to(dtype)
+    kept = torch.where(mask != 0, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
+    return kept * weights, weights
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``values * mask`` over ``dim`` (over every entry when ``dim`` is None).
+
+    Args:
+        values: float tensor, e.g. [B, T].
+        mask: bool/int/float tensor of the same shape (or broadcastable to it); 1 marks entries to keep.
+        dim: dimension to reduce, or None for all.
+
+    Returns:
+        A tensor of ``values``' dtype: 0-dim when ``dim`` is None, else ``values`` with ``dim`` removed.
+
+    Raises:
+        ValueError: the mask does not fit the values' shape.
+    """
+    kept, _ = _masked(values, mask)
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over the entries where ``mask`` is non-zero (mask-weighted mean for fractional masks).
+
+    Args:
+        values: float tensor, e.g. [B, T].
+        mask: bool/int/float tensor of the same shape (or broadcastable to it).
+        dim: dimension to reduce, or None for all.
+
+    Returns:
+        ``sum(values * mask) / sum(mask)`` over ``dim``; 0-dim when ``dim`` is None. Where the mask selects
+        nothing the result is 0 (not NaN), so an empty micro-batch or an all-padding row gives a 0 loss.
+
+    Raises:
+        ValueError: the mask does not fit the values' shape.
+    """
+    kept, weights = _masked(values, mask)
+    if dim is None:
+        total, count = kept.sum(), weights.sum()
+    else:
+        total, count = kept.sum(dim=dim), weights.sum(dim=dim)
+    # With 0/1 masks `total` is exactly 0 wherever `count` is 0, so the clamp only turns 0/0 into 0.
+    return total / count.clamp(min=torch.finfo(count.dtype).tiny)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over all entries where ``mask`` is non-zero.
+
+    Args:
+        values: float tensor, e.g. [B, T].
+        mask: bool/int/float tensor of the same shape (or broadcastable to it).
+        unbiased: apply Bessel's correction n / (n - 1), as ``torch.var`` does by default.
+
+    Returns:
+        0-dim tensor of ``values``' dtype.
+
+    Raises:
+        ValueError: the mask selects nothing, or (with ``unbiased``) fewer than two entries; or the shapes differ.
+    """
+    _, weights = _masked(values, mask)
+    count = float(weights.sum())
+    if count == 0:
+        raise ValueError("masked_var: the mask selects no entries, so the variance is undefined.")
+    if unbiased and count <= 1:
+        raise ValueError(
+            f"masked_var: the mask selects {count:g} entries; the unbiased variance needs at least 2 "
+            "(pass unbiased=False, or give more response tokens)."
+        )
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        var = var * (count / (count - 1))
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise ``values`` to zero mean and unit variance using statistics of the masked entries only.
+
+    ``(values - mean) / sqrt(var + 1e-8)`` with mean and unbiased variance from `masked_mean` / `masked_var` over
+    every masked entry of the batch. With ``shift_mean=False`` the mean is added back (only the scale changes).
+
+    Args:
+        values: float tensor, e.g. [B, T].
+        mask: bool/int/float tensor of the same shape.
+        shift_mean: subtract the mean (True) or keep it (False).
+
+    Returns:
+        Tensor of ``values``' shape and dtype. Entries outside the mask go through the same affine map but did not
+        influence it; callers multiply by the mask when they need zeros there.
+
+    Raises:
+        ValueError: fewer than two masked entries (see `masked_var`), or the shapes differ.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask, unbiased=True)
+    whitened = (values - mean) * torch.rsqrt(var + WHITEN_EPS)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Advantage estimators and their registry
+# --------------------------------------------------------------------------------------------------------------------
+
+_ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+
+ADV_ESTIMATORS_NEEDING_CRITIC: set[str] = set()
+"""Names of registered advantage estimators that need a critic's ``values`` (filled by `register_adv_est`)."""
+
+# The keyword arguments that every estimator returned by `get_adv_estimator_fn` accepts, with their defaults.
+_UNIFORM_ADV_KWARGS: dict[str, Any] = {
+    "index": None,
+    "values": None,
+    "gamma": 1.0,
+    "lam": 1.0,
+    "epsilon": 1e-6,
+    "norm_adv_by_std_in_grpo": True,
+}
+
+
+def register_adv_est(name: str, *, needs_critic: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator that registers an advantage estimator under ``name`` (the value of ``algorithm.adv_estimator``).
+
+    The function must accept ``token_level_rewards`` and ``response_mask`` and any subset of the uniform keyword
+    arguments listed in `get_adv_estimator_fn`, and return ``(advantages, returns)``, both [B, T]. It is returned
+    unchanged. With ``needs_critic=True`` the name is added to `ADV_ESTIMATORS_NEEDING_CRITIC`.
+
+    Raises:
+        ValueError: ``name`` is already registered to a different function.
+    """
+
+    def decorator(fn: Callable) -> Callable:
+        existing = _ADV_ESTIMATORS.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(
+                f"Advantage estimator {name!r} is already registered (to {existing.__qualname__}); pick another name."
+            )
+        _ADV_ESTIMATORS[name] = fn
+        if needs_critic:
+            ADV_ESTIMATORS_NEEDING_CRITIC.add(name)
+        return fn
+
+    return decorator
+
+
+def _unknown_adv_estimator(name: str) -> ValueError:
+    return ValueError(
+        f"Unknown advantage estimator {name!r} (config key `algorithm.adv_estimator`); "
+        f"registered: {sorted(_ADV_ESTIMATORS)}."
+    )
+
+
+def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Look up a registered advantage estimator and wrap it in the uniform calling convention.
+
+    The returned callable is called as::
+
+        advantages, returns = fn(token_level_rewards, response_mask, *, index=None, values=None, gamma=1.0,
+                                 lam=1.0, epsilon=1e-6, norm_adv_by_std_in_grpo=True)
+
+    and forwards to the estimator only the keywords its signature takes, so callers can always pass everything
+    they have (``"gae"`` uses values/gamma/lam; ``"grpo"`` index/epsilon/norm_adv_by_std_in_grpo; ``"rloo"``
+    index/epsilon). Extra keywords that the estimator itself declares are passed through as well.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the registered names); when the returned
+            callable is called, an argument the estimator requires is None or missing (e.g. ``values`` for GAE),
+            or a keyword is neither uniform nor accepted by the estimator.
+    """
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    fn = _ADV_ESTIMATORS[name]
+    params = inspect.signature(fn).parameters
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty]
+
+    @functools.wraps(fn)
+    def call(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **kwargs: Any):
+        unknown = sorted(k for k in kwargs if k not in _UNIFORM_ADV_KWARGS and k not in params)
+        if unknown:
+            raise ValueError(
+                f"Advantage estimator {name!r} got unexpected keyword(s) {unknown}; "
+                f"allowed: {sorted(_UNIFORM_ADV_KWARGS)} plus the estimator's own parameters."
+            )
+        merged = {**_UNIFORM_ADV_KWARGS, **kwargs}
+        given = {k: v for k, v in merged.items() if k in params}
+        missing = [n for n in required if n not in ("token_level_rewards", "response_mask") and given.get(n) is None]
+        if missing:
+            raise ValueError(f"Advantage estimator {name!r} needs {missing}, but they were not given (or are None).")
+        return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **given)
+
+    return call
+
+
+def uses_critic(name: str) -> bool:
+    """True when the advantage estimator ``name`` needs a critic (value model), i.e. it is in
+    `ADV_ESTIMATORS_NEEDING_CRITIC`.
+
+    Raises:
+        ValueError: ``name`` is not a registered estimator.
+    """
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    return name in ADV_ESTIMATORS_NEEDING_CRITIC
+
+
+@register_adv_est("gae", needs_critic=True)
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation over the response tokens.
+
+    Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation",
+    eq. 16: ``A_t = sum_l (gamma * lam)^l * delta_{t+l}`` with ``delta_t = r_t + gamma * V_{t+1} - V_t``, computed
+    by the right-to-left recursion ``A_t = delta_t + gamma * lam * A_{t+1}``.
+
+    Padding: at positions where the mask is 0 the recursion does not step; the "next" value and advantage are
+    carried through unchanged. For right-padded responses this means the last real token bootstraps with
+    ``V = 0`` and ``A = 0`` after it (the episode ends there); a hole inside a response is skipped over.
+
+    Args:
+        token_level_rewards: float [B, T], the reward of each token (after any KL penalty).
+        values: float [B, T], the critic's value of each token's state.
+        response_mask: bool/int/float [B, T], 1 on real response tokens.
+        gamma: discount factor in [0, 1] (``algorithm.gamma``).
+        lam: GAE lambda in [0, 1] (``algorithm.lam``).
+
+    Returns:
+        ``(advantages, returns)``, both [B, T] in ``values``' dtype, no grad. ``returns = advantages + values``
+        computed before whitening (the critic's regression target); ``advantages`` are then whitened with
+        `masked_whiten` over all response tokens of the batch. Both are exactly 0 at masked positions.
+
+    Raises:
+        ValueError: shapes differ, gamma or lam outside [0, 1], or fewer than two response tokens in the batch
+            (whitening needs a variance).
+    """
+    _check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    for key, x in (("algorithm.gamma", gamma), ("algorithm.lam", lam)):
+        if not 0.0 <= x <= 1.0:
+            raise ValueError(f"`{key}` must be in [0, 1], got {x}.")
+    is_real = response_mask != 0
+    rewards = torch.where(is_real, token_level_rewards.to(values.dtype), 0.0)
+    vals = torch.where(is_real, values, 0.0)
+
+    next_value = torch.zeros_like(vals[:, 0])
+    next_adv = torch.zeros_like(vals[:, 0])
+    advantages = torch.zeros_like(vals)
+    for t in reversed(range(vals.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        next_adv = torch.where(is_real[:, t], adv_t, next_adv)
+        next_value = torch.where(is_real[:, t], vals[:, t], next_value)
+        advantages[:, t] = next_adv
+
+    returns = torch.where(is_real, advantages + vals, 0.0)
+    advantages = torch.where(is_real, masked_whiten(advantages, response_mask), 0.0)
+    return advantages, returns
+
+
+def _group_ids(index: Sequence[Any] | np.ndarray | torch.Tensor, batch_size: int) -> tuple[torch.Tensor, int]:
+    """Map each sequence's prompt uid to a dense group id 0..G-1; return (ids int64 [B], G)."""
+    # .tolist() turns numpy/torch elements into python scalars and strings, which hash by value.
+    uids = index.tolist() if isinstance(index, torch.Tensor | np.ndarray) else list(index)
+    if len(uids) != batch_size:
+        raise ValueError(
+            f"`index` has {len(uids)} entries but the batch has {batch_size} sequences; "
+            "pass one prompt uid per sequence (the non-tensor column `uid`)."
+        )
+    dense: dict[Any, int] = {}
+    ids = [dense.setdefault(uid, len(dense)) for uid in uids]
+    return torch.tensor(ids, dtype=torch.long), len(dense)
+
+
+def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """One score per sequence, float [B]: the sum of its rewards over the response tokens."""
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    if token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards must be [B, T], got shape {list(token_level_rewards.shape)}.")
+    return masked_sum(token_level_rewards, response_mask, dim=-1)
+
+
+@register_adv_est("grpo")
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: each response's score relative to the other responses to the same prompt.
+
+    Source: Shao et al. 2024, "DeepSeekMath", §4.1.2 (outcome supervision):
+    ``A_i = (r_i - mean(r_group)) / std(r_group)``, given to every token of response i. Without std
+    normalisation (``norm_adv_by_std_in_grpo=False``) this is the Dr. GRPO variant, Liu et al. 2025.
+
+    The score of a sequence is the sum of its token-level rewards over the response mask. The std is the unbiased
+    sample std (as ``torch.std``). A group of size 1 uses mean 0 and std 1, so its advantage is its own score
+    (divided by 1 + epsilon when normalising).
+
+    Args:
+        token_level_rewards: float [B, T].
+        response_mask: bool/int/float [B, T].
+        index: length-B numpy array (object, str or int) or sequence of prompt uids; equal uids form a group.
+        epsilon: added to the group std before dividing.
+        norm_adv_by_std_in_grpo: divide by (std + epsilon) (``algorithm.norm_adv_by_std_in_grpo``).
+
+    Returns:
+        ``(advantages, returns)``, identical [B, T] tensors in the rewards' dtype, 0 at masked positions, no grad.
+
+    Raises:
+        ValueError: shapes differ or ``index`` does not have B entries.
+    """
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    ids, n_groups = _group_ids(index, scores.shape[0])
+    ids = ids.to(scores.device)
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
+    sums = torch.zeros_like(counts).index_add_(0, ids, scores)
+    singleton = counts == 1
+    mean = torch.where(singleton, 0.0, sums / counts)
+    sq_dev = torch.zeros_like(counts).index_add_(0, ids, (scores - mean[ids]) ** 2)
+    std = torch.where(singleton, 1.0, torch.sqrt(sq_dev / (counts - 1).clamp(min=1)))
+
+    adv = scores - mean[ids]
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std[ids] + epsilon)
+    advantages = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return advantages, advantages
+
+
+@register_adv_est("rloo")
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | np.ndarray,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (REINFORCE Leave-One-Out) outcome advantage.
+
+    Source: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+    Human Feedback in LLMs", §3: ``A_i = r_i - (1 / (k - 1)) * sum_{j != i} r_j`` over the k responses to the
+    same prompt, given to every token of response i. A group of size 1 has no other responses, so its baseline
+    is 0 and ``A_i = r_i``.
+
+    Args:
+        token_level_rewards: float [B, T]; the score of a sequence is its sum over the response mask.
+        response_mask: bool/int/float [B, T].
+        index: length-B numpy array (object, str or int) or sequence of prompt uids; equal uids form a group.
+        epsilon: unused; accepted so that every outcome estimator takes the same arguments.
+
+    Returns:
+        ``(advantages, returns)``, identical [B, T] tensors in the rewards' dtype, 0 at masked positions, no grad.
+
+    Raises:
+        ValueError: shapes differ or ``index`` does not have B entries.
+    """
+    del epsilon
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    ids, n_groups = _group_ids(index, scores.shape[0])
+    ids = ids.to(scores.device)
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
+    sums = torch.zeros_like(counts).index_add_(0, ids, scores)
+    others = counts[ids] - 1
+    baseline = torch.where(others > 0, (sums[ids] - scores) / others.clamp(min=1), 0.0)
+    advantages = (scores - baseline).unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# KL: per-token estimators, coefficient controllers, reward penalty
+# --------------------------------------------------------------------------------------------------------------------
+
+KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+"""Names accepted by `kl_penalty` (aliases: k1 = kl, k2 = mse, k3 = low_var_kl)."""
+
+K3_CLAMP = 10.0
+"""`kl_penalty` clamps the k3 estimate to [-10, 10] (in practice [0, 10], since k3 >= 0)."""
+
+
+def _kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+    _check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
+    log_ratio = log_prob - ref_log_prob  # k1: log pi(x) - log pi_ref(x), x sampled from pi
+    if kind in ("kl", "k1"):
+        return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * log_ratio.square()
+    if kind in ("low_var_kl", "k3"):
+        ref_minus_logp = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = torch.exp(ref_minus_logp) - ref_minus_logp - 1
+        return k3.clamp(-K3_CLAMP, K3_CLAMP)
+    raise ValueError(
+        f"Unknown KL penalty type {kind!r} (config key `algorithm.kl_penalty`, or `actor.kl_loss_type` for the "
+        f"KL loss); allowed: {list(KL_PENALTY_TYPES)}."
+    )
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of tokens sampled from pi.
+
+    Source: John Schulman, "Approximating KL Divergence" (blog, 2020). With ``k1 = log_prob - ref_log_prob``:
+
+    - ``"kl"`` / ``"k1"``: k1 (unbiased, high variance, can be negative);
+    - ``"abs"``: |k1|;
+    - ``"mse"`` / ``"k2"``: 0.5 * k1^2 (biased, low variance);
+    - ``"low_var_kl"`` / ``"k3"``: exp(ref - logp) - (ref - logp) - 1 (unbiased, low variance, always >= 0).
+      For numerical safety ``ref - logp`` is clamped to [-20, 20] before the exp and the result to [-10, 10];
+      both clamps only bite on tokens whose probabilities differ by a factor above about e^12.
+
+    Args:
+        log_prob: float [B, T] (or any shape), log-probs under the current policy.
+        ref_log_prob: float, same shape, log-probs under the reference policy.
+        kl_penalty: one of `KL_PENALTY_TYPES`.
+
+    Returns:
+        Float tensor of the input shape (not masked; multiply by the response mask as needed).
+
+    Raises:
+        ValueError: unknown ``kl_penalty`` (lists the allowed names) or shapes differ.
+    """
+    return _kl_estimate(log_prob, ref_log_prob, kl_penalty)
+
+
+class FixedKLController:
+    """A constant KL coefficient (``algorithm.kl_ctrl.type: fixed``); `update` does nothing.
+
+    Attributes:
+        value: the coefficient beta, a float.
+    """
+
+    def __init__(self, kl_coef: float):
+        if kl_coef < 0:
+            raise ValueError(f"`algorithm.kl_ctrl.kl_coef` must be >= 0, got {kl_coef}.")
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Keep the coefficient unchanged (same signature as `AdaptiveKLController.update`)."""
+
+
+class AdaptiveKLController:
+    """KL coefficient steered towards a target KL (``algorithm.kl_ctrl.type: adaptive``).
+
+    Source: Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", §2.2: after each batch,
+    ``e = clip(KL / KL_target - 1, -0.2, 0.2)`` and ``beta <- beta * (1 + K_beta * e)`` with
+    ``K_beta = n_steps / horizon``.
+
+    Attributes:
+        value: the current coefficient beta, a float.
+        target: the target KL.
+        horizon: number of steps (samples) over which the proportional controller acts.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int | float):
+        if init_kl_coef < 0:
+            raise ValueError(f"`algorithm.kl_ctrl.kl_coef` must be >= 0, got {init_kl_coef}.")
+        if not target_kl > 0:
+            raise ValueError(f"`algorithm.kl_ctrl.target_kl` must be > 0, got {target_kl}.")
+        if not horizon > 0:
+            raise ValueError(f"`algorithm.kl_ctrl.horizon` must be > 0, got {horizon}.")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Scale ``value`` by ``1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon``."""
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+KLController = FixedKLController | AdaptiveKLController
+
+
+def get_kl_controller(
+    kind: str, kl_coef: float, target_kl: float | None = None, horizon: int | float | None = None
+) -> KLController:
+    """Build the KL controller named by ``algorithm.kl_ctrl.type``: ``"fixed"`` or ``"adaptive"``.
+
+    Raises:
+        ValueError: unknown ``kind``, or ``"adaptive"`` without ``target_kl`` and ``horizon``.
+    """
+    if kind == "fixed":
+        return FixedKLController(kl_coef)
+    if kind == "adaptive":
+        if target_kl is None or horizon is None:
+            raise ValueError(
+                "The adaptive KL controller needs `algorithm.kl_ctrl.target_kl` and `algorithm.kl_ctrl.horizon`; "
+                f"got target_kl={target_kl}, horizon={horizon}."
+            )
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"Unknown KL controller {kind!r} (config key `algorithm.kl_ctrl.type`); allowed: fixed, adaptive.")
+
+
+def apply_kl_penalty(
+    token_level_scores: torch.Tensor,
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_ctrl: KLController,
+    kl_penalty: str = "kl",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Subtract the KL penalty from the token-level scores: ``r_t = s_t - beta * KL_t`` on response tokens.
+
+    Source: Ziegler et al. 2019 §2.2 (reward ``r - beta * KL(pi, rho)``), applied per token as in InstructGPT
+    and verl. ``KL_t`` is `kl_penalty` of the chosen type; ``beta`` is ``kl_ctrl.value`` before this call's update.
+
+    The batch KL reported (and fed to ``kl_ctrl.update(current_kl, n_steps=B)``) is the per-sequence masked mean
+    of ``KL_t``, averaged over the sequences that have at least one response token.
+
+    Args:
+        token_level_scores: float [B, T], rewards before the penalty (usually the outcome score on the last token).
+        log_prob: float [B, T], log-probs of the response tokens under the rollout policy.
+        ref_log_prob: float [B, T], log-probs under the reference policy.
+        response_mask: bool/int/float [B, T].
+        kl_ctrl: a `FixedKLController` or `AdaptiveKLController` (updated in place).
+        kl_penalty: KL estimator name, see `kl_penalty` (``algorithm.kl_penalty``).
+
+    Returns:
+        ``(token_level_rewards, metrics)``: rewards [B, T] in the scores' dtype (unchanged where masked) and
+        ``{"actor/reward_kl_penalty": current KL, "actor/reward_kl_penalty_coeff": beta used}`` as floats.
+
+    Raises:
+        ValueError: shapes differ or unknown ``kl_penalty``.
+    """
+    _check_same_shape(
+        token_level_scores=token_level_scores,
+        log_prob=log_prob,
+        ref_log_prob=ref_log_prob,
+        response_mask=response_mask,
+    )
+    kl, _ = _masked(_kl_estimate(log_prob, ref_log_prob, kl_penalty), response_mask)
+    beta = float(kl_ctrl.value)
+    token_level_rewards = token_level_scores - beta * kl.to(token_level_scores.dtype)
+    current_kl = float(agg_loss(kl, response_mask, "seq-mean-token-mean"))
+    kl_ctrl.update(current_kl, n_steps=token_level_scores.shape[0])
+    metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    return token_level_rewards, metrics
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Losses
+# --------------------------------------------------------------------------------------------------------------------
+
+AGG_LOSS_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""Values accepted by `agg_loss` (config key ``actor.loss_agg_mode``)."""
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Reduce a per-token loss matrix to a scalar loss.
+
+    Modes (``actor.loss_agg_mode``):
+
+    - ``"token-mean"``: mean over all masked tokens of the batch (each token weighs the same).
+    - ``"seq-mean-token-sum"``: sum over each sequence's tokens, then mean over sequences.
+    - ``"seq-mean-token-mean"``: mean over each sequence's tokens, then mean over sequences (each sequence weighs
+      the same, as in the GRPO paper's objective).
+    - ``"seq-mean-token-sum-norm"``: sum over all masked tokens divided by the constant B * T, with
+      T = ``loss_mat.shape[-1]``. Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") replaces the
+      per-response length 1/|o_i| by a constant, the maximum response length, to remove the length bias; T stands
+      for it here, so keep the padded length fixed across steps. (verl divides by T alone, not B * T.)
+
+    Sequences whose mask is all 0 are excluded from the mean over sequences in the two ``seq-mean-token-sum`` and
+    ``seq-mean-token-mean`` modes (they neither add to nor dilute the loss); in ``"seq-mean-token-sum-norm"`` they
+    count in B, since that normaliser is a constant by design. An all-zero mask gives a loss of 0 in every mode
+    (still a graph node, with zero gradient).
+
+    Args:
+        loss_mat: float [B, T].
+        loss_mask: bool/int/float [B, T].
+        loss_agg_mode: one of `AGG_LOSS_MODES`.
+
+    Returns:
+        0-dim tensor in ``loss_mat``'s dtype, differentiable with respect to ``loss_mat``.
+
+    Raises:
+        ValueError: unknown mode (lists the allowed values), ``loss_mat`` not 2-D, or shapes differ.
+    """
+    if loss_agg_mode not in AGG_LOSS_MODES:
+        raise ValueError(
+            f"Unknown loss_agg_mode {loss_agg_mode!r} (config key `actor.loss_agg_mode`); "
+            f"allowed: {list(AGG_LOSS_MODES)}."
+        )
+    if loss_mat.dim() != 2:
+        raise ValueError(f"agg_loss expects loss_mat of shape [B, T], got {list(loss_mat.shape)}.")
+    _check_same_shape(loss_mat=loss_mat, loss_mask=loss_mask)
+    if loss_agg_mode == "token-mean":
+        return masked_mean(loss_mat, loss_mask)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return masked_sum(loss_mat, loss_mask) / loss_mat.numel()
+    if loss_agg_mode == "seq-mean-token-sum":
+        per_seq = masked_sum(loss_mat, loss_mask, dim=-1)
+    else:
+        per_seq = masked_mean(loss_mat, loss_mask, dim=-1)
+    has_tokens = (loss_mask != 0).any(dim=-1)
+    return masked_mean(per_seq, has_tokens)
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate loss with clip-higher and dual-clip.
+
+    Sources: Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7 (clipped surrogate, negated
+    into a loss); Yu et al. 2025, "DAPO", §3.1 (clip-higher: separate ``eps_low`` / ``eps_high``); Ye et al. 2020,
+    "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", eq. 5 (dual-clip).
+
+    Per token, with ``ratio = exp(clamp(log_prob - old_log_prob, -20, 20))``::
+
+        loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        loss = min(loss, -A * clip_ratio_c)          only where A < 0 (dual-clip)
+
+    then aggregated with `agg_loss`.
+
+    Args:
+        old_log_prob: float [B, T], log-probs under the policy that generated the data.
+        log_prob: float [B, T], log-probs under the current policy (carries the gradient).
+        advantages: float [B, T].
+        response_mask: bool/int/float [B, T].
+        clip_ratio_low: eps_low >= 0 (``actor.clip_ratio_low``).
+        clip_ratio_high: eps_high >= 0 (``actor.clip_ratio_high``).
+        clip_ratio_c: dual-clip bound c > 1 (``actor.clip_ratio_c``).
+        loss_agg_mode: see `agg_loss` (``actor.loss_agg_mode``).
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, all 0-dim tensors. ``pg_loss`` is differentiable;
+        the others are detached metrics: ``pg_clipfrac`` is the fraction of response tokens where the clipped
+        term is the larger (so the clip is active), ``ppo_kl`` the masked mean of ``old_log_prob - log_prob``, and
+        ``pg_clipfrac_lower`` the fraction of response tokens where the dual-clip bound is active.
+
+    Raises:
+        ValueError: ``clip_ratio_c <= 1``, a negative clip ratio, unknown ``loss_agg_mode`` or shapes differ.
+    """
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"`actor.clip_ratio_c` must be > 1 for dual-clip PPO (3.0 is usual), got {clip_ratio_c}.")
+    for key, x in (("actor.clip_ratio_low", clip_ratio_low), ("actor.clip_ratio_high", clip_ratio_high)):
+        if x < 0:
+            raise ValueError(f"`{key}` must be >= 0, got {x}.")
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clip_loss = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative_adv = advantages < 0
+    pg_losses = torch.where(negative_adv, torch.minimum(clip_loss, dual_bound), clip_loss)
+
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+        pg_clipfrac_lower = masked_mean((negative_adv & (clip_loss > dual_bound)).float(), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+_POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+    "vanilla": compute_policy_loss,
+}
+
+
+def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Return the policy loss named by ``actor.policy_loss.loss_mode``; only ``"vanilla"`` (`compute_policy_loss`).
+
+    Raises:
+        ValueError: unknown name (lists the known ones).
+    """
+    if name not in _POLICY_LOSSES:
+        raise ValueError(
+            f"Unknown policy loss {name!r} (config key `actor.policy_loss.loss_mode`); "
+            f"allowed: {sorted(_POLICY_LOSSES)}."
+        )
+    return _POLICY_LOSSES[name]
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value (critic) loss.
+
+    Source: the value clipping of the PPO reference implementation (OpenAI baselines ppo2; discussed in Engstrom
+    et al. 2020, "Implementation Matters in Deep Policy Gradients", §3), as used by verl and OpenRLHF::
+
+        vpred_clipped = values + clamp(vpreds - values, -c, c)
+        loss = 0.5 * max((vpreds - returns)^2, (vpred_clipped - returns)^2)
+
+    aggregated with `agg_loss`.
+
+    Args:
+        vpreds: float [B, T], the critic's current predictions (carries the gradient).
+        values: float [B, T], the predictions recorded at rollout time.
+        returns: float [B, T], targets (e.g. from `compute_gae_advantage_return`).
+        response_mask: bool/int/float [B, T].
+        cliprange_value: c >= 0 (``critic.cliprange_value``).
+        loss_agg_mode: see `agg_loss`.
+
+    Returns:
+        ``(vf_loss, vf_clipfrac)``: 0-dim tensors; ``vf_loss`` differentiable, ``vf_clipfrac`` (fraction of response
+        tokens where the clipped term is the larger) detached.
+
+    Raises:
+        ValueError: negative ``cliprange_value``, unknown ``loss_agg_mode`` or shapes differ.
+    """
+    if cliprange_value < 0:
+        raise ValueError(f"`critic.cliprange_value` must be >= 0, got {cliprange_value}.")
+    _check_same_shape(vpreds=vpreds, values=values, returns=returns, response_mask=response_mask)
+    vpred_clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
+    unclipped = (vpreds - returns).square()
+    clipped = (vpred_clipped - returns).square()
+    vf_loss = agg_loss(0.5 * torch.maximum(unclipped, clipped), response_mask, loss_agg_mode)
+    with torch.no_grad():
+        vf_clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Logits helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+_LOGPROB_CHUNK_ROWS = 1024
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution given by ``logits`` over the last dimension.
+
+    Computed stably as ``logsumexp(z) - sum(softmax(z) * z)``, which equals ``-sum(p * log p)`` without taking the
+    log of a probability that underflows to 0. The row maximum is subtracted from ``z`` first (the formula is
+    shift-invariant), so large logits do not cancel catastrophically; this costs one temporary of the logits' size.
+    Runs in ``logits``' dtype (callers wanting fp32 precision from bf16 logits upcast first).
+
+    Args:
+        logits: finite float [..., V], e.g. [B, T, V] or [N, V].
+
+    Returns:
+        Float tensor [...] (the last dimension removed), differentiable.
+    """
+    shifted = logits - logits.amax(dim=-1, keepdim=True).detach()
+    probs = torch.softmax(shifted, dim=-1)
+    return torch.logsumexp(shifted, dim=-1) - (probs * shifted).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label under the categorical distribution given by ``logits``.
+
+    ``log_softmax(z)[y] = z[y] - logsumexp(z)``: for fp32/fp64 logits this gathers the label's logit and subtracts
+    the logsumexp, never writing a full [..., V] log-softmax tensor. For fp16/bf16 logits it works on chunks of
+    1024 rows upcast to fp32 (so memory grows by one fp32 chunk, not a copy of everything) and returns fp32, since
+    a log-sum-exp over a large vocabulary in 16-bit loses too much precision for PPO ratios.
+
+    Args:
+        logits: float [..., V].
+        labels: integer tensor [...] with values in [0, V).
+
+    Returns:
+        Tensor [...]: fp32 for 16-bit logits, else ``logits``' dtype; differentiable with respect to ``logits``.
+
+    Raises:
+        ValueError: ``labels.shape`` is not ``logits.shape[:-1]``.
+    """
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"labels of shape {list(labels.shape)} do not match logits of shape {list(logits.shape)}: "
+            "labels must have the logits' shape without the last (vocabulary) dimension."
+        )
+    labels = labels.long()
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        flat_labels = labels.reshape(-1)
+        if flat_labels.numel() == 0:
+            return flat_logits.new_empty(labels.shape, dtype=torch.float32)
+        pairs = zip(flat_logits.split(_LOGPROB_CHUNK_ROWS), flat_labels.split(_LOGPROB_CHUNK_ROWS), strict=True)
+        chunks = [_gather_minus_logsumexp(z.float(), y) for z, y in pairs]
+        return torch.cat(chunks).reshape(labels.shape)
+    return _gather_minus_logsumexp(logits, labels)
+
+
+def _gather_minus_logsumexp(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,67 @@
+"""The critic: a value model V(s_t) per response token, trained with the clipped value loss of PPO."""
+
+from __future__ import annotations
+
+from hybridflow.engine.config import CriticConfig
+from hybridflow.engine.core_algos import compute_value_loss, masked_mean
+from hybridflow.engine.models import compute_values, response_values
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.training import MetricLog, build_optimizer, mini_batches, optimizer_step
+
+UPDATE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns"]
+
+
+class Critic:
+    """PPO critic around a token-classification model with one label (see `models.load_critic`).
+
+    Args:
+        model: the value model (trained in place).
+        config: the ``critic`` config section.
+        rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
+        seed: seeds the mini-batch shuffling (with ``meta_info["global_steps"]``).
+    """
+
+    def __init__(self, model, config: CriticConfig, rollout_n: int, seed: int = 0):
+        self.model = model
+        self.config = config
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n
+        self.seed = seed
+        self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
+
+    def compute_values(self, data: DataProto) -> DataProto:
+        """Returns DataProto with ``values`` float32 [B, T] for the responses in `data`."""
+        self.model.eval()
+        return DataProto.from_dict({"values": compute_values(self.model, data, self.config.forward_micro_batch_size)})
+
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        """Clipped value-loss update (PPO; ``critic.cliprange_value``) toward ``returns``.
+
+        Returns:
+            ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``, ``critic/grad_norm``, ``critic/lr``.
+        """
+        cfg = self.config
+        data = data.select(batch_keys=UPDATE_KEYS)
+        seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 1)
+        self.model.train()
+        log = MetricLog()
+        for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
+            for micro in mini.split(cfg.ppo_micro_batch_size):
+                batch = micro.batch
+                vpreds = response_values(self.model, micro)
+                vf_loss, vf_clipfrac = compute_value_loss(
+                    vpreds=vpreds,
+                    values=batch["values"],
+                    returns=batch["returns"],
+                    response_mask=batch["response_mask"],
+                    cliprange_value=cfg.cliprange_value,
+                    loss_agg_mode=cfg.loss_agg_mode,
+                )
+                (vf_loss * len(micro) / len(mini)).backward()
+                log.add(
+                    vf_loss=vf_loss,
+                    vf_clipfrac=vf_clipfrac,
+                    vpred_mean=masked_mean(vpreds.detach(), batch["response_mask"]),
+                )
+            grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
+            log.add(grad_norm=grad_norm, lr=self.lr_scheduler.get_last_lr()[0])
+        return log.mean("critic")

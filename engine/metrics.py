@@ -1,0 +1,70 @@
+"""Batch metrics under the names the field greps for (``critic/score/mean``, ``response_length/mean``, ...)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from hybridflow.engine.protocol import DataProto
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
+
+
+def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, float]:
+    """Score, reward, advantage, return, value and length statistics of a trained-on batch.
+
+    Args:
+        data: a batch after the advantage stage (``token_level_scores``, ``token_level_rewards``,
+            ``advantages``, ``returns``, ``response_mask``, ``attention_mask``; ``values`` if a critic ran).
+        response_limit: ``rollout.response_length``, for ``response_length/clip_ratio`` (share of responses cut
+            at the limit).
+
+    Returns:
+        metric name -> float. Lengths are in tokens.
+    """
+    batch = data.batch
+    mask = batch["response_mask"].bool()
+    response_len = mask.sum(-1)
+    prompt_len = batch["attention_mask"].sum(-1) - response_len
+    metrics = {
+        **_stats("critic/score", batch["token_level_scores"].sum(-1)),
+        **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
+        **_stats("critic/advantages", batch["advantages"][mask]),
+        **_stats("critic/returns", batch["returns"][mask]),
+        **_stats("response_length", response_len),
+        "response_length/clip_ratio": float((response_len >= response_limit).float().mean()),
+        **_stats("prompt_length", prompt_len),
+    }
+    if "values" in batch:
+        metrics.update(_stats("critic/values", batch["values"][mask]))
+        error = (batch["returns"] - batch["values"])[mask]
+        metrics["critic/vf_explained_var"] = float(1.0 - error.var() / (batch["returns"][mask].var() + 1e-8))
+    return metrics
+
+
+class Timer:
+    """Accumulates wall-clock seconds per stage: ``with timer("gen"): ...`` -> ``timing_s/gen``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}

@@ -1,0 +1,1 @@
+"""flows: see README (built in the orchestration issue)."""

@@ -1,0 +1,1 @@
+"""slurm: see README (built in the orchestration issue)."""

@@ -1,0 +1,1 @@
+"""tasks: see README (built in the orchestration issue)."""

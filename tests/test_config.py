@@ -1,0 +1,66 @@
+"""Configuration: YAML + overrides validated by typed models, errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from hybridflow.engine.config import ConfigError, HybridFlowConfig, load_config
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+MINIMAL = ["data.reasoning_gym.name=basic_arithmetic"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate(path):
+    assert isinstance(load_config(path), HybridFlowConfig)
+
+
+def test_overrides_are_parsed_as_yaml():
+    cfg = load_config(
+        None,
+        [
+            *MINIMAL,
+            "actor.optim.lr=3e-5",
+            "rollout.n=8",
+            "actor.use_kl_loss=true",
+            'data.reasoning_gym.config={"max_terms": 2}',
+        ],
+    )
+    assert cfg.actor.optim.lr == 3e-5 and cfg.rollout.n == 8 and cfg.actor.use_kl_loss is True
+    assert cfg.data.reasoning_gym.config == {"max_terms": 2}
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"actor\.ppo_epoch: unknown key"):
+        load_config(None, [*MINIMAL, "actor.ppo_epoch=2"])
+
+
+def test_bad_choice_lists_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*MINIMAL, "actor.loss_agg_mode=token-sum"])
+    assert "actor.loss_agg_mode" in str(err.value) and "seq-mean-token-mean" in str(err.value)
+
+
+def test_ill_typed_value_is_named():
+    with pytest.raises(ConfigError, match=r"rollout\.n"):
+        load_config(None, [*MINIMAL, "rollout.n=many"])
+
+
+def test_missing_data_source_says_what_to_set():
+    with pytest.raises(ConfigError, match="data.train_files"):
+        load_config(None, [])
+
+
+def test_batch_sizes_must_divide():
+    with pytest.raises(ConfigError, match="actor.ppo_mini_batch_size"):
+        load_config(None, [*MINIMAL, "data.train_batch_size=6", "actor.ppo_mini_batch_size=4"])
+
+
+def test_group_estimators_need_several_samples():
+    with pytest.raises(ConfigError, match="rollout.n >= 2"):
+        load_config(None, [*MINIMAL, "rollout.n=1"])
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(None, ["rollout.n"])

@@ -1,0 +1,765 @@
+"""Tests for hybridflow.engine.core_algos.
+
+Each algorithm is compared with a plain-Python reference (loops over batch and time on python floats) on random
+inputs with random right-padded masks, and checked on small cases worked out by hand in the comments.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.testing import assert_close
+
+from hybridflow.engine import core_algos as ca
+
+# --------------------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def random_mask(batch: int, length: int, gen: torch.Generator, dtype=torch.float32) -> torch.Tensor:
+    """Right-padded mask: each row is 1s (at least one) followed by 0s."""
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    return (torch.arange(length)[None, :] < lengths[:, None]).to(dtype)
+
+
+def row_lengths(mask: torch.Tensor) -> list[int]:
+    return [int(x) for x in mask.sum(-1).tolist()]
+
+
+def py_whiten(rows: list[list[float]], lengths: list[int]) -> list[list[float]]:
+    """Whiten the first `lengths[i]` entries of each row with the mean and unbiased variance of all of them."""
+    flat = [x for row, n in zip(rows, lengths, strict=True) for x in row[:n]]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+    return [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in rows]
+
+
+def py_group_scores(rewards: torch.Tensor, mask: torch.Tensor, index) -> tuple[list[float], dict]:
+    scores = [sum(float(rewards[i, t]) for t in range(int(mask[i].sum()))) for i in range(rewards.shape[0])]
+    groups: dict = {}
+    for i, uid in enumerate(index):
+        groups.setdefault(uid, []).append(i)
+    return scores, groups
+
+
+def broadcast_rows(per_seq: list[float], mask: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(mask, dtype=torch.float32)
+    for i, a in enumerate(per_seq):
+        for t in range(int(mask[i].sum())):
+            out[i, t] = a
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Masked statistics
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(-1e3, 1e3, width=32), st.booleans()), min_size=1, max_size=30),
+)
+def test_masked_mean_equals_mean_of_selected(pairs):
+    values = torch.tensor([v for v, _ in pairs])
+    mask = torch.tensor([k for _, k in pairs])
+    selected = values[mask]
+    expected = selected.mean() if selected.numel() else torch.tensor(0.0)  # empty selection -> 0 by contract
+    assert_close(ca.masked_mean(values, mask), expected, rtol=1e-5, atol=1e-3)
+    assert_close(ca.masked_sum(values, mask), selected.sum(), rtol=1e-5, atol=1e-3)
+
+
+def test_masked_mean_sum_along_dim_and_padding_garbage_is_ignored():
+    values = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 0.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    # rows: mean(1, 2) = 1.5; mean(4) = 4; empty row -> 0.
+    assert_close(ca.masked_mean(values, mask, dim=-1), torch.tensor([1.5, 4.0, 0.0]))
+    assert_close(ca.masked_sum(values, mask, dim=-1), torch.tensor([3.0, 4.0, 0.0]))
+    # columns: mean(1, 4) = 2.5; mean(2) = 2; nothing -> 0.
+    assert_close(ca.masked_mean(values, mask, dim=0), torch.tensor([2.5, 2.0, 0.0]))
+    assert_close(ca.masked_mean(values, mask), torch.tensor(7.0 / 3))
+
+
+def test_masked_mean_gradient_only_reaches_selected_entries():
+    values = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
+    ca.masked_mean(values, torch.tensor([[True, True, False]])).backward()
+    assert_close(values.grad, torch.tensor([[0.5, 0.5, 0.0]]))
+
+
+def test_masked_var_and_whiten_match_torch_on_selection():
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 9, generator=gen) * 3 + 1
+    mask = random_mask(6, 9, gen)
+    selected = values[mask.bool()]
+    assert_close(ca.masked_var(values, mask), selected.var())
+    assert_close(ca.masked_var(values, mask, unbiased=False), selected.var(unbiased=False))
+    white = ca.masked_whiten(values, mask)[mask.bool()]
+    assert_close(white.mean(), torch.tensor(0.0), atol=1e-5, rtol=0)
+    assert_close(white.var(), torch.tensor(1.0), atol=1e-5, rtol=0)
+    kept_mean = ca.masked_whiten(values, mask, shift_mean=False)[mask.bool()]
+    assert_close(kept_mean.mean(), selected.mean(), atol=1e-5, rtol=0)
+    assert_close(kept_mean.std(), torch.tensor(1.0), atol=1e-5, rtol=0)
+
+
+def test_masked_var_needs_enough_entries():
+    values = torch.tensor([[1.0, 2.0]])
+    with pytest.raises(ValueError, match="at least 2"):
+        ca.masked_var(values, torch.tensor([[1, 0]]))
+    with pytest.raises(ValueError, match="no entries"):
+        ca.masked_var(values, torch.tensor([[0, 0]]), unbiased=False)
+    assert_close(ca.masked_var(values, torch.tensor([[1, 0]]), unbiased=False), torch.tensor(0.0))
+
+
+def test_mask_shape_mismatch_names_shapes():
+    with pytest.raises(ValueError, match=r"\[2, 3\].*\[2, 4\]"):
+        ca.masked_mean(torch.zeros(2, 4), torch.ones(2, 3))
+    # a mask that broadcasts to the values is fine
+    assert_close(ca.masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1], [0]])), torch.tensor(2.0))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GAE
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def py_gae(rewards, values, mask, gamma, lam):
+    """Reference GAE: per row, recursion over the real tokens only, bootstrapping with V = 0 after the last one."""
+    batch, length = rewards.shape
+    lengths = row_lengths(mask)
+    advs, rets = [], []
+    for i in range(batch):
+        n = lengths[i]
+        r = [float(x) for x in rewards[i]]
+        v = [float(x) for x in values[i]]
+        adv = [0.0] * length
+        last = 0.0
+        for t in reversed(range(n)):
+            next_v = v[t + 1] if t + 1 < n else 0.0
+            delta = r[t] + gamma * next_v - v[t]
+            last = delta + gamma * lam * last
+            adv[t] = last
+        advs.append(adv)
+        rets.append([adv[t] + v[t] if t < n else 0.0 for t in range(length)])
+    white = py_whiten(advs, lengths)
+    white = [[x if t < n else 0.0 for t, x in enumerate(row)] for row, n in zip(white, lengths, strict=True)]
+    return torch.tensor(white), torch.tensor(rets)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])
+def test_gae_matches_reference(gamma, lam):
+    gen = torch.Generator().manual_seed(1)
+    rewards = torch.randn(5, 8, generator=gen)
+    values = torch.randn(5, 8, generator=gen)
+    mask = random_mask(5, 8, gen)
+    adv, ret = ca.compute_gae_advantage_return(rewards, values, mask, gamma, lam)
+    ref_adv, ref_ret = py_gae(rewards, values, mask, gamma, lam)
+    assert_close(adv, ref_adv)
+    assert_close(ret, ref_ret)
+
+
+def test_gae_hand_computed_1x3_and_padding_is_inert():
+    # gamma = 0.5, lam = 1: A_t is the discounted return minus V_t.
+    # rewards [0, 0, 1] -> discounted returns [0.25, 0.5, 1.0]; values [0.1, 0.2, 0.3] -> A = [0.15, 0.3, 0.7].
+    # whiten: mean 1.15 / 3 = 0.38333; deviations [-0.23333, -0.08333, 0.31667];
+    # unbiased var = (0.054444 + 0.006944 + 0.100278) / 2 = 0.080833, std 0.284312
+    # -> [-0.8207, -0.2931, 1.1138].
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3]])
+    adv, ret = ca.compute_gae_advantage_return(rewards, values, torch.ones(1, 3), gamma=0.5, lam=1.0)
+    assert_close(ret, torch.tensor([[0.25, 0.5, 1.0]]))
+    dev = [0.15 - 1.15 / 3, 0.3 - 1.15 / 3, 0.7 - 1.15 / 3]
+    std = math.sqrt(sum(d * d for d in dev) / 2 + 1e-8)
+    assert_close(adv, torch.tensor([[d / std for d in dev]]))
+    assert_close(adv, torch.tensor([[-0.8207, -0.2931, 1.1138]]), atol=1e-4, rtol=0)
+
+    # The same response right-padded by two tokens holding garbage gives the same numbers and zeros at padding.
+    rewards_p = torch.tensor([[0.0, 0.0, 1.0, 5.0, float("nan")]])
+    values_p = torch.tensor([[0.1, 0.2, 0.3, 100.0, float("inf")]])
+    mask_p = torch.tensor([[1, 1, 1, 0, 0]])
+    adv_p, ret_p = ca.compute_gae_advantage_return(rewards_p, values_p, mask_p, gamma=0.5, lam=1.0)
+    assert_close(adv_p[:, :3], adv)
+    assert_close(ret_p[:, :3], ret)
+    assert adv_p[0, 3:].tolist() == [0.0, 0.0] and ret_p[0, 3:].tolist() == [0.0, 0.0]
+
+
+def test_gae_skips_a_hole_inside_a_response():
+    # mask [1, 0, 1], gamma 0.5, lam 1: token 1 is skipped, so token 0 bootstraps from token 2.
+    # t=2: delta = 1 - 0.25 = 0.75, A = 0.75, return 1.0.
+    # t=0: delta = 0 + 0.5 * 0.25 - 0.5 = -0.375, A = -0.375 + 0.5 * 0.75 = 0, return 0.5.
+    # whitened over the two real tokens [0, 0.75]: mean 0.375, unbiased var 0.28125 -> [-0.7071, 0.7071].
+    rewards = torch.tensor([[0.0, 9.0, 1.0]])
+    values = torch.tensor([[0.5, 7.0, 0.25]])
+    adv, ret = ca.compute_gae_advantage_return(rewards, values, torch.tensor([[1, 0, 1]]), gamma=0.5, lam=1.0)
+    assert_close(ret, torch.tensor([[0.5, 0.0, 1.0]]))
+    half_sqrt2 = 0.375 / math.sqrt(0.28125 + 1e-8)
+    assert_close(adv, torch.tensor([[-half_sqrt2, 0.0, half_sqrt2]]))
+
+
+def test_gae_rejects_bad_input():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"values \[2, 4\]"):
+        ca.compute_gae_advantage_return(x, torch.zeros(2, 4), torch.ones(2, 3), 1.0, 1.0)
+    with pytest.raises(ValueError, match="algorithm.gamma"):
+        ca.compute_gae_advantage_return(x, x, torch.ones(2, 3), 1.5, 1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GRPO and RLOO
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def random_outcome_batch(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    mask = random_mask(10, 6, gen)
+    rewards = torch.randn(10, 6, generator=gen)
+    # groups of sizes 4, 3, 2, 1, interleaved
+    index = np.array(["a", "b", "a", "c", "b", "a", "d", "c", "b", "a"], dtype=object)
+    return rewards, mask, index
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_matches_reference(norm):
+    rewards, mask, index = random_outcome_batch(2)
+    adv, ret = ca.compute_grpo_outcome_advantage(rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=norm)
+    scores, groups = py_group_scores(rewards, mask, index)
+    expected = [0.0] * len(scores)
+    for members in groups.values():
+        group = torch.tensor([scores[i] for i in members])
+        mean, std = (0.0, 1.0) if len(members) == 1 else (float(group.mean()), float(group.std()))
+        for i in members:
+            expected[i] = (scores[i] - mean) / (std + 1e-6) if norm else scores[i] - mean
+    assert_close(adv, broadcast_rows(expected, mask))
+    assert torch.equal(adv, ret)
+
+
+def test_grpo_hand_computed_group_of_three_and_singleton():
+    # scores [1, 0, 0]: mean 1/3; unbiased std = sqrt(((2/3)^2 + 2 * (1/3)^2) / 2) = sqrt(1/3) = 0.57735
+    # -> [ (2/3) / 0.57735, -(1/3) / 0.57735, -(1/3) / 0.57735 ] = [1.1547, -0.5774, -0.5774].
+    # the singleton group "q" with score 2 uses mean 0, std 1 -> 2 / (1 + eps).
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [2.0, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 0]])
+    index = np.array(["p", "p", "p", "q"], dtype=object)
+    adv, _ = ca.compute_grpo_outcome_advantage(rewards, mask, index)
+    s = math.sqrt(1 / 3) + 1e-6
+    expected = torch.tensor([[2 / 3 / s] * 2, [-1 / 3 / s] * 2, [-1 / 3 / s, 0.0], [2 / (1 + 1e-6), 0.0]])
+    assert_close(adv, expected)
+    assert_close(adv[0, 0], torch.tensor(1.1547), atol=1e-4, rtol=0)
+
+
+def test_outcome_score_is_masked_sum_and_uids_may_be_ints_or_lists():
+    # a reward at a padded position is ignored: scores are 1 and 0, not 1 and 7
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 7.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv_int, _ = ca.compute_rloo_outcome_advantage(rewards, mask, np.array([3, 3]))
+    adv_list, _ = ca.compute_rloo_outcome_advantage(rewards, mask, ["x", "x"])
+    # RLOO of [1, 0]: [1 - 0, 0 - 1]
+    assert_close(adv_int, torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
+    assert_close(adv_list, adv_int)
+
+
+def test_rloo_hand_computed_and_singleton():
+    # scores [1, 0, 0]: baselines are the mean of the other two: [0, 0.5, 0.5] -> [1, -0.5, -0.5].
+    # singleton score 3 -> baseline 0 -> 3.
+    rewards = torch.tensor([[1.0], [0.0], [0.0], [3.0]])
+    adv, ret = ca.compute_rloo_outcome_advantage(rewards, torch.ones(4, 1), np.array([0, 0, 0, 1]))
+    assert_close(adv, torch.tensor([[1.0], [-0.5], [-0.5], [3.0]]))
+    assert torch.equal(adv, ret)
+
+
+def test_rloo_matches_reference():
+    rewards, mask, index = random_outcome_batch(3)
+    adv, _ = ca.compute_rloo_outcome_advantage(rewards, mask, index)
+    scores, groups = py_group_scores(rewards, mask, index)
+    expected = [0.0] * len(scores)
+    for members in groups.values():
+        for i in members:
+            others = [scores[j] for j in members if j != i]
+            expected[i] = scores[i] - (sum(others) / len(others) if others else 0.0)
+    assert_close(adv, broadcast_rows(expected, mask))
+
+
+def test_outcome_estimators_reject_wrong_index_length():
+    with pytest.raises(ValueError, match="`index` has 2 entries but the batch has 3"):
+        ca.compute_grpo_outcome_advantage(torch.zeros(3, 2), torch.ones(3, 2), np.array(["a", "b"]))
+    with pytest.raises(ValueError, match="uid"):
+        ca.compute_rloo_outcome_advantage(torch.zeros(3, 2), torch.ones(3, 2), np.array(["a"]))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Advantage-estimator registry
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_registry_uniform_calling_convention():
+    rewards, mask, index = random_outcome_batch(4)
+    values = torch.randn(rewards.shape, generator=torch.Generator().manual_seed(5))
+    everything = dict(index=index, values=values, gamma=0.9, lam=0.8, epsilon=1e-6, norm_adv_by_std_in_grpo=False)
+    gae = ca.get_adv_estimator_fn("gae")(rewards, mask, **everything)
+    assert_close(gae[0], ca.compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8)[0])
+    grpo = ca.get_adv_estimator_fn("grpo")(rewards, mask, **everything)
+    assert_close(grpo[0], ca.compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)[0])
+    rloo = ca.get_adv_estimator_fn("rloo")(rewards, mask, index=index)
+    assert_close(rloo[0], ca.compute_rloo_outcome_advantage(rewards, mask, index)[0])
+    # gamma and lam default to 1 in the uniform convention
+    assert_close(
+        ca.get_adv_estimator_fn("gae")(rewards, mask, values=values)[1],
+        ca.compute_gae_advantage_return(rewards, values, mask, 1.0, 1.0)[1],
+    )
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*'gae', 'grpo', 'rloo'"):
+        ca.get_adv_estimator_fn("ppo2")
+    with pytest.raises(ValueError, match=r"needs \['values'\]"):
+        ca.get_adv_estimator_fn("gae")(torch.zeros(2, 2), torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"needs \['index'\]"):
+        ca.get_adv_estimator_fn("grpo")(torch.zeros(2, 2), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        ca.get_adv_estimator_fn("rloo")(torch.zeros(2, 2), torch.ones(2, 2), index=[0, 0], gama=0.9)
+    with pytest.raises(ValueError, match="already registered"):
+        ca.register_adv_est("gae")(lambda token_level_rewards, response_mask: None)
+
+
+def test_register_custom_estimator_and_uses_critic():
+    assert ca.uses_critic("gae") and not ca.uses_critic("grpo") and not ca.uses_critic("rloo")
+    assert "gae" in ca.ADV_ESTIMATORS_NEEDING_CRITIC and "grpo" not in ca.ADV_ESTIMATORS_NEEDING_CRITIC
+    with pytest.raises(ValueError, match="algorithm.adv_estimator"):
+        ca.uses_critic("nope")
+
+    @ca.register_adv_est("test_reinforce")
+    def reinforce(token_level_rewards, response_mask, scale=1.0):
+        adv = token_level_rewards * response_mask * scale
+        return adv, adv
+
+    try:
+        fn = ca.get_adv_estimator_fn("test_reinforce")
+        adv, _ = fn(torch.ones(1, 2), torch.tensor([[1, 0]]), index=None, scale=3.0, gamma=0.5)
+        assert_close(adv, torch.tensor([[3.0, 0.0]]))
+        assert not ca.uses_critic("test_reinforce")
+    finally:
+        del ca._ADV_ESTIMATORS["test_reinforce"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# KL
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_kl_penalty_known_values():
+    # k1 = logp - ref.  Column 0: logp 0, ref -1 -> k1 = 1, k3 = e^-1 - (-1) - 1 = e^-1 = 0.367879.
+    # Column 1: logp -1, ref 0 -> k1 = -1, k3 = e^1 - 1 - 1 = 0.718282.  Column 2: equal -> all 0.
+    logp = torch.tensor([[0.0, -1.0, -0.3]])
+    ref = torch.tensor([[-1.0, 0.0, -0.3]])
+    expected = {
+        "kl": [1.0, -1.0, 0.0],
+        "abs": [1.0, 1.0, 0.0],
+        "mse": [0.5, 0.5, 0.0],
+        "low_var_kl": [math.exp(-1), math.e - 2, 0.0],
+    }
+    aliases = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+    for name in ca.KL_PENALTY_TYPES:
+        want = torch.tensor([expected[aliases.get(name, name)]])
+        assert_close(ca.kl_penalty(logp, ref, name), want, msg=name)
+
+
+def test_k3_clamps():
+    # ref - logp = 50 is clamped to 20: e^20 - 21 -> clamped to 10.  ref - logp = -50 -> -20: e^-20 + 19 -> 10.
+    # ref - logp = 5 is inside: e^5 - 6 = 142.4 -> 10 as well; ref - logp = 2: e^2 - 3 = 4.389 unclamped.
+    logp = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    ref = torch.tensor([50.0, -50.0, 5.0, 2.0])
+    out = ca.kl_penalty(logp, ref, "k3")
+    assert_close(out, torch.tensor([10.0, 10.0, 10.0, math.exp(2) - 3]))
+    assert torch.isfinite(out).all()
+
+
+def test_kl_penalty_reference_on_random_inputs():
+    gen = torch.Generator().manual_seed(6)
+    logp, ref = torch.randn(4, 7, generator=gen), torch.randn(4, 7, generator=gen)
+    k3 = ca.kl_penalty(logp, ref, "low_var_kl")
+    for i in range(4):
+        for t in range(7):
+            d = float(ref[i, t]) - float(logp[i, t])
+            assert math.isclose(float(k3[i, t]), math.exp(d) - d - 1, rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_kl_penalty_unknown_name():
+    with pytest.raises(ValueError, match=r"algorithm\.kl_penalty.*actor\.kl_loss_type.*'low_var_kl'"):
+        ca.kl_penalty(torch.zeros(1), torch.zeros(1), "full")
+
+
+def test_adaptive_kl_controller_one_update():
+    # error = clip(9 / 6 - 1, -0.2, 0.2) = clip(0.5) = 0.2; value = 0.1 * (1 + 0.2 * 256 / 10000) = 0.100512
+    ctrl = ca.AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10000)
+    ctrl.update(current_kl=9.0, n_steps=256)
+    assert math.isclose(ctrl.value, 0.100512, rel_tol=1e-12)
+    # error = 6.6 / 6 - 1 = 0.1 (inside the clip): value *= 1 + 0.1 * 1000 / 10000 = 1.01
+    ctrl.update(current_kl=6.6, n_steps=1000)
+    assert math.isclose(ctrl.value, 0.100512 * 1.01, rel_tol=1e-12)
+    # error = clip(0 / 6 - 1) = -0.2: value *= 1 - 0.2 * 5000 / 10000 = 0.9
+    ctrl.update(current_kl=0.0, n_steps=5000)
+    assert math.isclose(ctrl.value, 0.100512 * 1.01 * 0.9, rel_tol=1e-12)
+
+
+def test_fixed_controller_and_factory():
+    fixed = ca.get_kl_controller("fixed", 0.05)
+    fixed.update(current_kl=100.0, n_steps=64)
+    assert isinstance(fixed, ca.FixedKLController) and fixed.value == 0.05
+    adaptive = ca.get_kl_controller("adaptive", 0.2, target_kl=1.0, horizon=100)
+    assert isinstance(adaptive, ca.AdaptiveKLController) and adaptive.value == 0.2
+    with pytest.raises(ValueError, match=r"target_kl.*horizon"):
+        ca.get_kl_controller("adaptive", 0.2, target_kl=1.0)
+    with pytest.raises(ValueError, match=r"algorithm\.kl_ctrl\.type.*fixed, adaptive"):
+        ca.get_kl_controller("pid", 0.2)
+
+
+class RecordingController:
+    def __init__(self, value):
+        self.value = value
+        self.calls = []
+
+    def update(self, current_kl, n_steps):
+        self.calls.append((current_kl, n_steps))
+        self.value *= 2
+
+
+def test_apply_kl_penalty_hand_computed():
+    # k1 per token: row 0 [1, 2, (pad)], row 1 [-1, (pad), (pad)]; beta = 0.5.
+    # rewards = scores - 0.5 * k1 on real tokens: row 0 [0 - 0.5, 1 - 1, 9], row 1 [2 + 0.5, 0, 0].
+    # current KL = mean over rows of the per-row mean = (1.5 + (-1)) / 2 = 0.25.
+    scores = torch.tensor([[0.0, 1.0, 9.0], [2.0, 0.0, 0.0]])
+    logp = torch.tensor([[1.0, 2.0, 30.0], [-1.0, 7.0, 7.0]])
+    ref = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    ctrl = RecordingController(0.5)
+    rewards, metrics = ca.apply_kl_penalty(scores, logp, ref, mask, ctrl, kl_penalty="kl")
+    assert_close(rewards, torch.tensor([[-0.5, 0.0, 9.0], [2.5, 0.0, 0.0]]))
+    assert ctrl.calls == [(pytest.approx(0.25), 2)]
+    assert metrics == {"actor/reward_kl_penalty": pytest.approx(0.25), "actor/reward_kl_penalty_coeff": 0.5}
+    assert ctrl.value == 1.0  # the controller was updated after the coefficient was used
+
+
+def test_apply_kl_penalty_matches_reference():
+    gen = torch.Generator().manual_seed(7)
+    scores, logp, ref = (torch.randn(6, 5, generator=gen) for _ in range(3))
+    mask = random_mask(6, 5, gen)
+    ctrl = ca.AdaptiveKLController(0.3, target_kl=0.1, horizon=1000)
+    rewards, metrics = ca.apply_kl_penalty(scores, logp, ref, mask, ctrl, kl_penalty="k2")
+    per_seq = []
+    expected = scores.clone()
+    for i, n in enumerate(row_lengths(mask)):
+        kls = [0.5 * (float(logp[i, t]) - float(ref[i, t])) ** 2 for t in range(n)]
+        per_seq.append(sum(kls) / n)
+        for t in range(n):
+            expected[i, t] = float(scores[i, t]) - 0.3 * kls[t]
+    assert_close(rewards, expected)
+    current = sum(per_seq) / len(per_seq)
+    assert math.isclose(metrics["actor/reward_kl_penalty"], current, rel_tol=1e-5)
+    err = max(min(current / 0.1 - 1, 0.2), -0.2)
+    assert math.isclose(ctrl.value, 0.3 * (1 + err * 6 / 1000), rel_tol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# agg_loss
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_agg_loss_modes_2x3():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # token-mean: (1 + 2 + 4) / 3 = 7/3;  seq-mean-token-sum: (3 + 4) / 2 = 3.5
+    # seq-mean-token-mean: (1.5 + 4) / 2 = 2.75;  seq-mean-token-sum-norm: 7 / (2 * 3) = 7/6
+    expected = {
+        "token-mean": 7 / 3,
+        "seq-mean-token-sum": 3.5,
+        "seq-mean-token-mean": 2.75,
+        "seq-mean-token-sum-norm": 7 / 6,
+    }
+    for mode, want in expected.items():
+        assert_close(ca.agg_loss(loss, mask, mode), torch.tensor(want), msg=mode)
+
+
+def test_agg_loss_all_masked_sequence():
+    # Row 1 has no tokens.  token-mean: (1 + 2) / 2 = 1.5.  The seq-mean modes skip row 1:
+    # seq-mean-token-sum = 3, seq-mean-token-mean = 1.5.  seq-mean-token-sum-norm keeps B = 2: 3 / 6 = 0.5.
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    expected = {
+        "token-mean": 1.5,
+        "seq-mean-token-sum": 3.0,
+        "seq-mean-token-mean": 1.5,
+        "seq-mean-token-sum-norm": 0.5,
+    }
+    for mode, want in expected.items():
+        assert_close(ca.agg_loss(loss, mask, mode), torch.tensor(want), msg=mode)
+    # everything masked: loss 0 and zero gradient in every mode
+    for mode in ca.AGG_LOSS_MODES:
+        mat = loss.clone().requires_grad_(True)
+        out = ca.agg_loss(mat, torch.zeros(2, 3), mode)
+        out.backward()
+        assert out.item() == 0.0 and torch.count_nonzero(mat.grad) == 0, mode
+
+
+def test_agg_loss_unknown_mode_and_bad_shape():
+    with pytest.raises(ValueError, match=r"actor\.loss_agg_mode.*'token-mean'.*'seq-mean-token-sum-norm'"):
+        ca.agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "sum")
+    with pytest.raises(ValueError, match=r"\[2, 3\].*\[3, 2\]"):
+        ca.agg_loss(torch.zeros(2, 3), torch.ones(3, 2), "token-mean")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.integers(1, 5),
+    length=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(0.1, 10.0),
+)
+def test_agg_loss_invariants(batch, length, seed, scale):
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.randn(batch, length, generator=gen)
+    mask = random_mask(batch, length, gen)
+    for mode in ca.AGG_LOSS_MODES:
+        base = ca.agg_loss(loss, mask, mode)
+        # linear in the loss
+        assert_close(ca.agg_loss(loss * scale, mask, mode), base * scale, rtol=1e-5, atol=1e-5)
+        # padding values do not matter
+        garbage = torch.where(mask.bool(), loss, torch.full_like(loss, 1e6))
+        assert_close(ca.agg_loss(garbage, mask, mode), base)
+    # reference loops
+    lengths = row_lengths(mask)
+    rows = [[float(loss[i, t]) for t in range(n)] for i, n in enumerate(lengths)]
+    flat = [x for row in rows for x in row]
+    ref = {
+        "token-mean": sum(flat) / len(flat),
+        "seq-mean-token-sum": sum(sum(r) for r in rows) / batch,
+        "seq-mean-token-mean": sum(sum(r) / len(r) for r in rows) / batch,
+        "seq-mean-token-sum-norm": sum(flat) / (batch * length),
+    }
+    for mode, want in ref.items():
+        assert_close(ca.agg_loss(loss, mask, mode), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    # with a full mask, every mean-type mode agrees with token-mean
+    full = torch.ones(batch, length)
+    token_mean = ca.agg_loss(loss, full, "token-mean")
+    assert_close(ca.agg_loss(loss, full, "seq-mean-token-mean"), token_mean)
+    assert_close(ca.agg_loss(loss, full, "seq-mean-token-sum-norm"), token_mean)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Policy loss
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def py_policy_loss(old, new, adv, mask, low, high, c):
+    """Reference per-token PPO loss (dual-clip) and the three metrics, token-mean aggregation."""
+    losses, clipped, lower, kls = [], [], [], []
+    for i, n in enumerate(row_lengths(mask)):
+        for t in range(n):
+            a = float(adv[i, t])
+            log_ratio = min(max(float(new[i, t]) - float(old[i, t]), -20.0), 20.0)
+            ratio = math.exp(log_ratio)
+            l1 = -a * ratio
+            l2 = -a * min(max(ratio, 1 - low), 1 + high)
+            loss = max(l1, l2)
+            dual = a < 0 and loss > -a * c
+            if a < 0:
+                loss = min(loss, -a * c)
+            losses.append(loss)
+            clipped.append(float(l2 > l1))
+            lower.append(float(dual))
+            kls.append(float(old[i, t]) - float(new[i, t]))
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    return mean(losses), mean(clipped), mean(kls), mean(lower)
+
+
+@pytest.mark.parametrize("low,high", [(0.2, 0.2), (0.2, 0.28)])
+def test_policy_loss_matches_reference(low, high):
+    gen = torch.Generator().manual_seed(8)
+    old = torch.randn(6, 7, generator=gen) - 2
+    new = old + 0.8 * torch.randn(6, 7, generator=gen)  # ratios spread around 1, some far out
+    adv = torch.randn(6, 7, generator=gen)
+    mask = random_mask(6, 7, gen)
+    out = ca.compute_policy_loss(old, new, adv, mask, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=3.0)
+    ref = py_policy_loss(old, new, adv, mask, low, high, 3.0)
+    for got, want, name in zip(out, ref, ["pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"], strict=True):
+        assert got.dim() == 0, name
+        assert_close(got, torch.tensor(want), msg=name)
+    assert 0 < out[1] < 1  # the random case does exercise clipping
+
+
+def test_dual_clip_engages_for_large_ratio_with_negative_advantage():
+    # ratio = 10, A = -1: unclipped -A * r = 10, clipped -A * 1.2 = 1.2, PPO max = 10; dual-clip min(10, 3) = 3.
+    # ppo_kl = old - new = -ln 10.
+    old = torch.tensor([[0.0]])
+    new = torch.tensor([[math.log(10.0)]], requires_grad=True)
+    loss, clipfrac, ppo_kl, clipfrac_lower = ca.compute_policy_loss(old, new, torch.tensor([[-1.0]]), torch.ones(1, 1))
+    assert_close(loss, torch.tensor(3.0))
+    assert clipfrac.item() == 0.0 and clipfrac_lower.item() == 1.0
+    assert_close(ppo_kl, torch.tensor(-math.log(10.0)))
+    loss.backward()
+    assert new.grad.item() == 0.0  # the constant bound carries no gradient
+    # with A > 0 the same ratio is ordinary-clipped: max(-10, -1.2) = -1.2, dual-clip does not apply
+    loss_pos, clipfrac_pos, _, lower_pos = ca.compute_policy_loss(old, new, torch.tensor([[1.0]]), torch.ones(1, 1))
+    assert_close(loss_pos, torch.tensor(-1.2))
+    assert clipfrac_pos.item() == 1.0 and lower_pos.item() == 0.0
+
+
+def test_clip_higher_and_gradient():
+    # ratio 1.25, A = 1: symmetric eps 0.2 clips to -1.2 (no gradient); clip-higher eps_high 0.28 does not clip,
+    # loss = -1.25 and d loss / d log_prob = -A * ratio = -1.25.
+    old = torch.tensor([[0.0]])
+    adv = torch.tensor([[1.0]])
+    new = torch.tensor([[math.log(1.25)]], requires_grad=True)
+    sym = ca.compute_policy_loss(old, new, adv, torch.ones(1, 1), 0.2, 0.2)
+    assert_close(sym[0], torch.tensor(-1.2)) and sym[1].item() == 1.0
+    high = ca.compute_policy_loss(old, new, adv, torch.ones(1, 1), 0.2, 0.28)
+    assert_close(high[0], torch.tensor(-1.25))
+    assert high[1].item() == 0.0
+    high[0].backward()
+    assert_close(new.grad, torch.tensor([[-1.25]]))
+
+
+def test_policy_loss_uses_agg_mode_and_ignores_padding():
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.0, 0.0, 80.0], [0.0, float("nan"), 0.0]])  # garbage only at padding
+    adv = torch.tensor([[1.0, 3.0, 1.0], [2.0, 1.0, 1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # ratio 1 everywhere real: per-token loss = -A -> [[-1, -3], [-2]]; seq-mean-token-mean = (-2 + -2) / 2 = -2
+    loss, clipfrac, ppo_kl, _ = ca.compute_policy_loss(old, new, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    assert_close(loss, torch.tensor(-2.0))
+    assert clipfrac.item() == 0.0 and ppo_kl.item() == 0.0
+
+
+def test_policy_loss_errors_and_registry():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"actor\.clip_ratio_c.*> 1"):
+        ca.compute_policy_loss(x, x, x, torch.ones(1, 2), clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match=r"actor\.loss_agg_mode"):
+        ca.compute_policy_loss(x, x, x, torch.ones(1, 2), loss_agg_mode="mean")
+    with pytest.raises(ValueError, match=r"advantages \[1, 3\]"):
+        ca.compute_policy_loss(x, x, torch.zeros(1, 3), torch.ones(1, 2))
+    assert ca.get_policy_loss_fn("vanilla") is ca.compute_policy_loss
+    with pytest.raises(ValueError, match=r"actor\.policy_loss\.loss_mode.*'vanilla'"):
+        ca.get_policy_loss_fn("gspo")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Value loss
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_value_loss_hand_computed():
+    # values 0, clip 0.5.  Token 0: vpred 1, return 2 -> clipped pred 0.5; (1-2)^2 = 1 < (0.5-2)^2 = 2.25
+    # -> 0.5 * 2.25 = 1.125, clipped term wins.  Token 1: vpred 1, return 0 -> (1)^2 = 1 > (0.5)^2 = 0.25
+    # -> 0.5, unclipped wins.  token-mean = (1.125 + 0.5) / 2 = 0.8125, clipfrac = 1/2.
+    vpreds = torch.tensor([[1.0, 1.0, 50.0]], requires_grad=True)
+    values = torch.zeros(1, 3)
+    returns = torch.tensor([[2.0, 0.0, -50.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, clipfrac = ca.compute_value_loss(vpreds, values, returns, mask, cliprange_value=0.5)
+    assert_close(loss, torch.tensor(0.8125))
+    assert_close(clipfrac, torch.tensor(0.5))
+    loss.backward()
+    # token 0 is clipped (no gradient); token 1: d/dv 0.5 * (v - 0)^2 / 2 tokens = 1 / 2
+    assert_close(vpreds.grad, torch.tensor([[0.0, 0.5, 0.0]]))
+
+
+def test_value_loss_matches_reference():
+    gen = torch.Generator().manual_seed(9)
+    vpreds, values, returns = (torch.randn(5, 6, generator=gen) for _ in range(3))
+    mask = random_mask(5, 6, gen)
+    c = 0.3
+    loss, clipfrac = ca.compute_value_loss(vpreds, values, returns, mask, c, loss_agg_mode="seq-mean-token-sum")
+    seq_sums, flags = [], []
+    for i, n in enumerate(row_lengths(mask)):
+        total = 0.0
+        for t in range(n):
+            vp, v, r = float(vpreds[i, t]), float(values[i, t]), float(returns[i, t])
+            clipped_pred = v + min(max(vp - v, -c), c)
+            l1, l2 = (vp - r) ** 2, (clipped_pred - r) ** 2
+            total += 0.5 * max(l1, l2)
+            flags.append(float(l2 > l1))
+        seq_sums.append(total)
+    assert_close(loss, torch.tensor(sum(seq_sums) / len(seq_sums)))
+    assert_close(clipfrac, torch.tensor(sum(flags) / len(flags)))
+
+
+def test_value_loss_rejects_negative_cliprange():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"critic\.cliprange_value"):
+        ca.compute_value_loss(x, x, x, torch.ones(1, 2), cliprange_value=-0.1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Logits helpers
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_entropy_matches_reference_for_3d_and_2d():
+    gen = torch.Generator().manual_seed(10)
+    logits = torch.randn(2, 3, 11, generator=gen) * 4
+    ent = ca.entropy_from_logits(logits)
+    assert ent.shape == (2, 3)
+    for i in range(2):
+        for t in range(3):
+            probs = torch.softmax(logits[i, t].double(), -1).tolist()
+            want = -sum(p * math.log(p) for p in probs if p > 0)
+            assert math.isclose(float(ent[i, t]), want, rel_tol=1e-5, abs_tol=1e-6)
+    assert_close(ca.entropy_from_logits(logits.reshape(6, 11)), ent.reshape(6))
+
+
+def test_entropy_gradient_matches_torch_distributions():
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(4, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    ca.entropy_from_logits(logits).sum().backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    torch.distributions.Categorical(logits=logits).entropy().sum().backward()
+    assert_close(ours, logits.grad)
+
+
+def test_entropy_uniform_and_extreme_logits():
+    # uniform over V = 8 -> ln 8; one logit far above the rest -> ~0, without NaN.
+    assert_close(ca.entropy_from_logits(torch.zeros(3, 8)), torch.full((3,), math.log(8)))
+    extreme = torch.tensor([[1000.0, -1000.0, 0.0], [5e4, 5e4, -5e4]])
+    out = ca.entropy_from_logits(extreme)
+    assert torch.isfinite(out).all()
+    assert_close(out, torch.tensor([0.0, math.log(2)]), atol=1e-4, rtol=0)
+
+
+def test_logprobs_from_logits_matches_reference():
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(3, 4, 13, generator=gen) * 3).requires_grad_(True)
+    labels = torch.randint(0, 13, (3, 4), generator=gen)
+    out = ca.logprobs_from_logits(logits, labels)
+    assert out.shape == (3, 4) and out.dtype == torch.float32
+    got = out.detach()
+    for i in range(3):
+        for t in range(4):
+            row = [float(x) for x in logits.detach()[i, t]]
+            top = max(row)
+            lse = top + math.log(sum(math.exp(x - top) for x in row))
+            assert math.isclose(float(got[i, t]), row[int(labels[i, t])] - lse, rel_tol=1e-5, abs_tol=1e-5)
+    out.sum().backward()
+    # d/dz of log softmax(z)[y] = onehot(y) - softmax(z)
+    want_grad = torch.nn.functional.one_hot(labels, 13).float() - torch.softmax(logits.detach(), -1)
+    assert_close(logits.grad, want_grad)
+
+
+def test_logprobs_from_bf16_logits_are_fp32_and_accurate():
+    gen = torch.Generator().manual_seed(12)
+    logits = (torch.randn(2100, 50, generator=gen) * 5).bfloat16()  # more rows than one chunk
+    labels = torch.randint(0, 50, (2100,), generator=gen)
+    out = ca.logprobs_from_logits(logits, labels)
+    assert out.dtype == torch.float32 and out.shape == (2100,)
+    want = torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
+    assert_close(out, want)
+
+
+def test_logprobs_label_shape_mismatch():
+    with pytest.raises(ValueError, match=r"labels of shape \[2, 3\].*logits of shape \[2, 4, 5\]"):
+        ca.logprobs_from_logits(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))

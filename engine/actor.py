@@ -85,8 +85,9 @@ class Actor:
             for micro in mini.split(cfg.ppo_micro_batch_size):
                 loss_scale = len(micro) / len(mini)
                 self._micro_step(micro, temperature, loss_scale, log)
+            lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
             grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
-            log.add(grad_norm=grad_norm, lr=self.lr_scheduler.get_last_lr()[0])
+            log.add(grad_norm=grad_norm, lr=lr)
         return log.mean("actor")
 
     def _micro_step(self, micro: DataProto, temperature: float, loss_scale: float, log: MetricLog) -> None:

@@ -62,6 +62,7 @@ class Critic:
                     vf_clipfrac=vf_clipfrac,
                     vpred_mean=masked_mean(vpreds.detach(), batch["response_mask"]),
                 )
+            lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
             grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
-            log.add(grad_norm=grad_norm, lr=self.lr_scheduler.get_last_lr()[0])
+            log.add(grad_norm=grad_norm, lr=lr)
         return log.mean("critic")

@@ -1,0 +1,210 @@
+"""Tests for hybridflow.engine.rollout: masks and positions by hand, and HFRollout on the real tiny model.
+
+The tiny model's random init (weights of std 0.02) leaves the residual stream dominated by the current token's
+embedding, so greedy decoding repeats one token whatever the prompt; a broken padding or position id would go
+unnoticed. The generation tests therefore use `sharpened_dir`: the same model with its decoder linear layers scaled
+up, so each greedy token depends on the whole context. EOS is rare under a random model, so tests that need responses
+to stop early declare extra EOS ids in ``generation_config.eos_token_id`` (a list, as Llama-3 style models ship).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engine.config import RolloutConfig
+from hybridflow.engine.models import forward_response_logits, load_model, load_tokenizer
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout import HFRollout, position_ids_from_mask, response_mask_from_eos
+
+QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7"]
+KEYS = {"prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"}
+
+
+# ------------------------------------------------------------------------------------------------ masks, positions
+
+
+def test_response_mask_eos_in_middle():
+    responses = torch.tensor([[5, 6, 2, 7, 8], [2, 9, 9, 9, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 2]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    mask = response_mask_from_eos(responses, [2])
+    assert mask.dtype == torch.int64
+    assert torch.equal(mask, expected)
+
+
+def test_response_mask_pad_equal_to_eos():
+    # pad id == eos id (2): the first 2 ends the response, the later 2s are padding
+    responses = torch.tensor([[5, 2, 2, 2, 2], [5, 6, 7, 2, 2], [2, 2, 2, 2, 2]])
+    expected = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0]])
+    assert torch.equal(response_mask_from_eos(responses, [2]), expected)
+
+
+def test_response_mask_several_eos_ids():
+    responses = torch.tensor([[5, 11, 2, 7], [5, 6, 2, 11], [11, 2, 5, 5], [5, 6, 7, 8]])
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    assert torch.equal(response_mask_from_eos(responses, [2, 11]), expected)
+    # with only id 2 declared, 11 is an ordinary token
+    assert torch.equal(
+        response_mask_from_eos(responses, [2]), torch.tensor([[1, 1, 1, 0]] * 2 + [[1, 1, 0, 0]] + [[1] * 4])
+    )
+
+
+def test_position_ids_from_mask_left_pads():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]])
+    expected = torch.tensor([[0, 0, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 2, 2]])
+    positions = position_ids_from_mask(mask)
+    assert positions.dtype == torch.int64
+    assert torch.equal(positions, expected)
+
+
+# ----------------------------------------------------------------------------------------------------- generation
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def sharpened_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with every decoder linear weight x10 and the (tied) embeddings x5 (see the module docstring)."""
+    model = load_model(tiny_model_dir)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                module.weight.mul_(10.0)
+        model.get_input_embeddings().weight.mul_(5.0)
+    path = tmp_path_factory.mktemp("sharpened")
+    model.save_pretrained(path)
+    return path
+
+
+def chat(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def prompt_batch(tokenizer, questions: list[str], **non_tensors) -> DataProto:
+    """Chat-templated prompts, left-padded by the tokenizer (padding_side is left)."""
+    enc = tokenizer([chat(tokenizer, q) for q in questions], padding=True, return_tensors="pt")
+    return DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}, non_tensors)
+
+
+def greedy(model, tokenizer, prompts: DataProto, response_length: int) -> DataProto:
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=1, response_length=response_length, micro_batch_size=8))
+    return rollout.generate_sequences(prompts, temperature=0.0)
+
+
+def test_generate_sequences_layout(tiny_model_dir, tokenizer):
+    model = load_model(tiny_model_dir)
+    # 60 extra stop ids (about 1 in 6 tokens under the near-uniform random model), so some responses end early
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(100, 160)]
+    eos_ids = [tokenizer.eos_token_id, *range(100, 160)]
+    pad = tokenizer.pad_token_id
+    prompts = prompt_batch(tokenizer, QUESTIONS, data_source=["a", "b", "c"], extra=[{"k": 0}, {"k": 1}, {"k": 2}])
+    prompts.meta_info["global_steps"] = 3
+    prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    assert len(set(prompt_mask.sum(-1).tolist())) == 3 and (prompt_mask[:, 0] == 0).any()  # really left-padded
+    b, p, n, t = len(QUESTIONS), prompt_ids.shape[1], 3, 8
+
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=n, response_length=t, micro_batch_size=4))
+    torch.manual_seed(0)
+    out = rollout.generate_sequences(prompts)
+
+    assert set(out.batch.keys()) == KEYS
+    shapes = {k: tuple(v.shape) for k, v in out.batch.items()}
+    assert shapes == {
+        "prompts": (b * n, p),
+        "responses": (b * n, t),
+        "input_ids": (b * n, p + t),
+        "attention_mask": (b * n, p + t),
+        "position_ids": (b * n, p + t),
+        "response_mask": (b * n, t),
+    }
+    # samples of one prompt are adjacent: rows 3i..3i+2 hold prompt i
+    rows = torch.arange(b).repeat_interleave(n)
+    assert torch.equal(out.batch["prompts"], prompt_ids[rows])
+    responses, response_mask = out.batch["responses"], out.batch["response_mask"]
+    assert torch.equal(out.batch["input_ids"], torch.cat([out.batch["prompts"], responses], dim=1))
+    assert torch.equal(out.batch["attention_mask"], torch.cat([prompt_mask[rows], response_mask], dim=1))
+    assert torch.equal(out.batch["position_ids"], (out.batch["attention_mask"].cumsum(-1) - 1).clamp(min=0))
+
+    uid = out.non_tensor_batch["uid"]
+    assert len(set(uid[0:3])) == 1 and len(set(uid[3:6])) == 1 and len(set(uid[6:9])) == 1
+    assert len({uid[0], uid[3], uid[6]}) == 3
+    assert list(out.non_tensor_batch["data_source"]) == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    assert [e["k"] for e in out.non_tensor_batch["extra"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert out.meta_info["temperature"] == 1.0 and out.meta_info["global_steps"] == 3
+
+    # the mask covers each response up to and including its first stop id, pad ids after it
+    for i in range(b * n):
+        stops = [j for j in range(t) if int(responses[i, j]) in eos_ids]
+        length = stops[0] + 1 if stops else t
+        assert response_mask[i].tolist() == [1] * length + [0] * (t - length)
+        assert (responses[i, length:] == pad).all()
+        assert (responses[i, :length] != pad).all()
+    lengths = response_mask.sum(-1)
+    assert lengths.min() < t and lengths.max() == t  # both early stops and full-length responses occurred
+    # samples differ (temperature 1.0)
+    assert not torch.equal(responses[0], responses[1])
+
+    # a uid already present is kept
+    again = rollout.generate_sequences(prompts, n=2)
+    assert list(again.non_tensor_batch["uid"]) == [uid[0], uid[0], uid[3], uid[3], uid[6], uid[6]]
+
+
+def test_greedy_is_padding_invariant_and_argmax(sharpened_dir, tokenizer):
+    model = load_model(sharpened_dir)
+    t = 10
+    batched = greedy(model, tokenizer, prompt_batch(tokenizer, QUESTIONS), t)
+    responses, mask = batched.batch["responses"], batched.batch["response_mask"]
+    assert len(set(map(tuple, responses.tolist()))) == len(QUESTIONS)  # the prompts lead to different responses
+    for i, question in enumerate(QUESTIONS):
+        alone = greedy(model, tokenizer, prompt_batch(tokenizer, [question]), t)
+        assert (alone.batch["attention_mask"][0, : alone.batch["prompts"].shape[1]] == 1).all()  # no padding
+        assert torch.equal(alone.batch["response_mask"][0], mask[i])
+        assert torch.equal(alone.batch["responses"][0][mask[i].bool()], responses[i][mask[i].bool()])
+
+    # each greedy token is the argmax of the model's own logits at that position (padded batch, no cache)
+    with torch.no_grad():
+        logits = forward_response_logits(model, batched)
+    assert torch.equal(logits.argmax(-1)[mask.bool()], responses[mask.bool()])
+
+    # a stop id met in the middle: row 0 stops at its step-4 token; every row keeps its greedy prefix, then pads
+    stop = int(responses[0, 4])
+    assert stop not in responses[0, :4].tolist()
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
+    stopped = greedy(model, tokenizer, prompt_batch(tokenizer, QUESTIONS), t)
+    assert stopped.batch["response_mask"][0].tolist() == [1] * 5 + [0] * (t - 5)
+    for i in range(len(QUESTIONS)):
+        hits = (responses[i] == stop).nonzero()
+        length = int(hits[0]) + 1 if len(hits) else t
+        assert stopped.batch["response_mask"][i].sum() == length
+        assert torch.equal(stopped.batch["responses"][i, :length], responses[i, :length])
+        assert (stopped.batch["responses"][i, length:] == tokenizer.pad_token_id).all()
+
+
+def test_top_k_1_sampling_equals_greedy(sharpened_dir, tokenizer):
+    model = load_model(sharpened_dir)
+    prompts = prompt_batch(tokenizer, QUESTIONS)
+    expected = greedy(model, tokenizer, prompts, 8).batch["responses"]
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=2, response_length=8, micro_batch_size=8, top_k=1))
+    torch.manual_seed(1)
+    sampled = rollout.generate_sequences(prompts, temperature=1.0)
+    assert sampled.meta_info["temperature"] == 1.0
+    assert torch.equal(sampled.batch["responses"], expected.repeat_interleave(2, dim=0))
+    # without top_k the same seed does not reproduce greedy (the sampler really samples)
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=2, response_length=8, micro_batch_size=8))
+    torch.manual_seed(1)
+    assert not torch.equal(rollout.generate_sequences(prompts).batch["responses"], expected.repeat_interleave(2, 0))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_training_mode_restored(tiny_model_dir, tokenizer, training):
+    model = load_model(tiny_model_dir)
+    model.train(training)
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=1, response_length=3, micro_batch_size=2))
+    rollout.generate_sequences(prompt_batch(tokenizer, QUESTIONS[:2]))
+    assert model.training is training
+    assert all(m.training is training for m in model.modules())

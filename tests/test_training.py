@@ -1,0 +1,252 @@
+"""Tests for the PPO updates: hybridflow.engine.actor (Actor, RefPolicy), critic (Critic) and training.
+
+Batches come from HFRollout on the real tiny model (seeded); ``old_log_probs`` from `Actor.compute_log_prob` on the
+weights that generated them (on-policy), and random but fixed advantages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+from hybridflow.engine.actor import Actor, RefPolicy
+from hybridflow.engine.config import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
+from hybridflow.engine.critic import Critic
+from hybridflow.engine.models import load_critic, load_model, load_tokenizer
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout import HFRollout
+from hybridflow.engine.training import build_optimizer, mini_batches, optimizer_step
+
+QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "Solve it step by step."]
+N = 2  # responses per prompt: batches hold 8 sequences
+T = 8
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(tiny_model_dir) -> DataProto:
+    """8 sampled sequences with responses of different lengths (extra stop ids make some end early)."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_model(tiny_model_dir)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(100, 160)]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    prompts = DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=N, response_length=T, micro_batch_size=8))
+    torch.manual_seed(0)
+    data = rollout.generate_sequences(prompts)
+    lengths = data.batch["response_mask"].sum(-1)
+    assert lengths.min() < T and lengths.max() == T  # responses of different lengths
+    gen = torch.Generator().manual_seed(1)
+    advantages = torch.randn(len(data), T, generator=gen) * data.batch["response_mask"]
+    return data.union(DataProto.from_dict({"advantages": advantages}))
+
+
+def with_old_log_probs(actor: Actor, data: DataProto) -> DataProto:
+    return data.union(actor.compute_log_prob(data))
+
+
+def make_actor(path, **config) -> Actor:
+    return Actor(load_model(path), ActorConfig(**config), rollout_n=N)
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def max_change(model, before: dict[str, torch.Tensor]) -> float:
+    return max(float((p.detach() - before[name]).abs().max()) for name, p in model.named_parameters())
+
+
+# ----------------------------------------------------------------------------------------------------------- actor
+
+
+def test_update_policy_on_policy(tiny_model_dir, rollout_batch):
+    # one mini-batch (4 prompts x 2 = the whole batch) in one micro-batch: all metrics come before the step
+    actor = make_actor(tiny_model_dir, ppo_mini_batch_size=4, ppo_micro_batch_size=8, optim=OptimConfig(lr=1e-3))
+    data = with_old_log_probs(actor, rollout_batch)
+    before = params(actor.model)
+    metrics = actor.update_policy(data)
+
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr"):
+        assert math.isfinite(metrics[key]), key
+    assert abs(metrics["actor/ppo_kl"]) < 1e-5  # old log-probs come from the same weights
+    assert metrics["actor/pg_clipfrac"] == 0.0  # ratio 1: nothing clipped
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/lr"] == pytest.approx(1e-3)
+    # at ratio 1 the token-mean surrogate is -mean(A) over response tokens
+    mask = data.batch["response_mask"].float()
+    assert metrics["actor/pg_loss"] == pytest.approx(
+        float(-(data.batch["advantages"] * mask).sum() / mask.sum()), abs=1e-5
+    )
+    assert max_change(actor.model, before) > 1e-4  # the weights moved
+    assert actor.model.training
+
+
+@pytest.mark.parametrize("micro_batch_size", [2, 3])
+def test_gradient_accumulation_matches_one_micro_batch(tiny_model_dir, rollout_batch, micro_batch_size):
+    common = dict(ppo_mini_batch_size=4, loss_agg_mode="seq-mean-token-mean", shuffle=False, optim=OptimConfig(lr=1e-3))
+    whole = make_actor(tiny_model_dir, ppo_micro_batch_size=8, **common)
+    split = make_actor(tiny_model_dir, ppo_micro_batch_size=micro_batch_size, **common)
+    data = with_old_log_probs(whole, rollout_batch)
+    assert_close(split.compute_log_prob(rollout_batch).batch["old_log_probs"], data.batch["old_log_probs"])
+    before = params(whole.model)
+    m_whole = whole.update_policy(data)
+    m_split = split.update_policy(data)
+    # Adam's first step is lr * g / (|g| + eps), blind to a constant scale of the loss: compare the grad norm too
+    assert m_split["actor/grad_norm"] == pytest.approx(m_whole["actor/grad_norm"], rel=1e-4)
+    # Tolerance: the summed micro-batch gradients differ from the one-pass gradient by float32 rounding (~1e-7
+    # relative); Adam's first step turns each grad component g into lr * g / (|g| + eps), which is insensitive to
+    # that rounding except for components within a few eps (1e-8) of 0, whose update can move by a fraction of
+    # lr. 1e-5 (1% of lr = 1e-3) allows that and is still ~100x smaller than a real difference in the update.
+    split_params = dict(split.model.named_parameters())
+    for name, p in whole.model.named_parameters():
+        assert_close(split_params[name].detach(), p.detach(), atol=1e-5, rtol=0, msg=name)
+    assert max_change(whole.model, before) > 5e-4
+
+
+def test_warmup_lr_schedule(tiny_model_dir, rollout_batch):
+    # documented: linear warm-up from lr/warmup_steps to lr over warmup_steps optimizer steps, then constant
+    lr, warmup = 1e-3, 4
+    actor = make_actor(
+        tiny_model_dir,
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size=8,
+        optim=OptimConfig(lr=lr, warmup_steps=warmup, weight_decay=0.0),
+    )
+    data = with_old_log_probs(actor, rollout_batch)
+    before = params(actor.model)
+    reported = [actor.update_policy(data)["actor/lr"]]
+    # the lr the first step really used: Adam's first update is lr * g / (|g| + eps), i.e. lr for any |g| >> eps
+    applied = max_change(actor.model, before)
+    assert applied == pytest.approx(lr / warmup, rel=1e-3)
+    reported += [actor.update_policy(data)["actor/lr"] for _ in range(5)]
+    expected = [min(1.0, k / warmup) * lr for k in range(1, 7)]  # 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3
+    assert reported == pytest.approx(expected, rel=1e-9)
+
+
+def test_kl_loss_on_policy_and_missing_ref(tiny_model_dir, rollout_batch):
+    actor = make_actor(
+        tiny_model_dir,
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size=4,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        optim=OptimConfig(lr=1e-3),
+    )
+    data = with_old_log_probs(actor, rollout_batch)
+    with pytest.raises(KeyError, match="ref_log_prob"):
+        actor.update_policy(data)
+    ref = DataProto.from_dict({"ref_log_prob": data.batch["old_log_probs"].clone()})
+    metrics = actor.update_policy(data.union(ref))
+    assert abs(metrics["actor/kl_loss"]) < 1e-6
+    assert metrics["actor/kl_coef"] == pytest.approx(0.1)
+    assert abs(metrics["actor/ppo_kl"]) < 1e-5
+
+
+def test_ref_policy_matches_actor_and_is_frozen(tiny_model_dir, rollout_batch):
+    actor = make_actor(tiny_model_dir, log_prob_micro_batch_size=8)
+    ref = RefPolicy(load_model(tiny_model_dir), micro_batch_size=3)
+    assert all(not p.requires_grad for p in ref.model.parameters())
+    assert not ref.model.training
+    mask = rollout_batch.batch["response_mask"].bool()
+    for temperature in (1.0, 0.7):
+        data = DataProto(rollout_batch.batch, rollout_batch.non_tensor_batch, {"temperature": temperature})
+        ref_lp = ref.compute_ref_log_prob(data).batch["ref_log_prob"]
+        actor_lp = actor.compute_log_prob(data).batch["old_log_probs"]
+        assert ref_lp.shape == (len(data), T)
+        assert_close(ref_lp[mask], actor_lp[mask], atol=1e-5, rtol=0)
+        if temperature == 1.0:
+            at_one = ref_lp
+    assert (ref_lp - at_one)[mask].abs().max() > 1e-3  # the temperature is applied
+    assert all(not p.requires_grad for p in ref.model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------- critic
+
+
+def test_critic_update_lowers_value_loss(tiny_model_dir, rollout_batch):
+    critic = Critic(
+        load_critic(tiny_model_dir),
+        CriticConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=4, optim=OptimConfig(lr=1e-3, warmup_steps=2)),
+        rollout_n=N,
+    )
+    values = critic.compute_values(rollout_batch)
+    assert torch.equal(values.batch["values"], torch.zeros(len(rollout_batch), T))
+    returns = DataProto.from_dict({"returns": torch.ones(len(rollout_batch), T)})
+    data = rollout_batch.union(values).union(returns)
+    history = [critic.update_critic(data) for _ in range(20)]
+    losses = [m["critic/vf_loss"] for m in history]
+    # first update: V = 0 everywhere, target 1 -> 0.5 * (0 - 1)^2
+    assert losses[0] == pytest.approx(0.5, abs=1e-6)
+    assert history[0]["critic/vpred_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert losses[-1] < losses[0]
+    for m in history:
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr"):
+            assert math.isfinite(m[key]), key
+    assert history[-1]["critic/vpred_mean"] > 0.1  # the values moved toward the returns
+    # critic/lr is the lr each step used: warm-up 5e-4 for the first step, then 1e-3
+    assert [m["critic/lr"] for m in history[:3]] == pytest.approx([5e-4, 1e-3, 1e-3], rel=1e-9)
+
+
+def test_mini_batches_not_divisible(tiny_model_dir, rollout_batch):
+    with pytest.raises(ValueError, match="ppo_mini_batch_size"):
+        list(mini_batches(rollout_batch, 3, epochs=1, shuffle=False, seed=(0,)))
+    data = rollout_batch.union(
+        DataProto.from_dict(
+            {"values": torch.zeros(len(rollout_batch), T), "returns": torch.ones(len(rollout_batch), T)}
+        )
+    )
+    critic = Critic(load_critic(tiny_model_dir), CriticConfig(ppo_mini_batch_size=3), rollout_n=1)
+    with pytest.raises(ValueError, match="ppo_mini_batch_size"):
+        critic.update_critic(data)
+
+
+def test_mini_batches_cover_each_epoch(rollout_batch):
+    data = DataProto.from_dict({"i": torch.arange(len(rollout_batch))})
+    epochs = list(mini_batches(data, 4, epochs=2, shuffle=True, seed=(0, 1)))
+    assert len(epochs) == 4 and all(len(m) == 4 for m in epochs)
+    first = torch.cat([m.batch["i"] for m in epochs[:2]])
+    second = torch.cat([m.batch["i"] for m in epochs[2:]])
+    assert sorted(first.tolist()) == sorted(second.tolist()) == list(range(len(rollout_batch)))
+    again = list(mini_batches(data, 4, epochs=2, shuffle=True, seed=(0, 1)))  # order is a function of the seed
+    assert torch.equal(torch.cat([m.batch["i"] for m in again]), torch.cat([first, second]))
+    plain = list(mini_batches(data, 4, epochs=1, shuffle=False, seed=(0,)))
+    assert torch.equal(torch.cat([m.batch["i"] for m in plain]), torch.arange(len(rollout_batch)))
+
+
+# -------------------------------------------------------------------------------------------------- optimizer_step
+
+
+def _backward(model) -> None:
+    input_ids = torch.tensor([[5, 6, 7, 8, 9]])
+    model(input_ids=input_ids).logits.square().mean().backward()
+
+
+# the skipped step still advances the LR schedule, which torch warns about (harmless here)
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_optimizer_step_skips_nan(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-3))
+    _backward(model)
+    next(p for p in model.parameters()).grad[0, 0] = float("nan")
+    before = params(model)
+    norm = optimizer_step(model, optimizer, scheduler, grad_clip=1.0)
+    assert not math.isfinite(norm)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+        assert p.grad is None  # grads are still cleared for the next step
+
+    # a finite step: returns the pre-clip global norm and moves the weights
+    _backward(model)
+    expected = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    norm = optimizer_step(model, optimizer, scheduler, grad_clip=1e-6)
+    assert norm == pytest.approx(expected, rel=1e-5)
+    assert max_change(model, before) > 1e-4
+    assert all(p.grad is None for p in model.parameters())
+    assert np.isfinite([float(p.detach().abs().max()) for p in model.parameters()]).all()

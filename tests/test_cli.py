@@ -67,4 +67,5 @@ def test_both_entry_points_show_help(name):
     exe = shutil.which(name, path=str(Path(sys.executable).parent))
     assert exe, f"console script {name} not installed"
     result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "models" in result.stdout and "run" in result.stdout
+    # huggingface_hub installs a command named `hf` too: the one on the venv's PATH must be ours.
+    assert result.returncode == 0 and "HybridFlow" in result.stdout and "run" in result.stdout

@@ -343,20 +343,45 @@ class DataProto:
             raise
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> DataProto:
-        """Read a file written by `save`.
+    def load(
+        cls, path: str | os.PathLike, rows: slice | None = None, keys: Sequence[str] | None = None
+    ) -> DataProto:
+        """Read a file written by `save`, optionally only some rows and columns.
+
+        Args:
+            path: the file.
+            rows: a step-1 slice of samples to read (e.g. one data-parallel rank's share); tensors are read
+                from disk for those rows only.
+            keys: tensor and non-tensor columns to read (None: all).
 
         Raises:
-            ValueError: if the file is not a DataProto file (no HybridFlow metadata).
+            ValueError: if the file is not a DataProto file (no HybridFlow metadata), or `rows` has a step.
+            KeyError: if a requested key is not in the file.
         """
+        if rows is not None and rows.step not in (None, 1):
+            raise ValueError(f"DataProto.load reads contiguous rows only; got a slice with step {rows.step}")
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             if _LENGTH_META not in metadata:
                 raise ValueError(f"{path} is a safetensors file but not a saved DataProto (no HybridFlow metadata)")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        n = int(metadata[_LENGTH_META])
-        non_tensor = {k: _as_object_array(v, k) for k, v in json.loads(metadata[_NON_TENSOR_META]).items()}
-        batch = TensorDict(tensors, batch_size=[n]) if tensors or (n > 0 and not non_tensor) else None
+            n = int(metadata[_LENGTH_META])
+            start, stop, _ = (rows or slice(None)).indices(n)
+            stop = max(start, stop)
+            non_tensor_all = json.loads(metadata[_NON_TENSOR_META])
+            tensor_keys = list(f.keys())
+            if keys is not None:
+                missing = [k for k in keys if k not in tensor_keys and k not in non_tensor_all]
+                if missing:
+                    raise KeyError(f"{path} has no column(s) {missing}; it has {tensor_keys + list(non_tensor_all)}")
+                tensor_keys = [k for k in tensor_keys if k in keys]
+                non_tensor_all = {k: v for k, v in non_tensor_all.items() if k in keys}
+            if rows is None:
+                tensors = {k: f.get_tensor(k) for k in tensor_keys}
+            else:
+                tensors = {k: f.get_slice(k)[start:stop] for k in tensor_keys}
+        length = stop - start
+        non_tensor = {k: _as_object_array(v[start:stop], k) for k, v in non_tensor_all.items()}
+        batch = TensorDict(tensors, batch_size=[length]) if tensors or (length > 0 and not non_tensor) else None
         return cls(batch=batch, non_tensor_batch=non_tensor, meta_info=json.loads(metadata[_META_INFO_META]))
 
 

@@ -11,21 +11,17 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import numbers
 import re
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from hybridflow.engine.imports import load_object
 from hybridflow.engine.protocol import DataProto
 
 ScoreFunction = Callable[[str, str, Any, dict[str, Any] | None], "float | dict[str, Any]"]
@@ -223,38 +219,8 @@ def load_reward_function(spec: str) -> ScoreFunction:
         AttributeError: if the module has no such function (its public callables are listed).
         TypeError: if the attribute is not callable or cannot take the four arguments.
     """
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"reward.custom_function must be 'module:function' or 'path.py:function', got {spec!r}")
-    target, func_name = spec.rsplit(":", 1)
-    if not target or not func_name:
-        raise ValueError(f"reward.custom_function {spec!r} needs both parts: 'module:function' or 'path.py:function'")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _load_module_from_file(target, spec)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            if e.name and (target == e.name or target.startswith(e.name + ".")):
-                raise ImportError(
-                    f"reward.custom_function {spec!r}: module {target!r} is not importable (not found on sys.path); "
-                    "install it, add its folder to PYTHONPATH, or give a file path 'path/to/file.py:function'"
-                ) from e
-            raise ImportError(
-                f"reward.custom_function {spec!r}: module {target!r} failed to import because {e.name!r} is missing"
-            ) from e
-        except Exception as e:
-            raise ImportError(
-                f"reward.custom_function {spec!r}: importing module {target!r} raised {type(e).__name__}: {e}"
-            ) from e
-    if not hasattr(module, func_name):
-        available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        close = difflib.get_close_matches(func_name, available, n=3)
-        hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise AttributeError(
-            f"reward.custom_function {spec!r}: module {target!r} has no function {func_name!r}; {hint}"
-            f"its public callables: {available}"
-        )
-    fn = getattr(module, func_name)
+    fn = load_object(spec, "reward.custom_function")
+    func_name = spec.rsplit(":", 1)[1]
     if not callable(fn):
         raise TypeError(f"reward.custom_function {spec!r}: {func_name!r} is a {type(fn).__name__}, not a callable")
     try:
@@ -272,30 +238,6 @@ def load_reward_function(spec: str) -> ScoreFunction:
     return fn
 
 
-def _load_module_from_file(target: str, spec: str) -> Any:
-    path = Path(target).expanduser()
-    resolved = path.resolve()
-    if not resolved.is_file():
-        raise FileNotFoundError(
-            f"reward.custom_function {spec!r}: file {resolved} not found (relative paths are taken from the "
-            f"current directory {Path.cwd()})"
-        )
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
-    module_name = f"hybridflow_reward_{resolved.stem}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"reward.custom_function {spec!r}: cannot load {resolved} as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # so that dataclasses and pickling inside the file work
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        sys.modules.pop(module_name, None)
-        raise ImportError(f"reward.custom_function {spec!r}: running {resolved} raised {type(e).__name__}: {e}") from e
-    return module
-
-
-# ---------------------------------------------------------------------------------------------------- manager
 def _function_name(fn: Callable[..., Any]) -> str:
     module = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", None) or repr(fn)

@@ -137,7 +137,7 @@ def test_load_reward_function_from_module(tmp_path, monkeypatch):
     fn = load_reward_function("my_rewards_mod:length_reward")
     assert fn("x", "abc", "", {}) == {"score": 1.0, "length": 3.0}
     assert fn("x", "abcd", "", {})["score"] == 0.0
-    with pytest.raises(AttributeError, match=r"no function 'length_rewrd'; did you mean length_reward"):
+    with pytest.raises(AttributeError, match=r"no attribute 'length_rewrd'; did you mean length_reward"):
         load_reward_function("my_rewards_mod:length_rewrd")
     with pytest.raises(TypeError, match="'LIMIT' is a int, not a callable"):
         load_reward_function("my_rewards_mod:LIMIT")
@@ -162,7 +162,7 @@ def test_load_reward_function_from_file(tmp_path, monkeypatch):
     broken.write_text("import no_such_dependency_xyz\n")
     with pytest.raises(ImportError, match="broken.py raised ModuleNotFoundError"):
         load_reward_function(f"{broken}:f")
-    with pytest.raises(ValueError, match="'module:function' or 'path.py:function'"):
+    with pytest.raises(ValueError, match="'module:name' or 'path.py:name'"):
         load_reward_function("just_a_module")
 
 

@@ -1,0 +1,161 @@
+"""The worker process: one rank of a worker group, launched by submitit (locally or as a Slurm task).
+
+`serve` runs in every task of the group's job: it joins torch.distributed (gloo on CPU, NCCL on GPU) with the
+group's other ranks, builds the worker class, says hello to the controller (its rank, pid, host and the methods
+it serves), then executes calls until told to shut down. A background thread sends heartbeats on a second socket,
+so the controller can tell a dead or stopped rank from a slow one.
+
+Arguments and results are JSON; a batch argument arrives as a `DataHandle` (the rank reads its rows itself), and a
+batch result is written as a part file in the run's data folder and returned as its description.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.engine.dispatch import Dispatch, registered_methods
+from hybridflow.engine.imports import load_object
+from hybridflow.engine.protocol import DataProto
+from hybridflow.slurm.channel import Signer, WorkerConnection, read_secret
+from hybridflow.slurm.handles import DataHandle, write_part
+
+logger = logging.getLogger(__name__)
+
+HANDLE_KEY = "__handle__"
+PART_KEY = "__part__"
+
+
+@dataclass
+class Bootstrap:
+    """What a worker process needs to start (pickled by submitit into the job; plain values only)."""
+
+    group: str
+    worker_cls: str  # "package.module:Class" or "path/to/file.py:Class"
+    worker_kwargs: dict[str, Any]
+    controller_address: str
+    secret_path: str
+    data_dir: str
+    heartbeat_interval_s: float = 1.0
+    backend: str = "gloo"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def decode_args(obj: Any) -> Any:
+    """JSON -> Python, turning ``{"__handle__": {...}}`` into `DataHandle` objects (recursively)."""
+    if isinstance(obj, dict):
+        if set(obj) == {HANDLE_KEY}:
+            return DataHandle.from_json(obj[HANDLE_KEY])
+        return {k: decode_args(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_args(v) for v in obj]
+    return obj
+
+
+def encode_args(obj: Any) -> Any:
+    """Python -> JSON, turning `DataHandle` objects into ``{"__handle__": {...}}`` (recursively)."""
+    if isinstance(obj, DataHandle):
+        return {HANDLE_KEY: obj.to_json()}
+    if isinstance(obj, dict):
+        return {k: encode_args(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [encode_args(v) for v in obj]
+    return obj
+
+
+def _heartbeats(address: str, identity: str, signer: Signer, interval: float, stop: threading.Event) -> None:
+    conn = WorkerConnection(address, identity, signer)
+    try:
+        while not stop.wait(interval):
+            conn.send({"type": "heartbeat"})
+    finally:
+        conn.close()
+
+
+def _init_distributed(backend: str) -> tuple[int, int, str]:
+    import submitit
+    import torch.distributed as dist
+
+    env = submitit.JobEnvironment()
+    if env.num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        dist.init_process_group(backend)
+    return env.global_rank, env.num_tasks, str(env.job_id)
+
+
+def serve(boot: Bootstrap) -> None:
+    """Run one rank until the controller sends ``shutdown`` (the function each submitit task executes)."""
+    os.environ.update(boot.env)
+    rank, world_size, job_id = _init_distributed(boot.backend)
+    signer = Signer(read_secret(boot.secret_path))
+    identity = f"{boot.group}/rank-{rank}"
+    stop = threading.Event()
+    beat = threading.Thread(
+        target=_heartbeats,
+        args=(boot.controller_address, f"{identity}/hb", signer, boot.heartbeat_interval_s, stop),
+        daemon=True,
+    )
+    beat.start()
+    conn = WorkerConnection(boot.controller_address, identity, signer)
+    try:
+        cls = load_object(boot.worker_cls, f"worker class of group {boot.group!r}")
+        methods = registered_methods(cls)
+        worker = cls(rank=rank, world_size=world_size, data_dir=boot.data_dir, **boot.worker_kwargs)
+        conn.send(
+            {
+                "type": "hello",
+                "rank": rank,
+                "world_size": world_size,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "job_id": job_id,
+                "methods": {name: mode.value for name, mode in methods.items()},
+            }
+        )
+        _loop(conn, worker, methods, boot, rank, world_size)
+    except Exception:
+        conn.send({"type": "fatal", "rank": rank, "traceback": traceback.format_exc()})
+        raise
+    finally:
+        stop.set()
+        conn.close()
+        _shutdown_distributed()
+
+
+def _loop(
+    conn: WorkerConnection, worker: Any, methods: dict[str, Dispatch], boot: Bootstrap, rank: int, world_size: int
+) -> None:
+    while True:
+        message = conn.recv()
+        if message is None or message.get("type") == "shutdown":
+            return
+        if message.get("type") != "call":
+            continue
+        call_id, name = message["id"], message["method"]
+        try:
+            if name not in methods:
+                raise AttributeError(
+                    f"{type(worker).__name__}.{name} is not a registered method; registered: {sorted(methods)}"
+                )
+            args, kwargs = decode_args(message["args"]), decode_args(message["kwargs"])
+            if methods[name] is Dispatch.DP_COMPUTE_PROTO:
+                handle: DataHandle = args[0]
+                args = [handle.load(handle.shard_rows(rank, world_size)), *args[1:]]
+            result = getattr(worker, name)(*args, **kwargs)
+            if isinstance(result, DataProto):
+                result = {PART_KEY: write_part(result, boot.data_dir, name, rank)}
+            conn.send({"type": "result", "id": call_id, "rank": rank, "result": encode_args(result)})
+        except Exception:
+            conn.send({"type": "error", "id": call_id, "rank": rank, "traceback": traceback.format_exc()})
+
+
+def _shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

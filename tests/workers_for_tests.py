@@ -1,0 +1,61 @@
+"""A small worker class for the worker-group tests (loaded by the worker processes as 'path.py:ToyWorker')."""
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.engine.dispatch import Dispatch, register
+from hybridflow.engine.protocol import DataProto
+
+
+class ToyWorker:
+    def __init__(self, rank: int, world_size: int, data_dir: str, marker_dir: str | None = None):
+        self.rank, self.world_size = rank, world_size
+        self.marker_dir = Path(marker_dir) if marker_dir else None
+        self.calls = 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self) -> dict:
+        self.calls += 1
+        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid()}
+
+    @register(Dispatch.RANK_ZERO)
+    def all_reduce(self, x: float) -> float:
+        t = torch.tensor([x * (self.rank + 1)])
+        dist.all_reduce(t)
+        return float(t)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def double(self, data: DataProto, factor: int = 2) -> DataProto:
+        n = len(data)
+        return DataProto.from_dict(
+            {"y": data.batch["x"] * factor, "rank": torch.full((n,), self.rank)}, {"tag": [f"r{self.rank}"] * n}
+        )
+
+    @register(Dispatch.ALL_TO_ALL)
+    def scale(self, v: int) -> int:
+        return v * 10 + self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def touch(self, name: str) -> bool:
+        self.calls += 1
+        (self.marker_dir / f"{name}-{self.rank}").write_text("executed")
+        return True
+
+    @register(Dispatch.ONE_TO_ALL)
+    def call_count(self) -> int:
+        return self.calls
+
+    @register(Dispatch.ONE_TO_ALL)
+    def crash(self) -> None:
+        raise ValueError(f"boom on rank {self.rank}")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def not_registered(self) -> str:
+        return "must not be callable from the controller"

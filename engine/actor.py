@@ -13,7 +13,7 @@ from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty
 from hybridflow.engine.models import compute_log_probs, response_log_probs
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.training import MetricLog, build_optimizer, mini_batches, optimizer_step
+from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches, optimizer_step
 
 UPDATE_KEYS = [
     "input_ids",
@@ -34,13 +34,18 @@ class Actor:
         config: the ``actor`` config section.
         rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
         seed: seeds the mini-batch shuffling (with the iteration number from ``meta_info["global_steps"]``).
+        compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, weights and gradients stay as
+            loaded, fp32 with ``load_model(..., trainable=True)``); None or float32: no autocast.
     """
 
-    def __init__(self, model, config: ActorConfig, rollout_n: int, seed: int = 0):
+    def __init__(
+        self, model, config: ActorConfig, rollout_n: int, seed: int = 0, compute_dtype: torch.dtype | None = None
+    ):
         self.model = model
         self.config = config
         self.mini_batch_size = config.ppo_mini_batch_size * rollout_n
         self.seed = seed
+        self.compute_dtype = compute_dtype
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
 
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto:
@@ -56,7 +61,7 @@ class Actor:
         self.model.eval()
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
         log_probs, entropy = compute_log_probs(
-            self.model, data, self.config.log_prob_micro_batch_size, temperature, calculate_entropy
+            self.model, data, self.config.log_prob_micro_batch_size, temperature, calculate_entropy, self.compute_dtype
         )
         tensors = {"old_log_probs": log_probs}
         if entropy is not None:
@@ -65,6 +70,10 @@ class Actor:
 
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on a batch with advantages.
+
+        Each mini-batch is one optimizer step; its loss is accumulated over micro-batches weighted by
+        `training.micro_batch_weights`, so the gradient equals that of the mini-batch loss in one piece (for
+        ``token-mean``: every response token of the mini-batch weighs the same).
 
         Args:
             data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``).
@@ -82,8 +91,8 @@ class Actor:
         self.model.train()
         log = MetricLog()
         for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            for micro in mini.split(cfg.ppo_micro_batch_size):
-                loss_scale = len(micro) / len(mini)
+            micros = mini.split(cfg.ppo_micro_batch_size)
+            for micro, loss_scale in zip(micros, micro_batch_weights(micros, cfg.loss_agg_mode), strict=True):
                 self._micro_step(micro, temperature, loss_scale, log)
             lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
             grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
@@ -95,7 +104,7 @@ class Actor:
         batch = micro.batch
         mask = batch["response_mask"]
         calculate_entropy = cfg.entropy_coeff != 0
-        log_prob, entropy = response_log_probs(self.model, micro, temperature, calculate_entropy)
+        log_prob, entropy = response_log_probs(self.model, micro, temperature, calculate_entropy, self.compute_dtype)
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
             old_log_prob=batch["old_log_probs"],
             log_prob=log_prob,
@@ -124,17 +133,21 @@ class RefPolicy:
     """The frozen reference policy: log-probs only, for the KL term.
 
     Args:
-        model: a copy of the initial policy (never updated).
+        model: a copy of the initial policy (never updated; may be stored in bf16, ``load_model(trainable=False)``).
         micro_batch_size: sequences per forward (``ref.log_prob_micro_batch_size``).
+        compute_dtype: dtype of the forwards, as for `Actor` (pass the actor's, so both see the same numerics).
     """
 
-    def __init__(self, model, micro_batch_size: int):
+    def __init__(self, model, micro_batch_size: int, compute_dtype: torch.dtype | None = None):
         self.model = model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
+        self.compute_dtype = compute_dtype
 
     @torch.no_grad()
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Returns DataProto with ``ref_log_prob`` float32 [B, T] (logits divided by the rollout temperature)."""
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
-        log_probs, _ = compute_log_probs(self.model, data, self.micro_batch_size, temperature)
+        log_probs, _ = compute_log_probs(
+            self.model, data, self.micro_batch_size, temperature, compute_dtype=self.compute_dtype
+        )
         return DataProto.from_dict({"ref_log_prob": log_probs})

@@ -137,6 +137,11 @@ class TrainerConfig(_Section):
     experiment_name: str = "hybridflow"
     output_dir: str = "outputs"
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
+    save_freq: int = Field(0, ge=0, description="save a checkpoint every K iterations (0 = only at the end of fit)")
+    checkpoint_dir: str | None = Field(None, description="None: <output_dir>/<experiment_name>/checkpoints")
+    resume_from: str | None = Field(
+        None, description="a global_step_<N> checkpoint folder, or 'auto' = the latest in checkpoint_dir (if any)"
+    )
 
 
 class HybridFlowConfig(_Section):

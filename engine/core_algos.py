@@ -46,7 +46,6 @@ __all__ = [
     "entropy_from_logits",
     "get_adv_estimator_fn",
     "get_kl_controller",
-    "get_policy_loss_fn",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
@@ -283,7 +282,15 @@ def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.T
         given = {k: v for k, v in merged.items() if k in params}
         missing = [n for n in required if n not in ("token_level_rewards", "response_mask") and given.get(n) is None]
         if missing:
-            raise ValueError(f"Advantage estimator {name!r} needs {missing}, but they were not given (or are None).")
+            hint = ""
+            if "index" in missing:
+                hint = (
+                    " `index` is the batch's non-tensor `uid` column: one prompt id per sequence, equal for the "
+                    "responses to one prompt (set by the data sampler, PromptSampler.next_batch, or by the rollout)."
+                )
+            raise ValueError(
+                f"Advantage estimator {name!r} needs {missing}, but they were not given (or are None).{hint}"
+            )
         return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **given)
 
     return call
@@ -658,9 +665,10 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     - ``"seq-mean-token-mean"``: mean over each sequence's tokens, then mean over sequences (each sequence weighs
       the same, as in the GRPO paper's objective).
     - ``"seq-mean-token-sum-norm"``: sum over all masked tokens divided by the constant B * T, with
-      T = ``loss_mat.shape[-1]``. Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") replaces the
-      per-response length 1/|o_i| by a constant, the maximum response length, to remove the length bias; T stands
-      for it here, so keep the padded length fixed across steps. (verl divides by T alone, not B * T.)
+      T = ``loss_mat.shape[-1]``: the mean over the B sequences of each sequence's token sum divided by T. This is
+      the Dr. GRPO objective (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective"),
+      which replaces the per-response length 1/|o_i| of GRPO by a constant, the maximum response length, to remove
+      the length bias; T stands for that constant here, so keep the padded length fixed across steps.
 
     Sequences whose mask is all 0 are excluded from the mean over sequences in the two ``seq-mean-token-sum`` and
     ``seq-mean-token-mean`` modes (they neither add to nor dilute the loss); in ``"seq-mean-token-sum-norm"`` they
@@ -761,25 +769,6 @@ def compute_policy_loss(
         pg_clipfrac_lower = masked_mean((negative_adv & (clip_loss > dual_bound)).float(), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
-
-
-_POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {
-    "vanilla": compute_policy_loss,
-}
-
-
-def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Return the policy loss named by ``actor.policy_loss.loss_mode``; only ``"vanilla"`` (`compute_policy_loss`).
-
-    Raises:
-        ValueError: unknown name (lists the known ones).
-    """
-    if name not in _POLICY_LOSSES:
-        raise ValueError(
-            f"Unknown policy loss {name!r} (config key `actor.policy_loss.loss_mode`); "
-            f"allowed: {sorted(_POLICY_LOSSES)}."
-        )
-    return _POLICY_LOSSES[name]
 
 
 def compute_value_loss(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch
+
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.core_algos import compute_value_loss, masked_mean
 from hybridflow.engine.models import compute_values, response_values
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.training import MetricLog, build_optimizer, mini_batches, optimizer_step
+from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches, optimizer_step
 
 UPDATE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns"]
 
@@ -19,22 +21,30 @@ class Critic:
         config: the ``critic`` config section.
         rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
         seed: seeds the mini-batch shuffling (with ``meta_info["global_steps"]``).
+        compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, fp32 weights); None: no autocast.
     """
 
-    def __init__(self, model, config: CriticConfig, rollout_n: int, seed: int = 0):
+    def __init__(
+        self, model, config: CriticConfig, rollout_n: int, seed: int = 0, compute_dtype: torch.dtype | None = None
+    ):
         self.model = model
         self.config = config
         self.mini_batch_size = config.ppo_mini_batch_size * rollout_n
         self.seed = seed
+        self.compute_dtype = compute_dtype
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
 
     def compute_values(self, data: DataProto) -> DataProto:
         """Returns DataProto with ``values`` float32 [B, T] for the responses in `data`."""
         self.model.eval()
-        return DataProto.from_dict({"values": compute_values(self.model, data, self.config.forward_micro_batch_size)})
+        values = compute_values(self.model, data, self.config.forward_micro_batch_size, self.compute_dtype)
+        return DataProto.from_dict({"values": values})
 
     def update_critic(self, data: DataProto) -> dict[str, float]:
         """Clipped value-loss update (PPO; ``critic.cliprange_value``) toward ``returns``.
+
+        One optimizer step per mini-batch, its loss accumulated over micro-batches weighted by
+        `training.micro_batch_weights` (token-mean: by response tokens).
 
         Returns:
             ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``, ``critic/grad_norm``, ``critic/lr``.
@@ -45,9 +55,10 @@ class Critic:
         self.model.train()
         log = MetricLog()
         for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            for micro in mini.split(cfg.ppo_micro_batch_size):
+            micros = mini.split(cfg.ppo_micro_batch_size)
+            for micro, loss_scale in zip(micros, micro_batch_weights(micros, cfg.loss_agg_mode), strict=True):
                 batch = micro.batch
-                vpreds = response_values(self.model, micro)
+                vpreds = response_values(self.model, micro, self.compute_dtype)
                 vf_loss, vf_clipfrac = compute_value_loss(
                     vpreds=vpreds,
                     values=batch["values"],
@@ -56,7 +67,7 @@ class Critic:
                     cliprange_value=cfg.cliprange_value,
                     loss_agg_mode=cfg.loss_agg_mode,
                 )
-                (vf_loss * len(micro) / len(mini)).backward()
+                (vf_loss * loss_scale).backward()
                 log.add(
                     vf_loss=vf_loss,
                     vf_clipfrac=vf_clipfrac,

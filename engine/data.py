@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.engine.config import DataConfig
 from hybridflow.engine.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -366,7 +367,8 @@ def collate_prompts(items: Sequence[dict[str, Any]], tokenizer: Any) -> DataProt
         ``tokenizer.pad_token_id`` on the left), ``attention_mask`` int64 [B, P] (1 on real tokens),
         ``position_ids`` int64 [B, P] (0 on pads, then 0..len-1 on real tokens), and numpy object columns
         (length B) ``data_source``, ``reward_model``, ``extra_info``, ``ability``, ``raw_prompt`` (the chat list)
-        and ``index`` (the item's position in the dataset).
+        and ``index`` (the item's position in the dataset). No ``uid``: `PromptSampler.next_batch` adds it (and
+        the rollout makes one for batches without it).
 
     Raises:
         ValueError: if `items` is empty, an item has no tokens, or the tokenizer has no pad token.
@@ -450,7 +452,11 @@ class PromptSampler:
         return np.random.default_rng([self.seed, epoch]).permutation(n)
 
     def next_batch(self) -> DataProto:
-        """The next `batch_size` prompts as a `collate_prompts` DataProto.
+        """The next `batch_size` prompts as a `collate_prompts` DataProto plus a ``uid`` column.
+
+        ``uid`` (numpy object array of str, length `batch_size`) is ``f"{epoch}-{cursor + i}"`` for row i: unique
+        among all prompts the sampler ever returns, and the same after a resume. The rollout copies it to each
+        prompt's n responses, and group estimators (GRPO, RLOO) group by it.
 
         ``meta_info`` holds ``{"epoch": e, "cursor": i}``: the epoch of the batch and the position in that epoch's
         order at which the batch starts.
@@ -465,6 +471,8 @@ class PromptSampler:
         picks = self._order[cursor : cursor + self.batch_size]
         self.index = cursor + self.batch_size
         batch = collate_prompts([self.dataset[int(j)] for j in picks], self.dataset.tokenizer)
+        uids = [f"{self.epoch}-{cursor + i}" for i in range(len(picks))]
+        batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
         batch.meta_info.update(epoch=self.epoch, cursor=cursor)
         return batch
 
@@ -494,3 +502,23 @@ class PromptSampler:
             logger.warning("sampler state has seed %d, config has %d; continuing with the saved seed", seed, self.seed)
         self.epoch, self.index, self.seed = epoch, index, seed
         self._order_epoch = -1
+
+
+def build_prompt_rows(data: DataConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Train and validation rows from ``data.train_files`` / ``data.val_files`` and ``data.reasoning_gym``.
+
+    reasoning-gym: one dataset of ``train_size + val_size`` items is generated; the first ``val_size`` are held
+    out for validation, and training items whose question also appears among them are dropped, so validation
+    measures prompts the actor never trained on.
+    """
+    train = [row for path in data.train_files for row in load_rows(path)]
+    val = [row for path in data.val_files for row in load_rows(path)]
+    if data.reasoning_gym is not None:
+        rg = data.reasoning_gym
+        kwargs = {"instruction": rg.instruction} if rg.instruction is not None else {}
+        rows = reasoning_gym_rows(rg.name, rg.train_size + rg.val_size, rg.seed, rg.config, **kwargs)
+        held_out = rows[: rg.val_size]
+        seen = {row["prompt"][-1]["content"] for row in held_out}
+        train += [row for row in rows[rg.val_size :] if row["prompt"][-1]["content"] not in seen]
+        val += held_out
+    return train, val

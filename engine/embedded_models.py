@@ -31,6 +31,10 @@ def hybridflow_home() -> Path:
 
 
 def model_cache_dir() -> Path:
+    """Where embedded models are prepared: ``hybridflow_home() / "models"`` (one sub-folder per model name).
+
+    The folder is not created here; `prepare_model` creates it when it writes a model.
+    """
     return hybridflow_home() / "models"
 
 
@@ -109,7 +113,7 @@ def resolve_model_path(name_or_path: str) -> Path:
     """Turn a config's ``model.path`` into a local folder.
 
     A name of an embedded model (``smollm2``, ``tiny``) resolves to its prepared folder (``tiny`` is built on
-    demand; ``smollm2`` must have been prepared with ``hf models prepare smollm2``). Anything else is a path.
+    demand; ``smollm2`` must have been prepared with ``hybridflow models prepare smollm2``). Anything else is a path.
 
     Raises:
         FileNotFoundError: naming the missing folder and the fix.

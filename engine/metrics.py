@@ -67,4 +67,5 @@ class Timer:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
+        """Seconds per stage so far, keyed ``"timing_s/<name>"`` (stages timed twice add up); first-timed order."""
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}

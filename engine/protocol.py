@@ -343,9 +343,7 @@ class DataProto:
             raise
 
     @classmethod
-    def load(
-        cls, path: str | os.PathLike, rows: slice | None = None, keys: Sequence[str] | None = None
-    ) -> DataProto:
+    def load(cls, path: str | os.PathLike, rows: slice | None = None, keys: Sequence[str] | None = None) -> DataProto:
         """Read a file written by `save`, optionally only some rows and columns.
 
         Args:

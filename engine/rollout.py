@@ -6,17 +6,35 @@ transformers. (A vLLM engine is the fast alternative, added with ``rollout.name:
 Output layout, as in verl: ``prompts`` [B, P] left-padded, ``responses`` [B, T] right-padded to exactly
 T = ``rollout.response_length`` with the pad id, ``input_ids`` = prompts ++ responses [B, P+T],
 ``attention_mask`` and ``position_ids`` [B, P+T], ``response_mask`` [B, T] (1 up to and including the first EOS).
+
+Sampling distribution. Each token is drawn from exactly ``softmax(logits / temperature)``, restricted only by the
+configured ``rollout.top_k`` / ``rollout.top_p`` (0 and 1.0 = off). transformers fills every generation setting left
+as None from the model's ``generation_config.json`` and then from its own global defaults (``top_k=50``), so
+`HFRollout` passes an explicit "off" value for every logits processor that has one (``repetition_penalty=1.0``,
+``top_k=0``, ``min_p=0.0``, ``suppress_tokens=[]``, ...). Settings whose only "off" value is None
+(``forced_bos_token_id``, ``bad_words_ids``, ``sequence_bias``, ...; see `_NO_OFF_VALUE`) are refused when the
+model's generation config sets them: the PPO ratio needs the log-probs of the distribution the tokens were really
+drawn from.
+
+Randomness. Sampling never reads or advances the process-global torch RNG: `HFRollout.generate_sequences` forks
+the RNG (`torch.random.fork_rng`) and seeds micro-batch ``i`` with `sampling_seed` of (``seed``,
+``meta_info["global_steps"]``, ``stream``, ``i``). The samples are therefore a pure function of those values, the
+prompts, the weights and ``rollout.micro_batch_size``: a run resumed at step k samples what the uninterrupted run
+sampled at step k without any RNG state in the checkpoint, and validation (``stream="val"``) neither shifts nor
+is shifted by training.
 """
 
 from __future__ import annotations
 
-import uuid
+import copy
+import hashlib
 
 import numpy as np
 import torch
 from transformers import GenerationConfig
 
 from hybridflow.engine.config import RolloutConfig
+from hybridflow.engine.models import autocast
 from hybridflow.engine.protocol import DataProto
 
 
@@ -47,6 +65,59 @@ def eos_token_ids(tokenizer, generation_config: GenerationConfig | None = None) 
     return sorted(i for i in ids if i is not None)
 
 
+_NO_OFF_VALUE = (
+    "top_h",
+    "bad_words_ids",
+    "sequence_bias",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "exponential_decay_length_penalty",
+    "watermarking_config",
+    "stop_strings",
+    "max_time",
+    "prompt_lookup_num_tokens",
+    "token_healing",
+)
+"""Generation settings that change what ``generate`` samples and that None is the only way to switch off. A None
+field of the config passed to ``generate`` is filled from the model's generation config, so the rollout cannot turn
+these off itself: `HFRollout` refuses a model whose generation config sets one."""
+
+_OFF_ALWAYS = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "min_new_tokens": 0,
+    "guidance_scale": 1.0,
+    "suppress_tokens": [],
+    "begin_suppress_tokens": [],
+    "remove_invalid_values": False,
+    "renormalize_logits": False,
+}
+"""Neutral values of the logits processors that ``generate`` applies in greedy and sampling mode alike."""
+
+_OFF_WHEN_SAMPLING = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+"""Neutral values of the sampling-only warpers that the rollout config has no key for."""
+
+
+def sampling_seed(seed: int, global_steps: int, stream: str, micro_batch: int) -> int:
+    """The torch seed of one generate call: a hash of its four arguments, in [0, 2**63).
+
+    Args:
+        seed: the run's seed (``trainer.seed``).
+        global_steps: the iteration number (``meta_info["global_steps"]``).
+        stream: what the samples are for, e.g. ``"train"`` or ``"val"``; different streams never share seeds.
+        micro_batch: index of the micro-batch within the ``generate_sequences`` call.
+
+    Returns:
+        A Python int, the same for the same arguments in every process and on every platform (SHA-256 based).
+    """
+    key = f"hybridflow-rollout/{int(seed)}/{int(global_steps)}/{stream}/{int(micro_batch)}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1)
+
+
 class HFRollout:
     """Generate with ``model.generate``, `micro_batch_size` sequences per call.
 
@@ -54,36 +125,81 @@ class HFRollout:
         model: a causal LM (shared with the actor: generation sees the current weights, no copy).
         tokenizer: its tokenizer (pad id, eos id).
         config: the ``rollout`` config section.
+        seed: the run's seed (``trainer.seed``); with ``meta_info["global_steps"]``, the stream tag and the
+            micro-batch index it fixes every sample (see the module docstring).
+        compute_dtype: run ``generate`` under ``torch.autocast`` in this dtype (bfloat16: fp32 weights, bf16
+            matmuls, as the actor's forward). None or float32: no autocast.
+
+    Raises:
+        ValueError: the model's generation config sets a sampling option that cannot be switched off (one of
+            `_NO_OFF_VALUE`; the message names it and how to unset it).
     """
 
-    def __init__(self, model, tokenizer, config: RolloutConfig):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: RolloutConfig,
+        seed: int = 0,
+        compute_dtype: torch.dtype | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        self.seed = int(seed)
+        self.compute_dtype = compute_dtype
         self.eos_token_ids = eos_token_ids(tokenizer, model.generation_config)
+        set_fields = {name: getattr(model.generation_config, name, None) for name in _NO_OFF_VALUE}
+        set_fields = {name: value for name, value in set_fields.items() if value is not None}
+        if set_fields:
+            raise ValueError(
+                f"the model's generation config sets {set_fields}; generate would apply it on top of the rollout's "
+                "sampling, so the sampled tokens would not follow softmax(logits / temperature) and the PPO "
+                "log-probs would be wrong. Unset it (model.generation_config.<name> = None, or remove it from "
+                "generation_config.json)."
+            )
 
     def _generation_config(self, temperature: float) -> GenerationConfig:
+        """The full sampling setup for ``generate``: every logits processor explicitly off except the configured ones.
+
+        Greedy (`temperature` 0): ``do_sample=False`` and every logits processor neutral (the argmax of the logits).
+        Sampling: ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off) from the config, every other
+        warper at its neutral value. (transformers may still list a processor at a neutral value, e.g. suppressing
+        an empty token list; it leaves the logits unchanged.)
+        """
         greedy = temperature == 0.0
+        options = copy.deepcopy(_OFF_ALWAYS)
+        if not greedy:
+            options.update(_OFF_WHEN_SAMPLING, temperature=temperature)
+            options.update(top_k=self.config.top_k, top_p=self.config.top_p)
         return GenerationConfig(
             do_sample=not greedy,
-            temperature=None if greedy else temperature,
-            top_p=None if greedy or self.config.top_p >= 1.0 else self.config.top_p,
-            top_k=None if greedy or self.config.top_k <= 0 else self.config.top_k,
             max_new_tokens=self.config.response_length,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.tokenizer.pad_token_id,
+            **options,
         )
 
     @torch.no_grad()
-    def generate_sequences(self, prompts: DataProto, n: int | None = None, temperature: float | None = None):
-        """Sample `n` responses per prompt (default ``rollout.n``).
+    def generate_sequences(
+        self,
+        prompts: DataProto,
+        n: int | None = None,
+        temperature: float | None = None,
+        stream: str = "train",
+    ) -> DataProto:
+        """Sample `n` responses per prompt (default ``rollout.n``), deterministically (see the module docstring).
 
-        Each prompt gets a ``uid`` (kept if the batch already has one) before it is repeated n times with its
-        samples adjacent, so group-based estimators (GRPO, RLOO) can find the group.
+        Each prompt is repeated n times with its samples adjacent, and keeps its ``uid`` (set by
+        `hybridflow.engine.data.PromptSampler`); a batch without one gets ``"<stream>-<global_steps>-<row>"``
+        so group-based estimators (GRPO, RLOO) can find the group. `prompts` itself is not modified.
 
         Args:
-            prompts: ``input_ids``, ``attention_mask`` [B, P] left-padded; non-tensor columns are carried along.
+            prompts: ``input_ids``, ``attention_mask`` [B, P] left-padded; non-tensor columns are carried along;
+                ``meta_info["global_steps"]`` (int, default 0) selects the random stream of this iteration.
             n: samples per prompt; temperature: overrides ``rollout.temperature`` (0 = greedy, e.g. validation).
+            stream: tag of the random stream, e.g. ``"train"`` or ``"val"`` (or ``"val-<batch>"`` for several
+                validation batches of one step).
 
         Returns:
             DataProto of B*n rows with the keys in the module docstring, plus every input non-tensor column and
@@ -91,17 +207,22 @@ class HFRollout:
         """
         n = self.config.n if n is None else n
         temperature = self.config.temperature if temperature is None else temperature
-        if "uid" not in prompts.non_tensor_batch:
-            prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
-        batch = prompts.repeat(n, interleave=True)
+        global_steps = int(prompts.meta_info.get("global_steps", 0))
+        batch = prompts.repeat(n, interleave=True)  # a new DataProto: adding a column below leaves `prompts` alone
+        if "uid" not in batch.non_tensor_batch:
+            rows = np.repeat(np.arange(len(prompts)), n)
+            batch.non_tensor_batch["uid"] = np.array([f"{stream}-{global_steps}-{i}" for i in rows], dtype=object)
         generation_config = self._generation_config(temperature)
         device = next(self.model.parameters()).device
+        rng_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
         was_training = self.model.training
         self.model.eval()
         parts = []
         try:
-            for micro in batch.split(self.config.micro_batch_size):
-                parts.append(self._generate_micro(micro, generation_config, device))
+            with torch.random.fork_rng(devices=rng_devices):
+                for i, micro in enumerate(batch.split(self.config.micro_batch_size)):
+                    torch.manual_seed(sampling_seed(self.seed, global_steps, stream, i))
+                    parts.append(self._generate_micro(micro, generation_config, device))
         finally:
             self.model.train(was_training)
         out = DataProto.concat(parts)
@@ -112,9 +233,10 @@ class HFRollout:
     def _generate_micro(self, micro: DataProto, generation_config: GenerationConfig, device) -> DataProto:
         prompt_ids = micro.batch["input_ids"].to(device)
         prompt_mask = micro.batch["attention_mask"].to(device)
-        output = self.model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
-        )
+        with autocast(device, self.compute_dtype):
+            output = self.model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+            )
         responses = output[:, prompt_ids.shape[1] :]
         t = self.config.response_length
         if responses.shape[1] < t:

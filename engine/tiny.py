@@ -64,7 +64,8 @@ def build_tiny_model(path: str | Path, seed: int = 0, hidden_size: int = 64, num
 
     Args:
         path: folder to create (overwritten files if it exists).
-        seed: torch seed for the random weights (same seed -> identical weights).
+        seed: torch seed for the random weights (same seed -> identical weights). The caller's global torch RNG
+            state is left as it was (the weights are drawn under `torch.random.fork_rng`).
         hidden_size: model width; heads have dim 16.
         num_layers: number of decoder layers.
 
@@ -86,8 +87,9 @@ def build_tiny_model(path: str | Path, seed: int = 0, hidden_size: int = 64, num
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):  # seed the weights without touching the caller's RNG stream
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     path.mkdir(parents=True, exist_ok=True)

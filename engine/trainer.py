@@ -3,6 +3,13 @@
 `SingleProcessTrainer.step` is one iteration of PPO-family training, with the same stage names the Prefect flow
 uses (generate, reward, old_log_prob, ref, values, adv, update_critic, update_actor). The algorithm (GRPO, RLOO,
 PPO with GAE) is configuration: it only decides which stages run and which estimator computes advantages.
+
+`fit` saves checkpoints (``trainer.save_freq``, and after the last iteration) and resumes from one
+(``trainer.resume_from``) exactly: weights, optimizer and LR-scheduler states, the prompt sampler's cursor and the
+in-reward KL coefficient are restored, so a resumed run produces the same iterations as an uninterrupted one.
+Mini-batch shuffling needs nothing saved (a pure function of the seed and the iteration number). The global RNG
+states (torch, CUDA, numpy, python) are saved and restored too, for anything that draws from them (e.g. a custom
+reward function); `validate` runs under a forked torch RNG so that it never shifts the training's random stream.
 """
 
 from __future__ import annotations
@@ -10,45 +17,26 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from hybridflow.engine.actor import Actor, RefPolicy
 from hybridflow.engine.advantage import build_kl_controller, compute_advantage
-from hybridflow.engine.config import DataConfig, HybridFlowConfig
-from hybridflow.engine.core_algos import masked_mean, uses_critic
-from hybridflow.engine.critic import Critic
-from hybridflow.engine.data import PromptDataset, PromptSampler, collate_prompts, load_rows, reasoning_gym_rows
-from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.checkpoint import (
+    CheckpointInfo,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from hybridflow.engine.config import HybridFlowConfig
+from hybridflow.engine.core_algos import masked_mean
+from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows, collate_prompts
 from hybridflow.engine.metrics import Timer, compute_data_metrics
-from hybridflow.engine.models import load_critic, load_model, load_tokenizer, pick_device, pick_dtype
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.rewards import RewardManager, load_reward_function
-from hybridflow.engine.rollout import HFRollout
+from hybridflow.engine.workers import build_roles, roles_for
 
 logger = logging.getLogger(__name__)
-
-
-def build_prompt_rows(data: DataConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Train and validation rows from ``data.train_files`` / ``data.val_files`` and ``data.reasoning_gym``.
-
-    reasoning-gym: one dataset of ``train_size + val_size`` items is generated; the first ``val_size`` are held
-    out for validation, and training items whose question also appears among them are dropped, so validation
-    measures prompts the actor never trained on.
-    """
-    train = [row for path in data.train_files for row in load_rows(path)]
-    val = [row for path in data.val_files for row in load_rows(path)]
-    if data.reasoning_gym is not None:
-        rg = data.reasoning_gym
-        kwargs = {"instruction": rg.instruction} if rg.instruction is not None else {}
-        rows = reasoning_gym_rows(rg.name, rg.train_size + rg.val_size, rg.seed, rg.config, **kwargs)
-        held_out = rows[: rg.val_size]
-        seen = {row["prompt"][-1]["content"] for row in held_out}
-        train += [row for row in rows[rg.val_size :] if row["prompt"][-1]["content"] not in seen]
-        val += held_out
-    return train, val
 
 
 class SingleProcessTrainer:
@@ -65,33 +53,17 @@ class SingleProcessTrainer:
     def __init__(self, config: HybridFlowConfig):
         self.config = cfg = config
         torch.manual_seed(cfg.trainer.seed)
-        if cfg.trainer.num_threads:
-            torch.set_num_threads(cfg.trainer.num_threads)
-        device = pick_device(cfg.trainer.device)
-        dtype = pick_dtype(cfg.model.dtype, device)
-        model_path = resolve_model_path(cfg.model.path)
-        self.tokenizer = load_tokenizer(model_path)
-
-        policy = load_model(model_path, dtype, device)
-        self.actor = Actor(policy, cfg.actor, cfg.rollout.n, cfg.trainer.seed)
-        self.rollout = HFRollout(policy, self.tokenizer, cfg.rollout)  # shares the actor's weights (colocated)
-        self.ref = None
-        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            self.ref = RefPolicy(load_model(model_path, dtype, device), cfg.ref.log_prob_micro_batch_size)
-        self.critic = None
-        if uses_critic(cfg.algorithm.adv_estimator):
-            critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)
-            self.critic = Critic(load_critic(critic_path, dtype, device), cfg.critic, cfg.rollout.n, cfg.trainer.seed)
+        roles = build_roles(cfg, roles_for(cfg))
+        self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
+        self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         self.kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
-
-        custom = load_reward_function(cfg.reward.custom_function) if cfg.reward.custom_function else None
-        self.reward_fn = RewardManager(self.tokenizer, custom)
 
         train_rows, val_rows = build_prompt_rows(cfg.data)
         self.train_dataset = PromptDataset(train_rows, self.tokenizer, cfg.data.max_prompt_length)
         self.val_dataset = PromptDataset(val_rows, self.tokenizer, cfg.data.max_prompt_length) if val_rows else None
         self.sampler = PromptSampler(self.train_dataset, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         self.global_steps = 0
+        self.checkpoints: list[CheckpointInfo] = []  # saved by this trainer, in order
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> dict[str, float]:
@@ -147,10 +119,14 @@ class SingleProcessTrainer:
             return {}
         per_source: dict[str, dict[str, list[float]]] = {}
         size = self.config.data.val_batch_size
-        for start in range(0, len(self.val_dataset), size):
+        for batch_index, start in enumerate(range(0, len(self.val_dataset), size)):
             items = [self.val_dataset[i] for i in range(start, min(start + size, len(self.val_dataset)))]
             prompts = collate_prompts(items, self.tokenizer)
-            out = self.rollout.generate_sequences(prompts, n=1, temperature=self.config.rollout.val_temperature)
+            prompts.meta_info["global_steps"] = self.global_steps
+            # its own random stream: sampled validation never shifts training's samples
+            out = self.rollout.generate_sequences(
+                prompts, n=1, temperature=self.config.rollout.val_temperature, stream=f"val-{batch_index}"
+            )
             scores, extras = self.reward_fn(out)
             score = scores.sum(-1).tolist()
             acc = extras["acc"].tolist() if "acc" in extras else score
@@ -164,17 +140,109 @@ class SingleProcessTrainer:
             for name, values in bucket.items()
         }
 
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``trainer.checkpoint_dir``, by default ``<output_dir>/<experiment_name>/checkpoints``."""
+        cfg = self.config.trainer
+        if cfg.checkpoint_dir:
+            return Path(cfg.checkpoint_dir)
+        return Path(cfg.output_dir) / cfg.experiment_name / "checkpoints"
+
+    def save_checkpoint(self) -> CheckpointInfo:
+        """Save ``<checkpoint_dir>/global_step_<global_steps>/`` atomically (`hybridflow.engine.checkpoint`):
+        actor (and critic) weights in Hugging Face layout with their optimizer and scheduler states, the tokenizer,
+        the sampler cursor, the KL coefficient and the RNG states. The frozen reference policy is not saved: it is
+        rebuilt from ``model.path``.
+
+        Returns:
+            The new checkpoint's `CheckpointInfo` (also appended to ``self.checkpoints``).
+
+        Raises:
+            FileExistsError: that checkpoint folder already exists.
+        """
+        trainer_state = {
+            "global_steps": self.global_steps,
+            "sampler": self.sampler.state_dict(),
+            "kl_ctrl_value": self.kl_ctrl.value if self.kl_ctrl is not None else None,
+        }
+        critic = self.critic
+        info = save_checkpoint(
+            self.checkpoint_dir,
+            self.global_steps,
+            actor_model=self.actor.model,
+            actor_optimizer=self.actor.optimizer,
+            actor_scheduler=self.actor.lr_scheduler,
+            tokenizer=self.tokenizer,
+            trainer_state=trainer_state,
+            critic_model=critic.model if critic else None,
+            critic_optimizer=critic.optimizer if critic else None,
+            critic_scheduler=critic.lr_scheduler if critic else None,
+        )
+        self.checkpoints.append(info)
+        logger.info("saved checkpoint %s (%d bytes, manifest sha256 %s)", info.path, info.bytes, info.sha256)
+        return info
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore the state saved by `save_checkpoint` from folder `path` (verified against its manifest first):
+        weights, optimizer and scheduler states, RNG states, ``global_steps``, the sampler cursor and the KL
+        coefficient. The next `step` then produces what the interrupted run's next iteration would have.
+
+        Raises:
+            FileNotFoundError: `path` does not exist.
+            hybridflow.engine.checkpoint.CheckpointError: the checkpoint is incomplete or corrupt, or does not fit
+                this configuration (other model, or a critic the checkpoint lacks); the message says which.
+        """
+        critic = self.critic
+        state = load_checkpoint(
+            path,
+            actor_model=self.actor.model,
+            actor_optimizer=self.actor.optimizer,
+            actor_scheduler=self.actor.lr_scheduler,
+            critic_model=critic.model if critic else None,
+            critic_optimizer=critic.optimizer if critic else None,
+            critic_scheduler=critic.lr_scheduler if critic else None,
+        )
+        self.global_steps = int(state["global_steps"])
+        self.sampler.load_state_dict(state["sampler"])
+        kl_value = state.get("kl_ctrl_value")
+        if self.kl_ctrl is not None:
+            if kl_value is None:
+                logger.warning("checkpoint %s has no KL coefficient; keeping %s", path, self.kl_ctrl.value)
+            else:
+                self.kl_ctrl.value = float(kl_value)
+        logger.info("resumed from %s at global step %d", path, self.global_steps)
+
+    def _resume_path(self) -> Path | None:
+        resume_from = self.config.trainer.resume_from
+        if resume_from is None:
+            return None
+        if resume_from == "auto":
+            path = latest_checkpoint(self.checkpoint_dir)
+            if path is None:
+                logger.info("trainer.resume_from=auto: no checkpoint in %s; starting from scratch", self.checkpoint_dir)
+            return path
+        return Path(resume_from)
+
     # ------------------------------------------------------------------ the run
     def fit(self, log=print) -> list[dict[str, float]]:
-        """Validate (``trainer.val_before_train``), run ``trainer.total_iterations`` iterations, validating every
-        ``trainer.test_freq`` iterations and after the last; append every record to
-        ``<trainer.output_dir>/<trainer.experiment_name>/metrics.jsonl``.
+        """Resume (``trainer.resume_from``) or validate (``trainer.val_before_train``; skipped when resuming), run
+        iterations until ``global_steps`` reaches ``trainer.total_iterations``, validating every ``trainer.test_freq``
+        iterations and after the last, and saving a checkpoint every ``trainer.save_freq`` iterations and after the
+        last (`save_checkpoint`; logged, and listed in ``self.checkpoints``). Every record is appended to
+        ``<trainer.output_dir>/<trainer.experiment_name>/metrics.jsonl`` before the checkpoint of its iteration is
+        written, so after a crash and resume the iterations past the checkpoint appear there twice.
 
         Args:
             log: called with each record (a dict with ``step`` and the metrics).
 
         Returns:
-            the records, in order.
+            the records of this call, in order.
+
+        Raises:
+            FileExistsError: ``trainer.checkpoint_dir`` already holds checkpoints past the starting step (another
+                run's, or this one's when resuming from an older checkpoint); checked before any iteration runs.
+            hybridflow.engine.checkpoint.CheckpointError: the checkpoint to resume from is incomplete or corrupt.
         """
         cfg = self.config.trainer
         out_dir = Path(cfg.output_dir) / cfg.experiment_name
@@ -188,14 +256,27 @@ class SingleProcessTrainer:
                 f.write(json.dumps(record) + "\n")
             log(record)
 
-        if cfg.val_before_train and self.val_dataset is not None:
+        resume = self._resume_path()
+        if resume is not None:
+            self.load_checkpoint(resume)
+        later = [str(path) for step, path in list_checkpoints(self.checkpoint_dir) if step > self.global_steps]
+        if later:
+            hint = "set trainer.resume_from=auto to continue from the latest" if resume is None else "move them away"
+            raise FileExistsError(
+                f"{self.checkpoint_dir} already holds checkpoints past step {self.global_steps} ({', '.join(later)}), "
+                f"which this run would mix with its own: {hint}, or choose another trainer.checkpoint_dir or "
+                "trainer.experiment_name"
+            )
+        if resume is None and cfg.val_before_train and self.val_dataset is not None:
             emit(self.validate())
-        for it in range(cfg.total_iterations):
+        while self.global_steps < cfg.total_iterations:
             metrics = self.step()
-            last = it == cfg.total_iterations - 1
+            last = self.global_steps == cfg.total_iterations
             if self.val_dataset is not None and (last or (cfg.test_freq and self.global_steps % cfg.test_freq == 0)):
                 metrics.update(self.validate())
             emit(metrics)
+            if last or (cfg.save_freq and self.global_steps % cfg.save_freq == 0):
+                self.save_checkpoint()  # logged, and listed in self.checkpoints (records stay metrics only)
         return records
 
 

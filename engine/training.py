@@ -1,14 +1,16 @@
-"""Pieces shared by the actor and critic updates: optimizer, LR schedule, mini-batches, the optimizer step."""
+"""Pieces shared by the actor and critic updates: optimizer, LR schedule, mini-batches, micro-batch loss weights,
+the optimizer step, metric averaging."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
 from hybridflow.engine.config import OptimConfig
+from hybridflow.engine.core_algos import AGG_LOSS_MODES
 from hybridflow.engine.protocol import DataProto
 
 
@@ -50,6 +52,43 @@ def mini_batches(
         yield from shuffled.split(mini_batch_size)
 
 
+def micro_batch_weights(micros: Sequence[DataProto], loss_agg_mode: str) -> list[float]:
+    """Weights that turn per-micro-batch losses into the loss of their whole mini-batch.
+
+    Each micro-batch loss is aggregated over the micro-batch alone (`core_algos.agg_loss`); backpropagating
+    ``sum_i w_i * loss_i`` accumulates the gradient of the mini-batch loss aggregated in one piece when
+
+    - ``"token-mean"`` (a mean over tokens): ``w_i`` = response tokens of micro-batch i / response tokens of the
+      mini-batch (``response_mask`` sums), so every token weighs the same however the batch is split;
+    - ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"`` (means over the sequences that have a response token):
+      ``w_i`` = such sequences in micro-batch i / such sequences in the mini-batch (= ``len(micro) / len(mini)``
+      for rollout batches, where every response has at least one token);
+    - ``"seq-mean-token-sum-norm"`` (a token sum over the constant ``B * T``): ``w_i = len(micro) / len(mini)``.
+
+    A mini-batch with no response token at all gets weights 0 (its losses are 0 in every mode).
+
+    Args:
+        micros: the micro-batches of one mini-batch, each with ``response_mask`` [b_i, T] (0/1).
+        loss_agg_mode: one of `core_algos.AGG_LOSS_MODES` (``actor.loss_agg_mode`` / ``critic.loss_agg_mode``).
+
+    Returns:
+        One float per micro-batch, summing to 1 (or all 0, see above).
+
+    Raises:
+        ValueError: unknown `loss_agg_mode` (lists the allowed values).
+    """
+    if loss_agg_mode not in AGG_LOSS_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; allowed: {list(AGG_LOSS_MODES)}")
+    if loss_agg_mode == "token-mean":
+        counts = [float((m.batch["response_mask"] != 0).sum()) for m in micros]
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        counts = [float(len(m)) for m in micros]
+    else:
+        counts = [float((m.batch["response_mask"] != 0).any(dim=-1).sum()) for m in micros]
+    total = sum(counts)
+    return [c / total if total > 0 else 0.0 for c in counts]
+
+
 def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -78,8 +117,22 @@ class MetricLog:
         self._values: dict[str, list[float]] = defaultdict(list)
 
     def add(self, **values: float | torch.Tensor) -> None:
+        """Record one value per keyword: ``log.add(pg_loss=loss, lr=1e-6)``.
+
+        Args:
+            values: metric name -> a Python number or a one-element tensor (detached and moved to a float).
+
+        Raises:
+            ValueError: a tensor with more than one element, or a string ``float()`` cannot parse. TypeError: a value
+                of another type that ``float()`` rejects.
+        """
         for name, value in values.items():
             self._values[name].append(float(value.detach()) if isinstance(value, torch.Tensor) else float(value))
 
     def mean(self, prefix: str) -> dict[str, float]:
+        """The unweighted mean of every name's recorded values, keyed ``"<prefix>/<name>"`` (e.g. ``actor/pg_loss``).
+
+        Returns:
+            name -> float, in first-recorded order; empty when nothing was recorded.
+        """
         return {f"{prefix}/{k}": float(np.mean(v)) for k, v in self._values.items()}

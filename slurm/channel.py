@@ -166,5 +166,11 @@ class WorkerConnection:
                 return message
             logger.warning("worker %s dropped an unauthenticated message", self.identity)
 
+    def monitor(self) -> zmq.Socket:
+        """A socket that receives this connection's events (connected, disconnected, ...)."""
+        return self._sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
+
     def close(self) -> None:
         self._sock.close()

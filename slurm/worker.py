@@ -15,9 +15,13 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from hybridflow.engine.dispatch import Dispatch, registered_methods
 from hybridflow.engine.imports import load_object
@@ -42,6 +46,7 @@ class Bootstrap:
     secret_path: str
     data_dir: str
     heartbeat_interval_s: float = 1.0
+    orphan_grace_s: float = 10.0
     backend: str = "gloo"
     env: dict[str, str] = field(default_factory=dict)
 
@@ -68,11 +73,26 @@ def encode_args(obj: Any) -> Any:
     return obj
 
 
-def _heartbeats(address: str, identity: str, signer: Signer, interval: float, stop: threading.Event) -> None:
+def _heartbeats(
+    address: str, identity: str, signer: Signer, interval: float, stop: threading.Event, orphan_grace_s: float
+) -> None:
+    """Beat every `interval` seconds; exit the process if the controller's connection stays lost for
+    `orphan_grace_s` (the controller died: nobody will call or shut down this rank)."""
     conn = WorkerConnection(address, identity, signer)
+    monitor = conn.monitor()
+    lost_since: float | None = None
     try:
         while not stop.wait(interval):
             conn.send({"type": "heartbeat"})
+            while monitor.poll(0):
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    lost_since = lost_since or time.monotonic()
+                elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                    lost_since = None
+            if lost_since is not None and time.monotonic() - lost_since > orphan_grace_s:
+                logger.error("%s lost its controller for %.0f s; exiting", identity, orphan_grace_s)
+                os._exit(3)
     finally:
         conn.close()
 
@@ -97,7 +117,7 @@ def serve(boot: Bootstrap) -> None:
     stop = threading.Event()
     beat = threading.Thread(
         target=_heartbeats,
-        args=(boot.controller_address, f"{identity}/hb", signer, boot.heartbeat_interval_s, stop),
+        args=(boot.controller_address, f"{identity}/hb", signer, boot.heartbeat_interval_s, stop, boot.orphan_grace_s),
         daemon=True,
     )
     beat.start()

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -214,10 +216,9 @@ class WorkerGroup:
 
     def _gather(self, mode: Dispatch, results: dict[int, Any], args: tuple) -> Any:
         ordered = [decode_args(results[r]) for r in sorted(results)]
-        if mode is Dispatch.DP_COMPUTE_PROTO:
-            parts = [r[PART_KEY] for r in ordered]
-            return DataHandle.from_parts(parts, meta_info=args[0].meta_info)
-        ordered = [self._part_to_handle(r) for r in ordered]
+        if mode is Dispatch.DP_COMPUTE_PROTO and all(isinstance(r, dict) and set(r) == {PART_KEY} for r in ordered):
+            return DataHandle.from_parts([r[PART_KEY] for r in ordered], meta_info=args[0].meta_info)
+        ordered = [self._part_to_handle(r) for r in ordered]  # e.g. per-rank metrics of a DP update
         return ordered[0] if mode is Dispatch.RANK_ZERO else ordered
 
     @staticmethod
@@ -317,8 +318,12 @@ class WorkerGroup:
             "executor": self.spec.executor,
             "slurm_job_id": self.job_id if self.spec.executor == "slurm" else None,
             "hosts": [self.ranks[r].host for r in sorted(self.ranks)],
-            "pids": [self.ranks[r].pid for r in sorted(self.ranks)],
         }
+
+    @property
+    def pids(self) -> list[int]:
+        """Process id of each rank, in rank order."""
+        return [self.ranks[r].pid for r in sorted(self.ranks)]
 
     # ------------------------------------------------------------------ stop
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -333,7 +338,11 @@ class WorkerGroup:
         while not self._job.done() and time.monotonic() < deadline:
             time.sleep(0.1)
         if not self._job.done():
-            self._job.cancel()
+            self._job.cancel(check=False)
+            if self.spec.executor == "local":  # submitit's local launcher ignores the first SIGTERM
+                for pid in self.pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
         self._endpoint.close()
 
     def __enter__(self) -> WorkerGroup:

@@ -21,3 +21,27 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A real Prefect server for the session, started and stopped by `hybridflow.cli.server` (as `hf run` does),
+    on a free port with its database in a temporary HYBRIDFLOW_HOME; the test process's client points at it."""
+    import socket
+
+    from hybridflow.cli import server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path_factory.mktemp("prefect_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HYBRIDFLOW_HOME", str(home))
+    info = server.start(port=port)
+    assert server.status() is not None, "hf server status does not see the server it started"
+    mp.undo()  # the rest of the session keeps its own HYBRIDFLOW_HOME (e.g. the prepared SmolLM2)
+    server.use_server(info.api_url)
+    yield info.api_url
+    mp.setenv("HYBRIDFLOW_HOME", str(home))
+    assert server.stop()
+    mp.undo()

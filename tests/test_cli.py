@@ -38,22 +38,42 @@ def test_models_prepare_unknown_name():
     assert "smollm2" in result.stdout + result.stderr
 
 
-def test_run_example_writes_metrics(tmp_path):
-    out = tmp_path / "outputs"
+def test_run_then_query_history(tmp_path, prefect_api):
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    env = {"HYBRIDFLOW_HOME": str(tmp_path / "home")}
     result = _hf(
         "run",
         "examples/grpo_tiny.yaml",
         "-o",
-        f"trainer.output_dir={out}",
+        f"trainer.output_dir={tmp_path / 'out'}",
         "-o",
         "trainer.total_iterations=1",
-        env_extra={"HYBRIDFLOW_HOME": str(tmp_path / "home")},
+        "--db",
+        db,
+        "--prefect-api",
+        prefect_api,
+        env_extra=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    records = [json.loads(line) for line in (out / "grpo_tiny" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1]
-    assert "actor/pg_loss" in records[1] and "val/reasoning_gym/basic_arithmetic/acc" in records[0]
-    assert "step 1" in result.stdout
+    run_id = result.stdout.split("run ", 1)[1].split()[0]
+    assert f"{prefect_api.removesuffix('/api')}/runs/flow-run/" in result.stdout  # the UI link of the flow run
+    assert "step 1" in result.stdout and "completed" in result.stdout
+    listed = _hf("runs", "list", "--db", db, env_extra=env)
+    assert run_id in listed.stdout and "completed" in listed.stdout and "1/1" in listed.stdout
+    shown = _hf("runs", "show", run_id, "--db", db, env_extra=env)
+    assert shown.returncode == 0 and "actor_rollout_ref" in shown.stdout and "global_step_1" in shown.stdout
+    exported = _hf("runs", "metrics", run_id, "--name", "actor/pg_loss", "--format", "json", "--db", db)
+    points = json.loads(exported.stdout)
+    assert [(p["step"], p["name"]) for p in points] == [(1, "actor/pg_loss")]
+    unknown = _hf("runs", "show", "run-nope", "--db", db)
+    assert unknown.returncode == 2 and "hf runs list" in unknown.stdout
+
+
+def test_other_subcommands_go_to_huggingface_hub():
+    result = _hf("download", "--help")
+    assert result.returncode == 0 and "repo" in result.stdout.lower()  # huggingface_hub's download command
+    ours = _hf("models", "prepare", "--help")
+    assert ours.returncode == 0 and "embedded model" in ours.stdout
 
 
 def test_run_bad_key_names_it(tmp_path):

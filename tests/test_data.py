@@ -207,7 +207,7 @@ def test_collate_left_pads(tiny_tokenizer):
     assert batch.non_tensor_batch["raw_prompt"][1] == rows[1]["prompt"]
     assert batch.non_tensor_batch["reward_model"][2] == {"style": "rule", "ground_truth": "6"}
     columns = {"data_source", "reward_model", "extra_info", "ability", "raw_prompt", "index"}
-    assert set(batch.non_tensor_batch) == columns
+    assert set(batch.non_tensor_batch) == columns  # no uid: the sampler (or the rollout) adds it
     assert all(v.dtype == object and len(v) == 3 for v in batch.non_tensor_batch.values())
 
 
@@ -222,6 +222,10 @@ def dataset(tiny_tokenizer):
 
 def _indices(batch):
     return [int(i) for i in batch.non_tensor_batch["index"]]
+
+
+def _uids(batch):
+    return list(batch.non_tensor_batch["uid"])
 
 
 def test_sampler_epoch_order_and_dropped_tail(dataset):
@@ -248,6 +252,11 @@ def test_sampler_epoch_order_and_dropped_tail(dataset):
         {"epoch": 1, "cursor": 4},
         {"epoch": 2, "cursor": 0},
     ]
+    # each row's uid is "<epoch>-<position in the epoch's order>": unique across batches and epochs
+    uids = [list(b.non_tensor_batch["uid"]) for b in batches]
+    assert uids[1] == ["0-4", "0-5", "0-6", "0-7"] and uids[2] == ["1-0", "1-1", "1-2", "1-3"]
+    assert len({u for batch_uids in uids for u in batch_uids}) == 5 * 4
+    assert all(b.non_tensor_batch["uid"].dtype == object for b in batches)
     # the batch's input_ids are the dataset's token ids of those rows
     first = batches[0]
     for b, j in enumerate(_indices(first)):
@@ -277,13 +286,15 @@ def test_sampler_no_shuffle_and_errors(dataset):
 def test_sampler_resume_matches_uninterrupted(dataset, batch_size, seed, stop, shuffle):
     total = 14  # more than one epoch for every batch size, so the resume point can sit across an epoch boundary
     reference = PromptSampler(dataset, batch_size, seed, shuffle)
-    expected = [(_indices(b), b.meta_info) for b in (reference.next_batch() for _ in range(total))]
+    expected = [(_indices(b), _uids(b), b.meta_info) for b in (reference.next_batch() for _ in range(total))]
 
     first = PromptSampler(dataset, batch_size, seed, shuffle)
-    got = [(_indices(b), b.meta_info) for b in (first.next_batch() for _ in range(stop))]
+    got = [(_indices(b), _uids(b), b.meta_info) for b in (first.next_batch() for _ in range(stop))]
     state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint would store it
     resumed = PromptSampler(dataset, batch_size, seed=seed + 1, shuffle=shuffle)  # saved seed wins
     resumed.load_state_dict(state)
-    got += [(_indices(b), b.meta_info) for b in (resumed.next_batch() for _ in range(total - stop))]
-    assert got == expected
-    assert len({e["epoch"] for _, e in expected}) > 1
+    got += [(_indices(b), _uids(b), b.meta_info) for b in (resumed.next_batch() for _ in range(total - stop))]
+    assert got == expected  # the same prompts with the same uids
+    assert len({e["epoch"] for _, _, e in expected}) > 1
+    all_uids = [u for _, uids, _ in expected for u in uids]
+    assert len(set(all_uids)) == len(all_uids)  # unique over the whole run

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.testing import assert_close
-from transformers import AutoModelForTokenClassification
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from hybridflow.engine.models import (
     compute_log_probs,
     compute_values,
+    forward_response_logits,
     load_critic,
     load_model,
     load_tokenizer,
@@ -22,6 +23,7 @@ from hybridflow.engine.models import (
     pick_dtype,
 )
 from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.tiny import build_tiny_model
 
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "Solve it step by step.", "2 + 2"]
 ANSWERS = ["The answer is 7.", "Hello there, how can I help you today? I am a", "7", "#### 42", ""]
@@ -193,3 +195,67 @@ def test_pick_device():
 def test_pick_device_cuda_without_cuda_names_the_key():
     with pytest.raises(ValueError, match=r"trainer\.device"):
         pick_device("cuda")
+
+
+# ------------------------------------------------------------------------------------------------------- precision
+
+
+def test_trained_models_keep_fp32_weights_frozen_ones_take_the_dtype(tiny_model_dir):
+    for trainable_model in (load_model(tiny_model_dir, torch.bfloat16), load_critic(tiny_model_dir, torch.bfloat16)):
+        assert {p.dtype for p in trainable_model.parameters()} == {torch.float32}
+    frozen = load_model(tiny_model_dir, torch.bfloat16, trainable=False)
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+
+
+def test_bf16_compute_runs_under_autocast(model, batch):
+    # CPU autocast supports bf16, so the CUDA path (fp32 weights, bf16 matmuls) runs here too
+    plain = forward_response_logits(model, batch)
+    cast = forward_response_logits(model, batch, compute_dtype=torch.bfloat16)
+    assert plain.dtype == torch.float32 and cast.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.equal(forward_response_logits(model, batch, compute_dtype=torch.float32), plain)  # fp32: no cast
+    log_probs, _ = compute_log_probs(model, batch, micro_batch_size=3, compute_dtype=torch.bfloat16)
+    reference, _ = compute_log_probs(model, batch, micro_batch_size=3)
+    assert log_probs.dtype == torch.float32
+    assert_close(masked(log_probs, batch), masked(reference, batch), atol=0.05, rtol=0)
+    assert (masked(log_probs - reference, batch).abs() > 0).any()  # bf16 rounding: really another compute path
+
+
+# --------------------------------------------------------------------------------------------------------- dropout
+
+
+def test_config_dropout_is_off_in_train_mode(tiny_model_dir, batch, tmp_path):
+    # attention_dropout is applied functionally in train mode (no nn.Dropout module to zero)
+    source = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    source.config.attention_dropout = 0.5
+    source.save_pretrained(tmp_path / "dropout")
+    model = load_model(tmp_path / "dropout").train()
+    assert model.config.attention_dropout == 0.0
+    torch.manual_seed(0)
+    train_mode, _ = compute_log_probs(model, batch, micro_batch_size=len(batch))
+    model.eval()
+    eval_mode, _ = compute_log_probs(model, batch, micro_batch_size=len(batch))
+    assert torch.equal(train_mode, eval_mode)
+
+    critic = load_critic(tmp_path / "dropout").train()
+    assert critic.config.attention_dropout == 0.0 and critic.config.num_labels == 1
+    with torch.no_grad():
+        critic.score.weight.normal_(generator=torch.Generator().manual_seed(0))
+    train_values = compute_values(critic, batch, micro_batch_size=len(batch))
+    critic.eval()
+    assert torch.equal(train_values, compute_values(critic, batch, micro_batch_size=len(batch)))
+
+
+# ------------------------------------------------------------------------------------------------------ tiny model
+
+
+def test_build_tiny_model_leaves_the_global_rng_alone(tmp_path):
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    build_tiny_model(tmp_path / "a", seed=0)
+    assert torch.equal(torch.rand(4), expected)
+    # and the weights still depend only on the seed
+    build_tiny_model(tmp_path / "b", seed=0)
+    a, b = load_model(tmp_path / "a"), load_model(tmp_path / "b")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))

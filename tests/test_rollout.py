@@ -109,8 +109,8 @@ def test_generate_sequences_layout(tiny_model_dir, tokenizer):
     b, p, n, t = len(QUESTIONS), prompt_ids.shape[1], 3, 8
 
     rollout = HFRollout(model, tokenizer, RolloutConfig(n=n, response_length=t, micro_batch_size=4))
-    torch.manual_seed(0)
     out = rollout.generate_sequences(prompts)
+    assert set(prompts.non_tensor_batch) == {"data_source", "extra"}  # the caller's batch is not modified
 
     assert set(out.batch.keys()) == KEYS
     shapes = {k: tuple(v.shape) for k, v in out.batch.items()}
@@ -131,8 +131,7 @@ def test_generate_sequences_layout(tiny_model_dir, tokenizer):
     assert torch.equal(out.batch["position_ids"], (out.batch["attention_mask"].cumsum(-1) - 1).clamp(min=0))
 
     uid = out.non_tensor_batch["uid"]
-    assert len(set(uid[0:3])) == 1 and len(set(uid[3:6])) == 1 and len(set(uid[6:9])) == 1
-    assert len({uid[0], uid[3], uid[6]}) == 3
+    assert list(uid) == ["train-3-0"] * 3 + ["train-3-1"] * 3 + ["train-3-2"] * 3  # made from the row, no uid given
     assert list(out.non_tensor_batch["data_source"]) == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
     assert [e["k"] for e in out.non_tensor_batch["extra"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert out.meta_info["temperature"] == 1.0 and out.meta_info["global_steps"] == 3
@@ -149,9 +148,11 @@ def test_generate_sequences_layout(tiny_model_dir, tokenizer):
     # samples differ (temperature 1.0)
     assert not torch.equal(responses[0], responses[1])
 
-    # a uid already present is kept
-    again = rollout.generate_sequences(prompts, n=2)
-    assert list(again.non_tensor_batch["uid"]) == [uid[0], uid[0], uid[3], uid[3], uid[6], uid[6]]
+    # a uid already present (as PromptSampler sets it) is kept
+    with_uid = DataProto(prompts.batch, {**prompts.non_tensor_batch, "uid": ["0-7", "0-8", "0-9"]}, prompts.meta_info)
+    again = rollout.generate_sequences(with_uid, n=2)
+    assert list(again.non_tensor_batch["uid"]) == ["0-7", "0-7", "0-8", "0-8", "0-9", "0-9"]
+    assert list(with_uid.non_tensor_batch["uid"]) == ["0-7", "0-8", "0-9"]
 
 
 def test_greedy_is_padding_invariant_and_argmax(sharpened_dir, tokenizer):
@@ -189,14 +190,12 @@ def test_top_k_1_sampling_equals_greedy(sharpened_dir, tokenizer):
     model = load_model(sharpened_dir)
     prompts = prompt_batch(tokenizer, QUESTIONS)
     expected = greedy(model, tokenizer, prompts, 8).batch["responses"]
-    rollout = HFRollout(model, tokenizer, RolloutConfig(n=2, response_length=8, micro_batch_size=8, top_k=1))
-    torch.manual_seed(1)
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=2, response_length=8, micro_batch_size=8, top_k=1), seed=1)
     sampled = rollout.generate_sequences(prompts, temperature=1.0)
     assert sampled.meta_info["temperature"] == 1.0
     assert torch.equal(sampled.batch["responses"], expected.repeat_interleave(2, dim=0))
     # without top_k the same seed does not reproduce greedy (the sampler really samples)
-    rollout = HFRollout(model, tokenizer, RolloutConfig(n=2, response_length=8, micro_batch_size=8))
-    torch.manual_seed(1)
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=2, response_length=8, micro_batch_size=8), seed=1)
     assert not torch.equal(rollout.generate_sequences(prompts).batch["responses"], expected.repeat_interleave(2, 0))
 
 
@@ -208,3 +207,102 @@ def test_training_mode_restored(tiny_model_dir, tokenizer, training):
     rollout.generate_sequences(prompt_batch(tokenizer, QUESTIONS[:2]))
     assert model.training is training
     assert all(m.training is training for m in model.modules())
+
+
+# ------------------------------------------------------------------------------------------- sampling distribution
+
+
+def _effective_processors(model, generation_config, prompt_length: int):
+    """The logits processors ``generate`` would build: the config after transformers fills in its None fields from
+    ``model.generation_config`` and the global defaults, then its processor list."""
+    effective, _ = model._prepare_generation_config(generation_config)
+    return effective, model._get_logits_processor(effective, input_ids_seq_length=prompt_length, device="cpu")
+
+
+def test_model_generation_config_does_not_leak_into_sampling(tiny_model_dir, tokenizer):
+    model = load_model(tiny_model_dir)
+    # what a chat model's generation_config.json may ship; none of it may reach the rollout's sampler
+    model.generation_config.update(
+        do_sample=True,
+        top_k=50,
+        top_p=0.8,
+        temperature=0.7,
+        repetition_penalty=1.3,
+        no_repeat_ngram_size=2,
+        min_p=0.1,
+        typical_p=0.5,
+        suppress_tokens=[7],
+    )
+    prompt_ids = prompt_batch(tokenizer, QUESTIONS).batch["input_ids"]
+    scores = torch.randn(len(QUESTIONS), model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+
+    rollout = HFRollout(model, tokenizer, RolloutConfig(top_k=0, top_p=1.0))
+    effective, processors = _effective_processors(model, rollout._generation_config(1.0), prompt_ids.shape[1])
+    assert effective.do_sample and effective.top_k == 0 and effective.top_p == 1.0 and effective.temperature == 1.0
+    assert effective.repetition_penalty == 1.0 and effective.no_repeat_ngram_size == 0
+    names = {type(p).__name__ for p in processors}
+    assert not names & {"TopKLogitsWarper", "TopPLogitsWarper", "TemperatureLogitsWarper", "TypicalLogitsWarper"}
+    # whatever transformers lists, the scores reach the sampler unchanged: it draws from softmax(logits)
+    assert torch.equal(processors(prompt_ids, scores.clone()), scores)
+
+    # greedy (validation): only the argmax, no penalty or n-gram ban from the model's config
+    effective, processors = _effective_processors(model, rollout._generation_config(0.0), prompt_ids.shape[1])
+    assert not effective.do_sample and effective.num_beams == 1
+    assert torch.equal(processors(prompt_ids, scores.clone()), scores)
+
+    # the configured options are applied, and only they: softmax(logits / 0.5) cut to the top 5, renormalised, cut
+    # to the smallest prefix with mass >= 0.6
+    rollout = HFRollout(model, tokenizer, RolloutConfig(top_k=5, top_p=0.6))
+    _, processors = _effective_processors(model, rollout._generation_config(0.5), prompt_ids.shape[1])
+    warped = processors(prompt_ids, scores.clone())
+    for row in range(len(QUESTIONS)):
+        top = (scores[row] / 0.5).topk(5)
+        probs = torch.softmax(top.values, dim=-1)
+        keep = int((probs.cumsum(0) - probs < 0.6).sum())
+        kept = set(top.indices[:keep].tolist())
+        assert 1 <= keep < 5
+        assert {i for i in range(scores.shape[1]) if torch.isfinite(warped[row, i])} == kept
+        assert torch.allclose(warped[row, list(kept)], scores[row, list(kept)] / 0.5)
+
+
+def test_generation_option_without_off_value_is_refused(tiny_model_dir, tokenizer):
+    model = load_model(tiny_model_dir)
+    model.generation_config.forced_bos_token_id = 5
+    with pytest.raises(ValueError, match=r"forced_bos_token_id.*generation_config\.json"):
+        HFRollout(model, tokenizer, RolloutConfig())
+
+
+# ------------------------------------------------------------------------------------------------ seeded sampling
+
+
+def _sample(rollout: HFRollout, prompts: DataProto, global_steps: int, **kwargs) -> torch.Tensor:
+    batch = DataProto(prompts.batch, prompts.non_tensor_batch, {"global_steps": global_steps})
+    return rollout.generate_sequences(batch, **kwargs).batch["responses"]
+
+
+def test_sampling_is_a_function_of_seed_step_and_stream(tiny_model_dir, tokenizer):
+    config = RolloutConfig(n=2, response_length=6, micro_batch_size=4)
+    prompts = prompt_batch(tokenizer, QUESTIONS)
+    rollout = HFRollout(load_model(tiny_model_dir), tokenizer, config, seed=11)
+    torch.manual_seed(0)
+    first = _sample(rollout, prompts, global_steps=4)
+
+    # the global RNG neither influences the samples nor is advanced by them
+    torch.rand(1000)  # what the rest of an iteration might consume
+    state = torch.get_rng_state()
+    again = _sample(rollout, prompts, global_steps=4)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(again, first)
+
+    # a "resumed run": a fresh rollout on freshly loaded weights, a different global RNG history, same step
+    resumed = HFRollout(load_model(tiny_model_dir), tokenizer, config, seed=11)
+    torch.manual_seed(12345)
+    assert torch.equal(_sample(resumed, prompts, global_steps=4), first)
+
+    # another step, stream or seed draws other samples
+    assert not torch.equal(_sample(rollout, prompts, global_steps=5), first)
+    assert not torch.equal(_sample(rollout, prompts, global_steps=4, stream="val"), first)
+    other_seed = HFRollout(rollout.model, tokenizer, config, seed=12)
+    assert not torch.equal(_sample(other_seed, prompts, global_steps=4), first)
+    # micro-batches of one call get different seeds: the two samples of each prompt differ
+    assert all(not torch.equal(first[2 * i], first[2 * i + 1]) for i in range(len(QUESTIONS)))

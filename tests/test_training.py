@@ -1,7 +1,8 @@
 """Tests for the PPO updates: hybridflow.engine.actor (Actor, RefPolicy), critic (Critic) and training.
 
 Batches come from HFRollout on the real tiny model (seeded); ``old_log_probs`` from `Actor.compute_log_prob` on the
-weights that generated them (on-policy), and random but fixed advantages.
+weights that generated them (on-policy), and random but fixed advantages. The responses have different lengths,
+so a wrong weighting of micro-batches in the token-mean loss shows up in the gradients.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hybridflow.engine.critic import Critic
 from hybridflow.engine.models import load_critic, load_model, load_tokenizer
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout import HFRollout
-from hybridflow.engine.training import build_optimizer, mini_batches, optimizer_step
+from hybridflow.engine.training import build_optimizer, micro_batch_weights, mini_batches, optimizer_step
 
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "Solve it step by step."]
 N = 2  # responses per prompt: batches hold 8 sequences
@@ -38,11 +39,13 @@ def rollout_batch(tiny_model_dir) -> DataProto:
     ]
     enc = tokenizer(texts, padding=True, return_tensors="pt")
     prompts = DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    rollout = HFRollout(model, tokenizer, RolloutConfig(n=N, response_length=T, micro_batch_size=8))
-    torch.manual_seed(0)
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=N, response_length=T, micro_batch_size=8), seed=1)
     data = rollout.generate_sequences(prompts)
     lengths = data.batch["response_mask"].sum(-1)
     assert lengths.min() < T and lengths.max() == T  # responses of different lengths
+    # pairs of rows (micro-batches of 2) hold very different token counts, not proportional to their 2 sequences
+    pair_tokens = lengths.view(-1, 2).sum(-1)
+    assert pair_tokens.max() >= 3 * pair_tokens.min()
     gen = torch.Generator().manual_seed(1)
     advantages = torch.randn(len(data), T, generator=gen) * data.batch["response_mask"]
     return data.union(DataProto.from_dict({"advantages": advantages}))
@@ -89,8 +92,13 @@ def test_update_policy_on_policy(tiny_model_dir, rollout_batch):
 
 
 @pytest.mark.parametrize("micro_batch_size", [2, 3])
-def test_gradient_accumulation_matches_one_micro_batch(tiny_model_dir, rollout_batch, micro_batch_size):
-    common = dict(ppo_mini_batch_size=4, loss_agg_mode="seq-mean-token-mean", shuffle=False, optim=OptimConfig(lr=1e-3))
+@pytest.mark.parametrize(
+    "loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
+def test_gradient_accumulation_matches_one_micro_batch(tiny_model_dir, rollout_batch, micro_batch_size, loss_agg_mode):
+    # token-mean: micro-batch losses weighted by their share of the response tokens (not of the sequences), so
+    # splitting the batch does not change the gradient even though the responses have different lengths
+    common = dict(ppo_mini_batch_size=4, loss_agg_mode=loss_agg_mode, shuffle=False, optim=OptimConfig(lr=1e-3))
     whole = make_actor(tiny_model_dir, ppo_micro_batch_size=8, **common)
     split = make_actor(tiny_model_dir, ppo_micro_batch_size=micro_batch_size, **common)
     data = with_old_log_probs(whole, rollout_batch)
@@ -108,6 +116,54 @@ def test_gradient_accumulation_matches_one_micro_batch(tiny_model_dir, rollout_b
     for name, p in whole.model.named_parameters():
         assert_close(split_params[name].detach(), p.detach(), atol=1e-5, rtol=0, msg=name)
     assert max_change(whole.model, before) > 5e-4
+
+
+def test_micro_batch_weights_hand_computed():
+    # response tokens per sequence: 3, 1 | 2, 0 | 4; sequences with a token: 2 | 1 | 1
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    micros = DataProto.from_dict({"response_mask": mask}).split(2)
+    assert micro_batch_weights(micros, "token-mean") == pytest.approx([4 / 10, 2 / 10, 4 / 10])
+    assert micro_batch_weights(micros, "seq-mean-token-mean") == pytest.approx([2 / 4, 1 / 4, 1 / 4])
+    assert micro_batch_weights(micros, "seq-mean-token-sum") == pytest.approx([2 / 4, 1 / 4, 1 / 4])
+    assert micro_batch_weights(micros, "seq-mean-token-sum-norm") == pytest.approx([2 / 5, 2 / 5, 1 / 5])
+    empty = DataProto.from_dict({"response_mask": torch.zeros(4, 3, dtype=torch.int64)}).split(2)
+    assert micro_batch_weights(empty, "token-mean") == [0.0, 0.0]
+    with pytest.raises(ValueError, match="'token-mean'"):
+        micro_batch_weights(micros, "mean")
+
+
+def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, rollout_batch):
+    # what the trainer does on CUDA (compute dtype bf16), here with CPU autocast, which supports bf16 too
+    model = load_model(tiny_model_dir, torch.bfloat16, trainable=True)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    actor = Actor(
+        model,
+        ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=4, optim=OptimConfig(lr=1e-3)),
+        rollout_n=N,
+        compute_dtype=torch.bfloat16,
+    )
+    data = with_old_log_probs(actor, rollout_batch)
+    fp32 = make_actor(tiny_model_dir).compute_log_prob(rollout_batch).batch["old_log_probs"]
+    mask = rollout_batch.batch["response_mask"].bool()
+    bf16 = data.batch["old_log_probs"]
+    assert bf16.dtype == torch.float32
+    # the forward really ran in bf16 (so the numbers differ), and it is still the same distribution
+    assert (bf16 - fp32)[mask].abs().max() > 1e-4
+    assert_close(bf16[mask], fp32[mask], atol=0.1, rtol=0)
+    before = params(actor.model)
+    metrics = actor.update_policy(data)
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+    assert abs(metrics["actor/ppo_kl"]) < 1e-5  # same compute path for old and new log-probs
+    assert max_change(actor.model, before) > 1e-4
+    assert all(p.dtype == torch.float32 for p in actor.model.parameters())
+    assert all(s.dtype == torch.float32 for st in actor.optimizer.state.values() for s in st.values() if s.dim())
+
+    critic = Critic(
+        load_critic(tiny_model_dir, torch.bfloat16), CriticConfig(), rollout_n=N, compute_dtype=torch.bfloat16
+    )
+    assert all(p.dtype == torch.float32 for p in critic.model.parameters())
+    values = critic.compute_values(rollout_batch).batch["values"]
+    assert values.dtype == torch.float32
 
 
 def test_warmup_lr_schedule(tiny_model_dir, rollout_batch):
@@ -192,6 +248,33 @@ def test_critic_update_lowers_value_loss(tiny_model_dir, rollout_batch):
     assert history[-1]["critic/vpred_mean"] > 0.1  # the values moved toward the returns
     # critic/lr is the lr each step used: warm-up 5e-4 for the first step, then 1e-3
     assert [m["critic/lr"] for m in history[:3]] == pytest.approx([5e-4, 1e-3, 1e-3], rel=1e-9)
+
+
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_critic_gradient_accumulation_matches_one_micro_batch(tiny_model_dir, rollout_batch, loss_agg_mode):
+    gen = torch.Generator().manual_seed(2)
+    targets = {
+        "values": torch.zeros(len(rollout_batch), T),
+        "returns": torch.randn(len(rollout_batch), T, generator=gen),
+    }
+    data = rollout_batch.union(DataProto.from_dict(targets))
+
+    def update(micro_batch_size: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+        config = CriticConfig(
+            ppo_mini_batch_size=4,
+            ppo_micro_batch_size=micro_batch_size,
+            shuffle=False,
+            loss_agg_mode=loss_agg_mode,
+            optim=OptimConfig(lr=1e-3),
+        )
+        critic = Critic(load_critic(tiny_model_dir), config, rollout_n=N)
+        return critic.update_critic(data), params(critic.model)
+
+    m_whole, p_whole = update(8)
+    m_split, p_split = update(2)
+    assert m_split["critic/grad_norm"] == pytest.approx(m_whole["critic/grad_norm"], rel=1e-4)
+    for name, p in p_whole.items():
+        assert_close(p_split[name], p, atol=1e-5, rtol=0, msg=name)
 
 
 def test_mini_batches_not_divisible(tiny_model_dir, rollout_batch):

@@ -3,6 +3,8 @@
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def test_ranks_are_separate_processes_in_one_job(group):
     who = g.whoami()
     assert [w["rank"] for w in who] == [0, 1] and {w["world_size"] for w in who} == {2}
     assert len({w["pid"] for w in who} | {os.getpid()}) == 3
-    assert g.placement["pids"] == [w["pid"] for w in who] and g.placement["executor"] == "local"
+    assert g.pids == [w["pid"] for w in who] and g.placement["executor"] == "local"
 
 
 def test_rank_zero_with_a_collective(group):
@@ -103,6 +105,9 @@ def test_forged_and_unauthenticated_messages_execute_nothing(group):
     time.sleep(0.5)
     assert g.call_count() == before, "a forged call was executed"
     assert not list((tmp / "markers").glob("forged-*")), "a forged call touched a file"
+    deadline = time.monotonic() + 5  # the socket fair-queues peers: drain what the rogue sent
+    while endpoint.signer.dropped < dropped + 3 and time.monotonic() < deadline:
+        endpoint.recv(0.05)
     assert endpoint.signer.dropped >= dropped + 3
     rogue.close(linger=0)
     assert g.touch("genuine") == [True, True] and (tmp / "markers" / "genuine-0").exists()
@@ -114,7 +119,7 @@ def test_forged_and_unauthenticated_messages_execute_nothing(group):
 def test_dead_or_stopped_rank_fails_the_call_within_seconds(tmp_path, sig, expect):
     g = _group(tmp_path, name=f"victim{sig.value}", heartbeat_timeout_s=3.0)
     try:
-        pid = g.placement["pids"][1]
+        pid = g.pids[1]
         start = time.monotonic()
         os.kill(pid, sig)
         with pytest.raises(WorkerGroupError) as err:
@@ -129,3 +134,43 @@ def test_dead_or_stopped_rank_fails_the_call_within_seconds(tmp_path, sig, expec
         if sig == signal.SIGSTOP:
             os.kill(pid, signal.SIGCONT)
         g.shutdown(timeout_s=10)
+
+
+CONTROLLER = """
+import sys, time
+from pathlib import Path
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+tmp = Path(sys.argv[1])
+g = WorkerGroup(GroupSpec(name="orphans", worker_cls=sys.argv[2], world_size=2, heartbeat_timeout_s=3.0),
+                run_dir=tmp, data_dir=tmp / "data", secret_path=tmp / "secret",
+                worker_kwargs={"marker_dir": str(tmp / "markers")})
+print(" ".join(map(str, g.pids)), flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_their_controller_is_killed(tmp_path):
+    create_secret(tmp_path / "secret")
+    (tmp_path / "markers").mkdir()
+    controller = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, str(tmp_path), TOY], stdout=subprocess.PIPE, text=True
+    )
+    pids = [int(p) for p in controller.stdout.readline().split()]
+    assert len(pids) == 2
+    controller.kill()  # SIGKILL: no shutdown message, no clean-up code runs
+    controller.wait()
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = [p for p in pids if _alive(p)]
+    assert not alive, f"worker processes {alive} outlived their controller by 30 s"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"  # a zombie has exited (its parent has not reaped it yet)

@@ -1,0 +1,480 @@
+"""Checkpoints of a training run: save atomically, find the latest complete one, verify it, load it for exact resume.
+
+Layout of one checkpoint, ``<checkpoint_dir>/global_step_<N>/`` (N = completed iterations)::
+
+    actor/                  the policy in Hugging Face layout (``save_pretrained``: config.json, *.safetensors)
+                            plus its tokenizer, so ``AutoModelForCausalLM.from_pretrained(actor/)`` loads it
+    actor/optim.pt          {"optimizer": state_dict, "lr_scheduler": state_dict} (no weights: those are in actor/)
+    critic/                 the same for the value model when there is one (AutoModelForTokenClassification layout)
+    trainer_state.json      {"global_steps", "sampler", "kl_ctrl_value", "format_version"} and whatever else the
+                            trainer passes (JSON)
+    rng.pt                  torch CPU (and CUDA) RNG states, numpy's global state, python ``random``'s state
+    manifest.json           written last: relative path -> {"bytes", "sha256"} for every other file, plus totals
+
+Atomicity: everything is written into a hidden sibling folder ``.tmp-global_step_<N>-<random>``, every file is
+fsync'd, ``manifest.json`` is written and fsync'd last, and only then is the folder renamed (``os.replace``) to
+``global_step_<N>``. A crash therefore leaves either a hidden temporary folder (ignored, and removed by the next
+save of the same step) or a complete checkpoint; a ``global_step_<N>`` folder without ``manifest.json`` (e.g. one
+whose manifest was deleted by hand) is never treated as a checkpoint.
+
+Every ``.pt`` file is read with ``torch.load(..., weights_only=True)``: loading a checkpoint never unpickles
+arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+RNG_STATE = "rng.pt"
+OPTIM_STATE = "optim.pt"
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+_TMP_PREFIX = ".tmp-"
+_CHUNK = 8 * 1024 * 1024
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder is incomplete, corrupt, or does not fit the models it is loaded into.
+
+    The message names the folder and the missing or mismatching part.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint on disk.
+
+    Attributes:
+        path: the ``global_step_<N>`` folder.
+        step: N, the number of completed iterations it holds.
+        bytes: total size of its files in bytes, ``manifest.json`` included.
+        sha256: hex SHA-256 of ``manifest.json``; the manifest lists every other file's hash, so this one value
+            identifies the whole checkpoint.
+    """
+
+    path: Path
+    step: int
+    bytes: int
+    sha256: str
+
+
+# ---------------------------------------------------------------------------------------------------- files
+def _sha256_and_sync(path: Path) -> tuple[int, str]:
+    """(size in bytes, hex sha256) of a file, read in chunks; the file is fsync'd on the way."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+        os.fsync(f.fileno())
+    return size, digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new files, renames) durable. A no-op where folders cannot be opened (Windows)."""
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _payload_files(folder: Path) -> list[Path]:
+    """Every regular file under `folder` except the manifest, sorted by relative path."""
+    files = [p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() != MANIFEST]
+    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
+# ---------------------------------------------------------------------------------------------------- RNG
+def _rng_state() -> dict[str, Any]:
+    """Every global RNG state, as tensors and plain Python values (loadable with ``weights_only=True``)."""
+    bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": {
+            "bit_generator": str(bit_generator),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    cuda_states = list(state.get("cuda") or [])
+    if cuda_states:
+        if not torch.cuda.is_available():
+            logger.warning("checkpoint holds CUDA RNG states but torch sees no CUDA device; they are not restored")
+        else:
+            count = torch.cuda.device_count()
+            if count != len(cuda_states):
+                logger.warning(
+                    "checkpoint holds RNG states of %d CUDA devices, this process sees %d; restoring the first %d",
+                    len(cuda_states),
+                    count,
+                    min(count, len(cuda_states)),
+                )
+            for device, rng in enumerate(cuda_states[:count]):
+                torch.cuda.set_rng_state(rng, device)
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["bit_generator"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    py_state = state["python"]
+    random.setstate((py_state["version"], tuple(int(x) for x in py_state["state"].tolist()), py_state["gauss_next"]))
+
+
+# ---------------------------------------------------------------------------------------------------- listing
+def list_checkpoints(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in `checkpoint_dir`: ``(N, folder)`` for each ``global_step_<N>`` folder that has a
+    ``manifest.json``, ascending by N. Temporary folders and folders without a manifest are skipped; a missing
+    `checkpoint_dir` gives an empty list."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and (entry / MANIFEST).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `checkpoint_dir`, or None if there is none.
+
+    Only ``global_step_<N>`` folders with a ``manifest.json`` count (see `list_checkpoints`); this does not re-hash
+    the files (use `verify_checkpoint` for that).
+    """
+    found = list_checkpoints(checkpoint_dir)
+    return found[-1][1] if found else None
+
+
+# ---------------------------------------------------------------------------------------------------- save
+def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None) -> None:
+    folder.mkdir()
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict()}, folder / OPTIM_STATE)
+
+
+def save_checkpoint(
+    checkpoint_dir: str | Path,
+    step: int,
+    *,
+    actor_model,
+    actor_optimizer: torch.optim.Optimizer,
+    actor_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    tokenizer,
+    trainer_state: dict[str, Any],
+    critic_model=None,
+    critic_optimizer: torch.optim.Optimizer | None = None,
+    critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    keep_last: int | None = None,
+) -> CheckpointInfo:
+    """Write ``<checkpoint_dir>/global_step_<step>/`` atomically (layout and protocol in the module docstring).
+
+    Args:
+        checkpoint_dir: parent folder (created if missing).
+        step: completed iterations, >= 0; names the folder.
+        actor_model, actor_optimizer, actor_scheduler: the policy (a Hugging Face ``PreTrainedModel``) and its
+            optimizer and LR scheduler.
+        tokenizer: saved next to the policy weights.
+        trainer_state: JSON-serialisable dict (``global_steps``, ``sampler``, ``kl_ctrl_value``, ...);
+            ``format_version`` is set here.
+        critic_model, critic_optimizer, critic_scheduler: the value model and its optimizer and scheduler, all or
+            none.
+        keep_last: after a successful save, delete all but the `keep_last` highest-step complete checkpoints in
+            `checkpoint_dir` (the one just written is always kept); None keeps everything.
+
+    Returns:
+        The `CheckpointInfo` of the new checkpoint (its size in bytes and the manifest's sha256).
+
+    Raises:
+        ValueError: `step` < 0, `keep_last` < 1, or a critic given without its optimizer and scheduler.
+        FileExistsError: ``global_step_<step>`` already exists (checkpoints are never overwritten).
+        TypeError: `trainer_state` is not JSON-serialisable. On this and any other error the temporary folder is
+            removed and nothing named ``global_step_<step>`` appears.
+    """
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be None or >= 1, got {keep_last}")
+    if critic_model is not None and (critic_optimizer is None or critic_scheduler is None):
+        raise ValueError("save_checkpoint: critic_model needs critic_optimizer and critic_scheduler too")
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"global_step_{step}"
+    if final.exists():
+        raise FileExistsError(f"checkpoint folder {final} already exists; checkpoints are not overwritten")
+    for stale in root.glob(f"{_TMP_PREFIX}global_step_{step}-*"):  # left by a save of this step that crashed
+        logger.warning("removing %s, left by an interrupted save", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+    tmp = root / f"{_TMP_PREFIX}global_step_{step}-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        state_bytes = json.dumps({**trainer_state, "format_version": FORMAT_VERSION}, indent=2).encode()
+        _save_model_dir(tmp / "actor", actor_model, actor_optimizer, actor_scheduler, tokenizer)
+        if critic_model is not None:
+            _save_model_dir(tmp / "critic", critic_model, critic_optimizer, critic_scheduler)
+        (tmp / TRAINER_STATE).write_bytes(state_bytes)
+        torch.save(_rng_state(), tmp / RNG_STATE)
+
+        files = {}
+        for path in _payload_files(tmp):
+            size, digest = _sha256_and_sync(path)
+            files[path.relative_to(tmp).as_posix()] = {"bytes": size, "sha256": digest}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "total_files": len(files),
+            "total_bytes": sum(f["bytes"] for f in files.values()),
+            "files": files,
+        }
+        manifest_bytes = (json.dumps(manifest, indent=2) + "\n").encode()
+        _write_synced(tmp / MANIFEST, manifest_bytes)
+        for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            _fsync_dir(sub)
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    info = CheckpointInfo(
+        path=final,
+        step=step,
+        bytes=manifest["total_bytes"] + len(manifest_bytes),
+        sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+    )
+    if keep_last is not None:
+        _prune(root, keep=keep_last, protect=final)
+    return info
+
+
+def _prune(root: Path, keep: int, protect: Path) -> None:
+    """Delete all but the `keep` highest-step complete checkpoints (never `protect`). The manifest goes first, so
+    a deletion cut short leaves a folder that no longer looks complete."""
+    older = [path for _, path in list_checkpoints(root) if path != protect]
+    for path in older[: max(0, len(older) - (keep - 1))]:
+        logger.info("keep_last=%d: deleting checkpoint %s", keep, path)
+        (path / MANIFEST).unlink()
+        _fsync_dir(path)
+        shutil.rmtree(path)
+
+
+# ---------------------------------------------------------------------------------------------------- verify
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of checkpoint folder `path`, after checking that every listed file exists with its size."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        hint = ""
+        if list_checkpoints(path):
+            hint = f"; {path} looks like a checkpoint_dir: pass one of its global_step_<N> folders"
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {MANIFEST} is missing (the save did not finish, or this is not a "
+            f"checkpoint folder){hint}"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e})") from None
+    for rel, entry in files.items():
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} lists {rel!r}, which is outside the folder")
+        file = path / rel
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {rel} is missing")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {rel} has {size} bytes, the manifest says {entry['bytes']}"
+            )
+    return manifest
+
+
+def verify_checkpoint(path: str | Path) -> CheckpointInfo:
+    """Re-hash every file of checkpoint folder `path` against its manifest (reads the whole checkpoint).
+
+    Returns:
+        Its `CheckpointInfo`.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        CheckpointError: the manifest is missing or unreadable, or a listed file is missing or differs in size or
+            sha256 from the manifest; the message names the folder and the first such file.
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    for rel, entry in sorted(manifest["files"].items()):
+        if _sha256(path / rel) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: the sha256 of {rel} does not match the manifest")
+    manifest_path = path / MANIFEST
+    return CheckpointInfo(
+        path=path,
+        step=int(manifest.get("step", -1)),
+        bytes=sum(e["bytes"] for e in manifest["files"].values()) + manifest_path.stat().st_size,
+        sha256=_sha256(manifest_path),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- load
+def _load_weights(folder: Path, model) -> None:
+    """Copy the safetensors weights in `folder` into `model` in place (parameters keep their identity, so
+    optimizers and a rollout sharing the model see the loaded values)."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = [SAFETENSORS_FILE]
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise CheckpointError(f"checkpoint folder {folder} is incomplete: {shard} is missing")
+        state.update(load_file(folder / shard, device="cpu"))
+    own = model.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    # save_pretrained writes tied weights (e.g. lm_head.weight = embed_tokens.weight) once; a key missing from the
+    # file is fine when it shares storage with one that is there.
+    saved_ptrs = {own[k].data_ptr() for k in state if k in own}
+    missing = sorted(k for k in set(own) - set(state) if own[k].data_ptr() not in saved_ptrs)
+    if unexpected or missing:
+        raise CheckpointError(
+            f"weights in {folder} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]} "
+            f"({len(missing)} missing, {len(unexpected)} unexpected in all); was it saved from another model?"
+        )
+    try:
+        model.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"weights in {folder} do not fit the model: {e}") from None
+
+
+def _load_optim(folder: Path, optimizer, scheduler) -> None:
+    state = torch.load(folder / OPTIM_STATE, map_location="cpu", weights_only=True)
+    missing = [k for k in ("optimizer", "lr_scheduler") if k not in state]
+    if missing:
+        raise CheckpointError(f"{folder / OPTIM_STATE} has no {missing}")
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except ValueError as e:
+        raise CheckpointError(f"optimizer state in {folder / OPTIM_STATE} does not fit the optimizer: {e}") from None
+    scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    actor_model,
+    actor_optimizer: torch.optim.Optimizer,
+    actor_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    critic_model=None,
+    critic_optimizer: torch.optim.Optimizer | None = None,
+    critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Restore a checkpoint written by `save_checkpoint` in place: weights, optimizer and scheduler states, RNGs.
+
+    Args:
+        path: the ``global_step_<N>`` folder.
+        actor_model, actor_optimizer, actor_scheduler: loaded into in place (same architecture as when saved).
+        critic_model, critic_optimizer, critic_scheduler: likewise, when the run has a critic; a checkpoint's
+            ``critic/`` is ignored when no critic is given.
+        verify: re-hash every file against the manifest first (`verify_checkpoint`; reads the checkpoint twice).
+            False only checks that every listed file exists with its size in bytes.
+
+    Returns:
+        The trainer state saved with it (``global_steps``, ``sampler``, ``kl_ctrl_value``, ``format_version``);
+        restoring those is the caller's part.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        CheckpointError: the checkpoint is incomplete or corrupt (message names the folder and the file), has an
+            unknown ``format_version``, has no ``critic/`` while a critic was given, or its weights or optimizer
+            state do not fit the given models.
+    """
+    path = Path(path)
+    if verify:
+        verify_checkpoint(path)
+    else:
+        _read_manifest(path)
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    version = trainer_state.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format_version {version!r}; this code reads {FORMAT_VERSION}")
+    if critic_model is not None:
+        if critic_optimizer is None or critic_scheduler is None:
+            raise ValueError("load_checkpoint: critic_model needs critic_optimizer and critic_scheduler too")
+        if not (path / "critic").is_dir():
+            raise CheckpointError(
+                f"checkpoint {path} has no critic/ folder, but a critic was given to load into "
+                "(was it saved by a run without a critic?)"
+            )
+
+    _load_weights(path / "actor", actor_model)
+    _load_optim(path / "actor", actor_optimizer, actor_scheduler)
+    if critic_model is not None:
+        _load_weights(path / "critic", critic_model)
+        _load_optim(path / "critic", critic_optimizer, critic_scheduler)
+    _set_rng_state(torch.load(path / RNG_STATE, map_location="cpu", weights_only=True))
+    return trainer_state

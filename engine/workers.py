@@ -1,0 +1,245 @@
+"""The RLHF worker: what each rank of a worker group runs.
+
+`RLHFWorker` hosts any subset of the roles ``actor``, ``rollout``, ``ref``, ``critic``, ``reward``. HybridFlow's
+default puts them all in one group's processes (colocated: the rollout generates with the actor's own weights,
+no copy); a split placement gives each group a subset. The methods are the stages of an iteration, each with its
+transfer protocol (`hybridflow.engine.dispatch`): batch-in, batch-out stages are ``DP_COMPUTE_PROTO`` (each
+data-parallel rank computes on its share of the rows), set-up and updates run on every rank.
+
+This module never imports Prefect or submitit; the worker group (``hybridflow.slurm``) serves it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.engine.actor import Actor, RefPolicy
+from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
+from hybridflow.engine.config import HybridFlowConfig
+from hybridflow.engine.core_algos import uses_critic
+from hybridflow.engine.critic import Critic
+from hybridflow.engine.dispatch import Dispatch, register
+from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.models import load_critic, load_model, load_tokenizer, pick_device, pick_dtype
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rewards import RewardManager, load_reward_function
+from hybridflow.engine.rollout import HFRollout
+
+ROLES = ("actor", "rollout", "ref", "critic", "reward")
+
+
+@dataclass
+class Roles:
+    """The role objects of one process (None where the role is not hosted)."""
+
+    tokenizer: Any
+    actor: Actor | None = None
+    rollout: HFRollout | None = None
+    ref: RefPolicy | None = None
+    critic: Critic | None = None
+    reward_fn: RewardManager | None = None
+
+
+def roles_for(cfg: HybridFlowConfig) -> list[str]:
+    """The roles an algorithm needs: actor, rollout and reward always; ref for a KL term; critic for GAE."""
+    roles = ["actor", "rollout", "reward"]
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        roles.append("ref")
+    if uses_critic(cfg.algorithm.adv_estimator):
+        roles.append("critic")
+    return roles
+
+
+def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
+    """Load the models for `roles` (subset of `ROLES`) as the config says.
+
+    Trained models (actor, critic) keep fp32 weights; ``model.dtype`` (auto: bf16 on CUDA, fp32 on CPU) is the
+    compute dtype, applied with autocast; the frozen ref is stored in it. The rollout shares the actor's model
+    (colocated: generation sees the weights being trained, no copy) and seeds its sampling from
+    ``trainer.seed`` (see `HFRollout`).
+
+    Raises:
+        FileNotFoundError, ValueError: from model resolution and reward loading (messages name the config key).
+    """
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    device = pick_device(cfg.trainer.device)
+    compute_dtype = pick_dtype(cfg.model.dtype, device)
+    model_path = resolve_model_path(cfg.model.path)
+    out = Roles(tokenizer=load_tokenizer(model_path))
+    seed = cfg.trainer.seed
+    if "actor" in roles:
+        policy = load_model(model_path, compute_dtype, device, trainable=True)
+        out.actor = Actor(policy, cfg.actor, cfg.rollout.n, seed, compute_dtype=compute_dtype)
+        if "rollout" in roles:
+            out.rollout = HFRollout(policy, out.tokenizer, cfg.rollout, seed=seed, compute_dtype=compute_dtype)
+    if "ref" in roles:
+        ref_model = load_model(model_path, compute_dtype, device, trainable=False)
+        out.ref = RefPolicy(ref_model, cfg.ref.log_prob_micro_batch_size, compute_dtype=compute_dtype)
+    if "critic" in roles:
+        critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)
+        critic_model = load_critic(critic_path, compute_dtype, device, trainable=True)
+        out.critic = Critic(critic_model, cfg.critic, cfg.rollout.n, seed, compute_dtype=compute_dtype)
+    if "reward" in roles:
+        custom = load_reward_function(cfg.reward.custom_function) if cfg.reward.custom_function else None
+        out.reward_fn = RewardManager(out.tokenizer, custom)
+    return out
+
+
+class RLHFWorker:
+    """One rank hosting the given roles.
+
+    Args:
+        rank, world_size, data_dir: set by the worker group.
+        config: the run's configuration as a dict (validated again here).
+        roles: the roles this group hosts (subset of `ROLES`); ``rollout`` requires ``actor`` (they share weights).
+
+    Raises:
+        ValueError: unknown role, or rollout without actor.
+    """
+
+    def __init__(self, rank: int, world_size: int, data_dir: str, config: dict[str, Any], roles: list[str]):
+        unknown = sorted(set(roles) - set(ROLES))
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; roles are {list(ROLES)}")
+        if "rollout" in roles and "actor" not in roles:
+            raise ValueError("the rollout role generates with the actor's weights: place it with the actor")
+        if world_size > 1 and ({"actor", "critic"} & set(roles)):
+            raise ValueError(
+                "data-parallel training across ranks is not supported yet: use world_size 1 for groups "
+                "hosting actor or critic"
+            )
+        self.rank, self.world_size, self.data_dir = rank, world_size, data_dir
+        self.config = HybridFlowConfig.model_validate(config)
+        self.roles = set(roles)
+        self.actor: Actor | None = None
+        self.rollout: HFRollout | None = None
+        self.ref: RefPolicy | None = None
+        self.critic: Critic | None = None
+        self.reward_fn: RewardManager | None = None
+
+    def _need(self, role: str) -> None:
+        if getattr(self, "reward_fn" if role == "reward" else role) is None:
+            raise RuntimeError(
+                f"this group does not host role {role!r} (it hosts {sorted(self.roles)}), or init_model was not called"
+            )
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        """Load the models of this rank's roles. Returns their parameter counts (for the run record)."""
+        roles = build_roles(self.config, self.roles)
+        self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
+        self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
+        info = {}
+        if self.actor is not None:
+            info["actor_params"] = sum(p.numel() for p in self.actor.model.parameters())
+        if self.critic is not None:
+            info["critic_params"] = sum(p.numel() for p in self.critic.model.parameters())
+        return info
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(
+        self, prompts: DataProto, n: int | None = None, temperature: float | None = None, stream: str = "train"
+    ) -> DataProto:
+        """Rollout: sample responses (see `HFRollout.generate_sequences`; `stream` separates random streams)."""
+        self._need("rollout")
+        return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_reward(self, data: DataProto) -> DataProto:
+        """``token_level_scores`` float32 [B, T] plus one float64 column per extra the score function reports
+        (``reward_extra/<key>``, e.g. ``reward_extra/acc``)."""
+        self._need("reward")
+        scores, extras = self.reward_fn(data)
+        tensors = {"token_level_scores": scores}
+        for key, values in extras.items():
+            tensors[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
+        return DataProto.from_dict(tensors)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` float32 [B, T] under the current actor."""
+        self._need("actor")
+        return self.actor.compute_log_prob(data, calculate_entropy=True)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` float32 [B, T] under the frozen reference policy."""
+        self._need("ref")
+        return self.ref.compute_ref_log_prob(data)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``values`` float32 [B, T] from the critic."""
+        self._need("critic")
+        return self.critic.compute_values(data)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        """PPO policy update on this rank's rows; returns the actor metrics."""
+        self._need("actor")
+        return self.actor.update_policy(data)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        """Value update on this rank's rows; returns the critic metrics."""
+        self._need("critic")
+        return self.critic.update_critic(data)
+
+    @register(Dispatch.RANK_ZERO)
+    def save_checkpoint(self, checkpoint_dir: str, step: int, trainer_state: dict[str, Any]) -> dict[str, Any]:
+        """Write ``<checkpoint_dir>/global_step_<step>`` (actor, critic if hosted, `trainer_state`) atomically.
+
+        A folder of that name that the run store does not know about (written just before a crash, never recorded)
+        is replaced: the store, not the folder, says which checkpoints are complete.
+
+        Returns:
+            ``{"path", "step", "bytes", "sha256"}`` for the run store.
+        """
+        self._need("actor")
+        stale = Path(checkpoint_dir) / f"global_step_{step}"
+        if stale.exists():
+            shutil.rmtree(stale)
+        critic = {}
+        if self.critic is not None:
+            critic = {
+                "critic_model": self.critic.model,
+                "critic_optimizer": self.critic.optimizer,
+                "critic_scheduler": self.critic.lr_scheduler,
+            }
+        info = save_checkpoint(
+            checkpoint_dir,
+            step,
+            actor_model=self.actor.model,
+            actor_optimizer=self.actor.optimizer,
+            actor_scheduler=self.actor.lr_scheduler,
+            tokenizer=self.tokenizer,
+            trainer_state=trainer_state,
+            **critic,
+        )
+        return {"path": str(info.path), "step": info.step, "bytes": info.bytes, "sha256": info.sha256}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore weights, optimizer and scheduler states from a checkpoint; returns its trainer state."""
+        self._need("actor")
+        critic = {}
+        if self.critic is not None:
+            critic = {
+                "critic_model": self.critic.model,
+                "critic_optimizer": self.critic.optimizer,
+                "critic_scheduler": self.critic.lr_scheduler,
+            }
+        return load_checkpoint(
+            path,
+            actor_model=self.actor.model,
+            actor_optimizer=self.actor.optimizer,
+            actor_scheduler=self.actor.lr_scheduler,
+            **critic,
+        )

@@ -1,0 +1,238 @@
+"""The RLHF flow: one Prefect flow run per `hf run` / `hf resume`, one iteration per loop turn.
+
+The loop body names the stages in order, as in the HybridFlow paper's PPO listing; the algorithm (GRPO, RLOO,
+PPO with GAE) only decides which stages run. The controller holds data handles and metrics, never bulk tensors;
+the worker groups are launched on first use and kept for the whole run. Every iteration's metrics, the placement
+and every checkpoint go to the run store, so `hf resume RUN_ID` continues from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from hybridflow.engine.advantage import build_kl_controller
+from hybridflow.engine.config import HybridFlowConfig
+from hybridflow.engine.core_algos import uses_critic
+from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows, collate_prompts
+from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.metrics import Timer, compute_data_metrics
+from hybridflow.engine.models import load_tokenizer
+from hybridflow.engine.workers import roles_for
+from hybridflow.flows.store import RunStore
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+from hybridflow.tasks import stages
+
+logger = logging.getLogger(__name__)
+
+WORKER_CLS = "hybridflow.engine.workers:RLHFWorker"
+
+# Progress listeners: callables (event, data) the CLI registers for its live display. Events: "start"
+# (run_id, total, start_step, ui_url), "stage" (name, step), "iteration" (step, metrics), "validation" (metrics).
+listeners: list[Callable[[str, dict[str, Any]], None]] = []
+
+
+def _notify(event: str, **data: Any) -> None:
+    for listener in listeners:
+        listener(event, data)
+
+
+@contextmanager
+def _stage(timer: Timer, name: str, step: int) -> Iterator[None]:
+    _notify("stage", name=name, step=step)
+    with timer(name):
+        yield
+
+
+def flow_run_ui_url() -> str | None:
+    """Link to this flow run in the Prefect UI (served by the API's server), or None outside a server."""
+    api = os.environ.get("PREFECT_API_URL")
+    if not api or not flow_run.id:
+        return None
+    return f"{api.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run.id}"
+
+
+def run_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:
+    """``<trainer.output_dir>/<trainer.experiment_name>/<run_id>``: logs, batches, checkpoints of one run."""
+    return Path(cfg.trainer.output_dir).resolve() / cfg.trainer.experiment_name / run_id
+
+
+@dataclass
+class Prompts:
+    """Controller-side prompt data: the train sampler (its cursor is checkpointed) and validation batches."""
+
+    sampler: PromptSampler
+    val_batches: list[DataHandle] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, cfg: HybridFlowConfig, data_dir: Path) -> Prompts:
+        tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
+        train_rows, val_rows = build_prompt_rows(cfg.data)
+        train = PromptDataset(train_rows, tokenizer, cfg.data.max_prompt_length)
+        sampler = PromptSampler(train, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        val_batches = []
+        if val_rows:
+            val = PromptDataset(val_rows, tokenizer, cfg.data.max_prompt_length)
+            size = cfg.data.val_batch_size
+            for start in range(0, len(val), size):
+                items = [val[i] for i in range(start, min(start + size, len(val)))]
+                val_batches.append(DataHandle.put(collate_prompts(items, tokenizer), data_dir, "val"))
+        return cls(sampler, val_batches)
+
+
+def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir: Path) -> WorkerGroup:
+    """Start the colocated worker group (every role in the same processes, HybridFlow's default) and record its
+    placement in the store."""
+    secret = run_dir / "secret"
+    if not secret.exists():
+        create_secret(secret)
+    roles = roles_for(cfg)
+    group = WorkerGroup(
+        GroupSpec(name="actor_rollout_ref", worker_cls=WORKER_CLS, world_size=1, executor="local"),
+        run_dir=run_dir,
+        data_dir=run_dir / "data",
+        secret_path=secret,
+        worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": roles},
+    )
+    try:
+        group.init_model()
+        store.record_placement(run_id, [{"role": role, **group.placement} for role in roles])
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+@flow(name="hybridflow-rlhf")
+def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
+    """Train the run `run_id` recorded in the run store, from its last complete checkpoint if any.
+
+    Args:
+        run_id: a run created with `RunStore.create_run` (``hf run`` does this).
+        db_url: the store; None reads ``$HYBRIDFLOW_DB_URL`` or the default SQLite file (keeps passwords out of
+            the flow's recorded parameters).
+
+    Returns:
+        the last iteration's metrics.
+    """
+    store = RunStore(db_url)
+    cfg = HybridFlowConfig.model_validate(store.get_run(run_id).config)
+    run_dir = run_dir_of(cfg, run_id)
+    data_dir = run_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if flow_run.id:
+        store.set_flow_run_id(run_id, str(flow_run.id))
+    store.set_status(run_id, "running")
+    group = None
+    try:
+        prompts = Prompts.build(cfg, data_dir)
+        kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
+        group = launch_workers(cfg, run_id, store, run_dir)
+        start = _resume(store, run_id, group, prompts, kl_ctrl)
+        trainer = cfg.trainer
+        _notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start, ui_url=flow_run_ui_url())
+        metrics: dict[str, float] = {}
+        if start == 0 and trainer.val_before_train and prompts.val_batches:
+            _notify("stage", name="validate", step=0)
+            val = stages.validate(group, prompts.val_batches, cfg.rollout.val_temperature, 0)
+            store.record_metrics(run_id, 0, val)
+            _notify("validation", metrics=val)
+        for step in range(start, trainer.total_iterations):
+            store.start_iteration(run_id, step + 1)
+            metrics = _iteration(cfg, group, prompts, kl_ctrl, step, data_dir)
+            last = step + 1 == trainer.total_iterations
+            if last or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
+                state = {
+                    "global_steps": step + 1,
+                    "sampler": prompts.sampler.state_dict(),
+                    "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
+                }
+                _notify("stage", name="checkpoint", step=step + 1)
+                ckpt = stages.checkpoint(group, str(run_dir / "checkpoints"), step + 1, state)
+                store.add_checkpoint(run_id, step + 1, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
+            if prompts.val_batches and (last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)):
+                _notify("stage", name="validate", step=step + 1)
+                metrics.update(stages.validate(group, prompts.val_batches, cfg.rollout.val_temperature, step + 1))
+            store.record_metrics(run_id, step + 1, metrics)
+            store.end_iteration(run_id, step + 1)
+            _notify("iteration", step=step + 1, metrics=metrics)
+        store.set_status(run_id, "completed")
+        return metrics
+    except BaseException as e:
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        store.set_status(run_id, status, error="".join(traceback.format_exception(e))[-4000:])
+        raise
+    finally:
+        if group is not None:
+            group.shutdown()
+
+
+def _iteration(
+    cfg: HybridFlowConfig, group: WorkerGroup, prompts: Prompts, kl_ctrl, step: int, data_dir: Path
+) -> dict[str, float]:
+    """One iteration: the stages in order, as tasks. Returns its metrics (field-standard names)."""
+    timer = Timer()
+    with timer("step"):
+        batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
+        with _stage(timer, "gen", step):
+            rollout = stages.generate(group, batch)
+        with _stage(timer, "reward", step):
+            rollout = rollout.union(stages.reward(group, rollout))
+        with _stage(timer, "old_log_prob", step):
+            rollout = rollout.union(stages.old_log_prob(group, rollout))
+        if "ref" in roles_for(cfg):
+            with _stage(timer, "ref", step):
+                rollout = rollout.union(stages.ref_log_prob(group, rollout))
+        critic = uses_critic(cfg.algorithm.adv_estimator)
+        if critic:
+            with _stage(timer, "values", step):
+                rollout = rollout.union(stages.values(group, rollout))
+        with _stage(timer, "adv", step):
+            adv, metrics = stages.advantage(rollout, cfg.algorithm, kl_ctrl, data_dir)
+            rollout = rollout.union(adv)
+        if critic:
+            with _stage(timer, "update_critic", step):
+                metrics.update(stages.update_critic(group, rollout))
+        with _stage(timer, "update_actor", step):
+            metrics.update(stages.update_actor(group, rollout))
+    metrics.update(timer.metrics())
+    metrics.update(_batch_metrics(rollout, cfg, timer.seconds))
+    metrics["training/global_step"] = step + 1
+    return metrics
+
+
+def _batch_metrics(rollout: DataHandle, cfg: HybridFlowConfig, seconds: dict[str, float]) -> dict[str, Any]:
+    keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask", "attention_mask"]
+    if "values" in rollout.keys:
+        keys.append("values")
+    data = rollout.select(keys).load()
+    metrics = compute_data_metrics(data, cfg.rollout.response_length)
+    total = float(data.batch["attention_mask"].sum())
+    metrics["perf/total_num_tokens"] = total
+    metrics["perf/throughput"] = total / seconds["step"]
+    metrics["perf/gen_throughput"] = float(data.batch["response_mask"].sum()) / seconds["gen"]
+    return metrics
+
+
+def _resume(store: RunStore, run_id: str, group: WorkerGroup, prompts: Prompts, kl_ctrl) -> int:
+    """Load the last complete checkpoint recorded for the run, if any; returns the iterations already done."""
+    ckpt = store.latest_checkpoint(run_id)
+    if ckpt is None:
+        return 0
+    state = group.load_checkpoint(ckpt.path)[0]
+    prompts.sampler.load_state_dict(state["sampler"])
+    if kl_ctrl is not None and state.get("kl_ctrl_value") is not None:
+        kl_ctrl.value = state["kl_ctrl_value"]
+    logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], ckpt.path)
+    return int(state["global_steps"])

@@ -1,0 +1,118 @@
+"""The stages of an RLHF iteration as Prefect tasks.
+
+Each task is a thin wrapper: it calls one worker-group method with data handles and returns a handle (or metrics),
+so the Prefect UI shows every stage of every iteration with its timing, while bulk tensors stay with the workers.
+The exception is `advantage`, which is small and runs in the controller (as in the HybridFlow paper's listing).
+Task results are handles and metric dicts; caching is off (their inputs are live worker groups).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from hybridflow.engine.advantage import compute_advantage
+from hybridflow.engine.config import AlgorithmConfig
+from hybridflow.engine.core_algos import KLController, masked_mean
+from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.worker_group import WorkerGroup
+
+_TASK = {"cache_policy": NO_CACHE, "persist_result": False}
+
+
+def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Average each metric over the data-parallel ranks."""
+    return {k: float(np.mean([m[k] for m in per_rank])) for k in per_rank[0]}
+
+
+@task(name="generate", **_TASK)
+def generate(group: WorkerGroup, prompts: DataHandle) -> DataHandle:
+    """Rollout: ``prompts`` [B prompts] -> B*n sequences (``responses``, ``response_mask``, ...)."""
+    return group.generate_sequences(prompts)
+
+
+@task(name="reward", **_TASK)
+def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
+    """Score the responses: ``token_level_scores`` (+ ``reward_extra/*``)."""
+    return group.compute_reward(
+        rollout.select(["responses", "response_mask", "data_source", "reward_model", "extra_info"])
+    )
+
+
+@task(name="old_log_prob", **_TASK)
+def old_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
+    """``old_log_probs`` and ``entropys`` under the actor that generated the batch."""
+    return group.compute_log_prob(rollout)
+
+
+@task(name="ref_log_prob", **_TASK)
+def ref_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
+    """``ref_log_prob`` under the frozen reference policy."""
+    return group.compute_ref_log_prob(rollout)
+
+
+@task(name="values", **_TASK)
+def values(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
+    """Critic ``values`` for each response token."""
+    return group.compute_values(rollout)
+
+
+@task(name="advantage", **_TASK)
+def advantage(
+    batch: DataHandle, algorithm: AlgorithmConfig, kl_ctrl: KLController | None, data_dir: Path
+) -> tuple[DataHandle, dict[str, float]]:
+    """``token_level_rewards``, ``advantages``, ``returns`` (see `engine.advantage.compute_advantage`).
+
+    Runs in the controller: it reads only the [B, T] columns it needs, and writes its three columns as a new part.
+    """
+    keys = ["token_level_scores", "response_mask", "uid"]
+    keys += [k for k in ("values", "old_log_probs", "ref_log_prob") if k in batch.keys]
+    data = batch.select(keys).load()
+    out, metrics = compute_advantage(data, algorithm, kl_ctrl)
+    if "entropys" in batch.keys:
+        entropy = batch.select(["entropys", "response_mask"]).load()
+        metrics["actor/entropy"] = float(masked_mean(entropy.batch["entropys"], entropy.batch["response_mask"]))
+    return DataHandle.put(out, data_dir, "advantage"), metrics
+
+
+@task(name="update_critic", **_TASK)
+def update_critic(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
+    """Critic update; returns ``critic/*`` metrics averaged over ranks."""
+    return _mean_metrics(group.update_critic(batch))
+
+
+@task(name="update_actor", **_TASK)
+def update_actor(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
+    """Actor (PPO) update; returns ``actor/*`` metrics averaged over ranks."""
+    return _mean_metrics(group.update_actor(batch))
+
+
+@task(name="checkpoint", **_TASK)
+def checkpoint(group: WorkerGroup, checkpoint_dir: str, step: int, trainer_state: dict[str, Any]) -> dict[str, Any]:
+    """Write the checkpoint of iteration `step` (weights, optimizer, scheduler, trainer state) atomically;
+    returns ``{"path", "step", "bytes", "sha256"}``."""
+    return group.save_checkpoint(checkpoint_dir, step, trainer_state)
+
+
+@task(name="validate", **_TASK)
+def validate(group: WorkerGroup, prompts: list[DataHandle], temperature: float, step: int) -> dict[str, float]:
+    """Generate once per held-out prompt and score it: ``val/<data_source>/score`` and ``val/<data_source>/acc``
+    (the reward's exact-answer ``acc`` when it reports one, else the score)."""
+    per_source: dict[str, dict[str, list[float]]] = {}
+    for index, batch in enumerate(prompts):  # each batch its own random stream: training's samples never shift
+        rollout = group.generate_sequences(
+            batch.with_meta(global_steps=step), n=1, temperature=temperature, stream=f"val-{index}"
+        )
+        scored = group.compute_reward(rollout).union(rollout.select(["data_source"])).load()
+        score = scored.batch["token_level_scores"].sum(-1).tolist()
+        acc_key = "reward_extra/acc"
+        acc = scored.batch[acc_key].tolist() if acc_key in scored.batch else score
+        for source, s, a in zip(scored.non_tensor_batch["data_source"], score, acc, strict=True):
+            bucket = per_source.setdefault(source, {"score": [], "acc": []})
+            bucket["score"].append(s)
+            bucket["acc"].append(a)
+    return {f"val/{src}/{k}": float(np.mean(v)) for src, bucket in per_source.items() for k, v in bucket.items()}

@@ -256,6 +256,24 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be None or >= 1, got {keep_last}")
     if critic_model is not None and (critic_optimizer is None or critic_scheduler is None):
         raise ValueError("save_checkpoint: critic_model needs critic_optimizer and critic_scheduler too")
+    staging = begin_checkpoint(checkpoint_dir, step)
+    try:
+        save_role(staging, "actor", actor_model, actor_optimizer, actor_scheduler, tokenizer)
+        if critic_model is not None:
+            save_role(staging, "critic", critic_model, critic_optimizer, critic_scheduler)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return finish_checkpoint(staging, trainer_state, keep_last=keep_last)
+
+
+def begin_checkpoint(checkpoint_dir: str | Path, step: int) -> Path:
+    """Create the hidden staging folder of checkpoint `step`; roles are written into it with `save_role`
+    (by any process that sees the folder), then `finish_checkpoint` makes it a checkpoint.
+
+    Raises:
+        FileExistsError: ``global_step_<step>`` already exists (checkpoints are never overwritten).
+    """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"global_step_{step}"
@@ -264,14 +282,37 @@ def save_checkpoint(
     for stale in root.glob(f"{_TMP_PREFIX}global_step_{step}-*"):  # left by a save of this step that crashed
         logger.warning("removing %s, left by an interrupted save", stale)
         shutil.rmtree(stale, ignore_errors=True)
+    staging = root / f"{_TMP_PREFIX}global_step_{step}-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    return staging
 
-    tmp = root / f"{_TMP_PREFIX}global_step_{step}-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
+
+def save_role(staging: str | Path, role: str, model, optimizer, scheduler, tokenizer=None) -> None:
+    """Write one trained role (``actor`` or ``critic``: weights in HF layout, optimizer and scheduler states) into
+    a staging folder made by `begin_checkpoint`."""
+    if role not in ("actor", "critic"):
+        raise ValueError(f"checkpointed roles are actor and critic, not {role!r}")
+    _save_model_dir(Path(staging) / role, model, optimizer, scheduler, tokenizer)
+
+
+def finish_checkpoint(
+    staging: str | Path, trainer_state: dict[str, Any], keep_last: int | None = None
+) -> CheckpointInfo:
+    """Add ``trainer_state.json`` and this process's RNG states, hash and fsync every file, write the manifest
+    last, and rename the staging folder to ``global_step_<N>``. On failure the staging folder is removed.
+
+    Raises:
+        TypeError: `trainer_state` is not JSON-serialisable.
+        ValueError: the staging folder holds no actor (nothing to resume from).
+    """
+    tmp = Path(staging)
+    root = tmp.parent
+    step = int(tmp.name.removeprefix(_TMP_PREFIX).split("-")[0].removeprefix("global_step_"))
+    final = root / f"global_step_{step}"
     try:
+        if not (tmp / "actor").is_dir():
+            raise ValueError(f"checkpoint staging folder {tmp} has no actor/; save_role('actor', ...) first")
         state_bytes = json.dumps({**trainer_state, "format_version": FORMAT_VERSION}, indent=2).encode()
-        _save_model_dir(tmp / "actor", actor_model, actor_optimizer, actor_scheduler, tokenizer)
-        if critic_model is not None:
-            _save_model_dir(tmp / "critic", critic_model, critic_optimizer, critic_scheduler)
         (tmp / TRAINER_STATE).write_bytes(state_bytes)
         torch.save(_rng_state(), tmp / RNG_STATE)
 
@@ -425,9 +466,9 @@ def _load_optim(folder: Path, optimizer, scheduler) -> None:
 def load_checkpoint(
     path: str | Path,
     *,
-    actor_model,
-    actor_optimizer: torch.optim.Optimizer,
-    actor_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    actor_model=None,
+    actor_optimizer: torch.optim.Optimizer | None = None,
+    actor_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     critic_model=None,
     critic_optimizer: torch.optim.Optimizer | None = None,
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -437,7 +478,8 @@ def load_checkpoint(
 
     Args:
         path: the ``global_step_<N>`` folder.
-        actor_model, actor_optimizer, actor_scheduler: loaded into in place (same architecture as when saved).
+        actor_model, actor_optimizer, actor_scheduler: loaded into in place (same architecture as when saved);
+            None for a process that hosts no actor (e.g. a separate critic group).
         critic_model, critic_optimizer, critic_scheduler: likewise, when the run has a critic; a checkpoint's
             ``critic/`` is ignored when no critic is given.
         verify: re-hash every file against the manifest first (`verify_checkpoint`; reads the checkpoint twice).
@@ -458,7 +500,7 @@ def load_checkpoint(
         verify_checkpoint(path)
     else:
         _read_manifest(path)
-    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    trainer_state = read_trainer_state(path)
     version = trainer_state.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format_version {version!r}; this code reads {FORMAT_VERSION}")
@@ -471,10 +513,18 @@ def load_checkpoint(
                 "(was it saved by a run without a critic?)"
             )
 
-    _load_weights(path / "actor", actor_model)
-    _load_optim(path / "actor", actor_optimizer, actor_scheduler)
+    if actor_model is not None:
+        if actor_optimizer is None or actor_scheduler is None:
+            raise ValueError("load_checkpoint: actor_model needs actor_optimizer and actor_scheduler too")
+        _load_weights(path / "actor", actor_model)
+        _load_optim(path / "actor", actor_optimizer, actor_scheduler)
     if critic_model is not None:
         _load_weights(path / "critic", critic_model)
         _load_optim(path / "critic", critic_optimizer, critic_scheduler)
     _set_rng_state(torch.load(path / RNG_STATE, map_location="cpu", weights_only=True))
     return trainer_state
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The ``trainer_state.json`` of a checkpoint (the controller's part of a resume: step, data cursor, KL)."""
+    return json.loads((Path(path) / TRAINER_STATE).read_text())

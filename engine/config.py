@@ -144,6 +144,18 @@ class TrainerConfig(_Section):
     )
 
 
+class PlacementConfig(_Section):
+    """Where the roles run. Colocated (the HybridFlow default): actor, rollout, ref, reward and critic share one
+    worker group's processes. Split: the critic gets a worker group of its own (actor, rollout, ref and reward stay
+    together: the rollout generates with the actor's weights)."""
+
+    colocate: bool = True
+    executor: Literal["local", "slurm"] = Field("local", description="local processes, or one Slurm job per group")
+    world_size: int = Field(1, ge=1, description="ranks (processes) per group")
+    slurm: dict[str, Any] = Field(default_factory=dict, description="submitit Slurm parameters (partition, ...)")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="a rank silent this long is reported dead")
+
+
 class HybridFlowConfig(_Section):
     """The whole run configuration. See the README's configuration reference."""
 
@@ -156,6 +168,7 @@ class HybridFlowConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
     @model_validator(mode="before")
     @classmethod

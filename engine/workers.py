@@ -11,16 +11,14 @@ This module never imports Prefect or submitit; the worker group (``hybridflow.sl
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from hybridflow.engine.actor import Actor, RefPolicy
-from hybridflow.engine.checkpoint import load_checkpoint, save_checkpoint
+from hybridflow.engine.checkpoint import load_checkpoint, save_role
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.core_algos import uses_critic
 from hybridflow.engine.critic import Critic
@@ -193,53 +191,33 @@ class RLHFWorker:
         return self.critic.update_critic(data)
 
     @register(Dispatch.RANK_ZERO)
-    def save_checkpoint(self, checkpoint_dir: str, step: int, trainer_state: dict[str, Any]) -> dict[str, Any]:
-        """Write ``<checkpoint_dir>/global_step_<step>`` (actor, critic if hosted, `trainer_state`) atomically.
-
-        A folder of that name that the run store does not know about (written just before a crash, never recorded)
-        is replaced: the store, not the folder, says which checkpoints are complete.
-
-        Returns:
-            ``{"path", "step", "bytes", "sha256"}`` for the run store.
-        """
-        self._need("actor")
-        stale = Path(checkpoint_dir) / f"global_step_{step}"
-        if stale.exists():
-            shutil.rmtree(stale)
-        critic = {}
+    def save_checkpoint_part(self, staging: str) -> list[str]:
+        """Write the trained roles this group hosts (actor, critic) into a checkpoint's staging folder (see
+        `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the roles written."""
+        written = []
+        if self.actor is not None:
+            save_role(staging, "actor", self.actor.model, self.actor.optimizer, self.actor.lr_scheduler, self.tokenizer)
+            written.append("actor")
         if self.critic is not None:
-            critic = {
-                "critic_model": self.critic.model,
-                "critic_optimizer": self.critic.optimizer,
-                "critic_scheduler": self.critic.lr_scheduler,
-            }
-        info = save_checkpoint(
-            checkpoint_dir,
-            step,
-            actor_model=self.actor.model,
-            actor_optimizer=self.actor.optimizer,
-            actor_scheduler=self.actor.lr_scheduler,
-            tokenizer=self.tokenizer,
-            trainer_state=trainer_state,
-            **critic,
-        )
-        return {"path": str(info.path), "step": info.step, "bytes": info.bytes, "sha256": info.sha256}
+            save_role(staging, "critic", self.critic.model, self.critic.optimizer, self.critic.lr_scheduler)
+            written.append("critic")
+        return written
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        """Restore weights, optimizer and scheduler states from a checkpoint; returns its trainer state."""
-        self._need("actor")
-        critic = {}
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the weights, optimizer and scheduler states of the roles this group hosts (the controller has
+        verified the checkpoint's hashes already)."""
+        kwargs: dict[str, Any] = {}
+        if self.actor is not None:
+            kwargs.update(
+                actor_model=self.actor.model,
+                actor_optimizer=self.actor.optimizer,
+                actor_scheduler=self.actor.lr_scheduler,
+            )
         if self.critic is not None:
-            critic = {
-                "critic_model": self.critic.model,
-                "critic_optimizer": self.critic.optimizer,
-                "critic_scheduler": self.critic.lr_scheduler,
-            }
-        return load_checkpoint(
-            path,
-            actor_model=self.actor.model,
-            actor_optimizer=self.actor.optimizer,
-            actor_scheduler=self.actor.lr_scheduler,
-            **critic,
-        )
+            kwargs.update(
+                critic_model=self.critic.model,
+                critic_optimizer=self.critic.optimizer,
+                critic_scheduler=self.critic.lr_scheduler,
+            )
+        load_checkpoint(path, verify=False, **kwargs)

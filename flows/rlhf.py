@@ -21,6 +21,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from hybridflow.engine.advantage import build_kl_controller
+from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.core_algos import uses_critic
 from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows, collate_prompts
@@ -91,27 +92,61 @@ class Prompts:
         return cls(sampler, val_batches)
 
 
-def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir: Path) -> WorkerGroup:
-    """Start the colocated worker group (every role in the same processes, HybridFlow's default) and record its
-    placement in the store."""
+def group_layout(cfg: HybridFlowConfig) -> dict[str, list[str]]:
+    """Worker group name -> the roles it hosts, from ``placement.colocate``."""
+    roles = roles_for(cfg)
+    if cfg.placement.colocate or "critic" not in roles:
+        return {"actor_rollout_ref": roles}
+    return {"actor_rollout_ref": [r for r in roles if r != "critic"], "critic": ["critic"]}
+
+
+@dataclass
+class Workers:
+    """The run's worker groups, and which group serves each role."""
+
+    groups: dict[str, WorkerGroup] = field(default_factory=dict)
+    by_role: dict[str, WorkerGroup] = field(default_factory=dict)
+
+    def __getitem__(self, role: str) -> WorkerGroup:
+        return self.by_role[role]
+
+    def shutdown(self) -> None:
+        for group in self.groups.values():
+            group.shutdown()
+
+
+def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir: Path) -> Workers:
+    """Start the worker groups of ``placement`` (each a submitit job), load their models, and record the placement
+    in the store. If anything fails, the groups already started are shut down."""
     secret = run_dir / "secret"
     if not secret.exists():
         create_secret(secret)
-    roles = roles_for(cfg)
-    group = WorkerGroup(
-        GroupSpec(name="actor_rollout_ref", worker_cls=WORKER_CLS, world_size=1, executor="local"),
-        run_dir=run_dir,
-        data_dir=run_dir / "data",
-        secret_path=secret,
-        worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": roles},
-    )
+    workers = Workers()
     try:
-        group.init_model()
-        store.record_placement(run_id, [{"role": role, **group.placement} for role in roles])
+        for name, roles in group_layout(cfg).items():
+            spec = GroupSpec(
+                name=name,
+                worker_cls=WORKER_CLS,
+                world_size=cfg.placement.world_size,
+                executor=cfg.placement.executor,
+                slurm=dict(cfg.placement.slurm),
+                heartbeat_timeout_s=cfg.placement.heartbeat_timeout_s,
+            )
+            group = WorkerGroup(
+                spec,
+                run_dir=run_dir,
+                data_dir=run_dir / "data",
+                secret_path=secret,
+                worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": roles},
+            )
+            workers.groups[name] = group
+            workers.by_role.update({role: group for role in roles})
+            group.init_model()
+            store.record_placement(run_id, [{"role": role, **group.placement} for role in roles])
     except BaseException:
-        group.shutdown()
+        workers.shutdown()
         raise
-    return group
+    return workers
 
 
 @flow(name="hybridflow-rlhf")
@@ -134,23 +169,25 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
     if flow_run.id:
         store.set_flow_run_id(run_id, str(flow_run.id))
     store.set_status(run_id, "running")
-    group = None
+    workers = None
     try:
         prompts = Prompts.build(cfg, data_dir)
         kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
-        group = launch_workers(cfg, run_id, store, run_dir)
-        start = _resume(store, run_id, group, prompts, kl_ctrl)
+        workers = launch_workers(cfg, run_id, store, run_dir)
+        start = _resume(store, run_id, workers, prompts, kl_ctrl)
         trainer = cfg.trainer
         _notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start, ui_url=flow_run_ui_url())
         metrics: dict[str, float] = {}
         if start == 0 and trainer.val_before_train and prompts.val_batches:
             _notify("stage", name="validate", step=0)
-            val = stages.validate(group, prompts.val_batches, cfg.rollout.val_temperature, 0)
+            val = stages.validate(
+                workers["rollout"], workers["reward"], prompts.val_batches, cfg.rollout.val_temperature, 0
+            )
             store.record_metrics(run_id, 0, val)
             _notify("validation", metrics=val)
         for step in range(start, trainer.total_iterations):
             store.start_iteration(run_id, step + 1)
-            metrics = _iteration(cfg, group, prompts, kl_ctrl, step, data_dir)
+            metrics = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir)
             last = step + 1 == trainer.total_iterations
             if last or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
                 state = {
@@ -159,11 +196,19 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
                     "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
                 }
                 _notify("stage", name="checkpoint", step=step + 1)
-                ckpt = stages.checkpoint(group, str(run_dir / "checkpoints"), step + 1, state)
+                ckpt = stages.checkpoint(list(workers.groups.values()), str(run_dir / "checkpoints"), step + 1, state)
                 store.add_checkpoint(run_id, step + 1, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
             if prompts.val_batches and (last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)):
                 _notify("stage", name="validate", step=step + 1)
-                metrics.update(stages.validate(group, prompts.val_batches, cfg.rollout.val_temperature, step + 1))
+                metrics.update(
+                    stages.validate(
+                        workers["rollout"],
+                        workers["reward"],
+                        prompts.val_batches,
+                        cfg.rollout.val_temperature,
+                        step + 1,
+                    )
+                )
             store.record_metrics(run_id, step + 1, metrics)
             store.end_iteration(run_id, step + 1)
             _notify("iteration", step=step + 1, metrics=metrics)
@@ -174,38 +219,38 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
         store.set_status(run_id, status, error="".join(traceback.format_exception(e))[-4000:])
         raise
     finally:
-        if group is not None:
-            group.shutdown()
+        if workers is not None:
+            workers.shutdown()
 
 
 def _iteration(
-    cfg: HybridFlowConfig, group: WorkerGroup, prompts: Prompts, kl_ctrl, step: int, data_dir: Path
+    cfg: HybridFlowConfig, workers: Workers, prompts: Prompts, kl_ctrl, step: int, data_dir: Path
 ) -> dict[str, float]:
     """One iteration: the stages in order, as tasks. Returns its metrics (field-standard names)."""
     timer = Timer()
     with timer("step"):
         batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
         with _stage(timer, "gen", step):
-            rollout = stages.generate(group, batch)
+            rollout = stages.generate(workers["rollout"], batch)
         with _stage(timer, "reward", step):
-            rollout = rollout.union(stages.reward(group, rollout))
+            rollout = rollout.union(stages.reward(workers["reward"], rollout))
         with _stage(timer, "old_log_prob", step):
-            rollout = rollout.union(stages.old_log_prob(group, rollout))
+            rollout = rollout.union(stages.old_log_prob(workers["actor"], rollout))
         if "ref" in roles_for(cfg):
             with _stage(timer, "ref", step):
-                rollout = rollout.union(stages.ref_log_prob(group, rollout))
+                rollout = rollout.union(stages.ref_log_prob(workers["ref"], rollout))
         critic = uses_critic(cfg.algorithm.adv_estimator)
         if critic:
             with _stage(timer, "values", step):
-                rollout = rollout.union(stages.values(group, rollout))
+                rollout = rollout.union(stages.values(workers["critic"], rollout))
         with _stage(timer, "adv", step):
             adv, metrics = stages.advantage(rollout, cfg.algorithm, kl_ctrl, data_dir)
             rollout = rollout.union(adv)
         if critic:
             with _stage(timer, "update_critic", step):
-                metrics.update(stages.update_critic(group, rollout))
+                metrics.update(stages.update_critic(workers["critic"], rollout))
         with _stage(timer, "update_actor", step):
-            metrics.update(stages.update_actor(group, rollout))
+            metrics.update(stages.update_actor(workers["actor"], rollout))
     metrics.update(timer.metrics())
     metrics.update(_batch_metrics(rollout, cfg, timer.seconds))
     metrics["training/global_step"] = step + 1
@@ -225,12 +270,15 @@ def _batch_metrics(rollout: DataHandle, cfg: HybridFlowConfig, seconds: dict[str
     return metrics
 
 
-def _resume(store: RunStore, run_id: str, group: WorkerGroup, prompts: Prompts, kl_ctrl) -> int:
+def _resume(store: RunStore, run_id: str, workers: Workers, prompts: Prompts, kl_ctrl) -> int:
     """Load the last complete checkpoint recorded for the run, if any; returns the iterations already done."""
     ckpt = store.latest_checkpoint(run_id)
     if ckpt is None:
         return 0
-    state = group.load_checkpoint(ckpt.path)[0]
+    verify_checkpoint(ckpt.path)  # once, here; the groups then load without re-hashing
+    for group in workers.groups.values():
+        group.load_checkpoint(ckpt.path)
+    state = read_trainer_state(ckpt.path)
     prompts.sampler.load_state_dict(state["sampler"])
     if kl_ctrl is not None and state.get("kl_ctrl_value") is not None:
         kl_ctrl.value = state["kl_ctrl_value"]

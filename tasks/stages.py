@@ -8,6 +8,7 @@ Task results are handles and metric dicts; caching is off (their inputs are live
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from hybridflow.engine.advantage import compute_advantage
+from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.core_algos import KLController, masked_mean
 from hybridflow.slurm.handles import DataHandle
@@ -92,22 +94,42 @@ def update_actor(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
 
 
 @task(name="checkpoint", **_TASK)
-def checkpoint(group: WorkerGroup, checkpoint_dir: str, step: int, trainer_state: dict[str, Any]) -> dict[str, Any]:
-    """Write the checkpoint of iteration `step` (weights, optimizer, scheduler, trainer state) atomically;
-    returns ``{"path", "step", "bytes", "sha256"}``."""
-    return group.save_checkpoint(checkpoint_dir, step, trainer_state)
+def checkpoint(groups: list[WorkerGroup], checkpoint_dir: str, step: int, trainer_state: dict[str, Any]) -> dict:
+    """Write the checkpoint of iteration `step` atomically: every group writes the roles it hosts into one staging
+    folder, then the controller adds the trainer state and the manifest and renames it.
+
+    A ``global_step_<step>`` folder already there was written just before a crash and never recorded in the run
+    store (the store, not the folder, lists complete checkpoints): it is replaced.
+
+    Returns:
+        ``{"path", "step", "bytes", "sha256"}`` for the run store.
+    """
+    unrecorded = Path(checkpoint_dir) / f"global_step_{step}"
+    if unrecorded.exists():
+        shutil.rmtree(unrecorded)
+    staging = begin_checkpoint(checkpoint_dir, step)
+    try:
+        for group in groups:
+            group.save_checkpoint_part(str(staging))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    info = finish_checkpoint(staging, trainer_state)
+    return {"path": str(info.path), "step": info.step, "bytes": info.bytes, "sha256": info.sha256}
 
 
 @task(name="validate", **_TASK)
-def validate(group: WorkerGroup, prompts: list[DataHandle], temperature: float, step: int) -> dict[str, float]:
+def validate(
+    rollout_group: WorkerGroup, reward_group: WorkerGroup, prompts: list[DataHandle], temperature: float, step: int
+) -> dict[str, float]:
     """Generate once per held-out prompt and score it: ``val/<data_source>/score`` and ``val/<data_source>/acc``
     (the reward's exact-answer ``acc`` when it reports one, else the score)."""
     per_source: dict[str, dict[str, list[float]]] = {}
     for index, batch in enumerate(prompts):  # each batch its own random stream: training's samples never shift
-        rollout = group.generate_sequences(
+        rollout = rollout_group.generate_sequences(
             batch.with_meta(global_steps=step), n=1, temperature=temperature, stream=f"val-{index}"
         )
-        scored = group.compute_reward(rollout).union(rollout.select(["data_source"])).load()
+        scored = reward_group.compute_reward(rollout).union(rollout.select(["data_source"])).load()
         score = scored.batch["token_level_scores"].sum(-1).tolist()
         acc_key = "reward_extra/acc"
         acc = scored.batch[acc_key].tolist() if acc_key in scored.batch else score

@@ -73,11 +73,14 @@ def _by_step(store: RunStore, run_id: str) -> dict[int, dict[str, float]]:
     return out
 
 
-@pytest.mark.parametrize("example", ["grpo_tiny.yaml", "ppo_tiny.yaml"])
-def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, tiny_model_dir, example):
+@pytest.mark.parametrize(
+    ("example", "colocate"), [("grpo_tiny.yaml", True), ("ppo_tiny.yaml", True), ("ppo_tiny.yaml", False)]
+)
+def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, tiny_model_dir, example, colocate):
     from hybridflow.flows.rlhf import rlhf_flow
 
-    cfg = _cfg(tmp_path, tiny_model_dir, example, ["trainer.total_iterations=2", "trainer.save_freq=1"])
+    extra = ["trainer.total_iterations=2", "trainer.save_freq=1", f"placement.colocate={str(colocate).lower()}"]
+    cfg = _cfg(tmp_path, tiny_model_dir, example, extra)
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
     rlhf_flow(run_id=run_id, db_url=store.url)
@@ -96,6 +99,11 @@ def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, ti
     roles = {p.role for p in store.placements(run_id)}
     assert roles == ({"actor", "rollout", "reward", "critic"} if critic else {"actor", "rollout", "reward", "ref"})
     assert {p.executor for p in store.placements(run_id)} == {"local"}
+    groups = {p.role: p.group_name for p in store.placements(run_id)}
+    if critic and not colocate:  # split placement: the critic has a worker group of its own
+        assert groups["critic"] == "critic" and groups["actor"] == "actor_rollout_ref"
+    else:
+        assert set(groups.values()) == {"actor_rollout_ref"}
     ckpts = store.checkpoints(run_id)
     assert [c.step for c in ckpts] == [1, 2] and all(c.complete for c in ckpts)
     for c in ckpts:

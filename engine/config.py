@@ -21,11 +21,15 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
+    """The policy model: a local Hugging Face folder or an embedded model, and the compute dtype."""
+
     path: str = Field("tiny", description="local Hugging Face folder, or an embedded model: 'smollm2', 'tiny'")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
 
 
 class ReasoningGymConfig(_Section):
+    """Prompts from a reasoning-gym generator: train and held-out validation items from one seeded set."""
+
     name: str = Field(description="reasoning-gym generator, e.g. basic_arithmetic")
     config: dict[str, Any] = Field(default_factory=dict, description="generator keyword arguments")
     train_size: int = Field(1000, gt=0)
@@ -35,6 +39,8 @@ class ReasoningGymConfig(_Section):
 
 
 class DataConfig(_Section):
+    """Prompt sources, prompt length limit (tokens) and batch sizes (prompts)."""
+
     train_files: list[str] = Field(default_factory=list, description="parquet/jsonl files in verl's layout")
     val_files: list[str] = Field(default_factory=list)
     reasoning_gym: ReasoningGymConfig | None = None
@@ -52,6 +58,8 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    """Sampling: responses per prompt, temperature, top-p/top-k, response length (tokens)."""
+
     name: Literal["hf"] = "hf"
     n: int = Field(4, gt=0, description="responses sampled per prompt")
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
@@ -63,6 +71,8 @@ class RolloutConfig(_Section):
 
 
 class OptimConfig(_Section):
+    """AdamW with linear warm-up to a constant LR, and global grad-norm clipping."""
+
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -75,6 +85,8 @@ KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 
 
 class ActorConfig(_Section):
+    """The PPO policy update: mini/micro-batches, clipping (clip-higher, dual-clip), loss aggregation, KL loss."""
+
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = Field(8, gt=0, description="prompts per optimizer step (times rollout.n sequences)")
     ppo_micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward")
@@ -92,10 +104,14 @@ class ActorConfig(_Section):
 
 
 class RefConfig(_Section):
+    """The frozen reference policy (log-probs for the KL term)."""
+
     log_prob_micro_batch_size: int = Field(16, gt=0)
 
 
 class CriticConfig(_Section):
+    """The value model and its clipped value-loss update (PPO with GAE only)."""
+
     model_path: str | None = Field(None, description="None: initialise from model.path")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = Field(8, gt=0)
@@ -108,6 +124,8 @@ class CriticConfig(_Section):
 
 
 class KLControlConfig(_Section):
+    """The in-reward KL coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019)."""
+
     type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = Field(0.001, ge=0.0)
     target_kl: float = Field(0.1, gt=0.0)
@@ -115,6 +133,8 @@ class KLControlConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
+    """Advantage estimator and the KL-in-reward penalty."""
+
     adv_estimator: Literal["grpo", "gae", "rloo"] = "grpo"
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
@@ -125,10 +145,14 @@ class AlgorithmConfig(_Section):
 
 
 class RewardConfig(_Section):
+    """The score function; by default chosen by each prompt's data_source."""
+
     custom_function: str | None = Field(None, description="'module:function' or 'path.py:function'")
 
 
 class TrainerConfig(_Section):
+    """Iterations, seed, device, validation and checkpoint frequency, output folders."""
+
     total_iterations: int = Field(1, ge=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_runs import write_reward
 
 from hybridflow.engine.checkpoint import verify_checkpoint
 from hybridflow.engine.config import load_config
@@ -18,10 +19,7 @@ from hybridflow.flows.store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
-REWARD = """
-def digit_share(data_source, solution_str, ground_truth, extra_info):
-    return {"score": sum(c.isdigit() for c in solution_str) / max(1, len(solution_str)), "acc": 0.0}
-"""
+
 # compared between the resumed and the uninterrupted run (timings and throughputs differ by nature)
 COMPARED = [
     "critic/score/mean",
@@ -35,14 +33,12 @@ COMPARED = [
 
 
 def _cfg(tmp_path, tiny_model_dir, example="grpo_tiny.yaml", extra=()):
-    reward = tmp_path / "my_reward.py"
-    reward.write_text(REWARD)
     return load_config(
         ROOT / "examples" / example,
         [
             f"model.path={tiny_model_dir}",
             f"trainer.output_dir={tmp_path / 'out'}",
-            f"reward.custom_function={reward}:digit_share",
+            f"reward.custom_function={write_reward(tmp_path)}",
             "actor.optim.lr=1e-3",
             *extra,
         ],

@@ -6,40 +6,13 @@ import math
 
 import pytest
 import torch
+from tiny_runs import tiny_run_config
 
-from hybridflow.engine.config import load_config
 from hybridflow.engine.trainer import SingleProcessTrainer
-
-REWARD = '''
-def digit_share(data_source, solution_str, ground_truth, extra_info):
-    """Fraction of characters that are digits: varies across samples, so advantages are non-zero."""
-    return {"score": sum(c.isdigit() for c in solution_str) / max(1, len(solution_str)), "acc": 0.0}
-'''
 
 
 def _config(tmp_path, tiny_model_dir, estimator, extra=()):
-    reward_file = tmp_path / "my_reward.py"
-    reward_file.write_text(REWARD)
-    overrides = [
-        f"model.path={tiny_model_dir}",
-        "data.reasoning_gym.name=basic_arithmetic",
-        "data.reasoning_gym.train_size=32",
-        "data.reasoning_gym.val_size=4",
-        "data.train_batch_size=4",
-        "rollout.n=2",
-        "rollout.response_length=12",
-        "actor.ppo_mini_batch_size=2",
-        "actor.ppo_micro_batch_size=2",
-        "actor.optim.lr=1e-3",
-        "critic.ppo_mini_batch_size=2",
-        "critic.optim.lr=1e-3",
-        f"algorithm.adv_estimator={estimator}",
-        f"reward.custom_function={reward_file}:digit_share",
-        "trainer.total_iterations=1",
-        f"trainer.output_dir={tmp_path / 'outputs'}",
-        *extra,
-    ]
-    return load_config(None, overrides)
+    return tiny_run_config(tmp_path, tiny_model_dir, estimator, ["trainer.total_iterations=1", *extra])
 
 
 def _snapshot(model):

@@ -1,0 +1,47 @@
+"""Shared by the tests that train the tiny model: a dense custom reward and a small run configuration.
+
+The tiny random model never answers arithmetic right, so a reward that varies across samples (the share of digit
+characters) is needed for non-zero advantages; it is written to a file and loaded as ``path.py:function``.
+"""
+
+from pathlib import Path
+
+from hybridflow.engine.config import HybridFlowConfig, load_config
+
+DENSE_REWARD = '''
+def digit_share(data_source, solution_str, ground_truth, extra_info):
+    """Fraction of characters that are digits: varies across samples, so advantages are non-zero."""
+    return {"score": sum(c.isdigit() for c in solution_str) / max(1, len(solution_str)), "acc": 0.0}
+'''
+
+
+def write_reward(root: Path) -> str:
+    """Write the dense reward into `root`; returns its ``reward.custom_function`` spec."""
+    reward_file = Path(root) / "my_reward.py"
+    reward_file.write_text(DENSE_REWARD)
+    return f"{reward_file}:digit_share"
+
+
+def tiny_run_config(root: Path, model_dir: Path, estimator: str, extra: list[str] | tuple = ()) -> HybridFlowConfig:
+    """A one-line-per-key small run: 4 prompts x 2 samples, 12 new tokens, outputs under `root`."""
+    return load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "data.reasoning_gym.name=basic_arithmetic",
+            "data.reasoning_gym.train_size=32",
+            "data.reasoning_gym.val_size=4",
+            "data.train_batch_size=4",
+            "rollout.n=2",
+            "rollout.response_length=12",
+            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_micro_batch_size=2",
+            "actor.optim.lr=1e-3",
+            "critic.ppo_mini_batch_size=2",
+            "critic.optim.lr=1e-3",
+            f"algorithm.adv_estimator={estimator}",
+            f"reward.custom_function={write_reward(root)}",
+            f"trainer.output_dir={Path(root) / 'outputs'}",
+            *extra,
+        ],
+    )

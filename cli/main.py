@@ -59,12 +59,27 @@ def _store(db: str | None):
     return RunStore(db)
 
 
+def _get_run(store, run_id: str):
+    """The run record, or exit 2 with the store's message (which names the id and `hf runs list`)."""
+    from hybridflow.flows.store import UnknownRunError
+
+    try:
+        return store.get_run(run_id)
+    except UnknownRunError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
 def _connect_prefect(prefect_api: str | None) -> None:
     if prefect_api:
         server.use_server(prefect_api)
         return
-    with console.status("starting the local Prefect server (first start ~20 s)..."):
-        info = server.start()
+    try:
+        with console.status("starting the local Prefect server (first start ~20 s)..."):
+            info = server.start()
+    except RuntimeError as e:
+        console.print(f"[red]{e}[/red]\nor point to a running server with --prefect-api URL")
+        raise typer.Exit(1) from None
     server.use_server(info.api_url)
 
 
@@ -85,9 +100,10 @@ def run(
         console.print(f"[red]{config}: {e}[/red]")
         raise typer.Exit(2) from None
     store = _store(db)
+    _connect_prefect(prefect_api)  # before the run is recorded: a server that cannot start leaves no stray run
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
     console.print(f"run [bold]{run_id}[/bold] recorded in {store.url}")
-    _train(run_id, prefect_api)
+    _train(run_id)
 
 
 @app.command()
@@ -97,24 +113,18 @@ def resume(
     prefect_api: PrefectOption = None,
 ) -> None:
     """Continue RUN_ID from its last complete checkpoint (a new flow run of the same run)."""
-    from hybridflow.flows.store import UnknownRunError
-
     store = _store(db)
-    try:
-        record = store.get_run(run_id)
-    except UnknownRunError as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+    record = _get_run(store, run_id)
     if record.status == "completed":
         console.print(f"run {run_id} is already completed; nothing to resume")
         raise typer.Exit(0)
     ckpt = store.latest_checkpoint(run_id)
     console.print(f"resuming {run_id} from " + (f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"))
-    _train(run_id, prefect_api)
-
-
-def _train(run_id: str, prefect_api: str | None) -> None:
     _connect_prefect(prefect_api)
+    _train(run_id)
+
+
+def _train(run_id: str) -> None:
     from hybridflow.cli.progress import LiveProgress
     from hybridflow.flows import rlhf
 
@@ -122,6 +132,9 @@ def _train(run_id: str, prefect_api: str | None) -> None:
         rlhf.listeners.append(progress.on_event)
         try:
             rlhf.rlhf_flow(run_id=run_id)
+        except KeyboardInterrupt:  # the flow has recorded the run as interrupted
+            console.print(f"[yellow]interrupted; continue with: hf resume {run_id}[/yellow]")
+            raise typer.Exit(130) from None
         except Exception as e:  # the flow has recorded the failure in the store
             console.print(f"[red]run {run_id} failed: {type(e).__name__}: {e}[/red]")
             console.print(f"continue it with: hf resume {run_id}")
@@ -151,14 +164,8 @@ def runs_list(db: DbOption = None, limit: int = 50) -> None:
 @runs_app.command("show")
 def runs_show(run_id: str, db: DbOption = None) -> None:
     """A run's config, placement, metrics (a few key ones per iteration) and checkpoints."""
-    from hybridflow.flows.store import UnknownRunError
-
     store = _store(db)
-    try:
-        r = store.get_run(run_id)
-    except UnknownRunError as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(2) from None
+    r = _get_run(store, run_id)
     console.print(
         f"[bold]{r.id}[/bold]  {r.experiment_name}  status={r.status}  code={r.code_version}  "
         f"prefect flow run={r.prefect_flow_run_id}"
@@ -206,6 +213,7 @@ def runs_metrics(
 ) -> None:
     """A run's metrics as CSV (step,name,value) or JSON, for plotting or spreadsheets."""
     store = _store(db)
+    _get_run(store, run_id)
     points = [p for n in (name or [None]) for p in store.metrics(run_id, n)]
     if fmt == "json":
         print(json.dumps([{"step": p.step, "name": p.name, "value": p.value} for p in points]))

@@ -33,8 +33,10 @@ class LiveProgress:
         self.progress.stop()
 
     def on_event(self, event: str, data: dict[str, Any]) -> None:
-        if event == "start":
+        if event == "flow":
             self.console.print(f"Prefect flow run: {data['ui_url'] or '(no UI: no Prefect server)'}")
+            self.progress.console.print("starting worker groups and loading models...")
+        elif event == "start":
             self.task = self.progress.add_task(
                 "run", total=data["total"], completed=data["start_step"], stage="", summary=""
             )

@@ -1,6 +1,6 @@
 """A local Prefect server for HybridFlow runs: started once, reused, its SQLite database under the user's data folder.
 
-`hf run` calls `ensure_server` (start unless one is already healthy) and points the Prefect client at it; the same
+`hf run` calls `start` (which reuses a server that is already healthy) and points the Prefect client at it; the same
 server serves the Prefect UI. Settings keep it offline: analytics off, no telemetry.
 """
 
@@ -101,6 +101,7 @@ def start(port: int = DEFAULT_PORT, timeout_s: float = START_TIMEOUT_S) -> Serve
         stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
+    log.close()  # the server process has its own copy
     info = ServerInfo(port, process.pid)
     deadline = time.monotonic() + timeout_s
     while not healthy(info.api_url):
@@ -123,7 +124,7 @@ def stop(timeout_s: float = 20.0) -> bool:
         return False
     pid = int(state.get("pid") or 0)
     _state_file().unlink(missing_ok=True)
-    if pid <= 0:
+    if pid <= 0 or not _is_prefect_server(pid):  # not started by us, or the pid was reused by another program
         return False
     try:
         os.killpg(pid, signal.SIGTERM)
@@ -138,6 +139,14 @@ def stop(timeout_s: float = 20.0) -> bool:
         time.sleep(0.2)
     os.killpg(pid, signal.SIGKILL)
     return True
+
+
+def _is_prefect_server(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"prefect" in cmdline and b"server" in cmdline
 
 
 def use_server(api_url: str) -> None:

@@ -473,6 +473,7 @@ def load_checkpoint(
     critic_optimizer: torch.optim.Optimizer | None = None,
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     verify: bool = True,
+    restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Restore a checkpoint written by `save_checkpoint` in place: weights, optimizer and scheduler states, RNGs.
 
@@ -484,6 +485,9 @@ def load_checkpoint(
             ``critic/`` is ignored when no critic is given.
         verify: re-hash every file against the manifest first (`verify_checkpoint`; reads the checkpoint twice).
             False only checks that every listed file exists with its size in bytes.
+        restore_rng: restore the RNG states saved with it (those of the process that finished the checkpoint).
+            Worker processes of the flow pass False: their sampling and shuffling are seeded per step, and the
+            saved states are the controller's.
 
     Returns:
         The trainer state saved with it (``global_steps``, ``sampler``, ``kl_ctrl_value``, ``format_version``);
@@ -521,7 +525,8 @@ def load_checkpoint(
     if critic_model is not None:
         _load_weights(path / "critic", critic_model)
         _load_optim(path / "critic", critic_optimizer, critic_scheduler)
-    _set_rng_state(torch.load(path / RNG_STATE, map_location="cpu", weights_only=True))
+    if restore_rng:
+        _set_rng_state(torch.load(path / RNG_STATE, map_location="cpu", weights_only=True))
     return trainer_state
 
 

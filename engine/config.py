@@ -175,9 +175,10 @@ class PlacementConfig(_Section):
 
     colocate: bool = True
     executor: Literal["local", "slurm"] = Field("local", description="local processes, or one Slurm job per group")
-    world_size: int = Field(1, ge=1, description="ranks (processes) per group")
+    world_size: int = Field(1, ge=1, le=1, description="ranks per group; 1 until data-parallel training lands")
     slurm: dict[str, Any] = Field(default_factory=dict, description="submitit Slurm parameters (partition, ...)")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="a rank silent this long is reported dead")
+    call_timeout_s: float | None = Field(None, gt=0, description="limit for one stage call (a stuck rank); None: none")
 
 
 class HybridFlowConfig(_Section):

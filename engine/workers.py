@@ -220,4 +220,4 @@ class RLHFWorker:
                 critic_optimizer=self.critic.optimizer,
                 critic_scheduler=self.critic.lr_scheduler,
             )
-        load_checkpoint(path, verify=False, **kwargs)
+        load_checkpoint(path, verify=False, restore_rng=False, **kwargs)

@@ -39,8 +39,9 @@ logger = logging.getLogger(__name__)
 
 WORKER_CLS = "hybridflow.engine.workers:RLHFWorker"
 
-# Progress listeners: callables (event, data) the CLI registers for its live display. Events: "start"
-# (run_id, total, start_step, ui_url), "stage" (name, step), "iteration" (step, metrics), "validation" (metrics).
+# Progress listeners: callables (event, data) the CLI registers for its live display. Events: "flow" (run_id,
+# ui_url), "start" (run_id, total, start_step), "stage" (name, step), "iteration" (step, metrics), "validation"
+# (metrics).
 listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
 
@@ -131,6 +132,7 @@ def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir:
                 executor=cfg.placement.executor,
                 slurm=dict(cfg.placement.slurm),
                 heartbeat_timeout_s=cfg.placement.heartbeat_timeout_s,
+                call_timeout_s=cfg.placement.call_timeout_s,
             )
             group = WorkerGroup(
                 spec,
@@ -169,6 +171,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
     if flow_run.id:
         store.set_flow_run_id(run_id, str(flow_run.id))
     store.set_status(run_id, "running")
+    _notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
     workers = None
     try:
         prompts = Prompts.build(cfg, data_dir)
@@ -176,7 +179,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
         workers = launch_workers(cfg, run_id, store, run_dir)
         start = _resume(store, run_id, workers, prompts, kl_ctrl)
         trainer = cfg.trainer
-        _notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start, ui_url=flow_run_ui_url())
+        _notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
         metrics: dict[str, float] = {}
         if start == 0 and trainer.val_before_train and prompts.val_batches:
             _notify("stage", name="validate", step=0)
@@ -189,15 +192,6 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             store.start_iteration(run_id, step + 1)
             metrics = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir)
             last = step + 1 == trainer.total_iterations
-            if last or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
-                state = {
-                    "global_steps": step + 1,
-                    "sampler": prompts.sampler.state_dict(),
-                    "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
-                }
-                _notify("stage", name="checkpoint", step=step + 1)
-                ckpt = stages.checkpoint(list(workers.groups.values()), str(run_dir / "checkpoints"), step + 1, state)
-                store.add_checkpoint(run_id, step + 1, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
             if prompts.val_batches and (last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)):
                 _notify("stage", name="validate", step=step + 1)
                 metrics.update(
@@ -210,6 +204,17 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
                     )
                 )
             store.record_metrics(run_id, step + 1, metrics)
+            # The checkpoint comes last: once it is recorded, everything of this iteration is on record, and a crash
+            # before that redoes the iteration from the previous checkpoint (metrics are upserted).
+            if last or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
+                state = {
+                    "global_steps": step + 1,
+                    "sampler": prompts.sampler.state_dict(),
+                    "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
+                }
+                _notify("stage", name="checkpoint", step=step + 1)
+                ckpt = stages.checkpoint(list(workers.groups.values()), str(run_dir / "checkpoints"), step + 1, state)
+                store.add_checkpoint(run_id, step + 1, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
             store.end_iteration(run_id, step + 1)
             _notify("iteration", step=step + 1, metrics=metrics)
         store.set_status(run_id, "completed")
@@ -253,6 +258,8 @@ def _iteration(
             metrics.update(stages.update_actor(workers["actor"], rollout))
     metrics.update(timer.metrics())
     metrics.update(_batch_metrics(rollout, cfg, timer.seconds))
+    for handle in (batch, rollout):  # this iteration's batch files: no stage reads them again
+        handle.delete()
     metrics["training/global_step"] = step + 1
     return metrics
 

@@ -20,7 +20,6 @@ import os
 import secrets
 import socket
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 TAG = b"hybridflow-ctl/1"
 MAX_AGE_S = 300.0
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # control messages are small JSON; batches travel as files
 
 
 def create_secret(path: str | Path) -> Path:
@@ -66,7 +66,7 @@ class Signer:
 
     def __init__(self, key: bytes):
         self._key = key
-        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._seen: dict[str, float] = {}
         self.dropped = 0
 
     def _mac(self, body: bytes) -> bytes:
@@ -85,12 +85,14 @@ class Signer:
         message = json.loads(frames[1])  # authenticated: safe to parse
         now = time.time()
         nonce = message.get("nonce")
-        if abs(now - float(message.get("ts", 0.0))) > MAX_AGE_S or nonce in self._seen:
+        ts = float(message.get("ts", 0.0))
+        if abs(now - ts) > MAX_AGE_S or nonce in self._seen:
             self.dropped += 1
             return None
-        self._seen[nonce] = now
-        while self._seen and next(iter(self._seen.values())) < now - MAX_AGE_S:
-            self._seen.popitem(last=False)
+        # remember each nonce until its own timestamp is too old to be accepted again (clock skew included)
+        self._seen[nonce] = ts + MAX_AGE_S
+        for old_nonce in [n for n, expiry in self._seen.items() if expiry < now - MAX_AGE_S]:
+            del self._seen[old_nonce]
         return message
 
 
@@ -107,6 +109,7 @@ class ControllerEndpoint:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # an unauthenticated peer cannot exhaust memory
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
         advertised = "127.0.0.1" if bind_host == "127.0.0.1" else socket.gethostname()
@@ -149,6 +152,10 @@ class WorkerConnection:
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, identity.encode())
         self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # ZMTP pings: a controller whose host vanished (no FIN) still shows up as a disconnect
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         self._sock.connect(address)
 
     def send(self, message: dict[str, Any]) -> None:

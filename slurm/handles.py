@@ -124,9 +124,11 @@ class DataHandle:
             pieces, offset = [], 0
             for part in group.parts:
                 lo, hi = max(start, offset), min(stop, offset + part.length)
-                if lo < hi or (start == stop == 0 and not pieces):
+                if lo < hi:
                     pieces.append(DataProto.load(part.path, slice(lo - offset, hi - offset), keys=list(group.keys)))
                 offset += part.length
+            if not pieces:  # an empty share (fewer rows than ranks): no rows, but the columns
+                pieces.append(DataProto.load(group.parts[0].path, slice(0, 0), keys=list(group.keys)))
             loaded = DataProto.concat(pieces) if len(pieces) > 1 else pieces[0]
             loaded.meta_info = {}
             out = loaded if out is None else out.union(loaded)
@@ -134,6 +136,12 @@ class DataHandle:
             raise ValueError(f"handle {self.id} has no columns")
         out.meta_info = dict(self.meta_info)
         return out
+
+    def delete(self) -> None:
+        """Remove every part file of this handle (once no stage will read it again)."""
+        for group in self.groups:
+            for part in group.parts:
+                Path(part.path).unlink(missing_ok=True)
 
     def shard_rows(self, rank: int, world: int) -> slice:
         """Rows of data-parallel rank `rank` of `world`: contiguous, sizes differ by at most one."""

@@ -7,9 +7,10 @@ and then serves the class's registered methods. Calling ``group.method(...)`` (o
 splits the arguments by the method's dispatch mode, runs it on the ranks, and gathers the results; batches go as
 `DataHandle`\\ s, never through the channel.
 
-Failures never hang the caller: while it waits, the group watches every rank's heartbeat and the job's processes;
-a rank that stops beating for ``heartbeat_timeout_s`` or exits raises `WorkerGroupError` naming the group, the
-rank, its host and pid, and the job id.
+A dead rank never hangs the caller: while it waits, the group watches every rank's heartbeat and the job's
+processes; a rank that stops beating for ``heartbeat_timeout_s`` (killed, stopped) or exits raises
+`WorkerGroupError` naming the group, the rank, its host and pid, and the job id. A rank whose process is alive but
+stuck keeps beating; ``call_timeout_s`` bounds such calls.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class GroupSpec:
         backend: torch.distributed backend (``gloo`` on CPU, ``nccl`` on GPU).
         heartbeat_interval_s / heartbeat_timeout_s: how often ranks beat, and how long silence means dead.
         start_timeout_s: how long to wait for every rank's hello.
+        call_timeout_s: limit for one method call (None: none). A rank whose process is alive but stuck (e.g. in a
+            collective) still beats; this limit is what turns such a hang into an error.
         env: environment variables for the worker processes.
     """
 
@@ -67,6 +70,7 @@ class GroupSpec:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     start_timeout_s: float = 300.0
+    call_timeout_s: float | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -117,6 +121,7 @@ class WorkerGroup:
                 secret_path=str(secret_path),
                 data_dir=str(self.data_dir),
                 heartbeat_interval_s=spec.heartbeat_interval_s,
+                orphan_grace_s=spec.heartbeat_timeout_s,
                 backend=spec.backend,
                 env=dict(spec.env),
             )
@@ -125,7 +130,13 @@ class WorkerGroup:
         self.ranks: dict[int, RankInfo] = {}
         self.methods: dict[str, Dispatch] = {}
         self._closed = False
-        self._wait_for_hello()
+        try:
+            self._wait_for_hello()
+        except BaseException:  # never leave a job running that nobody will call or stop
+            self._job.cancel(check=False)
+            self._endpoint.close()
+            self._closed = True
+            raise
 
     # ------------------------------------------------------------------ start
     def _submit(self, boot: Bootstrap) -> submitit.Job:
@@ -229,13 +240,15 @@ class WorkerGroup:
 
     def _collect(self, call_id: str, method: str, pending: set[int], timeout_s: float | None) -> dict[int, Any]:
         results: dict[int, Any] = {}
+        timeout_s = self.spec.call_timeout_s if timeout_s is None else timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         last_check = 0.0
         while pending:
             got = self._endpoint.recv(0.1)
             if got is not None:
                 message = got[1]
-                if message.get("id") == call_id and message.get("type") in ("result", "error"):
+                from_rank = str(message.get("from", "")).startswith(f"{self.spec.name}/rank-")
+                if from_rank and message.get("id") == call_id and message.get("type") in ("result", "error"):
                     rank = int(message["rank"])
                     self._beat(rank)
                     if message["type"] == "error":
@@ -260,12 +273,15 @@ class WorkerGroup:
     def _handle_side_message(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
         sender = str(message.get("from", ""))
+        if not sender.startswith(f"{self.spec.name}/rank-"):
+            self._signer.dropped += 1  # signed with the run's secret, but for another group: not ours to act on
+            return
         if kind == "hello":
             rank = int(message["rank"])
             self.ranks[rank] = RankInfo(rank, int(message["pid"]), str(message["host"]), time.monotonic())
             self.methods = {name: Dispatch(mode) for name, mode in message["methods"].items()}
         elif kind == "heartbeat":
-            rank = int(sender.split("rank-")[1].split("/")[0])
+            rank = int(sender.removeprefix(f"{self.spec.name}/rank-").split("/")[0])
             self._beat(rank)
         elif kind == "fatal":
             rank = int(message["rank"])

@@ -129,7 +129,10 @@ def validate(
         rollout = rollout_group.generate_sequences(
             batch.with_meta(global_steps=step), n=1, temperature=temperature, stream=f"val-{index}"
         )
-        scored = reward_group.compute_reward(rollout).union(rollout.select(["data_source"])).load()
+        scores = reward_group.compute_reward(rollout)
+        scored = scores.union(rollout.select(["data_source"])).load()
+        for handle in (rollout, scores):  # read once: free the disk
+            handle.delete()
         score = scored.batch["token_level_scores"].sum(-1).tolist()
         acc_key = "reward_extra/acc"
         acc = scored.batch[acc_key].tolist() if acc_key in scored.batch else score

@@ -64,3 +64,8 @@ def test_group_estimators_need_several_samples():
 def test_malformed_override():
     with pytest.raises(ConfigError, match="key.sub=value"):
         load_config(None, ["rollout.n"])
+
+
+def test_data_parallel_groups_are_refused_up_front():
+    with pytest.raises(ConfigError, match=r"placement\.world_size"):
+        load_config(None, [*MINIMAL, "placement.world_size=2"])

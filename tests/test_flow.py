@@ -105,6 +105,8 @@ def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, ti
     for c in ckpts:
         assert verify_checkpoint(c.path).sha256 == c.sha256
         assert (Path(c.path) / "critic").is_dir() == critic
+    data_files = [p.name for p in (Path(ckpts[0].path).parent.parent / "data").iterdir()]
+    assert data_files and all(name.startswith("val-") for name in data_files), data_files  # iterations cleaned up
     names = _task_names(run.prefect_flow_run_id)
     expected = {"generate", "reward", "old_log_prob", "advantage", "update_actor", "checkpoint", "validate"}
     expected |= {"values", "update_critic"} if critic else {"ref_log_prob"}

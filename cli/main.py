@@ -88,14 +88,19 @@ def _connect_prefect(prefect_api: str | None) -> None:
 def run(
     config: Annotated[Path, typer.Argument(help="YAML run configuration", exists=True, dir_okay=False)],
     override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
+    executor: Annotated[
+        str | None,
+        typer.Option(help="where the worker groups run: local or slurm (same as -o placement.executor=...)"),
+    ] = None,
     db: DbOption = None,
     prefect_api: PrefectOption = None,
 ) -> None:
     """Record a run in the store and train it (Prefect flow, worker groups)."""
     from hybridflow.engine.config import ConfigError, load_config
 
+    overrides = list(override or []) + ([f"placement.executor={executor}"] if executor else [])
     try:
-        cfg = load_config(config, override or [])
+        cfg = load_config(config, overrides)
     except ConfigError as e:
         console.print(f"[red]{config}: {e}[/red]")
         raise typer.Exit(2) from None
@@ -103,7 +108,7 @@ def run(
     _connect_prefect(prefect_api)  # before the run is recorded: a server that cannot start leaves no stray run
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
     console.print(f"run [bold]{run_id}[/bold] recorded in {store.url}")
-    _train(run_id)
+    _train(store, run_id)
 
 
 @app.command()
@@ -121,10 +126,10 @@ def resume(
     ckpt = store.latest_checkpoint(run_id)
     console.print(f"resuming {run_id} from " + (f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"))
     _connect_prefect(prefect_api)
-    _train(run_id)
+    _train(store, run_id)
 
 
-def _train(run_id: str) -> None:
+def _train(store, run_id: str) -> None:
     from hybridflow.cli.progress import LiveProgress
     from hybridflow.flows import rlhf
 
@@ -141,6 +146,10 @@ def _train(run_id: str) -> None:
             raise typer.Exit(1) from None
         finally:
             rlhf.listeners.remove(progress.on_event)
+    record = store.get_run(run_id)
+    if record.status == "interrupted":  # stopped on Slurm's time-limit or preemption warning, checkpointed
+        console.print(f"[yellow]{record.error}[/yellow]")
+        raise typer.Exit(3)
     console.print(f"run {run_id} completed; history: hf runs show {run_id}")
 
 

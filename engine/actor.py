@@ -1,6 +1,6 @@
 """The actor: the policy being trained. Computes response log-probs and runs the PPO policy update.
 
-One process, one model here; the worker groups of the orchestration layer call these same methods on each rank.
+Each rank of a worker group holds one `Actor`; with several ranks the update is data-parallel (see `training`).
 The update follows PPO (Schulman et al. 2017, Alg. 1): for ``ppo_epochs`` passes, split the batch into
 mini-batches (one optimizer step each), each accumulated over micro-batches (one forward/backward each).
 """
@@ -13,7 +13,16 @@ from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty
 from hybridflow.engine.models import compute_log_probs, response_log_probs
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches, optimizer_step
+from hybridflow.engine.training import (
+    MetricLog,
+    build_optimizer,
+    data_parallel,
+    dp_world,
+    micro_batch_weights,
+    mini_batches,
+    optimizer_step,
+    sync_gradients,
+)
 
 UPDATE_KEYS = [
     "input_ids",
@@ -34,6 +43,9 @@ class Actor:
         config: the ``actor`` config section.
         rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
         seed: seeds the mini-batch shuffling (with the iteration number from ``meta_info["global_steps"]``).
+
+    Under torch.distributed (a worker group of D ranks) the model is wrapped in DDP here, a collective: every rank
+    constructs its `Actor` together; ``ppo_mini_batch_size x rollout_n`` must be a multiple of D.
         compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, weights and gradients stay as
             loaded, fp32 with ``load_model(..., trainable=True)``); None or float32: no autocast.
     """
@@ -43,10 +55,12 @@ class Actor:
     ):
         self.model = model
         self.config = config
-        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n
+        # sequences per rank per optimizer step: the global mini-batch is split over the data-parallel ranks
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // dp_world()[1]
         self.seed = seed
         self.compute_dtype = compute_dtype
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
+        self.train_module = data_parallel(model)  # DDP across the group's ranks (see `training`), else `model`
 
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto:
         """Log-probs of the responses under the current weights.
@@ -92,8 +106,10 @@ class Actor:
         log = MetricLog()
         for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
             micros = mini.split(cfg.ppo_micro_batch_size)
-            for micro, loss_scale in zip(micros, micro_batch_weights(micros, cfg.loss_agg_mode), strict=True):
-                self._micro_step(micro, temperature, loss_scale, log)
+            weights = micro_batch_weights(micros, cfg.loss_agg_mode)
+            for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
+                with sync_gradients(self.train_module, sync=i == len(micros) - 1):
+                    self._micro_step(micro, temperature, loss_scale, log)
             lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
             grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
             log.add(grad_norm=grad_norm, lr=lr)
@@ -104,7 +120,9 @@ class Actor:
         batch = micro.batch
         mask = batch["response_mask"]
         calculate_entropy = cfg.entropy_coeff != 0
-        log_prob, entropy = response_log_probs(self.model, micro, temperature, calculate_entropy, self.compute_dtype)
+        log_prob, entropy = response_log_probs(
+            self.train_module, micro, temperature, calculate_entropy, self.compute_dtype
+        )
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
             old_log_prob=batch["old_log_probs"],
             log_prob=log_prob,

@@ -168,17 +168,66 @@ class TrainerConfig(_Section):
     )
 
 
+class SlurmConfig(_Section):
+    """Slurm resources of every worker group's job (``placement.executor: slurm``), passed to sbatch by submitit.
+
+    Ranks are Slurm tasks: ``placement.nodes`` x ``placement.tasks_per_node`` of them, one per device.
+    """
+
+    partition: str | None = Field(None, description="sbatch --partition; None: the cluster's default")
+    account: str | None = Field(None, description="sbatch --account")
+    qos: str | None = Field(None, description="sbatch --qos")
+    time_min: int = Field(24 * 60, ge=1, description="the job's time limit (minutes)")
+    cpus_per_task: int = Field(1, ge=1, description="CPU cores per rank")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (one per rank on GPU clusters); 0 on CPU")
+    mem_gb: float | None = Field(None, gt=0, description="memory per node (GiB); None: the cluster's default")
+    signal_delay_s: int = Field(
+        120, ge=0, description="SIGUSR2 this long before the time limit: the run checkpoints and stops"
+    )
+    sbatch: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra #SBATCH options, e.g. {constraint: a100, exclusive: true}",
+    )
+    setup: list[str] = Field(default_factory=list, description="shell lines run before the workers (module load ...)")
+
+
 class PlacementConfig(_Section):
     """Where the roles run. Colocated (the HybridFlow default): actor, rollout, ref, reward and critic share one
     worker group's processes. Split: the critic gets a worker group of its own (actor, rollout, ref and reward stay
-    together: the rollout generates with the actor's weights)."""
+    together: the rollout generates with the actor's weights).
+
+    Each group has ``nodes`` x ``tasks_per_node`` ranks (the critic's own group: ``critic_nodes`` x
+    ``critic_tasks_per_node`` when set); every rank is one data-parallel replica.
+    """
 
     colocate: bool = True
     executor: Literal["local", "slurm"] = Field("local", description="local processes, or one Slurm job per group")
-    world_size: int = Field(1, ge=1, le=1, description="ranks per group; 1 until data-parallel training lands")
-    slurm: dict[str, Any] = Field(default_factory=dict, description="submitit Slurm parameters (partition, ...)")
+    nodes: int = Field(1, ge=1, description="nodes per worker group (local executor: 1)")
+    tasks_per_node: int = Field(1, ge=1, description="ranks per node: data-parallel replicas, one per device")
+    critic_nodes: int | None = Field(None, ge=1, description="the split critic group's nodes; None: nodes")
+    critic_tasks_per_node: int | None = Field(None, ge=1, description="its ranks per node; None: tasks_per_node")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed; auto: nccl on GPUs")
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="a rank silent this long is reported dead")
     call_timeout_s: float | None = Field(None, gt=0, description="limit for one stage call (a stuck rank); None: none")
+
+    @model_validator(mode="after")
+    def _local_is_one_node(self) -> PlacementConfig:
+        if self.executor == "local" and max(self.nodes, self.critic_nodes or 1) > 1:
+            raise ValueError("placement.nodes > 1 needs placement.executor: slurm (local groups run on this machine)")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the actor/rollout/ref group (and of the colocated critic)."""
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def critic_world_size(self) -> int:
+        """Ranks of the critic's group."""
+        if self.colocate:
+            return self.world_size
+        return (self.critic_nodes or self.nodes) * (self.critic_tasks_per_node or self.tasks_per_node)
 
 
 class HybridFlowConfig(_Section):
@@ -214,12 +263,28 @@ class HybridFlowConfig(_Section):
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
             )
+        self._divisible_by_ranks()
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
                 "group: set rollout.n >= 2"
             )
         return self
+
+    def _divisible_by_ranks(self) -> None:
+        """Every data-parallel rank must get the same number of sequences of every mini-batch (each optimizer step
+        all-reduces gradients once per rank)."""
+        n = self.rollout.n
+        checks = [("actor", self.placement.world_size, self.actor.ppo_mini_batch_size)]
+        if self.algorithm.adv_estimator == "gae":
+            checks.append(("critic", self.placement.critic_world_size, self.critic.ppo_mini_batch_size))
+        for role, ranks, mini in checks:
+            if ranks > 1 and (mini * n) % ranks:
+                raise ValueError(
+                    f"{role}.ppo_mini_batch_size x rollout.n = {mini * n} sequences cannot be split evenly over the "
+                    f"{ranks} data-parallel ranks of the {role}'s group (placement.nodes x tasks_per_node); "
+                    "make it a multiple of the ranks"
+                )
 
 
 class ConfigError(ValueError):

@@ -8,7 +8,16 @@ from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.core_algos import compute_value_loss, masked_mean
 from hybridflow.engine.models import compute_values, response_values
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches, optimizer_step
+from hybridflow.engine.training import (
+    MetricLog,
+    build_optimizer,
+    data_parallel,
+    dp_world,
+    micro_batch_weights,
+    mini_batches,
+    optimizer_step,
+    sync_gradients,
+)
 
 UPDATE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns"]
 
@@ -21,6 +30,9 @@ class Critic:
         config: the ``critic`` config section.
         rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
         seed: seeds the mini-batch shuffling (with ``meta_info["global_steps"]``).
+
+    Under torch.distributed the model is wrapped in DDP here (a collective, see `training`);
+    ``ppo_mini_batch_size x rollout_n`` must be a multiple of the number of ranks.
         compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, fp32 weights); None: no autocast.
     """
 
@@ -29,10 +41,12 @@ class Critic:
     ):
         self.model = model
         self.config = config
-        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n
+        # sequences per rank per optimizer step: the global mini-batch is split over the data-parallel ranks
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // dp_world()[1]
         self.seed = seed
         self.compute_dtype = compute_dtype
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
+        self.train_module = data_parallel(model)  # DDP across the group's ranks (see `training`), else `model`
 
     def compute_values(self, data: DataProto) -> DataProto:
         """Returns DataProto with ``values`` float32 [B, T] for the responses in `data`."""
@@ -56,18 +70,20 @@ class Critic:
         log = MetricLog()
         for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
             micros = mini.split(cfg.ppo_micro_batch_size)
-            for micro, loss_scale in zip(micros, micro_batch_weights(micros, cfg.loss_agg_mode), strict=True):
+            weights = micro_batch_weights(micros, cfg.loss_agg_mode)
+            for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                 batch = micro.batch
-                vpreds = response_values(self.model, micro, self.compute_dtype)
-                vf_loss, vf_clipfrac = compute_value_loss(
-                    vpreds=vpreds,
-                    values=batch["values"],
-                    returns=batch["returns"],
-                    response_mask=batch["response_mask"],
-                    cliprange_value=cfg.cliprange_value,
-                    loss_agg_mode=cfg.loss_agg_mode,
-                )
-                (vf_loss * loss_scale).backward()
+                with sync_gradients(self.train_module, sync=i == len(micros) - 1):
+                    vpreds = response_values(self.train_module, micro, self.compute_dtype)
+                    vf_loss, vf_clipfrac = compute_value_loss(
+                        vpreds=vpreds,
+                        values=batch["values"],
+                        returns=batch["returns"],
+                        response_mask=batch["response_mask"],
+                        cliprange_value=cfg.cliprange_value,
+                        loss_agg_mode=cfg.loss_agg_mode,
+                    )
+                    (vf_loss * loss_scale).backward()
                 log.add(
                     vf_loss=vf_loss,
                     vf_clipfrac=vf_clipfrac,

@@ -17,11 +17,13 @@ model's generation config sets them: the PPO ratio needs the log-probs of the di
 drawn from.
 
 Randomness. Sampling never reads or advances the process-global torch RNG: `HFRollout.generate_sequences` forks
-the RNG (`torch.random.fork_rng`) and seeds micro-batch ``i`` with `sampling_seed` of (``seed``,
-``meta_info["global_steps"]``, ``stream``, ``i``). The samples are therefore a pure function of those values, the
-prompts, the weights and ``rollout.micro_batch_size``: a run resumed at step k samples what the uninterrupted run
-sampled at step k without any RNG state in the checkpoint, and validation (``stream="val"``) neither shifts nor
-is shifted by training.
+the RNG (`torch.random.fork_rng`) and seeds each micro-batch with `sampling_seed` of (``seed``,
+``meta_info["global_steps"]``, ``stream``, the index of the micro-batch's first sequence in the whole batch). The
+samples are therefore a pure function of those values, the prompts, the weights and ``rollout.micro_batch_size``:
+a run resumed at step k samples what the uninterrupted run sampled at step k without any RNG state in the
+checkpoint, validation (``stream="val"``) neither shifts nor is shifted by training, and data-parallel ranks
+(each given ``meta_info["row_offset"]``, its first prompt's row in the batch) never share a seed; when every rank's
+share is a whole number of micro-batches, DP=2 samples exactly what DP=1 samples.
 """
 
 from __future__ import annotations
@@ -102,19 +104,19 @@ _OFF_WHEN_SAMPLING = {"min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "et
 """Neutral values of the sampling-only warpers that the rollout config has no key for."""
 
 
-def sampling_seed(seed: int, global_steps: int, stream: str, micro_batch: int) -> int:
+def sampling_seed(seed: int, global_steps: int, stream: str, first_sequence: int) -> int:
     """The torch seed of one generate call: a hash of its four arguments, in [0, 2**63).
 
     Args:
         seed: the run's seed (``trainer.seed``).
         global_steps: the iteration number (``meta_info["global_steps"]``).
         stream: what the samples are for, e.g. ``"train"`` or ``"val"``; different streams never share seeds.
-        micro_batch: index of the micro-batch within the ``generate_sequences`` call.
+        first_sequence: index of the micro-batch's first sequence in the whole (all ranks') repeated batch.
 
     Returns:
         A Python int, the same for the same arguments in every process and on every platform (SHA-256 based).
     """
-    key = f"hybridflow-rollout/{int(seed)}/{int(global_steps)}/{stream}/{int(micro_batch)}".encode()
+    key = f"hybridflow-rollout/{int(seed)}/{int(global_steps)}/{stream}/{int(first_sequence)}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1)
 
 
@@ -208,9 +210,10 @@ class HFRollout:
         n = self.config.n if n is None else n
         temperature = self.config.temperature if temperature is None else temperature
         global_steps = int(prompts.meta_info.get("global_steps", 0))
+        row_offset = int(prompts.meta_info.get("row_offset", 0))
         batch = prompts.repeat(n, interleave=True)  # a new DataProto: adding a column below leaves `prompts` alone
         if "uid" not in batch.non_tensor_batch:
-            rows = np.repeat(np.arange(len(prompts)), n)
+            rows = np.repeat(np.arange(row_offset, row_offset + len(prompts)), n)
             batch.non_tensor_batch["uid"] = np.array([f"{stream}-{global_steps}-{i}" for i in rows], dtype=object)
         generation_config = self._generation_config(temperature)
         device = next(self.model.parameters()).device
@@ -220,8 +223,10 @@ class HFRollout:
         parts = []
         try:
             with torch.random.fork_rng(devices=rng_devices):
-                for i, micro in enumerate(batch.split(self.config.micro_batch_size)):
-                    torch.manual_seed(sampling_seed(self.seed, global_steps, stream, i))
+                size = self.config.micro_batch_size
+                for i, micro in enumerate(batch.split(size)):
+                    first = row_offset * n + i * size
+                    torch.manual_seed(sampling_seed(self.seed, global_steps, stream, first))
                     parts.append(self._generate_micro(micro, generation_config, device))
         finally:
             self.model.train(was_training)

@@ -1,13 +1,26 @@
 """Pieces shared by the actor and critic updates: optimizer, LR schedule, mini-batches, micro-batch loss weights,
-the optimizer step, metric averaging."""
+data-parallel gradient synchronisation, the optimizer step, metric averaging.
+
+Data parallelism. With a worker group of D ranks, every rank holds a full replica of the trained model
+(``torch.nn.parallel.DistributedDataParallel``; FSDP2's ``fully_shard`` would all-gather weights inside every
+forward, and the colocated rollout's ``generate`` runs a different number of forwards on each rank, which would
+deadlock) and receives a contiguous 1/D of the batch. Each rank splits its share into mini-batches of
+``ppo_mini_batch_size x n / D`` sequences (as verl does): optimizer step k updates on the union of the ranks' k-th
+local mini-batches. The micro-batch loss weights are normalised by the token (or sequence) count of that global
+mini-batch, summed over ranks with an all-reduce, and DDP's gradient all-reduce then sums the ranks'
+contributions, so each step's gradient is exactly the gradient of the global mini-batch's loss in one piece: a
+DP=2 update equals the DP=1 update on the same mini-batches, up to float summation order.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hybridflow.engine.config import OptimConfig
 from hybridflow.engine.core_algos import AGG_LOSS_MODES
@@ -52,8 +65,37 @@ def mini_batches(
         yield from shuffled.split(mini_batch_size)
 
 
+def dp_world() -> tuple[int, int]:
+    """(rank, size) of the data-parallel group: torch.distributed's default group, or (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def data_parallel(model: torch.nn.Module) -> torch.nn.Module:
+    """The module to train through: `model` wrapped in ``DistributedDataParallel`` when there are several
+    data-parallel ranks (rank 0's weights are broadcast to all), else `model` itself.
+
+    Buffers are not broadcast in forward (no collective outside backward; the rollout may run forwards any number
+    of times on the unwrapped model). Gradients are bucketed and all-reduced (averaged) during the last backward of
+    each mini-batch, see `sync_gradients`.
+    """
+    if dp_world()[1] == 1:
+        return model
+    device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+
+def sync_gradients(module: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Context for one micro-batch's backward: all-reduce gradients only when `sync` (the mini-batch's last
+    micro-batch); the others accumulate locally (``DistributedDataParallel.no_sync``)."""
+    if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return module.no_sync()
+
+
 def micro_batch_weights(micros: Sequence[DataProto], loss_agg_mode: str) -> list[float]:
-    """Weights that turn per-micro-batch losses into the loss of their whole mini-batch.
+    """Weights that turn per-micro-batch losses into the loss of their whole (global) mini-batch.
 
     Each micro-batch loss is aggregated over the micro-batch alone (`core_algos.agg_loss`); backpropagating
     ``sum_i w_i * loss_i`` accumulates the gradient of the mini-batch loss aggregated in one piece when
@@ -67,12 +109,17 @@ def micro_batch_weights(micros: Sequence[DataProto], loss_agg_mode: str) -> list
 
     A mini-batch with no response token at all gets weights 0 (its losses are 0 in every mode).
 
+    With several data-parallel ranks the denominator counts the global mini-batch (an all-reduce over the ranks'
+    counts; every rank must call this for each mini-batch), and the weights are multiplied by the number of ranks
+    to undo DDP's gradient averaging: the ranks' weights then sum to D and their averaged gradient is the global
+    mini-batch's.
+
     Args:
-        micros: the micro-batches of one mini-batch, each with ``response_mask`` [b_i, T] (0/1).
+        micros: this rank's micro-batches of one mini-batch, each with ``response_mask`` [b_i, T] (0/1).
         loss_agg_mode: one of `core_algos.AGG_LOSS_MODES` (``actor.loss_agg_mode`` / ``critic.loss_agg_mode``).
 
     Returns:
-        One float per micro-batch, summing to 1 (or all 0, see above).
+        One float per micro-batch; with one rank they sum to 1 (or all 0, see above).
 
     Raises:
         ValueError: unknown `loss_agg_mode` (lists the allowed values).
@@ -86,7 +133,12 @@ def micro_batch_weights(micros: Sequence[DataProto], loss_agg_mode: str) -> list
     else:
         counts = [float((m.batch["response_mask"] != 0).any(dim=-1).sum()) for m in micros]
     total = sum(counts)
-    return [c / total if total > 0 else 0.0 for c in counts]
+    _, world = dp_world()
+    if world > 1:
+        summed = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(summed)
+        total = float(summed)
+    return [world * c / total if total > 0 else 0.0 for c in counts]
 
 
 def optimizer_step(

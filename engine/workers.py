@@ -108,11 +108,6 @@ class RLHFWorker:
             raise ValueError(f"unknown roles {unknown}; roles are {list(ROLES)}")
         if "rollout" in roles and "actor" not in roles:
             raise ValueError("the rollout role generates with the actor's weights: place it with the actor")
-        if world_size > 1 and ({"actor", "critic"} & set(roles)):
-            raise ValueError(
-                "data-parallel training across ranks is not supported yet: use world_size 1 for groups "
-                "hosting actor or critic"
-            )
         self.rank, self.world_size, self.data_dir = rank, world_size, data_dir
         self.config = HybridFlowConfig.model_validate(config)
         self.roles = set(roles)
@@ -193,8 +188,12 @@ class RLHFWorker:
     @register(Dispatch.RANK_ZERO)
     def save_checkpoint_part(self, staging: str) -> list[str]:
         """Write the trained roles this group hosts (actor, critic) into a checkpoint's staging folder (see
-        `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the roles written."""
-        written = []
+        `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the roles written.
+
+        Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return."""
+        written: list[str] = []
+        if self.rank != 0:
+            return written
         if self.actor is not None:
             save_role(staging, "actor", self.actor.model, self.actor.optimizer, self.actor.lr_scheduler, self.tokenizer)
             written.append("actor")
@@ -205,8 +204,8 @@ class RLHFWorker:
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        """Restore the weights, optimizer and scheduler states of the roles this group hosts (the controller has
-        verified the checkpoint's hashes already)."""
+        """Restore the weights, optimizer and scheduler states of the roles this group hosts on every rank (the
+        controller has verified the checkpoint's hashes already)."""
         kwargs: dict[str, Any] = {}
         if self.actor is not None:
             kwargs.update(

@@ -4,6 +4,11 @@ The loop body names the stages in order, as in the HybridFlow paper's PPO listin
 PPO with GAE) only decides which stages run. The controller holds data handles and metrics, never bulk tensors;
 the worker groups are launched on first use and kept for the whole run. Every iteration's metrics, the placement
 and every checkpoint go to the run store, so `hf resume RUN_ID` continues from the last complete checkpoint.
+
+Slurm's warnings (SIGUSR2 before a worker job's time limit, SIGTERM on preemption) stop the run cleanly at the next
+stage boundary: before an update stage has run, nothing of the iteration has touched the weights, so the state the
+iteration started from is checkpointed (if no checkpoint has it yet); once an update has run, the iteration is
+finished and checkpointed. The run is then recorded ``interrupted`` and `hf resume` continues it exactly.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from hybridflow.engine.workers import roles_for
 from hybridflow.flows.store import RunStore
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
-from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, slurm_parameters
 from hybridflow.tasks import stages
 
 logger = logging.getLogger(__name__)
@@ -50,8 +55,36 @@ def _notify(event: str, **data: Any) -> None:
         listener(event, data)
 
 
+class Preempted(Exception):
+    """Slurm warned a worker group (time limit or preemption) before this iteration's first update stage."""
+
+
+@dataclass
+class PreemptionWatch:
+    """Stage-boundary check for Slurm's warning signals, reported by the ranks in their heartbeats."""
+
+    workers: Workers
+    updated: bool = False  # an update stage of the current iteration has started
+
+    def signals(self) -> list[str]:
+        """``"<group> rank <r>: SIGUSR2"`` for every rank that reported a warning signal."""
+        found = []
+        for group in self.workers.groups.values():
+            group.poll()
+            found += [f"{group.spec.name} rank {r}: {', '.join(s)}" for r, s in sorted(group.warning_signals.items())]
+        return found
+
+    def before_stage(self, name: str) -> None:
+        """Raise `Preempted` before a stage if warned and no update of this iteration has run."""
+        if not self.updated and (found := self.signals()):
+            raise Preempted("; ".join(found))
+        self.updated |= name.startswith("update_")
+
+
 @contextmanager
-def _stage(timer: Timer, name: str, step: int) -> Iterator[None]:
+def _stage(timer: Timer, name: str, step: int, watch: PreemptionWatch | None = None) -> Iterator[None]:
+    if watch is not None:
+        watch.before_stage(name)
     _notify("stage", name=name, step=step)
     with timer(name):
         yield
@@ -101,6 +134,40 @@ def group_layout(cfg: HybridFlowConfig) -> dict[str, list[str]]:
     return {"actor_rollout_ref": [r for r in roles if r != "critic"], "critic": ["critic"]}
 
 
+def group_spec(cfg: HybridFlowConfig, name: str) -> GroupSpec:
+    """The `GroupSpec` of worker group `name` from the ``placement`` section (the split critic group may have its
+    own ``critic_nodes`` / ``critic_tasks_per_node``)."""
+    placement = cfg.placement
+    nodes, tasks = placement.nodes, placement.tasks_per_node
+    if name == "critic":
+        nodes, tasks = placement.critic_nodes or nodes, placement.critic_tasks_per_node or tasks
+    backend = placement.backend
+    if backend == "auto":
+        on_gpus = placement.slurm.gpus_per_node > 0 if placement.executor == "slurm" else _local_cuda(cfg)
+        backend = "nccl" if on_gpus else "gloo"
+    slurm = placement.slurm
+    return GroupSpec(
+        name=name,
+        worker_cls=WORKER_CLS,
+        nodes=nodes,
+        tasks_per_node=tasks,
+        executor=placement.executor,
+        slurm=slurm_parameters(**slurm.model_dump(exclude={"time_min"})),
+        timeout_min=slurm.time_min,
+        backend=backend,
+        heartbeat_timeout_s=placement.heartbeat_timeout_s,
+        call_timeout_s=placement.call_timeout_s,
+    )
+
+
+def _local_cuda(cfg: HybridFlowConfig) -> bool:
+    if cfg.trainer.device == "cpu":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @dataclass
 class Workers:
     """The run's worker groups, and which group serves each role."""
@@ -125,17 +192,8 @@ def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir:
     workers = Workers()
     try:
         for name, roles in group_layout(cfg).items():
-            spec = GroupSpec(
-                name=name,
-                worker_cls=WORKER_CLS,
-                world_size=cfg.placement.world_size,
-                executor=cfg.placement.executor,
-                slurm=dict(cfg.placement.slurm),
-                heartbeat_timeout_s=cfg.placement.heartbeat_timeout_s,
-                call_timeout_s=cfg.placement.call_timeout_s,
-            )
             group = WorkerGroup(
-                spec,
+                group_spec(cfg, name),
                 run_dir=run_dir,
                 data_dir=run_dir / "data",
                 secret_path=secret,
@@ -189,8 +247,15 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             store.record_metrics(run_id, 0, val)
             _notify("validation", metrics=val)
         for step in range(start, trainer.total_iterations):
+            state_before = _trainer_state(step, prompts, kl_ctrl)
             store.start_iteration(run_id, step + 1)
-            metrics = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir)
+            try:
+                metrics = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir)
+            except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
+                latest = store.latest_checkpoint(run_id)
+                if step > 0 and (latest is None or latest.step < step):
+                    _save_checkpoint(store, run_id, workers, run_dir, step, state_before)
+                return _stop_preempted(store, run_id, step, str(warned), metrics)
             last = step + 1 == trainer.total_iterations
             if prompts.val_batches and (last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)):
                 _notify("stage", name="validate", step=step + 1)
@@ -206,17 +271,13 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             store.record_metrics(run_id, step + 1, metrics)
             # The checkpoint comes last: once it is recorded, everything of this iteration is on record, and a crash
             # before that redoes the iteration from the previous checkpoint (metrics are upserted).
-            if last or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
-                state = {
-                    "global_steps": step + 1,
-                    "sampler": prompts.sampler.state_dict(),
-                    "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
-                }
-                _notify("stage", name="checkpoint", step=step + 1)
-                ckpt = stages.checkpoint(list(workers.groups.values()), str(run_dir / "checkpoints"), step + 1, state)
-                store.add_checkpoint(run_id, step + 1, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
+            warned = PreemptionWatch(workers).signals()
+            if last or warned or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
+                _save_checkpoint(store, run_id, workers, run_dir, step + 1, _trainer_state(step + 1, prompts, kl_ctrl))
             store.end_iteration(run_id, step + 1)
             _notify("iteration", step=step + 1, metrics=metrics)
+            if warned and not last:
+                return _stop_preempted(store, run_id, step + 1, "; ".join(warned), metrics)
         store.set_status(run_id, "completed")
         return metrics
     except BaseException as e:
@@ -228,33 +289,65 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             workers.shutdown()
 
 
+def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl) -> dict[str, Any]:
+    """What a checkpoint after `steps_done` iterations needs besides the weights: the data cursor, the KL coef."""
+    return {
+        "global_steps": steps_done,
+        "sampler": prompts.sampler.state_dict(),
+        "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
+    }
+
+
+def _save_checkpoint(
+    store: RunStore, run_id: str, workers: Workers, run_dir: Path, step: int, state: dict[str, Any]
+) -> None:
+    _notify("stage", name="checkpoint", step=step)
+    ckpt = stages.checkpoint(list(workers.groups.values()), str(run_dir / "checkpoints"), step, state)
+    store.add_checkpoint(run_id, step, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
+
+
+def _stop_preempted(
+    store: RunStore, run_id: str, steps_done: int, signals: str, metrics: dict[str, float]
+) -> dict[str, float]:
+    message = f"stopped after iteration {steps_done} on Slurm's warning ({signals}); continue with hf resume {run_id}"
+    logger.warning(message)
+    store.set_status(run_id, "interrupted", error=message)
+    _notify("preempted", message=message)
+    return metrics
+
+
 def _iteration(
     cfg: HybridFlowConfig, workers: Workers, prompts: Prompts, kl_ctrl, step: int, data_dir: Path
 ) -> dict[str, float]:
-    """One iteration: the stages in order, as tasks. Returns its metrics (field-standard names)."""
+    """One iteration: the stages in order, as tasks. Returns its metrics (field-standard names).
+
+    Raises:
+        Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
+    """
     timer = Timer()
+    watch = PreemptionWatch(workers)
     with timer("step"):
         batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
-        with _stage(timer, "gen", step):
+        with _stage(timer, "gen", step, watch):
             rollout = stages.generate(workers["rollout"], batch)
-        with _stage(timer, "reward", step):
+        with _stage(timer, "reward", step, watch):
             rollout = rollout.union(stages.reward(workers["reward"], rollout))
-        with _stage(timer, "old_log_prob", step):
+        with _stage(timer, "old_log_prob", step, watch):
             rollout = rollout.union(stages.old_log_prob(workers["actor"], rollout))
         if "ref" in roles_for(cfg):
-            with _stage(timer, "ref", step):
+            with _stage(timer, "ref", step, watch):
                 rollout = rollout.union(stages.ref_log_prob(workers["ref"], rollout))
         critic = uses_critic(cfg.algorithm.adv_estimator)
         if critic:
-            with _stage(timer, "values", step):
+            with _stage(timer, "values", step, watch):
                 rollout = rollout.union(stages.values(workers["critic"], rollout))
-        with _stage(timer, "adv", step):
+        with _stage(timer, "adv", step, watch):
             adv, metrics = stages.advantage(rollout, cfg.algorithm, kl_ctrl, data_dir)
             rollout = rollout.union(adv)
         if critic:
-            with _stage(timer, "update_critic", step):
+            with _stage(timer, "update_critic", step, watch):
                 metrics.update(stages.update_critic(workers["critic"], rollout))
-        with _stage(timer, "update_actor", step):
+        with _stage(timer, "update_actor", step, watch):
             metrics.update(stages.update_actor(workers["actor"], rollout))
     metrics.update(timer.metrics())
     metrics.update(_batch_metrics(rollout, cfg, timer.seconds))

@@ -5,6 +5,10 @@ group's other ranks, builds the worker class, says hello to the controller (its 
 it serves), then executes calls until told to shut down. A background thread sends heartbeats on a second socket,
 so the controller can tell a dead or stopped rank from a slow one.
 
+Slurm's warning signals (SIGUSR2 ``signal_delay_s`` before the time limit, SIGTERM on preemption or ``scancel``) do
+not stop a rank: it records the signal and reports it in its heartbeats, and the controller checkpoints at the next
+stage boundary and stops the run (``hf resume`` continues it). SIGKILL follows SIGTERM after Slurm's ``KillWait``.
+
 Arguments and results are JSON; a batch argument arrives as a `DataHandle` (the rank reads its rows itself), and a
 batch result is written as a part file in the run's data folder and returned as its description.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -73,17 +78,42 @@ def encode_args(obj: Any) -> Any:
     return obj
 
 
+class _SignalNotice:
+    """The warning signals this rank received (set by the signal handler, read by the heartbeat thread)."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+
+    def install(self) -> None:
+        """Replace submitit's handlers (which requeue or raise inside the running call) with recording ones."""
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        logger.warning("received %s: the controller will checkpoint at the next stage boundary", name)
+        if name not in self.received:
+            self.received.append(name)
+
+
 def _heartbeats(
-    address: str, identity: str, signer: Signer, interval: float, stop: threading.Event, orphan_grace_s: float
+    address: str,
+    identity: str,
+    signer: Signer,
+    interval: float,
+    stop: threading.Event,
+    orphan_grace_s: float,
+    notice: _SignalNotice,
 ) -> None:
-    """Beat every `interval` seconds; exit the process if the controller's connection stays lost for
-    `orphan_grace_s` (the controller died: nobody will call or shut down this rank)."""
+    """Beat every `interval` seconds (with the warning signals received so far); exit the process if the
+    controller's connection stays lost for `orphan_grace_s` (the controller died: nobody will call or shut down
+    this rank)."""
     conn = WorkerConnection(address, identity, signer)
     monitor = conn.monitor()
     lost_since: float | None = None
     try:
         while not stop.wait(interval):
-            conn.send({"type": "heartbeat"})
+            conn.send({"type": "heartbeat", "signals": list(notice.received)})
             while monitor.poll(0):
                 event = recv_monitor_message(monitor)["event"]
                 if event == zmq.EVENT_DISCONNECTED:
@@ -98,10 +128,15 @@ def _heartbeats(
 
 
 def _init_distributed(backend: str) -> tuple[int, int, str]:
+    """Join the group's torch.distributed world (rendezvous at rank 0's node, from Slurm's or the local launcher's
+    environment) and pick this rank's GPU on GPU nodes. Returns (rank, world size, job id)."""
     import submitit
+    import torch
     import torch.distributed as dist
 
     env = submitit.JobEnvironment()
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
     if env.num_tasks > 1:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         dist.init_process_group(backend)
@@ -111,13 +146,23 @@ def _init_distributed(backend: str) -> tuple[int, int, str]:
 def serve(boot: Bootstrap) -> None:
     """Run one rank until the controller sends ``shutdown`` (the function each submitit task executes)."""
     os.environ.update(boot.env)
+    notice = _SignalNotice()
+    notice.install()
     rank, world_size, job_id = _init_distributed(boot.backend)
     signer = Signer(read_secret(boot.secret_path))
     identity = f"{boot.group}/rank-{rank}"
     stop = threading.Event()
     beat = threading.Thread(
         target=_heartbeats,
-        args=(boot.controller_address, f"{identity}/hb", signer, boot.heartbeat_interval_s, stop, boot.orphan_grace_s),
+        args=(
+            boot.controller_address,
+            f"{identity}/hb",
+            signer,
+            boot.heartbeat_interval_s,
+            stop,
+            boot.orphan_grace_s,
+            notice,
+        ),
         daemon=True,
     )
     beat.start()
@@ -133,6 +178,7 @@ def serve(boot: Bootstrap) -> None:
                 "world_size": world_size,
                 "pid": os.getpid(),
                 "host": socket.gethostname(),
+                "node": os.environ.get("SLURMD_NODENAME", ""),  # Slurm's name for the node (empty when local)
                 "job_id": job_id,
                 "methods": {name: mode.value for name, mode in methods.items()},
             }
@@ -165,7 +211,10 @@ def _loop(
             args, kwargs = decode_args(message["args"]), decode_args(message["kwargs"])
             if methods[name] is Dispatch.DP_COMPUTE_PROTO:
                 handle: DataHandle = args[0]
-                args = [handle.load(handle.shard_rows(rank, world_size)), *args[1:]]
+                rows = handle.shard_rows(rank, world_size)
+                shard = handle.load(rows)
+                shard.meta_info["row_offset"] = rows.start  # where this share starts in the whole batch
+                args = [shard, *args[1:]]
             result = getattr(worker, name)(*args, **kwargs)
             if isinstance(result, DataProto):
                 result = {PART_KEY: write_part(result, boot.data_dir, name, rank)}

@@ -1,16 +1,24 @@
 """Worker groups: N SPMD worker processes launched as one submitit job, persistent across iterations.
 
 The controller (the Prefect flow's process) creates a `WorkerGroup` for a worker class; submitit starts one task
-per rank (`local`: submitit's LocalExecutor, processes on this machine; `slurm`: one Slurm job with
-``tasks_per_node`` ranks). Every rank connects back to the controller over the authenticated channel, says hello,
-and then serves the class's registered methods. Calling ``group.method(...)`` (or ``group.call("method", ...)``)
+per rank (`local`: submitit's LocalExecutor, processes on this machine; `slurm`: one Slurm job of ``nodes`` x
+``tasks_per_node`` tasks, submitted with sbatch). Ranks rendezvous for torch.distributed at rank 0's node (gloo on
+CPU, NCCL on GPU). Every rank connects back to the controller over the authenticated channel (the controller
+listens on all interfaces for Slurm groups and advertises its host name), says hello, and then serves the class's
+registered methods. Calling ``group.method(...)`` (or ``group.call("method", ...)``)
 splits the arguments by the method's dispatch mode, runs it on the ranks, and gathers the results; batches go as
 `DataHandle`\\ s, never through the channel.
 
-A dead rank never hangs the caller: while it waits, the group watches every rank's heartbeat and the job's
-processes; a rank that stops beating for ``heartbeat_timeout_s`` (killed, stopped) or exits raises
-`WorkerGroupError` naming the group, the rank, its host and pid, and the job id. A rank whose process is alive but
-stuck keeps beating; ``call_timeout_s`` bounds such calls.
+A dead rank never hangs the caller: while it waits, the group watches every rank's heartbeat and the job; a rank
+that stops beating for ``heartbeat_timeout_s`` (killed, stopped) or exits raises `WorkerGroupError` naming the
+group, the rank, its host and pid, and the job id. On Slurm the group also polls the job's accounting state and its
+nodes every ``slurm_poll_s``: a cancelled job (``scancel``), a failed node, or a node drained or set down turns the
+pending call into an error (the job is cancelled, so a drained node is freed). A rank whose process is alive but
+stuck keeps beating; ``call_timeout_s`` bounds such calls. Time a Slurm job spends pending in the queue does not
+count against ``start_timeout_s``.
+
+Warning signals (SIGUSR2 before the time limit, SIGTERM on preemption) reach the ranks, which report them in their
+heartbeats; `WorkerGroup.warning_signals` tells the controller, which checkpoints and stops at a stage boundary.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +39,7 @@ import zmq
 
 from hybridflow.engine.dispatch import Dispatch
 from hybridflow.engine.protocol import DataProto
+from hybridflow.slurm import cluster
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, read_secret
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker import PART_KEY, Bootstrap, decode_args, encode_args, serve
@@ -48,21 +58,25 @@ class GroupSpec:
     Attributes:
         name: group name (in errors, logs and the run store's placement).
         worker_cls: ``"package.module:Class"`` or ``"path/to/file.py:Class"``; its `register`-ed methods are served.
-        world_size: number of ranks (processes), one per device.
+        nodes, tasks_per_node: ranks (processes, one per device) = nodes x tasks_per_node; local groups have 1 node.
         executor: ``local`` (processes on this machine) or ``slurm``.
-        slurm: extra submitit Slurm parameters (partition, account, qos, cpus_per_task, gpus_per_node, ...).
+        slurm: submitit `SlurmExecutor` parameters (``partition``, ``account``, ``qos``, ``cpus_per_task``,
+            ``gpus_per_node``, ``mem``, ``signal_delay_s``, ``setup``, ``additional_parameters``; see
+            `slurm_parameters`).
         timeout_min: the job's time limit (minutes).
         backend: torch.distributed backend (``gloo`` on CPU, ``nccl`` on GPU).
         heartbeat_interval_s / heartbeat_timeout_s: how often ranks beat, and how long silence means dead.
         start_timeout_s: how long to wait for every rank's hello.
         call_timeout_s: limit for one method call (None: none). A rank whose process is alive but stuck (e.g. in a
             collective) still beats; this limit is what turns such a hang into an error.
+        slurm_poll_s: how often a Slurm group's job and node states are polled while waiting (seconds).
         env: environment variables for the worker processes.
     """
 
     name: str
     worker_cls: str
-    world_size: int = 1
+    nodes: int = 1
+    tasks_per_node: int = 1
     executor: str = "local"
     slurm: dict[str, Any] = field(default_factory=dict)
     timeout_min: int = 24 * 60
@@ -71,7 +85,48 @@ class GroupSpec:
     heartbeat_timeout_s: float = 10.0
     start_timeout_s: float = 300.0
     call_timeout_s: float | None = None
+    slurm_poll_s: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks: nodes x tasks_per_node."""
+        return self.nodes * self.tasks_per_node
+
+
+def slurm_parameters(
+    partition: str | None = None,
+    account: str | None = None,
+    qos: str | None = None,
+    cpus_per_task: int = 1,
+    gpus_per_node: int = 0,
+    mem_gb: float | None = None,
+    signal_delay_s: int = 120,
+    sbatch: dict[str, Any] | None = None,
+    setup: list[str] | None = None,
+) -> dict[str, Any]:
+    """submitit `SlurmExecutor` parameters from the ``placement.slurm`` config keys (None: the cluster's default).
+
+    Args:
+        mem_gb: memory per node (GiB), sent as ``--mem=<MiB>M``.
+        signal_delay_s: SIGUSR2 this many seconds before the time limit (``--signal=USR2@...``).
+        sbatch: any other sbatch option, ``{"constraint": "a100", "exclusive": True}`` -> ``--constraint=a100
+            --exclusive``.
+        setup: shell lines run in the batch script before the workers start (``module load ...``).
+    """
+    params: dict[str, Any] = {"cpus_per_task": cpus_per_task, "signal_delay_s": signal_delay_s}
+    for key, value in (("partition", partition), ("account", account), ("qos", qos)):
+        if value:
+            params[key] = value
+    if gpus_per_node:
+        params["gpus_per_node"] = gpus_per_node
+    if mem_gb:
+        params["mem"] = f"{int(mem_gb * 1024)}M"
+    if setup:
+        params["setup"] = list(setup)
+    if sbatch:
+        params["additional_parameters"] = dict(sbatch)
+    return params
 
 
 @dataclass
@@ -80,6 +135,7 @@ class RankInfo:
     pid: int
     host: str
     last_seen: float
+    node: str = ""
 
 
 class WorkerGroup:
@@ -129,11 +185,13 @@ class WorkerGroup:
         self.job_id = str(self._job.job_id)
         self.ranks: dict[int, RankInfo] = {}
         self.methods: dict[str, Dispatch] = {}
+        self.warning_signals: dict[int, list[str]] = {}
         self._closed = False
+        self._last_slurm_poll = 0.0
         try:
             self._wait_for_hello()
         except BaseException:  # never leave a job running that nobody will call or stop
-            self._job.cancel(check=False)
+            self._cancel()
             self._endpoint.close()
             self._closed = True
             raise
@@ -142,13 +200,15 @@ class WorkerGroup:
     def _submit(self, boot: Bootstrap) -> submitit.Job:
         spec = self.spec
         if spec.executor == "local":
+            if spec.nodes != 1:
+                raise ValueError(f"group {spec.name!r}: the local executor runs one node, not {spec.nodes}")
             executor = submitit.LocalExecutor(folder=self.log_dir)
-            executor.update_parameters(nodes=1, tasks_per_node=spec.world_size, timeout_min=spec.timeout_min)
+            executor.update_parameters(nodes=1, tasks_per_node=spec.tasks_per_node, timeout_min=spec.timeout_min)
         elif spec.executor == "slurm":
-            executor = submitit.SlurmExecutor(folder=self.log_dir)
+            executor = submitit.SlurmExecutor(folder=self.log_dir, python=sys.executable)
             executor.update_parameters(
-                nodes=1,
-                ntasks_per_node=spec.world_size,
+                nodes=spec.nodes,
+                ntasks_per_node=spec.tasks_per_node,
                 time=spec.timeout_min,
                 job_name=f"hybridflow-{spec.name}",
                 **spec.slurm,
@@ -160,7 +220,9 @@ class WorkerGroup:
     def _wait_for_hello(self) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
         while len(self.ranks) < self.spec.world_size:
-            self._check_job_alive("starting")
+            state = self._check_job_alive("starting")
+            if state == "PENDING":  # queue time is the cluster's business, not a start failure
+                deadline = time.monotonic() + self.spec.start_timeout_s
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.spec.world_size)) - set(self.ranks))
                 raise self._error(f"ranks {missing} did not start within {self.spec.start_timeout_s:.0f} s", missing)
@@ -278,11 +340,17 @@ class WorkerGroup:
             return
         if kind == "hello":
             rank = int(message["rank"])
-            self.ranks[rank] = RankInfo(rank, int(message["pid"]), str(message["host"]), time.monotonic())
+            self.ranks[rank] = RankInfo(
+                rank, int(message["pid"]), str(message["host"]), time.monotonic(), str(message.get("node", ""))
+            )
             self.methods = {name: Dispatch(mode) for name, mode in message["methods"].items()}
         elif kind == "heartbeat":
             rank = int(sender.removeprefix(f"{self.spec.name}/rank-").split("/")[0])
             self._beat(rank)
+            signals = [str(s) for s in message.get("signals", [])]
+            if signals and signals != self.warning_signals.get(rank):
+                logger.warning("group %s rank %d received %s", self.spec.name, rank, ", ".join(signals))
+                self.warning_signals[rank] = signals
         elif kind == "fatal":
             rank = int(message["rank"])
             raise self._error(f"rank {rank} failed while starting:\n{message['traceback']}", [rank])
@@ -302,10 +370,48 @@ class WorkerGroup:
                     [rank],
                 )
 
-    def _check_job_alive(self, during: str) -> None:
-        if self._job.done():
-            state = self._job.state
-            raise self._error(f"the job ended (state {state}) during {during}", sorted(range(self.spec.world_size)))
+    def poll(self) -> None:
+        """Handle the messages that arrived while no call was running (heartbeats with warning signals)."""
+        while (got := self._endpoint.recv(0)) is not None:
+            self._handle_side_message(got[1])
+
+    def _check_job_alive(self, during: str) -> str:
+        """Raise if the job has ended, or (Slurm) if one of its nodes is down or drained. Returns the Slurm job's
+        state (``RUNNING``, ``PENDING``...; polled every ``slurm_poll_s``) or ``""`` for local groups."""
+        everyone = sorted(range(self.spec.world_size))
+        if self.spec.executor == "local":
+            if self._job.done():
+                raise self._error(f"the job ended (state {self._job.state}) during {during}", everyone)
+            return ""
+        now = time.monotonic()
+        if now - self._last_slurm_poll < self.spec.slurm_poll_s:
+            return getattr(self, "_slurm_state", "")
+        self._last_slurm_poll = now
+        try:
+            state = cluster.job_state(self.job_id)
+        except cluster.SlurmCommandError as e:  # the controller lost Slurm: say so, but heartbeats still decide
+            logger.warning("cannot poll Slurm job %s of group %s: %s", self.job_id, self.spec.name, e)
+            return getattr(self, "_slurm_state", "")
+        self._slurm_state = state
+        if state not in cluster.ACTIVE_STATES and state != "UNKNOWN":
+            raise self._error(f"the Slurm job ended (state {state}) during {during}", everyone)
+        nodes = sorted({info.node for info in self.ranks.values() if info.node})
+        with contextlib.suppress(cluster.SlurmCommandError):
+            for node in cluster.node_states(nodes):
+                if node.bad:
+                    on_node = sorted(r for r, info in self.ranks.items() if info.node == node.node)
+                    self._cancel()
+                    reason = f" (reason: {node.reason})" if node.reason else ""
+                    raise self._error(
+                        f"node {node.node} is {node.state}{reason} during {during}; the job was cancelled", on_node
+                    )
+        return state
+
+    def _cancel(self) -> None:
+        if self.spec.executor == "slurm":
+            cluster.cancel(self.job_id)
+        else:
+            self._job.cancel(check=False)
 
     def _error(self, what: str, ranks: list[int]) -> WorkerGroupError:
         where = []
@@ -333,7 +439,7 @@ class WorkerGroup:
             "ranks": sorted(self.ranks),
             "executor": self.spec.executor,
             "slurm_job_id": self.job_id if self.spec.executor == "slurm" else None,
-            "hosts": [self.ranks[r].host for r in sorted(self.ranks)],
+            "hosts": [self.ranks[r].node or self.ranks[r].host for r in sorted(self.ranks)],  # Slurm's node names
         }
 
     @property
@@ -351,15 +457,23 @@ class WorkerGroup:
             with contextlib.suppress(zmq.ZMQError):  # a dead rank cannot be told
                 self._endpoint.send(self._identity(rank), {"type": "shutdown"})
         deadline = time.monotonic() + timeout_s
-        while not self._job.done() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not self._job.done():
-            self._job.cancel(check=False)
+        while not self._ended() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not self._ended():
+            self._cancel()
             if self.spec.executor == "local":  # submitit's local launcher ignores the first SIGTERM
                 for pid in self.pids:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
         self._endpoint.close()
+
+    def _ended(self) -> bool:
+        if self.spec.executor == "local":
+            return self._job.done()
+        try:
+            return cluster.job_state(self.job_id) not in cluster.ACTIVE_STATES
+        except cluster.SlurmCommandError:
+            return False
 
     def __enter__(self) -> WorkerGroup:
         return self

@@ -45,3 +45,28 @@ def prefect_api(tmp_path_factory):
     mp.setenv("HYBRIDFLOW_HOME", str(home))
     assert server.stop()
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real one-node Slurm cluster, started by the project's `slurm/dev_cluster.sh` (munge, MariaDB + slurmdbd,
+    slurmctld, slurmd; installed from Debian when missing). Needs root; CI (CI=true) fails rather than skips."""
+    import shutil
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "slurm" / "dev_cluster.sh"
+    why = None
+    if os.geteuid() != 0:
+        why = "starting the development Slurm cluster needs root"
+    else:
+        done = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            why = f"{script} start failed:\n{done.stdout}{done.stderr}"
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    assert shutil.which("sbatch"), "the cluster started but sbatch is not on PATH"
+    return {"node": socket.gethostname().split(".")[0]}

@@ -66,6 +66,12 @@ def test_malformed_override():
         load_config(None, ["rollout.n"])
 
 
-def test_data_parallel_groups_are_refused_up_front():
-    with pytest.raises(ConfigError, match=r"placement\.world_size"):
-        load_config(None, [*MINIMAL, "placement.world_size=2"])
+def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
+    cfg = load_config(None, [*MINIMAL, "placement.tasks_per_node=2", "placement.executor=slurm", "placement.nodes=2"])
+    assert cfg.placement.world_size == 4 and cfg.placement.critic_world_size == 4
+    with pytest.raises(ConfigError, match=r"cannot be split evenly over the 3 data-parallel ranks"):
+        load_config(None, [*MINIMAL, "placement.tasks_per_node=3"])
+    with pytest.raises(ConfigError, match=r"placement.nodes > 1 needs placement.executor: slurm"):
+        load_config(None, [*MINIMAL, "placement.nodes=2"])
+    with pytest.raises(ConfigError, match=r"placement.slurm.gpus: unknown key"):
+        load_config(None, [*MINIMAL, "placement.slurm.gpus=1"])

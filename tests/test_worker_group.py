@@ -20,13 +20,13 @@ from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, WorkerGroupErr
 TOY = f"{Path(__file__).parent / 'workers_for_tests.py'}:ToyWorker"
 
 
-def _group(tmp, name="toy", world_size=2, **spec):
+def _group(tmp, name="toy", tasks_per_node=2, **spec):
     secret = tmp / "secret"
     if not secret.exists():
         create_secret(secret)
     (tmp / "markers").mkdir(exist_ok=True)
     return WorkerGroup(
-        GroupSpec(name=name, worker_cls=TOY, world_size=world_size, **spec),
+        GroupSpec(name=name, worker_cls=TOY, tasks_per_node=tasks_per_node, **spec),
         run_dir=tmp,
         data_dir=tmp / "data",
         secret_path=secret,
@@ -141,7 +141,7 @@ import sys, time
 from pathlib import Path
 from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 tmp = Path(sys.argv[1])
-g = WorkerGroup(GroupSpec(name="orphans", worker_cls=sys.argv[2], world_size=2, heartbeat_timeout_s=3.0),
+g = WorkerGroup(GroupSpec(name="orphans", worker_cls=sys.argv[2], tasks_per_node=2, heartbeat_timeout_s=3.0),
                 run_dir=tmp, data_dir=tmp / "data", secret_path=tmp / "secret",
                 worker_kwargs={"marker_dir": str(tmp / "markers")})
 print(" ".join(map(str, g.pids)), flush=True)

@@ -22,6 +22,15 @@ class ToyWorker:
         self.calls += 1
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid()}
 
+    @register(Dispatch.ONE_TO_ALL)
+    def slurm_env(self) -> dict:
+        keys = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_CPUS_PER_TASK", "MASTER_ADDR", "SLURMD_NODENAME")
+        return {k: os.environ.get(k) for k in keys}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def noop(self) -> None:
+        return None
+
     @register(Dispatch.RANK_ZERO)
     def all_reduce(self, x: float) -> float:
         t = torch.tensor([x * (self.rank + 1)])
@@ -29,10 +38,10 @@ class ToyWorker:
         return float(t)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    def double(self, data: DataProto, factor: int = 2) -> DataProto:
+    def double(self, data: DataProto, factor: int = 2, key: str = "x") -> DataProto:
         n = len(data)
         return DataProto.from_dict(
-            {"y": data.batch["x"] * factor, "rank": torch.full((n,), self.rank)}, {"tag": [f"r{self.rank}"] * n}
+            {"y": data.batch[key] * factor, "rank": torch.full((n,), self.rank)}, {"tag": [f"r{self.rank}"] * n}
         )
 
     @register(Dispatch.ALL_TO_ALL)

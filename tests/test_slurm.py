@@ -1,0 +1,152 @@
+"""Worker groups as jobs of a real Slurm cluster (slurm/dev_cluster.sh: slurmctld, slurmd, slurmdbd + MariaDB):
+sbatch through submitit, torch.distributed inside the job, several groups at once, many-to-many transfer between
+groups of different sizes, and the failures a cluster brings (kill -9 of a rank, scancel, a drained node)."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridflow.engine.protocol import DataProto
+from hybridflow.slurm import cluster
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, WorkerGroupError, slurm_parameters
+
+TOY = f"{Path(__file__).parent / 'workers_for_tests.py'}:ToyWorker"
+
+
+def _slurm_group(tmp: Path, name: str, tasks_per_node: int = 2, **spec) -> WorkerGroup:
+    secret = tmp / "secret"
+    if not secret.exists():
+        create_secret(secret)
+    return WorkerGroup(
+        GroupSpec(
+            name=name,
+            worker_cls=TOY,
+            tasks_per_node=tasks_per_node,
+            executor="slurm",
+            slurm=slurm_parameters(partition="debug", cpus_per_task=1, sbatch={"comment": f"test-{name}"}),
+            timeout_min=30,
+            start_timeout_s=120,
+            **spec,
+        ),
+        run_dir=tmp,
+        data_dir=tmp / "data",
+        secret_path=secret,
+    )
+
+
+@pytest.fixture(scope="module")
+def groups(slurm_cluster, tmp_path_factory):
+    """Two groups running at once: 'rollout' with 2 ranks and 'actor' with 1."""
+    tmp = tmp_path_factory.mktemp("slurm_groups")
+    rollout = _slurm_group(tmp, "rollout", tasks_per_node=2)
+    try:
+        actor = _slurm_group(tmp, "actor", tasks_per_node=1)
+    except BaseException:
+        rollout.shutdown()
+        raise
+    yield rollout, actor, tmp
+    for group in (rollout, actor):
+        group.shutdown()
+
+
+def test_groups_are_slurm_jobs_with_torch_distributed_inside(groups, slurm_cluster):
+    rollout, actor, _ = groups
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T %D %C"], capture_output=True, text=True).stdout
+    running = {line.split()[0]: line.split()[1:] for line in queue.splitlines()}
+    assert running[rollout.job_id][:2] == ["hybridflow-rollout", "RUNNING"]  # both groups run at once
+    assert running[actor.job_id][:2] == ["hybridflow-actor", "RUNNING"]
+    env = rollout.slurm_env()
+    assert [e["SLURM_PROCID"] for e in env] == ["0", "1"]
+    assert {e["SLURM_JOB_ID"] for e in env} == {rollout.job_id} and {e["SLURM_NTASKS"] for e in env} == {"2"}
+    assert {e["SLURM_CPUS_PER_TASK"] for e in env} == {"1"}  # placement.slurm.cpus_per_task reached sbatch
+    assert rollout.all_reduce(2.0) == pytest.approx(2.0 * 1 + 2.0 * 2)  # gloo across the job's two tasks
+    assert cluster.job_state(rollout.job_id) == "RUNNING"  # real accounting (slurmdbd) knows the job
+    placement = rollout.placement
+    assert placement["executor"] == "slurm" and placement["slurm_job_id"] == rollout.job_id
+    assert placement["hosts"] == [slurm_cluster["node"]] * 2 and placement["ranks"] == [0, 1]
+    script = next((rollout.log_dir).glob("*submission_file.sh"), None) or next(rollout.log_dir.glob("*.sh"))
+    assert "#SBATCH --comment=test-rollout" in script.read_text()  # extra sbatch options from config
+
+
+def test_many_to_many_transfer_between_groups_of_different_sizes(groups):
+    rollout, actor, _ = groups
+    data = DataProto.from_dict({"x": torch.arange(6)})
+    produced = rollout.double(data, factor=2)  # DP=2 producer: two parts of 3 rows, one per rank
+    assert [p.length for p in produced.groups[0].parts] == [3, 3]
+    consumed = actor.double(produced.select(["y"]), factor=10, key="y")  # DP=2 -> DP=1: reads both parts
+    assert consumed.load().batch["y"].tolist() == [0, 20, 40, 60, 80, 100]
+    assert consumed.load().batch["rank"].tolist() == [0] * 6 and len(consumed.groups[0].parts) == 1
+    back = rollout.double(consumed.select(["y"]), factor=1, key="y")  # DP=1 -> DP=2: each rank its half
+    assert back.load().batch["rank"].tolist() == [0, 0, 0, 1, 1, 1]
+    assert back.load().batch["y"].tolist() == [0, 20, 40, 60, 80, 100]
+
+    # Each consumer rank reads only its rows: with the producer's rank-0 part gone, rank 1 of the consumer still
+    # computes (it never opens that file) and only rank 0 fails.
+    Path(produced.groups[0].parts[0].path).unlink()
+    with pytest.raises(WorkerGroupError, match=r"rank 0 raised in double") as err:
+        rollout.double(produced.select(["y"]), factor=1, key="y")
+    assert "rank 1 raised" not in str(err.value)
+
+
+def _raises_within(group: WorkerGroup, fault, limit_s: float = 30.0) -> tuple[WorkerGroupError, float]:
+    """Start a long call, inject `fault` once the call runs, and return the error and the seconds to detect it."""
+    timer = threading.Timer(1.0, fault)
+    timer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerGroupError) as err:
+            group.sleep(120)
+    finally:
+        timer.cancel()
+    detected = time.monotonic() - start - 1.0
+    assert detected < limit_s, f"failure detected after {detected:.1f} s"
+    return err.value, detected
+
+
+def test_kill_9_of_one_rank_fails_the_call_naming_group_rank_and_job(slurm_cluster, tmp_path):
+    group = _slurm_group(tmp_path, "victim")
+    try:
+        pid = group.pids[1]
+        err, seconds = _raises_within(group, lambda: os.kill(pid, signal.SIGKILL))
+        assert "worker group 'victim'" in str(err) and f"job {group.job_id}" in str(err)
+        assert "rank 1" in str(err)
+        print(f"kill -9 of rank 1 detected in {seconds:.1f} s: {str(err).splitlines()[0]}")
+    finally:
+        group.shutdown(timeout_s=10)
+
+
+def test_scancel_fails_the_call(slurm_cluster, tmp_path):
+    group = _slurm_group(tmp_path, "cancelled")
+    try:
+        err, seconds = _raises_within(group, lambda: subprocess.run(["scancel", group.job_id], check=True))
+        assert f"worker group 'cancelled' (job {group.job_id}, slurm)" in str(err)
+        assert "CANCELLED" in str(err) or "heartbeat" in str(err)
+        assert "rank 0" in str(err)
+        print(f"scancel detected in {seconds:.1f} s: {str(err).splitlines()[0]}")
+    finally:
+        group.shutdown(timeout_s=10)
+
+
+def test_drained_node_fails_the_call_and_frees_the_node(slurm_cluster, tmp_path):
+    node = slurm_cluster["node"]
+    group = _slurm_group(tmp_path, "drained")
+    drain = ["scontrol", "update", f"NodeName={node}", "State=DRAIN", "Reason=hybridflow-test"]
+    try:
+        err, seconds = _raises_within(group, lambda: subprocess.run(drain, check=True))
+        assert f"node {node} is drain" in str(err) and "hybridflow-test" in str(err)
+        assert f"job {group.job_id}" in str(err) and "rank 0" in str(err) and "rank 1" in str(err)
+        print(f"drained node detected in {seconds:.1f} s: {str(err).splitlines()[0]}")
+        deadline = time.monotonic() + 30
+        while cluster.job_state(group.job_id) in cluster.ACTIVE_STATES and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert cluster.job_state(group.job_id) == "CANCELLED"  # the group's job no longer holds the node
+    finally:
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+        group.shutdown(timeout_s=10)

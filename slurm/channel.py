@@ -66,7 +66,7 @@ class Signer:
 
     def __init__(self, key: bytes):
         self._key = key
-        self._seen: dict[str, float] = {}
+        self._seen: dict[str, float] = {}  # nonce -> expiry, in arrival order (oldest first)
         self.dropped = 0
 
     def _mac(self, body: bytes) -> bytes:
@@ -89,10 +89,14 @@ class Signer:
         if abs(now - ts) > MAX_AGE_S or nonce in self._seen:
             self.dropped += 1
             return None
-        # remember each nonce until its own timestamp is too old to be accepted again (clock skew included)
+        # remember each nonce until its own timestamp is too old to be accepted again (clock skew included);
+        # arrival order is close to timestamp order, so expired nonces are dropped from the front (O(1) per message)
         self._seen[nonce] = ts + MAX_AGE_S
-        for old_nonce in [n for n, expiry in self._seen.items() if expiry < now - MAX_AGE_S]:
-            del self._seen[old_nonce]
+        while self._seen:
+            oldest = next(iter(self._seen))
+            if self._seen[oldest] >= now - MAX_AGE_S:
+                break
+            del self._seen[oldest]
         return message
 
 

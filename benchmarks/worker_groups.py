@@ -60,10 +60,11 @@ def transfer(executor: str, megabytes: int) -> None:
     rows, row_bytes = 1000, megabytes * 1_000_000 // 1000
     with tempfile.TemporaryDirectory(dir=Path.cwd() / ".cache") as tmp:
         tmp = Path(tmp)
-        producer = _group(tmp, "producer", 2, executor)
-        one = _group(tmp, "consumer1", 1, executor)
-        two = _group(tmp, "consumer2", 2, executor)
+        groups = []
         try:
+            for name, ranks in (("producer", 2), ("consumer1", 1), ("consumer2", 2)):
+                groups.append(_group(tmp, name, ranks, executor))
+            producer, one, two = groups
             index = DataProto.from_dict({"i": torch.arange(rows)})
             for attempt in range(3):
                 start = time.perf_counter()
@@ -84,7 +85,7 @@ def transfer(executor: str, megabytes: int) -> None:
                 )
                 batch.delete()
         finally:
-            for group in (producer, one, two):
+            for group in groups:
                 group.shutdown()
 
 

@@ -43,11 +43,11 @@ class Actor:
         config: the ``actor`` config section.
         rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
         seed: seeds the mini-batch shuffling (with the iteration number from ``meta_info["global_steps"]``).
+        compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, weights and gradients stay as
+            loaded, fp32 with ``load_model(..., trainable=True)``); None or float32: no autocast.
 
     Under torch.distributed (a worker group of D ranks) the model is wrapped in DDP here, a collective: every rank
     constructs its `Actor` together; ``ppo_mini_batch_size x rollout_n`` must be a multiple of D.
-        compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, weights and gradients stay as
-            loaded, fp32 with ``load_model(..., trainable=True)``); None or float32: no autocast.
     """
 
     def __init__(

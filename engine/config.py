@@ -211,6 +211,15 @@ class PlacementConfig(_Section):
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="a rank silent this long is reported dead")
     call_timeout_s: float | None = Field(None, gt=0, description="limit for one stage call (a stuck rank); None: none")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_world_size(cls, values: Any) -> Any:
+        """Configs recorded before nodes x tasks_per_node (``world_size: 1``, ``slurm: {}``) still load."""
+        if isinstance(values, dict) and "world_size" in values:
+            values = dict(values)
+            values.setdefault("tasks_per_node", values.pop("world_size"))
+        return values
+
     @model_validator(mode="after")
     def _local_is_one_node(self) -> PlacementConfig:
         if self.executor == "local" and max(self.nodes, self.critic_nodes or 1) > 1:
@@ -275,14 +284,16 @@ class HybridFlowConfig(_Section):
         """Every data-parallel rank must get the same number of sequences of every mini-batch (each optimizer step
         all-reduces gradients once per rank)."""
         n = self.rollout.n
-        checks = [("actor", self.placement.world_size, self.actor.ppo_mini_batch_size)]
+        placement = self.placement
+        checks = [("actor", placement.world_size, self.actor.ppo_mini_batch_size, "nodes x tasks_per_node")]
         if self.algorithm.adv_estimator == "gae":
-            checks.append(("critic", self.placement.critic_world_size, self.critic.ppo_mini_batch_size))
-        for role, ranks, mini in checks:
+            keys = "nodes x tasks_per_node" if placement.colocate else "critic_nodes x critic_tasks_per_node"
+            checks.append(("critic", placement.critic_world_size, self.critic.ppo_mini_batch_size, keys))
+        for role, ranks, mini, keys in checks:
             if ranks > 1 and (mini * n) % ranks:
                 raise ValueError(
                     f"{role}.ppo_mini_batch_size x rollout.n = {mini * n} sequences cannot be split evenly over the "
-                    f"{ranks} data-parallel ranks of the {role}'s group (placement.nodes x tasks_per_node); "
+                    f"{ranks} data-parallel ranks of the {role}'s group (placement.{keys}); "
                     "make it a multiple of the ranks"
                 )
 

@@ -30,10 +30,10 @@ class Critic:
         config: the ``critic`` config section.
         rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
         seed: seeds the mini-batch shuffling (with ``meta_info["global_steps"]``).
+        compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, fp32 weights); None: no autocast.
 
     Under torch.distributed the model is wrapped in DDP here (a collective, see `training`);
     ``ppo_mini_batch_size x rollout_n`` must be a multiple of the number of ranks.
-        compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, fp32 weights); None: no autocast.
     """
 
     def __init__(

@@ -135,7 +135,9 @@ def micro_batch_weights(micros: Sequence[DataProto], loss_agg_mode: str) -> list
     total = sum(counts)
     _, world = dp_world()
     if world > 1:
-        summed = torch.tensor([total], dtype=torch.float64)
+        on_gpu = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        summed = torch.tensor([total], dtype=torch.float64, device=device)
         dist.all_reduce(summed)
         total = float(summed)
     return [world * c / total if total > 0 else 0.0 for c in counts]

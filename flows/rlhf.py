@@ -142,8 +142,13 @@ def group_spec(cfg: HybridFlowConfig, name: str) -> GroupSpec:
     if name == "critic":
         nodes, tasks = placement.critic_nodes or nodes, placement.critic_tasks_per_node or tasks
     backend = placement.backend
-    if backend == "auto":
-        on_gpus = placement.slurm.gpus_per_node > 0 if placement.executor == "slurm" else _local_cuda(cfg)
+    if backend == "auto":  # NCCL when the workers train on GPUs (trainer.device cuda, or auto with GPUs there)
+        if cfg.trainer.device == "cpu":
+            on_gpus = False
+        elif placement.executor == "slurm":
+            on_gpus = cfg.trainer.device == "cuda" or placement.slurm.gpus_per_node > 0
+        else:
+            on_gpus = _local_cuda(cfg)
         backend = "nccl" if on_gpus else "gloo"
     slurm = placement.slurm
     return GroupSpec(
@@ -161,8 +166,6 @@ def group_spec(cfg: HybridFlowConfig, name: str) -> GroupSpec:
 
 
 def _local_cuda(cfg: HybridFlowConfig) -> bool:
-    if cfg.trainer.device == "cpu":
-        return False
     import torch
 
     return torch.cuda.is_available()
@@ -179,30 +182,39 @@ class Workers:
         return self.by_role[role]
 
     def shutdown(self) -> None:
-        for group in self.groups.values():
-            group.shutdown()
+        """Shut every group down; one that fails to stop does not keep the others running."""
+        for name, group in self.groups.items():
+            try:
+                group.shutdown()
+            except Exception:  # log it and go on to the next group's job
+                logger.exception("shutting down worker group %s (job %s) failed", name, group.job_id)
 
 
 def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir: Path) -> Workers:
     """Start the worker groups of ``placement`` (each a submitit job), load their models, and record the placement
-    in the store. If anything fails, the groups already started are shut down."""
+    in the store. Every group's job is submitted before any is waited for, so on Slurm no group sits allocated
+    while another waits in the queue. If anything fails, the groups already started are shut down."""
     secret = run_dir / "secret"
     if not secret.exists():
         create_secret(secret)
     workers = Workers()
+    layout = group_layout(cfg)
     try:
-        for name, roles in group_layout(cfg).items():
-            group = WorkerGroup(
+        for name, roles in layout.items():
+            workers.groups[name] = WorkerGroup(
                 group_spec(cfg, name),
                 run_dir=run_dir,
                 data_dir=run_dir / "data",
                 secret_path=secret,
                 worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": roles},
+                wait=False,
             )
-            workers.groups[name] = group
-            workers.by_role.update({role: group for role in roles})
+            workers.by_role.update({role: workers.groups[name] for role in roles})
+        for group in workers.groups.values():
+            group.wait_ready()
+        for name, group in workers.groups.items():
             group.init_model()
-            store.record_placement(run_id, [{"role": role, **group.placement} for role in roles])
+            store.record_placement(run_id, [{"role": role, **group.placement} for role in layout[name]])
     except BaseException:
         workers.shutdown()
         raise
@@ -257,7 +269,9 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
                     _save_checkpoint(store, run_id, workers, run_dir, step, state_before)
                 return _stop_preempted(store, run_id, step, str(warned), metrics)
             last = step + 1 == trainer.total_iterations
-            if prompts.val_batches and (last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)):
+            warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
+            due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
+            if prompts.val_batches and due and not warned:
                 _notify("stage", name="validate", step=step + 1)
                 metrics.update(
                     stages.validate(
@@ -271,7 +285,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             store.record_metrics(run_id, step + 1, metrics)
             # The checkpoint comes last: once it is recorded, everything of this iteration is on record, and a crash
             # before that redoes the iteration from the previous checkpoint (metrics are upserted).
-            warned = PreemptionWatch(workers).signals()
+            warned = warned or PreemptionWatch(workers).signals()
             if last or warned or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
                 _save_checkpoint(store, run_id, workers, run_dir, step + 1, _trainer_state(step + 1, prompts, kl_ctrl))
             store.end_iteration(run_id, step + 1)

@@ -1,21 +1,27 @@
-"""What the controller asks Slurm about a worker group's job: its state (``sacct``, real accounting), the state of
-its nodes (``sinfo``), and cancelling it (``scancel``).
+"""What the controller asks Slurm about a worker group's job: its state (``squeue`` while slurmctld lists it, then
+``sacct``, the accounting record), the state of its nodes (``sinfo``), and cancelling it (``scancel``).
 
 The worker group polls these every few seconds while it waits on the job, so a cancelled job, a node that went
-down and a node an administrator (or a health check) drained each turn into an error within seconds, whatever
-submitit's own (rate-limited) state cache says.
+down and a node an administrator (or a health check such as NHC, on a hardware fault) drained each turn into an
+error within seconds, whatever submitit's own (rate-limited) state cache says.
 """
 
 from __future__ import annotations
 
+import logging
 import subprocess
 from dataclasses import dataclass
 
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
-"""Job states in which the job may still run (or is running); any other state means it has ended."""
+logger = logging.getLogger(__name__)
 
-BAD_NODE_STATES = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "MAINT", "REBOOT", "POWER_DOWN", "POWERING_DOWN")
-"""Node state words (``sinfo -o %T`` and its flags) after which a worker on the node is not to be trusted."""
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED"}
+"""Job states in which the job may still run (or is running); any other state means it has ended (``COMPLETING``:
+ended, its processes being killed and cleaned up)."""
+
+BAD_NODE_STATES = ("DOWN", "DRAIN", "FAIL")
+"""Node state words (``sinfo -o %T``: ``down``, ``drained``, ``draining``, ``fail``, ``failing``) after which a
+worker on the node is not to be trusted. A node that merely misses a ping (``*`` suffix) is left to the heartbeats
+and to Slurm, which sets it DOWN after ``SlurmdTimeout``."""
 
 
 class SlurmCommandError(RuntimeError):
@@ -35,18 +41,25 @@ def _run(args: list[str], timeout_s: float = 20.0) -> str:
 
 
 def job_state(job_id: str) -> str:
-    """The job's state word (``RUNNING``, ``CANCELLED``, ``NODE_FAIL``, ...) from ``sacct``; ``squeue`` for a job
-    the accounting database does not know yet. ``UNKNOWN`` if neither lists it.
+    """The job's state word (``RUNNING``, ``PENDING``, ``CANCELLED``, ``NODE_FAIL``, ...): from ``squeue`` (the
+    controller, cheap) while it lists the job, else from ``sacct`` (the accounting record of an ended job).
+    ``UNKNOWN`` if neither knows it.
 
     Raises:
-        SlurmCommandError: the commands fail (e.g. slurmdbd unreachable and slurmctld down).
+        SlurmCommandError: both commands fail (slurmctld and slurmdbd unreachable).
     """
+    live = ""
+    try:
+        out = _run(["squeue", "-h", "-o", "%T", "-j", str(job_id)])
+        live = out.split()[0] if out.split() else ""
+    except SlurmCommandError:  # an ended job is unknown to squeue on some versions ("Invalid job id")
+        pass
+    if live and live != "COMPLETING":
+        return live
+    # ended (or ending: COMPLETING): the accounting record says how (CANCELLED, FAILED, NODE_FAIL, TIMEOUT, ...)
     out = _run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", str(job_id)])
     lines = [line.split()[0] for line in out.splitlines() if line.strip()]
-    if lines:
-        return lines[-1]  # "CANCELLED by 0" -> "CANCELLED"
-    out = _run(["squeue", "-h", "-o", "%T", "-j", str(job_id)])
-    return out.split()[0] if out.split() else "UNKNOWN"
+    return lines[-1] if lines else (live or "UNKNOWN")  # "CANCELLED by 0" -> "CANCELLED"
 
 
 @dataclass(frozen=True)
@@ -60,9 +73,9 @@ class NodeState:
 
     @property
     def bad(self) -> bool:
-        """True when the node is down, drained or draining, failing, or not responding (``*`` suffix)."""
+        """True when the node is down, drained or draining, or failing (see `BAD_NODE_STATES`)."""
         upper = self.state.upper()
-        return upper.endswith("*") or any(word in upper for word in BAD_NODE_STATES)
+        return any(word in upper for word in BAD_NODE_STATES)
 
 
 def node_states(nodes: list[str]) -> list[NodeState]:
@@ -78,6 +91,14 @@ def node_states(nodes: list[str]) -> list[NodeState]:
     return list(seen.values())
 
 
-def cancel(job_id: str) -> None:
-    """``scancel`` the job (no error if it has already ended)."""
-    subprocess.run(["scancel", str(job_id)], capture_output=True, timeout=20, check=False)
+def cancel(job_id: str) -> bool:
+    """``scancel`` the job (an ended job is not an error). Returns False, with a warning logged, when scancel is
+    missing, fails or hangs: the caller goes on cleaning up."""
+    try:
+        done = subprocess.run(["scancel", str(job_id)], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("scancel %s failed: %s", job_id, e)
+        return False
+    if done.returncode != 0:
+        logger.warning("scancel %s failed: %s", job_id, done.stderr.strip())
+    return done.returncode == 0

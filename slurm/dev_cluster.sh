@@ -3,19 +3,22 @@
 # munged, MariaDB + slurmdbd (real job accounting: `sacct` reports true job states), slurmctld and slurmd, all from
 # Debian's packages, run as root without systemd. Idempotent: "start" on a healthy cluster only checks it.
 #
-#   HYBRIDFLOW_SLURM_DIR   state, spool and logs   (default /tmp/hybridflow-slurm)
+#   HYBRIDFLOW_SLURM_DIR   state, spool and logs   (default /var/lib/hybridflow-slurm: kept, like the accounting
+#                          database in /var/lib/mysql, so job ids keep counting up across restarts)
 #   HYBRIDFLOW_SLURM_CPUS  CPUs the node advertises (default 8; more than the machine has is allowed, so several
 #                          worker groups fit at once on a small machine: tasks then share cores)
 #
 # Needs root and Debian (apt-get installs the packages when they are missing). Cluster "hybridflow", partition
-# "debug", one node named after this host.
+# "debug", one node named after this host. It writes /etc/slurm/slurm.conf and slurmdbd.conf, and refuses to replace
+# ones it did not write (a real cluster's).
 set -euo pipefail
-DIR=${HYBRIDFLOW_SLURM_DIR:-/tmp/hybridflow-slurm}
+DIR=${HYBRIDFLOW_SLURM_DIR:-/var/lib/hybridflow-slurm}
 CPUS=${HYBRIDFLOW_SLURM_CPUS:-8}
 CMD=${1:-start}
 NODE=$(hostname -s)
 CONF_DIR=/etc/slurm
 DB_PASS_FILE=$DIR/dbpass
+MARKER="# written by hybridflow slurm/dev_cluster.sh"
 
 running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -32,8 +35,8 @@ stop_slurm() { stop_pidfile "$DIR/slurmd.pid"; stop_pidfile "$DIR/slurmctld.pid"
 case "$CMD" in
   stop)
     stop_slurm
-    stop_pidfile /run/mysqld/mysqld.pid
-    stop_pidfile /run/munge/munged.pid
+    if [ -f "$DIR/started-mariadb" ]; then stop_pidfile /run/mysqld/mysqld.pid; rm -f "$DIR/started-mariadb"; fi
+    if [ -f "$DIR/started-munged" ]; then stop_pidfile /run/munge/munged.pid; rm -f "$DIR/started-munged"; fi
     echo "slurm stopped"; exit 0 ;;
   status) sinfo -N -o '%N %T %c %m %E'; squeue; exit 0 ;;
   start) ;;
@@ -55,8 +58,10 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
 fi
 mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log" "$CONF_DIR"
 
-# 2. The node's name must resolve (slurmd, gloo and the worker groups' controller address use it).
-getent hosts "$NODE" >/dev/null || echo "127.0.0.1 $NODE" >> /etc/hosts
+# 2. The node's names must resolve (slurmd, gloo and the worker groups' controller address use them).
+for name in "$NODE" "$(hostname)"; do
+  getent hosts "$name" >/dev/null || echo "127.0.0.1 $name" >> /etc/hosts
+done
 
 # 3. munge: authentication between the daemons and the commands.
 if [ ! -s /etc/munge/munge.key ]; then
@@ -67,6 +72,7 @@ chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
 install -d -o munge -g munge -m 0755 /run/munge
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1
+  touch "$DIR/started-munged"
   for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
   munge -n | unmunge >/dev/null
 fi
@@ -76,6 +82,7 @@ install -d -o mysql -g mysql /run/mysqld
 if ! mysqladmin ping >/dev/null 2>&1; then
   (cd / && setsid /usr/sbin/mariadbd --user=mysql --bind-address=127.0.0.1 --socket=/run/mysqld/mysqld.sock \
      --pid-file=/run/mysqld/mysqld.pid </dev/null >"$DIR/log/mariadb.log" 2>&1 &)
+  touch "$DIR/started-mariadb"
   for _ in $(seq 150); do mysqladmin ping >/dev/null 2>&1 && break; sleep 0.2; done
   mysqladmin ping >/dev/null || { echo "MariaDB did not start; see $DIR/log/mariadb.log" >&2; exit 1; }
 fi
@@ -92,7 +99,7 @@ EOF
 MEM=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' | head -1)
 MEM=$(( MEM * 9 / 10 ))
 DBD_CONF=$(cat <<EOF
-# written by hybridflow slurm/dev_cluster.sh
+$MARKER
 AuthType=auth/munge
 DbdHost=localhost
 SlurmUser=root
@@ -107,7 +114,7 @@ StorageLoc=slurm_acct_db
 EOF
 )
 SLURM_CONF=$(cat <<EOF
-# written by hybridflow slurm/dev_cluster.sh
+$MARKER
 ClusterName=hybridflow
 SlurmctldHost=$NODE(127.0.0.1)
 SlurmUser=root
@@ -144,6 +151,12 @@ NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
 )
+for f in "$CONF_DIR/slurm.conf" "$CONF_DIR/slurmdbd.conf"; do
+  if [ -s "$f" ] && [ "$(head -n 1 "$f")" != "$MARKER" ]; then
+    echo "error: $f exists and was not written by this script (a real cluster's?); not replacing it" >&2
+    exit 1
+  fi
+done
 changed=0
 if [ ! -f "$CONF_DIR/slurmdbd.conf" ] || [ "$(cat "$CONF_DIR/slurmdbd.conf")" != "$DBD_CONF" ]; then
   (umask 077 && printf '%s\n' "$DBD_CONF" > "$CONF_DIR/slurmdbd.conf"); changed=1
@@ -159,6 +172,11 @@ if ! running "$DIR/slurmdbd.pid"; then
   slurmdbd </dev/null >/dev/null 2>&1
 fi
 for _ in $(seq 100); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.2; done
+if ! sacctmgr -n list cluster >/dev/null 2>&1; then
+  echo "slurmdbd does not answer; logs in $DIR/log" >&2
+  tail -n 20 "$DIR/log/slurmdbd.log" "$DIR/log/mariadb.log" >&2 || true
+  exit 1
+fi
 if ! sacctmgr -n -P list cluster format=cluster 2>/dev/null | grep -qx hybridflow; then
   sacctmgr -i add cluster hybridflow >/dev/null
 fi

@@ -91,9 +91,9 @@ class _SignalNotice:
 
     def _record(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        logger.warning("received %s: the controller will checkpoint at the next stage boundary", name)
-        if name not in self.received:
+        if name not in self.received:  # first: a failing log write below must not lose the signal
             self.received.append(name)
+        logger.warning("received %s: the controller will checkpoint at the next stage boundary", name)
 
 
 def _heartbeats(

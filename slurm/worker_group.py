@@ -111,7 +111,8 @@ def slurm_parameters(
         mem_gb: memory per node (GiB), sent as ``--mem=<MiB>M``.
         signal_delay_s: SIGUSR2 this many seconds before the time limit (``--signal=USR2@...``).
         sbatch: any other sbatch option, ``{"constraint": "a100", "exclusive": True}`` -> ``--constraint=a100
-            --exclusive``.
+            --exclusive``. ``--no-requeue`` is always added: a worker group is resumed by `hf resume`, never
+            restarted by Slurm with blank models.
         setup: shell lines run in the batch script before the workers start (``module load ...``).
     """
     params: dict[str, Any] = {"cpus_per_task": cpus_per_task, "signal_delay_s": signal_delay_s}
@@ -124,8 +125,8 @@ def slurm_parameters(
         params["mem"] = f"{int(mem_gb * 1024)}M"
     if setup:
         params["setup"] = list(setup)
-    if sbatch:
-        params["additional_parameters"] = dict(sbatch)
+    # A requeued job would restart its ranks with fresh, untrained models: never requeue (the run resumes instead).
+    params["additional_parameters"] = {"no_requeue": True, **(sbatch or {})}
     return params
 
 
@@ -147,6 +148,9 @@ class WorkerGroup:
         data_dir: where batches (`DataHandle` parts) are written; shared by all groups of the run.
         secret_path: the run's channel secret (see `channel.create_secret`).
         worker_kwargs: JSON-serialisable keyword arguments for the worker class's constructor.
+        wait: wait for every rank's hello before returning (default). With False the job is only submitted; call
+            `wait_ready` later (to submit several groups' jobs at once, so none sits allocated while another
+            waits in the queue).
 
     Raises:
         WorkerGroupError: if the job fails to start or a rank does not say hello within ``start_timeout_s``
@@ -160,6 +164,7 @@ class WorkerGroup:
         data_dir: str | Path,
         secret_path: str | Path,
         worker_kwargs: dict[str, Any] | None = None,
+        wait: bool = True,
     ):
         self.spec = spec
         self.data_dir = Path(data_dir)
@@ -188,12 +193,22 @@ class WorkerGroup:
         self.warning_signals: dict[int, list[str]] = {}
         self._closed = False
         self._last_slurm_poll = 0.0
+        self._slurm_state = ""
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every rank has said hello. On failure the job is cancelled and the group closed.
+
+        Raises:
+            WorkerGroupError: see the class docstring.
+        """
         try:
             self._wait_for_hello()
         except BaseException:  # never leave a job running that nobody will call or stop
+            self._closed = True
             self._cancel()
             self._endpoint.close()
-            self._closed = True
             raise
 
     # ------------------------------------------------------------------ start
@@ -221,7 +236,7 @@ class WorkerGroup:
         deadline = time.monotonic() + self.spec.start_timeout_s
         while len(self.ranks) < self.spec.world_size:
             state = self._check_job_alive("starting")
-            if state == "PENDING":  # queue time is the cluster's business, not a start failure
+            if state in ("PENDING", "CONFIGURING"):  # queue and node boot time: the cluster's business
                 deadline = time.monotonic() + self.spec.start_timeout_s
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.spec.world_size)) - set(self.ranks))
@@ -254,6 +269,7 @@ class WorkerGroup:
         if method not in self.methods:
             raise AttributeError(f"group {self.spec.name!r} serves {sorted(self.methods)}, not {method!r}")
         mode = self.methods[method]
+        self.poll()  # heartbeats queued while no call ran: every live rank is fresh again
         args = tuple(
             DataHandle.put(a, self.data_dir, f"{method}-input") if isinstance(a, DataProto) else a for a in args
         )
@@ -303,10 +319,12 @@ class WorkerGroup:
     def _collect(self, call_id: str, method: str, pending: set[int], timeout_s: float | None) -> dict[int, Any]:
         results: dict[int, Any] = {}
         timeout_s = self.spec.call_timeout_s if timeout_s is None else timeout_s
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        last_check = 0.0
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
+        last_check = started
         while pending:
             got = self._endpoint.recv(0.1)
+            now = time.monotonic()
             if got is not None:
                 message = got[1]
                 from_rank = str(message.get("from", "")).startswith(f"{self.spec.name}/rank-")
@@ -317,13 +335,15 @@ class WorkerGroup:
                         raise self._error(f"rank {rank} raised in {method}:\n{message['traceback']}", [rank])
                     results[rank] = message["result"]
                     pending.discard(rank)
+                else:
+                    self._handle_side_message(message)
+                if now - last_check < 2.0:  # judge silence only once the queue is drained (or every 2 s)
                     continue
-                self._handle_side_message(message)
-            now = time.monotonic()
             if now - last_check > 0.25:
                 last_check = now
-                self._check_heartbeats(method, pending)
+                self._check_heartbeats(method, pending, since=started)
                 self._check_job_alive(method)
+                last_check = time.monotonic()
             if deadline is not None and now > deadline:
                 raise self._error(f"{method} did not finish within {timeout_s} s", sorted(pending))
         return results
@@ -340,6 +360,12 @@ class WorkerGroup:
             return
         if kind == "hello":
             rank = int(message["rank"])
+            if rank in self.ranks and self.ranks[rank].pid != int(message["pid"]):
+                raise self._error(
+                    f"rank {rank} started again (pid {message['pid']} on {message['host']}): the job was requeued "
+                    "or restarted and its state is lost",
+                    [rank],
+                )
             self.ranks[rank] = RankInfo(
                 rank, int(message["pid"]), str(message["host"]), time.monotonic(), str(message.get("node", ""))
             )
@@ -359,21 +385,28 @@ class WorkerGroup:
         if rank in self.ranks:
             self.ranks[rank].last_seen = time.monotonic()
 
-    def _check_heartbeats(self, method: str, pending: set[int]) -> None:
+    def _check_heartbeats(self, method: str, pending: set[int], since: float) -> None:
+        """Raise for a pending rank silent for ``heartbeat_timeout_s``, counting from `since` at the earliest (the
+        call's start: between calls nobody reads the socket, so older silence says nothing)."""
         now = time.monotonic()
         for rank in sorted(pending):
             info = self.ranks.get(rank)
-            if info is not None and now - info.last_seen > self.spec.heartbeat_timeout_s:
+            if info is None:
+                continue
+            silent = now - max(info.last_seen, since)
+            if silent > self.spec.heartbeat_timeout_s:
                 raise self._error(
-                    f"rank {rank} sent no heartbeat for {now - info.last_seen:.1f} s during {method} "
-                    "(dead, stopped or hung)",
-                    [rank],
+                    f"rank {rank} sent no heartbeat for {silent:.1f} s during {method} (dead, stopped or hung)", [rank]
                 )
 
     def poll(self) -> None:
-        """Handle the messages that arrived while no call was running (heartbeats with warning signals)."""
+        """Handle the messages that arrived while no call was running (heartbeats with warning signals; results
+        of an abandoned call are dropped)."""
+        if self._closed:
+            return
         while (got := self._endpoint.recv(0)) is not None:
-            self._handle_side_message(got[1])
+            if got[1].get("type") in ("heartbeat", "hello", "fatal"):
+                self._handle_side_message(got[1])
 
     def _check_job_alive(self, during: str) -> str:
         """Raise if the job has ended, or (Slurm) if one of its nodes is down or drained. Returns the Slurm job's
@@ -385,13 +418,13 @@ class WorkerGroup:
             return ""
         now = time.monotonic()
         if now - self._last_slurm_poll < self.spec.slurm_poll_s:
-            return getattr(self, "_slurm_state", "")
+            return self._slurm_state
         self._last_slurm_poll = now
         try:
             state = cluster.job_state(self.job_id)
         except cluster.SlurmCommandError as e:  # the controller lost Slurm: say so, but heartbeats still decide
             logger.warning("cannot poll Slurm job %s of group %s: %s", self.job_id, self.spec.name, e)
-            return getattr(self, "_slurm_state", "")
+            return self._slurm_state
         self._slurm_state = state
         if state not in cluster.ACTIVE_STATES and state != "UNKNOWN":
             raise self._error(f"the Slurm job ended (state {state}) during {during}", everyone)
@@ -400,18 +433,17 @@ class WorkerGroup:
             for node in cluster.node_states(nodes):
                 if node.bad:
                     on_node = sorted(r for r, info in self.ranks.items() if info.node == node.node)
-                    self._cancel()
+                    cancelled = self._cancel()
                     reason = f" (reason: {node.reason})" if node.reason else ""
-                    raise self._error(
-                        f"node {node.node} is {node.state}{reason} during {during}; the job was cancelled", on_node
-                    )
+                    outcome = "the job was cancelled" if cancelled else "cancelling the job failed (scancel it)"
+                    raise self._error(f"node {node.node} is {node.state}{reason} during {during}; {outcome}", on_node)
         return state
 
-    def _cancel(self) -> None:
+    def _cancel(self) -> bool:
         if self.spec.executor == "slurm":
-            cluster.cancel(self.job_id)
-        else:
-            self._job.cancel(check=False)
+            return cluster.cancel(self.job_id)
+        self._job.cancel(check=False)
+        return True
 
     def _error(self, what: str, ranks: list[int]) -> WorkerGroupError:
         where = []
@@ -453,12 +485,14 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
+        if len(self.ranks) < self.spec.world_size:  # never (fully) started: nobody to tell, cancel the job now
+            self._cancel()
         for rank in self.ranks:
             with contextlib.suppress(zmq.ZMQError):  # a dead rank cannot be told
                 self._endpoint.send(self._identity(rank), {"type": "shutdown"})
         deadline = time.monotonic() + timeout_s
         while not self._ended() and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.5)
         if not self._ended():
             self._cancel()
             if self.spec.executor == "local":  # submitit's local launcher ignores the first SIGTERM

@@ -73,5 +73,7 @@ def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
         load_config(None, [*MINIMAL, "placement.tasks_per_node=3"])
     with pytest.raises(ConfigError, match=r"placement.nodes > 1 needs placement.executor: slurm"):
         load_config(None, [*MINIMAL, "placement.nodes=2"])
+    earlier = load_config(None, [*MINIMAL, "placement.world_size=2"])  # configs recorded before nodes x tasks
+    assert earlier.placement.tasks_per_node == 2 and earlier.placement.world_size == 2
     with pytest.raises(ConfigError, match=r"placement.slurm.gpus: unknown key"):
         load_config(None, [*MINIMAL, "placement.slurm.gpus=1"])

@@ -127,7 +127,7 @@ def test_scancel_fails_the_call(slurm_cluster, tmp_path):
     try:
         err, seconds = _raises_within(group, lambda: subprocess.run(["scancel", group.job_id], check=True))
         assert f"worker group 'cancelled' (job {group.job_id}, slurm)" in str(err)
-        assert "CANCELLED" in str(err) or "heartbeat" in str(err)
+        assert "the Slurm job ended (state CANCELLED)" in str(err)
         assert "rank 0" in str(err)
         print(f"scancel detected in {seconds:.1f} s: {str(err).splitlines()[0]}")
     finally:
@@ -143,10 +143,7 @@ def test_drained_node_fails_the_call_and_frees_the_node(slurm_cluster, tmp_path)
         assert f"node {node} is drain" in str(err) and "hybridflow-test" in str(err)
         assert f"job {group.job_id}" in str(err) and "rank 0" in str(err) and "rank 1" in str(err)
         print(f"drained node detected in {seconds:.1f} s: {str(err).splitlines()[0]}")
-        deadline = time.monotonic() + 30
-        while cluster.job_state(group.job_id) in cluster.ACTIVE_STATES and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert cluster.job_state(group.job_id) == "CANCELLED"  # the group's job no longer holds the node
+        assert cluster.job_state(group.job_id) == "CANCELLED"  # the group's job gave the node up
     finally:
         subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
         group.shutdown(timeout_s=10)

@@ -174,3 +174,17 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"  # a zombie has exited (its parent has not reaped it yet)
+
+
+def test_ranks_idle_between_calls_are_not_reported_dead(tmp_path):
+    """Nobody reads the socket between calls: heartbeats queue up. A call after a long idle spell drains them
+    first, so the silence of the idle spell never counts against any rank."""
+    g = _group(tmp_path, name="idle", heartbeat_timeout_s=2.0)
+    try:
+        assert len(g.whoami()) == 2
+        time.sleep(5.0)  # > heartbeat_timeout_s, controller busy elsewhere
+        assert [w["rank"] for w in g.whoami()] == [0, 1]
+        time.sleep(5.0)
+        assert g.all_reduce(1.0) == pytest.approx(3.0)
+    finally:
+        g.shutdown()

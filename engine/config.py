@@ -60,7 +60,7 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     """Sampling: responses per prompt, temperature, top-p/top-k, response length (tokens)."""
 
-    name: Literal["hf"] = "hf"
+    name: Literal["hf", "vllm"] = Field("hf", description="hf: transformers generate; vllm: an in-process vLLM engine")
     n: int = Field(4, gt=0, description="responses sampled per prompt")
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -68,6 +68,8 @@ class RolloutConfig(_Section):
     response_length: int = Field(64, gt=0, description="max new tokens")
     micro_batch_size: int = Field(32, gt=0, description="sequences per generate call")
     val_temperature: float = Field(0.0, ge=0.0, description="validation sampling temperature (0 = greedy)")
+    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vllm on CPU: KV cache space (GiB)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm on GPU: share of GPU memory it may use")
 
 
 class OptimConfig(_Section):
@@ -273,6 +275,11 @@ class HybridFlowConfig(_Section):
                 f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
             )
         self._divisible_by_ranks()
+        if self.rollout.name == "vllm" and self.placement.world_size > 1:
+            raise ValueError(
+                "rollout.name=vllm runs one engine per process and does not yet join a data-parallel group: use "
+                "placement.nodes=1 and placement.tasks_per_node=1 with it, or rollout.name=hf"
+            )
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "

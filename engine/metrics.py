@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hybridflow.engine.core_algos import masked_mean
 from hybridflow.engine.protocol import DataProto
 
 
@@ -69,3 +70,15 @@ class Timer:
     def metrics(self) -> dict[str, float]:
         """Seconds per stage so far, keyed ``"timing_s/<name>"`` (stages timed twice add up); first-timed order."""
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def rollout_mismatch(data: DataProto) -> dict[str, float]:
+    """How far the rollout engine's log-probs drift from the actor's on the sampled tokens (same weights, other
+    kernels): ``rollout/log_prob_diff_mean`` (mean |actor - engine|) and ``rollout/kl`` (mean of engine - actor,
+    the k1 estimate of KL(engine || actor)), over response tokens."""
+    mask = data.batch["response_mask"]
+    diff = data.batch["rollout_log_probs"] - data.batch["old_log_probs"]
+    return {
+        "rollout/log_prob_diff_mean": float(masked_mean(diff.abs(), mask)),
+        "rollout/kl": float(masked_mean(diff, mask)),
+    }

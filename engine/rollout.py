@@ -58,6 +58,52 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) ->
     return (~eos_before).long()
 
 
+def expand_prompts(prompts: DataProto, n: int, stream: str) -> DataProto:
+    """`prompts` repeated `n` times, each prompt's samples adjacent, with a ``uid`` per prompt (kept if the batch has
+    one, else ``"<stream>-<global_steps>-<row in the whole batch>"``). A new DataProto: `prompts` is unchanged."""
+    global_steps = int(prompts.meta_info.get("global_steps", 0))
+    row_offset = int(prompts.meta_info.get("row_offset", 0))
+    batch = prompts.repeat(n, interleave=True)
+    if "uid" not in batch.non_tensor_batch:
+        rows = np.repeat(np.arange(row_offset, row_offset + len(prompts)), n)
+        batch.non_tensor_batch["uid"] = np.array([f"{stream}-{global_steps}-{i}" for i in rows], dtype=object)
+    return batch
+
+
+def assemble_rollout(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    eos_ids: list[int],
+    pad_token_id: int,
+    response_length: int,
+) -> dict[str, torch.Tensor]:
+    """The rollout's tensors in the layout of the module docstring, whichever engine generated.
+
+    Args:
+        prompt_ids, prompt_mask: int64 [b, P], left-padded.
+        responses: int64 [b, t] generated ids (t <= `response_length`; anything after the first EOS is ignored).
+
+    Returns:
+        ``prompts``, ``responses`` (right-padded to `response_length` with `pad_token_id`), ``input_ids``,
+        ``attention_mask``, ``position_ids`` [b, P+T] and ``response_mask`` [b, T].
+    """
+    if responses.shape[1] < response_length:
+        pad = responses.new_full((responses.shape[0], response_length - responses.shape[1]), pad_token_id)
+        responses = torch.cat([responses, pad], dim=1)
+    response_mask = response_mask_from_eos(responses, eos_ids)
+    responses = torch.where(response_mask.bool(), responses, pad_token_id)
+    attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=1)
+    return {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+        "response_mask": response_mask,
+    }
+
+
 def eos_token_ids(tokenizer, generation_config: GenerationConfig | None = None) -> list[int]:
     """All token ids that end a response: the tokenizer's eos plus the model's generation-config eos ids."""
     ids = {tokenizer.eos_token_id}
@@ -211,10 +257,7 @@ class HFRollout:
         temperature = self.config.temperature if temperature is None else temperature
         global_steps = int(prompts.meta_info.get("global_steps", 0))
         row_offset = int(prompts.meta_info.get("row_offset", 0))
-        batch = prompts.repeat(n, interleave=True)  # a new DataProto: adding a column below leaves `prompts` alone
-        if "uid" not in batch.non_tensor_batch:
-            rows = np.repeat(np.arange(row_offset, row_offset + len(prompts)), n)
-            batch.non_tensor_batch["uid"] = np.array([f"{stream}-{global_steps}-{i}" for i in rows], dtype=object)
+        batch = expand_prompts(prompts, n, stream)
         generation_config = self._generation_config(temperature)
         device = next(self.model.parameters()).device
         rng_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
@@ -242,20 +285,12 @@ class HFRollout:
             output = self.model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
             )
-        responses = output[:, prompt_ids.shape[1] :]
-        t = self.config.response_length
-        if responses.shape[1] < t:
-            pad = responses.new_full((responses.shape[0], t - responses.shape[1]), self.tokenizer.pad_token_id)
-            responses = torch.cat([responses, pad], dim=1)
-        response_mask = response_mask_from_eos(responses, self.eos_token_ids)
-        responses = torch.where(response_mask.bool(), responses, self.tokenizer.pad_token_id)
-        attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=1)
-        tensors = {
-            "prompts": prompt_ids,
-            "responses": responses,
-            "input_ids": torch.cat([prompt_ids, responses], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask),
-            "response_mask": response_mask,
-        }
+        tensors = assemble_rollout(
+            prompt_ids,
+            prompt_mask,
+            output[:, prompt_ids.shape[1] :],
+            self.eos_token_ids,
+            self.tokenizer.pad_token_id,
+            self.config.response_length,
+        )
         return DataProto.from_dict(tensors, dict(micro.non_tensor_batch), dict(micro.meta_info))

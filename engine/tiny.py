@@ -59,14 +59,18 @@ def build_tiny_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(path: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> Path:
+def build_tiny_model(
+    path: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 16
+) -> Path:
     """Write a random tiny `LlamaForCausalLM` (GQA, SwiGLU, tied embeddings) and its tokenizer to `path`.
 
     Args:
         path: folder to create (overwritten files if it exists).
         seed: torch seed for the random weights (same seed -> identical weights). The caller's global torch RNG
             state is left as it was (the weights are drawn under `torch.random.fork_rng`).
-        hidden_size: model width; heads have dim 16.
+        hidden_size: model width.
+        head_dim: width of each attention head (vLLM's CPU attention needs 32, 64, 80, ...); query heads =
+            hidden_size / head_dim, key/value heads = half as many (GQA; at least 1).
         num_layers: number of decoder layers.
 
     Returns:
@@ -79,8 +83,9 @@ def build_tiny_model(path: str | Path, seed: int = 0, hidden_size: int = 64, num
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=hidden_size // 16,
-        num_key_value_heads=max(1, hidden_size // 32),
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=max(1, hidden_size // head_dim // 2),
+        head_dim=head_dim,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,

@@ -32,7 +32,7 @@ from hybridflow.engine.checkpoint import (
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.core_algos import masked_mean
 from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows, collate_prompts
-from hybridflow.engine.metrics import Timer, compute_data_metrics
+from hybridflow.engine.metrics import Timer, compute_data_metrics, rollout_mismatch
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.workers import build_roles, roles_for
 
@@ -84,6 +84,8 @@ class SingleProcessTrainer:
                 entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
                 metrics["actor/entropy"] = float(masked_mean(entropys, data.batch["response_mask"]))
                 data = data.union(old)
+                if "rollout_log_probs" in data.keys:
+                    metrics.update(rollout_mismatch(data))
             if self.ref is not None:
                 with timer("ref"):
                     data = data.union(self.ref.compute_ref_log_prob(data))
@@ -99,6 +101,9 @@ class SingleProcessTrainer:
                     metrics.update(self.critic.update_critic(data))
             with timer("update_actor"):
                 metrics.update(self.actor.update_policy(data))
+            if hasattr(self.rollout, "sync_weights"):  # an engine with its own copy of the weights (vLLM)
+                with timer("weight_sync"):
+                    metrics.update(self.rollout.sync_weights())
         metrics.update(compute_data_metrics(data, cfg.rollout.response_length))
         metrics.update(timer.metrics())
         metrics.update(_throughput(data, timer.seconds))

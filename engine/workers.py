@@ -58,9 +58,10 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     """Load the models for `roles` (subset of `ROLES`) as the config says.
 
     Trained models (actor, critic) keep fp32 weights; ``model.dtype`` (auto: bf16 on CUDA, fp32 on CPU) is the
-    compute dtype, applied with autocast; the frozen ref is stored in it. The rollout shares the actor's model
-    (colocated: generation sees the weights being trained, no copy) and seeds its sampling from
-    ``trainer.seed`` (see `HFRollout`).
+    compute dtype, applied with autocast; the frozen ref is stored in it. The ``hf`` rollout shares the actor's
+    model (colocated: generation sees the weights being trained, no copy); the ``vllm`` rollout runs an engine in
+    the same process, updated from the actor's weights after each update (`RLHFWorker.sync_rollout_weights`). Both
+    seed their sampling from ``trainer.seed``.
 
     Raises:
         FileNotFoundError, ValueError: from model resolution and reward loading (messages name the config key).
@@ -75,7 +76,19 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     if "actor" in roles:
         policy = load_model(model_path, compute_dtype, device, trainable=True)
         out.actor = Actor(policy, cfg.actor, cfg.rollout.n, seed, compute_dtype=compute_dtype)
-        if "rollout" in roles:
+        if "rollout" in roles and cfg.rollout.name == "vllm":  # an engine of its own, synced from the actor
+            from hybridflow.engine.vllm_rollout import VLLMRollout
+
+            out.rollout = VLLMRollout(
+                policy,
+                out.tokenizer,
+                str(model_path),
+                cfg.rollout,
+                cfg.data.max_prompt_length,
+                seed=seed,
+                compute_dtype=compute_dtype,
+            )
+        elif "rollout" in roles:
             out.rollout = HFRollout(policy, out.tokenizer, cfg.rollout, seed=seed, compute_dtype=compute_dtype)
     if "ref" in roles:
         ref_model = load_model(model_path, compute_dtype, device, trainable=False)
@@ -142,7 +155,25 @@ class RLHFWorker:
     ) -> DataProto:
         """Rollout: sample responses (see `HFRollout.generate_sequences`; `stream` separates random streams)."""
         self._need("rollout")
-        return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
+        engine = getattr(self.rollout, "resume_memory", None) is not None
+        if engine:  # vLLM on GPU: its KV cache exists only while generating
+            self.rollout.resume_memory()
+        try:
+            return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
+        finally:
+            if engine:
+                self.rollout.release_memory()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """Load the actor's updated weights into the rollout engine (``rollout.name: vllm``; the ``hf`` rollout
+        shares the actor's model and needs nothing). Returns ``timing_s/weight_sync`` and the engine's check."""
+        self._need("rollout")
+        if not hasattr(self.rollout, "sync_weights"):
+            return {}
+        from hybridflow.engine.vllm_rollout import timed_sync
+
+        return timed_sync(self.rollout)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
@@ -220,3 +251,5 @@ class RLHFWorker:
                 critic_scheduler=self.critic.lr_scheduler,
             )
         load_checkpoint(path, verify=False, restore_rng=False, **kwargs)
+        if self.rollout is not None and hasattr(self.rollout, "sync_weights"):  # the engine serves the restored actor
+            self.rollout.sync_weights()

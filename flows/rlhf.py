@@ -363,6 +363,9 @@ def _iteration(
                 metrics.update(stages.update_critic(workers["critic"], rollout))
         with _stage(timer, "update_actor", step, watch):
             metrics.update(stages.update_actor(workers["actor"], rollout))
+        if cfg.rollout.name == "vllm":
+            with _stage(timer, "weight_sync", step):  # timing_s/weight_sync
+                metrics.update(stages.weight_sync(workers["rollout"]))
     metrics.update(timer.metrics())
     metrics.update(_batch_metrics(rollout, cfg, timer.seconds))
     for handle in (batch, rollout):  # this iteration's batch files: no stage reads them again

@@ -138,6 +138,8 @@ def _init_distributed(backend: str) -> tuple[int, int, str]:
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     if env.num_tasks > 1:
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)  # inherited from the controller's environment (e.g. set by vLLM there)
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         dist.init_process_group(backend)
     return env.global_rank, env.num_tasks, str(env.job_id)

@@ -20,6 +20,7 @@ from hybridflow.engine.advantage import compute_advantage
 from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.core_algos import KLController, masked_mean
+from hybridflow.engine.metrics import rollout_mismatch
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker_group import WorkerGroup
 
@@ -75,6 +76,8 @@ def advantage(
     keys += [k for k in ("values", "old_log_probs", "ref_log_prob") if k in batch.keys]
     data = batch.select(keys).load()
     out, metrics = compute_advantage(data, algorithm, kl_ctrl)
+    if "rollout_log_probs" in batch.keys:
+        metrics.update(rollout_mismatch(batch.select(["rollout_log_probs", "old_log_probs", "response_mask"]).load()))
     if "entropys" in batch.keys:
         entropy = batch.select(["entropys", "response_mask"]).load()
         metrics["actor/entropy"] = float(masked_mean(entropy.batch["entropys"], entropy.batch["response_mask"]))
@@ -85,6 +88,12 @@ def advantage(
 def update_critic(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
     """Critic update; returns ``critic/*`` metrics averaged over ranks."""
     return _mean_metrics(group.update_critic(batch))
+
+
+@task(name="weight_sync", **_TASK)
+def weight_sync(group: WorkerGroup) -> dict[str, float]:
+    """Load the updated actor weights into the rollout engine (vLLM); ``timing_s/weight_sync`` and its check."""
+    return _mean_metrics(group.sync_rollout_weights())
 
 
 @task(name="update_actor", **_TASK)

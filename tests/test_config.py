@@ -75,5 +75,7 @@ def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
         load_config(None, [*MINIMAL, "placement.nodes=2"])
     earlier = load_config(None, [*MINIMAL, "placement.world_size=2"])  # configs recorded before nodes x tasks
     assert earlier.placement.tasks_per_node == 2 and earlier.placement.world_size == 2
+    with pytest.raises(ConfigError, match=r"rollout.name=vllm .* placement.tasks_per_node=1"):
+        load_config(None, [*MINIMAL, "rollout.name=vllm", "placement.tasks_per_node=2"])
     with pytest.raises(ConfigError, match=r"placement.slurm.gpus: unknown key"):
         load_config(None, [*MINIMAL, "placement.slurm.gpus=1"])

@@ -86,7 +86,6 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
                 cfg.rollout,
                 cfg.data.max_prompt_length,
                 seed=seed,
-                compute_dtype=compute_dtype,
             )
         elif "rollout" in roles:
             out.rollout = HFRollout(policy, out.tokenizer, cfg.rollout, seed=seed, compute_dtype=compute_dtype)

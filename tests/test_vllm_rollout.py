@@ -35,7 +35,9 @@ def setup(tmp_path_factory):
         model.get_input_embeddings().weight.mul_(5.0)
     model.save_pretrained(path)
     tokenizer = load_tokenizer(path)
-    config = RolloutConfig(name="vllm", n=2, response_length=LENGTH, temperature=1.0, vllm_kv_cache_gb=0.25)
+    config = RolloutConfig(
+        name="vllm", n=2, response_length=LENGTH, temperature=1.0, vllm_kv_cache_gb=0.25, vllm_dtype="float32"
+    )
     rollout = VLLMRollout(model, tokenizer, str(path), config, max_prompt_length=64, seed=0)
     return model, tokenizer, config, rollout
 
@@ -115,6 +117,7 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
             f"model.path={model_dir}",
             "rollout.name=vllm",
             "rollout.vllm_kv_cache_gb=0.25",
+            "rollout.vllm_dtype=float32",  # parity with the fp32 actor; bf16 (the default) is covered by the benchmark
             "trainer.total_iterations=2",
             "actor.optim.lr=1e-3",
             f"trainer.output_dir={tmp_path / 'out'}",

@@ -18,7 +18,6 @@ whose KV cache is released while the actor trains (``sleep``) and restored for g
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
@@ -198,11 +197,3 @@ class VLLMRollout:
         out = DataProto.from_dict(tensors, dict(batch.non_tensor_batch), dict(prompts.meta_info))
         out.meta_info["temperature"] = temperature
         return out
-
-
-def timed_sync(rollout: VLLMRollout) -> dict[str, float]:
-    """`VLLMRollout.sync_weights` with its wall time as ``timing_s/weight_sync`` (seconds)."""
-    start = time.perf_counter()
-    metrics = rollout.sync_weights()
-    metrics["timing_s/weight_sync"] = time.perf_counter() - start
-    return metrics

@@ -166,13 +166,10 @@ class RLHFWorker:
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> dict[str, float]:
         """Load the actor's updated weights into the rollout engine (``rollout.name: vllm``; the ``hf`` rollout
-        shares the actor's model and needs nothing). Returns ``timing_s/weight_sync`` and the engine's check."""
+        shares the actor's model and needs nothing). Returns the engine's check (`VLLMRollout.sync_weights`); the
+        caller times the stage (``timing_s/weight_sync``)."""
         self._need("rollout")
-        if not hasattr(self.rollout, "sync_weights"):
-            return {}
-        from hybridflow.engine.vllm_rollout import timed_sync
-
-        return timed_sync(self.rollout)
+        return self.rollout.sync_weights() if hasattr(self.rollout, "sync_weights") else {}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:

@@ -340,7 +340,6 @@ class WorkerGroup:
                 if now - last_check < 2.0:  # judge silence only once the queue is drained (or every 2 s)
                     continue
             if now - last_check > 0.25:
-                last_check = now
                 self._check_heartbeats(method, pending, since=started)
                 self._check_job_alive(method)
                 last_check = time.monotonic()

@@ -92,7 +92,7 @@ def update_critic(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
 
 @task(name="weight_sync", **_TASK)
 def weight_sync(group: WorkerGroup) -> dict[str, float]:
-    """Load the updated actor weights into the rollout engine (vLLM); ``timing_s/weight_sync`` and its check."""
+    """Load the updated actor weights into the rollout engine (vLLM); returns its check (the flow times the stage)."""
     return _mean_metrics(group.sync_rollout_weights())
 
 

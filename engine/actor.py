@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.engine.config import ActorConfig
-from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty
+from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty, masked_mean, truncated_is_weights
 from hybridflow.engine.models import compute_log_probs, response_log_probs
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.training import (
@@ -90,15 +90,28 @@ class Actor:
         ``token-mean``: every response token of the mini-batch weighs the same).
 
         Args:
-            data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``).
+            data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``,
+                ``rollout_log_probs`` [B, T] when ``actor.tis_cap`` is set).
 
         Returns:
             metrics averaged over micro-batches: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
-            ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), and per optimizer step
-            ``actor/grad_norm``, ``actor/lr``.
+            ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), ``actor/tis_weight_mean``
+            and ``actor/tis_truncated_frac`` (with ``actor.tis_cap``), and per optimizer step ``actor/grad_norm``,
+            ``actor/lr``.
+
+        Raises:
+            KeyError: ``actor.tis_cap`` is set but the batch has no ``rollout_log_probs`` (an engine that reports
+                none).
         """
         cfg = self.config
         keys = UPDATE_KEYS + (["ref_log_prob"] if cfg.use_kl_loss else [])
+        if cfg.tis_cap is not None:
+            if "rollout_log_probs" not in data.keys:
+                raise KeyError(
+                    "actor.tis_cap needs the rollout engine's log-probs (rollout_log_probs), which this batch lacks: "
+                    "use rollout.name=vllm or remove actor.tis_cap"
+                )
+            keys.append("rollout_log_probs")
         data = data.select(batch_keys=keys)
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
         seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 0)
@@ -123,6 +136,13 @@ class Actor:
         log_prob, entropy = response_log_probs(
             self.train_module, micro, temperature, calculate_entropy, self.compute_dtype
         )
+        is_weights = None
+        if cfg.tis_cap is not None:
+            is_weights = truncated_is_weights(batch["old_log_probs"], batch["rollout_log_probs"], cfg.tis_cap)
+            log.add(
+                tis_weight_mean=masked_mean(is_weights, mask),
+                tis_truncated_frac=masked_mean((is_weights >= cfg.tis_cap).float(), mask),
+            )
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
             old_log_prob=batch["old_log_probs"],
             log_prob=log_prob,
@@ -132,6 +152,7 @@ class Actor:
             clip_ratio_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
+            is_weights=is_weights,
         )
         loss = pg_loss
         if calculate_entropy:

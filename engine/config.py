@@ -9,6 +9,7 @@ micro-batch sizes count sequences (prompt + one response).
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,7 +61,11 @@ class DataConfig(_Section):
 class RolloutConfig(_Section):
     """Sampling: responses per prompt, temperature, top-p/top-k, response length (tokens)."""
 
-    name: Literal["hf", "vllm"] = Field("hf", description="hf: transformers generate; vllm: an in-process vLLM engine")
+    name: Literal["hf", "vllm", "auto"] = Field(
+        "hf",
+        description="hf: transformers generate; vllm: an in-process vLLM engine; auto: vllm where it is installed, "
+        "else hf (resolved when the config is loaded, and recorded resolved)",
+    )
     n: int = Field(4, gt=0, description="responses sampled per prompt")
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -73,6 +78,12 @@ class RolloutConfig(_Section):
     )
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vllm on CPU: KV cache space (GiB)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm on GPU: share of GPU memory it may use")
+
+    @model_validator(mode="after")
+    def _resolve_auto(self) -> RolloutConfig:
+        if self.name == "auto":
+            self.name = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+        return self
 
 
 class OptimConfig(_Section):
@@ -106,6 +117,12 @@ class ActorConfig(_Section):
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0.0)
     kl_loss_type: KLType = "low_var_kl"
+    tis_cap: float | None = Field(
+        None,
+        gt=0.0,
+        description="truncated importance sampling of the rollout engine's drift: weight each token's policy loss by "
+        "min(pi_actor / pi_rollout, tis_cap) (2.0 is usual); None: off. Needs rollout.name=vllm",
+    )
 
 
 class RefConfig(_Section):
@@ -278,10 +295,10 @@ class HybridFlowConfig(_Section):
                 f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
             )
         self._divisible_by_ranks()
-        if self.rollout.name == "vllm" and self.placement.world_size > 1:
+        if self.actor.tis_cap is not None and self.rollout.name != "vllm":
             raise ValueError(
-                "rollout.name=vllm runs one engine per process and does not yet join a data-parallel group: use "
-                "placement.nodes=1 and placement.tasks_per_node=1 with it, or rollout.name=hf"
+                "actor.tis_cap corrects the drift between the rollout engine's and the actor's log-probs, and the hf "
+                "rollout samples from the actor itself: set rollout.name=vllm or remove actor.tis_cap"
             )
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(

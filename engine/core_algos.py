@@ -715,6 +715,7 @@ def compute_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate loss with clip-higher and dual-clip.
 
@@ -727,7 +728,7 @@ def compute_policy_loss(
         loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))
         loss = min(loss, -A * clip_ratio_c)          only where A < 0 (dual-clip)
 
-    then aggregated with `agg_loss`.
+    then multiplied by `is_weights` when given (see `truncated_is_weights`) and aggregated with `agg_loss`.
 
     Args:
         old_log_prob: float [B, T], log-probs under the policy that generated the data.
@@ -738,6 +739,7 @@ def compute_policy_loss(
         clip_ratio_high: eps_high >= 0 (``actor.clip_ratio_high``).
         clip_ratio_c: dual-clip bound c > 1 (``actor.clip_ratio_c``).
         loss_agg_mode: see `agg_loss` (``actor.loss_agg_mode``).
+        is_weights: optional float [B, T] per-token weights without gradient (truncated importance sampling).
 
     Returns:
         ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, all 0-dim tensors. ``pg_loss`` is differentiable;
@@ -762,6 +764,9 @@ def compute_policy_loss(
     dual_bound = -advantages * clip_ratio_c
     negative_adv = advantages < 0
     pg_losses = torch.where(negative_adv, torch.minimum(clip_loss, dual_bound), clip_loss)
+    if is_weights is not None:
+        _check_same_shape(is_weights=is_weights, log_prob=log_prob)
+        pg_losses = pg_losses * is_weights.detach()
 
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
     with torch.no_grad():
@@ -769,6 +774,32 @@ def compute_policy_loss(
         pg_clipfrac_lower = masked_mean((negative_adv & (clip_loss > dual_bound)).float(), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def truncated_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weights ``min(exp(old_log_prob - rollout_log_prob), cap)`` per token.
+
+    Source: Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (TIS):
+    the rollout engine samples from pi_rollout, which its kernels and dtype make differ from the trainer's pi_old;
+    weighting each token's policy-gradient term by pi_old / pi_rollout, truncated at ``cap`` to bound the variance,
+    corrects the policy gradient for that mismatch.
+
+    Args:
+        old_log_prob: float [B, T], the actor's log-probs of the sampled tokens before the update.
+        rollout_log_prob: float [B, T], the engine's log-probs of the same tokens (``rollout_log_probs``).
+        cap: C > 0 (``actor.tis_cap``; 2.0 in the paper).
+
+    Returns:
+        float32 [B, T] weights in (0, cap], without gradient (1 where both log-probs agree, e.g. padding).
+
+    Raises:
+        ValueError: ``cap <= 0`` or the shapes differ.
+    """
+    if not cap > 0:
+        raise ValueError(f"`actor.tis_cap` must be > 0 (2.0 is usual), got {cap}.")
+    _check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob)
+    log_ratio = (old_log_prob.detach() - rollout_log_prob).float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(log_ratio).clamp(max=cap)
 
 
 def compute_value_loss(

@@ -83,7 +83,10 @@ class VLLMRollout:
         if self.on_gpu:
             options.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
         else:
-            options.update(kv_cache_memory_bytes=int(config.vllm_kv_cache_gb * 2**30))
+            # Chunked prefill off on CPU: vLLM rewinds a seeded request's generator when it discards the token
+            # sampled after a partial prefill, and torch's CPU generators have no offset to rewind (RuntimeError
+            # "CPU Generator does not use offset" once a batch's prompts exceed one step's token budget).
+            options.update(kv_cache_memory_bytes=int(config.vllm_kv_cache_gb * 2**30), enable_chunked_prefill=False)
         self.llm = vllm.LLM(
             model=str(model_path),
             dtype=config.vllm_dtype,

@@ -1,5 +1,6 @@
 """Configuration: YAML + overrides validated by typed models, errors that name the key."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,10 @@ def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
         load_config(None, [*MINIMAL, "placement.nodes=2"])
     earlier = load_config(None, [*MINIMAL, "placement.world_size=2"])  # configs recorded before nodes x tasks
     assert earlier.placement.tasks_per_node == 2 and earlier.placement.world_size == 2
-    with pytest.raises(ConfigError, match=r"rollout.name=vllm .* placement.tasks_per_node=1"):
-        load_config(None, [*MINIMAL, "rollout.name=vllm", "placement.tasks_per_node=2"])
+    with pytest.raises(ConfigError, match=r"actor.tis_cap .* rollout.name=vllm"):
+        load_config(None, [*MINIMAL, "actor.tis_cap=2.0"])
+    assert load_config(None, [*MINIMAL, "rollout.name=vllm", "actor.tis_cap=2.0"]).actor.tis_cap == 2.0
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    assert load_config(None, [*MINIMAL, "rollout.name=auto"]).rollout.name == ("vllm" if has_vllm else "hf")
     with pytest.raises(ConfigError, match=r"placement.slurm.gpus: unknown key"):
         load_config(None, [*MINIMAL, "placement.slurm.gpus=1"])

@@ -635,6 +635,25 @@ def test_policy_loss_uses_agg_mode_and_ignores_padding():
     assert clipfrac.item() == 0.0 and ppo_kl.item() == 0.0
 
 
+def test_truncated_is_weights_and_their_effect_on_the_policy_loss():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.4, 0.3]]))
+    # pi_old / pi_rollout = [2, 0.5, 3] -> truncated at 2.5: [2, 0.5, 2.5]
+    w = ca.truncated_is_weights(old, rollout, cap=2.5)
+    assert_close(w, torch.tensor([[2.0, 0.5, 2.5]]))
+    # ratio 1 (log_prob == old): per-token loss -A, weighted: -(1*2 + 3*0.5 + 2*2.5) / 3
+    adv = torch.tensor([[1.0, 3.0, 2.0]])
+    mask = torch.ones(1, 3)
+    new = old.clone().requires_grad_(True)
+    loss, *_ = ca.compute_policy_loss(old, new, adv, mask, is_weights=w)
+    assert_close(loss, torch.tensor(-(2.0 + 1.5 + 5.0) / 3))
+    loss.backward()
+    # d(-A * w * exp(new - old)) / d new = -A * w at ratio 1: the weights scale the gradient, and get none
+    assert_close(new.grad, -(adv * w) / 3)
+    with pytest.raises(ValueError, match=r"actor\.tis_cap"):
+        ca.truncated_is_weights(old, rollout, cap=0.0)
+
+
 def test_policy_loss_errors():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"actor\.clip_ratio_c.*> 1"):

@@ -93,6 +93,67 @@ def test_sampling_is_seeded_per_sequence_and_log_probs_match_the_actor(setup):
     assert (rollout_lp[mask] - actor[mask]).abs().max() < 1e-3  # same weights, fp32: only kernel differences
 
 
+def test_a_batch_over_one_step_token_budget_samples_as_its_parts_do(setup):
+    """96 prompts of 60 tokens: 5,760 prompt tokens, more than one engine step takes (4,096 on CPU). With chunked
+    prefill vLLM crashed here on seeded sampling ("CPU Generator does not use offset"); each sequence's sample must
+    also not depend on which batch it came in."""
+    model, tokenizer, config, rollout = setup
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(10, model.config.vocab_size, (96, 60), generator=generator)
+    whole = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, meta_info={"global_steps": 4}
+    )
+    out = rollout.generate_sequences(whole, n=1)
+    part = whole[48:]
+    part.meta_info["row_offset"] = 48  # rows 48.. alone, as data-parallel rank 1 of 2 gets them
+    part = rollout.generate_sequences(part, n=1)
+    assert out.batch["response_mask"].sum() > 96
+    assert torch.equal(out.batch["responses"][48:], part.batch["responses"])
+
+
+def test_data_parallel_engines_sample_what_one_engine_samples(tmp_path):
+    """``rollout.name=vllm`` in worker groups of 1 and 2 ranks (real processes, torch.distributed across them): each
+    rank runs its own engine on its rows; the DP=2 group samples exactly what the DP=1 group samples."""
+    from tiny_runs import tiny_run_config
+
+    from hybridflow.flows.rlhf import WORKER_CLS
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
+    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+
+    model_dir = build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32)
+    cfg = tiny_run_config(
+        tmp_path,
+        model_dir,
+        "grpo",
+        ["rollout.name=vllm", "rollout.vllm_kv_cache_gb=0.25", "rollout.vllm_dtype=float32", "trainer.num_threads=1"],
+    )
+    create_secret(tmp_path / "secret")
+    tokenizer = load_tokenizer(model_dir)
+    prompts = DataHandle.put(_prompts(tokenizer), tmp_path / "data", "prompts").with_meta(global_steps=1)
+    outputs = {}
+    for ranks in (1, 2):
+        group = WorkerGroup(
+            GroupSpec(name=f"vllm_dp{ranks}", worker_cls=WORKER_CLS, tasks_per_node=ranks),
+            run_dir=tmp_path,
+            data_dir=tmp_path / "data",
+            secret_path=tmp_path / "secret",
+            worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["actor", "rollout"]},
+        )
+        try:
+            group.init_model()
+            outputs[ranks] = group.generate_sequences(prompts).load()
+            probes = group.sync_rollout_weights()  # every rank's engine takes its actor's weights
+            assert len(probes) == ranks and all(p["rollout/weight_probe_diff"] < 1e-4 for p in probes)
+        finally:
+            group.shutdown()
+    one, two = outputs[1], outputs[2]
+    assert len(two) == 2 * len(QUESTIONS)
+    assert torch.equal(one.batch["responses"], two.batch["responses"])
+    assert len(set(map(tuple, two.batch["responses"].tolist()))) > len(QUESTIONS)  # sampled, not all alike
+    torch.testing.assert_close(one.batch["rollout_log_probs"], two.batch["rollout_log_probs"])
+
+
 def test_missing_vllm_is_a_clear_error():
     from hybridflow.engine.vllm_rollout import INSTALL_HINT
 
@@ -100,7 +161,8 @@ def test_missing_vllm_is_a_clear_error():
 
 
 def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
-    """The flow with ``rollout.name: vllm``: the engine in the worker process, synced after every actor update."""
+    """The flow with ``rollout.name: vllm`` in a DP=2 group: an engine in each worker process, synced after every
+    actor update, with the truncated importance-sampling correction on."""
     from pathlib import Path
 
     from tiny_runs import write_reward
@@ -119,6 +181,8 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
             "rollout.vllm_kv_cache_gb=0.25",
             "rollout.vllm_dtype=float32",  # parity with the fp32 actor; bf16 (the default) is covered by the benchmark
             "trainer.total_iterations=2",
+            "placement.tasks_per_node=2",
+            "actor.tis_cap=2.0",
             "actor.optim.lr=1e-3",
             f"trainer.output_dir={tmp_path / 'out'}",
             f"reward.custom_function={write_reward(tmp_path)}",
@@ -135,4 +199,6 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
         assert metrics[step]["timing_s/weight_sync"] > 0
         assert metrics[step]["rollout/weight_probe_diff"] < 1e-4  # the engine serves the updated actor
         assert metrics[step]["rollout/log_prob_diff_mean"] < 1e-3  # engine and actor agree on the samples
+        assert abs(metrics[step]["actor/tis_weight_mean"] - 1.0) < 1e-2  # so the TIS weights are ~1
+        assert metrics[step]["actor/tis_truncated_frac"] == 0.0
     assert metrics[2]["actor/ppo_kl"] != 0 or metrics[2]["actor/pg_loss"] != 0

@@ -1,0 +1,156 @@
+"""The 3D-HybridEngine's resharding between training and generation layouts: the paper's rank groups, and on 4 real
+processes (torch.distributed, gloo) for training layouts t=4 and p=2,t=2 with generation t_g in {1, 2} (and p_g=2):
+the generation weights equal the right slices of the full model, zero redundancy in ``hybridflow`` mode (training
+shards live inside the generation buffers) and Table 2's communication, and after returning the next optimizer step
+equals one that never resharded."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hybridflow.engine.hybrid_engine import (
+    HybridEngine,
+    chunk_of,
+    llama_shard_specs,
+    model_bytes,
+    shard_parameters,
+    table2,
+)
+from hybridflow.engine.parallel_layout import HybridLayout
+
+WORLD = 4
+CASES = [  # (p, t, p_g, t_g)
+    (1, 4, 1, 1),
+    (1, 4, 1, 2),
+    (2, 2, 1, 1),
+    (2, 2, 1, 2),
+    (2, 2, 2, 1),
+]
+
+
+def test_groups_follow_the_paper_example():
+    """8 devices, training 1-4-2, generation 1-2-2-2 (paper, section 5.2)."""
+    layout = HybridLayout(p=1, t=4, d=2, p_g=1, t_g=2)
+    assert layout.d_g == 2
+    assert layout.gen_tp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.micro_dp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.coords(3).gen_tp == 1 and layout.coords(3).micro_tp == 1
+    pipeline = HybridLayout(p=2, t=2, d=1, p_g=1, t_g=2)  # megatron order: rank = (pp * d + dp) * t + tp
+    assert pipeline.micro_dp_groups() == [[0, 2], [1, 3]]
+    assert pipeline.gen_tp_groups() == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match=r"rollout.gen_tp \(3\) must divide the training actor.tp \(4\)"):
+        HybridLayout(p=1, t=4, d=1, p_g=1, t_g=3)
+
+
+def test_table2_formulas():
+    layout = HybridLayout(p=1, t=8, d=1, p_g=1, t_g=2)
+    costs = table2(layout, 800.0)
+    assert costs["hybridflow"]["received_bytes"] == pytest.approx((8 - 2) / (2 * 8) * 800)  # M/t_g - M/t
+    assert costs["naive"]["received_bytes"] == pytest.approx(7 / 8 * 800)
+    assert costs["hybridflow"]["peak_gathered_bytes"] == 400 and costs["naive"]["redundancy_bytes"] == 100
+
+
+def _model() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _worker(rank: int, store_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    model = _model()
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    for p, t, p_g, t_g in CASES:
+        layout = HybridLayout(p=p, t=t, d=1, p_g=p_g, t_g=t_g)
+        specs = llama_shard_specs({n: tuple(x.shape) for n, x in full.items()}, model.config.num_hidden_layers, p)
+        expected = table2(layout, model_bytes(specs.values(), 4))
+        for mode in ("hybridflow", "naive"):
+            case = f"p={p} t={t} -> p_g={p_g} t_g={t_g} {mode}"
+            params = shard_parameters(full, specs, layout, rank)
+            originals = {n: x.detach().clone() for n, x in params.items()}
+            reference = {n: torch.nn.Parameter(x.clone()) for n, x in originals.items()}
+            optim = torch.optim.AdamW(params.values(), lr=0.1)
+            ref_optim = torch.optim.AdamW(reference.values(), lr=0.1)
+            _step(params, optim, 1)
+            _step(reference, ref_optim, 1)
+            trained = {n: x.detach().clone() for n, x in params.items()}
+            engine = HybridEngine(params, specs, layout, mode)
+            stats = engine.to_generation()
+            c = layout.coords(rank)
+            names = engine.gen_names()
+            assert {s.stage for n, s in specs.items() if n in names} == set(
+                range(c.gen_pp * layout.s_p, (c.gen_pp + 1) * layout.s_p)
+            )
+            for name in names:
+                spec, weight = specs[name], engine.gen_weights[name]
+                assert weight.shape == chunk_of(full[name], spec, c.gen_tp, t_g).shape, (case, name)
+                if spec.stage == c.pp:  # this rank's own chunk of the generation shard: the weights just trained
+                    own_chunk = weight
+                    if spec.dim is not None:
+                        size = spec.shape[spec.dim] // t
+                        own_chunk = weight.narrow(spec.dim, c.micro_tp * size, size)
+                    assert torch.equal(own_chunk, trained[name]), (case, name)
+            own = sum(x.numel() * 4 for x in params.values())
+            if mode == "hybridflow":
+                assert stats.training_copy_bytes == 0, case  # zero redundancy
+                for name, param in params.items():  # each training shard is a slot of its generation buffer
+                    assert param.data_ptr() != originals[name].data_ptr()
+                    assert param.untyped_storage().data_ptr() == engine.gen_weights[name].untyped_storage().data_ptr()
+            else:
+                assert stats.training_copy_bytes == own, case
+            assert stats.gen_param_bytes == sum(w.numel() * 4 for w in engine.gen_weights.values())
+            if p == p_g:  # balanced: every rank's stage has the same bytes, so Table 2 holds to the byte ...
+                tolerance = 0.01  # ... up to the replicated norms (not split, not sent)
+                assert stats.received_bytes == pytest.approx(expected[mode]["received_bytes"], rel=tolerance), case
+            engine.to_training()
+            for name, param in params.items():
+                assert torch.equal(param, trained[name]), (case, name)  # the training shard is intact
+                assert param.untyped_storage().nbytes() == param.numel() * 4  # and owns exactly its storage again
+            _step(params, optim, 2)
+            _step(reference, ref_optim, 2)
+            for name in params:  # the next step equals one that never resharded (same Parameter, optimizer state)
+                assert torch.equal(params[name], reference[name]), (case, name)
+    _check_pipeline_stages_exchange(full)
+    dist.destroy_process_group()
+
+
+def _step(params, optim, step):
+    """One optimizer step with a fixed pseudo-gradient (a function of the name and step)."""
+    for i, (_name, param) in enumerate(sorted(params.items())):
+        g = torch.Generator().manual_seed(1000 * step + i)
+        param.grad = torch.randn(param.shape, generator=g)
+    optim.step()
+    optim.zero_grad()
+
+
+def _check_pipeline_stages_exchange(full):
+    """No training between sharding and gathering: every generation weight, including those another stage or TP
+    rank sent, equals the full model's slice exactly."""
+    rank = dist.get_rank()
+    for p, t, p_g, t_g in CASES:
+        layout = HybridLayout(p=p, t=t, d=1, p_g=p_g, t_g=t_g)
+        specs = llama_shard_specs({n: tuple(x.shape) for n, x in full.items()}, 4, p)
+        for mode in ("hybridflow", "naive"):
+            engine = HybridEngine(shard_parameters(full, specs, layout, rank), specs, layout, mode)
+            engine.to_generation()
+            c = layout.coords(rank)
+            for name in engine.gen_names():
+                spec = specs[name]
+                want = chunk_of(full[name], spec, c.gen_tp, t_g) if spec.dim is not None else full[name]
+                assert torch.equal(engine.gen_weights[name], want), (p, t, p_g, t_g, mode, name)
+            engine.to_training()
+
+
+def test_resharding_on_four_processes(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -158,13 +158,6 @@ class TransitionStats:
     training_copy_bytes: int = 0
 
 
-@dataclass
-class _Groups:
-    micro: list[int]
-    model_parallel: list[int]
-    handles: dict[tuple[int, ...], dist.ProcessGroup | None] = field(default_factory=dict)
-
-
 class HybridEngine:
     """Switch one rank's actor weights between training and generation layouts.
 
@@ -202,6 +195,7 @@ class HybridEngine:
         self.coords = layout.coords(self.rank)
         self._micro = self._new_groups(layout.micro_dp_groups())
         self._model_parallel = self._new_groups(layout.model_parallel_groups())
+        self._gen_tp = self._new_groups(layout.gen_tp_groups())
         self.gen_weights: dict[str, torch.Tensor] | None = None
         self._gathered: dict[str, torch.Tensor] = {}  # name -> generation shard, stored layout
 
@@ -213,6 +207,11 @@ class HybridEngine:
                 mine = (ranks, group)
         assert mine is not None
         return mine
+
+    @property
+    def gen_tp_group(self) -> dist.ProcessGroup:
+        """This rank's generation tensor-parallel group (for `hybridflow.engine.tp_generation`)."""
+        return self._gen_tp[1]
 
     # ------------------------------------------------------------------ which parameters a generation rank holds
     def gen_names(self) -> list[str]:

@@ -219,19 +219,11 @@ class HybridEngine:
         stages = range(self.coords.gen_pp * self.layout.s_p, (self.coords.gen_pp + 1) * self.layout.s_p)
         return [n for n, s in self.specs.items() if s.stage in stages]
 
-    def gen_shape(self, name: str) -> tuple[int, ...]:
-        """Shape of a parameter's generation shard (its own orientation)."""
-        spec = self.specs[name]
-        if spec.dim is None:
-            return spec.shape
-        shape = list(spec.shape)
-        shape[spec.dim] //= self.layout.t_g
-        return tuple(shape)
-
     # ------------------------------------------------------------------ transitions
     @torch.no_grad()
     def to_generation(self) -> TransitionStats:
-        """Build the generation weights (``self.gen_weights``: name -> tensor of `gen_shape`) from the training
+        """Build the generation weights (``self.gen_weights``: name -> this rank's generation shard, its
+        parameter's orientation, 1/t_g of it along the split dimension) from the training
         shards. Returns this rank's `TransitionStats`. Raises RuntimeError when already in generation layout."""
         if self.gen_weights is not None:
             raise RuntimeError("already in the generation layout: call to_training() first")

@@ -1,0 +1,96 @@
+"""Run megatron-core on CPU (gloo): a runtime patch of its hard-coded CUDA calls; no megatron file is edited.
+
+megatron-core assumes CUDA in places no config flag reaches: ``torch.cuda.current_device()`` as a device,
+the tensor-parallel RNG tracker's CUDA generator state, ``device="cuda"`` literals in its schedules and buffers,
+and CUDA streams/events in its DDP. `install` redirects each to CPU equivalents for the rest of the process:
+
+- ``torch.cuda.current_device`` returns the CPU device;
+- the CUDA RNG API reads and writes a separate CPU generator (so the tracker's forks never disturb torch's own
+  CPU RNG);
+- ``synchronize`` / ``empty_cache`` are no-ops, streams and events are inert stand-ins;
+- a `torch.overrides.TorchFunctionMode` rewrites ``device="cuda..."`` arguments and ``.cuda()`` / ``.to("cuda")``
+  to CPU.
+
+Only for CPU processes (tests, CPU benchmarks): a process with a GPU never calls `install`. Known limit: megatron's
+distributed optimizer does not run on CPU even so; use the plain optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_installed: list[TorchFunctionMode] = []
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments of factory functions and ``Tensor.to`` / ``Tensor.cuda`` to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+class _InertStream:
+    """Stands in for CUDA streams and events: every operation is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, *args):
+        return _InertStream()
+
+    def record(self, *args):
+        pass
+
+    def query(self):
+        return True
+
+
+def install() -> None:
+    """Patch this process for megatron-core on CPU (idempotent). Import megatron only after calling it."""
+    if _installed or torch.cuda.is_available():
+        return
+    generator = torch.Generator()
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.get_rng_state = lambda device="cuda": generator.get_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": generator.set_state(state)
+    torch.cuda.manual_seed = lambda seed: generator.manual_seed(seed)
+    torch.cuda.manual_seed_all = lambda seed: generator.manual_seed(seed)
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: _InertStream()
+    torch.cuda.Stream = _InertStream
+    torch.cuda.Event = _InertStream
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *args, clone=False, **kwargs: generator.get_state()
+    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: generator.set_state(state)
+    mode = _CudaToCpu()
+    mode.__enter__()
+    _installed.append(mode)

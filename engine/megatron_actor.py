@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.engine.actor import UPDATE_KEYS
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty
 from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -52,13 +54,15 @@ def response_log_probs(model, micro: DataProto, temperature: float = 1.0) -> tor
     return -vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), responses.t().contiguous()).t()
 
 
-def policy_gradient(model, data: DataProto, config: ActorConfig, micro_batch_size: int) -> dict[str, float]:
-    """Accumulate into ``.grad`` the gradient of the PPO loss (`compute_policy_loss`, plus the KL loss when
-    ``actor.use_kl_loss``) of one mini-batch `data`, over micro-batches of `micro_batch_size` sequences through
-    megatron's forward/backward schedule. The loss is averaged over micro-batches (each weighs the same).
+def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], config: ActorConfig) -> dict[str, float]:
+    """Accumulate into ``.grad`` the gradient of ``sum_i loss_scales[i] * loss_i`` over the micro-batches of one
+    mini-batch, where ``loss_i`` is micro-batch i's PPO loss (`compute_policy_loss`, plus the KL loss when
+    ``actor.use_kl_loss``), through megatron's forward/backward schedule.
 
     Args:
-        data: `hybridflow.engine.actor.UPDATE_KEYS` (+ ``ref_log_prob``), ``meta_info["temperature"]``.
+        micros: equal-sized micro-batches with `hybridflow.engine.actor.UPDATE_KEYS` (+ ``ref_log_prob``) and
+            ``meta_info["temperature"]``.
+        loss_scales: one weight per micro-batch (`hybridflow.engine.training.micro_batch_weights`).
 
     Returns:
         ``actor/pg_loss`` and ``actor/ppo_kl`` averaged over micro-batches (last pipeline stage; empty elsewhere).
@@ -67,12 +71,11 @@ def policy_gradient(model, data: DataProto, config: ActorConfig, micro_batch_siz
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     last_stage = parallel_state.is_pipeline_last_stage()
-    temperature = data.meta_info.get("temperature", 1.0) or 1.0
-    micros = data.split(micro_batch_size)
+    temperature = micros[0].meta_info.get("temperature", 1.0) or 1.0
     logged: list[dict[str, float]] = []  # per micro-batch, as computed (the schedule rescales what it returns)
 
     def forward_step(data_iterator, model):
-        micro = next(data_iterator)
+        micro, scale = next(data_iterator)
         if not last_stage:  # hidden states for the next stage; megatron never calls this stage's loss_func
             return forward(model, micro), None
         log_prob = response_log_probs(model, micro, temperature)
@@ -94,24 +97,104 @@ def policy_gradient(model, data: DataProto, config: ActorConfig, micro_batch_siz
                 kl = kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type)
                 loss = loss + config.kl_loss_coef * agg_loss(kl, batch["response_mask"], config.loss_agg_mode)
             logged.append({"pg_loss": float(pg_loss), "ppo_kl": float(ppo_kl)})
-            return loss, {"pg_loss": pg_loss.detach()}
+            # the schedule divides each micro-batch's loss by their number: undo it, then weigh
+            return loss * scale * len(micros), {"pg_loss": pg_loss.detach()}
 
         return log_prob, loss_func
 
-    sequence = data.batch["input_ids"].shape[1]
     get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micros),
+        data_iterator=iter(list(zip(micros, loss_scales, strict=True))),
         model=[model],
         num_microbatches=len(micros),
-        seq_length=sequence,
-        micro_batch_size=micro_batch_size,
+        seq_length=micros[0].batch["input_ids"].shape[1],
+        micro_batch_size=len(micros[0]),
         forward_only=False,
     )
     _sync_tied_embedding_grads(model)
     if not logged:
         return {}
     return {f"actor/{k}": sum(m[k] for m in logged) / len(logged) for k in logged[0]}
+
+
+def clip_grad_norm(model, max_norm: float) -> float:
+    """Clip the gradients to a global 2-norm of `max_norm`, the norm taken over the whole model: each tensor-parallel
+    shard counted once, replicated parameters (norms) once per model, a tied output layer once; summed over the
+    model-parallel group. Returns the norm before clipping (as ``torch.nn.utils.clip_grad_norm_``)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    counted = [
+        p.grad
+        for p in model.parameters()
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+    ]
+    squares = torch.zeros(1, dtype=torch.float64)
+    for g in counted:
+        squares += g.double().pow(2).sum()
+    torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    total = float(squares.sqrt())
+    coefficient = max_norm / (total + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
+    return total
+
+
+class MegatronActor:
+    """The PPO actor on megatron-core, with the update semantics of `hybridflow.engine.actor.Actor`: mini-batches
+    of ``ppo_mini_batch_size x n / D`` sequences per data-parallel rank (D = megatron's data-parallel size), each one
+    AdamW step; micro-batch losses weighted by `micro_batch_weights` over megatron's data-parallel group; gradients
+    averaged over it; the global grad norm clipped to ``actor.optim.grad_clip``.
+
+    Args:
+        model: this rank's ``GPTModel`` (`hybridflow.engine.megatron_model.build_gpt_model`).
+        config: the ``actor`` section.
+        rollout_n: responses per prompt.
+        seed: seeds the mini-batch shuffling (with ``meta_info["global_steps"]``).
+    """
+
+    def __init__(self, model, config: ActorConfig, rollout_n: int, seed: int = 0):
+        from megatron.core import parallel_state
+
+        self.model = model
+        self.config = config
+        self.seed = seed
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // torch.distributed.get_world_size(self.dp_group)
+        self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
+
+    def update_policy(self, data: DataProto) -> dict[str, float]:
+        """PPO update on this data-parallel rank's rows; returns ``actor/pg_loss``, ``actor/ppo_kl`` (last stage),
+        ``actor/grad_norm`` and ``actor/lr``, averaged as `Actor.update_policy` does."""
+        cfg = self.config
+        keys = UPDATE_KEYS + (["ref_log_prob"] if cfg.use_kl_loss else [])
+        data = data.select(batch_keys=keys)
+        seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 0)
+        dp = torch.distributed.get_world_size(self.dp_group)
+        self.model.train()
+        log = MetricLog()
+        for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
+            micros = mini.split(cfg.ppo_micro_batch_size)
+            scales = micro_batch_weights(micros, cfg.loss_agg_mode, group=self.dp_group)
+            log.add(
+                **{k.removeprefix("actor/"): v for k, v in policy_gradient(self.model, micros, scales, cfg).items()}
+            )
+            if dp > 1:  # the weights carry a factor D: averaging gives the global mini-batch's gradient
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        torch.distributed.all_reduce(p.grad, group=self.dp_group)
+                        p.grad.div_(dp)
+            lr = self.lr_scheduler.get_last_lr()[0]
+            grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
+            if grad_norm == grad_norm and grad_norm != float("inf"):  # skip a non-finite step, as `optimizer_step`
+                self.optimizer.step()
+            self.lr_scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            log.add(grad_norm=grad_norm, lr=lr)
+        return log.mean("actor")
 
 
 def _sync_tied_embedding_grads(model) -> None:

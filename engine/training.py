@@ -94,7 +94,9 @@ def sync_gradients(module: torch.nn.Module, sync: bool) -> contextlib.AbstractCo
     return module.no_sync()
 
 
-def micro_batch_weights(micros: Sequence[DataProto], loss_agg_mode: str) -> list[float]:
+def micro_batch_weights(
+    micros: Sequence[DataProto], loss_agg_mode: str, group: dist.ProcessGroup | None = None
+) -> list[float]:
     """Weights that turn per-micro-batch losses into the loss of their whole (global) mini-batch.
 
     Each micro-batch loss is aggregated over the micro-batch alone (`core_algos.agg_loss`); backpropagating
@@ -117,6 +119,8 @@ def micro_batch_weights(micros: Sequence[DataProto], loss_agg_mode: str) -> list
     Args:
         micros: this rank's micro-batches of one mini-batch, each with ``response_mask`` [b_i, T] (0/1).
         loss_agg_mode: one of `core_algos.AGG_LOSS_MODES` (``actor.loss_agg_mode`` / ``critic.loss_agg_mode``).
+        group: the data-parallel group (default: torch.distributed's default group, as `dp_world`; megatron passes
+            its data-parallel group).
 
     Returns:
         One float per micro-batch; with one rank they sum to 1 (or all 0, see above).
@@ -133,12 +137,12 @@ def micro_batch_weights(micros: Sequence[DataProto], loss_agg_mode: str) -> list
     else:
         counts = [float((m.batch["response_mask"] != 0).any(dim=-1).sum()) for m in micros]
     total = sum(counts)
-    _, world = dp_world()
+    world = dist.get_world_size(group) if group is not None else dp_world()[1]
     if world > 1:
         on_gpu = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         summed = torch.tensor([total], dtype=torch.float64, device=device)
-        dist.all_reduce(summed)
+        dist.all_reduce(summed, group=group)
         total = float(summed)
     return [world * c / total if total > 0 else 0.0 for c in counts]
 

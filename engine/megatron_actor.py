@@ -166,6 +166,46 @@ class MegatronActor:
         self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // torch.distributed.get_world_size(self.dp_group)
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
 
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto) -> DataProto | None:
+        """Log-probs of the responses under the current weights (``old_log_probs`` float32 [B, T]), forward only
+        through megatron's schedule in micro-batches of ``actor.log_prob_micro_batch_size``; divides the logits by
+        ``meta_info["temperature"]``. Returns them on the last pipeline stage, None on the others (the 3D transfer
+        protocol collects from the last stage)."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.model.eval()
+        temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        last_stage = parallel_state.is_pipeline_last_stage()
+        micros = data.split(self.config.log_prob_micro_batch_size)
+        collected: list[torch.Tensor] = []
+
+        def forward_step(data_iterator, model):
+            micro = next(data_iterator)
+            if not last_stage:
+                return forward(model, micro), None
+            log_prob = response_log_probs(model, micro, temperature)
+
+            def keep(log_prob):
+                collected.append(log_prob)
+                return log_prob.sum() * 0.0, {}
+
+            return log_prob, keep
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micros),
+            model=[self.model],
+            num_microbatches=len(micros),
+            seq_length=data.batch["input_ids"].shape[1],
+            micro_batch_size=len(micros[0]),
+            forward_only=True,
+        )
+        if not last_stage:
+            return None
+        return DataProto.from_dict({"old_log_probs": torch.cat(collected).float()})
+
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on this data-parallel rank's rows; returns ``actor/pg_loss``, ``actor/ppo_kl`` (last stage),
         ``actor/grad_norm`` and ``actor/lr``, averaged as `Actor.update_policy` does."""

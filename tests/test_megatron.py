@@ -227,7 +227,9 @@ def _update_worker(rank: int, store: str, model_dir: str, results) -> None:
         actor = MegatronActor(model, _update_config(), rollout_n=2, seed=0)
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         rows = len(data) // dp
-        metrics = actor.update_policy(data[dp_rank * rows : (dp_rank + 1) * rows])
+        mine = data[dp_rank * rows : (dp_rank + 1) * rows]
+        old = actor.compute_log_prob(mine)  # before the update: the weights loaded from Hugging Face
+        metrics = actor.update_policy(mine)
         group = parallel_state.get_tensor_model_parallel_group()
         weights = {}
         for name, param in model.named_parameters():
@@ -235,7 +237,13 @@ def _update_worker(rank: int, store: str, model_dir: str, results) -> None:
             dist.all_gather(parts, param.detach().contiguous(), group=group)
             weights[name] = unshard(name, parts)
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        results[f"{tp}-{pp}-{rank}"] = {"weights": weights, "metrics": metrics, "stage": stage}
+        results[f"{tp}-{pp}-{rank}"] = {
+            "weights": weights,
+            "metrics": metrics,
+            "stage": stage,
+            "old_log_probs": None if old is None else old.batch["old_log_probs"],
+            "rows": (dp_rank * rows, (dp_rank + 1) * rows),
+        }
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -253,9 +261,10 @@ def _update_config():
 
 
 def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
-    """Two AdamW steps of the PPO update (token-weighted micro-batches, grad clipping) on megatron with DP=2, TP=2
-    and PP=2 give the weights the Hugging Face `Actor` gets on the same batch (lr 1e-2: the weights move by up to
-    2e-2; Adam turns summation-order noise in near-zero gradients into up to 1e-4, hence the tolerance)."""
+    """On megatron with DP=2, TP=2 and PP=2: the response log-probs, then two AdamW steps of the PPO update
+    (token-weighted micro-batches, grad clipping), equal what the Hugging Face `Actor` gets on the same batch (lr 1e-2:
+    the weights move by up to 2e-2; Adam turns summation-order noise in near-zero gradients into up to 1e-4, hence
+    the tolerance)."""
     from hybridflow.engine.actor import Actor
     from hybridflow.engine.megatron_bridge import stage_names
 
@@ -264,7 +273,9 @@ def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
     before = hf_to_mcore({n: p.detach().clone() for n, p in hf_model.named_parameters()}, hf_model.config)
     data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
     data.meta_info["global_steps"] = 3
-    want_metrics = Actor(hf_model, _update_config(), rollout_n=2, seed=0).update_policy(data)
+    hf_actor = Actor(hf_model, _update_config(), rollout_n=2, seed=0)
+    want_log_probs = hf_actor.compute_log_prob(data).batch["old_log_probs"]
+    want_metrics = hf_actor.update_policy(data)
     want = hf_to_mcore({n: p.detach() for n, p in hf_model.named_parameters()}, hf_model.config)
     assert max(float((want[n] - before[n]).abs().max()) for n in want) > 1e-3  # the update moved the weights
     with mp.Manager() as manager:
@@ -284,5 +295,12 @@ def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
                     atol=2e-4,
                     msg=lambda m, key=key, name=name: f"{key} {name}: {m}",
                 )
+        if result["stage"] == pp - 1:  # log-probs come from the last stage (None elsewhere)
+            begin, end = result["rows"]
+            mask = data.batch["response_mask"][begin:end].bool()
+            got_lp, want_lp = result["old_log_probs"][mask], want_log_probs[begin:end][mask]
+            torch.testing.assert_close(got_lp, want_lp, rtol=1e-5, atol=1e-5)
+        else:
+            assert result["old_log_probs"] is None
         got = result["metrics"]["actor/grad_norm"]
         assert got == pytest.approx(want_metrics["actor/grad_norm"], rel=1e-4), key

@@ -65,6 +65,11 @@ def hf_rates(path: str, batch: int, tokens: int, repeats: int) -> list[float]:
     return rates
 
 
+def steady(rates: list[float]) -> float:
+    """Mean tokens/s after the first (warm-up) repetition."""
+    return sum(rates[1:]) / max(1, len(rates) - 1)
+
+
 def main() -> None:
     from hybridflow.engine.embedded_models import resolve_model_path
 
@@ -78,7 +83,6 @@ def main() -> None:
     for batch in args.batch:
         engine = vllm_rates(path, batch, args.tokens, args.repeats)
         hf = hf_rates(path, batch, args.tokens, args.repeats)
-        steady = lambda rates: sum(rates[1:]) / max(1, len(rates) - 1)  # noqa: E731
         print(
             f"batch {batch:>4}: vLLM {' '.join(f'{r:.0f}' for r in engine)} tok/s, "
             f"HF {' '.join(f'{r:.0f}' for r in hf)} tok/s; after warm-up {steady(engine) / steady(hf):.1f}x"

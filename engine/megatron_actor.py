@@ -9,6 +9,8 @@ causal default when one is passed; True = masked).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hybridflow.engine.actor import UPDATE_KEYS
@@ -54,6 +56,33 @@ def response_log_probs(model, micro: DataProto, temperature: float = 1.0) -> tor
     return -vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), responses.t().contiguous()).t()
 
 
+def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool) -> None:
+    """Run equal-sized `micros` through megatron's forward(/backward) schedule: every stage forwards, the last
+    stage turns its logits into response log-probs (temperature from ``meta_info``) and calls
+    ``loss_of(index, log_prob) -> (loss, dict)``; megatron divides each loss by ``len(micros)`` before backward."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    last_stage = parallel_state.is_pipeline_last_stage()
+    temperature = micros[0].meta_info.get("temperature", 1.0) or 1.0
+
+    def forward_step(data_iterator, model):
+        index, micro = next(data_iterator)
+        if not last_stage:  # hidden states for the next stage; megatron never calls this stage's loss function
+            return forward(model, micro), None
+        return response_log_probs(model, micro, temperature), functools.partial(loss_of, index)
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(list(enumerate(micros))),
+        model=[model],
+        num_microbatches=len(micros),
+        seq_length=micros[0].batch["input_ids"].shape[1],
+        micro_batch_size=len(micros[0]),
+        forward_only=forward_only,
+    )
+
+
 def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], config: ActorConfig) -> dict[str, float]:
     """Accumulate into ``.grad`` the gradient of ``sum_i loss_scales[i] * loss_i`` over the micro-batches of one
     mini-batch, where ``loss_i`` is micro-batch i's PPO loss (`compute_policy_loss`, plus the KL loss when
@@ -67,50 +96,29 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
     Returns:
         ``actor/pg_loss`` and ``actor/ppo_kl`` averaged over micro-batches (last pipeline stage; empty elsewhere).
     """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    last_stage = parallel_state.is_pipeline_last_stage()
-    temperature = micros[0].meta_info.get("temperature", 1.0) or 1.0
     logged: list[dict[str, float]] = []  # per micro-batch, as computed (the schedule rescales what it returns)
 
-    def forward_step(data_iterator, model):
-        micro, scale = next(data_iterator)
-        if not last_stage:  # hidden states for the next stage; megatron never calls this stage's loss_func
-            return forward(model, micro), None
-        log_prob = response_log_probs(model, micro, temperature)
+    def loss_func(index: int, log_prob: torch.Tensor):
+        batch = micros[index].batch
+        pg_loss, _, ppo_kl, _ = compute_policy_loss(
+            old_log_prob=batch["old_log_probs"],
+            log_prob=log_prob,
+            advantages=batch["advantages"],
+            response_mask=batch["response_mask"],
+            clip_ratio_low=config.clip_ratio_low,
+            clip_ratio_high=config.clip_ratio_high,
+            clip_ratio_c=config.clip_ratio_c,
+            loss_agg_mode=config.loss_agg_mode,
+        )
+        loss = pg_loss
+        if config.use_kl_loss:
+            kl = kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type)
+            loss = loss + config.kl_loss_coef * agg_loss(kl, batch["response_mask"], config.loss_agg_mode)
+        logged.append({"pg_loss": float(pg_loss), "ppo_kl": float(ppo_kl)})
+        # the schedule divides each micro-batch's loss by their number: undo it, then weigh
+        return loss * loss_scales[index] * len(micros), {"pg_loss": pg_loss.detach()}
 
-        def loss_func(log_prob):
-            batch = micro.batch
-            pg_loss, _, ppo_kl, _ = compute_policy_loss(
-                old_log_prob=batch["old_log_probs"],
-                log_prob=log_prob,
-                advantages=batch["advantages"],
-                response_mask=batch["response_mask"],
-                clip_ratio_low=config.clip_ratio_low,
-                clip_ratio_high=config.clip_ratio_high,
-                clip_ratio_c=config.clip_ratio_c,
-                loss_agg_mode=config.loss_agg_mode,
-            )
-            loss = pg_loss
-            if config.use_kl_loss:
-                kl = kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type)
-                loss = loss + config.kl_loss_coef * agg_loss(kl, batch["response_mask"], config.loss_agg_mode)
-            logged.append({"pg_loss": float(pg_loss), "ppo_kl": float(ppo_kl)})
-            # the schedule divides each micro-batch's loss by their number: undo it, then weigh
-            return loss * scale * len(micros), {"pg_loss": pg_loss.detach()}
-
-        return log_prob, loss_func
-
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(list(zip(micros, loss_scales, strict=True))),
-        model=[model],
-        num_microbatches=len(micros),
-        seq_length=micros[0].batch["input_ids"].shape[1],
-        micro_batch_size=len(micros[0]),
-        forward_only=False,
-    )
+    run_schedule(model, micros, loss_func, forward_only=False)
     _sync_tied_embedding_grads(model)
     if not logged:
         return {}
@@ -173,36 +181,16 @@ class MegatronActor:
         ``meta_info["temperature"]``. Returns them on the last pipeline stage, None on the others (the 3D transfer
         protocol collects from the last stage)."""
         from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.model.eval()
-        temperature = data.meta_info.get("temperature", 1.0) or 1.0
-        last_stage = parallel_state.is_pipeline_last_stage()
-        micros = data.split(self.config.log_prob_micro_batch_size)
         collected: list[torch.Tensor] = []
 
-        def forward_step(data_iterator, model):
-            micro = next(data_iterator)
-            if not last_stage:
-                return forward(model, micro), None
-            log_prob = response_log_probs(model, micro, temperature)
+        def keep(index: int, log_prob: torch.Tensor):
+            collected.append(log_prob)
+            return log_prob.sum() * 0.0, {}
 
-            def keep(log_prob):
-                collected.append(log_prob)
-                return log_prob.sum() * 0.0, {}
-
-            return log_prob, keep
-
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micros),
-            model=[self.model],
-            num_microbatches=len(micros),
-            seq_length=data.batch["input_ids"].shape[1],
-            micro_batch_size=len(micros[0]),
-            forward_only=True,
-        )
-        if not last_stage:
+        run_schedule(self.model, data.split(self.config.log_prob_micro_batch_size), keep, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
             return None
         return DataProto.from_dict({"old_log_probs": torch.cat(collected).float()})
 

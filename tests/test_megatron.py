@@ -51,28 +51,60 @@ def test_bridge_round_trips_exactly(tmp_path):
     assert torch.equal(qkv[: 2 * 16], q[: 2 * 16]) and torch.equal(qkv[2 * 16 : 3 * 16], k[:16])
 
 
-def _worker(rank: int, store: str, model_dir: str, results) -> None:
+LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tp, pp) on 2 processes; (1, 1) is data-parallel there (D=2)
+
+
+def _join(rank: int, store: str) -> None:
+    """This spawned process joins the 2-process gloo world, patched for megatron on CPU."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     from hybridflow.engine.megatron_cpu import install
 
     install()
+
+
+def _layouts(hf_model):
+    """For each of `LAYOUTS`: megatron's parallel state set up, this rank's GPTModel loaded from `hf_model`;
+    yields ``(tp, pp, model)`` and tears the parallel state down after each."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from hybridflow.engine.megatron_model import build_gpt_model, load_hf_weights
 
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    hf_state = {n: p.detach() for n, p in hf_model.named_parameters()}
-    ids = torch.randint(0, hf_model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    inputs, labels = ids[:, :-1], ids[:, 1:]
-    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+    state = {n: p.detach() for n, p in hf_model.named_parameters()}
+    for tp, pp in LAYOUTS:
         parallel_state.initialize_model_parallel(tp, pp)
         model_parallel_cuda_manual_seed(0)
         model = build_gpt_model(hf_model.config)
-        load_hf_weights(model, hf_state, hf_model.config)
+        load_hf_weights(model, state, hf_model.config)
+        yield tp, pp, model
+        parallel_state.destroy_model_parallel()
+
+
+def _unsharded(model, tensor_of) -> dict[str, torch.Tensor]:
+    """``tensor_of(param)`` (the weight, its grad) of every parameter, gathered over the TP group and unsharded."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for name, param in model.named_parameters():
+        local = tensor_of(param).detach().contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local, group=group)
+        out[name] = unshard(name, parts)
+    return out
+
+
+def _worker(rank: int, store: str, model_dir: str, results) -> None:
+    _join(rank, store)
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.randint(0, hf_model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+    for tp, pp, model in _layouts(hf_model):
         model.eval()
 
         def forward_step(data_iterator, model):
@@ -92,7 +124,6 @@ def _worker(rank: int, store: str, model_dir: str, results) -> None:
             )
         if parallel_state.is_pipeline_last_stage():
             results[f"{tp}-{pp}-{rank}"] = float(losses[0]["loss"])
-        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
@@ -132,40 +163,23 @@ def _policy_batch(model, generator):
 
 
 def _grad_worker(rank: int, store: str, model_dir: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    from hybridflow.engine.megatron_cpu import install
-
-    install()
+    _join(rank, store)
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from hybridflow.engine.config import ActorConfig
     from hybridflow.engine.megatron_actor import policy_gradient
-    from hybridflow.engine.megatron_model import build_gpt_model, load_hf_weights
 
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
     config = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        parallel_state.initialize_model_parallel(tp, pp)
-        model_parallel_cuda_manual_seed(0)
-        model = build_gpt_model(hf_model.config)
-        load_hf_weights(model, {n: p.detach() for n, p in hf_model.named_parameters()}, hf_model.config)
+    for tp, pp, model in _layouts(hf_model):
         model.train()
         metrics = policy_gradient(model, data.split(2), [0.5, 0.5], config)
-        group = parallel_state.get_tensor_model_parallel_group()
-        grads = {}
-        for name, param in model.named_parameters():
-            parts = [torch.empty_like(param.grad) for _ in range(tp)]
-            dist.all_gather(parts, param.grad.contiguous(), group=group)
-            grads[name] = unshard(name, parts)
         results[f"{tp}-{pp}-{rank}"] = {
-            "grads": grads,
+            "grads": _unsharded(model, lambda p: p.grad),
             "metrics": metrics,
             "stage": parallel_state.get_pipeline_model_parallel_rank(),
         }
-        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
@@ -205,46 +219,28 @@ def test_policy_gradient_with_tp2_and_pp2_equals_hugging_face(tmp_path):
 
 
 def _update_worker(rank: int, store: str, model_dir: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    from hybridflow.engine.megatron_cpu import install
-
-    install()
+    _join(rank, store)
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from hybridflow.engine.megatron_actor import MegatronActor
-    from hybridflow.engine.megatron_model import build_gpt_model, load_hf_weights
 
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
     data.meta_info["global_steps"] = 3
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):  # (1, 1) on 2 processes is data-parallel: D=2
-        parallel_state.initialize_model_parallel(tp, pp)
-        model_parallel_cuda_manual_seed(0)
-        model = build_gpt_model(hf_model.config)
-        load_hf_weights(model, {n: p.detach() for n, p in hf_model.named_parameters()}, hf_model.config)
+    for tp, pp, model in _layouts(hf_model):
         actor = MegatronActor(model, _update_config(), rollout_n=2, seed=0)
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         rows = len(data) // dp
         mine = data[dp_rank * rows : (dp_rank + 1) * rows]
         old = actor.compute_log_prob(mine)  # before the update: the weights loaded from Hugging Face
         metrics = actor.update_policy(mine)
-        group = parallel_state.get_tensor_model_parallel_group()
-        weights = {}
-        for name, param in model.named_parameters():
-            parts = [torch.empty_like(param) for _ in range(tp)]
-            dist.all_gather(parts, param.detach().contiguous(), group=group)
-            weights[name] = unshard(name, parts)
-        stage = parallel_state.get_pipeline_model_parallel_rank()
         results[f"{tp}-{pp}-{rank}"] = {
-            "weights": weights,
+            "weights": _unsharded(model, lambda p: p),
             "metrics": metrics,
-            "stage": stage,
+            "stage": parallel_state.get_pipeline_model_parallel_rank(),
             "old_log_probs": None if old is None else old.batch["old_log_probs"],
             "rows": (dp_rank * rows, (dp_rank + 1) * rows),
         }
-        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 

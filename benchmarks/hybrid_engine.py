@@ -1,14 +1,17 @@
 """Benchmark: the 3D-HybridEngine's training -> generation transition against the paper's Table 2.
 
-4 processes (torch.distributed, gloo on CPU; NCCL with --backend nccl on a 4-GPU machine) hold a 125 M-parameter
+4 processes (torch.distributed: gloo on CPU by default; --device cuda puts rank r's tensors on GPU r mod the GPU
+count, with --backend nccl or gloo, since NCCL refuses two ranks on one GPU) hold a 125 M-parameter
 Llama (hidden 768, 12 layers, 32k vocabulary, untied embeddings; fp32 weights, random) in training layouts t=4 and
 p=2,t=2, and move it to generation layouts t_g in {1, 2} (p_g = 1) and back, in ``hybridflow`` mode (micro-DP
 all-gathers, training shards reused in place) and ``naive`` mode (the paper's HybridFlow-V). Per layout and mode it
 prints, for the rank with the largest figure: bytes received, peak bytes of gathered (generation-side) parameters,
 bytes of training shards held besides them (redundancy), each next to Table 2's value, and the transition seconds
-(median of --repeats, there and back).
+(median of --repeats, there and back). On CUDA it adds the allocator's peak during the transition
+(``torch.cuda.max_memory_allocated``: every byte the process held, training shards included), taken as the
+training shards' bytes plus what the transition allocated beyond them.
 
-    .venv/bin/python benchmarks/hybrid_engine.py [--repeats 3] [--layers 12] [--backend gloo]
+    .venv/bin/python benchmarks/hybrid_engine.py [--repeats 3] [--layers 12] [--device cpu|cuda] [--backend gloo|nccl]
 """
 
 import argparse
@@ -50,7 +53,7 @@ def full_weights(layers: int, device: torch.device) -> tuple[dict[str, torch.Ten
 
 def worker(rank: int, store: str, args: argparse.Namespace, out: dict) -> None:
     torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -61,12 +64,19 @@ def worker(rank: int, store: str, args: argparse.Namespace, out: dict) -> None:
         specs = llama_shard_specs({n: tuple(x.shape) for n, x in full.items()}, config.num_hidden_layers, p)
         for mode in ("hybridflow", "naive"):
             engine = HybridEngine(shard_parameters(full, specs, layout, rank), specs, layout, mode)
-            there, back, stats = [], [], None
+            there, back, stats, allocator_peak = [], [], None, 0
             for _ in range(args.repeats):
                 dist.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = torch.cuda.memory_allocated(device)
+                    shards = sum(x.numel() * x.element_size() for x in engine.params.values())
                 stats = engine.to_generation()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
+                    # parameter bytes held at the peak: the training shards plus what the transition allocated
+                    allocator_peak = torch.cuda.max_memory_allocated(device) - before + shards
                 dist.barrier()
                 there.append(stats.seconds)
                 back.append(engine.to_training())
@@ -79,6 +89,7 @@ def worker(rank: int, store: str, args: argparse.Namespace, out: dict) -> None:
                     "redundancy": stats.training_copy_bytes,
                     "there_s": statistics.median(there),
                     "back_s": statistics.median(back),
+                    "allocator_peak": allocator_peak,
                 }
             )
             del engine
@@ -98,6 +109,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
         out = manager.dict()
@@ -107,16 +119,18 @@ def main() -> None:
     mb = 2**20
     print(
         f"model: {result['params'] / 1e6:.1f} M parameters, M = {m / mb:.1f} MiB (fp32); {WORLD} ranks, {args.backend}"
+        f" on {args.device}"
     )
     print(
         f"{'train -> gen':<16}{'mode':<12}{'received MiB':>22}{'peak gathered MiB':>24}{'redundancy MiB':>20}"
-        f"{'to gen s':>10}{'back s':>8}"
+        f"{'to gen s':>10}{'back s':>8}" + (f"{'allocator peak MiB':>20}" if args.device == "cuda" else "")
     )
     per_rank = result["rows"]
     for i, row in enumerate(per_rank[0]):
         p, t, p_g, t_g = row["layout"]
         formula = table2(HybridLayout(p=p, t=t, d=1, p_g=p_g, t_g=t_g), m)[row["mode"]]
-        worst = {k: max(r[i][k] for r in per_rank) for k in ("received", "peak", "redundancy", "there_s", "back_s")}
+        keys = ("received", "peak", "redundancy", "there_s", "back_s", "allocator_peak")
+        worst = {k: max(r[i][k] for r in per_rank) for k in keys}
 
         def cell(key: str, formula_key: str, worst=worst, formula=formula) -> str:
             want = formula[formula_key]
@@ -127,6 +141,7 @@ def main() -> None:
             f"{f'{p}-{t} -> {p_g}-{t_g}':<16}{row['mode']:<12}{cell('received', 'received_bytes'):>22}"
             f"{cell('peak', 'peak_gathered_bytes'):>24}{cell('redundancy', 'redundancy_bytes'):>20}"
             f"{worst['there_s']:>10.3f}{worst['back_s']:>8.3f}"
+            + (f"{worst['allocator_peak'] / mb:>20.1f}" if args.device == "cuda" else "")
         )
     print("cells: measured (largest over ranks) / Table 2 formula, and the deviation")
 

@@ -269,7 +269,11 @@ class HybridEngine:
             owners = [members[owner_pp * layout.s_t + b] for b in range(layout.s_t)]
             if spec.dim is None:  # replicated across TP: the owning stage's first member sends it to other stages
                 mine = c.micro_pp == owner_pp
-                buffer = self.params[name].data if mine else torch.empty(spec.shape, dtype=self._dtype())
+                buffer = (
+                    self.params[name].data
+                    if mine
+                    else torch.empty(spec.shape, dtype=self._dtype(), device=self._device())
+                )
                 slots, owners = ([buffer], owners[:1]) if layout.s_p > 1 else ([], [])
             else:
                 stored_shape = list(to_stored(torch.empty(spec.shape, device="meta"), spec).shape)
@@ -295,7 +299,8 @@ class HybridEngine:
         members, group = self._model_parallel
         full: dict[str, torch.Tensor] = {}
         for name, spec in self.specs.items():
-            buffer = torch.empty(to_stored(torch.empty(spec.shape, device="meta"), spec).shape, dtype=self._dtype())
+            stored_shape = to_stored(torch.empty(spec.shape, device="meta"), spec).shape
+            buffer = torch.empty(stored_shape, dtype=self._dtype(), device=self._device())
             parts = 1 if spec.dim is None else layout.t
             slots = list(buffer.chunk(parts, dim=0))
             for tp, slot in enumerate(slots):

@@ -2,7 +2,8 @@
 
 4 processes (torch.distributed: gloo on CPU by default; --device cuda puts rank r's tensors on GPU r mod the GPU
 count, with --backend nccl or gloo, since NCCL refuses two ranks on one GPU) hold a 125 M-parameter
-Llama (hidden 768, 12 layers, 32k vocabulary, untied embeddings; fp32 weights, random) in training layouts t=4 and
+Llama (hidden 768, 12 layers, 32k vocabulary, untied embeddings; fp32 weights, random), cut into megatron-core's
+training shards (fused QKV and gate/up, `hybridflow.engine.megatron_bridge`), in training layouts t=4 and
 p=2,t=2, and move it to generation layouts t_g in {1, 2} (p_g = 1) and back, in ``hybridflow`` mode (micro-DP
 all-gathers, training shards reused in place) and ``naive`` mode (the paper's HybridFlow-V). Per layout and mode it
 prints, for the rank with the largest figure: bytes received, peak bytes of gathered (generation-side) parameters,
@@ -15,6 +16,7 @@ training shards' bytes plus what the transition allocated beyond them.
 """
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -24,7 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hybridflow.engine.hybrid_engine import HybridEngine, llama_shard_specs, model_bytes, shard_parameters, table2
+from hybridflow.engine.hybrid_engine import HybridEngine, megatron_shard_specs, model_bytes, shard_parameters, table2
+from hybridflow.engine.megatron_bridge import generation_order, hf_to_mcore
 from hybridflow.engine.parallel_layout import HybridLayout
 
 WORLD = 4
@@ -57,13 +60,17 @@ def worker(rank: int, store: str, args: argparse.Namespace, out: dict) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    full, config = full_weights(args.layers, device)
+    full_hf, config = full_weights(args.layers, device)
+    full = hf_to_mcore(full_hf, config)  # megatron-core's names and fused QKV / gate-up layout
+    del full_hf
     rows = []
     for p, t, p_g, t_g in LAYOUTS:
         layout = HybridLayout(p=p, t=t, d=1, p_g=p_g, t_g=t_g)
-        specs = llama_shard_specs({n: tuple(x.shape) for n, x in full.items()}, config.num_hidden_layers, p)
+        specs = megatron_shard_specs(config, p)
+        regroup = functools.partial(generation_order, config=config)  # fused QKV / gate-up into HF order
         for mode in ("hybridflow", "naive"):
-            engine = HybridEngine(shard_parameters(full, specs, layout, rank), specs, layout, mode)
+            params = shard_parameters(full, specs, layout, rank)
+            engine = HybridEngine(params, specs, layout, mode, regroup=regroup)
             there, back, stats, allocator_peak = [], [], None, 0
             for _ in range(args.repeats):
                 dist.barrier()
@@ -97,9 +104,7 @@ def worker(rank: int, store: str, args: argparse.Namespace, out: dict) -> None:
     dist.all_gather_object(gathered, rows)
     if rank == 0:
         out["rows"] = gathered
-        out["M"] = model_bytes(
-            llama_shard_specs({n: tuple(x.shape) for n, x in full.items()}, args.layers, 1).values(), 4
-        )
+        out["M"] = model_bytes(megatron_shard_specs(config, 1).values(), 4)
         out["params"] = sum(x.numel() for x in full.values())
     dist.destroy_process_group()
 

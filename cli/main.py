@@ -170,6 +170,17 @@ def runs_list(db: DbOption = None, limit: int = 50) -> None:
     console.print(table)
 
 
+def _parallel_summary(parallel: dict | None) -> str:
+    """``megatron p1-t2-d2 -> gen p1-t1 x4 (hybridflow)`` from a placement's ``parallel`` record; '' when absent."""
+    if not parallel:
+        return ""
+    train, gen = parallel.get("train", {}), parallel.get("generate", {})
+    text = f"{parallel.get('strategy', '?')} p{train.get('pp')}-t{train.get('tp')}-d{train.get('dp')}"
+    if gen:
+        text += f" -> gen p{gen.get('pp')}-t{gen.get('tp')} x{gen.get('replicas')} ({parallel.get('reshard')})"
+    return text
+
+
 @runs_app.command("show")
 def runs_show(run_id: str, db: DbOption = None) -> None:
     """A run's config, placement, metrics (a few key ones per iteration) and checkpoints."""
@@ -182,9 +193,17 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     if r.error:
         console.print(f"[red]{r.error.strip().splitlines()[-1]}[/red]")
     console.print(yaml.safe_dump(r.config, sort_keys=False).rstrip())
-    placement = Table("role", "group", "ranks", "executor", "slurm job", "hosts", title="placement")
+    placement = Table("role", "group", "ranks", "executor", "slurm job", "hosts", "parallel", title="placement")
     for p in store.placements(run_id):
-        placement.add_row(p.role, p.group_name, str(p.ranks), p.executor, p.slurm_job_id or "", ", ".join(p.hosts))
+        placement.add_row(
+            p.role,
+            p.group_name,
+            str(p.ranks),
+            p.executor,
+            p.slurm_job_id or "",
+            ", ".join(p.hosts),
+            _parallel_summary(p.parallel),
+        )
     console.print(placement)
     shown = [
         "critic/score/mean",

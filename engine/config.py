@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hybridflow.engine.parallel_layout import HybridLayout
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -78,6 +80,18 @@ class RolloutConfig(_Section):
     )
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vllm on CPU: KV cache space (GiB)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm on GPU: share of GPU memory it may use")
+    gen_tp: int | None = Field(
+        None,
+        ge=1,
+        description="actor.strategy=megatron: tensor-parallel size of generation (the 3D-HybridEngine's t_g; must "
+        "divide actor.tp); None: actor.tp",
+    )
+    gen_pp: int = Field(1, ge=1, description="pipeline stages of generation (p_g); only 1 is implemented")
+    reshard: Literal["hybridflow", "naive"] = Field(
+        "hybridflow",
+        description="actor.strategy=megatron: how training shards become generation shards: hybridflow (all-gather "
+        "inside micro-DP groups, no redundant copy) or naive (gather the whole model, keep the training shard)",
+    )
 
     @model_validator(mode="after")
     def _resolve_auto(self) -> RolloutConfig:
@@ -101,8 +115,17 @@ KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
 
 
 class ActorConfig(_Section):
-    """The PPO policy update: mini/micro-batches, clipping (clip-higher, dual-clip), loss aggregation, KL loss."""
+    """The PPO policy update: training backend, mini/micro-batches, clipping (clip-higher, dual-clip), loss
+    aggregation, KL loss."""
 
+    strategy: Literal["ddp", "megatron"] = Field(
+        "ddp",
+        description="ddp: a Hugging Face model replicated on every rank, gradients all-reduced; megatron: "
+        "megatron-core GPTModel with tensor (actor.tp) and pipeline (actor.pp) parallelism, generating through the "
+        "3D-HybridEngine",
+    )
+    tp: int = Field(1, ge=1, description="actor.strategy=megatron: tensor-parallel size")
+    pp: int = Field(1, ge=1, description="actor.strategy=megatron: pipeline-parallel size (stages)")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = Field(8, gt=0, description="prompts per optimizer step (times rollout.n sequences)")
     ppo_micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward")
@@ -294,6 +317,7 @@ class HybridFlowConfig(_Section):
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
             )
+        self._parallel_layout()
         self._divisible_by_ranks()
         if self.actor.tis_cap is not None and self.rollout.name != "vllm":
             raise ValueError(
@@ -307,12 +331,53 @@ class HybridFlowConfig(_Section):
             )
         return self
 
+    def _parallel_layout(self) -> None:
+        actor, rollout, world = self.actor, self.rollout, self.placement.world_size
+        if actor.strategy != "megatron":
+            if (actor.tp, actor.pp, rollout.gen_tp or 1, rollout.gen_pp) != (1, 1, 1, 1):
+                raise ValueError(
+                    "actor.tp, actor.pp, rollout.gen_tp and rollout.gen_pp split the model and need "
+                    f"actor.strategy=megatron (got strategy {actor.strategy!r}); set actor.strategy=megatron or "
+                    "leave them at 1"
+                )
+            return
+        if importlib.util.find_spec("megatron.core") is None:
+            raise ValueError(
+                "actor.strategy=megatron needs megatron-core: pip install megatron-core (bash .ci/setup installs it), "
+                "or set actor.strategy=ddp"
+            )
+        if world % (actor.tp * actor.pp):
+            raise ValueError(
+                f"the actor group's {world} ranks (placement.nodes x tasks_per_node) are not a multiple of "
+                f"actor.tp x actor.pp = {actor.tp * actor.pp}"
+            )
+        if rollout.gen_pp != 1:
+            raise ValueError("rollout.gen_pp > 1 (pipelined generation) is not implemented: set rollout.gen_pp=1")
+        if rollout.name != "hf":
+            raise ValueError(
+                "actor.strategy=megatron generates from the 3D-HybridEngine's generation shards with the hf rollout; "
+                "feeding vLLM from them is not implemented: set rollout.name=hf"
+            )
+        self.actor_layout()  # gen_tp must divide tp
+
+    def actor_layout(self) -> HybridLayout:
+        """The actor group's training layout p-t-d and generation layout p_g-t_g (``actor.strategy=megatron``;
+        with ``ddp`` every rank is a data-parallel replica: p = t = 1, d = ranks).
+
+        Raises:
+            ValueError: rollout.gen_tp does not divide actor.tp."""
+        actor = self.actor
+        d = self.placement.world_size // (actor.tp * actor.pp)
+        return HybridLayout(p=actor.pp, t=actor.tp, d=d, p_g=self.rollout.gen_pp, t_g=self.rollout.gen_tp or actor.tp)
+
     def _divisible_by_ranks(self) -> None:
         """Every data-parallel rank must get the same number of sequences of every mini-batch (each optimizer step
         all-reduces gradients once per rank)."""
         n = self.rollout.n
         placement = self.placement
-        checks = [("actor", placement.world_size, self.actor.ppo_mini_batch_size, "nodes x tasks_per_node")]
+        actor_dp = placement.world_size // (self.actor.tp * self.actor.pp)
+        actor_keys = "nodes x tasks_per_node" + (" / (actor.tp x actor.pp)" if actor_dp != placement.world_size else "")
+        checks = [("actor", actor_dp, self.actor.ppo_mini_batch_size, actor_keys)]
         if self.algorithm.adv_estimator == "gae":
             keys = "nodes x tasks_per_node" if placement.colocate else "critic_nodes x critic_tasks_per_node"
             checks.append(("critic", placement.critic_world_size, self.critic.ppo_mini_batch_size, keys))

@@ -18,17 +18,23 @@ buffers are dropped.
 model-parallel group (``M`` per rank), the generation shard is cut out of it, and the training shard stays where it
 was: redundancy ``M / (t p)``, ``(t p - 1) / (t p) M`` bytes received.
 
-Storage layout. A generation shard must be one tensor made of training chunks without copying them, so every
-TP-split parameter is stored with its split dimension first: a parameter split along dim 1 (a row-parallel
-weight, ``[out, in / t]``) is the transposed view of a contiguous ``[in / t, out]`` tensor. `to_stored` /
-`from_stored` convert; `shard_parameters` builds training shards this way.
+Storage layout. A generation shard is one tensor made of training shards, stacked along the split dimension, so
+a buffer is kept with its split dimension first: for a parameter split along dim 1 (a row-parallel weight,
+``[out, in / t]``) it is ``[in / t_g, out]`` and the parameter is its transposed view. `to_stored` / `from_stored`
+convert. Training shards are ordinary contiguous tensors: megatron-core's own (`megatron_shard_specs` names them),
+or `shard_parameters`'. A shard stacked this way is megatron's layout for ``s_t`` consecutive TP ranks, which for
+the fused QKV and gate/up weights is not yet the generation model's: the engine's ``regroup`` reorders them in place
+(`hybridflow.engine.megatron_bridge.generation_order`) and back.
+
+Memory. During a transition a rank holds at most one parameter's training shard besides the generation buffers
+(its copy into the slot, before the old storage is freed) and, with ``regroup``, one parameter's generation shard
+(the reordering's source).
 """
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,50 +61,29 @@ class ShardSpec:
     stage: int
 
 
-_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+def megatron_shard_specs(hf_config, p: int) -> dict[str, ShardSpec]:
+    """The `ShardSpec` of every parameter of megatron-core's ``GPTModel`` for a Hugging Face Llama-family config,
+    keyed by full-model megatron names (``decoder.layers.<global layer>...``): the split dimensions are
+    `hybridflow.engine.megatron_bridge.tp_dim`'s, the stages `stage_names`'.
 
-
-def llama_shard_specs(shapes: Mapping[str, tuple[int, ...]], num_layers: int, p: int) -> dict[str, ShardSpec]:
-    """Megatron-style TP split and PP stage of each parameter of a Hugging Face Llama / Qwen2 / Mistral model.
-
-    q/k/v/gate/up projections (and q/k/v biases) split on dim 0, o/down on dim 1, the embedding and ``lm_head``
-    on the vocabulary (dim 0); norms are replicated. Layers go to stages in equal consecutive blocks; the embedding
-    to the first stage, the final norm and ``lm_head`` to the last.
-
-    Args:
-        shapes: parameter name -> full shape (``{n: tuple(p.shape) for n, p in model.named_parameters()}``).
-        num_layers: ``config.num_hidden_layers``.
-        p: pipeline stages.
+    With tied embeddings and ``p > 1`` the last stage's ``output_layer.weight`` (megatron's copy of the embedding)
+    has no spec: the generation model ties its output layer to the gathered embedding, and that copy stays where it
+    is during generation.
 
     Raises:
-        ValueError: layers do not split evenly into `p` stages, tied embeddings with ``p > 1`` (each end stage would
-            need its own copy), or a parameter name this mapping does not know.
+        ValueError: layers do not split evenly into `p` stages.
     """
-    if num_layers % p:
-        raise ValueError(f"{num_layers} layers do not split into actor.pp={p} equal pipeline stages")
-    if p > 1 and "lm_head.weight" not in shapes:
-        raise ValueError("tied input/output embeddings are not supported with actor.pp > 1 yet; use actor.pp=1")
-    per_stage = num_layers // p
-    specs = {}
-    for name, shape in shapes.items():
-        layer = _LAYER.match(name)
-        if layer:
-            stage = int(layer.group(1)) // per_stage
-            dim = 0 if _COLUMN.search(name) else 1 if _ROW.search(name) else None
-            if dim is None and not name.endswith("layernorm.weight"):
-                raise ValueError(f"no tensor-parallel rule for parameter {name!r}")
-        elif name == "model.embed_tokens.weight":
-            stage, dim = 0, 0
-        elif name == "lm_head.weight":
-            stage, dim = p - 1, 0
-        elif name == "model.norm.weight":
-            stage, dim = p - 1, None
-        else:
-            raise ValueError(f"no tensor-parallel rule for parameter {name!r}")
-        specs[name] = ShardSpec(tuple(shape), dim, stage)
-    return specs
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.engine.megatron_bridge import hf_to_mcore, stage_names, tp_dim
+
+    layers = hf_config.num_hidden_layers
+    if layers % p:
+        raise ValueError(f"{layers} layers do not split into actor.pp={p} equal pipeline stages")
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    full = hf_to_mcore(dict(hf_model.named_parameters()), hf_config)
+    return {name: ShardSpec(tuple(t.shape), tp_dim(name), stage_names(name, layers, p)[0]) for name, t in full.items()}
 
 
 def to_stored(tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -111,32 +96,20 @@ def from_stored(stored: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return stored.t() if spec.dim == 1 else stored
 
 
-def chunk_of(full: torch.Tensor, spec: ShardSpec, index: int, parts: int) -> torch.Tensor:
-    """Chunk `index` of `parts` of a full parameter along its split dimension (the whole tensor if replicated),
-    in the parameter's own orientation (a view)."""
-    if spec.dim is None:
-        return full
-    size = spec.shape[spec.dim] // parts
-    return full.narrow(spec.dim, index * size, size)
-
-
 def shard_parameters(
     full: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec], layout: HybridLayout, rank: int
 ) -> dict[str, torch.nn.Parameter]:
-    """This rank's training shards of `full` (every parameter of its stage), each in its own storage laid out as
-    `to_stored` says. Raises ValueError when a split dimension is not divisible by ``t``."""
+    """This rank's training shards of a full megatron-core state dict (every parameter of its stage, keyed by
+    full-model names), cut as megatron cuts them (`hybridflow.engine.megatron_bridge.shard`), each a contiguous
+    tensor of its own. Raises ValueError when a split dimension is not divisible by ``t``."""
+    from hybridflow.engine.megatron_bridge import shard
+
     c = layout.coords(rank)
-    out = {}
-    for name, spec in specs.items():
-        if spec.stage != c.pp:
-            continue
-        if spec.dim is not None and spec.shape[spec.dim] % layout.t:
-            raise ValueError(f"{name} {list(spec.shape)}: dim {spec.dim} does not split into actor.tp={layout.t}")
-        stored = to_stored(chunk_of(full[name], spec, c.tp, layout.t), spec).clone(
-            memory_format=torch.contiguous_format
-        )
-        out[name] = torch.nn.Parameter(from_stored(stored, spec))
-    return out
+    return {
+        name: torch.nn.Parameter(shard(name, full[name], c.tp, layout.t))
+        for name, spec in specs.items()
+        if spec.stage == c.pp
+    }
 
 
 @dataclass
@@ -168,6 +141,10 @@ class HybridEngine:
         specs: every parameter's `ShardSpec` (all stages).
         layout: the training and generation layouts.
         mode: ``"hybridflow"`` (zero redundancy) or ``"naive"`` (HybridFlow-V).
+        regroup: ``regroup(name, stored, blocks, inverse=...)`` reorders a gathered generation shard (stored layout,
+            made of ``blocks = s_t`` consecutive training shards) in place into the layout the generation model
+            reads, and back with ``inverse=True`` (`hybridflow.engine.megatron_bridge.generation_order`); None
+            keeps the training shards' layout.
 
     Must be constructed on every rank of the world at the same time (it creates process groups: a collective).
 
@@ -181,6 +158,7 @@ class HybridEngine:
         specs: Mapping[str, ShardSpec],
         layout: HybridLayout,
         mode: str = "hybridflow",
+        regroup: Callable[[str, torch.Tensor, int, bool], None] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown resharding mode {mode!r}; choose one of {MODES}")
@@ -191,6 +169,7 @@ class HybridEngine:
         self.specs = dict(specs)
         self.layout = layout
         self.mode = mode
+        self.regroup = regroup
         self.rank = dist.get_rank()
         self.coords = layout.coords(self.rank)
         self._micro = self._new_groups(layout.micro_dp_groups())
@@ -233,6 +212,7 @@ class HybridEngine:
             self._gather_micro_dp(stats)
         else:
             self._gather_model_parallel(stats)
+        self._regroup(inverse=False)
         self.gen_weights = {n: from_stored(t, self.specs[n]) for n, t in self._gathered.items()}
         stats.gen_param_bytes = sum(t.numel() * t.element_size() for t in self._gathered.values())
         stats.training_copy_bytes = self._bytes_outside_gathered()
@@ -250,13 +230,20 @@ class HybridEngine:
         start = time.perf_counter()
         self.gen_weights = None
         if self.mode == "hybridflow":  # training shards live inside the generation buffers: copy each out
+            self._regroup(inverse=True)
             for name, param in self.params.items():
-                spec = self.specs[name]
-                if spec.dim is not None:
-                    param.data = from_stored(to_stored(param.data, spec).clone(), spec)
+                if self.specs[name].dim is not None:
+                    param.data = param.data.clone(memory_format=torch.contiguous_format)
                 self._gathered.pop(name, None)  # free that parameter's buffer before the next copy
         self._gathered.clear()
         return time.perf_counter() - start
+
+    def _regroup(self, inverse: bool) -> None:
+        if self.regroup is None:
+            return
+        for name, stored in self._gathered.items():
+            if self.specs[name].dim is not None:
+                self.regroup(name, stored, self.layout.s_t, inverse=inverse)
 
     def _gather_micro_dp(self, stats: TransitionStats) -> None:
         """Generation shard of each parameter from the training chunks of the micro-DP group (see module doc)."""

@@ -20,6 +20,9 @@ its ``h / ng`` query heads, then its key head, then its value head; tensor paral
 (a contiguous block of rows). ``linear_fc1`` is ``[gate; up]`` in one piece, but each TP shard is
 ``[gate_r; up_r]`` (its slice of each), so TP sharding regroups rather than cutting the full tensor. Pipeline
 stages number their layers from 0: global layer ``s * L / p + j`` is ``decoder.layers.j`` on stage ``s``.
+
+The 3D-HybridEngine's generation shards (consecutive TP shards stacked) go to Hugging Face names through
+`generation_order` (an in-place row permutation) and `generation_hf_weights` (views).
 """
 
 from __future__ import annotations
@@ -172,3 +175,62 @@ def stage_names(mcore_name: str, num_layers: int, pp_size: int) -> tuple[int, st
     if mcore_name.startswith("embedding."):
         return 0, mcore_name
     return pp_size - 1, mcore_name
+
+
+def _qkv_sizes(rows: int, config) -> tuple[int, int, int]:
+    """(query-group count, query rows per group, head width) of a ``linear_qkv`` block of `rows` rows."""
+    groups, heads = config.num_key_value_heads, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_group = heads // groups
+    return rows // ((per_group + 2) * head_dim), per_group, head_dim
+
+
+@torch.no_grad()
+def generation_order(name: str, stored: torch.Tensor, blocks: int, config, inverse: bool = False) -> None:
+    """Reorder, in place, a generation shard made of `blocks` consecutive TP shards of megatron parameter `name`
+    (split dimension first) into the Hugging Face layout `generation_hf_weights` reads, or back with `inverse`.
+
+    - ``linear_qkv`` (weight ``[g*(h/g+2)*d, H]`` or bias): per query group [q heads; k; v] -> [all q; all k; all v]
+      (the shard's q/k/v projections, each contiguous).
+    - ``linear_fc1`` ``[gate_1; up_1; ...; gate_s; up_s]`` (each TP shard's slice of both) -> ``[gate; up]``.
+    - Other parameters are already in order.
+
+    Uses one temporary of the shard's size. The reordering is a permutation of rows: exact, and `inverse` undoes it.
+    """
+    if ".linear_qkv." in name:
+        groups, per_group, head_dim = _qkv_sizes(stored.shape[0], config)
+        if inverse:
+            q, k, v = stored.split([groups * per_group * head_dim, groups * head_dim, groups * head_dim])
+            stored.copy_(_qkv_merge(q, k, v, groups))
+        else:
+            stored.copy_(torch.cat(list(_qkv_split(stored, groups, groups * per_group, head_dim))))
+    elif name.endswith("linear_fc1.weight") and blocks > 1:
+        rows, rest = stored.shape[0] // (2 * blocks), stored.shape[1:]
+        order = (2, blocks) if inverse else (blocks, 2)
+        stored.copy_(stored.reshape(*order, rows, *rest).transpose(0, 1).reshape(stored.shape))
+
+
+def generation_hf_weights(gen: Mapping[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Hugging Face names for generation shards in `generation_order` (full-model megatron names -> views of the same
+    storage: nothing is copied). q/k/v and gate/up are row ranges of the fused tensors; a tied output layer is left
+    to the model (it ties ``lm_head`` to the embedding)."""
+    layer_names = {mc: hf for hf, mc in _LAYER_MAP.items()}
+    top_names = {mc: hf for hf, mc in _TOP_MAP.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in gen.items():
+        if name in top_names:
+            out[top_names[name]] = tensor
+            continue
+        index, rest = name.removeprefix("decoder.layers.").split(".", 1)
+        prefix = f"model.layers.{index}."
+        if rest.startswith("self_attention.linear_qkv."):
+            groups, per_group, head_dim = _qkv_sizes(tensor.shape[0], config)
+            sizes = [groups * per_group * head_dim, groups * head_dim, groups * head_dim]
+            kind = rest.rsplit(".", 1)[1]
+            for proj, part in zip("qkv", tensor.split(sizes), strict=True):
+                out[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
+        elif rest == "mlp.linear_fc1.weight":
+            out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = tensor.chunk(2, dim=0)
+        else:
+            out[prefix + layer_names[rest]] = tensor
+    return out

@@ -54,9 +54,10 @@ class HybridLayout:
     t_g: int
 
     def __post_init__(self) -> None:
-        for key, value in (("pp", self.p), ("tp", self.t), ("dp", self.d), ("gen_pp", self.p_g), ("gen_tp", self.t_g)):
+        keys = ("actor.pp", "actor.tp", "data-parallel size", "rollout.gen_pp", "rollout.gen_tp")
+        for key, value in zip(keys, (self.p, self.t, self.d, self.p_g, self.t_g), strict=True):
             if value < 1:
-                raise ValueError(f"actor.{key} must be >= 1, got {value}")
+                raise ValueError(f"{key} must be >= 1, got {value}")
         if self.t % self.t_g:
             raise ValueError(f"rollout.gen_tp ({self.t_g}) must divide the training actor.tp ({self.t})")
         if self.p % self.p_g:
@@ -141,7 +142,7 @@ class HybridLayout:
         """The layout and its groups, for the run store's placement record."""
         return {
             "train": {"pp": self.p, "tp": self.t, "dp": self.d},
-            "generate": {"pp": self.p_g, "tp": self.t_g, "micro_dp": self.d_g, "dp": self.d},
+            "generate": {"pp": self.p_g, "tp": self.t_g, "micro_dp": self.d_g, "replicas": self.d_g * self.d},
             "gen_tp_groups": self.gen_tp_groups(),
             "micro_dp_groups": self.micro_dp_groups(),
         }

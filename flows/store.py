@@ -4,7 +4,8 @@ One `RunStore` per process (the Prefect flow, the ``hf`` command, a worker that 
 processes may write to the same store at once. Opening a store migrates its database to the newest schema with
 Alembic (``migrations/`` next to this file); opening an up-to-date one costs one query.
 
-Schema (revision ``0001``, ``migrations/versions/0001_initial.py``; the ORM models below describe the same tables):
+Schema (revision ``0002``: ``migrations/versions/0001_initial.py`` and ``0002_placement_parallel.py``; the ORM models
+below describe the same tables):
 
 - ``runs``: ``id`` (primary key, ``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC), ``experiment_name``, ``config`` (JSON: the
   full validated config), ``status`` (pending | running | completed | failed | interrupted), ``code_version`` (see
@@ -17,6 +18,7 @@ Schema (revision ``0001``, ``migrations/versions/0001_initial.py``; the ORM mode
   ``complete``, ``created_at``; unique (run_id, step).
 - ``placements``: ``run_id`` → runs, ``role`` (actor | rollout | ref | critic | reward), ``group_name``, ``ranks``
   (JSON list of int), ``executor`` (local | slurm), ``slurm_job_id`` (nullable), ``hosts`` (JSON list of str),
+  ``parallel`` (JSON, nullable: the role's training strategy, training and generation layouts and rank groups),
   ``created_at``; index on run_id.
 
 The child tables have a 64-bit surrogate ``id`` primary key, a foreign key to ``runs.id`` (ON DELETE CASCADE;
@@ -285,6 +287,7 @@ class PlacementRow(Base):
     executor: Mapped[str] = mapped_column(String(16))
     slurm_job_id: Mapped[str | None] = mapped_column(String(64))
     hosts: Mapped[list[str]] = mapped_column(JSON)
+    parallel: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
@@ -370,7 +373,8 @@ class Checkpoint(_Record):
 
 @dataclass(frozen=True, slots=True)
 class Placement(_Record):
-    """Where one worker group ran: its role, global ranks, executor, Slurm job id and hosts."""
+    """Where one worker group ran: its role, global ranks, executor, Slurm job id and hosts, and how the role's model
+    is split over the ranks (``parallel``: strategy, layouts and groups; None when not recorded)."""
 
     run_id: str
     role: str
@@ -379,6 +383,7 @@ class Placement(_Record):
     executor: str
     slurm_job_id: str | None
     hosts: list[str]
+    parallel: dict[str, Any] | None
     created_at: datetime
 
 
@@ -575,7 +580,7 @@ def _json_list(value: Any, what: str, item_type: type, row: int) -> list[Any]:
     return list(value)
 
 
-_PLACEMENT_KEYS = ("role", "group_name", "ranks", "executor", "slurm_job_id", "hosts")
+_PLACEMENT_KEYS = ("role", "group_name", "ranks", "executor", "slurm_job_id", "hosts", "parallel")
 _PLACEMENT_REQUIRED = ("role", "group_name", "ranks", "executor")
 
 
@@ -588,7 +593,7 @@ def _placement(run_id: str, index: int, row: Any, now: datetime) -> PlacementRow
         problems = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else [])
         raise ValueError(
             f"placement row {index}: {', '.join(problems)}; "
-            f"required: {', '.join(_PLACEMENT_REQUIRED)}; optional: slurm_job_id, hosts"
+            f"required: {', '.join(_PLACEMENT_REQUIRED)}; optional: slurm_job_id, hosts, parallel"
         )
     if row["role"] not in ROLES:
         raise ValueError(f"placement row {index}: invalid role {row['role']!r}; allowed: {', '.join(ROLES)}")
@@ -602,6 +607,9 @@ def _placement(run_id: str, index: int, row: Any, now: datetime) -> PlacementRow
     job = row.get("slurm_job_id")
     if job is not None and (isinstance(job, bool) or not isinstance(job, str | int) or not str(job)):
         raise ValueError(f"placement row {index}: slurm_job_id must be a str, an int or None, got {job!r}")
+    parallel = row.get("parallel")
+    if parallel is not None and not isinstance(parallel, Mapping):
+        raise ValueError(f"placement row {index}: parallel must be a dict (JSON object) or None, got {parallel!r}")
     return PlacementRow(
         run_id=run_id,
         role=row["role"],
@@ -610,6 +618,7 @@ def _placement(run_id: str, index: int, row: Any, now: datetime) -> PlacementRow
         executor=row["executor"],
         slurm_job_id=None if job is None else str(job),
         hosts=_json_list(row.get("hosts", []), "hosts", str, index),
+        parallel=None if parallel is None else json.loads(json.dumps(parallel)),
         created_at=now,
     )
 
@@ -1008,5 +1017,6 @@ def _placement_record(row: PlacementRow) -> Placement:
         executor=row.executor,
         slurm_job_id=row.slurm_job_id,
         hosts=list(row.hosts),
+        parallel=row.parallel,
         created_at=row.created_at,
     )

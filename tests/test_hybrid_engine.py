@@ -1,8 +1,11 @@
 """The 3D-HybridEngine's resharding between training and generation layouts: the paper's rank groups, and on 4 real
 processes (torch.distributed, gloo) for training layouts t=4 and p=2,t=2 with generation t_g in {1, 2} (and p_g=2):
-the generation weights equal the right slices of the full model, zero redundancy in ``hybridflow`` mode (training
-shards live inside the generation buffers) and Table 2's communication, and after returning the next optimizer step
-equals one that never resharded."""
+megatron-core training shards (fused QKV and gate/up) become generation shards that, in Hugging Face names, equal
+the right slices of the full model; zero redundancy in ``hybridflow`` mode (training shards live inside the
+generation buffers) and Table 2's communication; after returning the next optimizer step equals one that never
+resharded."""
+
+import functools
 
 import pytest
 import torch
@@ -10,14 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hybridflow.engine.hybrid_engine import (
-    HybridEngine,
-    chunk_of,
-    llama_shard_specs,
-    model_bytes,
-    shard_parameters,
-    table2,
-)
+from hybridflow.engine.hybrid_engine import HybridEngine, megatron_shard_specs, model_bytes, shard_parameters, table2
+from hybridflow.engine.megatron_bridge import generation_hf_weights, generation_order, hf_to_mcore
 from hybridflow.engine.parallel_layout import HybridLayout
 
 WORLD = 4
@@ -58,12 +55,30 @@ def _model() -> LlamaForCausalLM:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
+        num_attention_heads=8,
         num_key_value_heads=4,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
+
+
+def _hf_slice(name: str, full: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    """Generation TP rank `index` of `parts`'s slice of a Hugging Face parameter, by Megatron's rules written out
+    independently of the code under test: column-parallel q/k/v/gate/up and the vocabulary on dim 0, row-parallel
+    o/down on dim 1, norms whole."""
+    if name.endswith("norm.weight"):
+        return full
+    dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+    return full.chunk(parts, dim=dim)[index]
+
+
+def _engine(full_hf, config, layout, rank, mode):
+    """A HybridEngine over this rank's megatron training shards of the full Hugging Face weights."""
+    specs = megatron_shard_specs(config, layout.p)
+    params = shard_parameters(hf_to_mcore(full_hf, config), specs, layout, rank)
+    regroup = functools.partial(generation_order, config=config)
+    return HybridEngine(params, specs, layout, mode, regroup=regroup), params, specs
 
 
 def _worker(rank: int, store_path: str) -> None:
@@ -73,11 +88,11 @@ def _worker(rank: int, store_path: str) -> None:
     full = {n: p.detach() for n, p in model.named_parameters()}
     for p, t, p_g, t_g in CASES:
         layout = HybridLayout(p=p, t=t, d=1, p_g=p_g, t_g=t_g)
-        specs = llama_shard_specs({n: tuple(x.shape) for n, x in full.items()}, model.config.num_hidden_layers, p)
+        specs = megatron_shard_specs(model.config, p)
         expected = table2(layout, model_bytes(specs.values(), 4))
         for mode in ("hybridflow", "naive"):
             case = f"p={p} t={t} -> p_g={p_g} t_g={t_g} {mode}"
-            params = shard_parameters(full, specs, layout, rank)
+            engine, params, _ = _engine(full, model.config, layout, rank, mode)
             originals = {n: x.detach().clone() for n, x in params.items()}
             reference = {n: torch.nn.Parameter(x.clone()) for n, x in originals.items()}
             optim = torch.optim.AdamW(params.values(), lr=0.1)
@@ -85,28 +100,21 @@ def _worker(rank: int, store_path: str) -> None:
             _step(params, optim, 1)
             _step(reference, ref_optim, 1)
             trained = {n: x.detach().clone() for n, x in params.items()}
-            engine = HybridEngine(params, specs, layout, mode)
             stats = engine.to_generation()
             c = layout.coords(rank)
             names = engine.gen_names()
             assert {s.stage for n, s in specs.items() if n in names} == set(
                 range(c.gen_pp * layout.s_p, (c.gen_pp + 1) * layout.s_p)
             )
-            for name in names:
-                spec, weight = specs[name], engine.gen_weights[name]
-                assert weight.shape == chunk_of(full[name], spec, c.gen_tp, t_g).shape, (case, name)
-                if spec.stage == c.pp:  # this rank's own chunk of the generation shard: the weights just trained
-                    own_chunk = weight
-                    if spec.dim is not None:
-                        size = spec.shape[spec.dim] // t
-                        own_chunk = weight.narrow(spec.dim, c.micro_tp * size, size)
-                    assert torch.equal(own_chunk, trained[name]), (case, name)
+            for name, weight in generation_hf_weights(engine.gen_weights, model.config).items():
+                assert weight.shape == _hf_slice(name, full[name], c.gen_tp, t_g).shape, (case, name)
             own = sum(x.numel() * 4 for x in params.values())
             if mode == "hybridflow":
                 assert stats.training_copy_bytes == 0, case  # zero redundancy
                 for name, param in params.items():  # each training shard is a slot of its generation buffer
                     assert param.data_ptr() != originals[name].data_ptr()
                     assert param.untyped_storage().data_ptr() == engine.gen_weights[name].untyped_storage().data_ptr()
+                    assert param.is_contiguous() == (specs[name].dim != 1)  # a row-parallel slot is transposed
             else:
                 assert stats.training_copy_bytes == own, case
             assert stats.gen_param_bytes == sum(w.numel() * 4 for w in engine.gen_weights.values())
@@ -117,11 +125,12 @@ def _worker(rank: int, store_path: str) -> None:
             for name, param in params.items():
                 assert torch.equal(param, trained[name]), (case, name)  # the training shard is intact
                 assert param.untyped_storage().nbytes() == param.numel() * 4  # and owns exactly its storage again
+                assert param.is_contiguous()  # in megatron's own layout
             _step(params, optim, 2)
             _step(reference, ref_optim, 2)
             for name in params:  # the next step equals one that never resharded (same Parameter, optimizer state)
                 assert torch.equal(params[name], reference[name]), (case, name)
-    _check_pipeline_stages_exchange(full)
+    _check_pipeline_stages_exchange(full, model.config)
     dist.destroy_process_group()
 
 
@@ -134,21 +143,22 @@ def _step(params, optim, step):
     optim.zero_grad()
 
 
-def _check_pipeline_stages_exchange(full):
+def _check_pipeline_stages_exchange(full, config):
     """No training between sharding and gathering: every generation weight, including those another stage or TP
     rank sent, equals the full model's slice exactly."""
     rank = dist.get_rank()
     for p, t, p_g, t_g in CASES:
         layout = HybridLayout(p=p, t=t, d=1, p_g=p_g, t_g=t_g)
-        specs = llama_shard_specs({n: tuple(x.shape) for n, x in full.items()}, 4, p)
         for mode in ("hybridflow", "naive"):
-            engine = HybridEngine(shard_parameters(full, specs, layout, rank), specs, layout, mode)
+            engine, _, _ = _engine(full, config, layout, rank, mode)
             engine.to_generation()
             c = layout.coords(rank)
-            for name in engine.gen_names():
-                spec = specs[name]
-                want = chunk_of(full[name], spec, c.gen_tp, t_g) if spec.dim is not None else full[name]
-                assert torch.equal(engine.gen_weights[name], want), (p, t, p_g, t_g, mode, name)
+            gen = generation_hf_weights(engine.gen_weights, config)
+            if p_g == 1:  # one generation stage: the whole model, every name
+                assert set(gen) == set(full), (p, t, p_g, t_g, mode)
+            for name, weight in gen.items():
+                assert torch.equal(weight, _hf_slice(name, full[name], c.gen_tp, t_g)), (p, t, p_g, t_g, mode, name)
+            del gen
             engine.to_training()
 
 
@@ -179,15 +189,13 @@ def _generation_worker(rank: int, store_path: str) -> None:
     assert len(set(want[0, 6:].tolist())) > 1  # not one token repeated
     for p, t, p_g, t_g in [(1, 4, 1, 1), (1, 4, 1, 2), (2, 2, 1, 2)]:
         layout = HybridLayout(p=p, t=t, d=1, p_g=p_g, t_g=t_g)
-        specs = llama_shard_specs({n: tuple(x.shape) for n, x in full.items()}, model.config.num_hidden_layers, p)
-        engine = HybridEngine(shard_parameters(full, specs, layout, rank), specs, layout, "hybridflow")
+        engine, _, specs = _engine(full, model.config, layout, rank, "hybridflow")
         engine.to_generation()
-        gen = build_tp_generation_model(
-            model.config, engine.gen_weights, engine.gen_tp_group, layout.coords(rank).gen_tp
-        )
-        assert all(w.numel() < full[n].numel() for n, w in engine.gen_weights.items() if specs[n].dim is not None) == (
-            t_g > 1
-        )
+        weights = generation_hf_weights(engine.gen_weights, model.config)
+        gen = build_tp_generation_model(model.config, weights, engine.gen_tp_group, layout.coords(rank).gen_tp)
+        sliced = [w.numel() < full[n].numel() for n, w in weights.items() if not n.endswith("norm.weight")]
+        assert all(sliced) == (t_g > 1) and any(sliced) == (t_g > 1)
+        del weights
         with torch.no_grad():
             got = gen.generate(prompts, attention_mask=torch.ones_like(prompts), **settings)
             logits = gen(prompts).logits

@@ -93,7 +93,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0001"
+        assert head == "0002"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -317,12 +317,15 @@ def test_placements_round_trip(store):
          "slurm_job_id": 123456, "hosts": ["node-01", "node-02"]},
         {"role": "critic", "group_name": "critic", "ranks": [4], "executor": "local"},
     ]  # fmt: skip
+    layout = {"strategy": "megatron", "train": {"pp": 1, "tp": 2, "dp": 2}, "gen_tp_groups": [[0, 1], [2, 3]]}
+    rows[0]["parallel"] = layout
     store.record_placement(run_id, rows)
     placed = store.placements(run_id)
     assert [(p.role, p.group_name, p.ranks, p.executor, p.slurm_job_id, p.hosts) for p in placed] == [
         ("actor", "actor_rollout", [0, 1, 2, 3], "slurm", "123456", ["node-01", "node-02"]),
         ("critic", "critic", [4], "local", None, []),
     ]
+    assert [p.parallel for p in placed] == [layout, None]
     assert all(isinstance(p, Placement) and _close_to_now(p.created_at) for p in placed)
 
     bad = [rows[1], {**rows[1], "role": "judge"}]
@@ -330,7 +333,35 @@ def test_placements_round_trip(store):
         store.record_placement(run_id, bad)
     with pytest.raises(ValueError, match="placement row 0: ranks must be a list of int"):
         store.record_placement(run_id, [{**rows[1], "ranks": ["0"]}])
+    with pytest.raises(ValueError, match="placement row 0: parallel must be a dict"):
+        store.record_placement(run_id, [{**rows[1], "parallel": [1, 2]}])
     assert len(store.placements(run_id)) == 2
+
+
+def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    command.upgrade(alembic_config(url), "0001")
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO runs (id, experiment_name, config, status, code_version, created_at) "
+                "VALUES ('run-1', 'exp', '{}', 'completed', 'v', '2026-01-01 00:00:00')"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO placements (run_id, role, group_name, ranks, executor, hosts, created_at) "
+                "VALUES ('run-1', 'actor', 'g', '[0]', 'local', '[]', '2026-01-01 00:00:00')"
+            )
+        )
+    engine.dispose()
+    with RunStore(url) as store:
+        assert store.current_revision() == "0002"
+        [old] = store.placements("run-1")
+        assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
 
 
 # ---------------------------------------------------------------------------------------- SQLite, URLs, errors

@@ -421,9 +421,12 @@ def verify_checkpoint(path: str | Path) -> CheckpointInfo:
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def _load_weights(folder: Path, model) -> None:
-    """Copy the safetensors weights in `folder` into `model` in place (parameters keep their identity, so
-    optimizers and a rollout sharing the model see the loaded values)."""
+def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a ``save_pretrained`` folder's safetensors file(s), by name (on CPU).
+
+    Raises:
+        CheckpointError: a weight file the folder's index names (or ``model.safetensors``) is missing."""
+    folder = Path(folder)
     index = folder / SAFETENSORS_INDEX
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -434,6 +437,13 @@ def _load_weights(folder: Path, model) -> None:
         if not (folder / shard).is_file():
             raise CheckpointError(f"checkpoint folder {folder} is incomplete: {shard} is missing")
         state.update(load_file(folder / shard, device="cpu"))
+    return state
+
+
+def _load_weights(folder: Path, model) -> None:
+    """Copy the safetensors weights in `folder` into `model` in place (parameters keep their identity, so
+    optimizers and a rollout sharing the model see the loaded values)."""
+    state = read_weights(folder)
     own = model.state_dict()
     unexpected = sorted(set(state) - set(own))
     # save_pretrained writes tied weights (e.g. lm_head.weight = embed_tokens.weight) once; a key missing from the

@@ -9,6 +9,13 @@ does the splitting and collecting (``hybridflow.slurm.worker_group``). The names
 - ``DP_COMPUTE_PROTO``: the first argument is a batch (a `DataHandle`); data-parallel rank i computes on its
   contiguous share of the rows and its result batch is written where it runs; the caller gets one handle over all
   the results, in row order. Other arguments go to every rank unchanged.
+
+  By default every rank is its own data-parallel replica. A worker whose model is split over several ranks says
+  otherwise per method with ``dispatch_coords(method) -> (dp_index, dp_size, collect)`` (None: the default): the
+  ranks of one replica (e.g. one megatron model-parallel group) get the same rows, and only the rank with
+  ``collect`` (e.g. the last pipeline stage's first TP rank) returns the replica's result; the others' results are
+  dropped. This is verl's megatron protocol, generalised so that one worker can use the training layout for the
+  actor's stages and the generation layout for the rollout.
 """
 
 from __future__ import annotations

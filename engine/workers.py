@@ -12,7 +12,7 @@ This module never imports Prefect or submitit; the worker group (``hybridflow.sl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rewards import RewardManager, load_reward_function
 from hybridflow.engine.rollout import HFRollout
 
+if TYPE_CHECKING:
+    from hybridflow.engine.hybrid_actor import HybridActorRollout
+
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 
 
@@ -37,8 +40,8 @@ class Roles:
     """The role objects of one process (None where the role is not hosted)."""
 
     tokenizer: Any
-    actor: Actor | None = None
-    rollout: HFRollout | None = None
+    actor: Actor | HybridActorRollout | None = None
+    rollout: HFRollout | HybridActorRollout | None = None
     ref: RefPolicy | None = None
     critic: Critic | None = None
     reward_fn: RewardManager | None = None
@@ -73,7 +76,12 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     model_path = resolve_model_path(cfg.model.path)
     out = Roles(tokenizer=load_tokenizer(model_path))
     seed = cfg.trainer.seed
-    if "actor" in roles:
+    if "actor" in roles and cfg.actor.strategy == "megatron":  # the rollout generates through the hybrid engine
+        from hybridflow.engine.hybrid_actor import HybridActorRollout
+
+        out.actor = HybridActorRollout(cfg, model_path, out.tokenizer, device)
+        out.rollout = out.actor if "rollout" in roles else None
+    elif "actor" in roles:
         policy = load_model(model_path, compute_dtype, device, trainable=True)
         out.actor = Actor(policy, cfg.actor, cfg.rollout.n, seed, compute_dtype=compute_dtype)
         if "rollout" in roles and cfg.rollout.name == "vllm":  # an engine of its own, synced from the actor
@@ -129,6 +137,16 @@ class RLHFWorker:
         self.critic: Critic | None = None
         self.reward_fn: RewardManager | None = None
 
+    @property
+    def _megatron(self) -> bool:
+        return self.actor is not None and self.config.actor.strategy == "megatron"
+
+    def dispatch_coords(self, method: str) -> tuple[int, int, bool] | None:
+        """This rank's ``(data-parallel index, size, collect)`` for a ``DP_COMPUTE_PROTO`` `method` (see
+        `hybridflow.engine.dispatch`): megatron's replicas for the actor's stages and the generation replicas for
+        the rollout (`HybridActorRollout.dispatch_coords`); None (every rank its own replica) otherwise."""
+        return self.actor.dispatch_coords(method) if self._megatron else None
+
     def _need(self, role: str) -> None:
         if getattr(self, "reward_fn" if role == "reward" else role) is None:
             raise RuntimeError(
@@ -142,7 +160,9 @@ class RLHFWorker:
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         info = {}
-        if self.actor is not None:
+        if self._megatron:
+            info["actor_params"] = self.actor.parameter_count()
+        elif self.actor is not None:
             info["actor_params"] = sum(p.numel() for p in self.actor.model.parameters())
         if self.critic is not None:
             info["critic_params"] = sum(p.numel() for p in self.critic.model.parameters())
@@ -217,11 +237,15 @@ class RLHFWorker:
         """Write the trained roles this group hosts (actor, critic) into a checkpoint's staging folder (see
         `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the roles written.
 
-        Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return."""
+        Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
+        megatron actor is gathered from its shards, so every rank takes part (`HybridActorRollout.save`)."""
         written: list[str] = []
+        if self._megatron:  # the shards are gathered: every rank takes part
+            self.actor.save(staging)
+            written.append("actor")
         if self.rank != 0:
             return written
-        if self.actor is not None:
+        if self.actor is not None and not self._megatron:
             save_role(staging, "actor", self.actor.model, self.actor.optimizer, self.actor.lr_scheduler, self.tokenizer)
             written.append("actor")
         if self.critic is not None:
@@ -234,7 +258,9 @@ class RLHFWorker:
         """Restore the weights, optimizer and scheduler states of the roles this group hosts on every rank (the
         controller has verified the checkpoint's hashes already)."""
         kwargs: dict[str, Any] = {}
-        if self.actor is not None:
+        if self._megatron:
+            self.actor.load(path)
+        elif self.actor is not None:
             kwargs.update(
                 actor_model=self.actor.model,
                 actor_optimizer=self.actor.optimizer,

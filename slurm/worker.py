@@ -37,7 +37,9 @@ from hybridflow.slurm.handles import DataHandle, write_part
 logger = logging.getLogger(__name__)
 
 HANDLE_KEY = "__handle__"
-PART_KEY = "__part__"
+PART_KEY = "__part__"  # a result batch written to the data folder: its `write_part` description
+DP_KEY = "__dp_rank__"  # beside it: the data-parallel index whose rows it holds (parts are ordered by it)
+SKIP_KEY = "__not_collected__"  # a rank whose replica's result another rank returns
 
 
 @dataclass
@@ -211,15 +213,20 @@ def _loop(
                     f"{type(worker).__name__}.{name} is not a registered method; registered: {sorted(methods)}"
                 )
             args, kwargs = decode_args(message["args"]), decode_args(message["kwargs"])
+            collect, dp_rank = True, rank
             if methods[name] is Dispatch.DP_COMPUTE_PROTO:
+                coords = getattr(worker, "dispatch_coords", None)
+                dp_rank, dp_size, collect = (coords(name) if coords else None) or (rank, world_size, True)
                 handle: DataHandle = args[0]
-                rows = handle.shard_rows(rank, world_size)
+                rows = handle.shard_rows(dp_rank, dp_size)
                 shard = handle.load(rows)
                 shard.meta_info["row_offset"] = rows.start  # where this share starts in the whole batch
                 args = [shard, *args[1:]]
             result = getattr(worker, name)(*args, **kwargs)
-            if isinstance(result, DataProto):
-                result = {PART_KEY: write_part(result, boot.data_dir, name, rank)}
+            if not collect:  # another rank of this replica returns its result
+                result = {SKIP_KEY: True}
+            elif isinstance(result, DataProto):
+                result = {PART_KEY: write_part(result, boot.data_dir, name, rank), DP_KEY: dp_rank}
             conn.send({"type": "result", "id": call_id, "rank": rank, "result": encode_args(result)})
         except Exception:
             conn.send({"type": "error", "id": call_id, "rank": rank, "traceback": traceback.format_exc()})

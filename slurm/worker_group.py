@@ -42,7 +42,7 @@ from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm import cluster
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, read_secret
 from hybridflow.slurm.handles import DataHandle
-from hybridflow.slurm.worker import PART_KEY, Bootstrap, decode_args, encode_args, serve
+from hybridflow.slurm.worker import DP_KEY, PART_KEY, SKIP_KEY, Bootstrap, decode_args, encode_args, serve
 
 logger = logging.getLogger(__name__)
 
@@ -305,14 +305,17 @@ class WorkerGroup:
 
     def _gather(self, mode: Dispatch, results: dict[int, Any], args: tuple) -> Any:
         ordered = [decode_args(results[r]) for r in sorted(results)]
-        if mode is Dispatch.DP_COMPUTE_PROTO and all(isinstance(r, dict) and set(r) == {PART_KEY} for r in ordered):
-            return DataHandle.from_parts([r[PART_KEY] for r in ordered], meta_info=args[0].meta_info)
+        if mode is Dispatch.DP_COMPUTE_PROTO:
+            ordered = [r for r in ordered if not (isinstance(r, dict) and SKIP_KEY in r)]
+            if all(isinstance(r, dict) and PART_KEY in r for r in ordered):
+                ordered.sort(key=lambda r: r[DP_KEY])
+                return DataHandle.from_parts([r[PART_KEY] for r in ordered], meta_info=args[0].meta_info)
         ordered = [self._part_to_handle(r) for r in ordered]  # e.g. per-rank metrics of a DP update
         return ordered[0] if mode is Dispatch.RANK_ZERO else ordered
 
     @staticmethod
     def _part_to_handle(result: Any) -> Any:
-        if isinstance(result, dict) and set(result) == {PART_KEY}:
+        if isinstance(result, dict) and PART_KEY in result:
             return DataHandle.from_parts([result[PART_KEY]])
         return result
 

@@ -351,6 +351,11 @@ class HybridFlowConfig(_Section):
                 f"the actor group's {world} ranks (placement.nodes x tasks_per_node) are not a multiple of "
                 f"actor.tp x actor.pp = {actor.tp * actor.pp}"
             )
+        if actor.entropy_coeff != 0 or actor.tis_cap is not None:
+            raise ValueError(
+                "actor.strategy=megatron does not compute the vocabulary-parallel entropy bonus or truncated "
+                "importance sampling yet: set actor.entropy_coeff=0 and leave actor.tis_cap unset"
+            )
         if rollout.gen_pp != 1:
             raise ValueError("rollout.gen_pp > 1 (pipelined generation) is not implemented: set rollout.gen_pp=1")
         if rollout.name != "hf":

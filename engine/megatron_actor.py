@@ -94,13 +94,15 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
         loss_scales: one weight per micro-batch (`hybridflow.engine.training.micro_batch_weights`).
 
     Returns:
-        ``actor/pg_loss`` and ``actor/ppo_kl`` averaged over micro-batches (last pipeline stage; empty elsewhere).
+        ``actor/pg_loss``, ``actor/ppo_kl``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and, with the KL
+        loss, ``actor/kl_loss`` and ``actor/kl_coef``, averaged over micro-batches (last pipeline stage; empty
+        elsewhere), as `hybridflow.engine.actor.Actor` names them.
     """
     logged: list[dict[str, float]] = []  # per micro-batch, as computed (the schedule rescales what it returns)
 
     def loss_func(index: int, log_prob: torch.Tensor):
         batch = micros[index].batch
-        pg_loss, _, ppo_kl, _ = compute_policy_loss(
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
             old_log_prob=batch["old_log_probs"],
             log_prob=log_prob,
             advantages=batch["advantages"],
@@ -111,10 +113,13 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
             loss_agg_mode=config.loss_agg_mode,
         )
         loss = pg_loss
+        logs = dict(pg_loss=pg_loss, ppo_kl=ppo_kl, pg_clipfrac=pg_clipfrac, pg_clipfrac_lower=pg_clipfrac_lower)
         if config.use_kl_loss:
             kl = kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type)
-            loss = loss + config.kl_loss_coef * agg_loss(kl, batch["response_mask"], config.loss_agg_mode)
-        logged.append({"pg_loss": float(pg_loss), "ppo_kl": float(ppo_kl)})
+            kl_loss = agg_loss(kl, batch["response_mask"], config.loss_agg_mode)
+            loss = loss + config.kl_loss_coef * kl_loss
+            logs.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
+        logged.append({k: float(v) for k, v in logs.items()})
         # the schedule divides each micro-batch's loss by their number: undo it, then weigh
         return loss * loss_scales[index] * len(micros), {"pg_loss": pg_loss.detach()}
 

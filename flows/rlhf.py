@@ -165,6 +165,18 @@ def group_spec(cfg: HybridFlowConfig, name: str) -> GroupSpec:
     )
 
 
+def parallel_record(cfg: HybridFlowConfig, role: str) -> dict[str, Any] | None:
+    """How `role`'s model is split over its group's ranks, for the run store (``placements.parallel``): the
+    actor's strategy and training layout and, for ``megatron``, the generation layout, the resharding mode and the
+    rank groups (`HybridLayout.describe`); None for the other roles."""
+    if role not in ("actor", "rollout"):
+        return None
+    record: dict[str, Any] = {"strategy": cfg.actor.strategy}
+    if cfg.actor.strategy == "megatron":
+        return {**record, "reshard": cfg.rollout.reshard, **cfg.actor_layout().describe()}
+    return {**record, "train": {"pp": 1, "tp": 1, "dp": cfg.placement.world_size}}
+
+
 def _local_cuda(cfg: HybridFlowConfig) -> bool:
     import torch
 
@@ -214,7 +226,8 @@ def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir:
             group.wait_ready()
         for name, group in workers.groups.items():
             group.init_model()
-            store.record_placement(run_id, [{"role": role, **group.placement} for role in layout[name]])
+            rows = [{"role": role, **group.placement, "parallel": parallel_record(cfg, role)} for role in layout[name]]
+            store.record_placement(run_id, rows)
     except BaseException:
         workers.shutdown()
         raise

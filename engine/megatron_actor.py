@@ -119,7 +119,7 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
             kl_loss = agg_loss(kl, batch["response_mask"], config.loss_agg_mode)
             loss = loss + config.kl_loss_coef * kl_loss
             logs.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
-        logged.append({k: float(v) for k, v in logs.items()})
+        logged.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in logs.items()})
         # the schedule divides each micro-batch's loss by their number: undo it, then weigh
         return loss * loss_scales[index] * len(micros), {"pg_loss": pg_loss.detach()}
 
@@ -144,7 +144,8 @@ def clip_grad_norm(model, max_norm: float) -> float:
         for p in model.parameters()
         if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
     ]
-    squares = torch.zeros(1, dtype=torch.float64)
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros(1, dtype=torch.float64, device=device)  # on the GPU with NCCL
     for g in counted:
         squares += g.double().pow(2).sum()
     torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())

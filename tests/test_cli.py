@@ -62,6 +62,7 @@ def test_run_then_query_history(tmp_path, prefect_api):
     assert run_id in listed.stdout and "completed" in listed.stdout and "1/1" in listed.stdout
     shown = _hf("runs", "show", run_id, "--db", db, env_extra=env)
     assert shown.returncode == 0 and "actor_rollout_ref" in shown.stdout and "global_step_1" in shown.stdout
+    assert "ddp p1-t1-d1" in shown.stdout  # the placement's parallel layout
     exported = _hf("runs", "metrics", run_id, "--name", "actor/pg_loss", "--format", "json", "--db", db)
     points = json.loads(exported.stdout)
     assert [(p["step"], p["name"]) for p in points] == [(1, "actor/pg_loss")]

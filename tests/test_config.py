@@ -1,6 +1,7 @@
 """Configuration: YAML + overrides validated by typed models, errors that name the key."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,32 @@ def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
     assert load_config(None, [*MINIMAL, "rollout.name=auto"]).rollout.name == ("vllm" if has_vllm else "hf")
     with pytest.raises(ConfigError, match=r"placement.slurm.gpus: unknown key"):
         load_config(None, [*MINIMAL, "placement.slurm.gpus=1"])
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None and os.environ.get("CI") != "true",
+    reason="megatron-core is not installed (bash .ci/setup installs it)",
+)
+def test_parallel_layout_keys_are_checked_and_give_the_layout():
+    megatron = [*MINIMAL, "actor.strategy=megatron", "placement.tasks_per_node=8"]
+    cfg = load_config(None, [*megatron, "actor.tp=4", "rollout.gen_tp=2", "actor.ppo_mini_batch_size=2"])
+    layout = cfg.actor_layout()
+    assert (layout.p, layout.t, layout.d, layout.p_g, layout.t_g, layout.d_g) == (1, 4, 2, 1, 2, 2)
+    assert cfg.rollout.reshard == "hybridflow"
+    assert load_config(None, [*megatron, "actor.tp=2", "actor.pp=2"]).actor_layout().t_g == 2  # gen_tp: actor.tp
+    with pytest.raises(ConfigError, match=r"actor.tp, actor.pp, rollout.gen_tp .* need actor.strategy=megatron"):
+        load_config(None, [*MINIMAL, "actor.tp=2"])
+    with pytest.raises(ConfigError, match=r"8 ranks .* not a multiple of actor.tp x actor.pp = 3"):
+        load_config(None, [*megatron, "actor.tp=3"])
+    with pytest.raises(ConfigError, match=r"rollout.gen_tp \(3\) must divide the training actor.tp \(4\)"):
+        load_config(None, [*megatron, "actor.tp=4", "rollout.gen_tp=3"])
+    with pytest.raises(ConfigError, match=r"rollout.gen_pp > 1 .* set rollout.gen_pp=1"):
+        load_config(None, [*megatron, "actor.pp=2", "rollout.gen_pp=2"])
+    with pytest.raises(ConfigError, match=r"feeding vLLM from them is not implemented: set rollout.name=hf"):
+        load_config(None, [*megatron, "rollout.name=vllm"])
+    with pytest.raises(ConfigError, match=r"set actor.entropy_coeff=0"):
+        load_config(None, [*megatron, "actor.entropy_coeff=0.01"])
+    # the mini-batch splits over the actor's data-parallel replicas (8 ranks / (tp 2 x pp 2) = 2), not all ranks
+    load_config(None, [*megatron, "actor.tp=2", "actor.pp=2", "actor.ppo_mini_batch_size=1", "rollout.n=2"])
+    with pytest.raises(ConfigError, match=r"over the 2 data-parallel ranks .* / \(actor.tp x actor.pp\)"):
+        load_config(None, [*megatron, "actor.tp=2", "actor.pp=2", "actor.ppo_mini_batch_size=1", "rollout.n=3"])

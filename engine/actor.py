@@ -59,8 +59,10 @@ class Actor:
         self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // dp_world()[1]
         self.seed = seed
         self.compute_dtype = compute_dtype
+        # DDP or FSDP2 across the group's ranks (see `training`), else `model`; FSDP shards the parameters, so the
+        # optimizer is built on them afterwards
+        self.train_module = data_parallel(model, config.strategy)
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
-        self.train_module = data_parallel(model)  # DDP across the group's ranks (see `training`), else `model`
 
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto:
         """Log-probs of the responses under the current weights.

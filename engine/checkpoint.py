@@ -204,12 +204,13 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------- save
-def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None) -> None:
+def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None, full_state=None) -> None:
     folder.mkdir()
-    model.save_pretrained(folder)
+    weights, optimizer_state = full_state if full_state is not None else (None, optimizer.state_dict())
+    model.save_pretrained(folder, state_dict=weights)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    torch.save({"optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict()}, folder / OPTIM_STATE)
+    torch.save({"optimizer": optimizer_state, "lr_scheduler": scheduler.state_dict()}, folder / OPTIM_STATE)
 
 
 def save_checkpoint(
@@ -287,12 +288,15 @@ def begin_checkpoint(checkpoint_dir: str | Path, step: int) -> Path:
     return staging
 
 
-def save_role(staging: str | Path, role: str, model, optimizer, scheduler, tokenizer=None) -> None:
+def save_role(staging: str | Path, role: str, model, optimizer, scheduler, tokenizer=None, full_state=None) -> None:
     """Write one trained role (``actor`` or ``critic``: weights in HF layout, optimizer and scheduler states) into
-    a staging folder made by `begin_checkpoint`."""
+    a staging folder made by `begin_checkpoint`.
+
+    `full_state`: ``(weights, optimizer state)`` gathered from an FSDP-sharded model
+    (`hybridflow.engine.fsdp.full_model_state`, `full_optimizer_state`), written instead of the model's own."""
     if role not in ("actor", "critic"):
         raise ValueError(f"checkpointed roles are actor and critic, not {role!r}")
-    _save_model_dir(Path(staging) / role, model, optimizer, scheduler, tokenizer)
+    _save_model_dir(Path(staging) / role, model, optimizer, scheduler, tokenizer, full_state)
 
 
 def finish_checkpoint(
@@ -440,6 +444,24 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _load_sharded(folder: Path, model, optimizer, scheduler) -> None:
+    """`_load_weights` + `_load_optim` for an FSDP-sharded model: the full tensors are scattered to the shards."""
+    from hybridflow.engine.fsdp import load_full_state
+
+    state = read_weights(folder)
+    first_name: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():  # save_pretrained writes a tied weight once
+        alias = first_name.setdefault(id(tensor), name)
+        if name not in state and alias in state:
+            state[name] = state[alias]
+    optim = torch.load(folder / OPTIM_STATE, map_location="cpu", weights_only=True)
+    try:
+        load_full_state(model, optimizer, state, optim["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"weights or optimizer state in {folder} do not fit the model: {e}") from None
+    scheduler.load_state_dict(optim["lr_scheduler"])
+
+
 def _load_weights(folder: Path, model) -> None:
     """Copy the safetensors weights in `folder` into `model` in place (parameters keep their identity, so
     optimizers and a rollout sharing the model see the loaded values)."""
@@ -530,14 +552,22 @@ def load_checkpoint(
     if actor_model is not None:
         if actor_optimizer is None or actor_scheduler is None:
             raise ValueError("load_checkpoint: actor_model needs actor_optimizer and actor_scheduler too")
-        _load_weights(path / "actor", actor_model)
-        _load_optim(path / "actor", actor_optimizer, actor_scheduler)
+        _load_role(path / "actor", actor_model, actor_optimizer, actor_scheduler)
     if critic_model is not None:
-        _load_weights(path / "critic", critic_model)
-        _load_optim(path / "critic", critic_optimizer, critic_scheduler)
+        _load_role(path / "critic", critic_model, critic_optimizer, critic_scheduler)
     if restore_rng:
         _set_rng_state(torch.load(path / RNG_STATE, map_location="cpu", weights_only=True))
     return trainer_state
+
+
+def _load_role(folder: Path, model, optimizer, scheduler) -> None:
+    from hybridflow.engine.fsdp import is_sharded
+
+    if is_sharded(model):
+        _load_sharded(folder, model, optimizer, scheduler)
+    else:
+        _load_weights(folder, model)
+        _load_optim(folder, optimizer, scheduler)
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:

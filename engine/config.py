@@ -118,9 +118,10 @@ class ActorConfig(_Section):
     """The PPO policy update: training backend, mini/micro-batches, clipping (clip-higher, dual-clip), loss
     aggregation, KL loss."""
 
-    strategy: Literal["ddp", "megatron"] = Field(
+    strategy: Literal["ddp", "fsdp", "megatron"] = Field(
         "ddp",
-        description="ddp: a Hugging Face model replicated on every rank, gradients all-reduced; megatron: "
+        description="ddp: a Hugging Face model replicated on every rank, gradients all-reduced; fsdp: the same model "
+        "sharded over the ranks with FSDP2 (weights, gradients and optimizer states 1/ranks each); megatron: "
         "megatron-core GPTModel with tensor (actor.tp) and pipeline (actor.pp) parallelism, generating through the "
         "3D-HybridEngine",
     )
@@ -158,6 +159,9 @@ class CriticConfig(_Section):
     """The value model and its clipped value-loss update (PPO with GAE only)."""
 
     model_path: str | None = Field(None, description="None: initialise from model.path")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="data parallelism of the value model, as actor.strategy (megatron: not for the critic yet)"
+    )
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = Field(8, gt=0)
     ppo_micro_batch_size: int = Field(8, gt=0)
@@ -336,7 +340,8 @@ class HybridFlowConfig(_Section):
         if actor.strategy != "megatron":
             if (actor.tp, actor.pp, rollout.gen_tp or 1, rollout.gen_pp) != (1, 1, 1, 1):
                 raise ValueError(
-                    "actor.tp, actor.pp, rollout.gen_tp and rollout.gen_pp split the model and need "
+                    "actor.tp, actor.pp, rollout.gen_tp and rollout.gen_pp split the model for the 3D-HybridEngine and "
+                    "need "
                     f"actor.strategy=megatron (got strategy {actor.strategy!r}); set actor.strategy=megatron or "
                     "leave them at 1"
                 )

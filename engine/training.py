@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.config import OptimConfig
 from hybridflow.engine.core_algos import AGG_LOSS_MODES
@@ -72,23 +73,39 @@ def dp_world() -> tuple[int, int]:
     return 0, 1
 
 
-def data_parallel(model: torch.nn.Module) -> torch.nn.Module:
-    """The module to train through: `model` wrapped in ``DistributedDataParallel`` when there are several
-    data-parallel ranks (rank 0's weights are broadcast to all), else `model` itself.
+def data_parallel(model: torch.nn.Module, strategy: str = "ddp") -> torch.nn.Module:
+    """The module to train through, for several data-parallel ranks (one rank: `model` itself).
 
-    Buffers are not broadcast in forward (no collective outside backward; the rollout may run forwards any number
-    of times on the unwrapped model). Gradients are bucketed and all-reduced (averaged) during the last backward of
-    each mini-batch, see `sync_gradients`.
+    - ``ddp``: `model` wrapped in ``DistributedDataParallel`` (rank 0's weights are broadcast to all). Buffers are
+      not broadcast in forward (no collective outside backward; the rollout may run forwards any number of times
+      on the unwrapped model). Gradients are bucketed and all-reduced (averaged) during the last backward of each
+      mini-batch, see `sync_gradients`.
+    - ``fsdp``: `model` itself, sharded in place with FSDP2 (`hybridflow.engine.fsdp.shard_model`); build its
+      optimizer after this call.
+
+    Raises:
+        ValueError: an unknown strategy.
     """
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"unknown data-parallel strategy {strategy!r}; use ddp or fsdp")
     if dp_world()[1] == 1:
         return model
+    if strategy == "fsdp":
+        from hybridflow.engine.fsdp import shard_model
+
+        return shard_model(model)
     device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """Context for one micro-batch's backward: all-reduce gradients only when `sync` (the mini-batch's last
-    micro-batch); the others accumulate locally (``DistributedDataParallel.no_sync``)."""
+    micro-batch); the others accumulate locally (``DistributedDataParallel.no_sync``, or FSDP2's
+    ``set_requires_gradient_sync``)."""
+    from hybridflow.engine.fsdp import gradient_sync, is_sharded
+
+    if is_sharded(module):
+        return gradient_sync(module, sync)
     if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext()
     return module.no_sync()
@@ -161,6 +178,8 @@ def optimizer_step(
         The grad norm before clipping (float; inf/nan when the step was skipped).
     """
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's shards
+        grad_norm = grad_norm.full_tensor()
     if torch.isfinite(grad_norm):
         optimizer.step()
     scheduler.step()

@@ -110,11 +110,15 @@ class VLLMRollout:
         Raises:
             RuntimeError: the probe disagrees (the engine does not serve the actor's weights).
         """
+        from torch.distributed.tensor import DTensor
+
         state = self.model.state_dict()
         streamed = sum(t.numel() * t.element_size() for t in state.values())
+        # an FSDP-sharded actor: each tensor is all-gathered as it is streamed (every rank syncs, in the same order)
+        full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state.items())
         self.resume_memory()  # a sleeping engine (GPU) would restore its old weights on waking
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
             diff = self._probe()
         finally:
             self.release_memory()

@@ -11,6 +11,7 @@ This module never imports Prefect or submitit; the worker group (``hybridflow.sl
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from hybridflow.engine.core_algos import uses_critic
 from hybridflow.engine.critic import Critic
 from hybridflow.engine.dispatch import Dispatch, register
 from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.fsdp import full_model_state, full_optimizer_state, gathered, is_sharded
 from hybridflow.engine.models import load_critic, load_model, load_tokenizer, pick_device, pick_dtype
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rewards import RewardManager, load_reward_function
@@ -178,7 +180,8 @@ class RLHFWorker:
         if engine:  # vLLM on GPU: its KV cache exists only while generating
             self.rollout.resume_memory()
         try:
-            return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
+            with gathered(self.actor.model) if self.config.actor.strategy == "fsdp" else contextlib.nullcontext():
+                return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
         finally:
             if engine:
                 self.rollout.release_memory()
@@ -238,19 +241,20 @@ class RLHFWorker:
         `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the roles written.
 
         Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
-        megatron actor is gathered from its shards, so every rank takes part (`HybridActorRollout.save`)."""
+        sharded model (``fsdp``, ``megatron``) is gathered from its shards first, so every rank takes part."""
         written: list[str] = []
         if self._megatron:  # the shards are gathered: every rank takes part
             self.actor.save(staging)
             written.append("actor")
-        if self.rank != 0:
-            return written
-        if self.actor is not None and not self._megatron:
-            save_role(staging, "actor", self.actor.model, self.actor.optimizer, self.actor.lr_scheduler, self.tokenizer)
-            written.append("actor")
-        if self.critic is not None:
-            save_role(staging, "critic", self.critic.model, self.critic.optimizer, self.critic.lr_scheduler)
-            written.append("critic")
+        roles = [("actor", self.actor, self.tokenizer)] if self.actor is not None and not self._megatron else []
+        roles += [("critic", self.critic, None)] if self.critic is not None else []
+        for role, trained, tokenizer in roles:
+            full_state = None
+            if is_sharded(trained.model):  # FSDP: gather full tensors, a collective of every rank
+                full_state = full_model_state(trained.model), full_optimizer_state(trained.model, trained.optimizer)
+            if self.rank == 0:
+                save_role(staging, role, trained.model, trained.optimizer, trained.lr_scheduler, tokenizer, full_state)
+                written.append(role)
         return written
 
     @register(Dispatch.ONE_TO_ALL)

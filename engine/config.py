@@ -159,8 +159,10 @@ class CriticConfig(_Section):
     """The value model and its clipped value-loss update (PPO with GAE only)."""
 
     model_path: str | None = Field(None, description="None: initialise from model.path")
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="data parallelism of the value model, as actor.strategy (megatron: not for the critic yet)"
+    strategy: Literal["ddp", "fsdp", "megatron"] = Field(
+        "ddp",
+        description="as actor.strategy; megatron needs actor.strategy=megatron and placement.colocate (the critic "
+        "shares the actor's processes and layout)",
     )
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = Field(8, gt=0)
@@ -337,6 +339,11 @@ class HybridFlowConfig(_Section):
 
     def _parallel_layout(self) -> None:
         actor, rollout, world = self.actor, self.rollout, self.placement.world_size
+        if self.critic.strategy == "megatron" and (actor.strategy != "megatron" or not self.placement.colocate):
+            raise ValueError(
+                "critic.strategy=megatron runs in the megatron actor's processes and layout: set "
+                "actor.strategy=megatron and placement.colocate=true, or critic.strategy=ddp|fsdp"
+            )
         if actor.strategy != "megatron":
             if (actor.tp, actor.pp, rollout.gen_tp or 1, rollout.gen_pp) != (1, 1, 1, 1):
                 raise ValueError(

@@ -11,16 +11,15 @@ Transfer protocol (`dispatch_coords`): the actor's stages split a batch over meg
 ranks of one model-parallel group get the same rows) and collect from the last pipeline stage's first TP rank;
 generation splits over the generation replicas (the generation TP groups) and collects from each one's first rank.
 
-Checkpoints (`save` / `load`): ``actor/`` holds the weights in Hugging Face layout (gathered through
-`hybridflow.engine.megatron_bridge`, so any layout can resume from them, and ``from_pretrained`` loads them) and
-``actor/megatron_optim/pp<P>_tp<T>.pt`` the optimizer and LR-scheduler states of each model-parallel shard (written
-by data-parallel replica 0: the replicas are identical); resuming needs the same ``actor.tp`` and ``actor.pp``.
+With ``critic.strategy: megatron`` the same processes host a megatron critic (`add_critic`) in the same layout.
+
+Checkpoints (`save` / `load`): `hybridflow.engine.megatron_checkpoint` (Hugging Face layout plus per-shard
+optimizer states).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,15 +27,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.checkpoint import CheckpointError, read_weights
+from hybridflow.engine.checkpoint import CheckpointError
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.hybrid_engine import HybridEngine, megatron_shard_specs
-from hybridflow.engine.megatron_bridge import generation_hf_weights, generation_order, mcore_to_hf, unshard
+from hybridflow.engine.megatron_bridge import generation_hf_weights, generation_order
+from hybridflow.engine.megatron_checkpoint import global_names, load_sharded_role, save_sharded_role
 from hybridflow.engine.models import load_model
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout import HFRollout
-
-OPTIM_DIR = "megatron_optim"
 
 
 class HybridActorRollout:
@@ -95,25 +93,27 @@ class HybridActorRollout:
         load_hf_weights(self.model, {n: p.detach() for n, p in hf_model.named_parameters()}, self.hf_config)
         del hf_model
         self.actor = MegatronActor(self.model, cfg.actor, cfg.rollout.n, cfg.trainer.seed)
-        self._names = self._global_names(specs)
-        params = {self._names[local]: p for local, p in self.model.named_parameters() if local in self._names}
+        names = global_names(self.model, self.hf_config, self.coords.pp, layout.p)
+        params = {names[local]: p for local, p in self.model.named_parameters() if names.get(local) in specs}
         regroup = functools.partial(generation_order, config=self.hf_config)
         self.engine = HybridEngine(params, specs, layout, cfg.rollout.reshard, regroup=regroup)
         self.tokenizer = tokenizer
         self.last_transition: dict[str, float] = {}
+        self.critic = self.critic_config = None
 
-    def _global_names(self, specs) -> dict[str, str]:
-        """This stage's local parameter names -> full-model megatron names (those with a spec)."""
-        per_stage = self.hf_config.num_hidden_layers // self.layout.p
-        out = {}
-        for local, _ in self.model.named_parameters():
-            name = local
-            if local.startswith("decoder.layers."):
-                index, rest = local.removeprefix("decoder.layers.").split(".", 1)
-                name = f"decoder.layers.{int(index) + self.coords.pp * per_stage}.{rest}"
-            if name in specs:
-                out[local] = name
-        return out
+    def add_critic(self, critic_path: str | Path, device: torch.device) -> None:
+        """Host a megatron critic in the same parallel layout (``critic.strategy: megatron``): a value-head
+        ``GPTModel`` loaded from the Hugging Face critic of `hybridflow.engine.models.load_critic` (zero head)."""
+        from hybridflow.engine.megatron_critic import MegatronCritic
+        from hybridflow.engine.megatron_model import build_gpt_model, load_hf_weights
+        from hybridflow.engine.models import load_critic
+
+        hf_critic = load_critic(critic_path, torch.float32, device, trainable=False)
+        self.critic_config = hf_critic.config
+        model = build_gpt_model(self.critic_config, value_head=True).to(device)
+        load_hf_weights(model, {n: p.detach() for n, p in hf_critic.named_parameters()}, self.critic_config)
+        del hf_critic
+        self.critic = MegatronCritic(model, self.cfg.critic, self.cfg.rollout.n, self.cfg.trainer.seed)
 
     # ------------------------------------------------------------------ transfer protocol
     def dispatch_coords(self, method: str) -> tuple[int, int, bool] | None:
@@ -124,7 +124,9 @@ class HybridActorRollout:
             groups = layout.gen_tp_groups()
             replica = next(i for i, g in enumerate(groups) if self.rank in g)
             return replica, len(groups), c.gen_tp == 0
-        if method in ("compute_log_prob", "update_actor"):
+        if method in ("compute_log_prob", "update_actor") or (
+            self.critic is not None and method in ("compute_values", "update_critic")
+        ):
             return c.dp, layout.d, c.pp == layout.p - 1 and c.tp == 0
         return None
 
@@ -184,68 +186,48 @@ class HybridActorRollout:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, staging: str | Path) -> None:
-        """Write ``actor/`` into a checkpoint's staging folder (see the module docstring). Every rank must call it
-        (the weights are gathered to rank 0)."""
-        folder = Path(staging) / "actor"
-        c = self.coords
-        local = {}
-        if c.dp == 0:
-            named = self.model.named_parameters()
-            local = {self._names[n]: (c.tp, p.detach().cpu()) for n, p in named if n in self._names}
-        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(local, gathered, dst=0)
-        if self.rank == 0:
-            self._save_hf(folder, gathered)
-        dist.barrier()  # actor/ exists before the shards' optimizer files go in
-        if c.dp == 0:
-            optim_dir = folder / OPTIM_DIR
-            optim_dir.mkdir(parents=True, exist_ok=True)
-            actor = self.actor
-            state = {"optimizer": actor.optimizer.state_dict(), "lr_scheduler": actor.lr_scheduler.state_dict()}
-            torch.save(state, optim_dir / f"pp{c.pp}_tp{c.tp}.pt")
-            if self.rank == 0:
-                (optim_dir / "layout.json").write_text(json.dumps({"tp": self.layout.t, "pp": self.layout.p}))
+        """Write ``actor/`` (and ``critic/`` with a megatron critic) into a checkpoint's staging folder
+        (`hybridflow.engine.megatron_checkpoint`). Every rank must call it (the weights are gathered to rank 0)."""
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    def _save_hf(self, folder: Path, gathered: list[dict[str, tuple[int, torch.Tensor]]]) -> None:
-        from transformers import AutoModelForCausalLM
-
-        shards: dict[str, dict[int, torch.Tensor]] = {}
-        for part in gathered:
-            for name, (tp, tensor) in part.items():
-                shards.setdefault(name, {})[tp] = tensor
-        full = {name: unshard(name, [by_tp[i] for i in sorted(by_tp)]) for name, by_tp in shards.items()}
-        hf_state = mcore_to_hf(full, self.hf_config)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.hf_config)
-        model.load_state_dict(hf_state, strict=False, assign=True)
-        if getattr(self.hf_config, "tie_word_embeddings", False):
-            model.tie_weights()
-        model.generation_config = self.generation_config
-        model.save_pretrained(folder)
-        self.tokenizer.save_pretrained(folder)
+        actor = self.actor
+        save_sharded_role(
+            Path(staging) / "actor",
+            self.model,
+            actor.optimizer,
+            actor.lr_scheduler,
+            self.hf_config,
+            self.layout,
+            AutoModelForCausalLM,
+            self.tokenizer,
+            self.generation_config,
+        )
+        if self.critic is not None:
+            critic = self.critic
+            save_sharded_role(
+                Path(staging) / "critic",
+                critic.model,
+                critic.optimizer,
+                critic.lr_scheduler,
+                self.critic_config,
+                self.layout,
+                AutoModelForTokenClassification,
+            )
 
     def load(self, path: str | Path) -> None:
-        """Restore weights (any layout's checkpoint) and this shard's optimizer and scheduler states.
+        """Restore the actor (and a megatron critic) from a checkpoint (`load_sharded_role`).
 
         Raises:
-            CheckpointError: no optimizer state for this shard: the checkpoint was saved with another
-                ``actor.tp`` / ``actor.pp`` or another ``actor.strategy`` (the message says which)."""
-        from hybridflow.engine.megatron_model import load_hf_weights
-
-        folder = Path(path) / "actor"
-        layout_file = folder / OPTIM_DIR / "layout.json"
-        if not layout_file.is_file():
-            raise CheckpointError(
-                f"{folder} holds no megatron optimizer states ({OPTIM_DIR}/): it was saved with another "
-                "actor.strategy; resume with that strategy"
+            CheckpointError: see `load_sharded_role`; or no ``critic/`` while a megatron critic is hosted."""
+        actor = self.actor
+        folder = Path(path)
+        load_sharded_role(
+            folder / "actor", self.model, actor.optimizer, actor.lr_scheduler, self.hf_config, self.layout
+        )
+        if self.critic is not None:
+            if not (folder / "critic").is_dir():
+                raise CheckpointError(f"checkpoint {path} has no critic/ folder, but a megatron critic is hosted")
+            critic = self.critic
+            load_sharded_role(
+                folder / "critic", critic.model, critic.optimizer, critic.lr_scheduler, self.critic_config, self.layout
             )
-        saved = json.loads(layout_file.read_text())
-        if (saved["tp"], saved["pp"]) != (self.layout.t, self.layout.p):
-            raise CheckpointError(
-                f"{path} was saved with actor.tp={saved['tp']}, actor.pp={saved['pp']}; its optimizer states fit "
-                f"only that layout: set actor.tp={saved['tp']} actor.pp={saved['pp']} to resume"
-            )
-        load_hf_weights(self.model, read_weights(folder), self.hf_config)
-        state = torch.load(folder / OPTIM_DIR / f"pp{self.coords.pp}_tp{self.coords.tp}.pt", weights_only=True)
-        self.actor.optimizer.load_state_dict(state["optimizer"])
-        self.actor.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -56,10 +56,19 @@ def response_log_probs(model, micro: DataProto, temperature: float = 1.0) -> tor
     return -vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), responses.t().contiguous()).t()
 
 
-def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool) -> None:
+def response_values(model, micro: DataProto, temperature: float = 1.0) -> torch.Tensor:
+    """The critic's value for each response token, read at the position that predicts it, as
+    `hybridflow.engine.models.response_values` does (last pipeline stage of a model built with ``value_head``).
+    float32 [b, T], differentiable; `temperature` is ignored."""
+    responses = micro.batch["responses"]
+    return forward(model, micro)[:, -responses.shape[1] - 1 : -1, 0].float()
+
+
+def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool, head=response_log_probs) -> None:
     """Run equal-sized `micros` through megatron's forward(/backward) schedule: every stage forwards, the last
-    stage turns its logits into response log-probs (temperature from ``meta_info``) and calls
-    ``loss_of(index, log_prob) -> (loss, dict)``; megatron divides each loss by ``len(micros)`` before backward."""
+    stage turns its output into per-response-token values with ``head(model, micro, temperature)`` (default:
+    response log-probs; temperature from ``meta_info``) and calls ``loss_of(index, values) -> (loss, dict)``;
+    megatron divides each loss by ``len(micros)`` before backward."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -70,7 +79,7 @@ def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool) ->
         index, micro = next(data_iterator)
         if not last_stage:  # hidden states for the next stage; megatron never calls this stage's loss function
             return forward(model, micro), None
-        return response_log_probs(model, micro, temperature), functools.partial(loss_of, index)
+        return head(model, micro, temperature), functools.partial(loss_of, index)
 
     get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -207,7 +216,6 @@ class MegatronActor:
         keys = UPDATE_KEYS + (["ref_log_prob"] if cfg.use_kl_loss else [])
         data = data.select(batch_keys=keys)
         seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 0)
-        dp = torch.distributed.get_world_size(self.dp_group)
         self.model.train()
         log = MetricLog()
         for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
@@ -216,19 +224,28 @@ class MegatronActor:
             log.add(
                 **{k.removeprefix("actor/"): v for k, v in policy_gradient(self.model, micros, scales, cfg).items()}
             )
-            if dp > 1:  # the weights carry a factor D: averaging gives the global mini-batch's gradient
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        torch.distributed.all_reduce(p.grad, group=self.dp_group)
-                        p.grad.div_(dp)
-            lr = self.lr_scheduler.get_last_lr()[0]
-            grad_norm = clip_grad_norm(self.model, cfg.optim.grad_clip)
-            if grad_norm == grad_norm and grad_norm != float("inf"):  # skip a non-finite step, as `optimizer_step`
-                self.optimizer.step()
-            self.lr_scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            log.add(grad_norm=grad_norm, lr=lr)
+            log.add(**optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, cfg.optim.grad_clip))
         return log.mean("actor")
+
+
+def optimizer_step(model, optimizer, scheduler, dp_group, grad_clip: float) -> dict[str, float]:
+    """After a mini-batch's gradients are accumulated: average them over megatron's data-parallel group (the loss
+    weights carry a factor D, see `micro_batch_weights`), clip the global norm (`clip_grad_norm`), step (skipped
+    when the norm is not finite, as `hybridflow.engine.training.optimizer_step`) and zero them. Returns
+    ``grad_norm`` (before clipping) and ``lr`` (the rate this step used)."""
+    dp = torch.distributed.get_world_size(dp_group)
+    if dp > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=dp_group)
+                p.grad.div_(dp)
+    lr = scheduler.get_last_lr()[0]
+    grad_norm = clip_grad_norm(model, grad_clip)
+    if grad_norm == grad_norm and grad_norm != float("inf"):
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "lr": lr}
 
 
 def _sync_tied_embedding_grads(model) -> None:

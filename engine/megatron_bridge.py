@@ -13,6 +13,7 @@ Names (HF -> megatron-core), per decoder layer i:
 ``model.layers.i.mlp.down_proj.weight``                ``decoder.layers.i.mlp.linear_fc2.weight``
 ``model.norm.weight``                                  ``decoder.final_layernorm.weight``
 ``lm_head.weight`` (absent when tied)                  ``output_layer.weight``
+``score.weight``, ``score.bias`` (a critic)            ``output_layer.head.weight``, ``.bias``  (replicated)
 ====================================================  =====================================================
 
 Layouts. ``linear_qkv`` is ``[ng * (h / ng + 2) * d, H]`` (ng query groups, h heads of width d): per query group,
@@ -42,6 +43,9 @@ _TOP_MAP = {
     "model.norm.weight": "decoder.final_layernorm.weight",
     "lm_head.weight": "output_layer.weight",
 }
+# a critic (``AutoModelForTokenClassification``, one label): its ``score`` head replaces the output layer,
+# replicated over TP ranks (`hybridflow.engine.megatron_model.ValueHead`)
+_CRITIC_MAP = {"score.weight": "output_layer.head.weight", "score.bias": "output_layer.head.bias"}
 # megatron name suffix -> TP split dimension (None: replicated)
 TP_DIM = {
     "embedding.word_embeddings.weight": 0,
@@ -103,11 +107,15 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], config) -> dict[str, torch.Tenso
         out[mp + "mlp.linear_fc1.weight"] = torch.cat([hf[gate], hf[up]], dim=0)
         known.update((gate, up))
     for hf_name, mc_name in _TOP_MAP.items():
-        if hf_name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+        if hf_name == "lm_head.weight" and (getattr(config, "tie_word_embeddings", False) or "score.weight" in hf):
             known.add(hf_name)
             continue
         out[mc_name] = hf[hf_name]
         known.add(hf_name)
+    for hf_name, mc_name in _CRITIC_MAP.items():  # a critic's value head (token classification, one label)
+        if hf_name in hf:
+            out[mc_name] = hf[hf_name]
+            known.add(hf_name)
     unknown = sorted(set(hf) - known - {n for n in hf if n.endswith("rotary_emb.inv_freq")})
     if unknown:
         raise ValueError(f"parameters with no megatron-core mapping: {unknown[:5]}")
@@ -131,7 +139,7 @@ def mcore_to_hf(mcore: Mapping[str, torch.Tensor], config) -> dict[str, torch.Te
                     out[f"{hp}self_attn.{proj}_proj.{kind}"] = t
         gate, up = mcore[mp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
-    for hf_name, mc_name in _TOP_MAP.items():
+    for hf_name, mc_name in {**_TOP_MAP, **_CRITIC_MAP}.items():
         if mc_name in mcore:
             out[hf_name] = mcore[mc_name]
     return out

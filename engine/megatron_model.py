@@ -57,9 +57,22 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype = torch.f
     )
 
 
-def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32):
+class ValueHead(torch.nn.Module):
+    """A critic's output layer, in place of ``GPTModel``'s vocabulary projection (called as megatron calls it):
+    hidden states [s, b, H] -> values [s, b, 1]. Every TP rank holds it whole (their hidden states are equal)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return self.head(hidden_states), None
+
+
+def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, value_head: bool = False):
     """This rank's ``GPTModel`` (its pipeline stage, its tensor-parallel shard) under the initialised megatron
-    parallel state (``parallel_state.initialize_model_parallel``)."""
+    parallel state (``parallel_state.initialize_model_parallel``). With `value_head` it is a critic: the last
+    stage ends in a `ValueHead` (the model returns values [b, s, 1] instead of logits) and no weights are tied."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -71,17 +84,20 @@ def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32):
         dtype,
     )
     rope = getattr(hf_config, "rope_parameters", None) or {}
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)) and not value_head,
         position_embedding_type="rope",
         rotary_base=int(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
     )
+    if value_head and parallel_state.is_pipeline_last_stage():
+        model.output_layer = ValueHead(hf_config.hidden_size, dtype)
+    return model
 
 
 @torch.no_grad()
@@ -98,7 +114,8 @@ def load_hf_weights(model, hf_state: Mapping[str, torch.Tensor], hf_config) -> N
     stage = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     full = hf_to_mcore(hf_state, hf_config)
-    if getattr(hf_config, "tie_word_embeddings", False) and pp_size > 1:
+    critic = "output_layer.head.weight" in full
+    if getattr(hf_config, "tie_word_embeddings", False) and pp_size > 1 and not critic:
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]  # the last stage's copy
     local = {}
     for name, tensor in full.items():

@@ -33,6 +33,7 @@ from hybridflow.engine.rollout import HFRollout
 
 if TYPE_CHECKING:
     from hybridflow.engine.hybrid_actor import HybridActorRollout
+    from hybridflow.engine.megatron_critic import MegatronCritic
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 
@@ -45,7 +46,7 @@ class Roles:
     actor: Actor | HybridActorRollout | None = None
     rollout: HFRollout | HybridActorRollout | None = None
     ref: RefPolicy | None = None
-    critic: Critic | None = None
+    critic: Critic | MegatronCritic | None = None
     reward_fn: RewardManager | None = None
 
 
@@ -102,7 +103,10 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     if "ref" in roles:
         ref_model = load_model(model_path, compute_dtype, device, trainable=False)
         out.ref = RefPolicy(ref_model, cfg.ref.log_prob_micro_batch_size, compute_dtype=compute_dtype)
-    if "critic" in roles:
+    if "critic" in roles and cfg.critic.strategy == "megatron":  # in the actor's megatron layout
+        out.actor.add_critic(resolve_model_path(cfg.critic.model_path or cfg.model.path), device)
+        out.critic = out.actor.critic
+    elif "critic" in roles:
         critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)
         critic_model = load_critic(critic_path, compute_dtype, device, trainable=True)
         out.critic = Critic(critic_model, cfg.critic, cfg.rollout.n, seed, compute_dtype=compute_dtype)
@@ -136,7 +140,7 @@ class RLHFWorker:
         self.actor: Actor | None = None
         self.rollout: HFRollout | None = None
         self.ref: RefPolicy | None = None
-        self.critic: Critic | None = None
+        self.critic: Critic | MegatronCritic | None = None
         self.reward_fn: RewardManager | None = None
 
     @property
@@ -145,8 +149,9 @@ class RLHFWorker:
 
     def dispatch_coords(self, method: str) -> tuple[int, int, bool] | None:
         """This rank's ``(data-parallel index, size, collect)`` for a ``DP_COMPUTE_PROTO`` `method` (see
-        `hybridflow.engine.dispatch`): megatron's replicas for the actor's stages and the generation replicas for
-        the rollout (`HybridActorRollout.dispatch_coords`); None (every rank its own replica) otherwise."""
+        `hybridflow.engine.dispatch`): megatron's replicas for the actor's (and a megatron critic's) stages and the
+        generation replicas for the rollout (`HybridActorRollout.dispatch_coords`); None (every rank its own
+        replica) otherwise."""
         return self.actor.dispatch_coords(method) if self._megatron else None
 
     def _need(self, role: str) -> None:
@@ -166,7 +171,7 @@ class RLHFWorker:
             info["actor_params"] = self.actor.parameter_count()
         elif self.actor is not None:
             info["actor_params"] = sum(p.numel() for p in self.actor.model.parameters())
-        if self.critic is not None:
+        if self.critic is not None and self.config.critic.strategy != "megatron":  # (a megatron shard: not all)
             info["critic_params"] = sum(p.numel() for p in self.critic.model.parameters())
         return info
 
@@ -243,11 +248,12 @@ class RLHFWorker:
         Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
         sharded model (``fsdp``, ``megatron``) is gathered from its shards first, so every rank takes part."""
         written: list[str] = []
+        megatron_critic = self.config.critic.strategy == "megatron"
         if self._megatron:  # the shards are gathered: every rank takes part
             self.actor.save(staging)
-            written.append("actor")
+            written += ["actor", "critic"] if self.critic is not None and megatron_critic else ["actor"]
         roles = [("actor", self.actor, self.tokenizer)] if self.actor is not None and not self._megatron else []
-        roles += [("critic", self.critic, None)] if self.critic is not None else []
+        roles += [("critic", self.critic, None)] if self.critic is not None and not megatron_critic else []
         for role, trained, tokenizer in roles:
             full_state = None
             if is_sharded(trained.model):  # FSDP: gather full tensors, a collective of every rank
@@ -270,7 +276,7 @@ class RLHFWorker:
                 actor_optimizer=self.actor.optimizer,
                 actor_scheduler=self.actor.lr_scheduler,
             )
-        if self.critic is not None:
+        if self.critic is not None and self.config.critic.strategy != "megatron":  # (a megatron one: actor.load)
             kwargs.update(
                 critic_model=self.critic.model,
                 critic_optimizer=self.critic.optimizer,

@@ -1,5 +1,6 @@
-"""``actor.strategy: megatron`` in a real worker group (4 processes, gloo): the 3D transfer protocol, generation
-through the 3D-HybridEngine, the PPO update and checkpoints, each equal to the ``ddp`` actor's on one rank.
+"""``actor.strategy: megatron`` (and ``critic.strategy: megatron``) in a real worker group (4 processes, gloo): the
+3D transfer protocol, generation through the 3D-HybridEngine, the PPO actor and critic updates and checkpoints, each
+equal to the ``ddp`` roles' on one rank.
 
 Layouts: training tp=2, pp=2 (d=1) generating at gen_tp=1 (4 generation replicas: every transition gathers
 across TP ranks and pipeline stages); and tp=2, d=2 generating at gen_tp=2 (training DP split, generation TP)."""
@@ -31,6 +32,10 @@ COMMON = [
     "actor.ppo_micro_batch_size=2",
     "actor.log_prob_micro_batch_size=2",
     "actor.optim.lr=1e-2",
+    "critic.ppo_mini_batch_size=4",
+    "critic.ppo_micro_batch_size=2",
+    "critic.forward_micro_batch_size=2",
+    "critic.optim.lr=1e-2",
     "trainer.num_threads=1",
 ]
 
@@ -41,19 +46,38 @@ def groups(request, tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("megatron-worker")
     create_secret(tmp / "secret")
     made = {}
-    for name, ranks, extra in (("ddp", 1, []), ("megatron", 4, ["actor.strategy=megatron", *LAYOUTS[request.param]])):
-        cfg = tiny_run_config(tmp, tiny_model_dir, "grpo", [*COMMON, f"placement.tasks_per_node={ranks}", *extra])
+    megatron = ["actor.strategy=megatron", "critic.strategy=megatron", *LAYOUTS[request.param]]
+    for name, ranks, extra in (("ddp", 1, []), ("megatron", 4, megatron)):
+        cfg = tiny_run_config(tmp, tiny_model_dir, "gae", [*COMMON, f"placement.tasks_per_node={ranks}", *extra])
         made[name] = WorkerGroup(
             GroupSpec(name=name, worker_cls=WORKER_CLS, tasks_per_node=ranks),
             run_dir=tmp,
             data_dir=tmp / "data",
             secret_path=tmp / "secret",
-            worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["actor", "rollout"]},
+            worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["actor", "rollout", "critic"]},
         )
         made[name].init_model()
     yield made, tmp, request.param
     for group in made.values():
         group.shutdown()
+
+
+def _batch() -> DataProto:
+    """8 sequences of 6 prompt + 6 response tokens, responses of different lengths."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 300, (8, 12), generator=g)
+    response_mask = (torch.arange(6)[None] < torch.tensor([6, 6, 5, 6, 1, 2, 1, 3])[:, None]).long()
+    attention_mask = torch.cat([torch.ones(8, 6, dtype=torch.long), response_mask], dim=1)
+    return DataProto.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, 6:],
+            "response_mask": response_mask,
+        },
+        meta_info={"global_steps": 2, "temperature": 1.0},
+    )
 
 
 def _prompts(tokenizer_dir) -> DataProto:
@@ -85,7 +109,7 @@ def _without_sampled_pad(rollout: DataProto, model_dir, tmp) -> DataHandle:
 
 def _checkpoint(group: WorkerGroup, root, step: int):
     staging = begin_checkpoint(root, step)
-    assert group.save_checkpoint_part(str(staging)) == ["actor"]
+    assert group.save_checkpoint_part(str(staging)) == ["actor", "critic"]
     return finish_checkpoint(staging, {"global_steps": step}).path
 
 
@@ -141,3 +165,29 @@ def test_megatron_actor_in_a_worker_group_equals_the_ddp_actor(groups, tiny_mode
     redo = _checkpoint(made["megatron"], tmp / f"ckpt-megatron-{layout}", 3)
     for name, tensor in load_file(redo / "actor" / "model.safetensors").items():
         assert torch.equal(tensor, got[name]), name
+
+
+def test_megatron_critic_equals_the_ddp_critic(groups):
+    """Values and the clipped value-loss update of the value-head GPTModel, through the same protocol."""
+    made, tmp, layout = groups
+    rollout = DataHandle.put(_batch(), tmp / "data")
+    values = {name: g.compute_values(rollout).load().batch["values"] for name, g in made.items()}
+    torch.testing.assert_close(values["megatron"], values["ddp"], atol=1e-6, rtol=0)  # the zero head: all 0
+    mask = rollout.select(["response_mask"]).load().batch["response_mask"]
+    returns = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    batch = rollout.union(made["ddp"].compute_values(rollout)).union(
+        DataHandle.put(DataProto.from_dict({"returns": returns}), tmp / "data")
+    )
+    metrics = {name: g.update_critic(batch) for name, g in made.items()}
+    for m in metrics["megatron"]:
+        assert m["critic/grad_norm"] == pytest.approx(metrics["ddp"][0]["critic/grad_norm"], rel=1e-4)
+    after = {name: g.compute_values(rollout).load().batch["values"] for name, g in made.items()}
+    assert after["ddp"].abs().max() > 1e-3  # the update moved the values
+    # on response tokens (past a response's end the two attention implementations differ, and nothing reads it)
+    torch.testing.assert_close(after["megatron"] * mask, after["ddp"] * mask, atol=1e-5, rtol=0)
+    saved = {name: _checkpoint(g, tmp / f"critic-{name}-{layout}", 0) for name, g in made.items()}
+    want = load_file(saved["ddp"] / "critic" / "model.safetensors")
+    got = load_file(saved["megatron"] / "critic" / "model.safetensors")
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():  # one AdamW step at lr 1e-2: see the actor test's tolerance
+        torch.testing.assert_close(got[name], tensor, atol=2e-4, rtol=0, msg=name)

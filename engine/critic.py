@@ -22,6 +22,22 @@ from hybridflow.engine.training import (
 UPDATE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns"]
 
 
+def value_loss(vpreds: torch.Tensor, batch, config: CriticConfig, log: MetricLog) -> torch.Tensor:
+    """One micro-batch's clipped value loss (`compute_value_loss` with ``critic.cliprange_value`` and
+    ``critic.loss_agg_mode``; `batch` has ``values``, ``returns``, ``response_mask`` [b, T]), logging ``vf_loss``,
+    ``vf_clipfrac`` and ``vpred_mean`` into `log`. `vpreds`: float32 [b, T]. Returns the scalar loss."""
+    vf_loss, vf_clipfrac = compute_value_loss(
+        vpreds=vpreds,
+        values=batch["values"],
+        returns=batch["returns"],
+        response_mask=batch["response_mask"],
+        cliprange_value=config.cliprange_value,
+        loss_agg_mode=config.loss_agg_mode,
+    )
+    log.add(vf_loss=vf_loss, vf_clipfrac=vf_clipfrac, vpred_mean=masked_mean(vpreds.detach(), batch["response_mask"]))
+    return vf_loss
+
+
 class Critic:
     """PPO critic around a token-classification model with one label (see `models.load_critic`).
 
@@ -77,20 +93,7 @@ class Critic:
                 batch = micro.batch
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):
                     vpreds = response_values(self.train_module, micro, self.compute_dtype)
-                    vf_loss, vf_clipfrac = compute_value_loss(
-                        vpreds=vpreds,
-                        values=batch["values"],
-                        returns=batch["returns"],
-                        response_mask=batch["response_mask"],
-                        cliprange_value=cfg.cliprange_value,
-                        loss_agg_mode=cfg.loss_agg_mode,
-                    )
-                    (vf_loss * loss_scale).backward()
-                log.add(
-                    vf_loss=vf_loss,
-                    vf_clipfrac=vf_clipfrac,
-                    vpred_mean=masked_mean(vpreds.detach(), batch["response_mask"]),
-                )
+                    (value_loss(vpreds, batch, cfg, log) * loss_scale).backward()
             lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
             grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
             log.add(grad_norm=grad_norm, lr=lr)

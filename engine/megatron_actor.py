@@ -166,20 +166,19 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return total
 
 
-class MegatronActor:
-    """The PPO actor on megatron-core, with the update semantics of `hybridflow.engine.actor.Actor`: mini-batches
-    of ``ppo_mini_batch_size x n / D`` sequences per data-parallel rank (D = megatron's data-parallel size), each one
-    AdamW step; micro-batch losses weighted by `micro_batch_weights` over megatron's data-parallel group; gradients
-    averaged over it; the global grad norm clipped to ``actor.optim.grad_clip``.
+class MegatronRole:
+    """What the megatron actor and critic share: the model shard, its AdamW optimizer and schedule, megatron's
+    data-parallel group, the per-rank mini-batch size (``ppo_mini_batch_size x n / D`` sequences, D = megatron's
+    data-parallel size) and forward-only passes through megatron's schedule.
 
     Args:
         model: this rank's ``GPTModel`` (`hybridflow.engine.megatron_model.build_gpt_model`).
-        config: the ``actor`` section.
+        config: the role's section (``actor`` or ``critic``).
         rollout_n: responses per prompt.
         seed: seeds the mini-batch shuffling (with ``meta_info["global_steps"]``).
     """
 
-    def __init__(self, model, config: ActorConfig, rollout_n: int, seed: int = 0):
+    def __init__(self, model, config, rollout_n: int, seed: int = 0):
         from megatron.core import parallel_state
 
         self.model = model
@@ -190,24 +189,36 @@ class MegatronActor:
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
 
     @torch.no_grad()
-    def compute_log_prob(self, data: DataProto) -> DataProto | None:
-        """Log-probs of the responses under the current weights (``old_log_probs`` float32 [B, T]), forward only
-        through megatron's schedule in micro-batches of ``actor.log_prob_micro_batch_size``; divides the logits by
-        ``meta_info["temperature"]``. Returns them on the last pipeline stage, None on the others (the 3D transfer
-        protocol collects from the last stage)."""
+    def forward_only(self, data: DataProto, micro_batch_size: int, head, key: str) -> DataProto | None:
+        """``{key: head's output}`` float32 [B, T] over `data` in micro-batches, forward only through megatron's
+        schedule, on the last pipeline stage; None on the others (the 3D transfer protocol collects from it)."""
         from megatron.core import parallel_state
 
         self.model.eval()
         collected: list[torch.Tensor] = []
 
-        def keep(index: int, log_prob: torch.Tensor):
-            collected.append(log_prob)
-            return log_prob.sum() * 0.0, {}
+        def keep(index: int, values: torch.Tensor):
+            collected.append(values)
+            return values.sum() * 0.0, {}
 
-        run_schedule(self.model, data.split(self.config.log_prob_micro_batch_size), keep, forward_only=True)
+        run_schedule(self.model, data.split(micro_batch_size), keep, forward_only=True, head=head)
         if not parallel_state.is_pipeline_last_stage():
             return None
-        return DataProto.from_dict({"old_log_probs": torch.cat(collected).float()})
+        return DataProto.from_dict({key: torch.cat(collected).float()})
+
+
+class MegatronActor(MegatronRole):
+    """The PPO actor on megatron-core, with the update semantics of `hybridflow.engine.actor.Actor`: mini-batches
+    of ``ppo_mini_batch_size x n / D`` sequences per data-parallel rank, each one AdamW step; micro-batch losses
+    weighted by `micro_batch_weights` over megatron's data-parallel group; gradients averaged over it; the global
+    grad norm clipped to ``actor.optim.grad_clip``. Arguments as `MegatronRole` (``config``: the ``actor`` section).
+    """
+
+    def compute_log_prob(self, data: DataProto) -> DataProto | None:
+        """Log-probs of the responses under the current weights (``old_log_probs`` float32 [B, T]) in micro-batches
+        of ``actor.log_prob_micro_batch_size``, the logits divided by ``meta_info["temperature"]``; last pipeline
+        stage only (see `MegatronRole.forward_only`)."""
+        return self.forward_only(data, self.config.log_prob_micro_batch_size, response_log_probs, "old_log_probs")
 
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on this data-parallel rank's rows; returns ``actor/pg_loss``, ``actor/ppo_kl`` (last stage),

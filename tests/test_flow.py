@@ -193,38 +193,45 @@ MEGATRON = ["actor.strategy=megatron", "actor.tp=2", "actor.pp=2", "rollout.gen_
     importlib.util.find_spec("megatron.core") is None and os.environ.get("CI") != "true",
     reason="megatron-core is not installed (bash .ci/setup installs it)",
 )
-def test_megatron_run_records_its_layout_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir):
-    """GRPO with the megatron actor (tp=2, pp=2 on 4 ranks, generating at tp=1 through the 3D-HybridEngine): the
-    run completes, its placement records the layouts and groups, and a second run resumed from the first one's
-    iteration-1 checkpoint reproduces its iteration 2."""
+@pytest.mark.parametrize("example", ["grpo_tiny.yaml", "ppo_tiny.yaml"])
+def test_megatron_run_records_its_layout_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir, example):
+    """GRPO with the megatron actor, and PPO with a megatron actor and critic (tp=2, pp=2 on 4 ranks, generating
+    at tp=1 through the 3D-HybridEngine): the run completes, its placement records the layouts and groups, and a
+    second run resumed from the first one's iteration-1 checkpoint reproduces its iteration 2."""
     from hybridflow.flows.rlhf import rlhf_flow
 
+    critic = example == "ppo_tiny.yaml"
     extra = ["trainer.total_iterations=2", "trainer.save_freq=1", "trainer.val_before_train=false", *MEGATRON]
+    extra += ["critic.strategy=megatron"] if critic else []
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     runs = {}
     for name in ("reference", "resumed"):
         (tmp_path / name).mkdir()
-        cfg = _cfg(tmp_path / name, tiny_model_dir, extra=extra)
+        cfg = _cfg(tmp_path / name, tiny_model_dir, example, extra)
         runs[name] = store.create_run(cfg.model_dump(mode="json"), name)
     rlhf_flow(run_id=runs["reference"], db_url=store.url)
     assert store.get_run(runs["reference"]).status == "completed"
     reference = _by_step(store, runs["reference"])
+    checked = ["actor/pg_loss", "actor/grad_norm", "hybrid_engine/to_generation_s"]
+    checked += ["critic/vf_loss", "critic/grad_norm"] if critic else ["actor/kl_loss"]
     for step in (1, 2):
-        for name in ["actor/pg_loss", "actor/grad_norm", "hybrid_engine/to_generation_s", "actor/kl_loss"]:
+        for name in checked:
             assert math.isfinite(reference[step][name]), (step, name)
         assert reference[step]["hybrid_engine/received_mib"] > 0  # tp=2, pp=2 -> tp=1: every rank gathers
     placed = {p.role: p.parallel for p in store.placements(runs["reference"])}
     assert placed["actor"]["strategy"] == "megatron" and placed["actor"]["reshard"] == "hybridflow"
     assert placed["actor"]["train"] == {"pp": 2, "tp": 2, "dp": 1}
     assert placed["actor"]["generate"] == {"pp": 1, "tp": 1, "micro_dp": 4, "replicas": 4}
-    assert placed["actor"]["micro_dp_groups"] == [[0, 1, 2, 3]] and placed["ref"] is None
+    assert placed["actor"]["micro_dp_groups"] == [[0, 1, 2, 3]] and placed.get("ref") is None
     ckpt = Path(store.checkpoints(runs["reference"])[0].path)
-    assert (ckpt / "actor" / "megatron_optim" / "pp1_tp1.pt").is_file()
+    for role in ("actor", "critic") if critic else ("actor",):
+        assert (ckpt / role / "megatron_optim" / "pp1_tp1.pt").is_file(), role
 
     info = verify_checkpoint(ckpt)
     store.add_checkpoint(runs["resumed"], 1, ckpt, info.bytes, info.sha256)  # as if it had stopped after step 1
     rlhf_flow(run_id=runs["resumed"], db_url=store.url)
     resumed = _by_step(store, runs["resumed"])
     assert sorted(resumed) == [2]
-    for name in COMPARED:  # bit-identical on CPU, as for the ddp actor above
-        assert resumed[2][name] == pytest.approx(reference[2][name], rel=1e-6, abs=1e-9), name
+    for name in [*COMPARED, *(["critic/vf_loss", "critic/grad_norm"] if critic else [])]:
+        if name in reference[2]:  # bit-identical on CPU, as for the ddp actor above
+            assert resumed[2][name] == pytest.approx(reference[2][name], rel=1e-6, abs=1e-9), name

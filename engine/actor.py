@@ -8,6 +8,7 @@ mini-batches (one optimizer step each), each accumulated over micro-batches (one
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty, masked_mean, truncated_is_weights
@@ -46,8 +47,10 @@ class Actor:
         compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, weights and gradients stay as
             loaded, fp32 with ``load_model(..., trainable=True)``); None or float32: no autocast.
 
-    Under torch.distributed (a worker group of D ranks) the model is wrapped in DDP here, a collective: every rank
-    constructs its `Actor` together; ``ppo_mini_batch_size x rollout_n`` must be a multiple of D.
+    Under torch.distributed (a worker group of D ranks) the model is wrapped in DDP or sharded with FSDP2 here
+    (``actor.strategy``; with ``actor.tp`` FSDP2 runs over D / tp data-parallel replicas of tp tensor-parallel
+    ranks), a collective: every rank constructs its `Actor` together; ``ppo_mini_batch_size x rollout_n`` must be a
+    multiple of the data-parallel size.
     """
 
     def __init__(
@@ -55,13 +58,14 @@ class Actor:
     ):
         self.model = model
         self.config = config
-        # sequences per rank per optimizer step: the global mini-batch is split over the data-parallel ranks
-        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // dp_world()[1]
         self.seed = seed
         self.compute_dtype = compute_dtype
         # DDP or FSDP2 across the group's ranks (see `training`), else `model`; FSDP shards the parameters, so the
         # optimizer is built on them afterwards
-        self.train_module = data_parallel(model, config.strategy)
+        self.train_module, self.dp_group = data_parallel(model, config.strategy, getattr(config, "tp", 1))
+        dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else dp_world()[1]
+        # sequences per rank per optimizer step: the global mini-batch is split over the data-parallel ranks
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // dp
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
 
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto:
@@ -121,7 +125,7 @@ class Actor:
         log = MetricLog()
         for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
             micros = mini.split(cfg.ppo_micro_batch_size)
-            weights = micro_batch_weights(micros, cfg.loss_agg_mode)
+            weights = micro_batch_weights(micros, cfg.loss_agg_mode, group=self.dp_group)
             for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):
                     self._micro_step(micro, temperature, loss_scale, log)

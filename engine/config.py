@@ -125,7 +125,7 @@ class ActorConfig(_Section):
         "megatron-core GPTModel with tensor (actor.tp) and pipeline (actor.pp) parallelism, generating through the "
         "3D-HybridEngine",
     )
-    tp: int = Field(1, ge=1, description="actor.strategy=megatron: tensor-parallel size")
+    tp: int = Field(1, ge=1, description="actor.strategy=megatron or fsdp: tensor-parallel size")
     pp: int = Field(1, ge=1, description="actor.strategy=megatron: pipeline-parallel size (stages)")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = Field(8, gt=0, description="prompts per optimizer step (times rollout.n sequences)")
@@ -344,13 +344,24 @@ class HybridFlowConfig(_Section):
                 "critic.strategy=megatron runs in the megatron actor's processes and layout: set "
                 "actor.strategy=megatron and placement.colocate=true, or critic.strategy=ddp|fsdp"
             )
+        if actor.strategy == "fsdp":
+            if (actor.pp, rollout.gen_pp) != (1, 1) or rollout.gen_tp not in (None, actor.tp):
+                raise ValueError(
+                    "actor.strategy=fsdp trains with tensor parallelism (actor.tp) only and generates in the same "
+                    "layout: leave actor.pp, rollout.gen_pp at 1 and rollout.gen_tp unset, or use "
+                    "actor.strategy=megatron for pipelines and resharding"
+                )
+            if world % actor.tp:
+                raise ValueError(
+                    f"the actor group's {world} ranks (placement.nodes x tasks_per_node) are not a multiple of "
+                    f"actor.tp = {actor.tp}"
+                )
+            return
         if actor.strategy != "megatron":
             if (actor.tp, actor.pp, rollout.gen_tp or 1, rollout.gen_pp) != (1, 1, 1, 1):
                 raise ValueError(
                     "actor.tp, actor.pp, rollout.gen_tp and rollout.gen_pp split the model for the 3D-HybridEngine and "
-                    "need "
-                    f"actor.strategy=megatron (got strategy {actor.strategy!r}); set actor.strategy=megatron or "
-                    "leave them at 1"
+                    f"need actor.strategy=megatron (or fsdp for actor.tp); got strategy {actor.strategy!r}"
                 )
             return
         if importlib.util.find_spec("megatron.core") is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.core_algos import compute_value_loss, masked_mean
@@ -57,13 +58,14 @@ class Critic:
     ):
         self.model = model
         self.config = config
-        # sequences per rank per optimizer step: the global mini-batch is split over the data-parallel ranks
-        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // dp_world()[1]
         self.seed = seed
         self.compute_dtype = compute_dtype
         # DDP or FSDP2 across the group's ranks (see `training`), else `model`; FSDP shards the parameters, so the
         # optimizer is built on them afterwards
-        self.train_module = data_parallel(model, config.strategy)
+        self.train_module, self.dp_group = data_parallel(model, config.strategy, getattr(config, "tp", 1))
+        dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else dp_world()[1]
+        # sequences per rank per optimizer step: the global mini-batch is split over the data-parallel ranks
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // dp
         self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
 
     def compute_values(self, data: DataProto) -> DataProto:
@@ -88,7 +90,7 @@ class Critic:
         log = MetricLog()
         for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
             micros = mini.split(cfg.ppo_micro_batch_size)
-            weights = micro_batch_weights(micros, cfg.loss_agg_mode)
+            weights = micro_batch_weights(micros, cfg.loss_agg_mode, group=self.dp_group)
             for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                 batch = micro.batch
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):

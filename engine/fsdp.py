@@ -1,12 +1,13 @@
-"""``strategy: fsdp``: a Hugging Face model trained with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``):
-every parameter is a DTensor sharded on dim 0 over the group's ranks (ZeRO-3), all-gathered one decoder layer at a
+"""``strategy: fsdp``: a Hugging Face model trained with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``),
+optionally with DTensor tensor parallelism inside each data-parallel replica (``actor.tp``): every parameter is a
+DTensor sharded on dim 0 over the data-parallel ranks (ZeRO-3), all-gathered one decoder layer at a
 time for forward and backward, gradients reduce-scattered (averaged, as DDP's all-reduce) into the shards; the
 optimizer holds only this rank's shard of its states. Per-rank memory for weights, gradients and Adam states is
 ``1 / D`` of DDP's.
 
-Generation needs the whole model on every rank (training layout 1-1-D, generation layout 1-1-D with the full
-weights): `gathered` all-gathers every layer once and keeps them until the rollout is done, instead of
-re-gathering each layer at every decoding step, and frees them after.
+Generation needs each replica's whole model (training layout 1-t-D, generation layout 1-t-D with the data-parallel
+shards gathered: the rollout runs tensor-parallel over the same TP group): `gathered` all-gathers every layer once and
+keeps them until the rollout is done, instead of re-gathering each layer at every decoding step, and frees them after.
 
 Checkpoints stay in the ``ddp`` format (`hybridflow.engine.checkpoint`): `full_model_state` and
 `full_optimizer_state` gather full tensors to rank 0 (collectives: every rank calls them) with the optimizer
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,27 +30,51 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, tp: int = 1) -> dist.ProcessGroup:
     """Shard `model` in place with FSDP2 over torch.distributed's default group: each decoder layer (Llama/Qwen2
     ``model.model.layers``, or any ``ModuleList`` named ``layers``) is one all-gather unit, the rest (embeddings,
     final norm, output or value head) the root's. Build the optimizer after this call (the parameters become
-    DTensors). Returns `model`.
+    DTensors).
+
+    With ``tp > 1`` the ranks form a (data-parallel, tensor-parallel) mesh, ``rank = dp * tp + tp_rank``: each
+    layer's projections are first split over the TP dimension as the model's config names them
+    (``base_model_tp_plan``: q/k/v/gate/up column-parallel, o/down row-parallel, `torch.distributed.tensor.parallel`),
+    then FSDP shards over the data-parallel dimension (2D parallelism); embeddings and norms are replicated over TP.
+
+    Returns:
+        The data-parallel process group (gradient averaging and batch splitting go over it).
 
     Raises:
-        ValueError: the model has no ``layers`` ``ModuleList`` to shard by."""
+        ValueError: the model has no ``layers`` ``ModuleList``, or no tensor-parallel plan when ``tp > 1``."""
     named = model.named_modules()
     layers = next((m for n, m in named if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)), None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no decoder 'layers' ModuleList: strategy fsdp cannot shard it")
+    device = next(model.parameters()).device.type
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    if tp > 1:
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        plan = {
+            key.removeprefix("layers.*."): styles[style]()
+            for key, style in (getattr(model.config, "base_model_tp_plan", None) or {}).items()
+            if key.startswith("layers.*.") and style in styles
+        }
+        if not plan:
+            raise ValueError(f"{type(model).__name__} has no tensor-parallel plan: use actor.tp=1 with strategy fsdp")
+        for layer in layers:
+            parallelize_module(layer, mesh["tp"], plan)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return mesh["dp"].get_group()
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -73,15 +73,18 @@ def dp_world() -> tuple[int, int]:
     return 0, 1
 
 
-def data_parallel(model: torch.nn.Module, strategy: str = "ddp") -> torch.nn.Module:
-    """The module to train through, for several data-parallel ranks (one rank: `model` itself).
+def data_parallel(
+    model: torch.nn.Module, strategy: str = "ddp", tp: int = 1
+) -> tuple[torch.nn.Module, dist.ProcessGroup | None]:
+    """The module to train through and the data-parallel group (None: torch.distributed's default group, or no
+    group on one rank), for several data-parallel ranks (one rank: `model` itself).
 
     - ``ddp``: `model` wrapped in ``DistributedDataParallel`` (rank 0's weights are broadcast to all). Buffers are
       not broadcast in forward (no collective outside backward; the rollout may run forwards any number of times
       on the unwrapped model). Gradients are bucketed and all-reduced (averaged) during the last backward of each
       mini-batch, see `sync_gradients`.
-    - ``fsdp``: `model` itself, sharded in place with FSDP2 (`hybridflow.engine.fsdp.shard_model`); build its
-      optimizer after this call.
+    - ``fsdp``: `model` itself, sharded in place with FSDP2 (`hybridflow.engine.fsdp.shard_model`), tensor-parallel
+      over groups of `tp` ranks when ``tp > 1``; build its optimizer after this call.
 
     Raises:
         ValueError: an unknown strategy.
@@ -89,13 +92,13 @@ def data_parallel(model: torch.nn.Module, strategy: str = "ddp") -> torch.nn.Mod
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"unknown data-parallel strategy {strategy!r}; use ddp or fsdp")
     if dp_world()[1] == 1:
-        return model
+        return model, None
     if strategy == "fsdp":
         from hybridflow.engine.fsdp import shard_model
 
-        return shard_model(model)
+        return model, shard_model(model, tp)
     device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False), None
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
@@ -177,9 +180,15 @@ def optimizer_step(
     Returns:
         The grad norm before clipping (float; inf/nan when the step was skipped).
     """
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if isinstance(grad_norm, DTensor):  # FSDP: the norm over every rank's shards
-        grad_norm = grad_norm.full_tensor()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if any(isinstance(g, DTensor) for g in grads):  # FSDP (and TP): shards on meshes of 1 or 2 dimensions
+        squares = [g.norm() ** 2 for g in grads]
+        grad_norm = sum(s.full_tensor() if isinstance(s, DTensor) else s for s in squares).sqrt()
+        if grad_norm > grad_clip:
+            for g in grads:
+                g.mul_(grad_clip / (grad_norm + 1e-6))  # as clip_grad_norm_
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     if torch.isfinite(grad_norm):
         optimizer.step()
     scheduler.step()

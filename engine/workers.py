@@ -152,7 +152,12 @@ class RLHFWorker:
         `hybridflow.engine.dispatch`): megatron's replicas for the actor's (and a megatron critic's) stages and the
         generation replicas for the rollout (`HybridActorRollout.dispatch_coords`); None (every rank its own
         replica) otherwise."""
-        return self.actor.dispatch_coords(method) if self._megatron else None
+        if self._megatron:
+            return self.actor.dispatch_coords(method)
+        tp = self.config.actor.tp  # fsdp with tensor parallelism: the ranks of a TP group share their rows
+        if tp > 1 and self.actor is not None and method in ("generate_sequences", "compute_log_prob", "update_actor"):
+            return self.rank // tp, self.world_size // tp, self.rank % tp == 0
+        return None
 
     def _need(self, role: str) -> None:
         if getattr(self, "reward_fn" if role == "reward" else role) is None:

@@ -174,7 +174,8 @@ def parallel_record(cfg: HybridFlowConfig, role: str) -> dict[str, Any] | None:
     record: dict[str, Any] = {"strategy": cfg.actor.strategy}
     if cfg.actor.strategy == "megatron":
         return {**record, "reshard": cfg.rollout.reshard, **cfg.actor_layout().describe()}
-    return {**record, "train": {"pp": 1, "tp": 1, "dp": cfg.placement.world_size}}
+    tp = cfg.actor.tp
+    return {**record, "train": {"pp": 1, "tp": tp, "dp": cfg.placement.world_size // tp}}
 
 
 def _local_cuda(cfg: HybridFlowConfig) -> bool:

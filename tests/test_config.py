@@ -109,6 +109,14 @@ def test_parallel_layout_keys_are_checked_and_give_the_layout():
         load_config(None, [*megatron, "rollout.name=vllm"])
     with pytest.raises(ConfigError, match=r"set actor.entropy_coeff=0"):
         load_config(None, [*megatron, "actor.entropy_coeff=0.01"])
+    fsdp = [*MINIMAL, "actor.strategy=fsdp", "placement.tasks_per_node=4"]
+    assert load_config(None, [*fsdp, "actor.tp=2"]).actor.tp == 2
+    with pytest.raises(ConfigError, match=r"actor.strategy=fsdp trains with tensor parallelism .* only"):
+        load_config(None, [*fsdp, "actor.tp=2", "rollout.gen_tp=1"])
+    with pytest.raises(ConfigError, match=r"4 ranks .* not a multiple of actor.tp = 3"):
+        load_config(None, [*fsdp, "actor.tp=3"])
+    with pytest.raises(ConfigError, match=r"critic.strategy=megatron runs in the megatron actor's processes"):
+        load_config(None, [*MINIMAL, "critic.strategy=megatron"])
     # the mini-batch splits over the actor's data-parallel replicas (8 ranks / (tp 2 x pp 2) = 2), not all ranks
     load_config(None, [*megatron, "actor.tp=2", "actor.pp=2", "actor.ppo_mini_batch_size=1", "rollout.n=2"])
     with pytest.raises(ConfigError, match=r"over the 2 data-parallel ranks .* / \(actor.tp x actor.pp\)"):

@@ -113,7 +113,8 @@ def test_a_batch_over_one_step_token_budget_samples_as_its_parts_do(setup):
 
 def test_data_parallel_engines_sample_what_one_engine_samples(tmp_path):
     """``rollout.name=vllm`` in worker groups of 1 and 2 ranks (real processes, torch.distributed across them): each
-    rank runs its own engine on its rows; the DP=2 group samples exactly what the DP=1 group samples."""
+    rank runs its own engine on its rows; the DP=2 group samples exactly what the DP=1 group samples, also with an
+    FSDP-sharded actor (``actor.strategy=fsdp``), whose weight sync all-gathers each tensor as it streams it."""
     from tiny_runs import tiny_run_config
 
     from hybridflow.flows.rlhf import WORKER_CLS
@@ -132,17 +133,19 @@ def test_data_parallel_engines_sample_what_one_engine_samples(tmp_path):
     tokenizer = load_tokenizer(model_dir)
     prompts = DataHandle.put(_prompts(tokenizer), tmp_path / "data", "prompts").with_meta(global_steps=1)
     outputs = {}
-    for ranks in (1, 2):
+    fsdp = cfg.model_copy(deep=True)
+    fsdp.actor.strategy = "fsdp"
+    for name, ranks, config in ((1, 1, cfg), (2, 2, cfg), ("fsdp", 2, fsdp)):
         group = WorkerGroup(
-            GroupSpec(name=f"vllm_dp{ranks}", worker_cls=WORKER_CLS, tasks_per_node=ranks),
+            GroupSpec(name=f"vllm_dp{ranks}_{config.actor.strategy}", worker_cls=WORKER_CLS, tasks_per_node=ranks),
             run_dir=tmp_path,
             data_dir=tmp_path / "data",
             secret_path=tmp_path / "secret",
-            worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["actor", "rollout"]},
+            worker_kwargs={"config": config.model_dump(mode="json"), "roles": ["actor", "rollout"]},
         )
         try:
             group.init_model()
-            outputs[ranks] = group.generate_sequences(prompts).load()
+            outputs[name] = group.generate_sequences(prompts).load()
             probes = group.sync_rollout_weights()  # every rank's engine takes its actor's weights
             assert len(probes) == ranks and all(p["rollout/weight_probe_diff"] < 1e-4 for p in probes)
         finally:
@@ -150,6 +153,7 @@ def test_data_parallel_engines_sample_what_one_engine_samples(tmp_path):
     one, two = outputs[1], outputs[2]
     assert len(two) == 2 * len(QUESTIONS)
     assert torch.equal(one.batch["responses"], two.batch["responses"])
+    assert torch.equal(one.batch["responses"], outputs["fsdp"].batch["responses"])
     assert len(set(map(tuple, two.batch["responses"].tolist()))) > len(QUESTIONS)  # sampled, not all alike
     torch.testing.assert_close(one.batch["rollout_log_probs"], two.batch["rollout_log_probs"])
 

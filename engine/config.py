@@ -65,8 +65,8 @@ class RolloutConfig(_Section):
 
     name: Literal["hf", "vllm", "auto"] = Field(
         "hf",
-        description="hf: transformers generate; vllm: an in-process vLLM engine; auto: vllm where it is installed, "
-        "else hf (resolved when the config is loaded, and recorded resolved)",
+        description="hf: transformers generate; vllm: an in-process vLLM engine; auto: vllm where it is installed and "
+        "the layout allows it, else hf (resolved when the config is loaded, and recorded resolved)",
     )
     n: int = Field(4, gt=0, description="responses sampled per prompt")
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
@@ -92,12 +92,6 @@ class RolloutConfig(_Section):
         description="actor.strategy=megatron: how training shards become generation shards: hybridflow (all-gather "
         "inside micro-DP groups, no redundant copy) or naive (gather the whole model, keep the training shard)",
     )
-
-    @model_validator(mode="after")
-    def _resolve_auto(self) -> RolloutConfig:
-        if self.name == "auto":
-            self.name = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
-        return self
 
 
 class OptimConfig(_Section):
@@ -313,6 +307,7 @@ class HybridFlowConfig(_Section):
 
     @model_validator(mode="after")
     def _batch_sizes(self) -> HybridFlowConfig:
+        self._resolve_rollout()
         if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
@@ -336,6 +331,15 @@ class HybridFlowConfig(_Section):
                 "group: set rollout.n >= 2"
             )
         return self
+
+    def _resolve_rollout(self) -> None:
+        """``rollout.name: auto``: vllm where it is installed, unless the megatron actor generates tensor-parallel
+        (vLLM is fed from the generation shards only at rollout.gen_tp=1), else hf."""
+        if self.rollout.name != "auto":
+            return
+        vllm = importlib.util.find_spec("vllm") is not None
+        megatron_tp = self.actor.strategy == "megatron" and (self.rollout.gen_tp or self.actor.tp) > 1
+        self.rollout.name = "vllm" if vllm and not megatron_tp else "hf"
 
     def _parallel_layout(self) -> None:
         actor, rollout, world = self.actor, self.rollout, self.placement.world_size
@@ -381,10 +385,11 @@ class HybridFlowConfig(_Section):
             )
         if rollout.gen_pp != 1:
             raise ValueError("rollout.gen_pp > 1 (pipelined generation) is not implemented: set rollout.gen_pp=1")
-        if rollout.name != "hf":
+        if rollout.name == "vllm" and (rollout.gen_tp or actor.tp) != 1:
             raise ValueError(
-                "actor.strategy=megatron generates from the 3D-HybridEngine's generation shards with the hf rollout; "
-                "feeding vLLM from them is not implemented: set rollout.name=hf"
+                "actor.strategy=megatron feeds vLLM from the 3D-HybridEngine's generation shards only without tensor "
+                "parallelism (vLLM's own TP over the generation TP group is not built): set rollout.gen_tp=1, or "
+                "rollout.name=hf to generate tensor-parallel with transformers"
             )
         self.actor_layout()  # gen_tp must divide tp
 

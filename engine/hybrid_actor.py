@@ -5,7 +5,9 @@ rollout generating from the same weights through the 3D-HybridEngine, in one wor
 `MegatronActor`, and a `HybridEngine` over the shard. Each ``generate_sequences`` moves the weights to the
 generation layout (``rollout.gen_tp``, ``rollout.reshard``), builds a tensor-parallel Hugging Face model over the
 generation shards (`hybridflow.engine.tp_generation`, no copy), samples with the ``hf`` rollout, and moves the
-weights back; between calls the rank holds only its training shard.
+weights back; between calls the rank holds only its training shard. With ``rollout.name: vllm`` (only at
+``rollout.gen_tp: 1``) each rank runs an in-process vLLM engine of its own instead, and ``sync_weights`` streams the
+generation shards (the whole model, in Hugging Face names) into it after every update.
 
 Transfer protocol (`dispatch_coords`): the actor's stages split a batch over megatron's data-parallel replicas (the
 ranks of one model-parallel group get the same rows) and collect from the last pipeline stage's first TP rank;
@@ -19,8 +21,10 @@ optimizer states).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +85,14 @@ class HybridActorRollout:
         hf_model = load_model(model_path, torch.float32, device, trainable=False)
         self.hf_config = hf_model.config
         self.generation_config = hf_model.generation_config
+        self.vllm = None
+        if cfg.rollout.name == "vllm":  # an engine of its own (from the model folder), synced from the gen shards
+            from hybridflow.engine.vllm_rollout import VLLMRollout
+
+            self.vllm = VLLMRollout(
+                hf_model, tokenizer, str(model_path), cfg.rollout, cfg.data.max_prompt_length, cfg.trainer.seed
+            )
+            self.vllm.model = None  # between syncs it holds no model: `sync_weights` lends it the generation model
         specs = megatron_shard_specs(self.hf_config, layout.p)
         for key, value in (
             ("query groups (num_key_value_heads)", self.hf_config.num_key_value_heads),
@@ -132,9 +144,36 @@ class HybridActorRollout:
 
     # ------------------------------------------------------------------ stages
     def generate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
-        """Reshard to the generation layout, sample (`HFRollout.generate_sequences` and its arguments), reshard
-        back. ``last_transition`` gets ``hybrid_engine/to_generation_s``, ``/to_training_s``, ``/received_mib``
-        and ``/gen_param_mib`` (this rank's)."""
+        """Sample (`HFRollout.generate_sequences` and its arguments). With the hf rollout: reshard to the generation
+        layout, generate tensor-parallel on the generation shards, reshard back; with vllm: the engine (synced by
+        `sync_weights`) generates. ``last_transition`` gets ``hybrid_engine/to_generation_s``, ``/to_training_s``,
+        ``/received_mib`` and ``/gen_param_mib`` (this rank's)."""
+        if self.vllm is not None:
+            self.vllm.resume_memory()  # a no-op on CPU
+            try:
+                return self.vllm.generate_sequences(prompts, **kwargs)
+            finally:
+                self.vllm.release_memory()
+        with self._generation_model() as model:
+            rollout = HFRollout(model, self.tokenizer, self.cfg.rollout, seed=self.cfg.trainer.seed)
+            return rollout.generate_sequences(prompts, **kwargs)
+
+    def sync_weights(self) -> dict[str, float]:
+        """vllm: load the generation shards (``rollout.gen_tp=1``: the whole model, viewed in Hugging Face names)
+        into the engine and probe it (`VLLMRollout.sync_weights`); hf: nothing to do (returns {})."""
+        if self.vllm is None:
+            return {}
+        with self._generation_model() as model:
+            self.vllm.model = model
+            try:
+                return self.vllm.sync_weights()
+            finally:
+                self.vllm.model = None
+
+    @contextlib.contextmanager
+    def _generation_model(self) -> Iterator[torch.nn.Module]:
+        """The weights in the generation layout, as a (tensor-parallel) Hugging Face model over the generation
+        shards, for the duration of the context; back in the training layout after it."""
         from hybridflow.engine.tp_generation import build_tp_generation_model
 
         stats = self.engine.to_generation()
@@ -143,9 +182,7 @@ class HybridActorRollout:
             model = build_tp_generation_model(self.hf_config, weights, self.engine.gen_tp_group, self.coords.gen_tp)
             model.generation_config = self.generation_config
             del weights
-            out = HFRollout(model, self.tokenizer, self.cfg.rollout, seed=self.cfg.trainer.seed).generate_sequences(
-                prompts, **kwargs
-            )
+            yield model
             del model
         finally:
             back = self.engine.to_training()
@@ -156,7 +193,6 @@ class HybridActorRollout:
             "hybrid_engine/received_mib": stats.received_bytes / mib,
             "hybrid_engine/gen_param_mib": stats.gen_param_bytes / mib,
         }
-        return out
 
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto | None:
         """``old_log_probs`` [B, T] float32 on the last pipeline stage (None elsewhere: not collected). No

@@ -2,6 +2,7 @@
 equal before and after an in-memory weight update, sampled output reproducible, the DataProto layout and the
 rollout log-probs consistent with the actor's."""
 
+import importlib.util
 import os
 
 import pytest
@@ -206,3 +207,57 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
         assert abs(metrics[step]["actor/tis_weight_mean"] - 1.0) < 1e-2  # so the TIS weights are ~1
         assert metrics[step]["actor/tis_truncated_frac"] == 0.0
     assert metrics[2]["actor/ppo_kl"] != 0 or metrics[2]["actor/pg_loss"] != 0
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None and os.environ.get("CI") != "true",
+    reason="megatron-core is not installed (bash .ci/setup installs it)",
+)
+def test_megatron_actor_feeds_vllm_from_its_generation_shards(tmp_path):
+    """``actor.strategy=megatron`` (tp=2 on 2 ranks) with ``rollout.name=vllm`` at ``rollout.gen_tp=1``: after a PPO
+    update on both, every rank's engine, synced from the 3D-HybridEngine's generation shards, passes its probe
+    and generates greedily what the ``ddp`` actor's engine generates."""
+    from tiny_runs import tiny_run_config
+
+    from hybridflow.flows.rlhf import WORKER_CLS
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
+    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+
+    # 4 query heads, 2 key/value heads of width 32: splits over tp=2, and vLLM's CPU attention takes the width
+    model_dir = build_tiny_model(tmp_path / "tiny128", hidden_size=128, head_dim=32)
+    common = ["rollout.name=vllm", "rollout.vllm_kv_cache_gb=0.25", "rollout.vllm_dtype=float32",
+              "trainer.num_threads=1", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2"]  # fmt: skip
+    megatron = ["actor.strategy=megatron", "actor.tp=2", "rollout.gen_tp=1", "placement.tasks_per_node=2"]
+    create_secret(tmp_path / "secret")
+    tokenizer = load_tokenizer(model_dir)
+    prompts = DataHandle.put(_prompts(tokenizer), tmp_path / "data", "prompts").with_meta(global_steps=1)
+    groups = {}
+    try:
+        for name, extra in (("ddp", []), ("megatron", megatron)):
+            cfg = tiny_run_config(tmp_path, model_dir, "grpo", [*common, *extra])
+            groups[name] = WorkerGroup(
+                GroupSpec(name=f"vllm_{name}", worker_cls=WORKER_CLS, tasks_per_node=cfg.placement.world_size),
+                run_dir=tmp_path,
+                data_dir=tmp_path / "data",
+                secret_path=tmp_path / "secret",
+                worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["actor", "rollout"]},
+            )
+            groups[name].init_model()
+        rollout = groups["ddp"].generate_sequences(prompts)
+        mask = rollout.select(["response_mask"]).load().batch["response_mask"]
+        advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+        batch = rollout.union(groups["ddp"].compute_log_prob(rollout)).union(
+            DataHandle.put(DataProto.from_dict({"advantages": advantages}), tmp_path / "data")
+        )
+        greedy = {}
+        for name, group in groups.items():
+            group.update_actor(batch)
+            probes = group.sync_rollout_weights()
+            assert all(p["rollout/weight_probe_diff"] < 1e-4 for p in probes), (name, probes)
+            greedy[name] = group.generate_sequences(prompts, n=1, temperature=0.0).load().batch["responses"]
+        assert len(probes) == 2  # both megatron ranks' engines were synced
+        assert torch.equal(greedy["megatron"], greedy["ddp"])
+    finally:
+        for group in groups.values():
+            group.shutdown()

@@ -495,6 +495,23 @@ def _load_optim(folder: Path, optimizer, scheduler) -> None:
     scheduler.load_state_dict(state["lr_scheduler"])
 
 
+def role_states(actor=None, critic=None) -> dict[str, Any]:
+    """`load_checkpoint`'s keyword arguments for a trained actor and critic (objects with ``model``, ``optimizer``
+    and ``lr_scheduler``, as `hybridflow.engine.actor.Actor` and `hybridflow.engine.critic.Critic`; None for a role
+    that is not loaded)."""
+    out: dict[str, Any] = {}
+    for role, trained in (("actor", actor), ("critic", critic)):
+        if trained is not None:
+            out.update(
+                {
+                    f"{role}_model": trained.model,
+                    f"{role}_optimizer": trained.optimizer,
+                    f"{role}_scheduler": trained.lr_scheduler,
+                }
+            )
+    return out
+
+
 def load_checkpoint(
     path: str | Path,
     *,

@@ -27,6 +27,7 @@ from hybridflow.engine.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    role_states,
     save_checkpoint,
 )
 from hybridflow.engine.config import HybridFlowConfig
@@ -198,16 +199,7 @@ class SingleProcessTrainer:
             hybridflow.engine.checkpoint.CheckpointError: the checkpoint is incomplete or corrupt, or does not fit
                 this configuration (other model, or a critic the checkpoint lacks); the message says which.
         """
-        critic = self.critic
-        state = load_checkpoint(
-            path,
-            actor_model=self.actor.model,
-            actor_optimizer=self.actor.optimizer,
-            actor_scheduler=self.actor.lr_scheduler,
-            critic_model=critic.model if critic else None,
-            critic_optimizer=critic.optimizer if critic else None,
-            critic_scheduler=critic.lr_scheduler if critic else None,
-        )
+        state = load_checkpoint(path, **role_states(self.actor, self.critic))
         self.global_steps = int(state["global_steps"])
         self.sampler.load_state_dict(state["sampler"])
         kl_value = state.get("kl_ctrl_value")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hybridflow.engine.actor import Actor, RefPolicy
-from hybridflow.engine.checkpoint import load_checkpoint, save_role
+from hybridflow.engine.checkpoint import load_checkpoint, role_states, save_role
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.core_algos import uses_critic
 from hybridflow.engine.critic import Critic
@@ -272,21 +272,10 @@ class RLHFWorker:
     def load_checkpoint(self, path: str) -> None:
         """Restore the weights, optimizer and scheduler states of the roles this group hosts on every rank (the
         controller has verified the checkpoint's hashes already)."""
-        kwargs: dict[str, Any] = {}
-        if self._megatron:
+        if self._megatron:  # the megatron actor (and a megatron critic) load their shards themselves
             self.actor.load(path)
-        elif self.actor is not None:
-            kwargs.update(
-                actor_model=self.actor.model,
-                actor_optimizer=self.actor.optimizer,
-                actor_scheduler=self.actor.lr_scheduler,
-            )
-        if self.critic is not None and self.config.critic.strategy != "megatron":  # (a megatron one: actor.load)
-            kwargs.update(
-                critic_model=self.critic.model,
-                critic_optimizer=self.critic.optimizer,
-                critic_scheduler=self.critic.lr_scheduler,
-            )
-        load_checkpoint(path, verify=False, restore_rng=False, **kwargs)
+        actor = None if self._megatron else self.actor
+        critic = None if self.config.critic.strategy == "megatron" else self.critic
+        load_checkpoint(path, verify=False, restore_rng=False, **role_states(actor, critic))
         if self.rollout is not None and hasattr(self.rollout, "sync_weights"):  # the engine serves the restored actor
             self.rollout.sync_weights()

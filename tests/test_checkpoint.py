@@ -25,6 +25,7 @@ from hybridflow.engine.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    role_states,
     save_checkpoint,
     verify_checkpoint,
 )
@@ -187,16 +188,7 @@ def test_saved_folders_load_with_plain_transformers(runs):
 
 
 def _load_into(trainer, path):
-    critic = trainer.critic
-    return load_checkpoint(
-        path,
-        actor_model=trainer.actor.model,
-        actor_optimizer=trainer.actor.optimizer,
-        actor_scheduler=trainer.actor.lr_scheduler,
-        critic_model=critic.model if critic else None,
-        critic_optimizer=critic.optimizer if critic else None,
-        critic_scheduler=critic.lr_scheduler if critic else None,
-    )
+    return load_checkpoint(path, **role_states(trainer.actor, trainer.critic))
 
 
 def test_incomplete_checkpoints_are_ignored_and_refused(runs, tmp_path):
@@ -260,12 +252,7 @@ def test_failed_save_leaves_no_folder_and_rng_round_trips(runs, tmp_path):
     # RNG: draws after a load repeat the draws after the save.
     info = save_checkpoint(tmp_path, 7, **actor, trainer_state={"global_steps": 7})
     draws = (torch.rand(4), np.random.rand(4), random.random())
-    state = load_checkpoint(
-        info.path,
-        actor_model=trainer.actor.model,
-        actor_optimizer=trainer.actor.optimizer,
-        actor_scheduler=trainer.actor.lr_scheduler,
-    )
+    state = load_checkpoint(info.path, **role_states(trainer.actor))
     assert state["global_steps"] == 7
     again = (torch.rand(4), np.random.rand(4), random.random())
     assert torch.equal(draws[0], again[0]) and np.array_equal(draws[1], again[1]) and draws[2] == again[2]

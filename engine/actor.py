@@ -19,10 +19,9 @@ from hybridflow.engine.training import (
     build_optimizer,
     data_parallel,
     dp_world,
-    micro_batch_weights,
-    mini_batches,
     optimizer_step,
     sync_gradients,
+    update_steps,
 )
 
 UPDATE_KEYS = [
@@ -120,12 +119,9 @@ class Actor:
             keys.append("rollout_log_probs")
         data = data.select(batch_keys=keys)
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
-        seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 0)
         self.model.train()
         log = MetricLog()
-        for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            micros = mini.split(cfg.ppo_micro_batch_size)
-            weights = micro_batch_weights(micros, cfg.loss_agg_mode, group=self.dp_group)
+        for micros, weights in update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group):
             for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):
                     self._micro_step(micro, temperature, loss_scale, log)

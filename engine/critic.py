@@ -14,10 +14,9 @@ from hybridflow.engine.training import (
     build_optimizer,
     data_parallel,
     dp_world,
-    micro_batch_weights,
-    mini_batches,
     optimizer_step,
     sync_gradients,
+    update_steps,
 )
 
 UPDATE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns"]
@@ -85,12 +84,9 @@ class Critic:
         """
         cfg = self.config
         data = data.select(batch_keys=UPDATE_KEYS)
-        seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 1)
         self.model.train()
         log = MetricLog()
-        for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            micros = mini.split(cfg.ppo_micro_batch_size)
-            weights = micro_batch_weights(micros, cfg.loss_agg_mode, group=self.dp_group)
+        for micros, weights in update_steps(data, self.mini_batch_size, cfg, self.seed, 1, self.dp_group):
             for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                 batch = micro.batch
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):

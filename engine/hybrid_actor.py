@@ -155,8 +155,11 @@ class HybridActorRollout:
             finally:
                 self.vllm.release_memory()
         with self._generation_model() as model:
-            rollout = HFRollout(model, self.tokenizer, self.cfg.rollout, seed=self.cfg.trainer.seed)
-            return rollout.generate_sequences(prompts, **kwargs)
+            out = HFRollout(model, self.tokenizer, self.cfg.rollout, seed=self.cfg.trainer.seed).generate_sequences(
+                prompts, **kwargs
+            )
+            del model  # no reference to the generation buffers may outlive the return to training
+        return out
 
     def sync_weights(self) -> dict[str, float]:
         """vllm: load the generation shards (``rollout.gen_tp=1``: the whole model, viewed in Hugging Face names)
@@ -166,9 +169,11 @@ class HybridActorRollout:
         with self._generation_model() as model:
             self.vllm.model = model
             try:
-                return self.vllm.sync_weights()
+                probe = self.vllm.sync_weights()
             finally:
                 self.vllm.model = None
+            del model  # as in generate_sequences
+        return probe
 
     @contextlib.contextmanager
     def _generation_model(self) -> Iterator[torch.nn.Module]:

@@ -17,7 +17,7 @@ from hybridflow.engine.actor import UPDATE_KEYS
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches
+from hybridflow.engine.training import MetricLog, build_optimizer, update_steps
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -226,12 +226,9 @@ class MegatronActor(MegatronRole):
         cfg = self.config
         keys = UPDATE_KEYS + (["ref_log_prob"] if cfg.use_kl_loss else [])
         data = data.select(batch_keys=keys)
-        seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 0)
         self.model.train()
         log = MetricLog()
-        for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            micros = mini.split(cfg.ppo_micro_batch_size)
-            scales = micro_batch_weights(micros, cfg.loss_agg_mode, group=self.dp_group)
+        for micros, scales in update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group):
             log.add(
                 **{k.removeprefix("actor/"): v for k, v in policy_gradient(self.model, micros, scales, cfg).items()}
             )

@@ -13,7 +13,7 @@ import torch
 from hybridflow.engine.critic import UPDATE_KEYS, value_loss
 from hybridflow.engine.megatron_actor import MegatronRole, optimizer_step, response_values, run_schedule
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.training import MetricLog, micro_batch_weights, mini_batches
+from hybridflow.engine.training import MetricLog, update_steps
 
 
 class MegatronCritic(MegatronRole):
@@ -30,12 +30,9 @@ class MegatronCritic(MegatronRole):
         ``critic/vf_clipfrac``, ``critic/vpred_mean`` (last stage), ``critic/grad_norm``, ``critic/lr``."""
         cfg = self.config
         data = data.select(batch_keys=UPDATE_KEYS)
-        seed = (self.seed, int(data.meta_info.get("global_steps", 0)), 1)
         self.model.train()
         log = MetricLog()
-        for mini in mini_batches(data, self.mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            micros = mini.split(cfg.ppo_micro_batch_size)
-            scales = micro_batch_weights(micros, cfg.loss_agg_mode, group=self.dp_group)
+        for micros, scales in update_steps(data, self.mini_batch_size, cfg, self.seed, 1, self.dp_group):
 
             def loss_of(index: int, vpreds: torch.Tensor, micros=micros, scales=scales):
                 # the schedule divides each micro-batch's loss by their number: undo it, then weigh

@@ -66,6 +66,21 @@ def mini_batches(
         yield from shuffled.split(mini_batch_size)
 
 
+def update_steps(
+    data: DataProto, mini_batch_size: int, config, seed: int, stream: int, group: dist.ProcessGroup | None = None
+) -> Iterator[tuple[list[DataProto], list[float]]]:
+    """The optimizer steps of one PPO update on this rank's rows: for each mini-batch (`mini_batches`, shuffled
+    with ``(seed, meta_info["global_steps"], stream)``; stream 0 for the actor, 1 for the critic), its micro-batches
+    of ``config.ppo_micro_batch_size`` sequences and their loss weights (`micro_batch_weights` over `group`).
+
+    `config` is the ``actor`` or ``critic`` section (``ppo_epochs``, ``shuffle``, ``ppo_micro_batch_size``,
+    ``loss_agg_mode``)."""
+    order = (seed, int(data.meta_info.get("global_steps", 0)), stream)
+    for mini in mini_batches(data, mini_batch_size, config.ppo_epochs, config.shuffle, order):
+        micros = mini.split(config.ppo_micro_batch_size)
+        yield micros, micro_batch_weights(micros, config.loss_agg_mode, group=group)
+
+
 def dp_world() -> tuple[int, int]:
     """(rank, size) of the data-parallel group: torch.distributed's default group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():

@@ -22,6 +22,22 @@ MARKER="# written by hybridflow slurm/dev_cluster.sh"
 
 running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# detach LOG COMMAND...: start a daemon in a session of its own, from /, holding none of this script's descriptors:
+# stdin from /dev/null, stdout and stderr to LOG, every other inherited descriptor closed. A caller that reads this
+# script's output through pipes (subprocess.run(capture_output=True), CI logs) then sees EOF as soon as the script
+# ends, whatever it left running. `setsid -f` forks, so no shell of ours stays behind waiting on the daemon.
+detach() {
+  local log=$1; shift
+  (
+    cd /
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      if [ "$fd" -gt 2 ] && [ "$fd" != 255 ]; then eval "exec $fd>&-"; fi
+    done 2>/dev/null
+    exec setsid -f "$@" </dev/null >>"$log" 2>&1
+  )
+}
+
 stop_pidfile() {  # stop_pidfile FILE: TERM the process, wait up to 10 s
   if running "$1"; then
     local pid; pid=$(cat "$1"); kill "$pid"
@@ -71,7 +87,7 @@ fi
 chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
 install -d -o munge -g munge -m 0755 /run/munge
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-  runuser -u munge -- /usr/sbin/munged </dev/null >/dev/null 2>&1
+  detach "$DIR/log/munged.log" runuser -u munge -- /usr/sbin/munged
   touch "$DIR/started-munged"
   for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
   munge -n | unmunge >/dev/null
@@ -80,8 +96,8 @@ fi
 # 4. MariaDB for slurmdbd (Debian's package has initialised /var/lib/mysql; root logs in over the unix socket).
 install -d -o mysql -g mysql /run/mysqld
 if ! mysqladmin ping >/dev/null 2>&1; then
-  (cd / && setsid /usr/sbin/mariadbd --user=mysql --bind-address=127.0.0.1 --socket=/run/mysqld/mysqld.sock \
-     --pid-file=/run/mysqld/mysqld.pid </dev/null >"$DIR/log/mariadb.log" 2>&1 &)
+  detach "$DIR/log/mariadb.log" /usr/sbin/mariadbd --user=mysql --bind-address=127.0.0.1 \
+    --socket=/run/mysqld/mysqld.sock --pid-file=/run/mysqld/mysqld.pid
   touch "$DIR/started-mariadb"
   for _ in $(seq 150); do mysqladmin ping >/dev/null 2>&1 && break; sleep 0.2; done
   mysqladmin ping >/dev/null || { echo "MariaDB did not start; see $DIR/log/mariadb.log" >&2; exit 1; }
@@ -169,7 +185,7 @@ fi
 
 # 6. Daemons: slurmdbd, the cluster in the accounting database, slurmctld, slurmd.
 if ! running "$DIR/slurmdbd.pid"; then
-  slurmdbd </dev/null >/dev/null 2>&1
+  detach "$DIR/log/slurmdbd.out" slurmdbd
 fi
 for _ in $(seq 100); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.2; done
 if ! sacctmgr -n list cluster >/dev/null 2>&1; then
@@ -180,8 +196,8 @@ fi
 if ! sacctmgr -n -P list cluster format=cluster 2>/dev/null | grep -qx hybridflow; then
   sacctmgr -i add cluster hybridflow >/dev/null
 fi
-running "$DIR/slurmctld.pid" || slurmctld </dev/null >/dev/null 2>&1
-running "$DIR/slurmd.pid" || slurmd </dev/null >/dev/null 2>&1
+running "$DIR/slurmctld.pid" || detach "$DIR/log/slurmctld.out" slurmctld
+running "$DIR/slurmd.pid" || detach "$DIR/log/slurmd.out" slurmd
 
 # 7. Wait for the node; undo a DRAIN/DOWN left in the saved state by an earlier run (or a failure test).
 st=""

@@ -47,23 +47,54 @@ def prefect_api(tmp_path_factory):
     mp.undo()
 
 
+# `dev_cluster.sh start` takes ~60 s when it installs the Debian packages and ~4 s once they are there; a bound well
+# above that turns a hang (a daemon holding the script's pipes, a daemon that never answers) into an error that
+# shows the daemons' logs instead of a silent wait.
+SLURM_START_TIMEOUT_S = 300
+
+
+def start_dev_cluster(timeout_s: float = SLURM_START_TIMEOUT_S) -> str | None:
+    """Run ``slurm/dev_cluster.sh start`` with its output captured through pipes (as a fresh machine's first test
+    run does). Returns None when the cluster is up, else why not: the script's output and the tail of every daemon
+    log under ``$HYBRIDFLOW_SLURM_DIR/log``."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "slurm" / "dev_cluster.sh"
+    try:
+        done = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        return f"{script} start did not return within {timeout_s:.0f} s{_text(e.stdout)}{_text(e.stderr)}{_slurm_logs()}"
+    if done.returncode != 0:
+        return f"{script} start failed (exit {done.returncode}):\n{done.stdout}{done.stderr}{_slurm_logs()}"
+    return None
+
+
+def _text(output: bytes | str | None) -> str:
+    if not output:
+        return ""
+    return "\n" + (output.decode(errors="replace") if isinstance(output, bytes) else output)
+
+
+def _slurm_logs(lines: int = 20) -> str:
+    from pathlib import Path
+
+    log_dir = Path(os.environ.get("HYBRIDFLOW_SLURM_DIR", "/var/lib/hybridflow-slurm")) / "log"
+    parts = []
+    for log in sorted(log_dir.glob("*")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n" + "\n".join(parts) if parts else f"\n(no daemon logs in {log_dir})"
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real one-node Slurm cluster, started by the project's `slurm/dev_cluster.sh` (munge, MariaDB + slurmdbd,
     slurmctld, slurmd; installed from Debian when missing). Needs root; CI (CI=true) fails rather than skips."""
     import shutil
     import socket
-    import subprocess
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "slurm" / "dev_cluster.sh"
-    why = None
-    if os.geteuid() != 0:
-        why = "starting the development Slurm cluster needs root"
-    else:
-        done = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            why = f"{script} start failed:\n{done.stdout}{done.stderr}"
+    why = "starting the development Slurm cluster needs root" if os.geteuid() != 0 else start_dev_cluster()
     if why is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(why)

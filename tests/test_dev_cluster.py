@@ -1,0 +1,38 @@
+"""`slurm/dev_cluster.sh start` on a machine where the cluster is stopped returns promptly to a caller that reads its
+output through pipes: no daemon it starts keeps the script's stdout/stderr open (issue: a MariaDB started in a
+background subshell held them, and the first `pytest` on a fresh machine waited 15 minutes)."""
+
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import start_dev_cluster
+
+SCRIPT = Path(__file__).resolve().parent.parent / "slurm" / "dev_cluster.sh"
+
+
+def _daemons() -> set[str]:
+    names = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                names.add(proc.joinpath("comm").read_text().strip())
+            except OSError:
+                pass
+    return names
+
+
+def test_start_from_stopped_returns_through_pipes(slurm_cluster):
+    subprocess.run(["bash", str(SCRIPT), "stop"], check=True, capture_output=True, timeout=120)
+    assert not {"slurmctld", "slurmd", "slurmdbd", "mariadbd"} & _daemons(), "stop left daemons running"
+    started = time.monotonic()
+    why = start_dev_cluster(timeout_s=120)  # pipes, as the fixture and a fresh machine's first test run use them
+    took = time.monotonic() - started
+    assert why is None, why
+    assert took < 60, f"start from stopped took {took:.0f} s"  # measured ~4 s with the packages installed
+    assert {"slurmctld", "slurmd", "slurmdbd", "mariadbd", "munged"} <= _daemons()
+    state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, check=True).stdout.split()
+    assert state and state[0] in ("idle", "mixed", "allocated")
+    queue = subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True, text=True)
+    assert queue.returncode == 0, f"accounting (slurmdbd + MariaDB) does not answer: {queue.stderr}"
+

@@ -9,14 +9,18 @@ micro-batch sizes count sequences (prompt + one response).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hybridflow.engine.parallel_layout import HybridLayout
+
+logger = logging.getLogger(__name__)
 
 
 class _Section(BaseModel):
@@ -44,14 +48,22 @@ class ReasoningGymConfig(_Section):
 class DataConfig(_Section):
     """Prompt sources, prompt length limit (tokens) and batch sizes (prompts)."""
 
-    train_files: list[str] = Field(default_factory=list, description="parquet/jsonl files in verl's layout")
-    val_files: list[str] = Field(default_factory=list)
+    train_files: list[str] = Field(
+        default_factory=list, description="parquet/jsonl files in verl's layout (one path or a list)"
+    )
+    val_files: list[str] = Field(default_factory=list, description="held-out prompts for validation (path or list)")
     reasoning_gym: ReasoningGymConfig | None = None
     max_prompt_length: int = Field(256, gt=0, description="tokens; longer prompts are dropped")
     train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
     val_batch_size: int = Field(64, gt=0, description="prompts per validation generate call")
     shuffle: bool = True
     seed: int = 0
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, value: Any) -> Any:
+        """``data.train_files: train.parquet`` means ``[train.parquet]`` (as verl accepts)."""
+        return [value] if isinstance(value, str | Path) else value
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -464,12 +476,104 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         tree = yaml.safe_load(text) or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
-    for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like key.sub=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    return validate_config(apply_overrides(tree, overrides or [], source=str(path or "the config")))
+
+
+def validate_config(tree: dict[str, Any]) -> HybridFlowConfig:
+    """Validate a config tree (plain data, e.g. a stored run's config).
+
+    Raises:
+        ConfigError: naming every unknown, missing or ill-typed key and, for choices, the allowed values."""
     try:
         return HybridFlowConfig.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_errors(e)) from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=[x, y]"]`` -> ``{"a.b": 1, "c": ["x", "y"]}`` (values parsed as YAML).
+
+    Raises:
+        ConfigError: for an item that is not ``key=value``."""
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        parsed[key.strip()] = yaml.safe_load(raw)
+    return parsed
+
+
+RESUMABLE_KEYS = (
+    "trainer.total_iterations",
+    "trainer.test_freq",
+    "trainer.save_freq",
+    "placement.executor",
+    "placement.slurm.",
+    "placement.heartbeat_timeout_s",
+    "placement.call_timeout_s",
+)
+"""Keys (or prefixes, ending in '.') that ``hf resume RUN_ID -o ...`` may change: how long the run goes, how often
+it validates and saves, and where and under which limits its workers run. None of them changes what an iteration
+computes, so the resumed run's iterations equal those of a run started with the new values."""
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+    return {prefix.removesuffix("."): tree}
+
+
+def resume_config(stored: dict[str, Any], overrides: list[str]) -> HybridFlowConfig:
+    """A recorded run's config with ``hf resume`` overrides applied, refused where they would change the
+    computation (anything outside `RESUMABLE_KEYS`: the model, data, batch sizes, algorithm, ...).
+
+    Raises:
+        ConfigError: for an invalid override or value, or one that changes a key outside `RESUMABLE_KEYS` (the
+            keys are named, with the way out: a new run with ``hf run``)."""
+    old = validate_config(stored).model_dump(mode="json")
+    new = validate_config(apply_overrides(stored, overrides, source="the run's recorded config"))
+    before, after = _leaves(old), _leaves(new.model_dump(mode="json"))
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    refused = [k for k in changed if not k.startswith(RESUMABLE_KEYS)]
+    if refused:
+        raise ConfigError(
+            f"hf resume cannot change {', '.join(refused)}: that would change what the run's iterations compute, "
+            "so the resumed run would no longer be one run. Start a new run with hf run instead. Resume may change: "
+            + ", ".join(k + ("*" if k.endswith(".") else "") for k in RESUMABLE_KEYS)
+        )
+    return new
+
+
+_PROMPT_SOURCES = {"files": ("data.train_files", "data.val_files"), "reasoning_gym": ("data.reasoning_gym",)}
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str], source: str = "the config") -> dict[str, Any]:
+    """A copy of `tree` with ``key.sub=value`` overrides applied.
+
+    Prompt sources: an override that names one kind of source (``data.train_files`` / ``data.val_files``, or
+    ``data.reasoning_gym.*``) replaces the other kind given by `tree` rather than mixing both into one training set
+    (a warning says so); to mix them, name both kinds in the overrides or write both in the file.
+
+    Raises:
+        ConfigError: for a malformed override or one that descends into a value."""
+    tree = copy.deepcopy(tree)
+    parsed = parse_overrides(overrides)
+    named = {kind for kind, keys in _PROMPT_SOURCES.items() for key in parsed if key.startswith(keys)}
+    data = tree.get("data")
+    if len(named) == 1 and isinstance(data, dict):
+        (kind,) = named
+        other = "reasoning_gym" if kind == "files" else "files"
+        dropped = [k for k in _PROMPT_SOURCES[other] if data.get(k.removeprefix("data."))]
+        for key in dropped:
+            del data[key.removeprefix("data.")]
+        if dropped:
+            logger.warning(
+                "%s given with -o replaces %s of %s (name both with -o to train on a mix)",
+                " / ".join(_PROMPT_SOURCES[kind]),
+                " / ".join(dropped),
+                source,
+            )
+    for key, value in parsed.items():
+        _set_dotted(tree, key, value)
+    return tree

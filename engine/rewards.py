@@ -197,6 +197,21 @@ def default_compute_score(
         return {"score": score, "acc": 1.0 if score >= 1.0 else 0.0}
     if data_source.startswith(REASONING_GYM_PREFIX):
         return reasoning_gym_score(data_source, solution_str, ground_truth, extra_info)
+    check_builtin_source(data_source)  # raises, naming the fix
+    raise AssertionError("unreachable")
+
+
+def check_builtin_source(data_source: str) -> None:
+    """Whether `default_compute_score` can score prompts of `data_source` (checked before a run starts).
+
+    Raises:
+        ValueError: for a data_source with no built-in reward (saying to set ``reward.custom_function``), or a
+            ``reasoning_gym/<name>`` that names no generator (close names listed)."""
+    if data_source in GSM8K_SOURCES:
+        return
+    if data_source.startswith(REASONING_GYM_PREFIX):
+        _reasoning_gym_scorer(data_source[len(REASONING_GYM_PREFIX) :])
+        return
     raise ValueError(
         f"no built-in reward for data_source {data_source!r} (built in: {', '.join(GSM8K_SOURCES)}, "
         "reasoning_gym/<name>); set reward.custom_function to 'module:function' or 'path.py:function' with the "

@@ -23,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from hybridflow.engine.advantage import build_kl_controller
 from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.core_algos import uses_critic
-from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows, collate_prompts
-from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.data import PromptSampler, collate_prompts
 from hybridflow.engine.metrics import Timer, compute_data_metrics
-from hybridflow.engine.models import load_tokenizer
 from hybridflow.engine.workers import roles_for
+from hybridflow.flows.preflight import prompt_sets
 from hybridflow.flows.store import RunStore
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
@@ -43,6 +43,8 @@ from hybridflow.tasks import stages
 logger = logging.getLogger(__name__)
 
 WORKER_CLS = "hybridflow.engine.workers:RLHFWorker"
+INTERRUPT_GRACE_S = 3.0
+"""Seconds a worker group gets to exit after Ctrl-C / SIGTERM before its job is cancelled and its ranks killed."""
 
 # Progress listeners: callables (event, data) the CLI registers for its live display. Events: "flow" (run_id,
 # ui_url), "start" (run_id, total, start_step), "stage" (name, step), "iteration" (step, metrics), "validation"
@@ -112,17 +114,14 @@ class Prompts:
 
     @classmethod
     def build(cls, cfg: HybridFlowConfig, data_dir: Path) -> Prompts:
-        tokenizer = load_tokenizer(resolve_model_path(cfg.model.path))
-        train_rows, val_rows = build_prompt_rows(cfg.data)
-        train = PromptDataset(train_rows, tokenizer, cfg.data.max_prompt_length)
-        sampler = PromptSampler(train, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        sets = prompt_sets(cfg)  # already built by the pre-flight check in this process
+        sampler = PromptSampler(sets.train, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         val_batches = []
-        if val_rows:
-            val = PromptDataset(val_rows, tokenizer, cfg.data.max_prompt_length)
+        if sets.val is not None:
             size = cfg.data.val_batch_size
-            for start in range(0, len(val), size):
-                items = [val[i] for i in range(start, min(start + size, len(val)))]
-                val_batches.append(DataHandle.put(collate_prompts(items, tokenizer), data_dir, "val"))
+            for start in range(0, len(sets.val), size):
+                items = [sets.val[i] for i in range(start, min(start + size, len(sets.val)))]
+                val_batches.append(DataHandle.put(collate_prompts(items, sets.tokenizer), data_dir, "val"))
         return cls(sampler, val_batches)
 
 
@@ -194,11 +193,12 @@ class Workers:
     def __getitem__(self, role: str) -> WorkerGroup:
         return self.by_role[role]
 
-    def shutdown(self) -> None:
-        """Shut every group down; one that fails to stop does not keep the others running."""
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Shut every group down (each gets `timeout_s` seconds to exit before its job is cancelled); one that fails
+        to stop does not keep the others running."""
         for name, group in self.groups.items():
             try:
-                group.shutdown()
+                group.shutdown(timeout_s)
             except Exception:  # log it and go on to the next group's job
                 logger.exception("shutting down worker group %s (job %s) failed", name, group.job_id)
 
@@ -257,6 +257,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
     store.set_status(run_id, "running")
     _notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
     workers = None
+    interrupted = False
     try:
         prompts = Prompts.build(cfg, data_dir)
         kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
@@ -308,13 +309,17 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
                 return _stop_preempted(store, run_id, step + 1, "; ".join(warned), metrics)
         store.set_status(run_id, "completed")
         return metrics
+    except (KeyboardInterrupt, TerminationSignal) as e:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
+        stopped = "SIGTERM" if isinstance(e, TerminationSignal) else "an interrupt (Ctrl-C)"
+        store.set_status(run_id, "interrupted", error=f"stopped by {stopped}; continue with hf resume {run_id}")
+        interrupted = True
+        raise
     except BaseException as e:
-        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-        store.set_status(run_id, status, error="".join(traceback.format_exception(e))[-4000:])
+        store.set_status(run_id, "failed", error="".join(traceback.format_exception(e))[-4000:])
         raise
     finally:
-        if workers is not None:
-            workers.shutdown()
+        if workers is not None:  # stopped by the user: a rank busy in a stage is not waited for
+            workers.shutdown(timeout_s=INTERRUPT_GRACE_S if interrupted else 30.0)
 
 
 def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl) -> dict[str, Any]:

@@ -82,6 +82,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     create_engine,
+    delete,
     event,
     select,
     text,
@@ -928,6 +929,24 @@ class RunStore:
         with self._writing() as session:
             self._require_run(session, run_id)
             session.add_all(placements)
+
+    def update_config(self, run_id: str, config: Mapping[str, Any]) -> None:
+        """Replace a run's stored config (``hf resume -o ...`` extending a run; the caller has checked that the
+        change leaves the computation as it was). Raises ValueError as `create_run` and UnknownRunError."""
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config must be a dict, got {type(config).__name__}; pass model_dump(mode='json')")
+        stored = json.loads(json.dumps(dict(config), allow_nan=False))
+        with self._writing() as session:
+            result = session.execute(update(RunRow).where(RunRow.id == run_id).values(config=stored))
+            if result.rowcount == 0:
+                raise UnknownRunError(run_id, self.url)
+
+    def delete_run(self, run_id: str) -> None:
+        """Delete a run and everything recorded of it (iterations, metrics, checkpoints' records, placements: the
+        foreign keys cascade), in one transaction. Files on disk are the caller's. Raises UnknownRunError."""
+        with self._writing() as session:
+            if session.execute(delete(RunRow).where(RunRow.id == run_id)).rowcount == 0:
+                raise UnknownRunError(run_id, self.url)
 
     # ------------------------------------------------------------------------------------------------- reads
 

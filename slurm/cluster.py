@@ -102,3 +102,11 @@ def cancel(job_id: str) -> bool:
     if done.returncode != 0:
         logger.warning("scancel %s failed: %s", job_id, done.stderr.strip())
     return done.returncode == 0
+
+
+def partitions() -> list[str]:
+    """The cluster's partition names (``sinfo -h -o %R``), in sinfo's order.
+
+    Raises:
+        SlurmCommandError: sinfo is missing or fails (no Slurm here, or slurmctld does not answer)."""
+    return list(dict.fromkeys(_run(["sinfo", "-h", "-o", "%R"]).split()))

@@ -64,7 +64,9 @@ def start_dev_cluster(timeout_s: float = SLURM_START_TIMEOUT_S) -> str | None:
     try:
         done = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
-        return f"{script} start did not return within {timeout_s:.0f} s{_text(e.stdout)}{_text(e.stderr)}{_slurm_logs()}"
+        return (
+            f"{script} start did not return within {timeout_s:.0f} s{_text(e.stdout)}{_text(e.stderr)}{_slurm_logs()}"
+        )
     if done.returncode != 0:
         return f"{script} start failed (exit {done.returncode}):\n{done.stdout}{done.stderr}{_slurm_logs()}"
     return None

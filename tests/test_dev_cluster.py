@@ -35,4 +35,3 @@ def test_start_from_stopped_returns_through_pipes(slurm_cluster):
     assert state and state[0] in ("idle", "mixed", "allocated")
     queue = subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True, text=True)
     assert queue.returncode == 0, f"accounting (slurmdbd + MariaDB) does not answer: {queue.stderr}"
-

@@ -1,0 +1,151 @@
+"""Checks of a run's inputs before any work starts: `hf run` and `hf resume` call `check_run_inputs` before they
+record a run or start a worker, so a mistake costs seconds and leaves nothing behind.
+
+What is checked, each failure an `InputError` naming the config key and the fix:
+
+- ``model.path`` / ``critic.model_path``: an embedded model (prepared), or a local folder holding a Hugging Face
+  ``config.json`` and a tokenizer; a hub id (``org/name``) is refused: no model hub is reached from here.
+- ``data.*``: every file exists and has verl's columns; the reasoning-gym generator exists; prompts fit
+  ``data.max_prompt_length``; there are at least ``data.train_batch_size`` of them; every ``data_source`` has a
+  reward (built in, or ``reward.custom_function``).
+- ``reward.custom_function``: imports and names a function taking ``(data_source, solution_str, ground_truth,
+  extra_info)``.
+- ``placement.executor: slurm``: Slurm's commands answer and ``placement.slurm.partition`` exists.
+- ``trainer.output_dir``: can be created and written.
+
+Batch-size divisibility and the parallel layout are checked by the config itself (`HybridFlowConfig`).
+The prompt sets built here are cached in the process, so the flow that follows does not build them again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridflow.engine.config import DataConfig, HybridFlowConfig
+from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows
+from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
+from hybridflow.engine.models import load_tokenizer
+from hybridflow.engine.rewards import check_builtin_source, load_reward_function
+from hybridflow.slurm import cluster
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class InputError(ValueError):
+    """A run input cannot work; the message names the config key, the problem and the fix."""
+
+
+@dataclass
+class PromptSets:
+    """The tokenizer and the tokenized prompt sets of a config (validation may be None: no held-out prompts)."""
+
+    tokenizer: Any
+    train: PromptDataset
+    val: PromptDataset | None
+
+
+def check_run_inputs(cfg: HybridFlowConfig) -> None:
+    """Check everything a run needs that the config alone cannot tell (see the module docstring).
+
+    Raises:
+        InputError: the first problem found, naming the key and the fix.
+    """
+    model_folder("model.path", cfg.model.path)
+    if cfg.critic.model_path:
+        model_folder("critic.model_path", cfg.critic.model_path)
+    if cfg.reward.custom_function:
+        try:
+            load_reward_function(cfg.reward.custom_function)
+        except (ValueError, ImportError, AttributeError, TypeError, FileNotFoundError) as e:
+            raise InputError(str(e)) from None
+    prompts = prompt_sets(cfg)
+    try:
+        PromptSampler(prompts.train, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if not cfg.reward.custom_function:
+        rows = prompts.train.rows + (prompts.val.rows if prompts.val else [])
+        for source in sorted({row["data_source"] for row in rows}):
+            try:
+                check_builtin_source(source)
+            except ValueError as e:
+                raise InputError(f"data: {e}") from None
+    if cfg.placement.executor == "slurm":
+        _check_slurm(cfg.placement.slurm.partition)
+    _check_writable("trainer.output_dir", Path(cfg.trainer.output_dir))
+
+
+def model_folder(key: str, value: str) -> Path:
+    """The local folder of a model setting (an embedded model's prepared folder, or the path itself).
+
+    Raises:
+        InputError: for a hub id, a missing or unprepared model, or a folder without a usable tokenizer.
+    """
+    folder = Path(value).expanduser()
+    if value not in EMBEDDED_MODELS and not folder.exists() and _HUB_ID.match(value):
+        raise InputError(
+            f"{key}: {value!r} looks like a model hub id, and there is no model hub here: download it elsewhere "
+            f"(e.g. `hf download {value} --local-dir DIR` on a machine with internet), copy the folder here and "
+            f"set {key}=DIR; or use an embedded model: {', '.join(sorted(EMBEDDED_MODELS))}"
+        )
+    try:
+        folder = resolve_model_path(value)
+        load_tokenizer(folder)
+    except FileNotFoundError as e:
+        raise InputError(str(e).replace("model.path", key)) from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"{key}: the folder {folder} has no tokenizer transformers can load ({e})") from None
+    return folder
+
+
+def prompt_sets(cfg: HybridFlowConfig) -> PromptSets:
+    """The config's tokenizer and tokenized train / validation prompts, built once per process and config.
+
+    Raises:
+        InputError: a prompt file is missing or malformed, the reasoning-gym generator or its settings are
+            unknown, or every prompt is longer than ``data.max_prompt_length``.
+    """
+    return _prompt_sets(str(resolve_model_path(cfg.model.path)), cfg.data.model_dump_json())
+
+
+@functools.lru_cache(maxsize=2)
+def _prompt_sets(model_folder: str, data_json: str) -> PromptSets:
+    data = DataConfig.model_validate(json.loads(data_json))
+    tokenizer = load_tokenizer(model_folder)
+    try:
+        train_rows, val_rows = build_prompt_rows(data)
+        train = PromptDataset(train_rows, tokenizer, data.max_prompt_length)
+        val = PromptDataset(val_rows, tokenizer, data.max_prompt_length) if val_rows else None
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    return PromptSets(tokenizer, train, val)
+
+
+def _check_slurm(partition: str | None) -> None:
+    try:
+        found = cluster.partitions()
+    except cluster.SlurmCommandError as e:
+        raise InputError(
+            f"placement.executor=slurm, but Slurm does not answer here: {e}. Run hf on a Slurm login node, or set "
+            "placement.executor=local"
+        ) from None
+    if partition is not None and partition not in found:
+        raise InputError(
+            f"placement.slurm.partition: no partition {partition!r} on this cluster (partitions: "
+            f"{', '.join(found) or 'none'}); set one of them, or leave it unset for the cluster's default"
+        )
+
+
+def _check_writable(key: str, folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise InputError(f"{key}: cannot write to {folder.resolve()} ({e.strerror}); set a writable folder") from None

@@ -17,6 +17,8 @@ import io
 import json
 import logging
 import os
+import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -80,6 +82,7 @@ def _connect_prefect(prefect_api: str | None) -> None:
     except RuntimeError as e:
         console.print(f"[red]{e}[/red]\nor point to a running server with --prefect-api URL")
         raise typer.Exit(1) from None
+    console.print(info.describe())
     server.use_server(info.api_url)
 
 
@@ -95,7 +98,11 @@ def run(
     db: DbOption = None,
     prefect_api: PrefectOption = None,
 ) -> None:
-    """Record a run in the store and train it (Prefect flow, worker groups)."""
+    """Record a run in the store and train it (Prefect flow, worker groups).
+
+    Everything that can be checked before work starts is checked first (the config, the model folder, the prompt
+    files and their columns, the reward function, the Slurm partition, the output folder): a mistake prints one
+    message naming the key and the fix, exits 2 and records no run."""
     from hybridflow.engine.config import ConfigError, load_config
 
     overrides = list(override or []) + ([f"placement.executor={executor}"] if executor else [])
@@ -104,6 +111,7 @@ def run(
     except ConfigError as e:
         console.print(f"[red]{config}: {e}[/red]")
         raise typer.Exit(2) from None
+    _check_inputs(cfg)
     store = _store(db)
     _connect_prefect(prefect_api)  # before the run is recorded: a server that cannot start leaves no stray run
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
@@ -114,19 +122,73 @@ def run(
 @app.command()
 def resume(
     run_id: Annotated[str, typer.Argument(help="the run to continue (see `hf runs list`)")],
+    override: Annotated[
+        list[str] | None,
+        typer.Option(
+            "-o",
+            "--override",
+            help="key.sub=value (repeatable); only keys that leave the computation unchanged, e.g. "
+            "trainer.total_iterations=40 to train a finished run further",
+        ),
+    ] = None,
     db: DbOption = None,
     prefect_api: PrefectOption = None,
 ) -> None:
-    """Continue RUN_ID from its last complete checkpoint (a new flow run of the same run)."""
+    """Continue RUN_ID from its last complete checkpoint (a new flow run of the same run), for more iterations
+    with ``-o trainer.total_iterations=N``."""
+    from hybridflow.engine.config import ConfigError, resume_config
+
     store = _store(db)
     record = _get_run(store, run_id)
-    if record.status == "completed":
-        console.print(f"run {run_id} is already completed; nothing to resume")
-        raise typer.Exit(0)
+    try:
+        cfg = resume_config(record.config, list(override or []))
+    except ConfigError as e:
+        console.print(f"[red]{run_id}: {e}[/red]")
+        raise typer.Exit(2) from None
     ckpt = store.latest_checkpoint(run_id)
-    console.print(f"resuming {run_id} from " + (f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"))
+    done, total = (ckpt.step if ckpt else 0), cfg.trainer.total_iterations
+    if total < done:
+        console.print(
+            f"[red]{run_id}: trainer.total_iterations={total} is below the {done} iterations already done; "
+            "give a larger number[/red]"
+        )
+        raise typer.Exit(2)
+    if record.status == "completed" and total == done:
+        console.print(
+            f"run {run_id} is already completed ({done} iterations); to train it further: "
+            f"hf resume {run_id} -o trainer.total_iterations=N"
+        )
+        raise typer.Exit(0)
+    _check_inputs(cfg)
+    if cfg.model_dump(mode="json") != record.config:
+        store.update_config(run_id, cfg.model_dump(mode="json"))
+    start = f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"
+    console.print(f"resuming {run_id} from {start} to iteration {total}")
     _connect_prefect(prefect_api)
     _train(store, run_id)
+
+
+def _check_inputs(cfg) -> None:
+    """The pre-flight check (`hybridflow.flows.preflight`); on a problem: its message, exit 2."""
+    from hybridflow.flows.preflight import InputError, check_run_inputs
+
+    try:
+        with console.status("checking the model, data and reward function..."):
+            check_run_inputs(cfg)
+    except InputError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that a run stops as on Ctrl-C: recorded ``interrupted``, workers
+    stopped, resumable from its last checkpoint."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    """SIGTERM handler of the ``hf`` process (inside a flow run Prefect's own handler raises first, then hands the
+    signal back to this one)."""
+    raise _Terminated()
 
 
 def _train(store, run_id: str) -> None:
@@ -137,9 +199,9 @@ def _train(store, run_id: str) -> None:
         rlhf.listeners.append(progress.on_event)
         try:
             rlhf.rlhf_flow(run_id=run_id)
-        except KeyboardInterrupt:  # the flow has recorded the run as interrupted
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the flow has recorded the run as interrupted
             console.print(f"[yellow]interrupted; continue with: hf resume {run_id}[/yellow]")
-            raise typer.Exit(130) from None
+            raise typer.Exit(143 if isinstance(e, _Terminated) else 130) from None
         except Exception as e:  # the flow has recorded the failure in the store
             console.print(f"[red]run {run_id} failed: {type(e).__name__}: {e}[/red]")
             console.print(f"continue it with: hf resume {run_id}")
@@ -232,6 +294,47 @@ def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.4g}"
 
 
+@runs_app.command("delete")
+def runs_delete(
+    run_id: str,
+    files: Annotated[bool, typer.Option("--files", help="also remove the run's output folder")] = False,
+    force: Annotated[bool, typer.Option("--force", help="delete a run recorded as running")] = False,
+    db: DbOption = None,
+) -> None:
+    """Delete a run's records (metrics, iterations, checkpoints' records, placements) from the store and, with
+    ``--files``, its output folder ``<trainer.output_dir>/<experiment_name>/<run_id>``."""
+    store = _store(db)
+    record = _get_run(store, run_id)
+    if record.status == "running" and not force:
+        console.print(
+            f"[red]run {run_id} is recorded as running: stop its hf run first (or pass --force if that process is "
+            "gone)[/red]"
+        )
+        raise typer.Exit(2)
+    folder = _run_folder(store, record)
+    store.delete_run(run_id)
+    console.print(f"deleted run {run_id} from {store.url}")
+    if files:
+        if folder is not None and folder.is_dir():
+            shutil.rmtree(folder)
+            console.print(f"removed {folder}")
+        else:
+            console.print(f"no output folder of {run_id} found (looked for {folder})")
+
+
+def _run_folder(store, record) -> Path | None:
+    """The run's output folder: where its recorded checkpoints are (``<folder>/checkpoints/global_step_N``), else
+    the config's ``<trainer.output_dir>/<experiment_name>/<run_id>`` from the current directory. Only a folder named
+    after the run is ever returned."""
+    ckpts = store.checkpoints(record.id)
+    if ckpts:
+        folder = Path(ckpts[-1].path).parent.parent
+    else:
+        trainer = record.config.get("trainer", {})
+        folder = Path(trainer.get("output_dir", "outputs")).resolve() / trainer.get("experiment_name", "") / record.id
+    return folder if folder.name == record.id else None
+
+
 @runs_app.command("metrics")
 def runs_metrics(
     run_id: str,
@@ -259,26 +362,35 @@ def runs_metrics(
 # ---------------------------------------------------------------------------------------------------- server
 @server_app.command("start")
 def server_start(port: int = server.DEFAULT_PORT) -> None:
-    """Start the local Prefect server (or report the running one)."""
+    """Start this home's Prefect server (or report the running one); a taken port means a free one instead."""
     with console.status("starting the Prefect server..."):
         info = server.start(port)
-    console.print(f"Prefect server: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")
+    console.print(f"{info.describe()}  API {info.api_url}")
 
 
 @server_app.command("stop")
 def server_stop() -> None:
-    """Stop the local Prefect server started by `hf server start` or `hf run`."""
-    console.print("stopped" if server.stop() else "no local Prefect server was running")
+    """Stop this home's Prefect server (started by `hf server start` or `hf run`); never another home's."""
+    home = server.hybridflow_home()
+    console.print(
+        f"stopped the Prefect server of {home}" if server.stop() else f"no Prefect server of {home} was running"
+    )
 
 
 @server_app.command("status")
 def server_status() -> None:
-    """Whether the local Prefect server is running, and where."""
+    """Whether this home's Prefect server (the one `hf run` uses) is running, and where; exit 1 if not."""
     info = server.status()
     if info is None:
-        console.print("no local Prefect server is running (hf server start)")
+        console.print(f"no Prefect server of {server.hybridflow_home()} is running (hf server start)")
+        default = server.ServerInfo(server.DEFAULT_PORT, 0)
+        if server.healthy(default.api_url):
+            console.print(
+                f"the Prefect server at {default.ui_url} was not started by this home (another home's or someone "
+                "else's): hf run does not use it (--prefect-api to use it)"
+            )
         raise typer.Exit(1)
-    console.print(f"running: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")
+    console.print(f"running: Prefect server of {info.home}: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -313,6 +425,7 @@ def _forward_to_huggingface_hub(argv: list[str]) -> bool:
 def main() -> None:
     """Entry point of ``hf`` and ``hybridflow``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_terminated)
     if _forward_to_huggingface_hub(sys.argv[1:]):
         from huggingface_hub.cli.hf import main as huggingface_hub_main
 

@@ -2,6 +2,7 @@
 output through pipes: no daemon it starts keeps the script's stdout/stderr open (issue: a MariaDB started in a
 background subshell held them, and the first `pytest` on a fresh machine waited 15 minutes)."""
 
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -15,10 +16,8 @@ def _daemons() -> set[str]:
     names = set()
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
-            try:
+            with contextlib.suppress(OSError):
                 names.add(proc.joinpath("comm").read_text().strip())
-            except OSError:
-                pass
     return names
 
 

@@ -116,63 +116,91 @@ def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, ti
         assert math.isfinite(metrics[2]["critic/vf_loss"])
 
 
-def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tmp_path, tiny_model_dir):
+# the resume tests' runs: 4 iterations of the tiny GRPO run, long enough responses to stop one mid-iteration
+RESUMED = ["trainer.total_iterations=4", "trainer.save_freq=1", "trainer.val_before_train=false"]
+RESUMED += ["rollout.response_length=48"]
+
+
+@pytest.fixture(scope="module")
+def reference(prefect_api, tmp_path_factory, tiny_model_dir) -> dict[int, dict[str, float]]:
+    """Metrics by step of the uninterrupted 4-iteration run that the resumed runs must reproduce."""
     from hybridflow.flows.rlhf import rlhf_flow
 
-    extra = [
-        "trainer.total_iterations=4",
-        "trainer.save_freq=1",
-        "trainer.val_before_train=false",
-        "rollout.response_length=48",
-    ]
-    # the uninterrupted reference run
-    ref_dir = tmp_path / "reference"
-    ref_dir.mkdir()
-    cfg = _cfg(ref_dir, tiny_model_dir, extra=extra)
-    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = _cfg(tmp, tiny_model_dir, extra=RESUMED)
+    store = RunStore(f"sqlite:///{tmp / 'runs.db'}")
     ref_id = store.create_run(cfg.model_dump(mode="json"), "reference")
     rlhf_flow(run_id=ref_id, db_url=store.url)
-    reference = _by_step(store, ref_id)
+    return _by_step(store, ref_id)
 
-    # the same run through the CLI, killed with SIGKILL in the middle of iteration 3
-    run_dir = tmp_path / "killed"
-    run_dir.mkdir()
-    config_file = run_dir / "config.yaml"
+
+def _start_hf_run(prefect_api, tmp_path, tiny_model_dir, extra) -> tuple[subprocess.Popen, RunStore, str]:
+    """`hf run` of the resume tests' config (with `extra` overrides) as a separate process, its own store."""
     import yaml
 
-    config_file.write_text(yaml.safe_dump(_cfg(run_dir, tiny_model_dir, extra=extra).model_dump(mode="json")))
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_model_dir, extra=extra).model_dump(mode="json")))
     db = f"sqlite:///{tmp_path / 'runs.db'}"
-    env = {**os.environ}
     proc = subprocess.Popen(
         [HF, "run", str(config_file), "--db", db, "--prefect-api", prefect_api],
-        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    run_id = None
+    return proc, RunStore(db), db
+
+
+def _wait_inside_iteration(proc: subprocess.Popen, store: RunStore, step: int) -> str:
+    """Wait until the run of `proc` is inside iteration `step` (started, not ended); returns the run id."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        runs = [r for r in store.list_runs() if r.id != ref_id]
+        runs = store.list_runs()
         if runs:
-            run_id = runs[0].id
-            started = {i.step: i for i in store.iterations(run_id)}
-            if 3 in started and started[3].ended_at is None:
-                break
+            started = {i.step: i for i in store.iterations(runs[0].id)}
+            if step in started and started[step].ended_at is None:
+                return runs[0].id
         assert proc.poll() is None, proc.stdout.read().decode()
         time.sleep(0.02)
-    assert run_id is not None, "hf run never reached iteration 3"
+    raise AssertionError(f"hf run never reached iteration {step}")
+
+
+def _hf(prefect_api, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([HF, *args, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=300)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tmp_path, tiny_model_dir, reference):
+    # the run through the CLI, killed with SIGKILL in the middle of iteration 3
+    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, RESUMED)
+    run_id = _wait_inside_iteration(proc, store, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert store.get_run(run_id).status == "running"  # killed hard: nothing could record the end
     assert store.latest_checkpoint(run_id).step == 2
 
-    result = subprocess.run(
-        [HF, "resume", run_id, "--db", db, "--prefect-api", prefect_api],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _hf(prefect_api, "resume", run_id, "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming" in result.stdout and "from iteration 2" in result.stdout
     assert store.get_run(run_id).status == "completed"
@@ -184,6 +212,73 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tm
         for name in COMPARED:
             assert resumed[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
     assert [c.step for c in store.checkpoints(run_id)] == [1, 2, 3, 4]
+
+
+def test_sigterm_records_interrupted_and_resume_extends_the_run(
+    prefect_api, tmp_path, tiny_model_dir, reference, monkeypatch
+):
+    """SIGTERM in the middle of iteration 2 of a 2-iteration run: `hf run` exits 143 within seconds, the run is
+    recorded ``interrupted``, its worker processes are gone; `hf resume` finishes it; `hf resume -o
+    trainer.total_iterations=4` trains the completed run on, and iterations 3 and 4 equal those of the
+    uninterrupted 4-iteration run; an override that changes the computation is refused; `hf runs delete --files`
+    removes the run's records and folder."""
+    from typer.testing import CliRunner
+
+    from hybridflow.cli.main import app
+
+    two = [*RESUMED, "trainer.total_iterations=2"]
+    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, two)
+    run_id = _wait_inside_iteration(proc, store, 2)
+    workers = _descendants(proc.pid)
+    assert workers, "hf run has no worker processes"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0].decode()
+    took = time.monotonic() - sent
+    assert proc.returncode == 143, output
+    assert took < 20, f"hf run took {took:.1f} s to stop"  # measured ~5 s: a 3 s grace for the busy rank
+    assert f"interrupted; continue with: hf resume {run_id}" in output
+    record = store.get_run(run_id)
+    assert record.status == "interrupted" and "SIGTERM" in record.error
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in workers if _alive(pid)], "worker processes outlived hf run"
+    assert store.latest_checkpoint(run_id).step == 1
+
+    finished = _hf(prefect_api, "resume", run_id, "--db", db)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert store.get_run(run_id).status == "completed"
+
+    monkeypatch.setenv("HYBRIDFLOW_DB_URL", db)  # the in-process CLI sets it from --db; restored after the test
+    runner = CliRunner()
+    done = runner.invoke(app, ["resume", run_id, "--db", db])
+    assert done.exit_code == 0 and "already completed (2 iterations)" in done.output
+    refused = runner.invoke(
+        app, ["resume", run_id, "--db", db, "-o", "trainer.total_iterations=4", "-o", "rollout.n=8"]
+    )
+    assert refused.exit_code == 2 and "cannot change rollout.n" in " ".join(refused.output.split())
+    assert store.get_run(run_id).config["trainer"]["total_iterations"] == 2  # the refusal changed nothing
+
+    extended = _hf(prefect_api, "resume", run_id, "--db", db, "-o", "trainer.total_iterations=4")
+    assert extended.returncode == 0, extended.stdout + extended.stderr
+    assert "from iteration 2" in extended.stdout and "to iteration 4" in extended.stdout
+    record = store.get_run(run_id)
+    assert record.status == "completed" and record.config["trainer"]["total_iterations"] == 4
+    resumed = _by_step(store, run_id)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):  # stopped, resumed and extended, it is still the uninterrupted run
+        for name in COMPARED:
+            assert resumed[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+
+    folder = Path(store.latest_checkpoint(run_id).path).parent.parent
+    assert folder.name == run_id and folder.is_dir()
+    deleted = runner.invoke(app, ["runs", "delete", run_id, "--files", "--db", db])
+    assert deleted.exit_code == 0, deleted.output
+    assert [r.id for r in store.list_runs()] == [] and not folder.exists()
+    with store.engine.connect() as conn:  # the cascade took every table's rows
+        for table in ("iterations", "metrics", "checkpoints", "placements"):
+            assert conn.exec_driver_sql(f"select count(*) from {table}").scalar() == 0, table
 
 
 MEGATRON = ["actor.strategy=megatron", "actor.tp=2", "actor.pp=2", "rollout.gen_tp=1", "placement.tasks_per_node=4"]

@@ -1,0 +1,144 @@
+"""`hf run` checks its inputs before it records a run or starts anything: each mistake gives one message naming the
+config key and the fix, exit code 2, no traceback, and no run in the store. Real files, the real tiny model, a real
+SQLite store, the real CLI (typer's runner, in process); the Slurm partition check runs against the real cluster."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hybridflow.cli.main import app
+from hybridflow.flows.store import RunStore
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "grpo_tiny.yaml"
+
+
+def _row(source: str = "openai/gsm8k", **drop) -> dict:
+    row = {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": "What is 2 + 3?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "5"},
+        "extra_info": {},
+    }
+    for key in drop:
+        row.pop(key)
+    return row
+
+
+def _jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _run(tmp_path: Path, model_dir: Path, *overrides: str, model: bool = True) -> tuple[int, str]:
+    """`hf run examples/grpo_tiny.yaml -o ...` with its own store; returns (exit code, output) after checking that
+    no run was recorded."""
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    args = ["run", str(EXAMPLE), "--db", db, "-o", f"trainer.output_dir={tmp_path / 'out'}"]
+    if model:
+        args += ["-o", f"model.path={model_dir}"]
+    for item in overrides:
+        args += ["-o", item]
+    result = CliRunner().invoke(app, args)
+    assert "Traceback" not in result.output, result.output
+    assert RunStore(db).list_runs() == [], "a refused run was recorded"
+    assert "hf resume" not in result.output  # resuming cannot help a bad input
+    return result.exit_code, " ".join(result.output.split())
+
+
+def test_hub_id_is_refused_with_the_way_out(tmp_path, tiny_model_dir):
+    code, out = _run(tmp_path, tiny_model_dir, "model.path=Qwen/Qwen2.5-0.5B-Instruct", model=False)
+    assert code == 2
+    assert "model.path" in out and "no model hub here" in out and "download it elsewhere" in out
+
+
+def test_folder_without_config_is_refused(tmp_path, tiny_model_dir):
+    (tmp_path / "empty").mkdir()
+    code, out = _run(tmp_path, tiny_model_dir, f"model.path={tmp_path / 'empty'}", model=False)
+    assert code == 2 and "model.path" in out and "config.json" in out
+
+
+def test_unprepared_embedded_model_names_the_command(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path / "fresh_home"))
+    code, out = _run(tmp_path, tiny_model_dir, "model.path=smollm2", model=False)
+    assert code == 2 and "hf models prepare smollm2" in out
+
+
+def test_critic_model_path_is_checked_too(tmp_path, tiny_model_dir):
+    code, out = _run(tmp_path, tiny_model_dir, "critic.model_path=org/critic-7b")
+    assert code == 2 and "critic.model_path" in out and "no model hub here" in out
+
+
+def test_missing_data_file(tmp_path, tiny_model_dir):
+    code, out = _run(tmp_path, tiny_model_dir, f"data.train_files={tmp_path / 'nope.parquet'}")
+    assert code == 2 and "does not exist" in out and "data.train_files" in out
+
+
+def test_data_file_without_a_required_column(tmp_path, tiny_model_dir):
+    path = _jsonl(tmp_path / "train.jsonl", [_row(reward_model=True)] * 8)
+    code, out = _run(tmp_path, tiny_model_dir, f"data.train_files={path}")
+    assert code == 2 and "no column 'reward_model'" in out and str(path) in out
+
+
+def test_data_source_without_a_reward(tmp_path, tiny_model_dir):
+    path = _jsonl(tmp_path / "train.jsonl", [_row("my/own_task")] * 8)
+    code, out = _run(tmp_path, tiny_model_dir, f"data.train_files={path}")
+    assert code == 2 and "my/own_task" in out and "reward.custom_function" in out
+
+
+def test_fewer_prompts_than_a_batch(tmp_path, tiny_model_dir):
+    path = _jsonl(tmp_path / "train.jsonl", [_row()] * 2)
+    code, out = _run(tmp_path, tiny_model_dir, f"data.train_files={path}")
+    assert code == 2 and "data.train_batch_size=4 is larger than the dataset (2 prompts" in out
+
+
+def test_prompts_longer_than_the_limit(tmp_path, tiny_model_dir):
+    code, out = _run(tmp_path, tiny_model_dir, "data.max_prompt_length=3")
+    assert code == 2 and "data.max_prompt_length" in out
+
+
+def test_unknown_reasoning_gym_generator(tmp_path, tiny_model_dir):
+    code, out = _run(tmp_path, tiny_model_dir, "data.reasoning_gym.name=basic_arithmetik")
+    assert code == 2 and "basic_arithmetik" in out and "basic_arithmetic" in out  # the close match is offered
+
+
+def test_custom_reward_that_does_not_import(tmp_path, tiny_model_dir):
+    code, out = _run(tmp_path, tiny_model_dir, "reward.custom_function=no_such_module:score")
+    assert code == 2 and "reward.custom_function" in out and "not importable" in out
+
+
+def test_custom_reward_file_without_the_function(tmp_path, tiny_model_dir):
+    (tmp_path / "my_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 0.0\n"
+    )
+    code, out = _run(tmp_path, tiny_model_dir, f"reward.custom_function={tmp_path / 'my_reward.py'}:compute_scor")
+    assert code == 2 and "has no attribute 'compute_scor'" in out and "did you mean compute_score" in out
+
+
+def test_batch_sizes_that_do_not_divide(tmp_path, tiny_model_dir):
+    code, out = _run(tmp_path, tiny_model_dir, "data.train_batch_size=6", "actor.ppo_mini_batch_size=4")
+    assert code == 2 and "data.train_batch_size (6) must be a multiple of actor.ppo_mini_batch_size (4)" in out
+
+
+def test_output_dir_that_cannot_be_written(tmp_path, tiny_model_dir):
+    (tmp_path / "a_file").write_text("not a folder")
+    code, out = _run(tmp_path, tiny_model_dir, f"trainer.output_dir={tmp_path / 'a_file' / 'out'}")
+    assert code == 2 and "trainer.output_dir" in out
+
+
+def test_slurm_partition_that_does_not_exist(tmp_path, tiny_model_dir, slurm_cluster):
+    code, out = _run(tmp_path, tiny_model_dir, "placement.executor=slurm", "placement.slurm.partition=gpu-nope")
+    assert code == 2 and "placement.slurm.partition" in out and "gpu-nope" in out and "debug" in out
+
+
+@pytest.mark.parametrize("single_path", [True, False])
+def test_your_data_replaces_the_examples_source(tmp_path, tiny_model_dir, single_path):
+    """``-o data.train_files=...`` on an example with reasoning-gym prompts trains on the given file alone (and a
+    single path is taken where a list is expected): a file of 2 rows is too small for a batch of 4, which could not
+    happen if the example's 64 reasoning-gym prompts were still mixed in."""
+    path = _jsonl(tmp_path / "train.jsonl", [_row()] * 2)
+    code, out = _run(tmp_path, tiny_model_dir, f"data.train_files={path if single_path else [path]}")
+    assert code == 2 and "(2 prompts after filtering)" in out

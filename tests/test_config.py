@@ -123,3 +123,30 @@ def test_parallel_layout_keys_are_checked_and_give_the_layout():
     load_config(None, [*megatron, "actor.tp=2", "actor.pp=2", "actor.ppo_mini_batch_size=1", "rollout.n=2"])
     with pytest.raises(ConfigError, match=r"over the 2 data-parallel ranks .* / \(actor.tp x actor.pp\)"):
         load_config(None, [*megatron, "actor.tp=2", "actor.pp=2", "actor.ppo_mini_batch_size=1", "rollout.n=3"])
+
+
+def test_given_prompt_files_replace_the_files_reasoning_gym_source(tmp_path, caplog):
+    smollm2 = Path(__file__).parent.parent / "examples" / "grpo_smollm2.yaml"
+    with caplog.at_level("WARNING"):
+        cfg = load_config(smollm2, ["data.train_files=train.parquet", "data.val_files=[a.jsonl, b.jsonl]"])
+    assert cfg.data.reasoning_gym is None  # not silently mixed in
+    assert cfg.data.train_files == ["train.parquet"]  # one path is a list of one
+    assert cfg.data.val_files == ["a.jsonl", "b.jsonl"]
+    assert "replaces data.reasoning_gym" in caplog.text
+    both = load_config(smollm2, ["data.train_files=train.parquet", "data.reasoning_gym.train_size=100"])
+    assert both.data.train_files == ["train.parquet"] and both.data.reasoning_gym.train_size == 100  # asked for
+    files = tmp_path / "files.yaml"
+    files.write_text("data:\n  train_files: train.parquet\n  val_files: val.parquet\n")
+    rg = load_config(files, ["data.reasoning_gym.name=basic_arithmetic"])
+    assert rg.data.train_files == [] and rg.data.val_files == [] and rg.data.reasoning_gym.name == "basic_arithmetic"
+
+
+def test_resume_may_extend_a_run_but_not_change_its_computation():
+    from hybridflow.engine.config import resume_config
+
+    stored = load_config(Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml").model_dump(mode="json")
+    extended = resume_config(stored, ["trainer.total_iterations=40", "placement.slurm.time_min=30"])
+    assert extended.trainer.total_iterations == 40 and extended.placement.slurm.time_min == 30
+    for change in ["model.path=smollm2", "data.train_batch_size=8", "algorithm.adv_estimator=rloo"]:
+        with pytest.raises(ConfigError, match=rf"cannot change {change.split('=')[0]}: .* hf run"):
+            resume_config(stored, [change])

@@ -114,7 +114,7 @@ class Prompts:
 
     @classmethod
     def build(cls, cfg: HybridFlowConfig, data_dir: Path) -> Prompts:
-        sets = prompt_sets(cfg)  # already built by the pre-flight check in this process
+        sets = prompt_sets(cfg)  # cached per process: under hf run, built by its pre-flight check
         sampler = PromptSampler(sets.train, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
         val_batches = []
         if sets.val is not None:

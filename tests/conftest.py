@@ -1,11 +1,27 @@
 """Shared fixtures: the tiny random model folder (built once per test session, real files on disk)."""
 
 import os
+import socket
 
 import pytest
 
+from hybridflow.cli import server
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Prefect reads its settings once, when it is first imported (here: while test modules are collected), so the
+# session server's URL is set now, before that, and the `prefect_api` fixture starts the server on this port; set
+# later, the in-process flows would quietly run on an ephemeral server of Prefect's own instead.
+PREFECT_PORT = _free_port()
+server.use_server(f"http://127.0.0.1:{PREFECT_PORT}/api")
 
 
 @pytest.fixture(scope="session")
@@ -26,21 +42,17 @@ def tiny_tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """A real Prefect server for the session, started and stopped by `hybridflow.cli.server` (as `hf run` does),
-    on a free port with its database in a temporary HYBRIDFLOW_HOME; the test process's client points at it."""
-    import socket
+    on `PREFECT_PORT` with its database in a temporary HYBRIDFLOW_HOME; the test process's client points at it."""
+    from prefect.settings import PREFECT_API_URL
 
-    from hybridflow.cli import server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     home = tmp_path_factory.mktemp("prefect_home")
     mp = pytest.MonkeyPatch()
     mp.setenv("HYBRIDFLOW_HOME", str(home))
-    info = server.start(port=port)
+    info = server.start(port=PREFECT_PORT)
     assert server.status() is not None, "hf server status does not see the server it started"
     mp.undo()  # the rest of the session keeps its own HYBRIDFLOW_HOME (e.g. the prepared SmolLM2)
-    server.use_server(info.api_url)
+    assert info.port == PREFECT_PORT, f"port {PREFECT_PORT} was taken meanwhile: {info.describe()}"
+    assert PREFECT_API_URL.value() == info.api_url, "Prefect's client settings do not point at the session server"
     yield info.api_url
     mp.setenv("HYBRIDFLOW_HOME", str(home))
     assert server.stop()

@@ -106,6 +106,9 @@ def test_hf_run_on_slurm_with_dp_actor_and_split_critic(slurm_cluster, prefect_a
     assert actor.slurm_job_id in shown.stdout and critic.slurm_job_id in shown.stdout and "slurm" in shown.stdout
 
 
+TOTAL = 20  # iterations of the time-limit test's run: many more than the warning needs to reach the controller
+
+
 def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
     slurm_cluster, prefect_api, tmp_path, tiny_model_dir
 ):
@@ -114,7 +117,7 @@ def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
         tiny_model_dir,
         "grpo_tiny.yaml",
         [
-            "trainer.total_iterations=5",
+            f"trainer.total_iterations={TOTAL}",
             "trainer.save_freq=0",
             "trainer.val_before_train=false",
             "data.reasoning_gym.val_size=0",
@@ -135,9 +138,10 @@ def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
     run = store.get_run(run_id)
     assert run.status == "interrupted" and "SIGUSR2" in run.error, run.error
     warned_at = store.latest_checkpoint(run_id).step
-    # the warning reaches the controller within a heartbeat (0.5 s) and a tiny iteration takes about a second: it
-    # stops in iteration 2 or 3, keeping that iteration's start state (no update yet) or its end state
-    assert warned_at in (1, 2, 3)
+    # the warning reaches the controller within a heartbeat (0.5 s) and a tiny iteration takes 0.2-1 s (its random
+    # model often ends a response early): it stops a few iterations after the second, well before the last, keeping
+    # that iteration's start state (no update yet) or its end state
+    assert 1 <= warned_at <= TOTAL // 2
 
     # 2. Resume; kill -9 the new group's rank mid-iteration: the run is marked failed, naming group, rank and job.
     first_job = _current_job(store, run_id)
@@ -159,5 +163,5 @@ def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
     run = store.get_run(run_id)
     assert run.status == "completed"
     assert _current_job(store, run_id) not in (first_job, job, None)
-    assert {m.step for m in store.metrics(run_id)} >= {1, 2, 3, 4, 5}
-    assert [c.step for c in store.checkpoints(run_id)] == [warned_at, 5]
+    assert {m.step for m in store.metrics(run_id)} >= set(range(1, TOTAL + 1))
+    assert [c.step for c in store.checkpoints(run_id)] == [warned_at, TOTAL]

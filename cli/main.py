@@ -160,8 +160,9 @@ def resume(
         )
         raise typer.Exit(0)
     _check_inputs(cfg)
-    if cfg.model_dump(mode="json") != record.config:
-        store.update_config(run_id, cfg.model_dump(mode="json"))
+    config = cfg.model_dump(mode="json")
+    if config != record.config:
+        store.update_config(run_id, config)
     start = f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"
     console.print(f"resuming {run_id} from {start} to iteration {total}")
     _connect_prefect(prefect_api)

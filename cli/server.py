@@ -125,7 +125,7 @@ def start(port: int = DEFAULT_PORT, timeout_s: float = START_TIMEOUT_S) -> Serve
     home.mkdir(parents=True, exist_ok=True)
     taken_port = None
     if not _port_free(port):
-        taken_port, port = port, _free_port()
+        taken_port, port = port, free_port()
     env = {**os.environ, **OFFLINE_ENV, "PREFECT_HOME": str(home.resolve())}
     env.pop("PREFECT_API_URL", None)
     log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child process
@@ -210,7 +210,7 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A port on 127.0.0.1 that is free now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

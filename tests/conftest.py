@@ -1,7 +1,6 @@
 """Shared fixtures: the tiny random model folder (built once per test session, real files on disk)."""
 
 import os
-import socket
 
 import pytest
 
@@ -11,16 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Prefect reads its settings once, when it is first imported (here: while test modules are collected), so the
 # session server's URL is set now, before that, and the `prefect_api` fixture starts the server on this port; set
 # later, the in-process flows would quietly run on an ephemeral server of Prefect's own instead.
-PREFECT_PORT = _free_port()
+PREFECT_PORT = server.free_port()
 server.use_server(f"http://127.0.0.1:{PREFECT_PORT}/api")
 
 

@@ -16,7 +16,6 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
+
+from hybridflow.cli.server import free_port
 
 SERVER_SETTINGS = "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=50"
 
@@ -62,12 +63,6 @@ def unavailable_reason() -> str | None:
         if shutil.which("runuser") is None:
             return "running as root and runuser(1) is missing, needed to run the server as 'postgres'"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -122,7 +117,7 @@ def postgres_server() -> Iterator[PostgresServer]:
         initdb_options = ["-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"]
         _run([str(bin_dir / "initdb"), "-D", str(data), *initdb_options], base, "initdb")
         for attempt in range(3):  # the free port may be taken between finding and binding it
-            port = _free_port()
+            port = free_port()
             options = f"-h 127.0.0.1 -p {port} -k {base} {SERVER_SETTINGS}"
             try:
                 start = [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "30"]

@@ -4,7 +4,6 @@ second home never attaches to the first home's server, sees only its own and sto
 import json
 import os
 import signal
-import socket
 
 import pytest
 from typer.testing import CliRunner
@@ -22,12 +21,6 @@ def _offline(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_status_without_a_server_exits_1(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path))
     result = runner.invoke(main.app, ["server", "status"])
@@ -38,7 +31,7 @@ def test_status_without_a_server_exits_1(tmp_path, monkeypatch):
 
 def test_each_home_gets_its_own_server(tmp_path, monkeypatch, capsys):
     home_a, home_b = tmp_path / "a", tmp_path / "b"
-    port = _free_port()
+    port = server.free_port()
     started = []  # (home, pid) of every server this test started: all stopped in `finally`
 
     def in_home(home):

@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -54,11 +55,16 @@ PrefectOption = Annotated[
 
 
 def _store(db: str | None):
-    from hybridflow.flows.store import RunStore
+    """The run store (`--db` or the default); an unreachable or unusable one: its one-line message, exit 2."""
+    from hybridflow.flows.store import RunStore, RunStoreError
 
     if db:  # the flow (and its workers) read the same variable; a URL never goes into flow parameters
         os.environ["HYBRIDFLOW_DB_URL"] = db
-    return RunStore(db)
+    try:
+        return RunStore(db)
+    except (RunStoreError, ValueError) as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
 
 
 def _get_run(store, run_id: str):
@@ -131,21 +137,37 @@ def resume(
             "trainer.total_iterations=40 to train a finished run further",
         ),
     ] = None,
+    from_checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="resume from this checkpoint (global_step_N, see hf runs show) instead of the newest usable one; "
+            "the later ones are marked superseded; global_step_0 starts over",
+        ),
+    ] = None,
     db: DbOption = None,
     prefect_api: PrefectOption = None,
 ) -> None:
-    """Continue RUN_ID from its last complete checkpoint (a new flow run of the same run), for more iterations
-    with ``-o trainer.total_iterations=N``."""
+    """Continue RUN_ID from its newest usable checkpoint (a new flow run of the same run), for more iterations
+    with ``-o trainer.total_iterations=N``. A checkpoint that fails verification is marked bad and the one before
+    it is used. A run another controller is training is refused; one whose controller crashed is taken over."""
     from hybridflow.engine.config import ConfigError, resume_config
+    from hybridflow.flows.store import LeaseHeldError, controller_state
 
     store = _store(db)
     record = _get_run(store, run_id)
+    if controller_state(record) == "live":
+        console.print(f"[red]{LeaseHeldError(run_id, record.lease_host, record.lease_pid, record.heartbeat_at)}[/red]")
+        raise typer.Exit(2)
     try:
         cfg = resume_config(record.config, list(override or []))
     except ConfigError as e:
         console.print(f"[red]{run_id}: {e}[/red]")
         raise typer.Exit(2) from None
+    from_step = None if from_checkpoint is None else _checkpoint_step(store, run_id, from_checkpoint)
     ckpt = store.latest_checkpoint(run_id)
+    if from_step is not None:
+        ckpt = next((c for c in store.checkpoints(run_id) if c.step == from_step), None)
     done, total = (ckpt.step if ckpt else 0), cfg.trainer.total_iterations
     if total < done:
         console.print(
@@ -153,7 +175,7 @@ def resume(
             "give a larger number[/red]"
         )
         raise typer.Exit(2)
-    if record.status == "completed" and total == done:
+    if record.status == "completed" and total == done and from_step is None:
         console.print(
             f"run {run_id} is already completed ({done} iterations); to train it further: "
             f"hf resume {run_id} -o trainer.total_iterations=N"
@@ -163,10 +185,31 @@ def resume(
     config = cfg.model_dump(mode="json")
     if config != record.config:
         store.update_config(run_id, config)
+    if controller_state(record) == "crashed":
+        beat = f"{record.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if record.heartbeat_at else "never"
+        console.print(
+            f"[yellow]run {run_id}: its controller (host {record.lease_host}, pid {record.lease_pid}) crashed; last "
+            f"heartbeat {beat}; taking over[/yellow]"
+        )
     start = f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"
     console.print(f"resuming {run_id} from {start} to iteration {total}")
     _connect_prefect(prefect_api)
-    _train(store, run_id)
+    _train(store, run_id, resume_from_step=from_step)
+
+
+def _checkpoint_step(store, run_id: str, name: str) -> int:
+    """The step of ``--from global_step_N`` (or N); exit 2 naming the usable ones if the run has no such one."""
+    text = name.rstrip("/").rsplit("/", 1)[-1].removeprefix("global_step_")
+    usable = [c for c in store.checkpoints(run_id) if c.complete and c.bad_reason is None]
+    names = ", ".join(f"global_step_{c.step}" for c in usable) or "none"
+    if not text.isdigit():
+        console.print(f"[red]--from {name}: give a checkpoint as global_step_N; {run_id} has: {names}[/red]")
+        raise typer.Exit(2)
+    step = int(text)
+    if step != 0 and step not in {c.step for c in usable}:
+        console.print(f"[red]--from {name}: {run_id} has no usable checkpoint of step {step}; usable: {names}[/red]")
+        raise typer.Exit(2)
+    return step
 
 
 def _check_inputs(cfg) -> None:
@@ -192,20 +235,26 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated()
 
 
-def _train(store, run_id: str) -> None:
+def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
     from hybridflow.cli.progress import LiveProgress
     from hybridflow.flows import rlhf
+    from hybridflow.flows.store import LeaseHeldError, LeaseLostError
 
     with LiveProgress(console) as progress:
         rlhf.listeners.append(progress.on_event)
         try:
-            rlhf.rlhf_flow(run_id=run_id)
+            rlhf.rlhf_flow(run_id=run_id, resume_from_step=resume_from_step)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the flow has recorded the run as interrupted
             console.print(f"[yellow]interrupted; continue with: hf resume {run_id}[/yellow]")
             raise typer.Exit(143 if isinstance(e, _Terminated) else 130) from None
+        except (LeaseHeldError, LeaseLostError) as e:  # the run is another controller's: nothing was recorded
+            console.print(f"[red]{e}[/red]")
+            raise typer.Exit(2) from None
         except Exception as e:  # the flow has recorded the failure in the store
             console.print(f"[red]run {run_id} failed: {type(e).__name__}: {e}[/red]")
-            console.print(f"continue it with: hf resume {run_id}")
+            if (cause := _cause(str(e))) is not None:
+                console.print(f"[red bold]cause: {cause}[/red bold]")
+            console.print(f"fix the cause, then continue with: hf resume {run_id}")
             raise typer.Exit(1) from None
         finally:
             rlhf.listeners.remove(progress.on_event)
@@ -216,10 +265,31 @@ def _train(store, run_id: str) -> None:
     console.print(f"run {run_id} completed; history: hf runs show {run_id}")
 
 
+_CAUSE = re.compile(r"^\s*((?:[\w.]+\.)?\w*(?:Error|Exception)): (.+)$")
+
+
+def _cause(message: str) -> str | None:
+    """The last ``SomeError: text`` line of a (worker's) traceback inside an error message, or None."""
+    found = [m for line in message.splitlines() if (m := _CAUSE.match(line))]
+    return f"{found[-1].group(1).rsplit('.', 1)[-1]}: {found[-1].group(2)}" if found else None
+
+
+def _status_text(record) -> str:
+    """The run's status, with ``running`` told apart: ``running`` (its controller heartbeats) or ``crashed`` (its
+    controller died: last heartbeat time)."""
+    from hybridflow.flows.store import controller_state
+
+    if record.status != "running" or controller_state(record) == "live":
+        return record.status
+    beat = f"{record.heartbeat_at:%Y-%m-%d %H:%M:%S}" if record.heartbeat_at else "none"
+    return f"crashed (last heartbeat {beat})"
+
+
 # ---------------------------------------------------------------------------------------------------- runs
 @runs_app.command("list")
 def runs_list(db: DbOption = None, limit: int = 50) -> None:
-    """The newest runs: id, experiment, status, iterations done, times."""
+    """The newest runs: id, experiment, status (a ``running`` run whose controller died shows ``crashed`` and its
+    last heartbeat, UTC), iterations done, times."""
     table = Table("experiment", "status", "iterations", "created (UTC)", "duration")
     table.columns.insert(0, Column("run id", no_wrap=True))
     store = _store(db)
@@ -228,7 +298,7 @@ def runs_list(db: DbOption = None, limit: int = 50) -> None:
         total = r.config.get("trainer", {}).get("total_iterations", "?")
         duration = f"{r.duration_s:.0f} s" if r.duration_s is not None else ""
         table.add_row(
-            r.id, r.experiment_name, r.status, f"{done}/{total}", f"{r.created_at:%Y-%m-%d %H:%M:%S}", duration
+            r.id, r.experiment_name, _status_text(r), f"{done}/{total}", f"{r.created_at:%Y-%m-%d %H:%M:%S}", duration
         )
     console.print(table)
 
@@ -250,7 +320,7 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     store = _store(db)
     r = _get_run(store, run_id)
     console.print(
-        f"[bold]{r.id}[/bold]  {r.experiment_name}  status={r.status}  code={r.code_version}  "
+        f"[bold]{r.id}[/bold]  {r.experiment_name}  status={_status_text(r)}  code={r.code_version}  "
         f"prefect flow run={r.prefect_flow_run_id}"
     )
     if r.error:
@@ -285,9 +355,10 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     for step, values in sorted(by_step.items()):
         table.add_row(str(step), *[_fmt(values.get(name)) for name in [*shown, *vals]])
     console.print(table)
-    ckpts = Table("step", "path", "bytes", "sha256", "complete", title="checkpoints")
+    ckpts = Table("step", "path", "bytes", "sha256", "usable", title="checkpoints")
     for c in store.checkpoints(run_id):
-        ckpts.add_row(str(c.step), c.path, f"{c.bytes:,}", c.sha256[:16], str(c.complete))
+        usable = "yes" if c.complete and c.bad_reason is None else f"no: {c.bad_reason or 'incomplete'}"
+        ckpts.add_row(str(c.step), c.path, f"{c.bytes:,}", c.sha256[:16], usable)
     console.print(ckpts)
 
 
@@ -299,17 +370,19 @@ def _fmt(value: float | None) -> str:
 def runs_delete(
     run_id: str,
     files: Annotated[bool, typer.Option("--files", help="also remove the run's output folder")] = False,
-    force: Annotated[bool, typer.Option("--force", help="delete a run recorded as running")] = False,
+    force: Annotated[bool, typer.Option("--force", help="delete a run even while its controller runs")] = False,
     db: DbOption = None,
 ) -> None:
     """Delete a run's records (metrics, iterations, checkpoints' records, placements) from the store and, with
     ``--files``, its output folder ``<trainer.output_dir>/<experiment_name>/<run_id>``."""
+    from hybridflow.flows.store import controller_state
+
     store = _store(db)
     record = _get_run(store, run_id)
-    if record.status == "running" and not force:
+    if controller_state(record) == "live" and not force:
         console.print(
-            f"[red]run {run_id} is recorded as running: stop its hf run first (or pass --force if that process is "
-            "gone)[/red]"
+            f"[red]run {run_id} is being trained (host {record.lease_host}, pid {record.lease_pid}): stop that "
+            "controller first, or pass --force[/red]"
         )
         raise typer.Exit(2)
     folder = _run_folder(store, record)
@@ -426,6 +499,7 @@ def _forward_to_huggingface_hub(argv: list[str]) -> bool:
 def main() -> None:
     """Entry point of ``hf`` and ``hybridflow``."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.umask(0o077)  # the run store, run folders, checkpoints and logs are readable by their owner only
     signal.signal(signal.SIGTERM, _raise_terminated)
     if _forward_to_huggingface_hub(sys.argv[1:]):
         from huggingface_hub.cli.hf import main as huggingface_hub_main

@@ -11,7 +11,8 @@ What is checked, each failure an `InputError` naming the config key and the fix:
 - ``reward.custom_function``: imports and names a function taking ``(data_source, solution_str, ground_truth,
   extra_info)``.
 - ``placement.executor: slurm``: Slurm's commands answer and ``placement.slurm.partition`` exists.
-- ``trainer.output_dir``: can be created and written.
+- ``trainer.output_dir`` (and ``trainer.checkpoint_dir`` when set): can be created and written.
+- ``trainer.resume_from``: a checkpoint folder whose files match its ``manifest.json``.
 
 Batch-size divisibility and the parallel layout are checked by the config itself (`HybridFlowConfig`).
 The prompt sets built here are cached in the process, so the flow that follows does not build them again.
@@ -79,6 +80,10 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     if cfg.placement.executor == "slurm":
         _check_slurm(cfg.placement.slurm.partition)
     _check_writable("trainer.output_dir", Path(cfg.trainer.output_dir))
+    if cfg.trainer.checkpoint_dir:
+        _check_writable("trainer.checkpoint_dir", Path(cfg.trainer.checkpoint_dir))
+    if cfg.trainer.resume_from not in (None, "auto"):
+        _check_resume_from(cfg.trainer.resume_from)
 
 
 def model_folder(key: str, value: str) -> Path:
@@ -140,6 +145,18 @@ def _check_slurm(partition: str | None) -> None:
             f"placement.slurm.partition: no partition {partition!r} on this cluster (partitions: "
             f"{', '.join(found) or 'none'}); set one of them, or leave it unset for the cluster's default"
         )
+
+
+def _check_resume_from(value: str) -> None:
+    from hybridflow.engine.checkpoint import CheckpointError, verify_checkpoint
+
+    try:
+        verify_checkpoint(value)
+    except (CheckpointError, OSError) as e:
+        raise InputError(
+            f"trainer.resume_from={value}: not a usable checkpoint ({e}); give a global_step_<N> folder written by "
+            "HybridFlow (its manifest.json lists every file), or remove the key to start from model.path"
+        ) from None
 
 
 def _check_writable(key: str, folder: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,14 +28,15 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from hybridflow.engine.advantage import build_kl_controller
-from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
+from hybridflow.engine.checkpoint import CheckpointError, read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.core_algos import uses_critic
 from hybridflow.engine.data import PromptSampler, collate_prompts
 from hybridflow.engine.metrics import Timer, compute_data_metrics
 from hybridflow.engine.workers import roles_for
+from hybridflow.flows.lease import RunLease
 from hybridflow.flows.preflight import prompt_sets
-from hybridflow.flows.store import RunStore
+from hybridflow.flows.store import LeaseLostError, RunStore
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, slurm_parameters
@@ -47,8 +49,8 @@ INTERRUPT_GRACE_S = 3.0
 """Seconds a worker group gets to exit after Ctrl-C / SIGTERM before its job is cancelled and its ranks killed."""
 
 # Progress listeners: callables (event, data) the CLI registers for its live display. Events: "flow" (run_id,
-# ui_url), "start" (run_id, total, start_step), "stage" (name, step), "iteration" (step, metrics), "validation"
-# (metrics).
+# ui_url), "fallback" (message: a checkpoint failed verification), "resumed" (step, path), "start" (run_id, total,
+# start_step), "stage" (name, step), "iteration" (step, metrics), "validation" (metrics), "preempted" (message).
 listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
 
@@ -103,6 +105,15 @@ def flow_run_ui_url() -> str | None:
 def run_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:
     """``<trainer.output_dir>/<trainer.experiment_name>/<run_id>``: logs, batches, checkpoints of one run."""
     return Path(cfg.trainer.output_dir).resolve() / cfg.trainer.experiment_name / run_id
+
+
+def checkpoint_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:
+    """Where the run's ``global_step_<N>`` checkpoints go: ``<trainer.checkpoint_dir>/<run_id>`` when
+    ``trainer.checkpoint_dir`` is set (e.g. a larger file system; one folder per run, so runs never mix), else
+    ``<run folder>/checkpoints``."""
+    if cfg.trainer.checkpoint_dir:
+        return Path(cfg.trainer.checkpoint_dir).resolve() / run_id
+    return run_dir_of(cfg, run_id) / "checkpoints"
 
 
 @dataclass
@@ -207,9 +218,11 @@ def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir:
     """Start the worker groups of ``placement`` (each a submitit job), load their models, and record the placement
     in the store. Every group's job is submitted before any is waited for, so on Slurm no group sits allocated
     while another waits in the queue. If anything fails, the groups already started are shut down."""
+    # A new secret for every controller session: a message captured from an earlier session (whose nonces this
+    # controller never saw) cannot be replayed to this one.
     secret = run_dir / "secret"
-    if not secret.exists():
-        create_secret(secret)
+    secret.unlink(missing_ok=True)
+    create_secret(secret)
     workers = Workers()
     layout = group_layout(cfg)
     try:
@@ -236,33 +249,46 @@ def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir:
 
 
 @flow(name="hybridflow-rlhf")
-def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
-    """Train the run `run_id` recorded in the run store, from its last complete checkpoint if any.
+def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | None = None) -> dict[str, float]:
+    """Train the run `run_id` recorded in the run store, from its newest usable checkpoint if any.
+
+    The controller first takes the run's lease (`hybridflow.flows.lease`): a run another live controller trains is
+    refused, one whose controller crashed is taken over. The run's folder is private (0700, files 0600).
 
     Args:
         run_id: a run created with `RunStore.create_run` (``hf run`` does this).
         db_url: the store; None reads ``$HYBRIDFLOW_DB_URL`` or the default SQLite file (keeps passwords out of
             the flow's recorded parameters).
+        resume_from_step: resume from the checkpoint of this step (``hf resume --from global_step_N``) instead of
+            the newest usable one; the run's later checkpoints are marked superseded. 0 starts over.
 
     Returns:
         the last iteration's metrics.
+
+    Raises:
+        LeaseHeldError: another controller is training the run (nothing of the run is touched).
+        LeaseLostError: another controller took the run over while this one ran (this one stops writing).
+        CheckpointError: the checkpoint asked for with `resume_from_step` is missing or corrupt.
     """
     store = RunStore(db_url)
     cfg = HybridFlowConfig.model_validate(store.get_run(run_id).config)
-    run_dir = run_dir_of(cfg, run_id)
-    data_dir = run_dir / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    if flow_run.id:
-        store.set_flow_run_id(run_id, str(flow_run.id))
-    store.set_status(run_id, "running")
-    _notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
+    lease = RunLease(store, run_id).acquire()
+    umask = os.umask(0o077)  # the run's files are its owner's only: weights, optimizer state, pickled job files
     workers = None
     interrupted = False
     try:
+        run_dir = _private_dir(run_dir_of(cfg, run_id))
+        data_dir = run_dir / "data"
+        shutil.rmtree(data_dir, ignore_errors=True)  # batch files of an earlier session: no handle to them survives
+        data_dir.mkdir()
+        if flow_run.id:
+            store.set_flow_run_id(run_id, str(flow_run.id))
+        store.set_status(run_id, "running")
+        _notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
         prompts = Prompts.build(cfg, data_dir)
         kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
         workers = launch_workers(cfg, run_id, store, run_dir)
-        start = _resume(store, run_id, workers, prompts, kl_ctrl)
+        start = _resume(store, run_id, cfg, workers, prompts, kl_ctrl, resume_from_step)
         trainer = cfg.trainer
         _notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
         metrics: dict[str, float] = {}
@@ -274,6 +300,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             store.record_metrics(run_id, 0, val)
             _notify("validation", metrics=val)
         for step in range(start, trainer.total_iterations):
+            lease.check()
             state_before = _trainer_state(step, prompts, kl_ctrl)
             store.start_iteration(run_id, step + 1)
             try:
@@ -281,7 +308,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
-                    _save_checkpoint(store, run_id, workers, run_dir, step, state_before)
+                    _save_checkpoint(store, run_id, cfg, lease, workers, step, state_before)
                 return _stop_preempted(store, run_id, step, str(warned), metrics)
             last = step + 1 == trainer.total_iterations
             warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
@@ -302,24 +329,40 @@ def rlhf_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             # before that redoes the iteration from the previous checkpoint (metrics are upserted).
             warned = warned or PreemptionWatch(workers).signals()
             if last or warned or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
-                _save_checkpoint(store, run_id, workers, run_dir, step + 1, _trainer_state(step + 1, prompts, kl_ctrl))
+                state = _trainer_state(step + 1, prompts, kl_ctrl)
+                _save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state)
             store.end_iteration(run_id, step + 1)
             _notify("iteration", step=step + 1, metrics=metrics)
             if warned and not last:
                 return _stop_preempted(store, run_id, step + 1, "; ".join(warned), metrics)
         store.set_status(run_id, "completed")
         return metrics
+    except LeaseLostError:  # the run is another controller's now: record nothing
+        raise
     except (KeyboardInterrupt, TerminationSignal) as e:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
         stopped = "SIGTERM" if isinstance(e, TerminationSignal) else "an interrupt (Ctrl-C)"
-        store.set_status(run_id, "interrupted", error=f"stopped by {stopped}; continue with hf resume {run_id}")
+        if not lease.lost:
+            store.set_status(run_id, "interrupted", error=f"stopped by {stopped}; continue with hf resume {run_id}")
         interrupted = True
         raise
     except BaseException as e:
-        store.set_status(run_id, "failed", error="".join(traceback.format_exception(e))[-4000:])
+        if not lease.lost:
+            store.set_status(run_id, "failed", error="".join(traceback.format_exception(e))[-4000:])
         raise
     finally:
-        if workers is not None:  # stopped by the user: a rank busy in a stage is not waited for
-            workers.shutdown(timeout_s=INTERRUPT_GRACE_S if interrupted else 30.0)
+        try:
+            if workers is not None:  # stopped by the user: a rank busy in a stage is not waited for
+                workers.shutdown(timeout_s=INTERRUPT_GRACE_S if interrupted else 30.0)
+        finally:
+            os.umask(umask)
+            lease.release()
+
+
+def _private_dir(path: Path) -> Path:
+    """Create `path` (and its parents) and make it its owner's only (0700); returns it."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
 
 
 def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl) -> dict[str, Any]:
@@ -332,10 +375,31 @@ def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl) -> dict[str, Any]
 
 
 def _save_checkpoint(
-    store: RunStore, run_id: str, workers: Workers, run_dir: Path, step: int, state: dict[str, Any]
+    store: RunStore,
+    run_id: str,
+    cfg: HybridFlowConfig,
+    lease: RunLease,
+    workers: Workers,
+    step: int,
+    state: dict[str, Any],
 ) -> None:
+    """Write and record the checkpoint of `step`. A ``global_step_<step>`` folder already on disk is replaced only
+    when the store does not list it as a usable checkpoint (left by a crash before it was recorded, or marked bad
+    or superseded); a usable recorded one is never overwritten.
+
+    Raises:
+        LeaseLostError: another controller took the run over.
+        RuntimeError: the store lists a usable checkpoint of `step` already.
+    """
+    lease.check()
+    recorded = {c.step: c for c in store.checkpoints(run_id)}.get(step)
+    if recorded is not None and recorded.complete and recorded.bad_reason is None:
+        raise RuntimeError(
+            f"run {run_id} already has a usable checkpoint of iteration {step} on record ({recorded.path}); "
+            "refusing to overwrite it"
+        )
     _notify("stage", name="checkpoint", step=step)
-    ckpt = stages.checkpoint(list(workers.groups.values()), str(run_dir / "checkpoints"), step, state)
+    ckpt = stages.checkpoint(list(workers.groups.values()), str(checkpoint_dir_of(cfg, run_id)), step, state)
     store.add_checkpoint(run_id, step, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
 
 
@@ -406,17 +470,89 @@ def _batch_metrics(rollout: DataHandle, cfg: HybridFlowConfig, seconds: dict[str
     return metrics
 
 
-def _resume(store: RunStore, run_id: str, workers: Workers, prompts: Prompts, kl_ctrl) -> int:
-    """Load the last complete checkpoint recorded for the run, if any; returns the iterations already done."""
-    ckpt = store.latest_checkpoint(run_id)
-    if ckpt is None:
+def _resume(
+    store: RunStore,
+    run_id: str,
+    cfg: HybridFlowConfig,
+    workers: Workers,
+    prompts: Prompts,
+    kl_ctrl,
+    from_step: int | None = None,
+) -> int:
+    """Load the checkpoint the run continues from and return the iterations it holds (0: from the start).
+
+    That is the newest recorded checkpoint that verifies (`usable_checkpoint`): one that is missing, corrupt, or
+    whose manifest differs from the sha256 the store recorded is marked bad in the store, and the one before it is
+    tried (a warning says which and why). With `from_step`, the checkpoint of that step is used (and must verify);
+    later ones are marked superseded. A run with no checkpoint on record starts from ``trainer.resume_from`` when
+    that names a checkpoint folder (a new run continuing another run's checkpoint).
+    """
+    if from_step is not None:
+        _supersede_after(store, run_id, from_step)
+        path = None if from_step == 0 else usable_checkpoint(store, run_id, exact_step=from_step)
+    else:
+        path = usable_checkpoint(store, run_id)
+        resume_from = cfg.trainer.resume_from
+        if path is None and not store.checkpoints(run_id) and resume_from not in (None, "auto"):
+            path = Path(resume_from)
+            verify_checkpoint(path)
+    if path is None:
         return 0
-    verify_checkpoint(ckpt.path)  # once, here; the groups then load without re-hashing
     for group in workers.groups.values():
-        group.load_checkpoint(ckpt.path)
-    state = read_trainer_state(ckpt.path)
+        group.load_checkpoint(str(path))
+    state = read_trainer_state(path)
     prompts.sampler.load_state_dict(state["sampler"])
     if kl_ctrl is not None and state.get("kl_ctrl_value") is not None:
         kl_ctrl.value = state["kl_ctrl_value"]
-    logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], ckpt.path)
+    logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], path)
+    _notify("resumed", step=int(state["global_steps"]), path=str(path))
     return int(state["global_steps"])
+
+
+def usable_checkpoint(store: RunStore, run_id: str, exact_step: int | None = None) -> Path | None:
+    """The newest recorded, complete checkpoint of the run that verifies: its folder exists, every file matches
+    ``manifest.json`` (sha256) and the manifest's sha256 is the one the store recorded. Each one that fails is
+    marked bad in the store with the reason, and a warning names it and the fallback. None when none is usable
+    (the run starts over, with a warning if there were checkpoints).
+
+    With `exact_step`, only that step's checkpoint is considered.
+
+    Raises:
+        CheckpointError, FileNotFoundError: `exact_step` has no usable recorded checkpoint, or it does not verify.
+    """
+    candidates = [c for c in store.checkpoints(run_id) if c.complete and c.bad_reason is None]
+    if exact_step is not None:
+        candidates = [c for c in candidates if c.step == exact_step]
+        if not candidates:
+            steps = ", ".join(f"global_step_{c.step}" for c in store.checkpoints(run_id) if c.bad_reason is None)
+            raise CheckpointError(
+                f"run {run_id} has no usable checkpoint global_step_{exact_step}; usable: {steps or 'none'} "
+                f"(hf runs show {run_id})"
+            )
+    for ckpt in reversed(candidates):
+        try:
+            info = verify_checkpoint(ckpt.path)
+            if info.sha256 != ckpt.sha256:
+                raise CheckpointError(
+                    f"checkpoint {ckpt.path}: its manifest's sha256 {info.sha256[:16]}... is not the "
+                    f"{ckpt.sha256[:16]}... recorded when it was written (edited since)"
+                )
+        except (CheckpointError, FileNotFoundError) as e:  # FileNotFoundError: the folder is gone
+            store.mark_checkpoint_bad(run_id, ckpt.step, str(e))
+            if exact_step is not None:
+                raise
+            older = [c for c in candidates if c.step < ckpt.step]
+            fallback = f"global_step_{older[-1].step}" if older else "the start (no older checkpoint)"
+            message = f"checkpoint global_step_{ckpt.step} is unusable ({e}); marked bad, falling back to {fallback}"
+            logger.warning("run %s: %s", run_id, message)
+            _notify("fallback", message=message)
+            continue
+        return Path(ckpt.path)
+    return None
+
+
+def _supersede_after(store: RunStore, run_id: str, step: int) -> None:
+    """Mark the run's checkpoints after `step` superseded (``hf resume --from global_step_<step>``)."""
+    for ckpt in store.checkpoints(run_id):
+        if ckpt.step > step and ckpt.bad_reason is None:
+            store.mark_checkpoint_bad(run_id, ckpt.step, f"superseded: the run was resumed from global_step_{step}")

@@ -4,18 +4,19 @@ One `RunStore` per process (the Prefect flow, the ``hf`` command, a worker that 
 processes may write to the same store at once. Opening a store migrates its database to the newest schema with
 Alembic (``migrations/`` next to this file); opening an up-to-date one costs one query.
 
-Schema (revision ``0002``: ``migrations/versions/0001_initial.py`` and ``0002_placement_parallel.py``; the ORM models
-below describe the same tables):
+Schema (revision ``0003``: ``migrations/versions/0001_initial.py``, ``0002_placement_parallel.py`` and
+``0003_run_lease_bad_checkpoints.py``; the ORM models below describe the same tables):
 
 - ``runs``: ``id`` (primary key, ``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC), ``experiment_name``, ``config`` (JSON: the
   full validated config), ``status`` (pending | running | completed | failed | interrupted), ``code_version`` (see
   `code_version`), ``prefect_flow_run_id`` (nullable), ``created_at``, ``started_at``, ``ended_at``, ``error``
-  (nullable text); index on ``created_at``.
+  (nullable text), the run lease ``lease_token``, ``lease_host``, ``lease_pid``, ``heartbeat_at`` (all nullable: see
+  `RunStore.acquire_lease`); index on ``created_at``.
 - ``iterations``: ``run_id`` → runs, ``step``, ``started_at``, ``ended_at`` (nullable); unique (run_id, step).
 - ``metrics``: ``run_id`` → runs, ``step``, ``name``, ``value`` (double, nullable: NULL means the recorded value was
   NaN or ±inf); unique (run_id, step, name); index (run_id, name, step).
 - ``checkpoints``: ``run_id`` → runs, ``step``, ``path``, ``bytes``, ``sha256`` (64 lowercase hex digits),
-  ``complete``, ``created_at``; unique (run_id, step).
+  ``complete``, ``created_at``, ``bad_reason`` (nullable text: why it must not be resumed from); unique (run_id, step).
 - ``placements``: ``run_id`` → runs, ``role`` (actor | rollout | ref | critic | reward), ``group_name``, ``ranks``
   (JSON list of int), ``executor`` (local | slurm), ``slurm_job_id`` (nullable), ``hosts`` (JSON list of str),
   ``parallel`` (JSON, nullable: the role's training strategy, training and generation layouts and rank groups),
@@ -56,6 +57,7 @@ import operator
 import os
 import re
 import secrets
+import socket
 import subprocess
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -98,11 +100,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EXECUTORS",
+    "LEASE_TTL_S",
     "MIGRATIONS_DIR",
     "ROLES",
     "RUN_STATUSES",
     "Checkpoint",
     "Iteration",
+    "LeaseHeldError",
+    "LeaseLostError",
     "MetricPoint",
     "Placement",
     "Run",
@@ -111,6 +116,7 @@ __all__ = [
     "UnknownRunError",
     "alembic_config",
     "code_version",
+    "controller_state",
     "default_db_url",
     "normalize_db_url",
 ]
@@ -122,6 +128,10 @@ RUN_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
 FINAL_STATUSES = ("completed", "failed", "interrupted")
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 EXECUTORS = ("local", "slurm")
+LEASE_TTL_S = 60.0
+"""A controller renews its run's lease every `LEASE_RENEW_S` seconds; a lease whose last heartbeat is older than this
+(or, on the same host, whose process is gone) is stale: its controller crashed, and another may take the run over."""
+LEASE_RENEW_S = 10.0
 SQLITE_BUSY_TIMEOUT_S = 30.0
 """How long a SQLite writer waits for another process's write lock before failing, in seconds."""
 
@@ -132,6 +142,23 @@ _WRITE_OPTION = "hybridflow_write"  # execution option marking the engine whose 
 
 
 # --------------------------------------------------------------------------------------------------------- errors
+
+
+class LeaseHeldError(RuntimeError):
+    """Another controller holds the run's lease: it is training the run now (``host``, ``pid``, ``heartbeat_at``)."""
+
+    def __init__(self, run_id: str, host: str | None, pid: int | None, heartbeat_at: datetime | None) -> None:
+        self.host, self.pid, self.heartbeat_at = host, pid, heartbeat_at
+        beat = f"{heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if heartbeat_at else "never"
+        super().__init__(
+            f"run {run_id} is being trained by another controller (host {host}, pid {pid}, last heartbeat {beat}); "
+            f"wait for it to end or stop it (kill {pid} on {host}); a controller that died is taken over once its "
+            f"heartbeat is {LEASE_TTL_S:.0f} s old"
+        )
+
+
+class LeaseLostError(RuntimeError):
+    """This controller's lease on the run was taken over by another controller: it must stop writing the run."""
 
 
 class RunStoreError(RuntimeError):
@@ -214,6 +241,10 @@ class RunRow(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     error: Mapped[str | None] = mapped_column(Text)
+    lease_token: Mapped[str | None] = mapped_column(String(64))
+    lease_host: Mapped[str | None] = mapped_column(String(255))
+    lease_pid: Mapped[int | None] = mapped_column(Integer)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 def _run_fk() -> Mapped[str]:
@@ -268,6 +299,7 @@ class CheckpointRow(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     complete: Mapped[bool] = mapped_column(Boolean)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    bad_reason: Mapped[str | None] = mapped_column(Text)
 
 
 class PlacementRow(Base):
@@ -313,7 +345,11 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Run(_Record):
-    """A run as stored. Times are UTC; ``started_at``/``ended_at`` are None until the run starts/ends."""
+    """A run as stored. Times are UTC; ``started_at``/``ended_at`` are None until the run starts/ends.
+
+    ``lease_host``, ``lease_pid``, ``heartbeat_at``: the controller holding the run and its last heartbeat (None
+    while no controller holds it); `controller_state` tells a live controller from a crashed one.
+    """
 
     id: str
     experiment_name: str
@@ -325,6 +361,9 @@ class Run(_Record):
     started_at: datetime | None
     ended_at: datetime | None
     error: str | None
+    lease_host: str | None = None
+    lease_pid: int | None = None
+    heartbeat_at: datetime | None = None
 
     @property
     def duration_s(self) -> float | None:
@@ -361,7 +400,8 @@ class MetricPoint(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint(_Record):
-    """A checkpoint: ``bytes`` is its size in bytes, ``sha256`` its lowercase hex digest."""
+    """A checkpoint: ``bytes`` is its size in bytes, ``sha256`` its lowercase hex digest (of its ``manifest.json``);
+    ``bad_reason`` is None for a usable one, else why a resume must not start from it."""
 
     run_id: str
     step: int
@@ -370,6 +410,7 @@ class Checkpoint(_Record):
     sha256: str
     complete: bool
     created_at: datetime
+    bad_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +429,33 @@ class Placement(_Record):
     created_at: datetime
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): kill(0) said it exists
+
+
+def controller_state(run: Run, now: datetime | None = None) -> str | None:
+    """Whether the controller holding `run`'s lease is alive: ``"live"``, ``"crashed"`` (its heartbeat is older
+    than `LEASE_TTL_S`, or it ran on this host and its process is gone), or None when no controller holds it."""
+    if run.lease_host is None or run.lease_pid is None:
+        return None
+    age = ((now or _now()) - run.heartbeat_at).total_seconds() if run.heartbeat_at else float("inf")
+    if age > LEASE_TTL_S:
+        return "crashed"
+    if run.lease_host == socket.gethostname() and not _pid_alive(run.lease_pid):
+        return "crashed"
+    return "live"
+
+
 def _run(row: RunRow) -> Run:
     return Run(
         id=row.id,
@@ -400,6 +468,9 @@ def _run(row: RunRow) -> Run:
         started_at=row.started_at,
         ended_at=row.ended_at,
         error=row.error,
+        lease_host=row.lease_host,
+        lease_pid=row.lease_pid,
+        heartbeat_at=row.heartbeat_at,
     )
 
 
@@ -513,11 +584,28 @@ def _parse_url(url: str | URL) -> URL:
     return parsed
 
 
+def _private_sqlite_file(path: Path) -> None:
+    """Create the SQLite file (and its folder) readable by its owner only (0600: SQLite gives its ``-wal`` and
+    ``-shm`` files the same mode); an existing one of this user's that others can read is made 0600 too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))  # an empty file is an empty SQLite database
+    except OSError:
+        return  # unwritable: SQLite's own error says so when the store opens it
+    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            info = file.stat()
+            if info.st_uid == os.getuid() and info.st_mode & 0o077:
+                file.chmod(0o600)
+        except OSError:
+            continue
+
+
 def _create_engine(url: URL) -> Engine:
     if url.get_backend_name() == "sqlite":
         database = url.database
         if database and database != ":memory:" and not database.startswith("file:"):
-            Path(database).parent.mkdir(parents=True, exist_ok=True)
+            _private_sqlite_file(Path(database))
         engine = create_engine(url)
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
@@ -723,10 +811,12 @@ class RunStore:
                 config.attributes["connection"] = conn
                 command.upgrade(config, "head")
         except OperationalError as err:
-            raise RunStoreError(
-                f"cannot open the run store {self.url}: {err.orig}; check the URL (HYBRIDFLOW_DB_URL), that the "
-                "server is running and that the folder is writable"
-            ) from err
+            if self._url.get_backend_name() == "sqlite":
+                hint = f"check that the folder of {self._url.database} exists and is writable"
+            else:
+                hint = "check the URL (HYBRIDFLOW_DB_URL or --db), that the PostgreSQL server is running and reachable"
+            reason = " ".join(str(err.orig).split())
+            raise RunStoreError(f"cannot open the run store {self.url}: {reason}; {hint}") from None
         return head
 
     @contextmanager
@@ -911,6 +1001,7 @@ class RunStore:
                 "sha256": sha256.lower(),
                 "complete": complete,
                 "created_at": _now(),
+                "bad_reason": None,
             }
             self._upsert(session, CheckpointRow, ("run_id", "step"), values)
 
@@ -929,6 +1020,60 @@ class RunStore:
         with self._writing() as session:
             self._require_run(session, run_id)
             session.add_all(placements)
+
+    def acquire_lease(self, run_id: str, token: str, pid: int | None = None) -> Run:
+        """Make the calling controller (this host, process `pid`, default this one) the one that trains `run_id`,
+        identified by `token` (random, one per controller); a stale lease (`controller_state` ``"crashed"``) is taken
+        over. Returns the run as it was before (its old lease tells whom this took over from).
+
+        Raises:
+            LeaseHeldError: another controller's lease is live (the message names its host and pid).
+            UnknownRunError: no such run.
+        """
+        with self._writing() as session:
+            row = session.get(RunRow, run_id, with_for_update=True)
+            if row is None:
+                raise UnknownRunError(run_id, self.url)
+            before = _run(row)
+            if row.lease_token not in (None, token) and controller_state(before) == "live":
+                raise LeaseHeldError(run_id, row.lease_host, row.lease_pid, row.heartbeat_at)
+            row.lease_token, row.lease_host = token, socket.gethostname()
+            row.lease_pid, row.heartbeat_at = os.getpid() if pid is None else pid, _now()
+            return before
+
+    def renew_lease(self, run_id: str, token: str) -> None:
+        """Record a heartbeat of the lease `token` holds. Raises LeaseLostError if another controller took it."""
+        with self._writing() as session:
+            result = session.execute(
+                update(RunRow).where(RunRow.id == run_id, RunRow.lease_token == token).values(heartbeat_at=_now())
+            )
+            if result.rowcount == 0:
+                raise LeaseLostError(f"the lease on run {run_id} was taken over by another controller")
+
+    def release_lease(self, run_id: str, token: str) -> None:
+        """Give up the lease `token` holds (a no-op if it holds none): the run has no controller any more."""
+        with self._writing() as session:
+            session.execute(
+                update(RunRow)
+                .where(RunRow.id == run_id, RunRow.lease_token == token)
+                .values(lease_token=None, lease_host=None, lease_pid=None, heartbeat_at=None)
+            )
+
+    def mark_checkpoint_bad(self, run_id: str, step: int, reason: str) -> None:
+        """Record that the checkpoint of `step` must not be resumed from, and why (`latest_checkpoint` then skips
+        it; recording the step's checkpoint anew clears the mark). Raises ValueError if no checkpoint of that step
+        is recorded, UnknownRunError for an unknown run."""
+        step = _step(step)
+        reason = _text(reason, "reason", 4000)
+        with self._writing() as session:
+            self._require_run(session, run_id)
+            result = session.execute(
+                update(CheckpointRow)
+                .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
+                .values(bad_reason=reason)
+            )
+            if result.rowcount == 0:
+                raise ValueError(f"run {run_id} has no checkpoint of step {step} recorded (hf runs show {run_id})")
 
     def update_config(self, run_id: str, config: Mapping[str, Any]) -> None:
         """Replace a run's stored config (``hf resume -o ...`` extending a run; the caller has checked that the
@@ -998,14 +1143,19 @@ class RunStore:
             return [_checkpoint(r) for r in rows]
 
     def latest_checkpoint(self, run_id: str) -> Checkpoint | None:
-        """The complete checkpoint with the highest step (None if there is none): where a resume starts.
+        """The complete checkpoint with the highest step not marked bad (None if there is none): where a resume
+        starts.
 
         Raises UnknownRunError."""
         with self._reading() as session:
             self._require_run(session, run_id)
             row = session.scalars(
                 select(CheckpointRow)
-                .where(CheckpointRow.run_id == run_id, CheckpointRow.complete.is_(True))
+                .where(
+                    CheckpointRow.run_id == run_id,
+                    CheckpointRow.complete.is_(True),
+                    CheckpointRow.bad_reason.is_(None),
+                )
                 .order_by(CheckpointRow.step.desc())
                 .limit(1)
             ).first()
@@ -1024,7 +1174,9 @@ class RunStore:
 
 
 def _checkpoint(row: CheckpointRow) -> Checkpoint:
-    return Checkpoint(row.run_id, row.step, row.path, row.bytes, row.sha256, row.complete, row.created_at)
+    return Checkpoint(
+        row.run_id, row.step, row.path, row.bytes, row.sha256, row.complete, row.created_at, row.bad_reason
+    )
 
 
 def _placement_record(row: PlacementRow) -> Placement:

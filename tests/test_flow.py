@@ -281,6 +281,134 @@ def test_sigterm_records_interrupted_and_resume_extends_the_run(
             assert conn.exec_driver_sql(f"select count(*) from {table}").scalar() == 0, table
 
 
+def _truncate(path: Path) -> None:
+    """Cut a file to half its size (a write that never finished)."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _edit_weights_and_manifest(folder: Path) -> None:
+    """Flip a byte of the actor's weights and rewrite the manifest to match: the folder verifies on its own, only
+    the sha256 the store recorded tells the edit."""
+    import hashlib
+    import json
+
+    weights = next((folder / "actor").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    entry = manifest["files"][weights.relative_to(folder).as_posix()]
+    entry["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")]}
+
+
+def test_one_controller_per_run_and_resume_past_bad_checkpoints(prefect_api, tmp_path, tiny_model_dir, reference):
+    """While `hf run` trains, a second `hf resume` is refused naming its host and pid. SIGKILLed inside iteration 4,
+    the run shows as crashed; its newest checkpoint truncated and the one before edited together with its manifest,
+    `hf resume` takes the run over, marks both bad, falls back to global_step_1 and still reproduces the
+    uninterrupted run; `hf resume --from global_step_2` replays iterations 3-4 the same again. The run folder is
+    0700 with files 0600, the SQLite store 0600."""
+    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, RESUMED)
+    run_id = _wait_inside_iteration(proc, store, 2)
+    second = _hf(prefect_api, "resume", run_id, "--db", db)
+    assert second.returncode == 2, second.stdout + second.stderr
+    refusal = " ".join(second.stdout.split())
+    assert f"run {run_id} is being trained by another controller" in refusal and f"pid {proc.pid}" in refusal
+    _wait_inside_iteration(proc, store, 4)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    listed = subprocess.run([HF, "runs", "list", "--db", db], capture_output=True, text=True, timeout=60)
+    assert "crashed (last heartbeat" in listed.stdout, listed.stdout
+    ckpts = {c.step: Path(c.path) for c in store.checkpoints(run_id)}
+    assert sorted(ckpts) == [1, 2, 3]
+    _truncate(next((ckpts[3] / "actor").glob("*.safetensors")))
+    _edit_weights_and_manifest(ckpts[2])
+    verify_checkpoint(ckpts[2])  # consistent with its own manifest: only the store's hash catches it
+
+    resumed = _hf(prefect_api, "resume", run_id, "--db", db)
+    output = " ".join(resumed.stdout.split())
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"its controller (host {os.uname().nodename}, pid {proc.pid}) crashed" in output
+    assert "checkpoint global_step_3 is unusable" in output and "falling back to global_step_2" in output
+    assert "checkpoint global_step_2 is unusable" in output and "not the" in output and "recorded" in output
+    assert "falling back to global_step_1" in output
+    assert store.get_run(run_id).status == "completed"
+    by_step = _by_step(store, run_id)
+    for step in (2, 3, 4):
+        for name in COMPARED:
+            assert by_step[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+    assert [(c.step, c.bad_reason) for c in store.checkpoints(run_id)] == [(s, None) for s in (1, 2, 3, 4)]
+    for step in (1, 2, 3, 4):  # rewritten where they were bad; each verifies against the store's hash
+        assert (
+            verify_checkpoint(store.checkpoints(run_id)[step - 1].path).sha256
+            == store.checkpoints(run_id)[step - 1].sha256
+        )
+
+    replay = _hf(prefect_api, "resume", run_id, "--db", db, "--from", "global_step_2")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "from iteration 2" in replay.stdout
+    by_step = _by_step(store, run_id)
+    for step in (3, 4):
+        for name in COMPARED:
+            assert by_step[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+    wrong = _hf(prefect_api, "resume", run_id, "--db", db, "--from", "global_step_9")
+    assert wrong.returncode == 2 and "no usable checkpoint of step 9" in " ".join(wrong.stdout.split())
+
+    run_dir = Path(store.latest_checkpoint(run_id).path).parent.parent
+    modes = _modes(run_dir)
+    assert modes["."] == 0o700
+    loose = {name: oct(mode) for name, mode in modes.items() if mode & 0o077}
+    assert not loose, f"group/world-accessible in {run_dir}: {loose}"
+    assert (tmp_path / "runs.db").stat().st_mode & 0o777 == 0o600
+
+
+POISONED_REWARD = '''
+import math, os
+
+def digit_share(data_source, solution_str, ground_truth, extra_info):
+    """The dense reward, NaN from the 17th call on (iteration 1 scores 4 prompts x 4 samples)."""
+    fd = os.open(os.path.join(os.path.dirname(__file__), "calls"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(fd, b"x")
+    calls = os.fstat(fd).st_size
+    os.close(fd)
+    if calls > 16:
+        return {"score": math.nan, "acc": 0.0}
+    return {"score": sum(c.isdigit() for c in solution_str) / max(1, len(solution_str)), "acc": 0.0}
+'''
+
+
+def test_nan_reward_stops_the_run_and_resume_continues_after_the_fix(prefect_api, tmp_path, tiny_model_dir):
+    """A reward function that turns NaN in iteration 2 stops `hf run` with an error naming the stage, the metric,
+    the reward function and the first sample; checkpoint 1 is untouched; fixed, `hf resume` completes the run."""
+    from tiny_runs import DENSE_REWARD
+
+    two = [*RESUMED, "trainer.total_iterations=2", "placement.tasks_per_node=1"]
+    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, two)
+    reward_file = tmp_path / "my_reward.py"  # the file _cfg wrote; poisoned before the workers import it
+    reward_file.write_text(POISONED_REWARD)
+    output = " ".join(proc.communicate(timeout=300)[0].decode().split())
+    assert proc.returncode == 1, output
+    [run] = store.list_runs()
+    assert run.status == "failed"
+    assert "NonFiniteError" in output and "token_level_scores" in output and "digit_share" in output, output
+    assert str(reward_file) in output and "sample" in output
+    assert f"hf resume {run.id}" in output
+    [ckpt] = store.checkpoints(run.id)
+    assert ckpt.step == 1 and verify_checkpoint(ckpt.path).sha256 == ckpt.sha256
+
+    reward_file.write_text(DENSE_REWARD)  # the fix
+    fixed = _hf(prefect_api, "resume", run.id, "--db", db)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "from iteration 1" in fixed.stdout
+    assert store.get_run(run.id).status == "completed"
+    assert math.isfinite(_by_step(store, run.id)[2]["critic/score/mean"])
+
+
 MEGATRON = ["actor.strategy=megatron", "actor.tp=2", "actor.pp=2", "rollout.gen_tp=1", "placement.tasks_per_node=4"]
 
 

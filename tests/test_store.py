@@ -5,6 +5,7 @@ Alembic config's '%' escaping are exercised. Without PostgreSQL binaries its par
 """
 
 import math
+import os
 import re
 import sqlite3
 import subprocess
@@ -22,9 +23,12 @@ from alembic.script import ScriptDirectory
 from postgres import postgres_server, unavailable_reason
 
 from hybridflow.flows.store import (
+    LEASE_TTL_S,
     RUN_STATUSES,
     Base,
     Checkpoint,
+    LeaseHeldError,
+    LeaseLostError,
     MetricPoint,
     Placement,
     RunStore,
@@ -32,6 +36,7 @@ from hybridflow.flows.store import (
     UnknownRunError,
     alembic_config,
     code_version,
+    controller_state,
     default_db_url,
 )
 
@@ -93,7 +98,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0002"
+        assert head == "0003"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -359,7 +364,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0002"
+        assert store.current_revision() == "0003"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
 
@@ -459,3 +464,75 @@ def test_bad_urls_give_clear_errors(tmp_path):
 def test_missing_postgres_database_is_a_run_store_error(postgres):
     with pytest.raises(RunStoreError, match="cannot open the run store postgresql.*HYBRIDFLOW_DB_URL"):
         RunStore(postgres.url("no_such_database"))
+
+
+def test_run_lease_one_controller_at_a_time(store):
+    """A live lease refuses a second controller (naming host and pid); a renewal by the holder keeps it; a lease
+    whose process is gone, or whose heartbeat is older than LEASE_TTL_S, is taken over, and the old holder's
+    renewal then fails; release clears it."""
+    run_id = store.create_run({}, "exp")
+    assert controller_state(store.get_run(run_id)) is None
+    before = store.acquire_lease(run_id, "token-a")
+    assert before.lease_host is None
+    held = store.get_run(run_id)
+    assert controller_state(held) == "live" and held.lease_pid == os.getpid()
+    with pytest.raises(
+        LeaseHeldError, match=rf"another controller \(host {re.escape(held.lease_host)}, pid {os.getpid()}"
+    ):
+        store.acquire_lease(run_id, "token-b")
+    store.renew_lease(run_id, "token-a")
+    store.acquire_lease(run_id, "token-a")  # the holder again: fine
+
+    store.release_lease(run_id, "token-a")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store.acquire_lease(run_id, "token-dead", pid=dead.pid)  # a controller whose process has ended since
+    assert controller_state(store.get_run(run_id)) == "crashed"  # that process is gone
+    taken = store.acquire_lease(run_id, "token-b")
+    assert taken.lease_pid == dead.pid
+    with pytest.raises(LeaseLostError, match="taken over"):
+        store.renew_lease(run_id, "token-dead")
+
+    with store.engine.begin() as conn:  # a heartbeat older than the TTL: crashed, even though the pid lives
+        old = datetime.now(UTC) - timedelta(seconds=LEASE_TTL_S + 5)
+        conn.execute(
+            sa.text("update runs set heartbeat_at = :t"),
+            {"t": old if "postgresql" in store.url else old.replace(tzinfo=None)},
+        )
+    assert controller_state(store.get_run(run_id)) == "crashed"
+    store.acquire_lease(run_id, "token-c")
+    store.release_lease(run_id, "token-b")  # not the holder: a no-op
+    assert store.get_run(run_id).lease_pid == os.getpid()
+    store.release_lease(run_id, "token-c")
+    record = store.get_run(run_id)
+    assert (record.lease_host, record.lease_pid, record.heartbeat_at) == (None, None, None)
+
+
+def test_a_checkpoint_marked_bad_is_skipped_until_recorded_again(store):
+    run_id = store.create_run({}, "exp")
+    store.add_checkpoint(run_id, 1, "/ckpt/global_step_1", 10, SHA_A)
+    store.add_checkpoint(run_id, 2, "/ckpt/global_step_2", 10, SHA_B)
+    store.mark_checkpoint_bad(run_id, 2, "corrupt: actor/model.safetensors")
+    assert store.latest_checkpoint(run_id).step == 1
+    assert [c.bad_reason for c in store.checkpoints(run_id)] == [None, "corrupt: actor/model.safetensors"]
+    with pytest.raises(ValueError, match="no checkpoint of step 5"):
+        store.mark_checkpoint_bad(run_id, 5, "x")
+    store.add_checkpoint(run_id, 2, "/ckpt/global_step_2", 12, SHA_A)  # written anew: usable again
+    assert store.latest_checkpoint(run_id).step == 2 and store.latest_checkpoint(run_id).bad_reason is None
+
+
+def test_sqlite_store_files_are_private(tmp_path):
+    """A new SQLite store is 0600 (with its -wal file), whatever the umask; an existing 0644 one is tightened."""
+    old_umask = os.umask(0o022)
+    try:
+        with RunStore(f"sqlite:///{tmp_path / 'new' / 'runs.db'}") as store:
+            store.create_run({}, "exp")
+            for name in ("runs.db", "runs.db-wal"):
+                assert (tmp_path / "new" / name).stat().st_mode & 0o777 == 0o600, name
+        loose = tmp_path / "old.db"
+        sqlite3.connect(loose).close()
+        loose.chmod(0o644)
+        RunStore(f"sqlite:///{loose}").close()
+        assert loose.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old_umask)

@@ -420,7 +420,8 @@ MEGATRON = ["actor.strategy=megatron", "actor.tp=2", "actor.pp=2", "rollout.gen_
 def test_megatron_run_records_its_layout_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir, example):
     """GRPO with the megatron actor, and PPO with a megatron actor and critic (tp=2, pp=2 on 4 ranks, generating
     at tp=1 through the 3D-HybridEngine): the run completes, its placement records the layouts and groups, and a
-    second run resumed from the first one's iteration-1 checkpoint reproduces its iteration 2."""
+    second run started from the first one's iteration-1 checkpoint (``trainer.resume_from``, its own checkpoints in
+    ``trainer.checkpoint_dir``) reproduces its iteration 2."""
     from hybridflow.flows.rlhf import rlhf_flow
 
     critic = example == "ppo_tiny.yaml"
@@ -428,10 +429,9 @@ def test_megatron_run_records_its_layout_and_resumes_exactly(prefect_api, tmp_pa
     extra += ["critic.strategy=megatron"] if critic else []
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     runs = {}
-    for name in ("reference", "resumed"):
-        (tmp_path / name).mkdir()
-        cfg = _cfg(tmp_path / name, tiny_model_dir, example, extra)
-        runs[name] = store.create_run(cfg.model_dump(mode="json"), name)
+    (tmp_path / "reference").mkdir()
+    cfg = _cfg(tmp_path / "reference", tiny_model_dir, example, extra)
+    runs["reference"] = store.create_run(cfg.model_dump(mode="json"), "reference")
     rlhf_flow(run_id=runs["reference"], db_url=store.url)
     assert store.get_run(runs["reference"]).status == "completed"
     reference = _by_step(store, runs["reference"])
@@ -450,11 +450,15 @@ def test_megatron_run_records_its_layout_and_resumes_exactly(prefect_api, tmp_pa
     for role in ("actor", "critic") if critic else ("actor",):
         assert (ckpt / role / "megatron_optim" / "pp1_tp1.pt").is_file(), role
 
-    info = verify_checkpoint(ckpt)
-    store.add_checkpoint(runs["resumed"], 1, ckpt, info.bytes, info.sha256)  # as if it had stopped after step 1
+    (tmp_path / "resumed").mkdir()
+    more = [f"trainer.resume_from={ckpt}", f"trainer.checkpoint_dir={tmp_path / 'elsewhere'}"]
+    cfg = _cfg(tmp_path / "resumed", tiny_model_dir, example, [*extra, *more])
+    runs["resumed"] = store.create_run(cfg.model_dump(mode="json"), "resumed")
     rlhf_flow(run_id=runs["resumed"], db_url=store.url)
     resumed = _by_step(store, runs["resumed"])
     assert sorted(resumed) == [2]
+    [own] = store.checkpoints(runs["resumed"])
+    assert Path(own.path) == tmp_path / "elsewhere" / runs["resumed"] / "global_step_2"
     for name in [*COMPARED, *(["critic/vf_loss", "critic/grad_norm"] if critic else [])]:
         if name in reference[2]:  # bit-identical on CPU, as for the ddp actor above
             assert resumed[2][name] == pytest.approx(reference[2][name], rel=1e-6, abs=1e-9), name

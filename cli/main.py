@@ -115,7 +115,8 @@ def run(
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
-        console.print(f"[red]{config}: {e}[/red]")
+        message = str(e) if str(e).startswith(str(config)) else f"{config}: {e}"
+        console.print(message, markup=False, style="red")
         raise typer.Exit(2) from None
     _check_inputs(cfg)
     store = _store(db)

@@ -126,7 +126,7 @@ class Actor:
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):
                     self._micro_step(micro, temperature, loss_scale, log)
             lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
-            grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
+            grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip, "actor", log)
             log.add(grad_norm=grad_norm, lr=lr)
         return log.mean("actor")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.core_algos import KLController, apply_kl_penalty, get_adv_estimator_fn, get_kl_controller
+from hybridflow.engine.guards import check_finite
 from hybridflow.engine.protocol import DataProto
 
 
@@ -34,6 +35,7 @@ def compute_advantage(
 
     Raises:
         ValueError: if ``use_kl_in_reward`` is set without a controller.
+        NonFiniteError: a reward, advantage or return on a response token is NaN or ±inf (names the first sample).
     """
     batch = data.batch
     mask = batch["response_mask"]
@@ -55,5 +57,10 @@ def compute_advantage(
         lam=algorithm.lam,
         norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
     )
+    uids = data.non_tensor_batch.get("uid")
+    for name, tensor in (("token_level_rewards", rewards), ("advantages", advantages), ("returns", returns)):
+        check_finite(
+            tensor, stage="adv", metric=name, mask=mask, describe=None if uids is None else lambda i: f"uid {uids[i]}"
+        )
     out = DataProto.from_dict({"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
     return out, metrics

@@ -219,9 +219,16 @@ class TrainerConfig(_Section):
     output_dir: str = "outputs"
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
     save_freq: int = Field(0, ge=0, description="save a checkpoint every K iterations (0 = only at the end of fit)")
-    checkpoint_dir: str | None = Field(None, description="None: <output_dir>/<experiment_name>/checkpoints")
+    checkpoint_dir: str | None = Field(
+        None,
+        description="where checkpoints go; hf run: <checkpoint_dir>/<run_id> (None: <run folder>/checkpoints); the "
+        "single-process trainer: <checkpoint_dir> (None: <output_dir>/<experiment_name>/checkpoints)",
+    )
     resume_from: str | None = Field(
-        None, description="a global_step_<N> checkpoint folder, or 'auto' = the latest in checkpoint_dir (if any)"
+        None,
+        description="a global_step_<N> checkpoint folder to start from (hf run: a new run continuing it), or 'auto' "
+        "(hf run: the run's own newest usable checkpoint, as hf resume always does; the single-process trainer: the "
+        "latest in checkpoint_dir, if any)",
     )
 
 
@@ -246,6 +253,11 @@ class SlurmConfig(_Section):
         description="extra #SBATCH options, e.g. {constraint: a100, exclusive: true}",
     )
     setup: list[str] = Field(default_factory=list, description="shell lines run before the workers (module load ...)")
+    interface: str | None = Field(
+        None,
+        description="network interface the controller's channel and the ranks' gloo/NCCL traffic use (e.g. ib0); "
+        "None: the address of the host name (controller) and the route to the controller (ranks)",
+    )
 
 
 class PlacementConfig(_Section):
@@ -463,6 +475,13 @@ def _format_errors(err: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """``line L, column C: <problem>`` from a YAML parse error (1-based, as editors count)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> HybridFlowConfig:
     """Read a YAML config, apply ``key.sub=value`` overrides (values parsed as YAML), and validate.
 
@@ -473,7 +492,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     tree: dict[str, Any] = {}
     if path is not None:
         text = Path(path).read_text()
-        tree = yaml.safe_load(text) or {}
+        try:
+            tree = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
     return validate_config(apply_overrides(tree, overrides or [], source=str(path or "the config")))

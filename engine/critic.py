@@ -93,6 +93,7 @@ class Critic:
                     vpreds = response_values(self.train_module, micro, self.compute_dtype)
                     (value_loss(vpreds, batch, cfg, log) * loss_scale).backward()
             lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
-            grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip)
+            clip = cfg.optim.grad_clip
+            grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, "critic", log)
             log.add(grad_norm=grad_norm, lr=lr)
         return log.mean("critic")

@@ -17,7 +17,7 @@ from hybridflow.engine.actor import UPDATE_KEYS
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.training import MetricLog, build_optimizer, update_steps
+from hybridflow.engine.training import MetricLog, build_optimizer, stop_on_non_finite_grad, update_steps
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -232,15 +232,23 @@ class MegatronActor(MegatronRole):
             log.add(
                 **{k.removeprefix("actor/"): v for k, v in policy_gradient(self.model, micros, scales, cfg).items()}
             )
-            log.add(**optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, cfg.optim.grad_clip))
+            clip = cfg.optim.grad_clip
+            step = optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
+            log.add(**step)
         return log.mean("actor")
 
 
-def optimizer_step(model, optimizer, scheduler, dp_group, grad_clip: float) -> dict[str, float]:
+def optimizer_step(
+    model, optimizer, scheduler, dp_group, grad_clip: float, log: MetricLog | None = None, role: str = "actor"
+) -> dict[str, float]:
     """After a mini-batch's gradients are accumulated: average them over megatron's data-parallel group (the loss
-    weights carry a factor D, see `micro_batch_weights`), clip the global norm (`clip_grad_norm`), step (skipped
-    when the norm is not finite, as `hybridflow.engine.training.optimizer_step`) and zero them. Returns
-    ``grad_norm`` (before clipping) and ``lr`` (the rate this step used)."""
+    weights carry a factor D, see `micro_batch_weights`), clip the global norm (`clip_grad_norm`), step and zero
+    them. Returns ``grad_norm`` (before clipping) and ``lr`` (the rate this step used).
+
+    Raises:
+        NonFiniteError: the norm is NaN or infinite (`hybridflow.engine.training.stop_on_non_finite_grad`): the
+            weights are not stepped.
+    """
     dp = torch.distributed.get_world_size(dp_group)
     if dp > 1:
         for p in model.parameters():
@@ -249,8 +257,8 @@ def optimizer_step(model, optimizer, scheduler, dp_group, grad_clip: float) -> d
                 p.grad.div_(dp)
     lr = scheduler.get_last_lr()[0]
     grad_norm = clip_grad_norm(model, grad_clip)
-    if grad_norm == grad_norm and grad_norm != float("inf"):
-        optimizer.step()
+    stop_on_non_finite_grad(grad_norm, optimizer, role, log)
+    optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"grad_norm": grad_norm, "lr": lr}

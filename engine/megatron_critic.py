@@ -39,5 +39,8 @@ class MegatronCritic(MegatronRole):
                 return value_loss(vpreds, micros[index].batch, cfg, log) * scales[index] * len(micros), {}
 
             run_schedule(self.model, micros, loss_of, forward_only=False, head=response_values)
-            log.add(**optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, cfg.optim.grad_clip))
+            step = optimizer_step(
+                self.model, self.optimizer, self.lr_scheduler, self.dp_group, cfg.optim.grad_clip, log, "critic"
+            )
+            log.add(**step)
         return log.mean("critic")

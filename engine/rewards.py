@@ -13,6 +13,7 @@ import difflib
 import functools
 import inspect
 import json
+import math
 import numbers
 import re
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.engine.guards import FIX, NonFiniteError
 from hybridflow.engine.imports import load_object
 from hybridflow.engine.protocol import DataProto
 
@@ -265,6 +267,8 @@ class RewardManager:
     Args:
         tokenizer: decodes response tokens (``skip_special_tokens=True``).
         compute_score: the score function; None uses `default_compute_score`.
+        name: how errors name the score function (e.g. ``reward.custom_function``'s ``path.py:function``); None:
+            its module and qualified name.
 
     Calling it with a `DataProto` returns ``(token_level_scores, extra)``:
 
@@ -280,9 +284,10 @@ class RewardManager:
     ``extra_info``.
     """
 
-    def __init__(self, tokenizer: Any, compute_score: ScoreFunction | None = None) -> None:
+    def __init__(self, tokenizer: Any, compute_score: ScoreFunction | None = None, name: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else default_compute_score
+        self.name = name or _function_name(self.compute_score)
 
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """Score every sample of `data` (see the class docstring for inputs and outputs).
@@ -292,6 +297,8 @@ class RewardManager:
             TypeError: if the score function returns neither a number nor a dict with a numeric ``"score"``
                 (the function and what it returned are named).
             ValueError: if ``responses`` and ``response_mask`` differ in shape.
+            NonFiniteError: a score is NaN or ±inf (after every sample is scored: the message counts them and names
+                the score function and the first such sample, its data_source and the start of its response).
         """
         have = set(data.batch.keys()) if data.batch is not None else set()
         for key in ("responses", "response_mask"):
@@ -312,7 +319,8 @@ class RewardManager:
         extra_infos = data.non_tensor_batch.get("extra_info")
         scores = torch.zeros((batch_size, width), dtype=torch.float32)
         results: list[tuple[float, dict[str, Any] | None]] = []
-        name = _function_name(self.compute_score)
+        name = self.name
+        non_finite: list[tuple[int, float, str]] = []
         responses_cpu, mask_cpu = responses.cpu(), mask.cpu()
         for i in range(batch_size):
             valid = responses_cpu[i][mask_cpu[i]]
@@ -325,10 +333,19 @@ class RewardManager:
                 str(data.non_tensor_batch["data_source"][i]), text, reward_model["ground_truth"], extra_info
             )
             value, as_dict = self._unpack(result, name)
+            if not math.isfinite(value):
+                non_finite.append((i, value, text))
             results.append((value, as_dict))
             positions = torch.nonzero(mask_cpu[i]).flatten()
             last = int(positions[-1]) if positions.numel() else 0
             scores[i, last] = value
+        if non_finite:
+            i, value, text = non_finite[0]
+            source = data.non_tensor_batch["data_source"][i]
+            raise NonFiniteError(
+                f"reward: token_level_scores: the score function {name} returned {value} for {len(non_finite)} of "
+                f"{batch_size} samples; the first is sample {i} (data_source {source}, response {text[:80]!r}); {FIX}"
+            )
         return scores.to(responses.device), self._collect(results, batch_size)
 
     @staticmethod

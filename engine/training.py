@@ -15,6 +15,7 @@ DP=2 update equals the DP=1 update on the same mini-batches, up to float summati
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.config import OptimConfig
 from hybridflow.engine.core_algos import AGG_LOSS_MODES
+from hybridflow.engine.guards import FIX, NonFiniteError
 from hybridflow.engine.protocol import DataProto
 
 
@@ -187,13 +189,20 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     grad_clip: float,
+    role: str = "actor",
+    log: MetricLog | None = None,
 ) -> float:
     """Clip the global grad norm to `grad_clip`, step, and zero the grads.
 
-    A non-finite grad norm skips the step (the update would destroy the weights) but still zeroes the grads.
+    Args:
+        role: ``actor`` or ``critic``, for the error message.
+        log: the update's metric log; its non-finite values of this mini-batch (a NaN loss) are named in the error.
 
     Returns:
-        The grad norm before clipping (float; inf/nan when the step was skipped).
+        The grad norm before clipping (float).
+
+    Raises:
+        NonFiniteError: the grad norm is NaN or infinite (`stop_on_non_finite_grad`): nothing is stepped.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if any(isinstance(g, DTensor) for g in grads):  # FSDP (and TP): shards on meshes of 1 or 2 dimensions
@@ -204,11 +213,26 @@ def optimizer_step(
                 g.mul_(grad_clip / (grad_norm + 1e-6))  # as clip_grad_norm_
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if torch.isfinite(grad_norm):
-        optimizer.step()
+    stop_on_non_finite_grad(float(grad_norm), optimizer, role, log)
+    optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)
+
+
+def stop_on_non_finite_grad(grad_norm: float, optimizer, role: str, log: MetricLog | None) -> None:
+    """Raise `NonFiniteError` (after zeroing the grads, before any step) if `grad_norm` is NaN or ±inf.
+
+    The norm is global over the model's shards and data-parallel ranks (the gradients are all-reduced first), so
+    every rank raises together and none is left waiting in a collective. The message names ``<role>/grad_norm`` and
+    the metrics of this mini-batch that are themselves non-finite on this rank (``actor/pg_loss``, ...).
+    """
+    if math.isfinite(grad_norm):
+        return
+    optimizer.zero_grad(set_to_none=True)
+    bad = [f"{role}/{name}" for name in (log.non_finite_last() if log is not None else [])]
+    cause = f" (non-finite in this mini-batch: {', '.join(bad)})" if bad else ""
+    raise NonFiniteError(f"update_{role}: {role}/grad_norm is {grad_norm}{cause}; the weights were not stepped; {FIX}")
 
 
 class MetricLog:
@@ -237,3 +261,7 @@ class MetricLog:
             name -> float, in first-recorded order; empty when nothing was recorded.
         """
         return {f"{prefix}/{k}": float(np.mean(v)) for k, v in self._values.items()}
+
+    def non_finite_last(self) -> list[str]:
+        """The names whose most recent value is NaN or ±inf."""
+        return [name for name, values in self._values.items() if values and not math.isfinite(values[-1])]

@@ -112,7 +112,7 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
         out.critic = Critic(critic_model, cfg.critic, cfg.rollout.n, seed, compute_dtype=compute_dtype)
     if "reward" in roles:
         custom = load_reward_function(cfg.reward.custom_function) if cfg.reward.custom_function else None
-        out.reward_fn = RewardManager(out.tokenizer, custom)
+        out.reward_fn = RewardManager(out.tokenizer, custom, name=cfg.reward.custom_function)
     return out
 
 

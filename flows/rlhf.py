@@ -167,11 +167,12 @@ def group_spec(cfg: HybridFlowConfig, name: str) -> GroupSpec:
         nodes=nodes,
         tasks_per_node=tasks,
         executor=placement.executor,
-        slurm=slurm_parameters(**slurm.model_dump(exclude={"time_min"})),
+        slurm=slurm_parameters(**slurm.model_dump(exclude={"time_min", "interface"})),
         timeout_min=slurm.time_min,
         backend=backend,
         heartbeat_timeout_s=placement.heartbeat_timeout_s,
         call_timeout_s=placement.call_timeout_s,
+        interface=slurm.interface,
     )
 
 

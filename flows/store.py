@@ -51,6 +51,7 @@ A new schema change is a new hand-written revision in ``migrations/versions`` (e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import operator
@@ -588,10 +589,10 @@ def _private_sqlite_file(path: Path) -> None:
     """Create the SQLite file (and its folder) readable by its owner only (0600: SQLite gives its ``-wal`` and
     ``-shm`` files the same mode); an existing one of this user's that others can read is made 0600 too."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))  # an empty file is an empty SQLite database
-    except OSError:
-        return  # unwritable: SQLite's own error says so when the store opens it
+    # O_EXCL: an existing file is never opened here, since closing any descriptor of a SQLite file drops the POSIX
+    # locks this process's connections hold on it (and another store in this process may be writing)
+    with contextlib.suppress(FileExistsError, PermissionError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))  # an empty file: an empty database
     for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         try:
             info = file.stat()

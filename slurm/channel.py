@@ -100,23 +100,57 @@ class Signer:
         return message
 
 
+class DropLog:
+    """Rate-limited warnings about dropped messages: the first is logged in full, later ones are counted and
+    summed up in at most one line per `interval_s` seconds (a flood of forged messages must not flood the log).
+
+    Args:
+        interval_s: the least time between two summary lines (seconds).
+    """
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self._unreported = 0
+        self._last = -float("inf")
+
+    def drop(self, reason: str) -> None:
+        """Note one dropped message; log it now if nothing was logged for `interval_s`, else count it."""
+        now = time.monotonic()
+        self._unreported += 1
+        if now - self._last < self.interval_s:
+            return
+        if self._unreported == 1:
+            logger.warning("dropped %s", reason)
+        else:
+            logger.warning(
+                "dropped %d messages in the last %.0f s (unauthenticated, stale, replayed or misaddressed); the "
+                "latest: %s",
+                self._unreported,
+                now - self._last,
+                reason,
+            )
+        self._unreported, self._last = 0, now
+
+
 class ControllerEndpoint:
     """The controller's ROUTER socket: workers connect to it; messages are addressed by worker identity.
 
     Args:
         signer: the run's `Signer`.
-        bind_host: interface to listen on (``127.0.0.1`` for local groups, ``0.0.0.0`` for Slurm).
+        bind_host: the address to listen on (``127.0.0.1`` for local groups; on Slurm the controller host's address
+            on the cluster network, see `hybridflow.slurm.network.host_address`); workers are told to connect to it.
     """
 
     def __init__(self, signer: Signer, bind_host: str = "127.0.0.1"):
         self.signer = signer
+        self._drops = DropLog()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # an unauthenticated peer cannot exhaust memory
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
-        advertised = "127.0.0.1" if bind_host == "127.0.0.1" else socket.gethostname()
+        advertised = socket.gethostname() if bind_host in ("0.0.0.0", "*") else bind_host
         self.address = f"tcp://{advertised}:{self.port}"
 
     def send(self, identity: str, message: dict[str, Any]) -> None:
@@ -133,13 +167,12 @@ class ControllerEndpoint:
             identity, *frames = self._sock.recv_multipart()
             message = self.signer.unpack(frames)
             if message is None:
-                logger.warning("dropped an unauthenticated message from %r", identity)
+                self._drops.drop(f"an unauthenticated, stale or replayed message from {identity!r}")
                 continue
             if message.get("from") != identity.decode(errors="replace"):
                 self.signer.dropped += 1
-                logger.warning(
-                    "dropped a message whose sender %r does not match its socket %r", message.get("from"), identity
-                )
+                sender = message.get("from")
+                self._drops.drop(f"a message whose sender {sender!r} does not match its socket {identity!r}")
                 continue
             return identity.decode(), message
 
@@ -153,6 +186,7 @@ class WorkerConnection:
     def __init__(self, address: str, identity: str, signer: Signer):
         self.identity = identity
         self.signer = signer
+        self._drops = DropLog()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, identity.encode())
         self._sock.setsockopt(zmq.LINGER, 1000)
@@ -175,7 +209,7 @@ class WorkerConnection:
             message = self.signer.unpack(self._sock.recv_multipart())
             if message is not None:
                 return message
-            logger.warning("worker %s dropped an unauthenticated message", self.identity)
+            self._drops.drop(f"an unauthenticated message to worker {self.identity}")
 
     def monitor(self) -> zmq.Socket:
         """A socket that receives this connection's events (connected, disconnected, ...)."""

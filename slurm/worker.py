@@ -31,6 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 from hybridflow.engine.dispatch import Dispatch, registered_methods
 from hybridflow.engine.imports import load_object
 from hybridflow.engine.protocol import DataProto
+from hybridflow.slurm import network
 from hybridflow.slurm.channel import Signer, WorkerConnection, read_secret
 from hybridflow.slurm.handles import DataHandle, write_part
 
@@ -56,6 +57,7 @@ class Bootstrap:
     orphan_grace_s: float = 10.0
     backend: str = "gloo"
     env: dict[str, str] = field(default_factory=dict)
+    interface: str | None = "lo"  # where the group's sockets listen: "lo" (local groups), a NIC name, or None
 
 
 def decode_args(obj: Any) -> Any:
@@ -129,9 +131,15 @@ def _heartbeats(
         conn.close()
 
 
-def _init_distributed(backend: str) -> tuple[int, int, str]:
+def _init_distributed(backend: str, interface: str | None, controller_host: str) -> tuple[int, int, str]:
     """Join the group's torch.distributed world (rendezvous at rank 0's node, from Slurm's or the local launcher's
-    environment) and pick this rank's GPU on GPU nodes. Returns (rank, world size, job id)."""
+    environment) and pick this rank's GPU on GPU nodes. Returns (rank, world size, job id).
+
+    Nothing listens on every interface (`hybridflow.slurm.network`): rank 0's rendezvous store is bound to the
+    address the other ranks connect to (127.0.0.1 for a local group; on Slurm the address of rank 0's node name, or
+    its route to the controller where that name resolves to loopback on a multi-node job), and gloo's and NCCL's
+    connections use `interface` (``lo`` locally; on Slurm ``placement.slurm.interface``, else the interface on the
+    route to the controller)."""
     import submitit
     import torch
     import torch.distributed as dist
@@ -142,17 +150,47 @@ def _init_distributed(backend: str) -> tuple[int, int, str]:
     if env.num_tasks > 1:
         for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)  # inherited from the controller's environment (e.g. set by vLLM there)
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        dist.init_process_group(backend)
+        rendezvous = submitit.helpers.TorchDistributedEnvironment()
+        if interface == network.LOOPBACK:
+            address, nic = "127.0.0.1", network.LOOPBACK
+        else:
+            address = socket.gethostbyname(rendezvous.master_addr)
+            if address.startswith("127.") and env.num_nodes > 1:
+                address = network.route_address(controller_host)
+            nic = interface or network.interface_of(network.route_address(controller_host))
+        if nic:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", nic)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
+        store = _rendezvous_store(address, rendezvous.master_port, env.num_tasks, env.global_rank == 0)
+        dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.num_tasks)
     return env.global_rank, env.num_tasks, str(env.job_id)
+
+
+def _rendezvous_store(address: str, port: int, world_size: int, is_master: bool):
+    """torch.distributed's TCPStore at `address`:`port`; rank 0 serves it on a socket it binds to `address` only
+    (torch's own server would listen on every interface)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    listen_fd = None
+    if is_master:
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((address, port))
+        server.listen(max(128, world_size))
+        listen_fd = server.detach()  # the store's server owns the descriptor from here
+    return dist.TCPStore(address, port, world_size, is_master, timeout=timedelta(minutes=5), master_listen_fd=listen_fd)
 
 
 def serve(boot: Bootstrap) -> None:
     """Run one rank until the controller sends ``shutdown`` (the function each submitit task executes)."""
+    os.umask(0o077)  # checkpoint parts, batch files and logs: the run owner's only
     os.environ.update(boot.env)
     notice = _SignalNotice()
     notice.install()
-    rank, world_size, job_id = _init_distributed(boot.backend)
+    controller_host = boot.controller_address.removeprefix("tcp://").rsplit(":", 1)[0]
+    rank, world_size, job_id = _init_distributed(boot.backend, boot.interface, controller_host)
     signer = Signer(read_secret(boot.secret_path))
     identity = f"{boot.group}/rank-{rank}"
     stop = threading.Event()

@@ -4,7 +4,8 @@ The controller (the Prefect flow's process) creates a `WorkerGroup` for a worker
 per rank (`local`: submitit's LocalExecutor, processes on this machine; `slurm`: one Slurm job of ``nodes`` x
 ``tasks_per_node`` tasks, submitted with sbatch). Ranks rendezvous for torch.distributed at rank 0's node (gloo on
 CPU, NCCL on GPU). Every rank connects back to the controller over the authenticated channel (the controller
-listens on all interfaces for Slurm groups and advertises its host name), says hello, and then serves the class's
+listens on 127.0.0.1 for local groups and on its cluster address for Slurm groups, never on every interface: see
+`hybridflow.slurm.network`), says hello, and then serves the class's
 registered methods. Calling ``group.method(...)`` (or ``group.call("method", ...)``)
 splits the arguments by the method's dispatch mode, runs it on the ranks, and gathers the results; batches go as
 `DataHandle`\\ s, never through the channel.
@@ -39,7 +40,7 @@ import zmq
 
 from hybridflow.engine.dispatch import Dispatch
 from hybridflow.engine.protocol import DataProto
-from hybridflow.slurm import cluster
+from hybridflow.slurm import cluster, network
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, read_secret
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker import DP_KEY, PART_KEY, SKIP_KEY, Bootstrap, decode_args, encode_args, serve
@@ -71,6 +72,9 @@ class GroupSpec:
             collective) still beats; this limit is what turns such a hang into an error.
         slurm_poll_s: how often a Slurm group's job and node states are polled while waiting (seconds).
         env: environment variables for the worker processes.
+        interface: a Slurm group's network interface (``placement.slurm.interface``, e.g. ``ib0``): the controller's
+            channel and the ranks' gloo/NCCL traffic listen there; None: the address of the host name (controller)
+            and the route to the controller (ranks). A local group always uses the loopback interface.
     """
 
     name: str
@@ -87,6 +91,7 @@ class GroupSpec:
     call_timeout_s: float | None = None
     slurm_poll_s: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
+    interface: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -170,7 +175,8 @@ class WorkerGroup:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._signer = Signer(read_secret(secret_path))
-        bind = "127.0.0.1" if spec.executor == "local" else "0.0.0.0"
+        local = spec.executor == "local"
+        bind = "127.0.0.1" if local else network.host_address(spec.interface)
         self._endpoint = ControllerEndpoint(self._signer, bind_host=bind)
         self.log_dir = Path(run_dir) / "submitit" / spec.name
         self._job = self._submit(
@@ -185,6 +191,7 @@ class WorkerGroup:
                 orphan_grace_s=spec.heartbeat_timeout_s,
                 backend=spec.backend,
                 env=dict(spec.env),
+                interface=network.LOOPBACK if local else spec.interface,
             )
         )
         self.job_id = str(self._job.job_id)
@@ -415,6 +422,9 @@ class WorkerGroup:
         state (``RUNNING``, ``PENDING``...; polled every ``slurm_poll_s``) or ``""`` for local groups."""
         everyone = sorted(range(self.spec.world_size))
         if self.spec.executor == "local":
+            for rank, info in sorted(self.ranks.items()):
+                if (ended := _local_process_end(info.pid)) is not None:
+                    raise self._error(f"rank {rank} (pid {info.pid}) {ended} during {during}", [rank])
             if self._job.done():
                 raise self._error(f"the job ended (state {self._job.state}) during {during}", everyone)
             return ""
@@ -516,3 +526,21 @@ class WorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _local_process_end(pid: int) -> str | None:
+    """How a local rank's process ended, or None while it runs: ``was killed by SIGKILL``, ``exited with status
+    1``, read from the kernel while the process is a zombie (its parent, submitit's local launcher, reaps it within
+    about a second); once reaped, a generic ``died`` message."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return "died (its process is gone without a Python error: killed by a signal such as SIGKILL or the OOM killer)"
+    except (OSError, IndexError):
+        return None  # no /proc here: the job state tells
+    if fields[0] != "Z":
+        return None
+    status = int(fields[49]) if len(fields) > 49 else 0  # /proc/<pid>/stat field 52: the waitpid(2) status
+    if status & 0x7F:
+        return f"was killed by {signal.Signals(status & 0x7F).name}"
+    return f"exited with status {status >> 8} without a Python error"

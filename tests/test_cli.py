@@ -83,6 +83,21 @@ def test_run_bad_key_names_it(tmp_path):
     assert "actor.ppo_epoch: unknown key" in result.stdout
 
 
+def test_malformed_yaml_and_an_unreachable_store_get_one_line(tmp_path):
+    """Malformed YAML names the file, line and column; an unreachable PostgreSQL store gets one line naming the URL
+    and what to check; neither prints a traceback."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: tiny\ndata: [1, 2\ntrainer: {a: 1}\n")
+    result = _hf("run", str(bad))
+    assert result.returncode == 2
+    assert result.stdout.strip() == f"{bad} is not valid YAML: line 4, column 8: expected ',' or ']', but got ':'"
+    unreachable = _hf("runs", "list", "--db", "postgresql://user:secret@127.0.0.1:1/runs")
+    assert unreachable.returncode == 2 and "Traceback" not in unreachable.stdout + unreachable.stderr
+    [line] = unreachable.stdout.strip().splitlines()
+    assert "cannot open the run store postgresql+psycopg://user:***@127.0.0.1:1/runs" in line
+    assert "PostgreSQL server is running and reachable" in line and "writable" not in line
+
+
 @pytest.mark.parametrize("name", ["hf", "hybridflow"])
 def test_both_entry_points_show_help(name):
     exe = shutil.which(name, path=str(Path(sys.executable).parent))

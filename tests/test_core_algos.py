@@ -780,3 +780,31 @@ def test_logprobs_from_bf16_logits_are_fp32_and_accurate():
 def test_logprobs_label_shape_mismatch():
     with pytest.raises(ValueError, match=r"labels of shape \[2, 3\].*logits of shape \[2, 4, 5\]"):
         ca.logprobs_from_logits(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_non_finite_advantages_stop_the_adv_stage():
+    """A NaN score on a response token stops compute_advantage with NonFiniteError naming the stage, the metric
+    and the first sample (its uid); NaN on a padding position is ignored."""
+    from hybridflow.engine.advantage import compute_advantage
+    from hybridflow.engine.config import AlgorithmConfig
+    from hybridflow.engine.guards import NonFiniteError
+    from hybridflow.engine.protocol import DataProto
+
+    scores = torch.zeros(4, 3)
+    scores[:, 1] = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    mask = torch.tensor([[1, 1, 0]] * 4)
+    uids = np.array(["p0", "p0", "p1", "p1"], dtype=object)
+    algorithm = AlgorithmConfig(adv_estimator="grpo")
+    scores[0, 2] = float("nan")  # padding: not a response token
+    out, _ = compute_advantage(
+        DataProto.from_dict({"token_level_scores": scores, "response_mask": mask}, {"uid": uids}), algorithm
+    )
+    assert torch.isfinite(out.batch["advantages"][:, :2]).all()
+    scores[2, 1] = float("nan")
+    data = DataProto.from_dict({"token_level_scores": scores, "response_mask": mask}, {"uid": uids})
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^adv: 1 non-finite value\(s\) of token_level_rewards; the first in sample 2 \(uid p1\) is nan; "
+        r".*hf resume",
+    ):
+        compute_advantage(data, algorithm)

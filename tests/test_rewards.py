@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridflow.engine.data import reasoning_gym_rows
+from hybridflow.engine.guards import NonFiniteError
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rewards import (
     RewardManager,
@@ -259,3 +260,25 @@ def test_reward_manager_errors(tiny_tokenizer):
         RewardManager(tiny_tokenizer)(without_truth)
     with pytest.raises(ValueError, match="no built-in reward for data_source 's'"):
         RewardManager(tiny_tokenizer)(batch)
+
+
+def test_a_nan_score_stops_the_reward_stage(tiny_tokenizer, tmp_path):
+    """A custom reward function returning NaN: NonFiniteError naming the stage, the metric, the function as
+    configured, how many samples and the first one (its data_source and response)."""
+    reward_file = tmp_path / "half_nan.py"
+    reward_file.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return float('nan') if '7' in solution_str else 1.0\n"
+    )
+    spec = f"{reward_file}:score"
+    batch, _ = _response_batch(tiny_tokenizer, ["hello", "x = 7", "77"], ["a", "b", "c"], ["", "", ""])
+    with pytest.raises(NonFiniteError) as err:
+        RewardManager(tiny_tokenizer, load_reward_function(spec), name=spec)(batch)
+    assert str(err.value).startswith(
+        f"reward: token_level_scores: the score function {spec} returned nan for 2 of 3 samples; "
+        "the first is sample 1 (data_source b, response 'x = 7')"
+    )
+    assert "hf resume" in str(err.value)
+    infinite = RewardManager(tiny_tokenizer, lambda d, s, g, e: {"score": float("inf")})
+    with pytest.raises(NonFiniteError, match=r"returned inf for 3 of 3 samples; the first is sample 0 \(data_source a"):
+        infinite(batch)

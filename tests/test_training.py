@@ -17,10 +17,11 @@ from torch.testing import assert_close
 from hybridflow.engine.actor import Actor, RefPolicy
 from hybridflow.engine.config import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
 from hybridflow.engine.critic import Critic
+from hybridflow.engine.guards import NonFiniteError
 from hybridflow.engine.models import load_critic, load_model, load_tokenizer
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout import HFRollout
-from hybridflow.engine.training import build_optimizer, micro_batch_weights, mini_batches, optimizer_step
+from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches, optimizer_step
 
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "Solve it step by step."]
 N = 2  # responses per prompt: batches hold 8 sequences
@@ -311,19 +312,24 @@ def _backward(model) -> None:
     model(input_ids=input_ids).logits.square().mean().backward()
 
 
-# the skipped step still advances the LR schedule, which torch warns about (harmless here)
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
-def test_optimizer_step_skips_nan(tiny_model_dir):
+def test_optimizer_step_stops_on_nan(tiny_model_dir):
+    """A NaN gradient raises NonFiniteError naming the grad norm and the NaN loss, before any step: the weights,
+    Adam's state and the LR schedule are untouched and the grads are cleared."""
     model = load_model(tiny_model_dir)
     optimizer, scheduler = build_optimizer(model, OptimConfig(lr=1e-3))
     _backward(model)
     next(p for p in model.parameters()).grad[0, 0] = float("nan")
     before = params(model)
-    norm = optimizer_step(model, optimizer, scheduler, grad_clip=1.0)
-    assert not math.isfinite(norm)
+    log = MetricLog()
+    log.add(pg_loss=float("nan"), pg_clipfrac=0.0)
+    with pytest.raises(
+        NonFiniteError, match=r"update_actor: actor/grad_norm is nan \(non-finite in this mini-batch: actor/pg_loss\)"
+    ):
+        optimizer_step(model, optimizer, scheduler, grad_clip=1.0, role="actor", log=log)
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]), name
-        assert p.grad is None  # grads are still cleared for the next step
+        assert p.grad is None  # grads are cleared
+    assert not optimizer.state and scheduler.last_epoch == 0  # nothing was stepped
 
     # a finite step: returns the pre-clip global norm and moves the weights
     _backward(model)

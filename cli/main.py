@@ -158,7 +158,7 @@ def resume(
     store = _store(db)
     record = _get_run(store, run_id)
     if controller_state(record) == "live":
-        console.print(f"[red]{LeaseHeldError(run_id, record.lease_host, record.lease_pid, record.heartbeat_at)}[/red]")
+        console.print(str(LeaseHeldError(record)), markup=False, style="red")
         raise typer.Exit(2)
     try:
         cfg = resume_config(record.config, list(override or []))
@@ -324,6 +324,9 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
         f"[bold]{r.id}[/bold]  {r.experiment_name}  status={_status_text(r)}  code={r.code_version}  "
         f"prefect flow run={r.prefect_flow_run_id}"
     )
+    if r.lease_host is not None:
+        beat = f"{r.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if r.heartbeat_at else "never"
+        console.print(f"controller: host {r.lease_host}, pid {r.lease_pid}, last heartbeat {beat}")
     if r.error:
         console.print(f"[red]{r.error.strip().splitlines()[-1]}[/red]")
     console.print(yaml.safe_dump(r.config, sort_keys=False).rstrip())

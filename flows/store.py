@@ -146,15 +146,18 @@ _WRITE_OPTION = "hybridflow_write"  # execution option marking the engine whose 
 
 
 class LeaseHeldError(RuntimeError):
-    """Another controller holds the run's lease: it is training the run now (``host``, ``pid``, ``heartbeat_at``)."""
+    """Another controller holds the run's lease: it is training the run now (named by its host, pid, last heartbeat
+    and Prefect flow run)."""
 
-    def __init__(self, run_id: str, host: str | None, pid: int | None, heartbeat_at: datetime | None) -> None:
-        self.host, self.pid, self.heartbeat_at = host, pid, heartbeat_at
-        beat = f"{heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if heartbeat_at else "never"
+    def __init__(self, run: Run) -> None:
+        self.host, self.pid, self.heartbeat_at = run.lease_host, run.lease_pid, run.heartbeat_at
+        host, pid = self.host, self.pid
+        beat = f"{run.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if run.heartbeat_at else "never"
+        flow = f", Prefect flow run {run.prefect_flow_run_id}" if run.prefect_flow_run_id else ""
         super().__init__(
-            f"run {run_id} is being trained by another controller (host {host}, pid {pid}, last heartbeat {beat}); "
-            f"wait for it to end or stop it (kill {pid} on {host}); a controller that died is taken over once its "
-            f"heartbeat is {LEASE_TTL_S:.0f} s old"
+            f"run {run.id} is being trained by another controller (host {host}, pid {pid}{flow}, last heartbeat "
+            f"{beat}); wait for it to end or stop it (kill {pid} on {host}); a controller that died is taken over "
+            f"(at once from its own host, else once its heartbeat is {LEASE_TTL_S:.0f} s old)"
         )
 
 
@@ -1037,7 +1040,7 @@ class RunStore:
                 raise UnknownRunError(run_id, self.url)
             before = _run(row)
             if row.lease_token not in (None, token) and controller_state(before) == "live":
-                raise LeaseHeldError(run_id, row.lease_host, row.lease_pid, row.heartbeat_at)
+                raise LeaseHeldError(before)
             row.lease_token, row.lease_host = token, socket.gethostname()
             row.lease_pid, row.heartbeat_at = os.getpid() if pid is None else pid, _now()
             return before

@@ -326,6 +326,10 @@ def test_one_controller_per_run_and_resume_past_bad_checkpoints(prefect_api, tmp
     assert "crashed (last heartbeat" in listed.stdout, listed.stdout
     ckpts = {c.step: Path(c.path) for c in store.checkpoints(run_id)}
     assert sorted(ckpts) == [1, 2, 3]
+    run_dir = ckpts[1].parent.parent
+    old_secret = (run_dir / "secret").read_bytes()
+    leftovers = list((run_dir / "data").iterdir())  # the killed iteration's batch files
+    assert leftovers
     _truncate(next((ckpts[3] / "actor").glob("*.safetensors")))
     _edit_weights_and_manifest(ckpts[2])
     verify_checkpoint(ckpts[2])  # consistent with its own manifest: only the store's hash catches it
@@ -338,6 +342,8 @@ def test_one_controller_per_run_and_resume_past_bad_checkpoints(prefect_api, tmp
     assert "checkpoint global_step_2 is unusable" in output and "not the" in output and "recorded" in output
     assert "falling back to global_step_1" in output
     assert store.get_run(run_id).status == "completed"
+    assert (run_dir / "secret").read_bytes() != old_secret  # a new channel secret for the new controller session
+    assert not [p for p in leftovers if p.exists()]  # the killed session's batch files are gone
     by_step = _by_step(store, run_id)
     for step in (2, 3, 4):
         for name in COMPARED:
@@ -359,7 +365,6 @@ def test_one_controller_per_run_and_resume_past_bad_checkpoints(prefect_api, tmp
     wrong = _hf(prefect_api, "resume", run_id, "--db", db, "--from", "global_step_9")
     assert wrong.returncode == 2 and "no usable checkpoint of step 9" in " ".join(wrong.stdout.split())
 
-    run_dir = Path(store.latest_checkpoint(run_id).path).parent.parent
     modes = _modes(run_dir)
     assert modes["."] == 0o700
     loose = {name: oct(mode) for name, mode in modes.items() if mode & 0o077}

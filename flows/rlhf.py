@@ -485,8 +485,8 @@ def _resume(
     That is the newest recorded checkpoint that verifies (`usable_checkpoint`): one that is missing, corrupt, or
     whose manifest differs from the sha256 the store recorded is marked bad in the store, and the one before it is
     tried (a warning says which and why). With `from_step`, the checkpoint of that step is used (and must verify);
-    later ones are marked superseded. A run with no checkpoint on record starts from ``trainer.resume_from`` when
-    that names a checkpoint folder (a new run continuing another run's checkpoint).
+    later ones are marked superseded. A run with no usable checkpoint of its own starts from
+    ``trainer.resume_from`` when that names a checkpoint folder (a new run continuing another run's checkpoint).
     """
     if from_step is not None:
         _supersede_after(store, run_id, from_step)
@@ -494,7 +494,7 @@ def _resume(
     else:
         path = usable_checkpoint(store, run_id)
         resume_from = cfg.trainer.resume_from
-        if path is None and not store.checkpoints(run_id) and resume_from not in (None, "auto"):
+        if path is None and resume_from not in (None, "auto"):  # none of its own (usable): where it began
             path = Path(resume_from)
             verify_checkpoint(path)
     if path is None:

@@ -2,7 +2,8 @@
 
 - ``hf run CONFIG [-o key=value ...]``: record a run in the store and train it with the Prefect flow.
 - ``hf resume RUN_ID``: continue a run from its last complete checkpoint.
-- ``hf runs list | show RUN_ID | metrics RUN_ID --name NAME``: run history from the store.
+- ``hf runs list | show RUN_ID | metrics RUN_ID --name NAME | samples RUN_ID | plot RUN_ID ...``: run history from
+  the store: metrics, sample generations, plots.
 - ``hf server start | stop | status``: the local Prefect server (its UI shows every flow run).
 - ``hf models prepare NAME``: make an embedded model (``smollm2``, ``tiny``) available as a local HF folder.
 
@@ -244,7 +245,7 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
     with LiveProgress(console) as progress:
         rlhf.listeners.append(progress.on_event)
         try:
-            rlhf.rlhf_flow(run_id=run_id, resume_from_step=resume_from_step)
+            rlhf.run_flow(run_id=run_id, resume_from_step=resume_from_step)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the flow has recorded the run as interrupted
             console.print(f"[yellow]interrupted; continue with: hf resume {run_id}[/yellow]")
             raise typer.Exit(143 if isinstance(e, _Terminated) else 130) from None
@@ -437,6 +438,81 @@ def runs_metrics(
         raise typer.Exit(2)
 
 
+@runs_app.command("samples")
+def runs_samples(
+    run_id: str,
+    step: Annotated[int | None, typer.Option("--step", help="only this step (0: validation before training)")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", help="train or val; default both")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
+    db: DbOption = None,
+) -> None:
+    """A run's sample generations (prompt, response, score, ground truth), kept with trainer.log_val_generations=N
+    and trainer.log_train_generations=N."""
+    store = _store(db)
+    record = _get_run(store, run_id)
+    if kind not in (None, "train", "val"):
+        console.print(f"[red]--kind must be train or val, got {kind!r}[/red]")
+        raise typer.Exit(2)
+    samples = store.samples(run_id, step=step, kind=kind)
+    if as_json:
+        for sample in samples:
+            print(json.dumps(sample.to_dict()))
+        return
+    if not samples:
+        trainer = record.config.get("trainer", {})
+        keep = {k: trainer.get(f"log_{k}_generations", 0) for k in ("val", "train")}
+        where = f" at step {step}" if step is not None else ""
+        console.print(
+            f"no samples of {run_id}{where} (trainer.log_val_generations={keep['val']}, "
+            f"trainer.log_train_generations={keep['train']}; set them to N to keep N samples per step)"
+        )
+        return
+    for s in samples:
+        console.rule(f"step {s.step} {s.kind} #{s.idx}  {s.data_source}  score={_fmt(s.score)}", align="left")
+        console.print("[bold]prompt[/bold]", markup=True)
+        console.print(s.prompt, markup=False, highlight=False)
+        console.print("[bold]response[/bold]", markup=True)
+        console.print(s.response, markup=False, highlight=False)
+        console.print(f"[bold]ground truth[/bold] {s.ground_truth}", highlight=False)
+
+
+@runs_app.command("plot")
+def runs_plot(
+    run_ids: Annotated[list[str], typer.Argument(help="one or more runs, overlaid")],
+    name: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--name",
+            help="metric name or glob, e.g. val/*/acc (repeatable); default: reward, held-out "
+            "accuracy, KL, entropy, response length",
+        ),
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="PNG to write (default: plot-<first run>.png)")] = None,
+    show: Annotated[bool, typer.Option(help="also draw it in the terminal when it shows images")] = True,
+    db: DbOption = None,
+) -> None:
+    """Plot metrics of one or more runs against the iteration (one panel per metric, runs overlaid) into a PNG."""
+    from hybridflow.cli.plots import DEFAULT_METRICS, plot_runs, resolve_names, show_in_terminal
+
+    store = _store(db)
+    series: dict[str, dict[str, list[tuple[int, float | None]]]] = {}
+    for run_id in run_ids:
+        _get_run(store, run_id)
+        metrics: dict[str, list[tuple[int, float | None]]] = {}
+        for point in store.metrics(run_id):
+            metrics.setdefault(point.name, []).append((point.step, point.value))
+        series[run_id] = metrics
+    available = {n for metrics in series.values() for n in metrics}
+    try:
+        names = resolve_names(name or DEFAULT_METRICS, available, explicit=bool(name))
+        path = plot_runs(series, names, out or Path(f"plot-{run_ids[0]}.png"))
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    if not (show and show_in_terminal(path)):
+        console.print(f"wrote {path} ({', '.join(names)})")
+
+
 # ---------------------------------------------------------------------------------------------------- server
 @server_app.command("start")
 def server_start(port: int = server.DEFAULT_PORT) -> None:
@@ -490,7 +566,42 @@ def models_prepare(
 
 
 # ---------------------------------------------------------------------------------------------------- entry
-_OURS = {"run", "resume", "runs", "server", "models", "--help", "-h", "--install-completion", "--show-completion"}
+_OURS = {
+    "run",
+    "resume",
+    "runs",
+    "server",
+    "models",
+    "--help",
+    "-h",
+    "--version",
+    "-V",
+    "--install-completion",
+    "--show-completion",
+}
+
+
+def version() -> str:
+    """HybridFlow's installed version (the package metadata's)."""
+    from importlib.metadata import version as package_version
+
+    return package_version("hybridflow")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"hybridflow {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    show_version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_print_version, is_eager=True, help="print HybridFlow's version"),
+    ] = False,
+) -> None:
+    """HybridFlow: RLHF (PPO, GRPO, RLOO) with a single controller."""
 
 
 def _forward_to_huggingface_hub(argv: list[str]) -> bool:
@@ -502,7 +613,11 @@ def _forward_to_huggingface_hub(argv: list[str]) -> bool:
 
 def main() -> None:
     """Entry point of ``hf`` and ``hybridflow``."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Warnings and errors on the terminal; INFO lines (the controller's and the workers') go to the flow run's logs
+    # in the Prefect UI only (hybridflow.flows.reporting.FlowLogs).
+    terminal = logging.StreamHandler()
+    terminal.setLevel(logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", handlers=[terminal])
     os.umask(0o077)  # the run store, run folders, checkpoints and logs are readable by their owner only
     signal.signal(signal.SIGTERM, _raise_terminated)
     if _forward_to_huggingface_hub(sys.argv[1:]):

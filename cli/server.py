@@ -128,6 +128,9 @@ def start(port: int = DEFAULT_PORT, timeout_s: float = START_TIMEOUT_S) -> Serve
         taken_port, port = port, free_port()
     env = {**os.environ, **OFFLINE_ENV, "PREFECT_HOME": str(home.resolve())}
     env.pop("PREFECT_API_URL", None)
+    # The UI's pages call the API at this URL; Prefect derives it from its port setting, not from --port, so a
+    # server on any port but 4200 would serve a UI that asks port 4200 (another server, or nothing).
+    env["PREFECT_UI_API_URL"] = f"http://127.0.0.1:{port}/api"
     log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child process
     process = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
@@ -218,8 +221,9 @@ def free_port() -> int:
 
 
 def use_server(api_url: str) -> None:
-    """Point this process's Prefect client at `api_url` (call before importing prefect). Prefect's own per-task
-    INFO lines are turned down to warnings; the live display shows progress and the UI has the details."""
+    """Point this process's Prefect client at `api_url` (call before importing prefect). Prefect's INFO lines (and
+    the controller's and workers' log lines, `hybridflow.flows.reporting.FlowLogs`) go to the flow run's logs in the
+    UI, not to the terminal: its console handler shows warnings only, as the live display shows the progress."""
     os.environ.update(OFFLINE_ENV)
     os.environ["PREFECT_API_URL"] = api_url
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")

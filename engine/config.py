@@ -207,6 +207,10 @@ class RewardConfig(_Section):
     custom_function: str | None = Field(None, description="'module:function' or 'path.py:function'")
 
 
+TrackerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+"""The values of ``trainer.logger`` (verl's names; ``jsonl`` is verl's ``file``)."""
+
+
 class TrainerConfig(_Section):
     """Iterations, seed, device, validation and checkpoint frequency, output folders."""
 
@@ -230,6 +234,29 @@ class TrainerConfig(_Section):
         "(hf run: the run's own newest usable checkpoint, as hf resume always does; the single-process trainer: the "
         "latest in checkpoint_dir, if any)",
     )
+    logger: list[TrackerName] = Field(
+        default_factory=lambda: ["console", "jsonl"],
+        description="where metrics go besides the run store: console (one line per iteration), jsonl "
+        "(<run folder>/metrics.jsonl), tensorboard (<run folder>/tensorboard), wandb (offline without a login), "
+        "mlflow (trainer.mlflow_tracking_uri)",
+    )
+    project_name: str = Field("hybridflow", description="the wandb project and the MLflow experiment")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (sqlite:///..., file:..., http://host:5000); None: $MLFLOW_TRACKING_URI, "
+        "else sqlite:///<output_dir>/mlflow.db",
+    )
+    log_val_generations: int = Field(
+        0, ge=0, description="keep N (prompt, response, score, ground truth) samples of every validation"
+    )
+    log_train_generations: int = Field(0, ge=0, description="keep N samples of every iteration's rollout")
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_logger_is_a_list(cls, value: Any) -> Any:
+        """``trainer.logger: wandb`` means ``[wandb]``; repeated names count once."""
+        value = [value] if isinstance(value, str) else value
+        return list(dict.fromkeys(value)) if isinstance(value, list) else value
 
 
 class SlurmConfig(_Section):
@@ -530,6 +557,11 @@ RESUMABLE_KEYS = (
     "trainer.total_iterations",
     "trainer.test_freq",
     "trainer.save_freq",
+    "trainer.logger",
+    "trainer.project_name",
+    "trainer.mlflow_tracking_uri",
+    "trainer.log_val_generations",
+    "trainer.log_train_generations",
     "placement.executor",
     "placement.slurm.",
     "placement.heartbeat_timeout_s",

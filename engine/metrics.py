@@ -26,7 +26,9 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
 
     Args:
         data: a batch after the advantage stage (``token_level_scores``, ``token_level_rewards``,
-            ``advantages``, ``returns``, ``response_mask``, ``attention_mask``; ``values`` if a critic ran).
+            ``advantages``, ``returns``, ``response_mask``, ``attention_mask``; ``values`` if a critic ran; any
+            ``reward_extra/<key>`` [B] column: the extra keys of a custom reward's dict, averaged into
+            ``reward_extra/<key>/mean``).
         response_limit: ``rollout.response_length``, for ``response_length/clip_ratio`` (share of responses cut
             at the limit).
 
@@ -46,6 +48,9 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
         "response_length/clip_ratio": float((response_len >= response_limit).float().mean()),
         **_stats("prompt_length", prompt_len),
     }
+    for key in batch.keys():  # noqa: SIM118 (a TensorDict iterates its values): the custom reward's extra keys
+        if key.startswith("reward_extra/"):
+            metrics[f"{key}/mean"] = float(batch[key].double().mean())
     if "values" in batch:
         metrics.update(_stats("critic/values", batch["values"][mask]))
         error = (batch["returns"] - batch["values"])[mask]

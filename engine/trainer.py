@@ -14,7 +14,6 @@ reward function); `validate` runs under a forked torch RNG so that it never shif
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from hybridflow.engine.core_algos import masked_mean
 from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows, collate_prompts
 from hybridflow.engine.metrics import Timer, compute_data_metrics, rollout_mismatch
 from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.tracking import Tracking, mlflow_tracking_uri
 from hybridflow.engine.workers import build_roles, roles_for
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,10 @@ class SingleProcessTrainer:
             with timer("gen"):
                 data = self.rollout.generate_sequences(prompts)
             with timer("reward"):
-                scores, _ = self.reward_fn(data)
+                scores, extras = self.reward_fn(data)
                 data.batch["token_level_scores"] = scores
+                for key, values in extras.items():  # -> reward_extra/<key>/mean
+                    data.batch[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
             with timer("old_log_prob"):
                 old = self.actor.compute_log_prob(data, calculate_entropy=True)
                 entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
@@ -226,12 +228,14 @@ class SingleProcessTrainer:
         """Resume (``trainer.resume_from``) or validate (``trainer.val_before_train``; skipped when resuming), run
         iterations until ``global_steps`` reaches ``trainer.total_iterations``, validating every ``trainer.test_freq``
         iterations and after the last, and saving a checkpoint every ``trainer.save_freq`` iterations and after the
-        last (`save_checkpoint`; logged, and listed in ``self.checkpoints``). Every record is appended to
-        ``<trainer.output_dir>/<trainer.experiment_name>/metrics.jsonl`` before the checkpoint of its iteration is
-        written, so after a crash and resume the iterations past the checkpoint appear there twice.
+        last (`save_checkpoint`; logged, and listed in ``self.checkpoints``). Every record goes to the trackers of
+        ``trainer.logger`` (`hybridflow.engine.tracking`; ``jsonl``: ``<trainer.output_dir>/<trainer.experiment_name>
+        /metrics.jsonl``) before the checkpoint of its iteration is written, so after a crash and resume the
+        iterations past the checkpoint appear there twice.
 
         Args:
-            log: called with each record (a dict with ``step`` and the metrics).
+            log: called with each record (a dict with ``step`` and the metrics) when ``trainer.logger`` has
+                ``console``.
 
         Returns:
             the records of this call, in order.
@@ -243,16 +247,34 @@ class SingleProcessTrainer:
         """
         cfg = self.config.trainer
         out_dir = Path(cfg.output_dir) / cfg.experiment_name
-        out_dir.mkdir(parents=True, exist_ok=True)
         records = []
+        tracking = Tracking(
+            [b for b in cfg.logger if b != "console"],
+            out_dir,
+            project_name=cfg.project_name,
+            experiment_name=cfg.experiment_name,
+            run_id=cfg.experiment_name,
+            config=self.config.model_dump(mode="json"),
+            mlflow_uri=mlflow_tracking_uri(cfg.mlflow_tracking_uri, cfg.output_dir),
+            mlflow_artifacts=Path(cfg.output_dir).resolve() / "mlartifacts",
+        )
 
         def emit(metrics: dict[str, float]) -> None:
             record = {"step": self.global_steps, **metrics}
             records.append(record)
-            with open(out_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-            log(record)
+            tracking.log(metrics, self.global_steps)
+            if "console" in cfg.logger:
+                log(record)
 
+        try:
+            self._fit(emit)
+        finally:
+            tracking.finish()
+        return records
+
+    def _fit(self, emit) -> None:
+        """`fit`'s body: resume or validate, then iterate; `emit` records each step's metrics."""
+        cfg = self.config.trainer
         resume = self._resume_path()
         if resume is not None:
             self.load_checkpoint(resume)
@@ -274,7 +296,6 @@ class SingleProcessTrainer:
             emit(metrics)
             if last or (cfg.save_freq and self.global_steps % cfg.save_freq == 0):
                 self.save_checkpoint()  # logged, and listed in self.checkpoints (records stay metrics only)
-        return records
 
 
 def _throughput(data: DataProto, seconds: dict[str, float]) -> dict[str, float]:

@@ -13,6 +13,7 @@ What is checked, each failure an `InputError` naming the config key and the fix:
 - ``placement.executor: slurm``: Slurm's commands answer and ``placement.slurm.partition`` exists.
 - ``trainer.output_dir`` (and ``trainer.checkpoint_dir`` when set): can be created and written.
 - ``trainer.resume_from``: a checkpoint folder whose files match its ``manifest.json``.
+- ``trainer.logger``: the library of every tracker named (tensorboard, wandb, mlflow) is installed.
 
 Batch-size divisibility and the parallel layout are checked by the config itself (`HybridFlowConfig`).
 The prompt sets built here are cached in the process, so the flow that follows does not build them again.
@@ -33,6 +34,7 @@ from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_ro
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.models import load_tokenizer
 from hybridflow.engine.rewards import check_builtin_source, load_reward_function
+from hybridflow.engine.tracking import missing_libraries
 from hybridflow.slurm import cluster
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -57,6 +59,11 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     Raises:
         InputError: the first problem found, naming the key and the fix.
     """
+    if missing := missing_libraries(cfg.trainer.logger):
+        raise InputError(
+            f"trainer.logger names {', '.join(missing)}, whose library is not installed: pip install "
+            f"'hybridflow[trackers]' (or remove {', '.join(missing)} from trainer.logger)"
+        )
     model_folder("model.path", cfg.model.path)
     if cfg.critic.model_path:
         model_folder("critic.model_path", cfg.critic.model_path)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefect import flow
+from prefect import flow, tags
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
@@ -32,10 +32,12 @@ from hybridflow.engine.checkpoint import CheckpointError, read_trainer_state, ve
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.core_algos import uses_critic
 from hybridflow.engine.data import PromptSampler, collate_prompts
+from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import Timer, compute_data_metrics
 from hybridflow.engine.workers import roles_for
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.preflight import prompt_sets
+from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags
 from hybridflow.flows.store import LeaseLostError, RunStore
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
@@ -85,13 +87,27 @@ class PreemptionWatch:
         self.updated |= name.startswith("update_")
 
 
+def _enter(name: str, iteration: int, step: int) -> None:
+    """Announce stage `name`; its Prefect task run is named ``<task>-<iteration>``."""
+    _notify("stage", name=name, step=step)
+    stages.ITERATION.set(iteration)
+
+
 @contextmanager
-def _stage(timer: Timer, name: str, step: int, watch: PreemptionWatch | None = None) -> Iterator[None]:
+def _stage(
+    timer: Timer, name: str, step: int, watch: PreemptionWatch | None = None, logs: FlowLogs | None = None
+) -> Iterator[None]:
+    """Time stage `name` of the iteration after `step`, after the preemption check; then forward the workers' log
+    lines to the flow's logs."""
     if watch is not None:
         watch.before_stage(name)
-    _notify("stage", name=name, step=step)
-    with timer(name):
-        yield
+    _enter(name, step + 1, step)
+    try:
+        with timer(name):
+            yield
+    finally:
+        if logs is not None:
+            logs.pump()
 
 
 def flow_run_ui_url() -> str | None:
@@ -249,6 +265,16 @@ def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir:
     return workers
 
 
+def run_flow(run_id: str, db_url: str | None = None, resume_from_step: int | None = None) -> dict[str, float]:
+    """`rlhf_flow` as ``hf run`` / ``hf resume`` start it: the flow run named ``<experiment>/<run_id>`` and tagged
+    with the experiment, algorithm, model and executor (`hybridflow.flows.reporting`). Same arguments, returns and
+    errors as `rlhf_flow`."""
+    cfg = HybridFlowConfig.model_validate(RunStore(db_url).get_run(run_id).config)
+    with tags(*flow_run_tags(cfg)):
+        named = rlhf_flow.with_options(flow_run_name=flow_run_name(cfg, run_id))
+        return named(run_id=run_id, db_url=db_url, resume_from_step=resume_from_step)
+
+
 @flow(name="hybridflow-rlhf")
 def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | None = None) -> dict[str, float]:
     """Train the run `run_id` recorded in the run store, from its newest usable checkpoint if any.
@@ -275,10 +301,13 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
     cfg = HybridFlowConfig.model_validate(store.get_run(run_id).config)
     lease = RunLease(store, run_id).acquire()
     umask = os.umask(0o077)  # the run's files are its owner's only: weights, optimizer state, pickled job files
-    workers = None
+    workers = report = None
     interrupted = False
+    completed = False
+    logs = None
     try:
         run_dir = _private_dir(run_dir_of(cfg, run_id))
+        logs = FlowLogs(run_dir).__enter__()
         data_dir = run_dir / "data"
         shutil.rmtree(data_dir, ignore_errors=True)  # batch files of an earlier session: no handle to them survives
         data_dir.mkdir()
@@ -287,25 +316,25 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
         store.set_status(run_id, "running")
         _notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
         prompts = Prompts.build(cfg, data_dir)
+        report = RunReport(store, run_id, cfg, run_dir, prompt_sets(cfg).tokenizer)
         kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
         workers = launch_workers(cfg, run_id, store, run_dir)
+        logs.pump()
         start = _resume(store, run_id, cfg, workers, prompts, kl_ctrl, resume_from_step)
         trainer = cfg.trainer
         _notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
         metrics: dict[str, float] = {}
         if start == 0 and trainer.val_before_train and prompts.val_batches:
-            _notify("stage", name="validate", step=0)
-            val = stages.validate(
-                workers["rollout"], workers["reward"], prompts.val_batches, cfg.rollout.val_temperature, 0
-            )
-            store.record_metrics(run_id, 0, val)
+            _enter("validate", 0, 0)
+            val, kept = _validate(cfg, workers, prompts, 0)
+            report.step(0, val, val=kept)
             _notify("validation", metrics=val)
         for step in range(start, trainer.total_iterations):
             lease.check()
             state_before = _trainer_state(step, prompts, kl_ctrl)
             store.start_iteration(run_id, step + 1)
             try:
-                metrics = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir)
+                metrics, train_kept = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir, logs)
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
@@ -314,18 +343,13 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
             last = step + 1 == trainer.total_iterations
             warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
             due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
+            val_kept = None
             if prompts.val_batches and due and not warned:
-                _notify("stage", name="validate", step=step + 1)
-                metrics.update(
-                    stages.validate(
-                        workers["rollout"],
-                        workers["reward"],
-                        prompts.val_batches,
-                        cfg.rollout.val_temperature,
-                        step + 1,
-                    )
-                )
-            store.record_metrics(run_id, step + 1, metrics)
+                _enter("validate", step + 1, step + 1)
+                val, val_kept = _validate(cfg, workers, prompts, step + 1)
+                metrics.update(val)
+                logs.pump()
+            report.step(step + 1, metrics, train=train_kept, val=val_kept)
             # The checkpoint comes last: once it is recorded, everything of this iteration is on record, and a crash
             # before that redoes the iteration from the previous checkpoint (metrics are upserted).
             warned = warned or PreemptionWatch(workers).signals()
@@ -337,6 +361,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
             if warned and not last:
                 return _stop_preempted(store, run_id, step + 1, "; ".join(warned), metrics)
         store.set_status(run_id, "completed")
+        completed = True
         return metrics
     except LeaseLostError:  # the run is another controller's now: record nothing
         raise
@@ -355,6 +380,10 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
             if workers is not None:  # stopped by the user: a rank busy in a stage is not waited for
                 workers.shutdown(timeout_s=INTERRUPT_GRACE_S if interrupted else 30.0)
         finally:
+            if report is not None:
+                report.close(ok=completed)
+            if logs is not None:
+                logs.__exit__(None, None, None)
             os.umask(umask)
             lease.release()
 
@@ -399,7 +428,7 @@ def _save_checkpoint(
             f"run {run_id} already has a usable checkpoint of iteration {step} on record ({recorded.path}); "
             "refusing to overwrite it"
         )
-    _notify("stage", name="checkpoint", step=step)
+    _enter("checkpoint", step, step)
     ckpt = stages.checkpoint(list(workers.groups.values()), str(checkpoint_dir_of(cfg, run_id)), step, state)
     store.add_checkpoint(run_id, step, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
 
@@ -414,10 +443,30 @@ def _stop_preempted(
     return metrics
 
 
+def _validate(cfg: HybridFlowConfig, workers: Workers, prompts: Prompts, step: int) -> tuple[dict[str, float], Any]:
+    """The validation after iteration `step` (0: before training): its ``val/*`` metrics and the first
+    ``trainer.log_val_generations`` scored rows (None when 0)."""
+    return stages.validate(
+        workers["rollout"],
+        workers["reward"],
+        prompts.val_batches,
+        cfg.rollout.val_temperature,
+        step,
+        keep=cfg.trainer.log_val_generations,
+    )
+
+
 def _iteration(
-    cfg: HybridFlowConfig, workers: Workers, prompts: Prompts, kl_ctrl, step: int, data_dir: Path
-) -> dict[str, float]:
-    """One iteration: the stages in order, as tasks. Returns its metrics (field-standard names).
+    cfg: HybridFlowConfig,
+    workers: Workers,
+    prompts: Prompts,
+    kl_ctrl,
+    step: int,
+    data_dir: Path,
+    logs: FlowLogs | None = None,
+) -> tuple[dict[str, float], Any]:
+    """One iteration: the stages in order, as tasks. Returns its metrics (field-standard names) and the first
+    ``trainer.log_train_generations`` scored rollout rows (a `DataProto`; None when 0).
 
     Raises:
         Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
@@ -426,42 +475,50 @@ def _iteration(
     watch = PreemptionWatch(workers)
     with timer("step"):
         batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
-        with _stage(timer, "gen", step, watch):
+        with _stage(timer, "gen", step, watch, logs):
             rollout = stages.generate(workers["rollout"], batch)
-        with _stage(timer, "reward", step, watch):
+        with _stage(timer, "reward", step, watch, logs):
             rollout = rollout.union(stages.reward(workers["reward"], rollout))
-        with _stage(timer, "old_log_prob", step, watch):
+        with _stage(timer, "old_log_prob", step, watch, logs):
             rollout = rollout.union(stages.old_log_prob(workers["actor"], rollout))
         if "ref" in roles_for(cfg):
-            with _stage(timer, "ref", step, watch):
+            with _stage(timer, "ref", step, watch, logs):
                 rollout = rollout.union(stages.ref_log_prob(workers["ref"], rollout))
         critic = uses_critic(cfg.algorithm.adv_estimator)
         if critic:
-            with _stage(timer, "values", step, watch):
+            with _stage(timer, "values", step, watch, logs):
                 rollout = rollout.union(stages.values(workers["critic"], rollout))
-        with _stage(timer, "adv", step, watch):
+        with _stage(timer, "adv", step, watch, logs):
             adv, metrics = stages.advantage(rollout, cfg.algorithm, kl_ctrl, data_dir)
             rollout = rollout.union(adv)
         if critic:
-            with _stage(timer, "update_critic", step, watch):
+            with _stage(timer, "update_critic", step, watch, logs):
                 metrics.update(stages.update_critic(workers["critic"], rollout))
-        with _stage(timer, "update_actor", step, watch):
+        with _stage(timer, "update_actor", step, watch, logs):
             metrics.update(stages.update_actor(workers["actor"], rollout))
         if cfg.rollout.name == "vllm":
-            with _stage(timer, "weight_sync", step):  # timing_s/weight_sync
+            with _stage(timer, "weight_sync", step, logs=logs):  # timing_s/weight_sync
                 metrics.update(stages.weight_sync(workers["rollout"]))
     metrics.update(timer.metrics())
     metrics.update(_batch_metrics(rollout, cfg, timer.seconds))
+    keep = cfg.trainer.log_train_generations
+    kept = None
+    if keep:  # before the batch files go: the first rows as scored, for the sample generations
+        columns = [*GENERATION_KEYS, *_present(rollout, "data_source", "reward_model")]
+        kept = rollout.select(columns).load(slice(0, keep))
     for handle in (batch, rollout):  # this iteration's batch files: no stage reads them again
         handle.delete()
     metrics["training/global_step"] = step + 1
-    return metrics
+    return metrics, kept
+
+
+def _present(handle: DataHandle, *keys: str) -> list[str]:
+    return [k for k in keys if k in handle.keys]
 
 
 def _batch_metrics(rollout: DataHandle, cfg: HybridFlowConfig, seconds: dict[str, float]) -> dict[str, Any]:
     keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask", "attention_mask"]
-    if "values" in rollout.keys:
-        keys.append("values")
+    keys += _present(rollout, "values") + [k for k in rollout.keys if k.startswith("reward_extra/")]
     data = rollout.select(keys).load()
     metrics = compute_data_metrics(data, cfg.rollout.response_length)
     total = float(data.batch["attention_mask"].sum())

@@ -4,8 +4,8 @@ One `RunStore` per process (the Prefect flow, the ``hf`` command, a worker that 
 processes may write to the same store at once. Opening a store migrates its database to the newest schema with
 Alembic (``migrations/`` next to this file); opening an up-to-date one costs one query.
 
-Schema (revision ``0003``: ``migrations/versions/0001_initial.py``, ``0002_placement_parallel.py`` and
-``0003_run_lease_bad_checkpoints.py``; the ORM models below describe the same tables):
+Schema (revision ``0004``: ``migrations/versions/0001_initial.py``, ``0002_placement_parallel.py``,
+``0003_run_lease_bad_checkpoints.py`` and ``0004_samples.py``; the ORM models below describe the same tables):
 
 - ``runs``: ``id`` (primary key, ``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC), ``experiment_name``, ``config`` (JSON: the
   full validated config), ``status`` (pending | running | completed | failed | interrupted), ``code_version`` (see
@@ -21,6 +21,9 @@ Schema (revision ``0003``: ``migrations/versions/0001_initial.py``, ``0002_place
   (JSON list of int), ``executor`` (local | slurm), ``slurm_job_id`` (nullable), ``hosts`` (JSON list of str),
   ``parallel`` (JSON, nullable: the role's training strategy, training and generation layouts and rank groups),
   ``created_at``; index on run_id.
+- ``samples``: ``run_id`` → runs, ``step``, ``kind`` (train | val), ``idx``, ``data_source``, ``prompt``,
+  ``response``, ``score`` (double, nullable), ``ground_truth``: sample generations (``trainer.log_val_generations``,
+  ``trainer.log_train_generations``); unique (run_id, kind, step, idx); index (run_id, step).
 
 The child tables have a 64-bit surrogate ``id`` primary key, a foreign key to ``runs.id`` (ON DELETE CASCADE;
 SQLite enforces it because every connection turns ``PRAGMA foreign_keys`` on) and CHECK constraints on steps (>= 0),
@@ -114,6 +117,7 @@ __all__ = [
     "Run",
     "RunStore",
     "RunStoreError",
+    "Sample",
     "UnknownRunError",
     "alembic_config",
     "code_version",
@@ -129,6 +133,7 @@ RUN_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
 FINAL_STATUSES = ("completed", "failed", "interrupted")
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 EXECUTORS = ("local", "slurm")
+SAMPLE_KINDS = ("train", "val")
 LEASE_TTL_S = 60.0
 """A controller renews its run's lease every `LEASE_RENEW_S` seconds; a lease whose last heartbeat is older than this
 (or, on the same host, whose process is gone) is stale: its controller crashed, and another may take the run over."""
@@ -328,6 +333,30 @@ class PlacementRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class SampleRow(Base):
+    """One sample generation of a run at one step (table ``samples``)."""
+
+    __tablename__ = "samples"
+    __table_args__ = (
+        UniqueConstraint("run_id", "kind", "step", "idx"),
+        Index(None, "run_id", "step"),
+        CheckConstraint("step >= 0", name="step_nonnegative"),
+        CheckConstraint("idx >= 0", name="idx_nonnegative"),
+        CheckConstraint(_in("kind", SAMPLE_KINDS), name="kind"),
+    )
+
+    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = _run_fk()
+    step: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(8))
+    idx: Mapped[int] = mapped_column(Integer)
+    data_source: Mapped[str] = mapped_column(String(_NAME_MAX))
+    prompt: Mapped[str] = mapped_column(Text)
+    response: Mapped[str] = mapped_column(Text)
+    score: Mapped[float | None] = mapped_column(Double)
+    ground_truth: Mapped[str] = mapped_column(Text)
+
+
 # --------------------------------------------------------------------------------------------------- read results
 
 
@@ -415,6 +444,22 @@ class Checkpoint(_Record):
     complete: bool
     created_at: datetime
     bad_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sample(_Record):
+    """One sample generation: the prompt and response text, its score (None: NaN or ±inf) and ground truth, at
+    iteration ``step`` (``kind`` train) or the validation after it (``kind`` val; step 0: before training)."""
+
+    run_id: str
+    step: int
+    kind: str
+    idx: int
+    data_source: str
+    prompt: str
+    response: str
+    score: float | None
+    ground_truth: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -1079,6 +1124,43 @@ class RunStore:
             if result.rowcount == 0:
                 raise ValueError(f"run {run_id} has no checkpoint of step {step} recorded (hf runs show {run_id})")
 
+    def record_samples(self, run_id: str, step: int, kind: str, samples: Sequence[Mapping[str, Any]]) -> None:
+        """Record the sample generations of one step, replacing any recorded before for (run, kind, step) (a redone
+        iteration replaces its samples), in one transaction.
+
+        Each sample is a mapping with ``prompt``, ``response`` (str), ``score`` (a number; NaN/±inf stored as NULL)
+        and optionally ``data_source`` and ``ground_truth`` (str; "" when absent). Raises ValueError for a bad step,
+        a `kind` not in `SAMPLE_KINDS`, or a sample missing a key or with a non-numeric score (nothing is recorded),
+        and UnknownRunError for an unknown run.
+        """
+        step = _step(step)
+        if kind not in SAMPLE_KINDS:
+            raise ValueError(f"sample kind must be one of {', '.join(SAMPLE_KINDS)}, got {kind!r}")
+        rows = []
+        for idx, sample in enumerate(samples):
+            missing = [k for k in ("prompt", "response", "score") if k not in sample]
+            if missing:
+                raise ValueError(f"sample {idx} of step {step} has no {', '.join(missing)}")
+            rows.append(
+                SampleRow(
+                    run_id=run_id,
+                    step=step,
+                    kind=kind,
+                    idx=idx,
+                    data_source=_text(sample.get("data_source") or "-", "data_source"),
+                    prompt=str(sample["prompt"]),
+                    response=str(sample["response"]),
+                    score=_metric_value(step, f"sample {idx} score", sample["score"]),
+                    ground_truth=str(sample.get("ground_truth") or ""),
+                )
+            )
+        with self._writing() as session:
+            self._require_run(session, run_id)
+            session.execute(
+                delete(SampleRow).where(SampleRow.run_id == run_id, SampleRow.kind == kind, SampleRow.step == step)
+            )
+            session.add_all(rows)
+
     def update_config(self, run_id: str, config: Mapping[str, Any]) -> None:
         """Replace a run's stored config (``hf resume -o ...`` extending a run; the caller has checked that the
         change leaves the computation as it was). Raises ValueError as `create_run` and UnknownRunError."""
@@ -1091,8 +1173,10 @@ class RunStore:
                 raise UnknownRunError(run_id, self.url)
 
     def delete_run(self, run_id: str) -> None:
-        """Delete a run and everything recorded of it (iterations, metrics, checkpoints' records, placements: the
-        foreign keys cascade), in one transaction. Files on disk are the caller's. Raises UnknownRunError."""
+        """Delete a run and everything recorded of it (iterations, metrics, checkpoints' records, placements,
+        samples: the foreign keys cascade), in one transaction. Files on disk are the caller's.
+
+        Raises UnknownRunError."""
         with self._writing() as session:
             if session.execute(delete(RunRow).where(RunRow.id == run_id)).rowcount == 0:
                 raise UnknownRunError(run_id, self.url)
@@ -1164,6 +1248,22 @@ class RunStore:
                 .limit(1)
             ).first()
             return None if row is None else _checkpoint(row)
+
+    def samples(self, run_id: str, step: int | None = None, kind: str | None = None) -> list[Sample]:
+        """The run's sample generations ordered by step, kind (train before val) and place; only `step` / `kind`
+        if given. Raises UnknownRunError."""
+        query = select(SampleRow).where(SampleRow.run_id == run_id)
+        if step is not None:
+            query = query.where(SampleRow.step == step)
+        if kind is not None:
+            query = query.where(SampleRow.kind == kind)
+        with self._reading() as session:
+            self._require_run(session, run_id)
+            rows = session.scalars(query.order_by(SampleRow.step, SampleRow.kind, SampleRow.idx))
+            return [
+                Sample(r.run_id, r.step, r.kind, r.idx, r.data_source, r.prompt, r.response, r.score, r.ground_truth)
+                for r in rows
+            ]
 
     def placements(self, run_id: str) -> list[Placement]:
         """The run's placements in the order recorded. Raises UnknownRunError."""

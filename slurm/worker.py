@@ -187,6 +187,8 @@ def serve(boot: Bootstrap) -> None:
     """Run one rank until the controller sends ``shutdown`` (the function each submitit task executes)."""
     os.umask(0o077)  # checkpoint parts, batch files and logs: the run owner's only
     os.environ.update(boot.env)
+    # INFO lines to the rank's log file (submitit's *_log.err), which the controller forwards to the flow's logs
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     notice = _SignalNotice()
     notice.install()
     controller_host = boot.controller_address.removeprefix("tcp://").rsplit(":", 1)[0]
@@ -260,7 +262,9 @@ def _loop(
                 shard = handle.load(rows)
                 shard.meta_info["row_offset"] = rows.start  # where this share starts in the whole batch
                 args = [shard, *args[1:]]
+            started = time.perf_counter()
             result = getattr(worker, name)(*args, **kwargs)
+            logger.info("rank %d: %s done in %.2f s", rank, name, time.perf_counter() - started)
             if not collect:  # another rank of this replica returns its result
                 result = {SKIP_KEY: True}
             elif isinstance(result, DataProto):

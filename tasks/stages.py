@@ -3,12 +3,15 @@
 Each task is a thin wrapper: it calls one worker-group method with data handles and returns a handle (or metrics),
 so the Prefect UI shows every stage of every iteration with its timing, while bulk tensors stay with the workers.
 The exception is `advantage`, which is small and runs in the controller (as in the HybridFlow paper's listing).
-Task results are handles and metric dicts; caching is off (their inputs are live worker groups).
+Task results are handles and metric dicts; caching is off (their inputs are live worker groups). Each task run is
+named after its stage and iteration (``update_actor-7``; ``validate-0`` before training) from `ITERATION`, which the
+flow sets before each stage.
 """
 
 from __future__ import annotations
 
 import shutil
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +23,24 @@ from hybridflow.engine.advantage import compute_advantage
 from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.core_algos import KLController, masked_mean
+from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import rollout_mismatch
+from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker_group import WorkerGroup
 
-_TASK = {"cache_policy": NO_CACHE, "persist_result": False}
+ITERATION: ContextVar[int] = ContextVar("hybridflow_iteration", default=0)
+"""The iteration the next stage belongs to (1 for the first; validation and checkpoint: the step they follow)."""
+
+
+def _options(name: str) -> dict:
+    """A task's options: named `name`, its runs ``<name>-<iteration>``, no caching, no persisted results."""
+    return {
+        "name": name,
+        "task_run_name": lambda: f"{name}-{ITERATION.get()}",
+        "cache_policy": NO_CACHE,
+        "persist_result": False,
+    }
 
 
 def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -32,13 +48,13 @@ def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([m[k] for m in per_rank])) for k in per_rank[0]}
 
 
-@task(name="generate", **_TASK)
+@task(**_options("generate"))
 def generate(group: WorkerGroup, prompts: DataHandle) -> DataHandle:
     """Rollout: ``prompts`` [B prompts] -> B*n sequences (``responses``, ``response_mask``, ...)."""
     return group.generate_sequences(prompts)
 
 
-@task(name="reward", **_TASK)
+@task(**_options("reward"))
 def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """Score the responses: ``token_level_scores`` (+ ``reward_extra/*``)."""
     return group.compute_reward(
@@ -46,25 +62,25 @@ def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     )
 
 
-@task(name="old_log_prob", **_TASK)
+@task(**_options("old_log_prob"))
 def old_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """``old_log_probs`` and ``entropys`` under the actor that generated the batch."""
     return group.compute_log_prob(rollout)
 
 
-@task(name="ref_log_prob", **_TASK)
+@task(**_options("ref_log_prob"))
 def ref_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """``ref_log_prob`` under the frozen reference policy."""
     return group.compute_ref_log_prob(rollout)
 
 
-@task(name="values", **_TASK)
+@task(**_options("values"))
 def values(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """Critic ``values`` for each response token."""
     return group.compute_values(rollout)
 
 
-@task(name="advantage", **_TASK)
+@task(**_options("advantage"))
 def advantage(
     batch: DataHandle, algorithm: AlgorithmConfig, kl_ctrl: KLController | None, data_dir: Path
 ) -> tuple[DataHandle, dict[str, float]]:
@@ -84,25 +100,25 @@ def advantage(
     return DataHandle.put(out, data_dir, "advantage"), metrics
 
 
-@task(name="update_critic", **_TASK)
+@task(**_options("update_critic"))
 def update_critic(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
     """Critic update; returns ``critic/*`` metrics averaged over ranks."""
     return _mean_metrics(group.update_critic(batch))
 
 
-@task(name="weight_sync", **_TASK)
+@task(**_options("weight_sync"))
 def weight_sync(group: WorkerGroup) -> dict[str, float]:
     """Load the updated actor weights into the rollout engine (vLLM); returns its check (the flow times the stage)."""
     return _mean_metrics(group.sync_rollout_weights())
 
 
-@task(name="update_actor", **_TASK)
+@task(**_options("update_actor"))
 def update_actor(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
     """Actor (PPO) update; returns ``actor/*`` metrics averaged over ranks."""
     return _mean_metrics(group.update_actor(batch))
 
 
-@task(name="checkpoint", **_TASK)
+@task(**_options("checkpoint"))
 def checkpoint(groups: list[WorkerGroup], checkpoint_dir: str, step: int, trainer_state: dict[str, Any]) -> dict:
     """Write the checkpoint of iteration `step` atomically: every group writes the roles it hosts into one staging
     folder, then the controller adds the trainer state and the manifest and renames it.
@@ -127,19 +143,34 @@ def checkpoint(groups: list[WorkerGroup], checkpoint_dir: str, step: int, traine
     return {"path": str(info.path), "step": info.step, "bytes": info.bytes, "sha256": info.sha256}
 
 
-@task(name="validate", **_TASK)
+@task(**_options("validate"))
 def validate(
-    rollout_group: WorkerGroup, reward_group: WorkerGroup, prompts: list[DataHandle], temperature: float, step: int
-) -> dict[str, float]:
+    rollout_group: WorkerGroup,
+    reward_group: WorkerGroup,
+    prompts: list[DataHandle],
+    temperature: float,
+    step: int,
+    keep: int = 0,
+) -> tuple[dict[str, float], DataProto | None]:
     """Generate once per held-out prompt and score it: ``val/<data_source>/score`` and ``val/<data_source>/acc``
-    (the reward's exact-answer ``acc`` when it reports one, else the score)."""
+    (the reward's exact-answer ``acc`` when it reports one, else the score).
+
+    Returns:
+        the metrics, and the first `keep` scored rows (`GENERATION_KEYS`, ``data_source``, ``reward_model``) for
+        the sample generations; None when `keep` is 0.
+    """
     per_source: dict[str, dict[str, list[float]]] = {}
+    kept: list[DataProto] = []
     for index, batch in enumerate(prompts):  # each batch its own random stream: training's samples never shift
         rollout = rollout_group.generate_sequences(
             batch.with_meta(global_steps=step), n=1, temperature=temperature, stream=f"val-{index}"
         )
         scores = reward_group.compute_reward(rollout)
         scored = scores.union(rollout.select(["data_source"])).load()
+        wanted = keep - sum(len(k) for k in kept)
+        if wanted > 0:
+            columns = [k for k in (*GENERATION_KEYS, "data_source", "reward_model") if k in rollout.keys]
+            kept.append(rollout.select(columns).union(scores.select(["token_level_scores"])).load(slice(0, wanted)))
         for handle in (rollout, scores):  # read once: free the disk
             handle.delete()
         score = scored.batch["token_level_scores"].sum(-1).tolist()
@@ -149,4 +180,5 @@ def validate(
             bucket = per_source.setdefault(source, {"score": [], "acc": []})
             bucket["score"].append(s)
             bucket["acc"].append(a)
-    return {f"val/{src}/{k}": float(np.mean(v)) for src, bucket in per_source.items() for k, v in bucket.items()}
+    metrics = {f"val/{src}/{k}": float(np.mean(v)) for src, bucket in per_source.items() for k, v in bucket.items()}
+    return metrics, DataProto.concat(kept) if kept else None

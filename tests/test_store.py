@@ -40,7 +40,7 @@ from hybridflow.flows.store import (
     default_db_url,
 )
 
-TABLES = {"runs", "iterations", "metrics", "checkpoints", "placements"}
+TABLES = {"runs", "iterations", "metrics", "checkpoints", "placements", "samples"}
 SHA_A, SHA_B = "a" * 64, "0123456789abcdef" * 4
 PG_SESSION_OPTIONS = "?options=-c%20timezone%3DAsia%2FKolkata"  # UTC+05:30
 
@@ -98,7 +98,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0003"
+        assert head == "0004"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -343,6 +343,31 @@ def test_placements_round_trip(store):
     assert len(store.placements(run_id)) == 2
 
 
+def test_samples_round_trip_replace_and_cascade(store):
+    run_id = store.create_run({}, "exp")
+    val = [
+        {"data_source": "gsm8k", "prompt": "1+1?", "response": "2", "score": 1.0, "ground_truth": "2"},
+        {"data_source": "gsm8k", "prompt": "2+2?", "response": "five", "score": float("nan"), "ground_truth": 4},
+    ]
+    store.record_samples(run_id, 0, "val", val)
+    store.record_samples(run_id, 1, "train", [{"prompt": "p", "response": "r", "score": 0.5}])
+    store.record_samples(run_id, 2, "val", val[:1])
+    got = store.samples(run_id)
+    assert [(s.step, s.kind, s.idx) for s in got] == [(0, "val", 0), (0, "val", 1), (1, "train", 0), (2, "val", 0)]
+    assert got[1].score is None and got[1].ground_truth == "4" and got[2].data_source == "-"
+    assert got[0].to_dict()["response"] == "2"
+    store.record_samples(run_id, 0, "val", val[1:])  # a redone step replaces its samples
+    assert [s.response for s in store.samples(run_id, step=0)] == ["five"]
+    assert [s.step for s in store.samples(run_id, kind="train")] == [1]
+    with pytest.raises(ValueError, match="sample kind must be one of train, val"):
+        store.record_samples(run_id, 3, "test", val)
+    with pytest.raises(ValueError, match="sample 0 of step 3 has no score"):
+        store.record_samples(run_id, 3, "val", [{"prompt": "p", "response": "r"}])
+    assert store.samples(run_id, step=3) == []
+    store.delete_run(run_id)
+    assert _count(store, "samples") == 0
+
+
 def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
     from alembic import command
 
@@ -364,7 +389,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0003"
+        assert store.current_revision() == "0004"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
 

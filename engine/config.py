@@ -568,8 +568,9 @@ RESUMABLE_KEYS = (
     "placement.call_timeout_s",
 )
 """Keys (or prefixes, ending in '.') that ``hf resume RUN_ID -o ...`` may change: how long the run goes, how often
-it validates and saves, and where and under which limits its workers run. None of them changes what an iteration
-computes, so the resumed run's iterations equal those of a run started with the new values."""
+it validates and saves, where its metrics and samples are logged, and where and under which limits its workers run.
+None of them changes what an iteration computes, so the resumed run's iterations equal those of a run started with
+the new values."""
 
 
 def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -59,15 +61,16 @@ def markdown_table(samples: Sequence[Mapping[str, Any]], limit: int = 400) -> st
 
 
 class _Jsonl:
-    """``<log_dir>/metrics.jsonl`` (``{"step": N, <name>: value, ...}`` per line) and ``generations.jsonl`` (one
-    sample per line, with ``kind``: train or val)."""
+    """``<log_dir>/metrics.jsonl`` (``{"step": N, <name>: value, ...}`` per line; NaN and ±inf as null) and
+    ``generations.jsonl`` (one sample per line, with ``kind``: train or val)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.metrics, self.generations = log_dir / "metrics.jsonl", log_dir / "generations.jsonl"
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        finite = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # NaN/inf: null, as in the store
         with open(self.metrics, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json.dumps({"step": step, **finite}) + "\n")
 
     def log_generations(self, samples: Sequence[Mapping[str, Any]], step: int, kind: str) -> None:
         with open(self.generations, "a") as f:
@@ -153,6 +156,7 @@ class _MLflow:
         import mlflow
         from mlflow.tracking import MlflowClient
 
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its database set-up lines in the live display
         if uri.startswith("file:") or "://" not in uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the user chose a file store: let MLflow use it
         self.client = MlflowClient(uri)
@@ -256,7 +260,7 @@ class Tracking:
 
     def log(self, metrics: Mapping[str, float | None], step: int) -> None:
         """Send one step's scalar metrics (None and non-numbers are skipped) to every backend."""
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, numbers.Real) and not isinstance(v, bool)}
         if clean:
             for backend in self.backends.values():
                 backend.log(clean, step)

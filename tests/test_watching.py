@@ -161,6 +161,39 @@ def test_plot_is_a_real_picture(watched):
     assert wrong.returncode == 2 and "no metric matches" in wrong.stdout and "critic/score/mean" in wrong.stdout
 
 
+def test_plot_is_drawn_inline_in_an_image_terminal(watched):
+    """In a terminal that speaks iTerm2's inline-image protocol (stdout a pseudo-terminal, TERM_PROGRAM=iTerm.app),
+    the PNG itself is written to the terminal."""
+    import base64
+    import pty
+
+    out = watched["root"] / "inline.png"
+    parent, child = pty.openpty()
+    env = {**os.environ, "TERM_PROGRAM": "iTerm.app"}
+    proc = subprocess.Popen(
+        [HF, "runs", "plot", watched["run"].id, "--out", str(out), "--db", watched["db"]],
+        stdout=child,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    os.close(child)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(parent, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    os.close(parent)
+    head, _, rest = shown.partition(b"\x1b]1337;File=inline=1;")
+    assert rest, shown[:300]
+    payload = rest.split(b":", 1)[1].split(b"\x07", 1)[0]
+    assert base64.b64decode(payload) == out.read_bytes()
+
+
 def test_version_is_hybridflows():
     from importlib.metadata import version
 

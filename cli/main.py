@@ -365,6 +365,10 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
         usable = "yes" if c.complete and c.bad_reason is None else f"no: {c.bad_reason or 'incomplete'}"
         ckpts.add_row(str(c.step), c.path, f"{c.bytes:,}", c.sha256[:16], usable)
     console.print(ckpts)
+    samples = store.samples(run_id)
+    if samples:
+        steps = sorted({s.step for s in samples})
+        console.print(f"{len(samples)} sample generations at steps {steps[0]}..{steps[-1]}: hf runs samples {run_id}")
 
 
 def _fmt(value: float | None) -> str:

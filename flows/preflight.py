@@ -13,7 +13,8 @@ What is checked, each failure an `InputError` naming the config key and the fix:
 - ``placement.executor: slurm``: Slurm's commands answer and ``placement.slurm.partition`` exists.
 - ``trainer.output_dir`` (and ``trainer.checkpoint_dir`` when set): can be created and written.
 - ``trainer.resume_from``: a checkpoint folder whose files match its ``manifest.json``.
-- ``trainer.logger``: the library of every tracker named (tensorboard, wandb, mlflow) is installed.
+- ``trainer.logger``: the library of every tracker named (tensorboard, wandb, mlflow) is installed; an MLflow
+  tracking server (``http(s)://`` URI) answers.
 
 Batch-size divisibility and the parallel layout are checked by the config itself (`HybridFlowConfig`).
 The prompt sets built here are cached in the process, so the flow that follows does not build them again.
@@ -34,7 +35,7 @@ from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_ro
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.models import load_tokenizer
 from hybridflow.engine.rewards import check_builtin_source, load_reward_function
-from hybridflow.engine.tracking import missing_libraries
+from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
 from hybridflow.slurm import cluster
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -64,6 +65,8 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
             f"trainer.logger names {', '.join(missing)}, whose library is not installed: pip install "
             f"'hybridflow[trackers]' (or remove {', '.join(missing)} from trainer.logger)"
         )
+    if "mlflow" in cfg.trainer.logger:
+        _check_mlflow_server(mlflow_tracking_uri(cfg.trainer.mlflow_tracking_uri, cfg.trainer.output_dir))
     model_folder("model.path", cfg.model.path)
     if cfg.critic.model_path:
         model_folder("critic.model_path", cfg.critic.model_path)
@@ -152,6 +155,24 @@ def _check_slurm(partition: str | None) -> None:
             f"placement.slurm.partition: no partition {partition!r} on this cluster (partitions: "
             f"{', '.join(found) or 'none'}); set one of them, or leave it unset for the cluster's default"
         )
+
+
+def _check_mlflow_server(uri: str) -> None:
+    """An ``http(s)://`` MLflow tracking server must answer its health check (5 s); local stores need nothing."""
+    import urllib.error
+    import urllib.request
+
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5):
+            pass
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise InputError(
+            f"trainer.logger has mlflow, but the MLflow tracking server {uri} does not answer ({reason}); start it, "
+            "fix trainer.mlflow_tracking_uri (or $MLFLOW_TRACKING_URI), or remove mlflow from trainer.logger"
+        ) from None
 
 
 def _check_resume_from(value: str) -> None:

@@ -323,6 +323,10 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
         start = _resume(store, run_id, cfg, workers, prompts, kl_ctrl, resume_from_step)
         trainer = cfg.trainer
         _notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
+        groups = ", ".join(f"{n} ({g.spec.world_size} ranks, job {g.job_id})" for n, g in workers.groups.items())
+        logger.info(
+            "run %s: iterations %d to %d; worker groups %s", run_id, start + 1, trainer.total_iterations, groups
+        )
         metrics: dict[str, float] = {}
         if start == 0 and trainer.val_before_train and prompts.val_batches:
             _enter("validate", 0, 0)
@@ -358,6 +362,12 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
                 _save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state)
             store.end_iteration(run_id, step + 1)
             _notify("iteration", step=step + 1, metrics=metrics)
+            logger.info(
+                "iteration %d done in %.1f s: critic/score/mean=%.4g",
+                step + 1,
+                metrics["timing_s/step"],
+                metrics["critic/score/mean"],
+            )
             if warned and not last:
                 return _stop_preempted(store, run_id, step + 1, "; ".join(warned), metrics)
         store.set_status(run_id, "completed")

@@ -259,8 +259,9 @@ def _update_config():
 def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
     """On megatron with DP=2, TP=2 and PP=2: the response log-probs, then two AdamW steps of the PPO update
     (token-weighted micro-batches, grad clipping), equal what the Hugging Face `Actor` gets on the same batch (lr 1e-2:
-    the weights move by up to 2e-2; Adam turns summation-order noise in near-zero gradients into up to 1e-4, hence
-    the tolerance)."""
+    the weights move by up to 2e-2; Adam turns summation-order noise in near-zero gradients into element differences
+    of 1e-4 on one CPU and 2.4e-4 on another, hence an element tolerance of 1e-3 beside a tight check of the whole
+    update)."""
     from hybridflow.engine.actor import Actor
     from hybridflow.engine.megatron_bridge import stage_names
 
@@ -284,12 +285,15 @@ def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
         for name, weight in want.items():
             stage, local = stage_names(name, hf_model.config.num_hidden_layers, pp)
             if stage == result["stage"]:
+                got = result["weights"][local]
+                # The update as a whole equals HF's: the difference is under 0.1% of how far the weights moved
+                # (measured: at most 6e-5 of it) ...
+                moved = float((weight - before[name]).norm())
+                assert float((got - weight).norm()) <= 1e-3 * moved, (key, name)
+                # ... and so does every element, up to the summation-order noise Adam amplifies in near-zero
+                # gradients (elements whose gradient is ~0 move by up to lr = 1e-2 in either direction).
                 torch.testing.assert_close(
-                    result["weights"][local],
-                    weight,
-                    rtol=1e-4,
-                    atol=2e-4,
-                    msg=lambda m, key=key, name=name: f"{key} {name}: {m}",
+                    got, weight, rtol=1e-4, atol=1e-3, msg=lambda m, key=key, name=name: f"{key} {name}: {m}"
                 )
         if result["stage"] == pp - 1:  # log-probs come from the last stage (None elsewhere)
             begin, end = result["rows"]

@@ -129,6 +129,15 @@ def test_output_dir_that_cannot_be_written(tmp_path, tiny_model_dir):
     assert code == 2 and "trainer.output_dir" in out
 
 
+def test_an_mlflow_server_that_does_not_answer(tmp_path, tiny_model_dir):
+    from hybridflow.cli.server import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code, out = _run(tmp_path, tiny_model_dir, "trainer.logger=[console,mlflow]", f"trainer.mlflow_tracking_uri={uri}")
+    assert code == 2
+    assert f"MLflow tracking server {uri} does not answer" in out and "trainer.mlflow_tracking_uri" in out
+
+
 def test_slurm_partition_that_does_not_exist(tmp_path, tiny_model_dir, slurm_cluster):
     code, out = _run(tmp_path, tiny_model_dir, "placement.executor=slurm", "placement.slurm.partition=gpu-nope")
     assert code == 2 and "placement.slurm.partition" in out and "gpu-nope" in out and "debug" in out

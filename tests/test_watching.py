@@ -142,6 +142,8 @@ def test_samples_are_kept_and_printed(watched):
     assert val[0].prompt.splitlines()[0] in printed.stdout and f"ground truth {val[0].ground_truth}" in printed.stdout
     lines = _hf(watched, "runs", "samples", run.id, "--json").stdout.splitlines()
     assert [json.loads(line)["response"] for line in lines] == [s.response for s in samples]
+    shown = _hf(watched, "runs", "show", run.id).stdout
+    assert f"10 sample generations at steps 0..2: hf runs samples {run.id}" in shown
     generations = (watched["root"] / "out" / "watch" / run.id / "generations.jsonl").read_text().splitlines()
     assert len(generations) == len(samples)
 
@@ -227,6 +229,9 @@ def test_prefect_shows_the_run(watched):
     lines = [log.message for log in logs]
     assert any("rank 0: update_actor done in" in line for line in lines), lines[:20]  # a worker's line
     assert any(line.startswith("[actor_rollout_ref ") for line in lines)
+    controller = [log.message for log in logs if log.name == "hybridflow.flows.rlhf"]
+    assert controller[0].startswith(f"run {run.id}: iterations 1 to 2; worker groups actor_rollout_ref (1 ranks")
+    assert controller[-1].startswith("iteration 2 done in ")
     text = {a.description: a.data for a in artifacts}
     assert set(text) == {f"{run.id} validation before training", f"{run.id} iteration 1", f"{run.id} iteration 2"}
     assert "| critic/score/mean |" in text[f"{run.id} iteration 1"]

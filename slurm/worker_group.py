@@ -283,16 +283,25 @@ class WorkerGroup:
         per_rank = self._split(mode, method, args, kwargs)
         call_id = uuid.uuid4().hex
         for rank, (rank_args, rank_kwargs) in per_rank.items():
-            self._endpoint.send(
-                self._identity(rank),
-                {
-                    "type": "call",
-                    "id": call_id,
-                    "method": method,
-                    "args": encode_args(list(rank_args)),
-                    "kwargs": encode_args(rank_kwargs),
-                },
-            )
+            message = {
+                "type": "call",
+                "id": call_id,
+                "method": method,
+                "args": encode_args(list(rank_args)),
+                "kwargs": encode_args(rank_kwargs),
+            }
+            try:
+                self._endpoint.send(self._identity(rank), message)
+            except (
+                zmq.ZMQError
+            ) as e:  # the rank's connection is gone: it died (or lost the network) since its last call
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._last_slurm_poll = float("-inf")  # ask Slurm now, not at the next poll period
+                self._check_job_alive(during=method)  # names how it ended, when that is known already
+                raise self._error(
+                    f"rank {rank} is unreachable (its connection closed) when {method} was sent", [rank]
+                ) from None
         results = self._collect(call_id, method, set(per_rank), timeout_s)
         return self._gather(mode, results, args)
 

@@ -141,6 +141,21 @@ def test_dead_or_stopped_rank_fails_the_call_within_seconds(tmp_path, sig, expec
         g.shutdown(timeout_s=10)
 
 
+def test_a_rank_that_died_between_calls_is_named_when_the_next_call_is_sent(tmp_path):
+    """The call is sent after the dead rank's connection is gone (ZeroMQ: host unreachable): the error names the
+    group, the job and the rank, as when a rank dies during a call."""
+    g = _group(tmp_path, name="between", heartbeat_timeout_s=3.0)
+    try:
+        os.kill(g.pids[1], signal.SIGKILL)
+        time.sleep(2.0)  # its socket is closed and the controller's ZeroMQ has seen the peer go
+        with pytest.raises(WorkerGroupError) as err:
+            g.sleep(0)
+        message = str(err.value)
+        assert "between" in message and g.job_id in message and "rank 1" in message, message
+    finally:
+        g.shutdown(timeout_s=10)
+
+
 CONTROLLER = """
 import sys, time
 from pathlib import Path

@@ -1,0 +1,126 @@
+"""The reward model: a sequence-classification model that scores each (prompt, response) with one number.
+
+The RM may have a tokenizer of its own (another vocabulary, another chat template): the response is decoded with the
+actor's tokenizer, appended to the prompt's chat messages (``raw_prompt``) as the assistant's turn, rendered with the
+RM's chat template and re-tokenized with the RM's tokenizer. A text longer than ``max_length`` tokens loses tokens
+from the left (the start of the prompt), so the response is always scored whole. The score is the RM's output at the
+last real token (by the attention mask, not by searching for pad ids, which may also occur inside the text) and is
+placed on the last response token, as verl does (``token_level_scores`` [B, T]).
+
+Not wired into the flow yet (issue 15: the ``reward_model`` config section and the ``rm_score`` stage come next).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.engine.protocol import DataProto
+
+
+class RewardModelError(ValueError):
+    """The reward model at ``reward_model.path`` cannot score: not a sequence classifier, not one label, no pad or
+    EOS token. The message names the key and the fix."""
+
+
+def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Load a reward model folder: ``(model, tokenizer)``, the model in eval mode with its pad id set.
+
+    Args:
+        path: a local Hugging Face folder of a decoder ``*ForSequenceClassification`` model with one label.
+        dtype: the weights' dtype.
+
+    Raises:
+        RewardModelError: the folder's model is not a sequence classifier with one label and a ``score`` head, or
+            its tokenizer has neither a pad token nor an EOS token to pad with.
+    """
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise RewardModelError(
+            f"reward_model.path={path}: its config.json names {architectures or 'no architecture'}, not a "
+            "*ForSequenceClassification model; give a reward model trained with one output (hf rm train, or "
+            "AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) then save_pretrained)"
+        )
+    if config.num_labels != 1:
+        raise RewardModelError(
+            f"reward_model.path={path}: the model has {config.num_labels} labels; a reward model has exactly one "
+            "(num_labels=1: one scalar score per sequence)"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise RewardModelError(
+                f"reward_model.path={path}: its tokenizer has no pad token and no EOS token to pad with; set "
+                "pad_token in its tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    if not hasattr(model, "score"):
+        raise RewardModelError(
+            f"reward_model.path={path}: {type(model).__name__} has no 'score' head over a decoder's hidden states; "
+            "use a decoder-only reward model (Llama, Qwen, Mistral, ... *ForSequenceClassification)"
+        )
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model.eval(), tokenizer
+
+
+def reward_model_texts(data: DataProto, actor_tokenizer: Any, rm_tokenizer: Any) -> list[str]:
+    """The text the RM reads for each row: ``raw_prompt`` (chat messages) plus the decoded response as the
+    assistant's turn, rendered with the RM's chat template (without one: the messages' contents, one per line).
+
+    Args:
+        data: ``responses`` int64 [B, T], ``response_mask`` [B, T], non-tensor ``raw_prompt`` (B chat lists).
+    """
+    responses, mask = data.batch["responses"], data.batch["response_mask"].bool()
+    texts = []
+    for i, messages in enumerate(data.non_tensor_batch["raw_prompt"]):
+        response = actor_tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
+        chat = [*messages, {"role": "assistant", "content": response}]
+        if rm_tokenizer.chat_template:
+            texts.append(rm_tokenizer.apply_chat_template(chat, tokenize=False))
+        else:
+            texts.append("\n".join(m["content"] for m in chat))
+    return texts
+
+
+@torch.no_grad()
+def score_texts(
+    model: Any, tokenizer: Any, texts: Sequence[str], max_length: int, micro_batch_size: int
+) -> torch.Tensor:
+    """The RM's score of each text: float32 [N], its output at the text's last token.
+
+    Each text is tokenized with the RM's tokenizer (no special tokens added: the chat template has them) and keeps
+    its last `max_length` tokens; micro-batches of `micro_batch_size` texts are right-padded.
+    """
+    scores = []
+    for start in range(0, len(texts), micro_batch_size):
+        ids = [
+            tokenizer(t, add_special_tokens=False)["input_ids"][-max_length:]
+            for t in texts[start : start + micro_batch_size]
+        ]
+        width = max(len(x) for x in ids)
+        input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.int64)
+        attention_mask = torch.zeros((len(ids), width), dtype=torch.int64)
+        for row, x in enumerate(ids):
+            input_ids[row, : len(x)] = torch.as_tensor(x)
+            attention_mask[row, : len(x)] = 1
+        device = next(model.parameters()).device
+        hidden = model.base_model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))[0]
+        per_token = model.score(hidden)[..., 0]  # [n, width]
+        last = attention_mask.sum(-1) - 1
+        scores.append(per_token[torch.arange(len(ids)), last.to(device)].float().cpu())
+    return torch.cat(scores)
+
+
+def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """float32 [B, T]: each row's score on its last response token (position 0 for an empty response), 0 elsewhere."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = (response_mask.long().sum(-1) - 1).clamp(min=0)
+    out[torch.arange(len(scores)), last] = scores.float()
+    return out

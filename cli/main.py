@@ -345,6 +345,7 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     console.print(placement)
     shown = [
         "critic/score/mean",
+        "critic/rm_score/mean",
         "actor/pg_loss",
         "actor/ppo_kl",
         "actor/entropy",
@@ -352,7 +353,9 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
         "timing_s/step",
     ]
     points = store.metrics(run_id)
-    vals = sorted({p.name for p in points if p.name.startswith("val/") and p.name.endswith("/acc")})
+    recorded = {p.name for p in points}
+    shown = [name for name in shown if name in recorded or name == "critic/score/mean"]
+    vals = sorted(name for name in recorded if name.startswith("val/") and name.endswith("/acc"))
     table = Table("step", *shown, *vals, title="metrics (hf runs metrics RUN_ID --name NAME for any other)")
     by_step: dict[int, dict[str, float | None]] = {}
     for p in points:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 DEFAULT_METRICS = (
     "critic/score/mean",
+    "critic/rm_score/mean",
     "val/*/acc",
     "actor/kl_loss",
     "actor/reward_kl_penalty",

@@ -7,6 +7,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+LIVE_METRICS = ("critic/score/mean", "critic/rm_score/mean", "actor/ppo_kl", "actor/pg_loss", "perf/throughput")
+"""Printed per iteration (those present), then every ``val/*/acc``."""
+
 
 class LiveProgress:
     """Listens to the flow's events (``hybridflow.flows.rlhf.listeners``) and draws a progress bar, printing one
@@ -48,11 +51,7 @@ class LiveProgress:
             self.progress.update(self.task, stage=f"[cyan]{data['name']}[/cyan]")
         elif event in ("iteration", "validation"):
             m = data["metrics"]
-            parts = [
-                f"{k}={m[k]:.4g}"
-                for k in ("critic/score/mean", "actor/ppo_kl", "actor/pg_loss", "perf/throughput")
-                if m.get(k) is not None
-            ]
+            parts = [f"{k}={m[k]:.4g}" for k in LIVE_METRICS if m.get(k) is not None]
             parts += [f"{k}={v:.3f}" for k, v in m.items() if k.startswith("val/") and k.endswith("/acc")]
             step = data.get("step", 0)
             self.console.print(f"step {step}  " + "  ".join(parts))

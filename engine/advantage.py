@@ -1,10 +1,13 @@
 """The advantage stage on a rollout batch: KL-in-reward (optional), then the configured estimator.
 
 Small and controller-side in the HybridFlow design: it reads [B, T] tensors the other stages produced and adds
-``token_level_rewards``, ``advantages`` and ``returns``. The estimators themselves live in `core_algos`.
+``token_level_rewards``, ``advantages`` and ``returns``. The estimators themselves live in `core_algos`. The score
+trained on combines the function's and the reward model's (`training_scores`).
 """
 
 from __future__ import annotations
+
+import torch
 
 from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.core_algos import KLController, apply_kl_penalty, get_adv_estimator_fn, get_kl_controller
@@ -18,17 +21,37 @@ def build_kl_controller(algorithm: AlgorithmConfig) -> KLController:
     return get_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
 
 
+def training_scores(data: DataProto, function_coef: float = 1.0, rm_coef: float = 1.0) -> torch.Tensor:
+    """The score the algorithm trains on, float32 [B, T]: ``function_coef`` x ``token_level_scores`` (the rule or
+    custom function) + ``rm_coef`` x ``rm_scores`` (the reward model, when the batch has it). With the defaults and
+    no reward model it is ``token_level_scores`` itself.
+
+    The coefficients are ``reward.function_coef`` and ``reward_model.coef``."""
+    batch = data.batch
+    scores = batch["token_level_scores"]
+    if function_coef != 1.0:
+        scores = function_coef * scores
+    if "rm_scores" in batch:
+        scores = scores + rm_coef * batch["rm_scores"]
+    return scores
+
+
 def compute_advantage(
-    data: DataProto, algorithm: AlgorithmConfig, kl_ctrl: KLController | None = None
+    data: DataProto,
+    algorithm: AlgorithmConfig,
+    kl_ctrl: KLController | None = None,
+    function_coef: float = 1.0,
+    rm_coef: float = 1.0,
 ) -> tuple[DataProto, dict[str, float]]:
     """Rewards, advantages and returns for a scored rollout batch.
 
     Args:
-        data: needs ``token_level_scores`` float32 [B, T] and ``response_mask`` [B, T]; ``uid`` (non-tensor) for
-            group estimators (grpo, rloo); ``values`` [B, T] for gae; ``old_log_probs`` and ``ref_log_prob``
-            [B, T] when ``algorithm.use_kl_in_reward``.
+        data: needs ``token_level_scores`` float32 [B, T] and ``response_mask`` [B, T]; ``rm_scores`` [B, T] when a
+            reward model scored the batch; ``uid`` (non-tensor) for group estimators (grpo, rloo); ``values``
+            [B, T] for gae; ``old_log_probs`` and ``ref_log_prob`` [B, T] when ``algorithm.use_kl_in_reward``.
         algorithm: the ``algorithm`` config section.
         kl_ctrl: the controller for ``use_kl_in_reward`` (updated in place with this batch's KL).
+        function_coef, rm_coef: weights of the function and reward-model scores (`training_scores`).
 
     Returns:
         (DataProto with ``token_level_rewards``, ``advantages``, ``returns`` float32 [B, T]; metrics).
@@ -40,7 +63,7 @@ def compute_advantage(
     batch = data.batch
     mask = batch["response_mask"]
     metrics: dict[str, float] = {}
-    rewards = batch["token_level_scores"]
+    rewards = training_scores(data, function_coef, rm_coef)
     if algorithm.use_kl_in_reward:
         if kl_ctrl is None:
             raise ValueError("algorithm.use_kl_in_reward needs a KL controller (build_kl_controller)")

@@ -1,8 +1,8 @@
 """Typed run configuration (pydantic), loaded from YAML with ``-o key=value`` overrides.
 
 Sections follow verl's vocabulary, flattened one level: ``model``, ``data``, ``rollout``, ``actor``, ``ref``,
-``critic``, ``algorithm``, ``reward``, ``trainer`` (verl's ``actor_rollout_ref.actor.ppo_epochs`` is our
-``actor.ppo_epochs``). Unknown or ill-typed keys are errors that name the key and the allowed values.
+``critic``, ``algorithm``, ``reward``, ``reward_model``, ``trainer`` (verl's ``actor_rollout_ref.actor.ppo_epochs``
+is our ``actor.ppo_epochs``). Unknown or ill-typed keys are errors that name the key and the allowed values.
 Batch sizes: ``data.train_batch_size`` and ``*.ppo_mini_batch_size`` count prompts (as in verl);
 micro-batch sizes count sequences (prompt + one response).
 """
@@ -202,9 +202,39 @@ class AlgorithmConfig(_Section):
 
 
 class RewardConfig(_Section):
-    """The score function; by default chosen by each prompt's data_source."""
+    """The score function; by default chosen by each prompt's data_source. Validation always scores with it."""
 
     custom_function: str | None = Field(None, description="'module:function' or 'path.py:function'")
+    function_coef: float = Field(
+        1.0,
+        ge=0.0,
+        description="weight of the function score in the training reward (0 with reward_model.enable: the RM alone)",
+    )
+
+
+class RewardModelConfig(_Section):
+    """A model-based reward (verl's ``reward_model`` section): a one-label sequence classifier scores each
+    (prompt, response) after generation (stage ``rm_score``). The training reward is ``reward_model.coef`` x RM
+    score + ``reward.function_coef`` x function score; validation keeps the function's exact-answer score."""
+
+    enable: bool = False
+    path: str | None = Field(None, description="local Hugging Face folder (AutoModelForSequenceClassification)")
+    micro_batch_size: int = Field(8, gt=0, description="sequences per forward")
+    max_length: int = Field(1024, gt=0, description="tokens the RM reads; longer texts lose the prompt's start")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: a whole copy per rank; fsdp: sharded at rest, gathered while it scores"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
+    coef: float = Field(1.0, description="weight of the RM score in the training reward")
+
+    @model_validator(mode="after")
+    def _path_when_enabled(self) -> RewardModelConfig:
+        if self.enable and not self.path:
+            raise ValueError(
+                "reward_model.enable is true but reward_model.path is not set: give the RM's folder "
+                "(-o reward_model.path=DIR, e.g. one written by hf rm train)"
+            )
+        return self
 
 
 TrackerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
@@ -288,9 +318,9 @@ class SlurmConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    """Where the roles run. Colocated (the HybridFlow default): actor, rollout, ref, reward and critic share one
-    worker group's processes. Split: the critic gets a worker group of its own (actor, rollout, ref and reward stay
-    together: the rollout generates with the actor's weights).
+    """Where the roles run. Colocated (the HybridFlow default): actor, rollout, ref, reward, critic and reward model
+    share one worker group's processes. Split: the critic and the reward model each get a worker group of their own
+    (actor, rollout, ref and reward stay together: the rollout generates with the actor's weights).
 
     Each group has ``nodes`` x ``tasks_per_node`` ranks (the critic's own group: ``critic_nodes`` x
     ``critic_tasks_per_node`` when set); every rank is one data-parallel replica.
@@ -346,6 +376,7 @@ class HybridFlowConfig(_Section):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
@@ -375,6 +406,11 @@ class HybridFlowConfig(_Section):
             raise ValueError(
                 "actor.tis_cap corrects the drift between the rollout engine's and the actor's log-probs, and the hf "
                 "rollout samples from the actor itself: set rollout.name=vllm or remove actor.tis_cap"
+            )
+        if self.reward.function_coef == 0 and not self.reward_model.enable:
+            raise ValueError(
+                "reward.function_coef=0 leaves no training reward: set it > 0, or reward_model.enable=true with "
+                "reward_model.path"
             )
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             raise ValueError(

@@ -28,7 +28,9 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
         data: a batch after the advantage stage (``token_level_scores``, ``token_level_rewards``,
             ``advantages``, ``returns``, ``response_mask``, ``attention_mask``; ``values`` if a critic ran; any
             ``reward_extra/<key>`` [B] column: the extra keys of a custom reward's dict, averaged into
-            ``reward_extra/<key>/mean``).
+            ``reward_extra/<key>/mean``; ``rm_scores`` [B, T] when a reward model scored the batch:
+            ``critic/rm_score/*``). ``critic/score/*`` is the function's score, ``critic/rewards/*`` what was
+            trained on (the scores combined, minus the in-reward KL penalty).
         response_limit: ``rollout.response_length``, for ``response_length/clip_ratio`` (share of responses cut
             at the limit).
 
@@ -48,6 +50,8 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
         "response_length/clip_ratio": float((response_len >= response_limit).float().mean()),
         **_stats("prompt_length", prompt_len),
     }
+    if "rm_scores" in batch:
+        metrics.update(_stats("critic/rm_score", batch["rm_scores"].sum(-1)))
     for key in batch.keys():  # noqa: SIM118 (a TensorDict iterates its values): the custom reward's extra keys
         if key.startswith("reward_extra/"):
             metrics[f"{key}/mean"] = float(batch[key].double().mean())

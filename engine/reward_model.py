@@ -5,20 +5,24 @@ actor's tokenizer, appended to the prompt's chat messages (``raw_prompt``) as th
 RM's chat template and re-tokenized with the RM's tokenizer. A text longer than ``max_length`` tokens loses tokens
 from the left (the start of the prompt), so the response is always scored whole. The score is the RM's output at the
 last real token (by the attention mask, not by searching for pad ids, which may also occur inside the text) and is
-placed on the last response token, as verl does (``token_level_scores`` [B, T]).
+placed on the last response token, as verl does (``rm_scores`` [B, T]).
 
-Not wired into the flow yet (issue 15: the ``reward_model`` config section and the ``rm_score`` stage come next).
+`RewardModel` is the ``reward_model`` role a worker hosts (``reward_model`` config section, stage ``rm_score``);
+`check_reward_model` is the pre-flight check of the same folder without loading its weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridflow.engine.protocol import DataProto
+
+if TYPE_CHECKING:
+    from hybridflow.engine.config import RewardModelConfig
 
 
 class RewardModelError(ValueError):
@@ -26,18 +30,15 @@ class RewardModelError(ValueError):
     EOS token. The message names the key and the fix."""
 
 
-def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """Load a reward model folder: ``(model, tokenizer)``, the model in eval mode with its pad id set.
-
-    Args:
-        path: a local Hugging Face folder of a decoder ``*ForSequenceClassification`` model with one label.
-        dtype: the weights' dtype.
+def check_reward_model(path: str | Path) -> tuple[Any, Any]:
+    """Check a reward model folder without loading its weights: ``(config, tokenizer)``, the tokenizer's pad token
+    set (EOS when it has none).
 
     Raises:
-        RewardModelError: the folder's model is not a sequence classifier with one label and a ``score`` head, or
-            its tokenizer has neither a pad token nor an EOS token to pad with.
+        RewardModelError: the folder's model is not a ``*ForSequenceClassification`` with one label, or its tokenizer
+            has neither a pad token nor an EOS token to pad with.
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(path)
     architectures = getattr(config, "architectures", None) or []
@@ -60,6 +61,22 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32) -> t
                 "pad_token in its tokenizer_config.json"
             )
         tokenizer.pad_token = tokenizer.eos_token
+    return config, tokenizer
+
+
+def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Load a reward model folder: ``(model, tokenizer)``, the model in eval mode with its pad id set.
+
+    Args:
+        path: a local Hugging Face folder of a decoder ``*ForSequenceClassification`` model with one label.
+        dtype: the weights' dtype.
+
+    Raises:
+        RewardModelError: as `check_reward_model`, or the model has no ``score`` head over a decoder.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    _, tokenizer = check_reward_model(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
     if not hasattr(model, "score"):
         raise RewardModelError(
@@ -67,7 +84,17 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32) -> t
             "use a decoder-only reward model (Llama, Qwen, Mistral, ... *ForSequenceClassification)"
         )
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model.eval(), tokenizer
+    return model.eval().requires_grad_(False), tokenizer
+
+
+def rendered_prompt_length(messages: list[dict[str, str]], rm_tokenizer: Any) -> int:
+    """Tokens of a prompt's chat messages in the RM's template, before any response (for the pre-flight check that
+    ``reward_model.max_length`` leaves room for the prompt)."""
+    if rm_tokenizer.chat_template:
+        text = rm_tokenizer.apply_chat_template(messages, tokenize=False)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    return len(rm_tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def reward_model_texts(data: DataProto, actor_tokenizer: Any, rm_tokenizer: Any) -> list[str]:
@@ -115,7 +142,7 @@ def score_texts(
         per_token = model.score(hidden)[..., 0]  # [n, width]
         last = attention_mask.sum(-1) - 1
         scores.append(per_token[torch.arange(len(ids)), last.to(device)].float().cpu())
-    return torch.cat(scores)
+    return torch.cat(scores) if scores else torch.zeros(0)
 
 
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -124,3 +151,48 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     last = (response_mask.long().sum(-1) - 1).clamp(min=0)
     out[torch.arange(len(scores)), last] = scores.float()
     return out
+
+
+class RewardModel:
+    """The ``reward_model`` role of a worker rank: a frozen sequence classifier scoring rollout batches.
+
+    With ``reward_model.strategy: fsdp`` on several ranks its weights are sharded over the group (FSDP2, 1/D of the
+    weights per rank at rest, the memory that matters when it is colocated with the trained models) and gathered
+    for the duration of one scoring call; with ``ddp`` every rank holds the whole model.
+
+    Args:
+        config: the ``reward_model`` section.
+        path: its folder, resolved (`hybridflow.engine.embedded_models.resolve_model_path`).
+        actor_tokenizer: decodes the rollout's responses.
+        device: where it runs; dtype: its weights' dtype (``reward_model.dtype`` resolved by ``pick_dtype``).
+
+    Raises:
+        RewardModelError: see `load_reward_model`.
+    """
+
+    def __init__(self, config: RewardModelConfig, path: Path, actor_tokenizer: Any, device, dtype: torch.dtype):
+        import torch.distributed as dist
+
+        self.config = config
+        self.model, self.tokenizer = load_reward_model(path, dtype)
+        self.model.to(device)
+        self.actor_tokenizer = actor_tokenizer
+        if config.strategy == "fsdp" and dist.is_initialized() and dist.get_world_size() > 1:
+            from hybridflow.engine.fsdp import shard_model
+
+            shard_model(self.model)
+
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``rm_scores`` float32 [B, T]: each row's RM score on its last response token, 0 elsewhere.
+
+        Args:
+            data: ``responses`` int64 [B, T], ``response_mask`` [B, T], non-tensor ``raw_prompt`` (chat lists).
+        """
+        from hybridflow.engine.fsdp import gathered
+
+        texts = reward_model_texts(data, self.actor_tokenizer, self.tokenizer)
+        with gathered(self.model):  # fsdp: every rank gathers once (a collective), whatever its row count
+            scores = score_texts(
+                self.model, self.tokenizer, texts, self.config.max_length, self.config.micro_batch_size
+            )
+        return DataProto.from_dict({"rm_scores": place_on_last_token(scores, data.batch["response_mask"])})

@@ -57,6 +57,7 @@ class SingleProcessTrainer:
         roles = build_roles(cfg, roles_for(cfg))
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
+        self.reward_model = roles.reward_model
         self.kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
 
         train_rows, val_rows = build_prompt_rows(cfg.data)
@@ -82,6 +83,9 @@ class SingleProcessTrainer:
                 data.batch["token_level_scores"] = scores
                 for key, values in extras.items():  # -> reward_extra/<key>/mean
                     data.batch[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
+            if self.reward_model is not None:
+                with timer("rm_score"):
+                    data = data.union(self.reward_model.compute_rm_score(data))
             with timer("old_log_prob"):
                 old = self.actor.compute_log_prob(data, calculate_entropy=True)
                 entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
@@ -96,7 +100,9 @@ class SingleProcessTrainer:
                 with timer("values"):
                     data = data.union(self.critic.compute_values(data))
             with timer("adv"):
-                advantages, kl_metrics = compute_advantage(data, cfg.algorithm, self.kl_ctrl)
+                advantages, kl_metrics = compute_advantage(
+                    data, cfg.algorithm, self.kl_ctrl, cfg.reward.function_coef, cfg.reward_model.coef
+                )
                 data = data.union(advantages)
                 metrics.update(kl_metrics)
             if self.critic is not None:

@@ -1,6 +1,7 @@
 """The RLHF worker: what each rank of a worker group runs.
 
-`RLHFWorker` hosts any subset of the roles ``actor``, ``rollout``, ``ref``, ``critic``, ``reward``. HybridFlow's
+`RLHFWorker` hosts any subset of the roles ``actor``, ``rollout``, ``ref``, ``critic``, ``reward`` (the score
+function), ``reward_model``. HybridFlow's
 default puts them all in one group's processes (colocated: the rollout generates with the actor's own weights,
 no copy); a split placement gives each group a subset. The methods are the stages of an iteration, each with its
 transfer protocol (`hybridflow.engine.dispatch`): batch-in, batch-out stages are ``DP_COMPUTE_PROTO`` (each
@@ -28,6 +29,7 @@ from hybridflow.engine.embedded_models import resolve_model_path
 from hybridflow.engine.fsdp import full_model_state, full_optimizer_state, gathered, is_sharded
 from hybridflow.engine.models import load_critic, load_model, load_tokenizer, pick_device, pick_dtype
 from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.reward_model import RewardModel
 from hybridflow.engine.rewards import RewardManager, load_reward_function
 from hybridflow.engine.rollout import HFRollout
 
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
     from hybridflow.engine.hybrid_actor import HybridActorRollout
     from hybridflow.engine.megatron_critic import MegatronCritic
 
-ROLES = ("actor", "rollout", "ref", "critic", "reward")
+ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
 
 
 @dataclass
@@ -48,15 +50,19 @@ class Roles:
     ref: RefPolicy | None = None
     critic: Critic | MegatronCritic | None = None
     reward_fn: RewardManager | None = None
+    reward_model: RewardModel | None = None
 
 
 def roles_for(cfg: HybridFlowConfig) -> list[str]:
-    """The roles an algorithm needs: actor, rollout and reward always; ref for a KL term; critic for GAE."""
+    """The roles a run needs: actor, rollout and reward (the score function: validation uses it) always; ref for a
+    KL term; critic for GAE; reward_model when ``reward_model.enable``."""
     roles = ["actor", "rollout", "reward"]
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         roles.append("ref")
     if uses_critic(cfg.algorithm.adv_estimator):
         roles.append("critic")
+    if cfg.reward_model.enable:
+        roles.append("reward_model")
     return roles
 
 
@@ -113,6 +119,10 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     if "reward" in roles:
         custom = load_reward_function(cfg.reward.custom_function) if cfg.reward.custom_function else None
         out.reward_fn = RewardManager(out.tokenizer, custom, name=cfg.reward.custom_function)
+    if "reward_model" in roles:
+        rm = cfg.reward_model
+        rm_path = resolve_model_path(rm.path)
+        out.reward_model = RewardModel(rm, rm_path, out.tokenizer, device, pick_dtype(rm.dtype, device))
     return out
 
 
@@ -142,6 +152,7 @@ class RLHFWorker:
         self.ref: RefPolicy | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.reward_fn: RewardManager | None = None
+        self.reward_model: RewardModel | None = None
 
     @property
     def _megatron(self) -> bool:
@@ -152,6 +163,8 @@ class RLHFWorker:
         `hybridflow.engine.dispatch`): megatron's replicas for the actor's (and a megatron critic's) stages and the
         generation replicas for the rollout (`HybridActorRollout.dispatch_coords`); None (every rank its own
         replica) otherwise."""
+        if method == "compute_rm_score":  # the reward model is whole (or FSDP-sharded) on every rank
+            return None
         if self._megatron:
             return self.actor.dispatch_coords(method)
         tp = self.config.actor.tp  # fsdp with tensor parallelism: the ranks of a TP group share their rows
@@ -171,6 +184,7 @@ class RLHFWorker:
         roles = build_roles(self.config, self.roles)
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
+        self.reward_model = roles.reward_model
         info = {}
         if self._megatron:
             info["actor_params"] = self.actor.parameter_count()
@@ -178,6 +192,8 @@ class RLHFWorker:
             info["actor_params"] = sum(p.numel() for p in self.actor.model.parameters())
         if self.critic is not None and self.config.critic.strategy != "megatron":  # (a megatron shard: not all)
             info["critic_params"] = sum(p.numel() for p in self.critic.model.parameters())
+        if self.reward_model is not None:
+            info["reward_model_params"] = sum(p.numel() for p in self.reward_model.model.parameters())
         return info
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -214,6 +230,13 @@ class RLHFWorker:
         for key, values in extras.items():
             tensors[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
         return DataProto.from_dict(tensors)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``rm_scores`` float32 [B, T]: the reward model's score on each row's last response token
+        (`RewardModel.compute_rm_score`)."""
+        self._need("reward_model")
+        return self.reward_model.compute_rm_score(data)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

@@ -8,6 +8,9 @@ What is checked, each failure an `InputError` naming the config key and the fix:
 - ``data.*``: every file exists and has verl's columns; the reasoning-gym generator exists; prompts fit
   ``data.max_prompt_length``; there are at least ``data.train_batch_size`` of them; every ``data_source`` has a
   reward (built in, or ``reward.custom_function``).
+- ``reward_model.path`` (when ``reward_model.enable``): a one-label ``*ForSequenceClassification`` folder whose
+  tokenizer pads (pad or EOS token), and ``reward_model.max_length`` longer than the shortest training prompt
+  rendered in the RM's chat template (weights are not loaded here; the worker loads them before iteration 1).
 - ``reward.custom_function``: imports and names a function taking ``(data_source, solution_str, ground_truth,
   extra_info)``.
 - ``placement.executor: slurm``: Slurm's commands answer and ``placement.slurm.partition`` exists.
@@ -34,6 +37,7 @@ from hybridflow.engine.config import DataConfig, HybridFlowConfig
 from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.models import load_tokenizer
+from hybridflow.engine.reward_model import RewardModelError, check_reward_model, rendered_prompt_length
 from hybridflow.engine.rewards import check_builtin_source, load_reward_function
 from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
 from hybridflow.slurm import cluster
@@ -70,6 +74,8 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     model_folder("model.path", cfg.model.path)
     if cfg.critic.model_path:
         model_folder("critic.model_path", cfg.critic.model_path)
+    if cfg.reward_model.enable:
+        rm_tokenizer = _check_reward_model(cfg.reward_model.path)
     if cfg.reward.custom_function:
         try:
             load_reward_function(cfg.reward.custom_function)
@@ -80,6 +86,8 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         PromptSampler(prompts.train, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
     except ValueError as e:
         raise InputError(str(e)) from None
+    if cfg.reward_model.enable:
+        _check_reward_model_length(cfg.reward_model.max_length, prompts.train, rm_tokenizer)
     if not cfg.reward.custom_function:
         rows = prompts.train.rows + (prompts.val.rows if prompts.val else [])
         for source in sorted({row["data_source"] for row in rows}):
@@ -94,6 +102,27 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         _check_writable("trainer.checkpoint_dir", Path(cfg.trainer.checkpoint_dir))
     if cfg.trainer.resume_from not in (None, "auto"):
         _check_resume_from(cfg.trainer.resume_from)
+
+
+def _check_reward_model(path: str) -> Any:
+    """The RM's tokenizer, after `check_reward_model` accepted its folder (``reward_model.path``)."""
+    folder = model_folder("reward_model.path", path)
+    try:
+        return check_reward_model(folder)[1]
+    except RewardModelError as e:
+        raise InputError(str(e)) from None
+
+
+def _check_reward_model_length(max_length: int, train: PromptDataset, rm_tokenizer: Any) -> None:
+    """Refuse a ``reward_model.max_length`` that cannot hold even the shortest training prompt (in the RM's chat
+    template, before any response): the RM would never see a whole prompt."""
+    shortest = min(rendered_prompt_length(row["prompt"], rm_tokenizer) for row in train.rows)
+    if max_length <= shortest:
+        raise InputError(
+            f"reward_model.max_length={max_length} tokens is not longer than the shortest training prompt "
+            f"({shortest} tokens in the reward model's chat template): the RM would score no prompt whole; raise "
+            f"reward_model.max_length above {shortest} plus the response (rollout.response_length)"
+        )
 
 
 def model_folder(key: str, value: str) -> Path:

@@ -27,6 +27,7 @@ worker_logger = logging.getLogger("hybridflow.workers")
 
 ARTIFACT_METRICS = (
     "critic/score/mean",
+    "critic/rm_score/mean",
     "critic/rewards/mean",
     "actor/pg_loss",
     "actor/ppo_kl",

@@ -152,12 +152,19 @@ class Prompts:
         return cls(sampler, val_batches)
 
 
+SPLIT_ROLES = ("critic", "reward_model")
+"""The roles that get a worker group of their own (named after the role) when ``placement.colocate`` is false."""
+
+
 def group_layout(cfg: HybridFlowConfig) -> dict[str, list[str]]:
-    """Worker group name -> the roles it hosts, from ``placement.colocate``."""
+    """Worker group name -> the roles it hosts, from ``placement.colocate``: one group ``actor_rollout_ref`` with
+    every role, or the critic and the reward model each in a group of its own."""
     roles = roles_for(cfg)
-    if cfg.placement.colocate or "critic" not in roles:
+    if cfg.placement.colocate:
         return {"actor_rollout_ref": roles}
-    return {"actor_rollout_ref": [r for r in roles if r != "critic"], "critic": ["critic"]}
+    layout = {"actor_rollout_ref": [r for r in roles if r not in SPLIT_ROLES]}
+    layout.update({r: [r] for r in roles if r in SPLIT_ROLES})
+    return layout
 
 
 def group_spec(cfg: HybridFlowConfig, name: str) -> GroupSpec:
@@ -487,6 +494,9 @@ def _iteration(
         batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
         with _stage(timer, "gen", step, watch, logs):
             rollout = stages.generate(workers["rollout"], batch)
+        if cfg.reward_model.enable:
+            with _stage(timer, "rm_score", step, watch, logs):
+                rollout = rollout.union(stages.rm_score(workers["reward_model"], rollout))
         with _stage(timer, "reward", step, watch, logs):
             rollout = rollout.union(stages.reward(workers["reward"], rollout))
         with _stage(timer, "old_log_prob", step, watch, logs):
@@ -499,7 +509,9 @@ def _iteration(
             with _stage(timer, "values", step, watch, logs):
                 rollout = rollout.union(stages.values(workers["critic"], rollout))
         with _stage(timer, "adv", step, watch, logs):
-            adv, metrics = stages.advantage(rollout, cfg.algorithm, kl_ctrl, data_dir)
+            adv, metrics = stages.advantage(
+                rollout, cfg.algorithm, kl_ctrl, data_dir, cfg.reward.function_coef, cfg.reward_model.coef
+            )
             rollout = rollout.union(adv)
         if critic:
             with _stage(timer, "update_critic", step, watch, logs):
@@ -528,7 +540,7 @@ def _present(handle: DataHandle, *keys: str) -> list[str]:
 
 def _batch_metrics(rollout: DataHandle, cfg: HybridFlowConfig, seconds: dict[str, float]) -> dict[str, Any]:
     keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask", "attention_mask"]
-    keys += _present(rollout, "values") + [k for k in rollout.keys if k.startswith("reward_extra/")]
+    keys += _present(rollout, "values", "rm_scores") + [k for k in rollout.keys if k.startswith("reward_extra/")]
     data = rollout.select(keys).load()
     metrics = compute_data_metrics(data, cfg.rollout.response_length)
     total = float(data.batch["attention_mask"].sum())

@@ -4,8 +4,9 @@ One `RunStore` per process (the Prefect flow, the ``hf`` command, a worker that 
 processes may write to the same store at once. Opening a store migrates its database to the newest schema with
 Alembic (``migrations/`` next to this file); opening an up-to-date one costs one query.
 
-Schema (revision ``0004``: ``migrations/versions/0001_initial.py``, ``0002_placement_parallel.py``,
-``0003_run_lease_bad_checkpoints.py`` and ``0004_samples.py``; the ORM models below describe the same tables):
+Schema (revision ``0005``: ``migrations/versions/0001_initial.py``, ``0002_placement_parallel.py``,
+``0003_run_lease_bad_checkpoints.py``, ``0004_samples.py`` and ``0005_reward_model_role.py``; the ORM models below
+describe the same tables):
 
 - ``runs``: ``id`` (primary key, ``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC), ``experiment_name``, ``config`` (JSON: the
   full validated config), ``status`` (pending | running | completed | failed | interrupted), ``code_version`` (see
@@ -17,10 +18,10 @@ Schema (revision ``0004``: ``migrations/versions/0001_initial.py``, ``0002_place
   NaN or ±inf); unique (run_id, step, name); index (run_id, name, step).
 - ``checkpoints``: ``run_id`` → runs, ``step``, ``path``, ``bytes``, ``sha256`` (64 lowercase hex digits),
   ``complete``, ``created_at``, ``bad_reason`` (nullable text: why it must not be resumed from); unique (run_id, step).
-- ``placements``: ``run_id`` → runs, ``role`` (actor | rollout | ref | critic | reward), ``group_name``, ``ranks``
-  (JSON list of int), ``executor`` (local | slurm), ``slurm_job_id`` (nullable), ``hosts`` (JSON list of str),
-  ``parallel`` (JSON, nullable: the role's training strategy, training and generation layouts and rank groups),
-  ``created_at``; index on run_id.
+- ``placements``: ``run_id`` → runs, ``role`` (actor | rollout | ref | critic | reward | reward_model),
+  ``group_name``, ``ranks`` (JSON list of int), ``executor`` (local | slurm), ``slurm_job_id`` (nullable),
+  ``hosts`` (JSON list of str), ``parallel`` (JSON, nullable: the role's training strategy, training and generation
+  layouts and rank groups), ``created_at``; index on run_id.
 - ``samples``: ``run_id`` → runs, ``step``, ``kind`` (train | val), ``idx``, ``data_source``, ``prompt``,
   ``response``, ``score`` (double, nullable), ``ground_truth``: sample generations (``trainer.log_val_generations``,
   ``trainer.log_train_generations``); unique (run_id, kind, step, idx); index (run_id, step).
@@ -131,7 +132,7 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 RUN_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
 FINAL_STATUSES = ("completed", "failed", "interrupted")
-ROLES = ("actor", "rollout", "ref", "critic", "reward")
+ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
 EXECUTORS = ("local", "slurm")
 SAMPLE_KINDS = ("train", "val")
 LEASE_TTL_S = 60.0

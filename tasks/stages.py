@@ -62,6 +62,12 @@ def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     )
 
 
+@task(**_options("rm_score"))
+def rm_score(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
+    """The reward model's ``rm_scores`` [B, T] (its score on each row's last response token)."""
+    return group.compute_rm_score(rollout.select(["responses", "response_mask", "raw_prompt"]))
+
+
 @task(**_options("old_log_prob"))
 def old_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """``old_log_probs`` and ``entropys`` under the actor that generated the batch."""
@@ -82,16 +88,22 @@ def values(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
 
 @task(**_options("advantage"))
 def advantage(
-    batch: DataHandle, algorithm: AlgorithmConfig, kl_ctrl: KLController | None, data_dir: Path
+    batch: DataHandle,
+    algorithm: AlgorithmConfig,
+    kl_ctrl: KLController | None,
+    data_dir: Path,
+    function_coef: float = 1.0,
+    rm_coef: float = 1.0,
 ) -> tuple[DataHandle, dict[str, float]]:
-    """``token_level_rewards``, ``advantages``, ``returns`` (see `engine.advantage.compute_advantage`).
+    """``token_level_rewards``, ``advantages``, ``returns`` (see `engine.advantage.compute_advantage`; the score
+    trained on is `function_coef` x the function's + `rm_coef` x the reward model's when the batch has one).
 
     Runs in the controller: it reads only the [B, T] columns it needs, and writes its three columns as a new part.
     """
     keys = ["token_level_scores", "response_mask", "uid"]
-    keys += [k for k in ("values", "old_log_probs", "ref_log_prob") if k in batch.keys]
+    keys += [k for k in ("rm_scores", "values", "old_log_probs", "ref_log_prob") if k in batch.keys]
     data = batch.select(keys).load()
-    out, metrics = compute_advantage(data, algorithm, kl_ctrl)
+    out, metrics = compute_advantage(data, algorithm, kl_ctrl, function_coef, rm_coef)
     if "rollout_log_probs" in batch.keys:
         metrics.update(rollout_mismatch(batch.select(["rollout_log_probs", "old_log_probs", "response_mask"]).load()))
     if "entropys" in batch.keys:

@@ -134,12 +134,15 @@ def reference(prefect_api, tmp_path_factory, tiny_model_dir) -> dict[int, dict[s
     return _by_step(store, ref_id)
 
 
-def _start_hf_run(prefect_api, tmp_path, tiny_model_dir, extra) -> tuple[subprocess.Popen, RunStore, str]:
-    """`hf run` of the resume tests' config (with `extra` overrides) as a separate process, its own store."""
+def _start_hf_run(
+    prefect_api, tmp_path, tiny_model_dir, extra, example="grpo_tiny.yaml"
+) -> tuple[subprocess.Popen, RunStore, str]:
+    """`hf run` of `example` with the resume tests' overrides `extra` as a separate process, its own store."""
     import yaml
 
+    config = _cfg(tmp_path, tiny_model_dir, example, extra).model_dump(mode="json")
     config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_model_dir, extra=extra).model_dump(mode="json")))
+    config_file.write_text(yaml.safe_dump(config))
     db = f"sqlite:///{tmp_path / 'runs.db'}"
     proc = subprocess.Popen(
         [HF, "run", str(config_file), "--db", db, "--prefect-api", prefect_api],
@@ -467,3 +470,86 @@ def test_megatron_run_records_its_layout_and_resumes_exactly(prefect_api, tmp_pa
     for name in [*COMPARED, *(["critic/vf_loss", "critic/grad_norm"] if critic else [])]:
         if name in reference[2]:  # bit-identical on CPU, as for the ddp actor above
             assert resumed[2][name] == pytest.approx(reference[2][name], rel=1e-6, abs=1e-9), name
+
+
+# ------------------------------------------------------------------------------- PPO with all four models
+# actor + critic + ref (KL loss) + a reward model (a random tiny classifier) beside the dense function reward
+
+
+@pytest.fixture(scope="module")
+def four_models(prefect_api, tmp_path_factory, tiny_model_dir) -> tuple[list[str], RunStore, str]:
+    """The uninterrupted colocated run: (its overrides, its store, its run id)."""
+    from tiny_runs import write_reward_model
+    from transformers import AutoTokenizer
+
+    from hybridflow.flows.rlhf import rlhf_flow
+
+    tmp = tmp_path_factory.mktemp("four")
+    rm = write_reward_model(tmp / "rm", AutoTokenizer.from_pretrained(tiny_model_dir), seed=1)
+    extra = [*RESUMED, "trainer.total_iterations=3", "actor.use_kl_loss=true", "reward_model.enable=true"]
+    extra += [f"reward_model.path={rm}", "reward_model.coef=0.5", "reward_model.micro_batch_size=3"]
+    cfg = _cfg(tmp, tiny_model_dir, "ppo_tiny.yaml", extra)
+    store = RunStore(f"sqlite:///{tmp / 'runs.db'}")
+    run_id = store.create_run(cfg.model_dump(mode="json"), "four")
+    rlhf_flow(run_id=run_id, db_url=store.url)
+    return extra, store, run_id
+
+
+FOUR_COMPARED = [*COMPARED, "critic/rm_score/mean", "critic/rewards/mean", "critic/vf_loss", "critic/values/mean"]
+
+
+def test_four_model_ppo_trains_on_the_reward_model_and_the_function(four_models):
+    """The reward model scores every iteration in a stage of its own (``rm_score``); the training reward is
+    ``reward_model.coef`` x RM score + the function score (``critic/rewards`` = ``critic/score`` + 0.5 x
+    ``critic/rm_score``: the KL is a loss here, not in the reward); the RM's placement is on record."""
+    _, store, run_id = four_models
+    run = store.get_run(run_id)
+    assert run.status == "completed"
+    metrics = _by_step(store, run_id)
+    for step in (1, 2, 3):
+        m = metrics[step]
+        assert m["critic/rm_score/min"] < m["critic/rm_score/mean"] < m["critic/rm_score/max"]  # one per response
+        combined = m["critic/score/mean"] + 0.5 * m["critic/rm_score/mean"]
+        assert m["critic/rewards/mean"] == pytest.approx(combined, rel=1e-5, abs=1e-6), step
+        assert m["timing_s/rm_score"] > 0
+    roles = {p.role: p.group_name for p in store.placements(run_id)}
+    assert roles == dict.fromkeys(["actor", "rollout", "reward", "ref", "critic", "reward_model"], "actor_rollout_ref")
+    names = _task_names(run.prefect_flow_run_id)
+    assert {"generate", "rm_score", "reward", "ref_log_prob", "values", "update_critic", "update_actor"} <= names
+
+
+def test_reward_model_and_critic_in_groups_of_their_own_equal_colocated(
+    prefect_api, tmp_path, tiny_model_dir, four_models
+):
+    from hybridflow.flows.rlhf import rlhf_flow
+
+    extra, reference_store, reference_id = four_models
+    cfg = _cfg(tmp_path, tiny_model_dir, "ppo_tiny.yaml", [*extra, "placement.colocate=false"])
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    run_id = store.create_run(cfg.model_dump(mode="json"), "four-split")
+    rlhf_flow(run_id=run_id, db_url=store.url)
+    groups = {p.role: p.group_name for p in store.placements(run_id)}
+    assert groups["reward_model"] == "reward_model" and groups["critic"] == "critic"
+    assert groups["actor"] == groups["ref"] == "actor_rollout_ref"
+    split, reference = _by_step(store, run_id), _by_step(reference_store, reference_id)
+    for step in (1, 2, 3):
+        for name in FOUR_COMPARED:
+            assert split[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+
+
+def test_four_model_run_killed_mid_iteration_resumes_bit_identically(
+    prefect_api, tmp_path, tiny_model_dir, four_models
+):
+    extra, reference_store, reference_id = four_models
+    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, extra, "ppo_tiny.yaml")
+    run_id = _wait_inside_iteration(proc, store, 3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert store.latest_checkpoint(run_id).step == 2
+    result = _hf(prefect_api, "resume", run_id, "--db", db)
+    assert result.returncode == 0, result.stdout + result.stderr
+    resumed, reference = _by_step(store, run_id), _by_step(reference_store, reference_id)
+    assert sorted(resumed) == [1, 2, 3]
+    for step in (1, 2, 3):
+        for name in FOUR_COMPARED:
+            assert resumed[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)

@@ -1,12 +1,14 @@
 """The reward model's scoring, against a direct `AutoModelForSequenceClassification` forward on the same decoded
 texts: with the actor's own tokenizer, with a different tokenizer (SmolLM2's vocabulary and chat template), with
-left truncation; and its input errors."""
+left truncation; in worker groups of 1 and 2 ranks (ddp and fsdp), real processes; and its input errors, from the
+config, the pre-flight check and the loader."""
 
 import json
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+from tiny_runs import tiny_run_config, write_reward_model
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward_model import (
@@ -23,20 +25,6 @@ PROMPTS = [
     [{"role": "user", "content": "Say nothing."}],
 ]
 RESPONSES = ["The answer is 7.", "7", ""]
-
-
-def _reward_model(folder, tokenizer, seed: int = 0):
-    """A random one-label Llama sequence classifier over `tokenizer`'s vocabulary, saved with it in `folder`."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1, max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-    )  # fmt: skip
-    model = LlamaForSequenceClassification(config)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def _rollout(actor_tokenizer) -> DataProto:
@@ -87,7 +75,7 @@ def smollm2_tokenizer():
 def test_scores_equal_a_direct_forward_on_the_decoded_texts(tmp_path, tiny_model_dir, smollm2_tokenizer, rm_vocab):
     actor_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rm_tokenizer = actor_tokenizer if rm_vocab == "actor" else smollm2_tokenizer
-    folder = _reward_model(tmp_path / "rm", rm_tokenizer)
+    folder = write_reward_model(tmp_path / "rm", rm_tokenizer)
     model, tokenizer = load_reward_model(folder)
     data = _rollout(actor_tokenizer)
     texts = reward_model_texts(data, actor_tokenizer, tokenizer)
@@ -117,15 +105,77 @@ def test_inputs_that_cannot_score_are_refused(tmp_path, tiny_model_dir):
     ):
         load_reward_model(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    folder = _reward_model(tmp_path / "two", tokenizer)
+    folder = write_reward_model(tmp_path / "two", tokenizer)
     config = json.loads((folder / "config.json").read_text())
     config["id2label"] = {"0": "bad", "1": "good"}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(RewardModelError, match="has 2 labels; a reward model has exactly one"):
         load_reward_model(folder)
-    no_pad = _reward_model(tmp_path / "nopad", tokenizer)
+    no_pad = write_reward_model(tmp_path / "nopad", tokenizer)
     settings = json.loads((no_pad / "tokenizer_config.json").read_text())
     settings["pad_token"] = None
     (no_pad / "tokenizer_config.json").write_text(json.dumps(settings))
     model, loaded = load_reward_model(no_pad)
     assert loaded.pad_token == loaded.eos_token and model.config.pad_token_id == loaded.eos_token_id
+
+
+def test_worker_groups_of_two_ranks_score_as_one_rank_and_the_direct_forward(tmp_path, tiny_model_dir):
+    """``compute_rm_score`` (DP_COMPUTE_PROTO) over 3 rows: 1 rank, 2 ddp ranks (2 + 1 rows) and 2 fsdp ranks
+    (sharded weights, gathered for the call even by the rank with fewer rows) give the same ``rm_scores``."""
+    from hybridflow.flows.rlhf import WORKER_CLS
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
+    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+
+    actor_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    folder = write_reward_model(tmp_path / "rm", actor_tokenizer)
+    rm = ["reward_model.enable=true", f"reward_model.path={folder}", "reward_model.micro_batch_size=1"]
+    create_secret(tmp_path / "secret")
+    data = _rollout(actor_tokenizer)
+    handle = DataHandle.put(data, tmp_path / "data")
+    direct = _direct(folder, reward_model_texts(data, actor_tokenizer, AutoTokenizer.from_pretrained(folder)))
+    got = {}
+    for name, ranks, strategy in (("dp1", 1, "ddp"), ("dp2", 2, "ddp"), ("fsdp2", 2, "fsdp")):
+        cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", [*rm, f"reward_model.strategy={strategy}"])
+        group = WorkerGroup(
+            GroupSpec(name=name, worker_cls=WORKER_CLS, tasks_per_node=ranks),
+            run_dir=tmp_path,
+            data_dir=tmp_path / "data",
+            secret_path=tmp_path / "secret",
+            worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["reward_model"]},
+        )
+        try:
+            group.init_model()
+            got[name] = group.compute_rm_score(handle).load().batch["rm_scores"]
+        finally:
+            group.shutdown()
+    lengths = data.batch["response_mask"].sum(-1)
+    last = (lengths - 1).clamp(min=0)
+    for name, scores in got.items():
+        assert scores.dtype == torch.float32 and scores.shape == data.batch["response_mask"].shape, name
+        assert scores[torch.arange(3), last].tolist() == pytest.approx(direct, rel=1e-5, abs=1e-6), name
+        assert scores.count_nonzero() <= 3
+        torch.testing.assert_close(scores, got["dp1"], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_config_and_preflight_refuse_a_reward_model_that_cannot_work(tmp_path, tiny_model_dir):
+    from hybridflow.engine.config import ConfigError
+    from hybridflow.flows.preflight import InputError, check_run_inputs
+
+    with pytest.raises(ConfigError, match="reward_model.enable is true but reward_model.path is not set"):
+        tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["reward_model.enable=true"])
+    with pytest.raises(ConfigError, match="reward.function_coef=0 leaves no training reward"):
+        tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["reward.function_coef=0"])
+    folder = write_reward_model(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
+
+    def check(path, *extra):
+        rm = ["reward_model.enable=true", f"reward_model.path={path}", *extra]
+        check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "grpo", rm))
+
+    check(folder)  # a usable one passes
+    with pytest.raises(InputError, match=r"reward_model.path=.*LlamaForCausalLM.*not a \*ForSequenceClassification"):
+        check(tiny_model_dir)
+    with pytest.raises(InputError, match="reward_model.path: .*looks like a model hub id"):
+        check("OpenAssistant/reward-model-deberta-v3-large")
+    with pytest.raises(InputError, match=r"reward_model.max_length=8 tokens is not longer than the shortest training"):
+        check(folder, "reward_model.max_length=8")

@@ -77,3 +77,19 @@ def test_ref_policy_stays_frozen(tmp_path, tiny_model_dir):
     ref_before = _snapshot(trainer.ref.model)
     trainer.step()
     assert _changed(ref_before, trainer.ref.model) == 0
+
+
+def test_the_reward_model_alone_trains_the_single_process_trainer(tmp_path, tiny_model_dir):
+    """``reward.function_coef: 0`` with a reward model: the training reward is the RM's score alone, while the
+    function's score is still logged (``critic/score``) and still drives validation."""
+    from tiny_runs import write_reward_model
+    from transformers import AutoTokenizer
+
+    rm = write_reward_model(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir))
+    extra = ["reward_model.enable=true", f"reward_model.path={rm}", "reward_model.coef=2.0", "reward.function_coef=0"]
+    trainer = SingleProcessTrainer(_config(tmp_path, tiny_model_dir, "grpo", extra))
+    metrics = trainer.fit(log=lambda record: None)[-1]
+    assert metrics["timing_s/rm_score"] > 0
+    assert metrics["critic/rewards/mean"] == pytest.approx(2.0 * metrics["critic/rm_score/mean"], rel=1e-5, abs=1e-6)
+    assert metrics["critic/score/mean"] != pytest.approx(metrics["critic/rewards/mean"])
+    assert metrics["actor/grad_norm"] > 0 and "val/reasoning_gym/basic_arithmetic/acc" in metrics

@@ -98,7 +98,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0004"
+        assert head == "0005"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -321,6 +321,7 @@ def test_placements_round_trip(store):
         {"role": "actor", "group_name": "actor_rollout", "ranks": [0, 1, 2, 3], "executor": "slurm",
          "slurm_job_id": 123456, "hosts": ["node-01", "node-02"]},
         {"role": "critic", "group_name": "critic", "ranks": [4], "executor": "local"},
+        {"role": "reward_model", "group_name": "reward_model", "ranks": [5], "executor": "local"},
     ]  # fmt: skip
     layout = {"strategy": "megatron", "train": {"pp": 1, "tp": 2, "dp": 2}, "gen_tp_groups": [[0, 1], [2, 3]]}
     rows[0]["parallel"] = layout
@@ -329,8 +330,9 @@ def test_placements_round_trip(store):
     assert [(p.role, p.group_name, p.ranks, p.executor, p.slurm_job_id, p.hosts) for p in placed] == [
         ("actor", "actor_rollout", [0, 1, 2, 3], "slurm", "123456", ["node-01", "node-02"]),
         ("critic", "critic", [4], "local", None, []),
+        ("reward_model", "reward_model", [5], "local", None, []),
     ]
-    assert [p.parallel for p in placed] == [layout, None]
+    assert [p.parallel for p in placed] == [layout, None, None]
     assert all(isinstance(p, Placement) and _close_to_now(p.created_at) for p in placed)
 
     bad = [rows[1], {**rows[1], "role": "judge"}]
@@ -340,7 +342,7 @@ def test_placements_round_trip(store):
         store.record_placement(run_id, [{**rows[1], "ranks": ["0"]}])
     with pytest.raises(ValueError, match="placement row 0: parallel must be a dict"):
         store.record_placement(run_id, [{**rows[1], "parallel": [1, 2]}])
-    assert len(store.placements(run_id)) == 2
+    assert len(store.placements(run_id)) == 3
 
 
 def test_samples_round_trip_replace_and_cascade(store):
@@ -389,9 +391,18 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0004"
+        assert store.current_revision() == "0005"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
+        insert = (
+            "INSERT INTO placements (run_id, role, group_name, ranks, executor, hosts, created_at) "
+            "VALUES ('run-1', :role, 'g', '[0]', 'local', '[]', '2026-01-01 00:00:00')"
+        )
+        with store.engine.begin() as conn:  # 0005: the database's own check allows the reward model's role
+            conn.execute(sa.text(insert), {"role": "reward_model"})
+        with pytest.raises(sa.exc.IntegrityError, match="ck_placements_role"), store.engine.begin() as conn:
+            conn.execute(sa.text(insert), {"role": "judge"})
+        assert [p.role for p in store.placements("run-1")] == ["actor", "reward_model"]
 
 
 # ---------------------------------------------------------------------------------------- SQLite, URLs, errors

@@ -8,6 +8,23 @@ from pathlib import Path
 
 from hybridflow.engine.config import HybridFlowConfig, load_config
 
+
+def write_reward_model(folder: Path, tokenizer, seed: int = 0) -> Path:
+    """A random one-label Llama sequence classifier over `tokenizer`'s vocabulary, saved with it in `folder`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1, max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )  # fmt: skip
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
 DENSE_REWARD = '''
 def digit_share(data_source, solution_str, ground_truth, extra_info):
     """Fraction of characters that are digits: varies across samples, so advantages are non-zero."""

@@ -36,7 +36,9 @@ app = typer.Typer(help="HybridFlow: RLHF (PPO, GRPO, RLOO) with a single control
 models_app = typer.Typer(help="Embedded models (no model hub needed).", no_args_is_help=True)
 runs_app = typer.Typer(help="Run history from the run store.", no_args_is_help=True)
 server_app = typer.Typer(help="The local Prefect server (UI and flow-run history).", no_args_is_help=True)
+rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+app.add_typer(rm_app, name="rm")
 app.add_typer(runs_app, name="runs")
 app.add_typer(server_app, name="server")
 console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # piped: no truncation
@@ -93,6 +95,20 @@ def _connect_prefect(prefect_api: str | None) -> None:
     server.use_server(info.api_url)
 
 
+def _load_config(config: Path, override: list[str] | None, executor: str | None, schema=None):
+    """The validated config of `config` with the ``-o`` overrides and ``--executor``; on an error: the message
+    (naming the file and the keys), exit 2."""
+    from hybridflow.engine.config import ConfigError, load_config
+
+    overrides = list(override or []) + ([f"placement.executor={executor}"] if executor else [])
+    try:
+        return load_config(config, overrides, schema)
+    except ConfigError as e:
+        message = str(e) if str(e).startswith(str(config)) else f"{config}: {e}"
+        console.print(message, markup=False, style="red")
+        raise typer.Exit(2) from None
+
+
 # ---------------------------------------------------------------------------------------------------- run
 @app.command()
 def run(
@@ -110,15 +126,7 @@ def run(
     Everything that can be checked before work starts is checked first (the config, the model folder, the prompt
     files and their columns, the reward function, the Slurm partition, the output folder): a mistake prints one
     message naming the key and the fix, exits 2 and records no run."""
-    from hybridflow.engine.config import ConfigError, load_config
-
-    overrides = list(override or []) + ([f"placement.executor={executor}"] if executor else [])
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as e:
-        message = str(e) if str(e).startswith(str(config)) else f"{config}: {e}"
-        console.print(message, markup=False, style="red")
-        raise typer.Exit(2) from None
+    cfg = _load_config(config, override, executor)
     _check_inputs(cfg)
     store = _store(db)
     _connect_prefect(prefect_api)  # before the run is recorded: a server that cannot start leaves no stray run
@@ -161,6 +169,9 @@ def resume(
     if controller_state(record) == "live":
         console.print(str(LeaseHeldError(record)), markup=False, style="red")
         raise typer.Exit(2)
+    if record.kind == "rm":
+        _resume_rm(store, record, list(override or []), from_checkpoint, prefect_api)
+        return
     try:
         cfg = resume_config(record.config, list(override or []))
     except ConfigError as e:
@@ -199,6 +210,35 @@ def resume(
     _train(store, run_id, resume_from_step=from_step)
 
 
+def _resume_rm(store, record, overrides: list[str], from_checkpoint: str | None, prefect_api: str | None) -> None:
+    """`hf resume` of a reward-model training run: from its newest usable checkpoint, for ``trainer.total_epochs``
+    (``-o trainer.total_epochs=N`` trains a finished one on)."""
+    from hybridflow.engine.config import ConfigError, RMTrainingConfig, resume_config
+
+    if from_checkpoint is not None:
+        console.print("[red]--from: a reward-model run resumes from its newest usable checkpoint only[/red]")
+        raise typer.Exit(2)
+    try:
+        cfg = resume_config(record.config, overrides, RMTrainingConfig)
+    except ConfigError as e:
+        console.print(f"[red]{record.id}: {e}[/red]")
+        raise typer.Exit(2) from None
+    if record.status == "completed" and cfg.model_dump(mode="json") == record.config:
+        console.print(
+            f"run {record.id} is already completed ({cfg.trainer.total_epochs} epochs); to train it further: "
+            f"hf resume {record.id} -o trainer.total_epochs=N"
+        )
+        raise typer.Exit(0)
+    _check_inputs(cfg)
+    if cfg.model_dump(mode="json") != record.config:
+        store.update_config(record.id, cfg.model_dump(mode="json"))
+    ckpt = store.latest_checkpoint(record.id)
+    start = f"step {ckpt.step} ({ckpt.path})" if ckpt else "the start"
+    console.print(f"resuming {record.id} from {start} to epoch {cfg.trainer.total_epochs}")
+    _connect_prefect(prefect_api)
+    _train(store, record.id)
+
+
 def _checkpoint_step(store, run_id: str, name: str) -> int:
     """The step of ``--from global_step_N`` (or N); exit 2 naming the usable ones if the run has no such one."""
     text = name.rstrip("/").rsplit("/", 1)[-1].removeprefix("global_step_")
@@ -215,12 +255,14 @@ def _checkpoint_step(store, run_id: str, name: str) -> int:
 
 
 def _check_inputs(cfg) -> None:
-    """The pre-flight check (`hybridflow.flows.preflight`); on a problem: its message, exit 2."""
-    from hybridflow.flows.preflight import InputError, check_run_inputs
+    """The pre-flight check (`hybridflow.flows.preflight`) of an RL or a reward-model training config; on a
+    problem: its message, exit 2."""
+    from hybridflow.engine.config import RMTrainingConfig
+    from hybridflow.flows.preflight import InputError, check_rm_inputs, check_run_inputs
 
     try:
         with console.status("checking the model, data and reward function..."):
-            check_run_inputs(cfg)
+            (check_rm_inputs if isinstance(cfg, RMTrainingConfig) else check_run_inputs)(cfg)
     except InputError as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from None
@@ -238,14 +280,19 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
+    """Run the run's flow (``hybridflow-rlhf``, or ``hybridflow-rm`` for a run of kind ``rm``) with the live
+    display; exit 1 (failed), 2 (another controller), 3 (stopped on Slurm's warning), 130/143 (interrupted)."""
     from hybridflow.cli.progress import LiveProgress
-    from hybridflow.flows import rlhf
+    from hybridflow.flows import rlhf, rm
     from hybridflow.flows.store import LeaseHeldError, LeaseLostError
 
     with LiveProgress(console) as progress:
         rlhf.listeners.append(progress.on_event)
         try:
-            rlhf.run_flow(run_id=run_id, resume_from_step=resume_from_step)
+            if store.get_run(run_id).kind == "rm":
+                rm.run_rm_flow(run_id=run_id)
+            else:
+                rlhf.run_flow(run_id=run_id, resume_from_step=resume_from_step)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the flow has recorded the run as interrupted
             console.print(f"[yellow]interrupted; continue with: hf resume {run_id}[/yellow]")
             raise typer.Exit(143 if isinstance(e, _Terminated) else 130) from None
@@ -290,18 +337,17 @@ def _status_text(record) -> str:
 # ---------------------------------------------------------------------------------------------------- runs
 @runs_app.command("list")
 def runs_list(db: DbOption = None, limit: int = 50) -> None:
-    """The newest runs: id, experiment, status (a ``running`` run whose controller died shows ``crashed`` and its
-    last heartbeat, UTC), iterations done, times."""
-    table = Table("experiment", "status", "iterations", "created (UTC)", "duration")
+    """The newest runs: id, kind (rl: ``hf run``; rm: ``hf rm train``), experiment, status (a ``running`` run whose
+    controller died shows ``crashed`` and its last heartbeat, UTC), iterations (rm: steps) done, times."""
+    table = Table("kind", "experiment", "status", "iterations", "created (UTC)", "duration")
     table.columns.insert(0, Column("run id", no_wrap=True))
     store = _store(db)
     for r in store.list_runs(limit=limit):
         done = len([i for i in store.iterations(r.id) if i.ended_at is not None])
-        total = r.config.get("trainer", {}).get("total_iterations", "?")
+        total = r.config.get("trainer", {}).get("total_iterations", "?") if r.kind == "rl" else "?"
         duration = f"{r.duration_s:.0f} s" if r.duration_s is not None else ""
-        table.add_row(
-            r.id, r.experiment_name, _status_text(r), f"{done}/{total}", f"{r.created_at:%Y-%m-%d %H:%M:%S}", duration
-        )
+        created = f"{r.created_at:%Y-%m-%d %H:%M:%S}"
+        table.add_row(r.id, r.kind, r.experiment_name, _status_text(r), f"{done}/{total}", created, duration)
     console.print(table)
 
 
@@ -346,6 +392,8 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     shown = [
         "critic/score/mean",
         "critic/rm_score/mean",
+        "rm/loss",
+        "rm/acc",
         "actor/pg_loss",
         "actor/ppo_kl",
         "actor/entropy",
@@ -354,7 +402,7 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     ]
     points = store.metrics(run_id)
     recorded = {p.name for p in points}
-    shown = [name for name in shown if name in recorded or name == "critic/score/mean"]
+    shown = [name for name in shown if name in recorded]
     vals = sorted(name for name in recorded if name.startswith("val/") and name.endswith("/acc"))
     table = Table("step", *shown, *vals, title="metrics (hf runs metrics RUN_ID --name NAME for any other)")
     by_step: dict[int, dict[str, float | None]] = {}
@@ -554,6 +602,33 @@ def server_status() -> None:
     console.print(f"running: Prefect server of {info.home}: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")
 
 
+# ---------------------------------------------------------------------------------------------------- rm
+@rm_app.command("train")
+def rm_train(
+    config: Annotated[Path, typer.Argument(help="YAML reward-model training config", exists=True, dir_okay=False)],
+    override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
+    executor: Annotated[
+        str | None, typer.Option(help="where the worker group runs: local or slurm (-o placement.executor=...)")
+    ] = None,
+    db: DbOption = None,
+    prefect_api: PrefectOption = None,
+) -> None:
+    """Train a reward model on preference pairs (Bradley-Terry loss; Prefect flow ``hybridflow-rm`` on a worker
+    group), recorded in the run store as a run of kind ``rm``; the result is a Hugging Face folder that
+    ``reward_model.path`` loads: ``<output_dir>/<experiment_name>/<run_id>/reward_model``."""
+    from hybridflow.engine.config import RMTrainingConfig
+
+    cfg = _load_config(config, override, executor, RMTrainingConfig)
+    _check_inputs(cfg)
+    store = _store(db)
+    _connect_prefect(prefect_api)
+    run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name, kind="rm")
+    console.print(f"reward-model run [bold]{run_id}[/bold] recorded in {store.url}")
+    _train(store, run_id)
+    folder = Path(cfg.trainer.output_dir).resolve() / cfg.trainer.experiment_name / run_id / "reward_model"
+    console.print(f"reward model: {folder} (use it with -o reward_model.path={folder})")
+
+
 # ---------------------------------------------------------------------------------------------------- models
 @models_app.command("prepare")
 def models_prepare(
@@ -575,6 +650,7 @@ def models_prepare(
 # ---------------------------------------------------------------------------------------------------- entry
 _OURS = {
     "run",
+    "rm",
     "resume",
     "runs",
     "server",

@@ -7,7 +7,15 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-LIVE_METRICS = ("critic/score/mean", "critic/rm_score/mean", "actor/ppo_kl", "actor/pg_loss", "perf/throughput")
+LIVE_METRICS = (
+    "critic/score/mean",
+    "critic/rm_score/mean",
+    "actor/ppo_kl",
+    "actor/pg_loss",
+    "perf/throughput",
+    "rm/loss",
+    "rm/acc",
+)
 """Printed per iteration (those present), then every ``val/*/acc``."""
 
 

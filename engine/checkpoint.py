@@ -288,14 +288,18 @@ def begin_checkpoint(checkpoint_dir: str | Path, step: int) -> Path:
     return staging
 
 
+TRAINED_ROLES = ("actor", "critic", "reward_model")
+"""The roles a checkpoint holds: an RL run's actor (and critic), or a reward-model training run's reward model."""
+
+
 def save_role(staging: str | Path, role: str, model, optimizer, scheduler, tokenizer=None, full_state=None) -> None:
-    """Write one trained role (``actor`` or ``critic``: weights in HF layout, optimizer and scheduler states) into
-    a staging folder made by `begin_checkpoint`.
+    """Write one trained role (`TRAINED_ROLES`: weights in HF layout, optimizer and scheduler states) into a staging
+    folder made by `begin_checkpoint`.
 
     `full_state`: ``(weights, optimizer state)`` gathered from an FSDP-sharded model
     (`hybridflow.engine.fsdp.full_model_state`, `full_optimizer_state`), written instead of the model's own."""
-    if role not in ("actor", "critic"):
-        raise ValueError(f"checkpointed roles are actor and critic, not {role!r}")
+    if role not in TRAINED_ROLES:
+        raise ValueError(f"checkpointed roles are {', '.join(TRAINED_ROLES)}, not {role!r}")
     _save_model_dir(Path(staging) / role, model, optimizer, scheduler, tokenizer, full_state)
 
 
@@ -307,15 +311,17 @@ def finish_checkpoint(
 
     Raises:
         TypeError: `trainer_state` is not JSON-serialisable.
-        ValueError: the staging folder holds no actor (nothing to resume from).
+        ValueError: the staging folder holds no actor and no reward model (nothing to resume from).
     """
     tmp = Path(staging)
     root = tmp.parent
     step = int(tmp.name.removeprefix(_TMP_PREFIX).split("-")[0].removeprefix("global_step_"))
     final = root / f"global_step_{step}"
     try:
-        if not (tmp / "actor").is_dir():
-            raise ValueError(f"checkpoint staging folder {tmp} has no actor/; save_role('actor', ...) first")
+        if not ((tmp / "actor").is_dir() or (tmp / "reward_model").is_dir()):
+            raise ValueError(
+                f"checkpoint staging folder {tmp} has no actor/ or reward_model/; save_role('actor', ...) first"
+            )
         state_bytes = json.dumps({**trainer_state, "format_version": FORMAT_VERSION}, indent=2).encode()
         (tmp / TRAINER_STATE).write_bytes(state_bytes)
         torch.save(_rng_state(), tmp / RNG_STATE)
@@ -575,6 +581,18 @@ def load_checkpoint(
     if restore_rng:
         _set_rng_state(torch.load(path / RNG_STATE, map_location="cpu", weights_only=True))
     return trainer_state
+
+
+def load_role(path: str | Path, role: str, model, optimizer, scheduler) -> None:
+    """Restore one role's weights, optimizer and scheduler states in place from checkpoint `path` (its ``<role>/``
+    folder; the caller has verified the checkpoint).
+
+    Raises:
+        CheckpointError: the checkpoint has no ``<role>/`` folder."""
+    folder = Path(path) / role
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {path} has no {role}/ folder (was it written by another kind of run?)")
+    _load_role(folder, model, optimizer, scheduler)
 
 
 def _load_role(folder: Path, model, optimizer, scheduler) -> None:

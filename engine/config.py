@@ -45,7 +45,17 @@ class ReasoningGymConfig(_Section):
     instruction: str | None = Field(None, description="appended to each question; None uses the default")
 
 
-class DataConfig(_Section):
+class _Files(_Section):
+    """A data section with ``train_files`` and ``val_files``."""
+
+    @field_validator("train_files", "val_files", mode="before", check_fields=False)
+    @classmethod
+    def _one_path_is_a_list(cls, value: Any) -> Any:
+        """``data.train_files: train.parquet`` means ``[train.parquet]`` (as verl accepts)."""
+        return [value] if isinstance(value, str | Path) else value
+
+
+class DataConfig(_Files):
     """Prompt sources, prompt length limit (tokens) and batch sizes (prompts)."""
 
     train_files: list[str] = Field(
@@ -58,12 +68,6 @@ class DataConfig(_Section):
     val_batch_size: int = Field(64, gt=0, description="prompts per validation generate call")
     shuffle: bool = True
     seed: int = 0
-
-    @field_validator("train_files", "val_files", mode="before")
-    @classmethod
-    def _one_path_is_a_list(cls, value: Any) -> Any:
-        """``data.train_files: train.parquet`` means ``[train.parquet]`` (as verl accepts)."""
-        return [value] if isinstance(value, str | Path) else value
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
@@ -241,28 +245,19 @@ TrackerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 """The values of ``trainer.logger`` (verl's names; ``jsonl`` is verl's ``file``)."""
 
 
-class TrainerConfig(_Section):
-    """Iterations, seed, device, validation and checkpoint frequency, output folders."""
+class _RunTrainer(_Section):
+    """What every kind of run's ``trainer`` section has: seed, device, threads, output folders, trackers."""
 
-    total_iterations: int = Field(1, ge=0)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    test_freq: int = Field(0, ge=0, description="validate every K iterations (0 = only before and after)")
-    val_before_train: bool = True
     experiment_name: str = "hybridflow"
     output_dir: str = "outputs"
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
-    save_freq: int = Field(0, ge=0, description="save a checkpoint every K iterations (0 = only at the end of fit)")
     checkpoint_dir: str | None = Field(
         None,
-        description="where checkpoints go; hf run: <checkpoint_dir>/<run_id> (None: <run folder>/checkpoints); the "
-        "single-process trainer: <checkpoint_dir> (None: <output_dir>/<experiment_name>/checkpoints)",
-    )
-    resume_from: str | None = Field(
-        None,
-        description="a global_step_<N> checkpoint folder to start from (hf run: a new run continuing it), or 'auto' "
-        "(hf run: the run's own newest usable checkpoint, as hf resume always does; the single-process trainer: the "
-        "latest in checkpoint_dir, if any)",
+        description="where checkpoints go; hf run / hf rm train: <checkpoint_dir>/<run_id> (None: <run "
+        "folder>/checkpoints); the single-process trainer: <checkpoint_dir> (None: "
+        "<output_dir>/<experiment_name>/checkpoints)",
     )
     logger: list[TrackerName] = Field(
         default_factory=lambda: ["console", "jsonl"],
@@ -276,10 +271,6 @@ class TrainerConfig(_Section):
         description="MLflow tracking URI (sqlite:///..., file:..., http://host:5000); None: $MLFLOW_TRACKING_URI, "
         "else sqlite:///<output_dir>/mlflow.db",
     )
-    log_val_generations: int = Field(
-        0, ge=0, description="keep N (prompt, response, score, ground truth) samples of every validation"
-    )
-    log_train_generations: int = Field(0, ge=0, description="keep N samples of every iteration's rollout")
 
     @field_validator("logger", mode="before")
     @classmethod
@@ -287,6 +278,25 @@ class TrainerConfig(_Section):
         """``trainer.logger: wandb`` means ``[wandb]``; repeated names count once."""
         value = [value] if isinstance(value, str) else value
         return list(dict.fromkeys(value)) if isinstance(value, list) else value
+
+
+class TrainerConfig(_RunTrainer):
+    """Iterations, seed, device, validation and checkpoint frequency, output folders, trackers."""
+
+    total_iterations: int = Field(1, ge=0)
+    test_freq: int = Field(0, ge=0, description="validate every K iterations (0 = only before and after)")
+    val_before_train: bool = True
+    save_freq: int = Field(0, ge=0, description="save a checkpoint every K iterations (0 = only at the end of fit)")
+    resume_from: str | None = Field(
+        None,
+        description="a global_step_<N> checkpoint folder to start from (hf run: a new run continuing it), or 'auto' "
+        "(hf run: the run's own newest usable checkpoint, as hf resume always does; the single-process trainer: the "
+        "latest in checkpoint_dir, if any)",
+    )
+    log_val_generations: int = Field(
+        0, ge=0, description="keep N (prompt, response, score, ground truth) samples of every validation"
+    )
+    log_train_generations: int = Field(0, ge=0, description="keep N samples of every iteration's rollout")
 
 
 class SlurmConfig(_Section):
@@ -510,6 +520,53 @@ class HybridFlowConfig(_Section):
                 )
 
 
+class PreferenceDataConfig(_Files):
+    """Preference pairs for reward-model training, in the field's layout (TRL's preference datasets): parquet or
+    jsonl files with columns ``chosen`` and ``rejected`` (strings, or chat lists of the response's messages) and
+    optionally ``prompt`` (a string, or a chat list). Without ``val_files``, ``val_fraction`` of the training pairs
+    is held out (chosen by ``seed``)."""
+
+    train_files: list[str] = Field(description="parquet/jsonl preference files (path or list)")
+    val_files: list[str] = Field(default_factory=list, description="held-out pairs (path or list)")
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="held out of train_files when val_files is empty")
+    max_length: int = Field(512, gt=0, description="tokens per (prompt + response); longer: the prompt's start goes")
+    train_batch_size: int = Field(16, gt=0, description="pairs per optimizer step")
+    micro_batch_size: int = Field(4, gt=0, description="pairs per forward/backward (2 sequences each)")
+    val_batch_size: int = Field(64, gt=0, description="pairs per evaluation call")
+    shuffle: bool = True
+    seed: int = 0
+
+
+class RMTrainerConfig(_RunTrainer):
+    """Epochs, evaluation, checkpoints and outputs of a reward-model training run (``hf rm train``)."""
+
+    experiment_name: str = "reward_model"
+    total_epochs: int = Field(1, ge=0, description="passes over the training pairs")
+    val_before_train: bool = Field(True, description="evaluate the initial model (step 0)")
+    save_freq: int = Field(0, ge=0, description="also checkpoint every K steps (always: at each epoch's end)")
+
+
+class RMTrainingConfig(_Section):
+    """A reward-model training run (``hf rm train``): a sequence classifier with one label, initialised from
+    ``model.path`` (a causal LM gets a new score head), trained with the Bradley-Terry loss on preference pairs."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: PreferenceDataConfig
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    trainer: RMTrainerConfig = Field(default_factory=RMTrainerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @model_validator(mode="after")
+    def _pairs_split_over_ranks(self) -> RMTrainingConfig:
+        ranks, batch = self.placement.world_size, self.data.train_batch_size
+        if batch % ranks:
+            raise ValueError(
+                f"data.train_batch_size ({batch} pairs) must be a multiple of the group's {ranks} data-parallel "
+                "ranks (placement.nodes x tasks_per_node): every rank takes the same share of each step"
+            )
+        return self
+
+
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names each offending key."""
 
@@ -545,8 +602,11 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> HybridFlowConfig:
-    """Read a YAML config, apply ``key.sub=value`` overrides (values parsed as YAML), and validate.
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, schema: type[_Section] | None = None
+) -> HybridFlowConfig:
+    """Read a YAML config, apply ``key.sub=value`` overrides (values parsed as YAML), and validate against
+    `schema` (default `HybridFlowConfig`; `RMTrainingConfig` for ``hf rm train``).
 
     Raises:
         ConfigError: naming every unknown, missing or ill-typed key and, for choices, the allowed values.
@@ -561,16 +621,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
-    return validate_config(apply_overrides(tree, overrides or [], source=str(path or "the config")))
+    return validate_config(apply_overrides(tree, overrides or [], source=str(path or "the config")), schema)
 
 
-def validate_config(tree: dict[str, Any]) -> HybridFlowConfig:
-    """Validate a config tree (plain data, e.g. a stored run's config).
+def validate_config(tree: dict[str, Any], schema: type[_Section] | None = None) -> HybridFlowConfig:
+    """Validate a config tree (plain data, e.g. a stored run's config) against `schema` (default
+    `HybridFlowConfig`).
 
     Raises:
         ConfigError: naming every unknown, missing or ill-typed key and, for choices, the allowed values."""
     try:
-        return HybridFlowConfig.model_validate(tree)
+        return (schema or HybridFlowConfig).model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_errors(e)) from None
 
@@ -591,6 +652,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 
 RESUMABLE_KEYS = (
     "trainer.total_iterations",
+    "trainer.total_epochs",
     "trainer.test_freq",
     "trainer.save_freq",
     "trainer.logger",
@@ -615,15 +677,17 @@ def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.removesuffix("."): tree}
 
 
-def resume_config(stored: dict[str, Any], overrides: list[str]) -> HybridFlowConfig:
+def resume_config(
+    stored: dict[str, Any], overrides: list[str], schema: type[_Section] | None = None
+) -> HybridFlowConfig:
     """A recorded run's config with ``hf resume`` overrides applied, refused where they would change the
     computation (anything outside `RESUMABLE_KEYS`: the model, data, batch sizes, algorithm, ...).
 
     Raises:
         ConfigError: for an invalid override or value, or one that changes a key outside `RESUMABLE_KEYS` (the
             keys are named, with the way out: a new run with ``hf run``)."""
-    old = validate_config(stored).model_dump(mode="json")
-    new = validate_config(apply_overrides(stored, overrides, source="the run's recorded config"))
+    old = validate_config(stored, schema).model_dump(mode="json")
+    new = validate_config(apply_overrides(stored, overrides, source="the run's recorded config"), schema)
     before, after = _leaves(old), _leaves(new.model_dump(mode="json"))
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     refused = [k for k in changed if not k.startswith(RESUMABLE_KEYS)]

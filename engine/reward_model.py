@@ -116,32 +116,44 @@ def reward_model_texts(data: DataProto, actor_tokenizer: Any, rm_tokenizer: Any)
     return texts
 
 
+def encode_texts(tokenizer: Any, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize `texts` for a reward model: ``(input_ids, attention_mask)`` int64 [N, W], right-padded, each text
+    keeping its last `max_length` tokens (no special tokens added: a chat template has them)."""
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-max_length:] for t in texts]
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.int64)
+    for row, x in enumerate(ids):
+        input_ids[row, : len(x)] = torch.as_tensor(x, dtype=torch.int64)
+        attention_mask[row, : len(x)] = 1
+    return input_ids, attention_mask
+
+
+def last_token_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A sequence classifier's output at each row's last real token: [N] in the model's dtype (differentiable).
+
+    Args:
+        model: a ``*ForSequenceClassification`` (``base_model`` and a ``score`` head) with one label.
+        input_ids, attention_mask: int64 [N, W], right-padded (`encode_texts`).
+    """
+    device = next(model.parameters()).device
+    attention_mask = attention_mask.to(device)
+    hidden = model.base_model(input_ids=input_ids.to(device), attention_mask=attention_mask)[0]
+    per_token = model.score(hidden)[..., 0]  # [N, W]
+    last = attention_mask.sum(-1) - 1
+    return per_token[torch.arange(len(input_ids), device=device), last]
+
+
 @torch.no_grad()
 def score_texts(
     model: Any, tokenizer: Any, texts: Sequence[str], max_length: int, micro_batch_size: int
 ) -> torch.Tensor:
-    """The RM's score of each text: float32 [N], its output at the text's last token.
-
-    Each text is tokenized with the RM's tokenizer (no special tokens added: the chat template has them) and keeps
-    its last `max_length` tokens; micro-batches of `micro_batch_size` texts are right-padded.
-    """
+    """The RM's score of each text: float32 [N], its output at the text's last token (`encode_texts`,
+    `last_token_scores`), in micro-batches of `micro_batch_size` texts."""
     scores = []
     for start in range(0, len(texts), micro_batch_size):
-        ids = [
-            tokenizer(t, add_special_tokens=False)["input_ids"][-max_length:]
-            for t in texts[start : start + micro_batch_size]
-        ]
-        width = max(len(x) for x in ids)
-        input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.int64)
-        attention_mask = torch.zeros((len(ids), width), dtype=torch.int64)
-        for row, x in enumerate(ids):
-            input_ids[row, : len(x)] = torch.as_tensor(x)
-            attention_mask[row, : len(x)] = 1
-        device = next(model.parameters()).device
-        hidden = model.base_model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))[0]
-        per_token = model.score(hidden)[..., 0]  # [n, width]
-        last = attention_mask.sum(-1) - 1
-        scores.append(per_token[torch.arange(len(ids)), last.to(device)].float().cpu())
+        input_ids, attention_mask = encode_texts(tokenizer, texts[start : start + micro_batch_size], max_length)
+        scores.append(last_token_scores(model, input_ids, attention_mask).float().cpu())
     return torch.cat(scores) if scores else torch.zeros(0)
 
 

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridflow.engine.config import DataConfig, HybridFlowConfig
+from hybridflow.engine.config import DataConfig, HybridFlowConfig, PreferenceDataConfig, RMTrainingConfig
 from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.models import load_tokenizer
+from hybridflow.engine.preference import load_preference_rows, split_held_out
 from hybridflow.engine.reward_model import RewardModelError, check_reward_model, rendered_prompt_length
 from hybridflow.engine.rewards import check_builtin_source, load_reward_function
 from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
@@ -64,13 +65,7 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     Raises:
         InputError: the first problem found, naming the key and the fix.
     """
-    if missing := missing_libraries(cfg.trainer.logger):
-        raise InputError(
-            f"trainer.logger names {', '.join(missing)}, whose library is not installed: pip install "
-            f"'hybridflow[trackers]' (or remove {', '.join(missing)} from trainer.logger)"
-        )
-    if "mlflow" in cfg.trainer.logger:
-        _check_mlflow_server(mlflow_tracking_uri(cfg.trainer.mlflow_tracking_uri, cfg.trainer.output_dir))
+    _check_trackers(cfg.trainer)
     model_folder("model.path", cfg.model.path)
     if cfg.critic.model_path:
         model_folder("critic.model_path", cfg.critic.model_path)
@@ -125,6 +120,17 @@ def _check_reward_model_length(max_length: int, train: PromptDataset, rm_tokeniz
         )
 
 
+def _check_trackers(trainer: Any) -> None:
+    """Every tracker of ``trainer.logger`` has its library; an MLflow tracking server answers."""
+    if missing := missing_libraries(trainer.logger):
+        raise InputError(
+            f"trainer.logger names {', '.join(missing)}, whose library is not installed: pip install "
+            f"'hybridflow[trackers]' (or remove {', '.join(missing)} from trainer.logger)"
+        )
+    if "mlflow" in trainer.logger:
+        _check_mlflow_server(mlflow_tracking_uri(trainer.mlflow_tracking_uri, trainer.output_dir))
+
+
 def model_folder(key: str, value: str) -> Path:
     """The local folder of a model setting (an embedded model's prepared folder, or the path itself).
 
@@ -169,6 +175,58 @@ def _prompt_sets(model_folder: str, data_json: str) -> PromptSets:
     except (ValueError, FileNotFoundError) as e:
         raise InputError(str(e)) from None
     return PromptSets(tokenizer, train, val)
+
+
+@dataclass
+class PreferenceSets:
+    """The tokenizer and the preference pairs of a reward-model training config (held-out pairs may be empty)."""
+
+    tokenizer: Any
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]]
+
+
+def preference_sets(cfg: RMTrainingConfig) -> PreferenceSets:
+    """The pairs of ``data.train_files`` (less the held-out ``data.val_fraction`` when no ``data.val_files``) and
+    of ``data.val_files``, read once per process and config.
+
+    Raises:
+        InputError: a file is missing or malformed, or there are fewer training pairs than ``data.train_batch_size``.
+    """
+    return _preference_sets(str(resolve_model_path(cfg.model.path)), cfg.data.model_dump_json())
+
+
+@functools.lru_cache(maxsize=2)
+def _preference_sets(model_folder: str, data_json: str) -> PreferenceSets:
+    data = PreferenceDataConfig.model_validate(json.loads(data_json))
+    try:
+        train = [row for path in data.train_files for row in load_preference_rows(path)]
+        val = [row for path in data.val_files for row in load_preference_rows(path)]
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    if not data.val_files:
+        train, val = split_held_out(train, data.val_fraction, data.seed)
+    if len(train) < data.train_batch_size:
+        raise InputError(
+            f"data.train_files hold {len(train)} training pairs, fewer than one data.train_batch_size "
+            f"({data.train_batch_size}): add pairs or lower data.train_batch_size"
+        )
+    return PreferenceSets(load_tokenizer(model_folder), train, val)
+
+
+def check_rm_inputs(cfg: RMTrainingConfig) -> None:
+    """What ``hf rm train`` needs that the config alone cannot tell: ``model.path`` (a local folder with a
+    tokenizer), the preference files (`preference_sets`), the trackers, the Slurm partition, ``trainer.output_dir``.
+
+    Raises:
+        InputError: the first problem found, naming the key and the fix.
+    """
+    _check_trackers(cfg.trainer)
+    model_folder("model.path", cfg.model.path)
+    preference_sets(cfg)
+    if cfg.placement.executor == "slurm":
+        _check_slurm(cfg.placement.slurm.partition)
+    _check_writable("trainer.output_dir", Path(cfg.trainer.output_dir))
 
 
 def _check_slurm(partition: str | None) -> None:

@@ -56,7 +56,8 @@ INTERRUPT_GRACE_S = 3.0
 listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
 
-def _notify(event: str, **data: Any) -> None:
+def notify(event: str, **data: Any) -> None:
+    """Send a progress event (see `listeners`) to every listener."""
     for listener in listeners:
         listener(event, data)
 
@@ -87,9 +88,9 @@ class PreemptionWatch:
         self.updated |= name.startswith("update_")
 
 
-def _enter(name: str, iteration: int, step: int) -> None:
+def enter_stage(name: str, iteration: int, step: int) -> None:
     """Announce stage `name`; its Prefect task run is named ``<task>-<iteration>``."""
-    _notify("stage", name=name, step=step)
+    notify("stage", name=name, step=step)
     stages.ITERATION.set(iteration)
 
 
@@ -101,7 +102,7 @@ def _stage(
     lines to the flow's logs."""
     if watch is not None:
         watch.before_stage(name)
-    _enter(name, step + 1, step)
+    enter_stage(name, step + 1, step)
     try:
         with timer(name):
             yield
@@ -167,9 +168,9 @@ def group_layout(cfg: HybridFlowConfig) -> dict[str, list[str]]:
     return layout
 
 
-def group_spec(cfg: HybridFlowConfig, name: str) -> GroupSpec:
-    """The `GroupSpec` of worker group `name` from the ``placement`` section (the split critic group may have its
-    own ``critic_nodes`` / ``critic_tasks_per_node``)."""
+def group_spec(cfg: HybridFlowConfig, name: str, worker_cls: str = WORKER_CLS) -> GroupSpec:
+    """The `GroupSpec` of worker group `name` (ranks serving `worker_cls`) from the ``placement`` section (the split
+    critic group may have its own ``critic_nodes`` / ``critic_tasks_per_node``)."""
     placement = cfg.placement
     nodes, tasks = placement.nodes, placement.tasks_per_node
     if name == "critic":
@@ -186,7 +187,7 @@ def group_spec(cfg: HybridFlowConfig, name: str) -> GroupSpec:
     slurm = placement.slurm
     return GroupSpec(
         name=name,
-        worker_cls=WORKER_CLS,
+        worker_cls=worker_cls,
         nodes=nodes,
         tasks_per_node=tasks,
         executor=placement.executor,
@@ -238,21 +239,29 @@ class Workers:
                 logger.exception("shutting down worker group %s (job %s) failed", name, group.job_id)
 
 
-def launch_workers(cfg: HybridFlowConfig, run_id: str, store: RunStore, run_dir: Path) -> Workers:
-    """Start the worker groups of ``placement`` (each a submitit job), load their models, and record the placement
-    in the store. Every group's job is submitted before any is waited for, so on Slurm no group sits allocated
-    while another waits in the queue. If anything fails, the groups already started are shut down."""
+def launch_workers(
+    cfg: HybridFlowConfig,
+    run_id: str,
+    store: RunStore,
+    run_dir: Path,
+    layout: dict[str, list[str]] | None = None,
+    worker_cls: str = WORKER_CLS,
+) -> Workers:
+    """Start the worker groups of `layout` (group name -> roles; default `group_layout`), each a submitit job of
+    ranks serving `worker_cls` with ``(config, roles)``, load their models, and record the placement in the store.
+    Every group's job is submitted before any is waited for, so on Slurm no group sits allocated while another
+    waits in the queue. If anything fails, the groups already started are shut down."""
     # A new secret for every controller session: a message captured from an earlier session (whose nonces this
     # controller never saw) cannot be replayed to this one.
     secret = run_dir / "secret"
     secret.unlink(missing_ok=True)
     create_secret(secret)
     workers = Workers()
-    layout = group_layout(cfg)
+    layout = layout or group_layout(cfg)
     try:
         for name, roles in layout.items():
             workers.groups[name] = WorkerGroup(
-                group_spec(cfg, name),
+                group_spec(cfg, name, worker_cls),
                 run_dir=run_dir,
                 data_dir=run_dir / "data",
                 secret_path=secret,
@@ -313,7 +322,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
     completed = False
     logs = None
     try:
-        run_dir = _private_dir(run_dir_of(cfg, run_id))
+        run_dir = private_dir(run_dir_of(cfg, run_id))
         logs = FlowLogs(run_dir).__enter__()
         data_dir = run_dir / "data"
         shutil.rmtree(data_dir, ignore_errors=True)  # batch files of an earlier session: no handle to them survives
@@ -321,7 +330,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
         if flow_run.id:
             store.set_flow_run_id(run_id, str(flow_run.id))
         store.set_status(run_id, "running")
-        _notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
+        notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
         prompts = Prompts.build(cfg, data_dir)
         report = RunReport(store, run_id, cfg, run_dir, prompt_sets(cfg).tokenizer)
         kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
@@ -329,17 +338,17 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
         logs.pump()
         start = _resume(store, run_id, cfg, workers, prompts, kl_ctrl, resume_from_step)
         trainer = cfg.trainer
-        _notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
+        notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
         groups = ", ".join(f"{n} ({g.spec.world_size} ranks, job {g.job_id})" for n, g in workers.groups.items())
         logger.info(
             "run %s: iterations %d to %d; worker groups %s", run_id, start + 1, trainer.total_iterations, groups
         )
         metrics: dict[str, float] = {}
         if start == 0 and trainer.val_before_train and prompts.val_batches:
-            _enter("validate", 0, 0)
+            enter_stage("validate", 0, 0)
             val, kept = _validate(cfg, workers, prompts, 0)
             report.step(0, val, val=kept)
-            _notify("validation", metrics=val)
+            notify("validation", metrics=val)
         for step in range(start, trainer.total_iterations):
             lease.check()
             state_before = _trainer_state(step, prompts, kl_ctrl)
@@ -349,14 +358,14 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
-                    _save_checkpoint(store, run_id, cfg, lease, workers, step, state_before)
+                    save_checkpoint(store, run_id, cfg, lease, workers, step, state_before)
                 return _stop_preempted(store, run_id, step, str(warned), metrics)
             last = step + 1 == trainer.total_iterations
             warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
             due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
             val_kept = None
             if prompts.val_batches and due and not warned:
-                _enter("validate", step + 1, step + 1)
+                enter_stage("validate", step + 1, step + 1)
                 val, val_kept = _validate(cfg, workers, prompts, step + 1)
                 metrics.update(val)
                 logs.pump()
@@ -366,9 +375,9 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
             warned = warned or PreemptionWatch(workers).signals()
             if last or warned or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
                 state = _trainer_state(step + 1, prompts, kl_ctrl)
-                _save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state)
+                save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state)
             store.end_iteration(run_id, step + 1)
-            _notify("iteration", step=step + 1, metrics=metrics)
+            notify("iteration", step=step + 1, metrics=metrics)
             logger.info(
                 "iteration %d done in %.1f s: critic/score/mean=%.4g",
                 step + 1,
@@ -380,32 +389,53 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
         store.set_status(run_id, "completed")
         completed = True
         return metrics
-    except LeaseLostError:  # the run is another controller's now: record nothing
-        raise
-    except (KeyboardInterrupt, TerminationSignal) as e:  # Ctrl-C or SIGTERM: resumable from the last checkpoint
-        stopped = "SIGTERM" if isinstance(e, TerminationSignal) else "an interrupt (Ctrl-C)"
-        if not lease.lost:
-            store.set_status(run_id, "interrupted", error=f"stopped by {stopped}; continue with hf resume {run_id}")
-        interrupted = True
-        raise
     except BaseException as e:
-        if not lease.lost:
-            store.set_status(run_id, "failed", error="".join(traceback.format_exception(e))[-4000:])
+        interrupted = record_stop(store, run_id, lease, e)
         raise
     finally:
+        os.umask(umask)
+        end_session(lease, workers, report, logs, interrupted, completed)
+
+
+def end_session(
+    lease: RunLease,
+    workers: Workers | None,
+    report: RunReport | None,
+    logs: FlowLogs | None,
+    interrupted: bool,
+    completed: bool,
+) -> None:
+    """A controller session's last steps, each done even if one before it fails: shut the worker groups down (a
+    group stopped by the user gets `INTERRUPT_GRACE_S` seconds: a rank busy in a stage is not waited for), close
+    the trackers (`completed`: the run finished), stop forwarding logs, release the run's lease."""
+    try:
+        if workers is not None:
+            workers.shutdown(timeout_s=INTERRUPT_GRACE_S if interrupted else 30.0)
+    finally:
         try:
-            if workers is not None:  # stopped by the user: a rank busy in a stage is not waited for
-                workers.shutdown(timeout_s=INTERRUPT_GRACE_S if interrupted else 30.0)
-        finally:
             if report is not None:
                 report.close(ok=completed)
             if logs is not None:
                 logs.__exit__(None, None, None)
-            os.umask(umask)
+        finally:
             lease.release()
 
 
-def _private_dir(path: Path) -> Path:
+def record_stop(store: RunStore, run_id: str, lease: RunLease, error: BaseException) -> bool:
+    """Record why a controller session ends early: ``interrupted`` for Ctrl-C or SIGTERM (resumable from the last
+    checkpoint), ``failed`` with the traceback's tail otherwise; nothing when another controller took the run over
+    (`LeaseLostError`, or the lease is lost). Returns whether the run was interrupted by the user."""
+    if isinstance(error, LeaseLostError) or lease.lost:
+        return False
+    if isinstance(error, KeyboardInterrupt | TerminationSignal):
+        stopped = "SIGTERM" if isinstance(error, TerminationSignal) else "an interrupt (Ctrl-C)"
+        store.set_status(run_id, "interrupted", error=f"stopped by {stopped}; continue with hf resume {run_id}")
+        return True
+    store.set_status(run_id, "failed", error="".join(traceback.format_exception(error))[-4000:])
+    return False
+
+
+def private_dir(path: Path) -> Path:
     """Create `path` (and its parents) and make it its owner's only (0700); returns it."""
     path.mkdir(parents=True, exist_ok=True)
     path.chmod(0o700)
@@ -421,7 +451,7 @@ def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl) -> dict[str, Any]
     }
 
 
-def _save_checkpoint(
+def save_checkpoint(
     store: RunStore,
     run_id: str,
     cfg: HybridFlowConfig,
@@ -445,7 +475,7 @@ def _save_checkpoint(
             f"run {run_id} already has a usable checkpoint of iteration {step} on record ({recorded.path}); "
             "refusing to overwrite it"
         )
-    _enter("checkpoint", step, step)
+    enter_stage("checkpoint", step, step)
     ckpt = stages.checkpoint(list(workers.groups.values()), str(checkpoint_dir_of(cfg, run_id)), step, state)
     store.add_checkpoint(run_id, step, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
 
@@ -456,7 +486,7 @@ def _stop_preempted(
     message = f"stopped after iteration {steps_done} on Slurm's warning ({signals}); continue with hf resume {run_id}"
     logger.warning(message)
     store.set_status(run_id, "interrupted", error=message)
-    _notify("preempted", message=message)
+    notify("preempted", message=message)
     return metrics
 
 
@@ -585,7 +615,7 @@ def _resume(
     if kl_ctrl is not None and state.get("kl_ctrl_value") is not None:
         kl_ctrl.value = state["kl_ctrl_value"]
     logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], path)
-    _notify("resumed", step=int(state["global_steps"]), path=str(path))
+    notify("resumed", step=int(state["global_steps"]), path=str(path))
     return int(state["global_steps"])
 
 
@@ -625,7 +655,7 @@ def usable_checkpoint(store: RunStore, run_id: str, exact_step: int | None = Non
             fallback = f"global_step_{older[-1].step}" if older else "the start (no older checkpoint)"
             message = f"checkpoint global_step_{ckpt.step} is unusable ({e}); marked bad, falling back to {fallback}"
             logger.warning("run %s: %s", run_id, message)
-            _notify("fallback", message=message)
+            notify("fallback", message=message)
             continue
         return Path(ckpt.path)
     return None

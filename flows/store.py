@@ -4,15 +4,16 @@ One `RunStore` per process (the Prefect flow, the ``hf`` command, a worker that 
 processes may write to the same store at once. Opening a store migrates its database to the newest schema with
 Alembic (``migrations/`` next to this file); opening an up-to-date one costs one query.
 
-Schema (revision ``0005``: ``migrations/versions/0001_initial.py``, ``0002_placement_parallel.py``,
-``0003_run_lease_bad_checkpoints.py``, ``0004_samples.py`` and ``0005_reward_model_role.py``; the ORM models below
-describe the same tables):
+Schema (revision ``0006``: ``migrations/versions/0001_initial.py``, ``0002_placement_parallel.py``,
+``0003_run_lease_bad_checkpoints.py``, ``0004_samples.py``, ``0005_reward_model_role.py`` and ``0006_run_kind.py``;
+the ORM models below describe the same tables):
 
-- ``runs``: ``id`` (primary key, ``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC), ``experiment_name``, ``config`` (JSON: the
-  full validated config), ``status`` (pending | running | completed | failed | interrupted), ``code_version`` (see
-  `code_version`), ``prefect_flow_run_id`` (nullable), ``created_at``, ``started_at``, ``ended_at``, ``error``
-  (nullable text), the run lease ``lease_token``, ``lease_host``, ``lease_pid``, ``heartbeat_at`` (all nullable: see
-  `RunStore.acquire_lease`); index on ``created_at``.
+- ``runs``: ``id`` (primary key, ``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC), ``kind`` (rl: ``hf run``; rm: ``hf rm
+  train``), ``experiment_name``, ``config`` (JSON: the full validated config), ``status`` (pending | running |
+  completed | failed | interrupted), ``code_version`` (see `code_version`), ``prefect_flow_run_id`` (nullable),
+  ``created_at``, ``started_at``, ``ended_at``, ``error`` (nullable text), the run lease ``lease_token``,
+  ``lease_host``, ``lease_pid``, ``heartbeat_at`` (all nullable: see `RunStore.acquire_lease`); index on
+  ``created_at``.
 - ``iterations``: ``run_id`` → runs, ``step``, ``started_at``, ``ended_at`` (nullable); unique (run_id, step).
 - ``metrics``: ``run_id`` → runs, ``step``, ``name``, ``value`` (double, nullable: NULL means the recorded value was
   NaN or ±inf); unique (run_id, step, name); index (run_id, name, step).
@@ -108,6 +109,7 @@ __all__ = [
     "LEASE_TTL_S",
     "MIGRATIONS_DIR",
     "ROLES",
+    "RUN_KINDS",
     "RUN_STATUSES",
     "Checkpoint",
     "Iteration",
@@ -130,6 +132,9 @@ __all__ = [
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 """Alembic's script folder (env.py, script.py.mako, versions/); shipped as package data, loaded by path."""
 
+RUN_KINDS = ("rl", "rm")
+"""What a run trains: ``rl`` a policy (``hf run``, flow ``hybridflow-rlhf``), ``rm`` a reward model (``hf rm train``,
+flow ``hybridflow-rm``)."""
 RUN_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
 FINAL_STATUSES = ("completed", "failed", "interrupted")
 ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
@@ -239,9 +244,13 @@ class RunRow(Base):
     """One run (table ``runs``)."""
 
     __tablename__ = "runs"
-    __table_args__ = (CheckConstraint(_in("status", RUN_STATUSES), name="status"), Index(None, "created_at"))
+    __table_args__ = (
+        CheckConstraint(_in("status", RUN_STATUSES), name="status"),
+        Index(None, "created_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), server_default="rl")  # CHECK on PostgreSQL only: see 0006
     experiment_name: Mapped[str] = mapped_column(String(_NAME_MAX))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16))
@@ -398,6 +407,7 @@ class Run(_Record):
     lease_host: str | None = None
     lease_pid: int | None = None
     heartbeat_at: datetime | None = None
+    kind: str = "rl"
 
     @property
     def duration_s(self) -> float | None:
@@ -521,6 +531,7 @@ def _run(row: RunRow) -> Run:
         lease_host=row.lease_host,
         lease_pid=row.lease_pid,
         heartbeat_at=row.heartbeat_at,
+        kind=row.kind,
     )
 
 
@@ -898,8 +909,10 @@ class RunStore:
 
     # ------------------------------------------------------------------------------------------------ writes
 
-    def create_run(self, config: Mapping[str, Any], experiment_name: str) -> str:
+    def create_run(self, config: Mapping[str, Any], experiment_name: str, kind: str = "rl") -> str:
         """Record a new run with status ``pending`` and return its id (``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC).
+
+        ``kind`` is what it trains (`RUN_KINDS`: ``rl``, ``rm``).
 
         ``config`` is the full validated config as plain JSON data (e.g. a pydantic model's
         ``model_dump(mode="json")``); it is stored as JSON and read back equal to ``json.loads(json.dumps(config))``.
@@ -916,11 +929,14 @@ class RunStore:
                 "model_dump(mode='json')"
             ) from None
         name = _text(experiment_name, "experiment_name")
+        if kind not in RUN_KINDS:
+            raise ValueError(f"run kind must be one of {', '.join(RUN_KINDS)}, got {kind!r}")
         run_id = _new_run_id()  # a clash needs the same second and the same 24 random bits: an IntegrityError
         with self._writing() as session:
             session.add(
                 RunRow(
                     id=run_id,
+                    kind=kind,
                     experiment_name=name,
                     config=stored,
                     status="pending",

@@ -25,6 +25,7 @@ from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.core_algos import KLController, masked_mean
 from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import rollout_mismatch
+from hybridflow.engine.preference import pair_scores
 from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker_group import WorkerGroup
@@ -194,3 +195,23 @@ def validate(
             bucket["acc"].append(a)
     metrics = {f"val/{src}/{k}": float(np.mean(v)) for src, bucket in per_source.items() for k, v in bucket.items()}
     return metrics, DataProto.concat(kept) if kept else None
+
+
+@task(**_options("update_reward_model"))
+def update_reward_model(group: WorkerGroup, pairs: DataHandle) -> dict[str, float]:
+    """One Bradley-Terry optimizer step of reward-model training on a step's preference pairs; ``rm/*`` metrics
+    averaged over the ranks' equal shares."""
+    return _mean_metrics(group.update_reward_model(pairs))
+
+
+@task(**_options("evaluate_reward_model"))
+def evaluate_reward_model(group: WorkerGroup, batches: list[DataHandle]) -> dict[str, float]:
+    """Score every held-out pair: ``val/rm/acc`` (share with chosen above rejected), ``val/rm/margin``,
+    ``val/rm/loss`` (`hybridflow.engine.preference.pair_scores`)."""
+    scored = []
+    for batch in batches:
+        handle = group.compute_pair_scores(batch)
+        scored.append(handle.load())
+        handle.delete()
+    both = DataProto.concat(scored).batch
+    return {f"val/rm/{k}": v for k, v in pair_scores(both["chosen_scores"], both["rejected_scores"]).items()}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from tiny_runs import tiny_run_config, write_reward_model
+from tiny_runs import tiny_run_config, worker_group, write_reward_model
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from hybridflow.engine.protocol import DataProto
@@ -125,7 +125,6 @@ def test_worker_groups_of_two_ranks_score_as_one_rank_and_the_direct_forward(tmp
     from hybridflow.flows.rlhf import WORKER_CLS
     from hybridflow.slurm.channel import create_secret
     from hybridflow.slurm.handles import DataHandle
-    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
     actor_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     folder = write_reward_model(tmp_path / "rm", actor_tokenizer)
@@ -137,13 +136,7 @@ def test_worker_groups_of_two_ranks_score_as_one_rank_and_the_direct_forward(tmp
     got = {}
     for name, ranks, strategy in (("dp1", 1, "ddp"), ("dp2", 2, "ddp"), ("fsdp2", 2, "fsdp")):
         cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", [*rm, f"reward_model.strategy={strategy}"])
-        group = WorkerGroup(
-            GroupSpec(name=name, worker_cls=WORKER_CLS, tasks_per_node=ranks),
-            run_dir=tmp_path,
-            data_dir=tmp_path / "data",
-            secret_path=tmp_path / "secret",
-            worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["reward_model"]},
-        )
+        group = worker_group(tmp_path, name, WORKER_CLS, ranks, cfg, ["reward_model"])
         try:
             group.init_model()
             got[name] = group.compute_rm_score(handle).load().batch["rm_scores"]

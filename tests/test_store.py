@@ -98,7 +98,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0005"
+        assert head == "0006"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -158,6 +158,11 @@ def test_create_list_get_runs(store):
     assert _close_to_now(run.created_at), run.created_at
     assert run.started_at is run.ended_at is run.error is run.prefect_flow_run_id is None
     assert run.to_dict()["created_at"].endswith("+00:00")
+    assert run.kind == "rl"  # what hf run records
+    rm_id = store.create_run({}, "rm", kind="rm")
+    assert store.get_run(rm_id).kind == "rm" and store.list_runs(limit=1)[0].kind == "rm"
+    with pytest.raises(ValueError, match="run kind must be one of rl, rm, got 'ppo'"):
+        store.create_run({}, "x", kind="ppo")
 
 
 def test_create_run_rejects_config_that_is_not_json(store):
@@ -391,7 +396,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0005"
+        assert store.current_revision() == "0006"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
         insert = (
@@ -403,6 +408,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         with pytest.raises(sa.exc.IntegrityError, match="ck_placements_role"), store.engine.begin() as conn:
             conn.execute(sa.text(insert), {"role": "judge"})
         assert [p.role for p in store.placements("run-1")] == ["actor", "reward_model"]
+        assert store.get_run("run-1").kind == "rl"  # 0006: runs recorded before kinds existed trained policies
 
 
 # ---------------------------------------------------------------------------------------- SQLite, URLs, errors

@@ -25,6 +25,20 @@ def write_reward_model(folder: Path, tokenizer, seed: int = 0) -> Path:
     return Path(folder)
 
 
+def worker_group(root: Path, name: str, worker_cls: str, ranks: int, config, roles: list[str]):
+    """A local worker group of `ranks` processes serving `worker_cls` with `config` and `roles`, its files under
+    `root` (which needs the channel's ``secret``: `hybridflow.slurm.channel.create_secret`)."""
+    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+
+    return WorkerGroup(
+        GroupSpec(name=name, worker_cls=worker_cls, tasks_per_node=ranks),
+        run_dir=root,
+        data_dir=root / "data",
+        secret_path=root / "secret",
+        worker_kwargs={"config": config.model_dump(mode="json"), "roles": roles},
+    )
+
+
 DENSE_REWARD = '''
 def digit_share(data_source, solution_str, ground_truth, extra_info):
     """Fraction of characters that are digits: varies across samples, so advantages are non-zero."""

@@ -1,0 +1,213 @@
+"""Reward-model training: the Bradley-Terry loss against hand-computed values, the preference layout and its errors,
+a DP=2 update equal to DP=1 (real worker groups, gloo), and `hf rm train` end to end on the tiny model (real CLI,
+Prefect server, SQLite store): held-out pairwise accuracy rises on a separable synthetic set, the run is on record
+as kind ``rm``, `hf resume -o trainer.total_epochs=2` continues it exactly as an uninterrupted 2-epoch run, and the
+result loads as a reward model."""
+
+import json
+import math
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from tiny_runs import worker_group
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from hybridflow.engine.config import ConfigError, RMTrainingConfig, load_config
+from hybridflow.engine.preference import collate_pairs, epoch_batches, load_preference_rows, pair_texts
+from hybridflow.engine.reward_model import load_reward_model, score_texts
+from hybridflow.engine.rm_training import bradley_terry_loss
+from hybridflow.flows.store import RunStore
+
+HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
+WORDS = ["apple", "river", "stone", "cloud", "table", "green", "light", "music", "paper", "window", "garden"]
+
+
+def _pairs(count: int, seed: int) -> list[dict]:
+    """Separable pairs: random filler, then "so it is good." (chosen) or "so it is bad." (rejected). The filler
+    differs within a pair, so an untrained model prefers either side about as often."""
+    rng = random.Random(seed)
+
+    def text(word: str) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))) + f", so it is {word}."
+
+    prompts = [[{"role": "user", "content": f"Describe item {i}."}] for i in range(count)]
+    return [{"prompt": p, "chosen": text("good"), "rejected": text("bad")} for p in prompts]
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _config(tmp_path: Path, tiny_model_dir: Path, *extra: str) -> RMTrainingConfig:
+    train = _jsonl(tmp_path / "train.jsonl", _pairs(64, seed=0))
+    val = _jsonl(tmp_path / "val.jsonl", _pairs(32, seed=1))
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            f"data.train_files={train}",
+            f"data.val_files={val}",
+            "data.train_batch_size=8",
+            "data.micro_batch_size=4",
+            "optim.lr=1e-3",
+            "trainer.num_threads=1",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            *extra,
+        ],
+        RMTrainingConfig,
+    )
+
+
+def test_bradley_terry_loss_by_hand():
+    chosen = torch.tensor([2.0, 0.0], requires_grad=True)
+    rejected = torch.tensor([0.0, 1.0])
+    loss = bradley_terry_loss(chosen, rejected)
+    assert float(loss.detach()) == pytest.approx((math.log1p(math.exp(-2.0)) + math.log1p(math.exp(1.0))) / 2, rel=1e-6)
+    loss.backward()
+    # d/dc of -log sigmoid(c - r) / N = -(1 - sigmoid(c - r)) / N: raising the chosen score lowers the loss
+    assert chosen.grad.tolist() == pytest.approx([-(1 - 1 / (1 + math.exp(-2))) / 2, -(1 - 1 / (1 + math.exp(1))) / 2])
+
+
+def test_preference_layouts_and_their_errors(tmp_path, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [
+        {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": "4", "rejected": "5"},
+        {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": [{"role": "assistant", "content": "4"}],
+         "rejected": [{"role": "assistant", "content": "5"}]},
+        {"prompt": "Q: 2+2? A:", "chosen": " 4", "rejected": " 5"},
+        {"chosen": "all of it", "rejected": "none"},
+    ]  # fmt: skip
+    loaded = load_preference_rows(_jsonl(tmp_path / "p.jsonl", rows))
+    conversational = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}], tokenize=False
+    )
+    assert pair_texts(loaded[0], tokenizer)[0] == conversational == pair_texts(loaded[1], tokenizer)[0]
+    assert pair_texts(loaded[2], tokenizer) == ("Q: 2+2? A: 4", "Q: 2+2? A: 5")
+    assert pair_texts(loaded[3], tokenizer) == ("all of it", "none")
+    batch = collate_pairs(loaded, tokenizer, max_length=5)
+    assert batch.batch["chosen_input_ids"].shape[1] <= 5  # each text keeps its last 5 tokens
+    tail = tokenizer("all of it", add_special_tokens=False)["input_ids"][-5:]
+    assert batch.batch["chosen_input_ids"][3, : len(tail)].tolist() == tail  # the end is kept, right-padded
+
+    bad = [
+        ([{"chosen": "a"}], "needs columns chosen and rejected"),
+        ([{"chosen": "a", "rejected": 3}], "column 'rejected' is int, not a string or a chat list"),
+        ([{"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}], "a string prompt"),
+    ]
+    for i, (content, message) in enumerate(bad):
+        with pytest.raises(ValueError, match=message):
+            load_preference_rows(_jsonl(tmp_path / f"bad{i}.jsonl", content))
+    with pytest.raises(FileNotFoundError, match="check data.train_files"):
+        load_preference_rows(tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match=r"data.train_batch_size \(6 pairs\) must be a multiple of the group's 4"):
+        _config(tmp_path, tiny_model_dir, "data.train_batch_size=6", "placement.tasks_per_node=4")
+    orders = [epoch_batches(10, 4, epoch, seed=0, shuffle=True) for epoch in (0, 0, 1)]
+    assert [len(o) for o in orders] == [2, 2, 2] and all(len(b) == 4 for b in orders[0])  # the last 2 are dropped
+    assert [b.tolist() for b in orders[0]] == [b.tolist() for b in orders[1]] != [b.tolist() for b in orders[2]]
+
+
+def test_dp2_update_equals_dp1(tmp_path, tiny_model_dir):
+    from hybridflow.flows.rm import RM_WORKER_CLS
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
+
+    cfg = _config(tmp_path, tiny_model_dir, "data.micro_batch_size=2")
+    create_secret(tmp_path / "secret")
+    rows = load_preference_rows(tmp_path / "train.jsonl")[:8]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pairs = DataHandle.put(collate_pairs(rows, tokenizer, 512), tmp_path / "data")
+    metrics, weights = {}, {}
+    for ranks in (1, 2):
+        group = worker_group(tmp_path, f"rm{ranks}", RM_WORKER_CLS, ranks, cfg, ["reward_model"])
+        try:
+            group.init_model()
+            if ranks == 1:
+                (tmp_path / "before").mkdir()
+                group.save_checkpoint_part(str(tmp_path / "before"))
+            metrics[ranks] = group.update_reward_model(pairs)
+            folder = tmp_path / f"after{ranks}"
+            folder.mkdir()
+            assert group.save_checkpoint_part(str(folder)) == ["reward_model"]
+            weights[ranks] = load_file(folder / "reward_model" / "model.safetensors")
+        finally:
+            group.shutdown()
+    assert len(metrics[2]) == 2
+    # one gradient for the step's 8 pairs: the same norm on both ranks as on one rank
+    assert [m["rm/grad_norm"] for m in metrics[2]] == pytest.approx([metrics[1][0]["rm/grad_norm"]] * 2, rel=1e-5)
+    mean2 = {k: sum(m[k] for m in metrics[2]) / 2 for k in ("rm/loss", "rm/acc", "rm/margin")}
+    for key, value in mean2.items():  # the flow's average of the ranks' equal shares = the whole step's
+        assert value == pytest.approx(metrics[1][0][key], rel=1e-5, abs=1e-7), key
+    initial = load_file(tmp_path / "before" / "reward_model" / "model.safetensors")
+    moved = max((weights[1][k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-4 and "score.weight" in initial, "the update did not move the weights: nothing compared"
+    for name, tensor in weights[1].items():
+        torch.testing.assert_close(weights[2][name], tensor, rtol=0, atol=5e-5, msg=name)
+
+
+def _hf(prefect_api, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([HF, *args, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=600)
+
+
+def _by_step(store: RunStore, run_id: str) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for p in store.metrics(run_id):
+        out.setdefault(p.step, {})[p.name] = p.value
+    return out
+
+
+def test_hf_rm_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir):
+    from hybridflow.flows.rm import rm_flow
+
+    # the uninterrupted 2-epoch run, in process
+    (tmp_path / "ref").mkdir()
+    reference_cfg = _config(tmp_path / "ref", tiny_model_dir, "trainer.total_epochs=2")
+    reference_store = RunStore(f"sqlite:///{tmp_path / 'ref' / 'runs.db'}")
+    reference_id = reference_store.create_run(reference_cfg.model_dump(mode="json"), "rm", kind="rm")
+    rm_flow(run_id=reference_id, db_url=reference_store.url)
+    reference = _by_step(reference_store, reference_id)
+
+    # hf rm train for 1 epoch, then hf resume for a second one
+    cfg = _config(tmp_path, tiny_model_dir, "trainer.total_epochs=1")
+    config_file = tmp_path / "rm.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    trained = _hf(prefect_api, "rm", "train", str(config_file), "--db", db)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    store = RunStore(db)
+    [run] = store.list_runs()
+    assert run.kind == "rm" and run.status == "completed"
+    metrics = _by_step(store, run.id)
+    assert sorted(metrics) == list(range(9))  # step 0: the initial model's evaluation; 8 steps of 8 pairs
+    before, after = metrics[0]["val/rm/acc"], metrics[8]["val/rm/acc"]
+    assert before < 0.8 and after >= 0.9, (before, after)  # measured: 0.66 -> 0.97
+    assert metrics[8]["val/rm/margin"] > metrics[0]["val/rm/margin"] + 1.0
+    assert {p.role for p in store.placements(run.id)} == {"reward_model"}
+    assert [c.step for c in store.checkpoints(run.id)] == [8]
+    folder = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / run.id / "reward_model"
+    assert f"reward_model.path={folder.resolve()}" in " ".join(trained.stdout.split())
+
+    resumed = _hf(prefect_api, "resume", run.id, "--db", db, "-o", "trainer.total_epochs=2")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming" in resumed.stdout and "from step 8" in resumed.stdout
+    metrics = _by_step(store, run.id)
+    assert sorted(metrics) == list(range(17)) and [c.step for c in store.checkpoints(run.id)] == [8, 16]
+    for step in range(1, 17):  # the same run as the uninterrupted one, step for step
+        for name in ("rm/loss", "rm/acc", "rm/margin", "rm/grad_norm"):
+            assert metrics[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+    assert metrics[16]["val/rm/acc"] == pytest.approx(reference[16]["val/rm/acc"])
+
+    # the result is a reward model: AutoModelForSequenceClassification and reward_model.path load it
+    assert not (folder / "optim.pt").exists()
+    AutoModelForSequenceClassification.from_pretrained(folder)
+    model, tokenizer = load_reward_model(folder)
+    pair = load_preference_rows(tmp_path / "val.jsonl")[0]
+    chosen, rejected = score_texts(model, tokenizer, list(pair_texts(pair, tokenizer)), 512, 2).tolist()
+    assert chosen > rejected

@@ -211,3 +211,36 @@ def test_hf_rm_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, t
     pair = load_preference_rows(tmp_path / "val.jsonl")[0]
     chosen, rejected = score_texts(model, tokenizer, list(pair_texts(pair, tokenizer)), 512, 2).tolist()
     assert chosen > rejected
+
+
+def test_hf_rm_train_on_slurm_with_two_ranks(slurm_cluster, prefect_api, tmp_path, tiny_model_dir):
+    """The same training as a Slurm job of 2 data-parallel ranks (``--executor slurm``): it completes, its placement
+    names the job and both ranks, Slurm's accounting has the job completed, and it learns as on one local rank."""
+    cfg = _config(tmp_path, tiny_model_dir, "placement.tasks_per_node=2", "placement.slurm.time_min=30")
+    config_file = tmp_path / "rm.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    log = tmp_path / "rm.log"
+    with log.open("wb") as out:  # a file, not a pipe: no Slurm-side process holds the test's pipe open
+        code = subprocess.run(
+            [HF, "rm", "train", str(config_file), "--executor", "slurm", "--db", db, "--prefect-api", prefect_api],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        ).returncode
+    assert code == 0, log.read_text()
+    store = RunStore(db)
+    [run] = store.list_runs()
+    assert run.kind == "rm" and run.status == "completed"
+    [placed] = store.placements(run.id)
+    assert (placed.role, placed.executor, placed.ranks) == ("reward_model", "slurm", [0, 1]) and placed.slurm_job_id
+    accounting = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "JobID,JobName,State", "-j", placed.slurm_job_id],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"{placed.slurm_job_id}|hybridflow-reward_model|COMPLETED" in accounting
+    metrics = _by_step(store, run.id)
+    assert metrics[0]["val/rm/acc"] < 0.8 and metrics[8]["val/rm/acc"] >= 0.9
+    assert (Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / run.id / "reward_model").is_dir()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.reward_model import encode_texts
+from hybridflow.engine.reward_model import encode_texts, render_chat
 
 PAIR_COLUMNS = ("chosen", "rejected")
 """Required columns; ``prompt`` is optional."""
@@ -94,9 +94,7 @@ def _render(prompt: Any, response: Any, tokenizer: Any) -> str:
         return (prompt or "") + response
     messages = list(prompt or [])
     messages += response if isinstance(response, list) else [{"role": "assistant", "content": response}]
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False)
-    return "\n".join(m["content"] for m in messages)
+    return render_chat(messages, tokenizer)
 
 
 def pair_texts(row: dict[str, Any], tokenizer: Any) -> tuple[str, str]:

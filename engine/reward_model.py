@@ -87,14 +87,18 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32) -> t
     return model.eval().requires_grad_(False), tokenizer
 
 
+def render_chat(messages: Sequence[dict[str, str]], tokenizer: Any) -> str:
+    """Chat messages as the reward model reads them: its tokenizer's chat template, or without one the messages'
+    contents, one per line. One rendering for scoring, training pairs and the pre-flight length check."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False)
+    return "\n".join(m["content"] for m in messages)
+
+
 def rendered_prompt_length(messages: list[dict[str, str]], rm_tokenizer: Any) -> int:
     """Tokens of a prompt's chat messages in the RM's template, before any response (for the pre-flight check that
     ``reward_model.max_length`` leaves room for the prompt)."""
-    if rm_tokenizer.chat_template:
-        text = rm_tokenizer.apply_chat_template(messages, tokenize=False)
-    else:
-        text = "\n".join(m["content"] for m in messages)
-    return len(rm_tokenizer(text, add_special_tokens=False)["input_ids"])
+    return len(rm_tokenizer(render_chat(messages, rm_tokenizer), add_special_tokens=False)["input_ids"])
 
 
 def reward_model_texts(data: DataProto, actor_tokenizer: Any, rm_tokenizer: Any) -> list[str]:
@@ -108,11 +112,7 @@ def reward_model_texts(data: DataProto, actor_tokenizer: Any, rm_tokenizer: Any)
     texts = []
     for i, messages in enumerate(data.non_tensor_batch["raw_prompt"]):
         response = actor_tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
-        chat = [*messages, {"role": "assistant", "content": response}]
-        if rm_tokenizer.chat_template:
-            texts.append(rm_tokenizer.apply_chat_template(chat, tokenize=False))
-        else:
-            texts.append("\n".join(m["content"] for m in chat))
+        texts.append(render_chat([*messages, {"role": "assistant", "content": response}], rm_tokenizer))
     return texts
 
 

@@ -352,9 +352,12 @@ def runs_list(db: DbOption = None, limit: int = 50) -> None:
 
 
 def _parallel_summary(parallel: dict | None) -> str:
-    """``megatron p1-t2-d2 -> gen p1-t1 x4 (hybridflow)`` from a placement's ``parallel`` record; '' when absent."""
+    """``megatron p1-t2-d2 -> gen p1-t1 x4 (hybridflow)`` from a placement's ``parallel`` record (``fsdp`` for a
+    model with a strategy and no layout on record); '' when absent."""
     if not parallel:
         return ""
+    if "train" not in parallel:
+        return str(parallel.get("strategy", ""))
     train, gen = parallel.get("train", {}), parallel.get("generate", {})
     text = f"{parallel.get('strategy', '?')} p{train.get('pp')}-t{train.get('tp')}-d{train.get('dp')}"
     if gen:
@@ -377,7 +380,7 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     if r.error:
         console.print(f"[red]{r.error.strip().splitlines()[-1]}[/red]")
     console.print(yaml.safe_dump(r.config, sort_keys=False).rstrip())
-    placement = Table("role", "group", "ranks", "executor", "slurm job", "hosts", "parallel", title="placement")
+    placement = Table("role", "pool", "ranks", "executor", "slurm job", "hosts", "parallel", title="placement")
     for p in store.placements(run_id):
         placement.add_row(
             p.role,
@@ -529,6 +532,37 @@ def runs_samples(
         console.print("[bold]response[/bold]", markup=True)
         console.print(s.response, markup=False, highlight=False)
         console.print(f"[bold]ground truth[/bold] {s.ground_truth}", highlight=False)
+
+
+@runs_app.command("timeline")
+def runs_timeline(
+    run_id: str,
+    step: Annotated[list[int] | None, typer.Option("--step", help="iteration (repeatable); default the last")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per stage")] = False,
+    db: DbOption = None,
+) -> None:
+    """When each stage of an iteration ran and on which resource pool: stages of different pools that ran at the
+    same time overlap on the time axis."""
+    from hybridflow.cli.timeline import timeline_table
+
+    store = _store(db)
+    _get_run(store, run_id)
+    recorded = store.stage_times(run_id)
+    steps = step or sorted({s.step for s in recorded})[-1:]
+    if as_json:
+        for s in recorded:
+            if s.step in steps:
+                print(json.dumps({**s.to_dict(), "duration_s": s.duration_s}))
+        return
+    if not recorded:
+        console.print(f"no stage timeline of {run_id} on record (recorded from the first iteration on)")
+        raise typer.Exit(1)
+    for k in steps:
+        stages = [s for s in recorded if s.step == k]
+        if not stages:
+            console.print(f"[red]no timeline of iteration {k}; recorded: {sorted({s.step for s in recorded})}[/red]")
+            raise typer.Exit(2)
+        console.print(timeline_table(k, stages))
 
 
 @runs_app.command("plot")

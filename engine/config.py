@@ -10,8 +10,10 @@ micro-batch sizes count sequences (prompt + one response).
 from __future__ import annotations
 
 import copy
+import fnmatch
 import importlib.util
 import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -327,20 +329,67 @@ class SlurmConfig(_Section):
     )
 
 
-class PlacementConfig(_Section):
-    """Where the roles run. Colocated (the HybridFlow default): actor, rollout, ref, reward, critic and reward model
-    share one worker group's processes. Split: the critic and the reward model each get a worker group of their own
-    (actor, rollout, ref and reward stay together: the rollout generates with the actor's weights).
+ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
+"""The roles of an RLHF run: the models (actor, its rollout, the frozen ref, critic, reward model) and ``reward``, the
+score function (a CPU function; it lives with the rollout unless a pool names it)."""
 
-    Each group has ``nodes`` x ``tasks_per_node`` ranks (the critic's own group: ``critic_nodes`` x
-    ``critic_tasks_per_node`` when set); every rank is one data-parallel replica.
+
+class PoolConfig(_Section):
+    """One resource pool (HybridFlow paper, section 4: a set of devices the roles placed on it share): one worker
+    group of ``nodes`` x ``tasks_per_node`` ranks, one per device, hosting `roles`. Roles in one pool are colocated:
+    they share the group's processes and run one after another. Roles in different pools run at the same time
+    where the iteration allows (``placement.concurrent``)."""
+
+    roles: list[str] = Field(min_length=1, description="roles whose models live in this pool (see ROLES)")
+    nodes: int | None = Field(None, ge=1, description="nodes of this pool's group; None: placement.nodes")
+    tasks_per_node: int | None = Field(None, ge=1, description="ranks per node; None: placement.tasks_per_node")
+    slurm: dict[str, Any] = Field(
+        default_factory=dict,
+        description="placement.slurm keys this pool's job sets differently, e.g. {gpus_per_node: 4, partition: big}",
+    )
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A resolved resource pool: the worker group `name` of ``nodes`` x ``tasks_per_node`` ranks, the roles of the
+    run it hosts, and the Slurm resources of its job."""
+
+    name: str
+    roles: tuple[str, ...]
+    nodes: int
+    tasks_per_node: int
+    slurm: SlurmConfig
+
+    @property
+    def world_size(self) -> int:
+        """Ranks: nodes x tasks_per_node."""
+        return self.nodes * self.tasks_per_node
+
+
+class PlacementConfig(_Section):
+    """Where the roles run: on resource pools, each one worker group (one Slurm job, or local processes).
+
+    ``pools`` names the pools and partitions the roles into them, any way that keeps actor and rollout together
+    (the rollout generates with the actor's weights). Without ``pools``, ``colocate`` picks one of two layouts:
+    true (the HybridFlow default): every role in one pool ``actor_rollout_ref`` of ``nodes`` x ``tasks_per_node``
+    ranks; false: the critic (``critic_nodes`` x ``critic_tasks_per_node`` ranks) and the reward model each in a
+    pool of its own (named after the role). Every rank of a pool is one data-parallel replica of its models (or a
+    shard, for fsdp and megatron).
     """
 
     colocate: bool = True
-    executor: Literal["local", "slurm"] = Field("local", description="local processes, or one Slurm job per group")
-    nodes: int = Field(1, ge=1, description="nodes per worker group (local executor: 1)")
+    pools: dict[str, PoolConfig] | None = Field(
+        None,
+        description="named resource pools: {name: {roles: [...], nodes, tasks_per_node, slurm: {...}}}; every role "
+        "of the run in exactly one pool; None: the layout placement.colocate picks",
+    )
+    concurrent: bool = Field(
+        True, description="stages of roles in different pools run at the same time; false: one after another"
+    )
+    executor: Literal["local", "slurm"] = Field("local", description="local processes, or one Slurm job per pool")
+    nodes: int = Field(1, ge=1, description="nodes per pool (local executor: 1)")
     tasks_per_node: int = Field(1, ge=1, description="ranks per node: data-parallel replicas, one per device")
-    critic_nodes: int | None = Field(None, ge=1, description="the split critic group's nodes; None: nodes")
+    critic_nodes: int | None = Field(None, ge=1, description="colocate=false: the critic pool's nodes; None: nodes")
     critic_tasks_per_node: int | None = Field(None, ge=1, description="its ranks per node; None: tasks_per_node")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed; auto: nccl on GPUs")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
@@ -357,22 +406,81 @@ class PlacementConfig(_Section):
         return values
 
     @model_validator(mode="after")
-    def _local_is_one_node(self) -> PlacementConfig:
-        if self.executor == "local" and max(self.nodes, self.critic_nodes or 1) > 1:
-            raise ValueError("placement.nodes > 1 needs placement.executor: slurm (local groups run on this machine)")
+    def _pools_or_shorthand(self) -> PlacementConfig:
+        if self.pools is not None:
+            shorthand = [k for k in ("critic_nodes", "critic_tasks_per_node") if getattr(self, k) is not None]
+            shorthand += ["colocate"] if not self.colocate else []
+            if shorthand:
+                raise ValueError(
+                    f"placement.pools replaces placement.{', placement.'.join(shorthand)}: give the critic's ranks "
+                    "in its pool (placement.pools.<name>.nodes / tasks_per_node) and remove those keys"
+                )
+            for name, pool in self.pools.items():
+                unknown = sorted(set(pool.roles) - set(ROLES))
+                if unknown:
+                    raise ValueError(
+                        f"placement.pools.{name}.roles: unknown role(s) {', '.join(map(repr, unknown))}; "
+                        f"roles are {', '.join(ROLES)}"
+                    )
+                for key in pool.slurm:
+                    if key not in SlurmConfig.model_fields:
+                        raise ValueError(
+                            f"placement.pools.{name}.slurm.{key}: unknown key; "
+                            f"allowed: {', '.join(SlurmConfig.model_fields)}"
+                        )
+                try:
+                    SlurmConfig.model_validate({**self.slurm.model_dump(), **pool.slurm})
+                except ValidationError as e:
+                    raise ValueError(f"placement.pools.{name}.slurm: {_format_errors(e)}") from None
+            owners: dict[str, list[str]] = {}
+            for name, pool in self.pools.items():
+                for role in pool.roles:
+                    owners.setdefault(role, []).append(name)
+            doubled = {role: names for role, names in owners.items() if len(names) > 1}
+            if doubled:
+                role, names = next(iter(doubled.items()))
+                raise ValueError(
+                    f"placement.pools: role {role!r} is in pools {' and '.join(names)}; put each role in one pool"
+                )
+        for pool in self.pool_configs().values():
+            if self.executor == "local" and pool.nodes > 1:
+                raise ValueError(
+                    "placement.nodes > 1 needs placement.executor: slurm (local groups run on this machine)"
+                )
         return self
+
+    def pool_configs(self) -> dict[str, Pool]:
+        """Every configured pool with its ranks and Slurm resources resolved, hosting all the roles it names
+        (`HybridFlowConfig.pools` keeps only the roles a run uses). Without ``pools``: the ``colocate`` layout
+        over every role."""
+        if self.pools is None:
+            if self.colocate:
+                return {"actor_rollout_ref": self.pool("actor_rollout_ref", ROLES)}
+            split = ("critic", "reward_model")
+            layout = {"actor_rollout_ref": self.pool("actor_rollout_ref", [r for r in ROLES if r not in split])}
+            layout["critic"] = self.pool("critic", ["critic"], self.critic_nodes, self.critic_tasks_per_node)
+            layout["reward_model"] = self.pool("reward_model", ["reward_model"])
+            return layout
+        return {
+            name: self.pool(name, pool.roles, pool.nodes, pool.tasks_per_node, pool.slurm)
+            for name, pool in self.pools.items()
+        }
+
+    def pool(
+        self,
+        name: str,
+        roles: Any,
+        nodes: int | None = None,
+        tasks_per_node: int | None = None,
+        slurm: dict[str, Any] | None = None,
+    ) -> Pool:
+        merged = SlurmConfig.model_validate({**self.slurm.model_dump(), **(slurm or {})})
+        return Pool(name, tuple(roles), nodes or self.nodes, tasks_per_node or self.tasks_per_node, merged)
 
     @property
     def world_size(self) -> int:
-        """Ranks of the actor/rollout/ref group (and of the colocated critic)."""
+        """Ranks of a pool that does not set its own: nodes x tasks_per_node."""
         return self.nodes * self.tasks_per_node
-
-    @property
-    def critic_world_size(self) -> int:
-        """Ranks of the critic's group."""
-        if self.colocate:
-            return self.world_size
-        return (self.critic_nodes or self.nodes) * (self.critic_tasks_per_node or self.tasks_per_node)
 
 
 class HybridFlowConfig(_Section):
@@ -410,6 +518,7 @@ class HybridFlowConfig(_Section):
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
                 f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
             )
+        self._check_pools()
         self._parallel_layout()
         self._divisible_by_ranks()
         if self.actor.tis_cap is not None and self.rollout.name != "vllm":
@@ -429,6 +538,85 @@ class HybridFlowConfig(_Section):
             )
         return self
 
+    def roles(self) -> list[str]:
+        """The roles this run uses: actor, rollout and reward (the score function: validation uses it) always; ref
+        for a KL term (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``); critic for an advantage estimator
+        that needs one (GAE); reward_model when ``reward_model.enable``."""
+        from hybridflow.engine.core_algos import uses_critic
+
+        roles = ["actor", "rollout", "reward"]
+        if self.actor.use_kl_loss or self.algorithm.use_kl_in_reward:
+            roles.append("ref")
+        if uses_critic(self.algorithm.adv_estimator):
+            roles.append("critic")
+        if self.reward_model.enable:
+            roles.append("reward_model")
+        return roles
+
+    def pools(self) -> dict[str, Pool]:
+        """The run's resource pools (`PlacementConfig.pool_configs`), each hosting the roles of `roles` it names
+        (the score function ``reward``, when no pool names it, in the rollout's pool); pools hosting none of them
+        are left out (``colocate: false`` without a critic or reward model: one pool)."""
+        used = self.roles()
+        configured = self.placement.pool_configs()
+        named = {r for pool in configured.values() for r in pool.roles}
+        out = {}
+        for name, pool in configured.items():
+            roles = [
+                r
+                for r in used
+                if r in pool.roles or (r == "reward" and "reward" not in named and "rollout" in pool.roles)
+            ]
+            if roles:
+                out[name] = replace(pool, roles=tuple(roles))
+        return out
+
+    def pool_of(self, role: str) -> Pool:
+        """The pool hosting `role` (one of `roles`).
+
+        Raises:
+            KeyError: the run does not use `role`."""
+        for pool in self.pools().values():
+            if role in pool.roles:
+                return pool
+        raise KeyError(f"this run has no {role!r} role (its roles: {', '.join(self.roles())})")
+
+    def _check_pools(self) -> None:
+        """``placement.pools`` must place every role the run uses, keep actor and rollout together (the
+        3D-HybridEngine and the hf rollout generate with the actor's weights, in its processes), and use every
+        pool it names."""
+        if self.placement.pools is None:
+            return
+        used = self.roles()
+        enable = {
+            "ref": "actor.use_kl_loss or algorithm.use_kl_in_reward",
+            "critic": "algorithm.adv_estimator=gae",
+            "reward_model": "reward_model.enable",
+        }
+        pools = self.placement.pools
+        owner = {role: name for name, pool in pools.items() for role in pool.roles}
+        for role in used:
+            if role not in owner and role != "reward":
+                raise ValueError(f"placement.pools: role {role!r} is in no pool; add it to the roles of one pool")
+        if owner["actor"] != owner["rollout"]:
+            raise ValueError(
+                f"placement.pools: actor (pool {owner['actor']}) and rollout (pool {owner['rollout']}) must share a "
+                "pool: the rollout generates with the actor's weights in the actor's processes (3D-HybridEngine); "
+                f"put both in placement.pools.{owner['actor']}.roles"
+            )
+        for name, pool in pools.items():
+            if not set(pool.roles) & set(used):
+                how = "; ".join(f"{r}: {enable[r]}" for r in pool.roles if r in enable)
+                raise ValueError(
+                    f"placement.pools.{name}: this run uses none of its roles ({', '.join(pool.roles)}); remove the "
+                    f"pool, or enable them ({how})"
+                )
+        if self.critic.strategy == "megatron" and "critic" in owner and owner["critic"] != owner["actor"]:
+            raise ValueError(
+                "critic.strategy=megatron runs in the megatron actor's processes and layout: put critic in the "
+                f"actor's pool (placement.pools.{owner['actor']}.roles), or set critic.strategy=ddp|fsdp"
+            )
+
     def _resolve_rollout(self) -> None:
         """``rollout.name: auto``: vllm where it is installed, unless the megatron actor generates tensor-parallel
         (vLLM is fed from the generation shards only at rollout.gen_tp=1), else hf."""
@@ -439,11 +627,14 @@ class HybridFlowConfig(_Section):
         self.rollout.name = "vllm" if vllm and not megatron_tp else "hf"
 
     def _parallel_layout(self) -> None:
-        actor, rollout, world = self.actor, self.rollout, self.placement.world_size
-        if self.critic.strategy == "megatron" and (actor.strategy != "megatron" or not self.placement.colocate):
+        actor, rollout = self.actor, self.rollout
+        world = self.pool_of("actor").world_size
+        separate = self.placement.pools is None and not self.placement.colocate
+        if self.critic.strategy == "megatron" and (actor.strategy != "megatron" or separate):
             raise ValueError(
                 "critic.strategy=megatron runs in the megatron actor's processes and layout: set "
-                "actor.strategy=megatron and placement.colocate=true, or critic.strategy=ddp|fsdp"
+                "actor.strategy=megatron and place the critic in the actor's pool (placement.colocate=true), or "
+                "critic.strategy=ddp|fsdp"
             )
         if actor.strategy == "fsdp":
             if (actor.pp, rollout.gen_pp) != (1, 1) or rollout.gen_tp not in (None, actor.tp):
@@ -454,7 +645,7 @@ class HybridFlowConfig(_Section):
                 )
             if world % actor.tp:
                 raise ValueError(
-                    f"the actor group's {world} ranks (placement.nodes x tasks_per_node) are not a multiple of "
+                    f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of "
                     f"actor.tp = {actor.tp}"
                 )
             return
@@ -472,7 +663,7 @@ class HybridFlowConfig(_Section):
             )
         if world % (actor.tp * actor.pp):
             raise ValueError(
-                f"the actor group's {world} ranks (placement.nodes x tasks_per_node) are not a multiple of "
+                f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of "
                 f"actor.tp x actor.pp = {actor.tp * actor.pp}"
             )
         if actor.entropy_coeff != 0 or actor.tis_cap is not None:
@@ -497,26 +688,26 @@ class HybridFlowConfig(_Section):
         Raises:
             ValueError: rollout.gen_tp does not divide actor.tp."""
         actor = self.actor
-        d = self.placement.world_size // (actor.tp * actor.pp)
+        d = self.pool_of("actor").world_size // (actor.tp * actor.pp)
         return HybridLayout(p=actor.pp, t=actor.tp, d=d, p_g=self.rollout.gen_pp, t_g=self.rollout.gen_tp or actor.tp)
 
     def _divisible_by_ranks(self) -> None:
         """Every data-parallel rank must get the same number of sequences of every mini-batch (each optimizer step
         all-reduces gradients once per rank)."""
         n = self.rollout.n
-        placement = self.placement
-        actor_dp = placement.world_size // (self.actor.tp * self.actor.pp)
-        actor_keys = "nodes x tasks_per_node" + (" / (actor.tp x actor.pp)" if actor_dp != placement.world_size else "")
-        checks = [("actor", actor_dp, self.actor.ppo_mini_batch_size, actor_keys)]
-        if self.algorithm.adv_estimator == "gae":
-            keys = "nodes x tasks_per_node" if placement.colocate else "critic_nodes x critic_tasks_per_node"
-            checks.append(("critic", placement.critic_world_size, self.critic.ppo_mini_batch_size, keys))
-        for role, ranks, mini, keys in checks:
+        actor_pool = self.pool_of("actor")
+        actor_dp = actor_pool.world_size // (self.actor.tp * self.actor.pp)
+        checks = [("actor", actor_pool, actor_dp, self.actor.ppo_mini_batch_size)]
+        if "critic" in self.roles():
+            critic_pool = self.pool_of("critic")
+            checks.append(("critic", critic_pool, critic_pool.world_size, self.critic.ppo_mini_batch_size))
+        for role, pool, ranks, mini in checks:
             if ranks > 1 and (mini * n) % ranks:
+                split = " / (actor.tp x actor.pp)" if role == "actor" and ranks != pool.world_size else ""
                 raise ValueError(
                     f"{role}.ppo_mini_batch_size x rollout.n = {mini * n} sequences cannot be split evenly over the "
-                    f"{ranks} data-parallel ranks of the {role}'s group (placement.{keys}); "
-                    "make it a multiple of the ranks"
+                    f"{ranks} data-parallel ranks of the {role}'s pool {pool.name} (its nodes x "
+                    f"tasks_per_node{split}); make it a multiple of the ranks"
                 )
 
 
@@ -555,6 +746,15 @@ class RMTrainingConfig(_Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     trainer: RMTrainerConfig = Field(default_factory=RMTrainerConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @model_validator(mode="after")
+    def _one_pool(self) -> RMTrainingConfig:
+        if self.placement.pools is not None:
+            raise ValueError(
+                "hf rm train runs one data-parallel worker group: remove placement.pools and give its ranks with "
+                "placement.nodes x tasks_per_node"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pairs_split_over_ranks(self) -> RMTrainingConfig:
@@ -662,13 +862,15 @@ RESUMABLE_KEYS = (
     "trainer.log_train_generations",
     "placement.executor",
     "placement.slurm.",
+    "placement.pools.*.slurm.",
+    "placement.concurrent",
     "placement.heartbeat_timeout_s",
     "placement.call_timeout_s",
 )
-"""Keys (or prefixes, ending in '.') that ``hf resume RUN_ID -o ...`` may change: how long the run goes, how often
-it validates and saves, where its metrics and samples are logged, and where and under which limits its workers run.
-None of them changes what an iteration computes, so the resumed run's iterations equal those of a run started with
-the new values."""
+"""Keys (or prefixes, ending in '.'; ``*`` stands for a pool's name) that ``hf resume RUN_ID -o ...`` may change:
+how long the run goes, how often it validates and saves, where its metrics and samples are logged, and where, under
+which limits and whether at the same time its workers run. None of them changes what an iteration computes, so the
+resumed run's iterations equal those of a run started with the new values."""
 
 
 def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -690,7 +892,9 @@ def resume_config(
     new = validate_config(apply_overrides(stored, overrides, source="the run's recorded config"), schema)
     before, after = _leaves(old), _leaves(new.model_dump(mode="json"))
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    refused = [k for k in changed if not k.startswith(RESUMABLE_KEYS)]
+    refused = [
+        k for k in changed if not any(fnmatch.fnmatchcase(k, f"{r}*" if r.endswith(".") else r) for r in RESUMABLE_KEYS)
+    ]
     if refused:
         raise ConfigError(
             f"hf resume cannot change {', '.join(refused)}: that would change what the run's iterations compute, "

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -62,23 +64,41 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
     return metrics
 
 
+class Span(NamedTuple):
+    """One timed stage: its name, the pool (worker group) it ran on (None: the controller), and its start and end
+    (seconds since the epoch)."""
+
+    name: str
+    pool: str | None
+    start: float
+    end: float
+
+
 class Timer:
-    """Accumulates wall-clock seconds per stage: ``with timer("gen"): ...`` -> ``timing_s/gen``."""
+    """Accumulates wall-clock seconds per stage: ``with timer("gen"): ...`` -> ``timing_s/gen``, and keeps every
+    timed `Span` (the iteration's timeline). Thread-safe: stages running at the same time time themselves from
+    their own threads."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
 
     @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+    def __call__(self, name: str, pool: str | None = None) -> Iterator[None]:
+        start_wall, start = time.time(), time.perf_counter()
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+                self.spans.append(Span(name, pool, start_wall, start_wall + elapsed))
 
     def metrics(self) -> dict[str, float]:
         """Seconds per stage so far, keyed ``"timing_s/<name>"`` (stages timed twice add up); first-timed order."""
-        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        with self._lock:
+            return {f"timing_s/{k}": v for k, v in self.seconds.items()}
 
 
 def rollout_mismatch(data: DataProto) -> dict[str, float]:

@@ -35,7 +35,7 @@ from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_ro
 from hybridflow.engine.metrics import Timer, compute_data_metrics, rollout_mismatch
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.tracking import Tracking, mlflow_tracking_uri
-from hybridflow.engine.workers import build_roles, roles_for
+from hybridflow.engine.workers import build_roles
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class SingleProcessTrainer:
     def __init__(self, config: HybridFlowConfig):
         self.config = cfg = config
         torch.manual_seed(cfg.trainer.seed)
-        roles = build_roles(cfg, roles_for(cfg))
+        roles = build_roles(cfg, cfg.roles())
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         self.reward_model = roles.reward_model

@@ -21,8 +21,7 @@ import torch
 
 from hybridflow.engine.actor import Actor, RefPolicy
 from hybridflow.engine.checkpoint import load_checkpoint, role_states, save_role
-from hybridflow.engine.config import HybridFlowConfig
-from hybridflow.engine.core_algos import uses_critic
+from hybridflow.engine.config import ROLES, HybridFlowConfig
 from hybridflow.engine.critic import Critic
 from hybridflow.engine.dispatch import Dispatch, register
 from hybridflow.engine.embedded_models import resolve_model_path
@@ -37,8 +36,6 @@ if TYPE_CHECKING:
     from hybridflow.engine.hybrid_actor import HybridActorRollout
     from hybridflow.engine.megatron_critic import MegatronCritic
 
-ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
-
 
 @dataclass
 class Roles:
@@ -51,19 +48,6 @@ class Roles:
     critic: Critic | MegatronCritic | None = None
     reward_fn: RewardManager | None = None
     reward_model: RewardModel | None = None
-
-
-def roles_for(cfg: HybridFlowConfig) -> list[str]:
-    """The roles a run needs: actor, rollout and reward (the score function: validation uses it) always; ref for a
-    KL term; critic for GAE; reward_model when ``reward_model.enable``."""
-    roles = ["actor", "rollout", "reward"]
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        roles.append("ref")
-    if uses_critic(cfg.algorithm.adv_estimator):
-        roles.append("critic")
-    if cfg.reward_model.enable:
-        roles.append("reward_model")
-    return roles
 
 
 def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:

@@ -13,7 +13,7 @@ What is checked, each failure an `InputError` naming the config key and the fix:
   rendered in the RM's chat template (weights are not loaded here; the worker loads them before iteration 1).
 - ``reward.custom_function``: imports and names a function taking ``(data_source, solution_str, ground_truth,
   extra_info)``.
-- ``placement.executor: slurm``: Slurm's commands answer and ``placement.slurm.partition`` exists.
+- ``placement.executor: slurm``: Slurm's commands answer; every pool's partition exists and has the nodes it asks.
 - ``trainer.output_dir`` (and ``trainer.checkpoint_dir`` when set): can be created and written.
 - ``trainer.resume_from``: a checkpoint folder whose files match its ``manifest.json``.
 - ``trainer.logger``: the library of every tracker named (tensorboard, wandb, mlflow) is installed; an MLflow
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridflow.engine.config import DataConfig, HybridFlowConfig, PreferenceDataConfig, RMTrainingConfig
+from hybridflow.engine.config import DataConfig, HybridFlowConfig, Pool, PreferenceDataConfig, RMTrainingConfig
 from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.models import load_tokenizer
@@ -91,7 +91,7 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
             except ValueError as e:
                 raise InputError(f"data: {e}") from None
     if cfg.placement.executor == "slurm":
-        _check_slurm(cfg.placement.slurm.partition)
+        _check_slurm(cfg.pools(), "placement.pools." if cfg.placement.pools else "placement.")
     _check_writable("trainer.output_dir", Path(cfg.trainer.output_dir))
     if cfg.trainer.checkpoint_dir:
         _check_writable("trainer.checkpoint_dir", Path(cfg.trainer.checkpoint_dir))
@@ -225,11 +225,14 @@ def check_rm_inputs(cfg: RMTrainingConfig) -> None:
     model_folder("model.path", cfg.model.path)
     preference_sets(cfg)
     if cfg.placement.executor == "slurm":
-        _check_slurm(cfg.placement.slurm.partition)
+        _check_slurm({"reward_model": cfg.placement.pool("reward_model", ["reward_model"])}, "placement.")
     _check_writable("trainer.output_dir", Path(cfg.trainer.output_dir))
 
 
-def _check_slurm(partition: str | None) -> None:
+def _check_slurm(pools: dict[str, Pool], prefix: str) -> None:
+    """Slurm answers, and each pool's partition (``placement.slurm.partition``, or the pool's own) exists and has
+    at least the pool's nodes. `prefix`: where a pool's keys live (``placement.pools.`` + its name, or
+    ``placement.`` for the layouts of ``placement.colocate``)."""
     try:
         found = cluster.partitions()
     except cluster.SlurmCommandError as e:
@@ -237,11 +240,23 @@ def _check_slurm(partition: str | None) -> None:
             f"placement.executor=slurm, but Slurm does not answer here: {e}. Run hf on a Slurm login node, or set "
             "placement.executor=local"
         ) from None
-    if partition is not None and partition not in found:
-        raise InputError(
-            f"placement.slurm.partition: no partition {partition!r} on this cluster (partitions: "
-            f"{', '.join(found) or 'none'}); set one of them, or leave it unset for the cluster's default"
-        )
+    nodes = {name.rstrip("*"): count for name, count in found.items()}
+    default = next((name.rstrip("*") for name in found if name.endswith("*")), None)
+    for name, pool in pools.items():
+        keys = f"{prefix}{name}." if prefix == "placement.pools." else prefix
+        partition = pool.slurm.partition
+        if partition is not None and partition not in nodes:
+            raise InputError(
+                f"{keys}slurm.partition: no partition {partition!r} on this cluster (partitions: "
+                f"{', '.join(nodes) or 'none'}); set one of them, or leave it unset for the cluster's default"
+            )
+        partition = partition or default
+        if partition is not None and pool.nodes > nodes[partition]:
+            raise InputError(
+                f"{keys}nodes: pool {name} asks for {pool.nodes} nodes, and partition {partition!r} has "
+                f"{nodes[partition]}; lower {keys}nodes (raise tasks_per_node instead), or pick a larger partition "
+                f"with {keys}slurm.partition"
+            )
 
 
 def _check_mlflow_server(uri: str) -> None:

@@ -95,10 +95,14 @@ class RunReport:
         metrics: Mapping[str, float],
         train: DataProto | None = None,
         val: DataProto | None = None,
+        timeline: Sequence[Sequence[Any]] = (),
     ) -> None:
-        """Record step `step`: its metrics, and the generations in `train` / `val` (scored rollout rows; see
+        """Record step `step`: its metrics, its stage `timeline` (`hybridflow.engine.metrics.Span` s, in the
+        store's ``stage_times``), and the generations in `train` / `val` (scored rollout rows; see
         `decode_generations`), in the store and the trackers; then its Prefect artifact."""
         self.store.record_metrics(self.run_id, step, metrics)
+        if timeline:
+            self.store.record_stage_times(self.run_id, step, timeline)
         self.tracking.log(metrics, step)
         shown: list[dict[str, Any]] = []
         for kind, data in (("train", train), ("val", val)):

@@ -17,24 +17,22 @@ import logging
 import os
 import shutil
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, tags
 from prefect.exceptions import TerminationSignal
+from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 
 from hybridflow.engine.advantage import build_kl_controller
 from hybridflow.engine.checkpoint import CheckpointError, read_trainer_state, verify_checkpoint
-from hybridflow.engine.config import HybridFlowConfig
-from hybridflow.engine.core_algos import uses_critic
+from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig
 from hybridflow.engine.data import PromptSampler, collate_prompts
 from hybridflow.engine.generations import GENERATION_KEYS
-from hybridflow.engine.metrics import Timer, compute_data_metrics
-from hybridflow.engine.workers import roles_for
+from hybridflow.engine.metrics import Span, Timer, compute_data_metrics
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.preflight import prompt_sets
 from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags
@@ -94,21 +92,65 @@ def enter_stage(name: str, iteration: int, step: int) -> None:
     stages.ITERATION.set(iteration)
 
 
-@contextmanager
-def _stage(
-    timer: Timer, name: str, step: int, watch: PreemptionWatch | None = None, logs: FlowLogs | None = None
-) -> Iterator[None]:
-    """Time stage `name` of the iteration after `step`, after the preemption check; then forward the workers' log
-    lines to the flow's logs."""
-    if watch is not None:
-        watch.before_stage(name)
-    enter_stage(name, step + 1, step)
-    try:
-        with timer(name):
-            yield
-    finally:
-        if logs is not None:
-            logs.pump()
+@dataclass(frozen=True)
+class Call:
+    """One stage call of an iteration: the stage task `task` (`hybridflow.tasks.stages`) on the worker group that
+    hosts `role`, with `args` after the group; skipped when `when` is false."""
+
+    task: Any
+    role: str
+    args: tuple[Any, ...] = ()
+    when: bool = True
+
+
+@dataclass
+class StageRunner:
+    """Runs the stages of the iteration after `step` on the run's worker groups: each batch of independent stage
+    calls at once where their roles live in different pools (``placement.concurrent``), after the preemption
+    check, then forwards the workers' log lines to the flow's logs."""
+
+    workers: Workers
+    step: int
+    concurrent: bool = True
+    watch: PreemptionWatch | None = None
+    logs: FlowLogs | None = None
+
+    def __call__(self, *calls: Call) -> list[Any]:
+        """Run `calls`, none of which needs another's result: those on one worker group one after another in the
+        order given, those on different groups at the same time, submitted as Prefect task futures that this
+        waits on (all in order when ``placement.concurrent`` is false). Returns their results in the order of
+        `calls`, None for a skipped one.
+
+        Raises:
+            Preempted: Slurm warned the workers before this iteration's first update (no call has started).
+            Exception: the first failed call's error, raised once every call of the batch has ended (no worker
+                group is left in the middle of a call).
+        """
+        run = [c for c in calls if c.when]
+        for c in run:
+            if self.watch is not None:
+                self.watch.before_stage(c.task.name)
+        enter_stage(" + ".join(c.task.name for c in run), self.step + 1, self.step)
+        try:
+            results = self._run(run)
+        finally:
+            if self.logs is not None:
+                self.logs.pump()
+        done = dict(zip(map(id, run), results, strict=True))
+        return [done.get(id(c)) for c in calls]
+
+    def _run(self, calls: list[Call]) -> list[Any]:
+        groups = [self.workers[c.role] for c in calls]
+        if not self.concurrent or len({id(g) for g in groups}) < 2:
+            return [c.task(g, *c.args) for c, g in zip(calls, groups, strict=True)]
+        futures: list[PrefectFuture] = []
+        last: dict[int, PrefectFuture] = {}  # each group's previous call: a group serves one call at a time
+        for c, g in zip(calls, groups, strict=True):
+            before = last.get(id(g))
+            last[id(g)] = c.task.submit(g, *c.args, wait_for=[before] if before is not None else None)
+            futures.append(last[id(g)])
+        wait(futures)
+        return [f.result() for f in futures]
 
 
 def flow_run_ui_url() -> str | None:
@@ -153,43 +195,25 @@ class Prompts:
         return cls(sampler, val_batches)
 
 
-SPLIT_ROLES = ("critic", "reward_model")
-"""The roles that get a worker group of their own (named after the role) when ``placement.colocate`` is false."""
-
-
-def group_layout(cfg: HybridFlowConfig) -> dict[str, list[str]]:
-    """Worker group name -> the roles it hosts, from ``placement.colocate``: one group ``actor_rollout_ref`` with
-    every role, or the critic and the reward model each in a group of its own."""
-    roles = roles_for(cfg)
-    if cfg.placement.colocate:
-        return {"actor_rollout_ref": roles}
-    layout = {"actor_rollout_ref": [r for r in roles if r not in SPLIT_ROLES]}
-    layout.update({r: [r] for r in roles if r in SPLIT_ROLES})
-    return layout
-
-
-def group_spec(cfg: HybridFlowConfig, name: str, worker_cls: str = WORKER_CLS) -> GroupSpec:
-    """The `GroupSpec` of worker group `name` (ranks serving `worker_cls`) from the ``placement`` section (the split
-    critic group may have its own ``critic_nodes`` / ``critic_tasks_per_node``)."""
+def group_spec(cfg: HybridFlowConfig | RMTrainingConfig, pool: Pool, worker_cls: str = WORKER_CLS) -> GroupSpec:
+    """The `GroupSpec` of the worker group of resource pool `pool` (its ranks serving `worker_cls`; its Slurm job
+    with the pool's resources), with the ``placement`` section's executor, backend and limits."""
     placement = cfg.placement
-    nodes, tasks = placement.nodes, placement.tasks_per_node
-    if name == "critic":
-        nodes, tasks = placement.critic_nodes or nodes, placement.critic_tasks_per_node or tasks
     backend = placement.backend
     if backend == "auto":  # NCCL when the workers train on GPUs (trainer.device cuda, or auto with GPUs there)
         if cfg.trainer.device == "cpu":
             on_gpus = False
         elif placement.executor == "slurm":
-            on_gpus = cfg.trainer.device == "cuda" or placement.slurm.gpus_per_node > 0
+            on_gpus = cfg.trainer.device == "cuda" or pool.slurm.gpus_per_node > 0
         else:
             on_gpus = _local_cuda(cfg)
         backend = "nccl" if on_gpus else "gloo"
-    slurm = placement.slurm
+    slurm = pool.slurm
     return GroupSpec(
-        name=name,
+        name=pool.name,
         worker_cls=worker_cls,
-        nodes=nodes,
-        tasks_per_node=tasks,
+        nodes=pool.nodes,
+        tasks_per_node=pool.tasks_per_node,
         executor=placement.executor,
         slurm=slurm_parameters(**slurm.model_dump(exclude={"time_min", "interface"})),
         timeout_min=slurm.time_min,
@@ -200,17 +224,24 @@ def group_spec(cfg: HybridFlowConfig, name: str, worker_cls: str = WORKER_CLS) -
     )
 
 
-def parallel_record(cfg: HybridFlowConfig, role: str) -> dict[str, Any] | None:
-    """How `role`'s model is split over its group's ranks, for the run store (``placements.parallel``): the
-    actor's strategy and training layout and, for ``megatron``, the generation layout, the resharding mode and the
-    rank groups (`HybridLayout.describe`); None for the other roles."""
+def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig, role: str) -> dict[str, Any] | None:
+    """How `role`'s model is split over its pool's ranks, for the run store (``placements.parallel``): the
+    strategy of the trained and scoring models (actor, critic, reward model; a reward model in training: ddp)
+    and, for the actor, its training layout and, with ``megatron``, the generation layout, the resharding mode
+    and the rank groups (`HybridLayout.describe`); None for ref and the score function (whole on every rank)."""
+    if isinstance(cfg, RMTrainingConfig):
+        return {"strategy": "ddp"}
+    if role == "critic":
+        return {"strategy": cfg.critic.strategy}
+    if role == "reward_model":
+        return {"strategy": cfg.reward_model.strategy}
     if role not in ("actor", "rollout"):
         return None
     record: dict[str, Any] = {"strategy": cfg.actor.strategy}
     if cfg.actor.strategy == "megatron":
         return {**record, "reshard": cfg.rollout.reshard, **cfg.actor_layout().describe()}
     tp = cfg.actor.tp
-    return {**record, "train": {"pp": 1, "tp": tp, "dp": cfg.placement.world_size // tp}}
+    return {**record, "train": {"pp": 1, "tp": tp, "dp": cfg.pool_of("actor").world_size // tp}}
 
 
 def _local_cuda(cfg: HybridFlowConfig) -> bool:
@@ -240,40 +271,43 @@ class Workers:
 
 
 def launch_workers(
-    cfg: HybridFlowConfig,
+    cfg: HybridFlowConfig | RMTrainingConfig,
     run_id: str,
     store: RunStore,
     run_dir: Path,
-    layout: dict[str, list[str]] | None = None,
+    pools: dict[str, Pool] | None = None,
     worker_cls: str = WORKER_CLS,
 ) -> Workers:
-    """Start the worker groups of `layout` (group name -> roles; default `group_layout`), each a submitit job of
-    ranks serving `worker_cls` with ``(config, roles)``, load their models, and record the placement in the store.
-    Every group's job is submitted before any is waited for, so on Slurm no group sits allocated while another
-    waits in the queue. If anything fails, the groups already started are shut down."""
+    """Start one worker group per resource pool of `pools` (default: the run's, `HybridFlowConfig.pools`), each a
+    submitit job of ranks serving `worker_cls` with ``(config, roles)``, load their models, and record the
+    placement (pool, ranks, strategy, Slurm job) in the store. Every pool's job is submitted before any is waited
+    for, so on Slurm no group sits allocated while another waits in the queue. If anything fails, the groups
+    already started are shut down."""
     # A new secret for every controller session: a message captured from an earlier session (whose nonces this
     # controller never saw) cannot be replayed to this one.
     secret = run_dir / "secret"
     secret.unlink(missing_ok=True)
     create_secret(secret)
     workers = Workers()
-    layout = layout or group_layout(cfg)
+    pools = pools or cfg.pools()
     try:
-        for name, roles in layout.items():
+        for name, pool in pools.items():
             workers.groups[name] = WorkerGroup(
-                group_spec(cfg, name, worker_cls),
+                group_spec(cfg, pool, worker_cls),
                 run_dir=run_dir,
                 data_dir=run_dir / "data",
                 secret_path=secret,
-                worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": roles},
+                worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": list(pool.roles)},
                 wait=False,
             )
-            workers.by_role.update({role: workers.groups[name] for role in roles})
+            workers.by_role.update({role: workers.groups[name] for role in pool.roles})
         for group in workers.groups.values():
             group.wait_ready()
         for name, group in workers.groups.items():
             group.init_model()
-            rows = [{"role": role, **group.placement, "parallel": parallel_record(cfg, role)} for role in layout[name]]
+            rows = [
+                {"role": role, **group.placement, "parallel": parallel_record(cfg, role)} for role in pools[name].roles
+            ]
             store.record_placement(run_id, rows)
     except BaseException:
         workers.shutdown()
@@ -354,7 +388,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
             state_before = _trainer_state(step, prompts, kl_ctrl)
             store.start_iteration(run_id, step + 1)
             try:
-                metrics, train_kept = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir, logs)
+                metrics, train_kept, timeline = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir, logs)
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
@@ -369,7 +403,7 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
                 val, val_kept = _validate(cfg, workers, prompts, step + 1)
                 metrics.update(val)
                 logs.pump()
-            report.step(step + 1, metrics, train=train_kept, val=val_kept)
+            report.step(step + 1, metrics, train=train_kept, val=val_kept, timeline=timeline)
             # The checkpoint comes last: once it is recorded, everything of this iteration is on record, and a crash
             # before that redoes the iteration from the previous checkpoint (metrics are upserted).
             warned = warned or PreemptionWatch(workers).signals()
@@ -511,46 +545,47 @@ def _iteration(
     step: int,
     data_dir: Path,
     logs: FlowLogs | None = None,
-) -> tuple[dict[str, float], Any]:
-    """One iteration: the stages in order, as tasks. Returns its metrics (field-standard names) and the first
-    ``trainer.log_train_generations`` scored rollout rows (a `DataProto`; None when 0).
+) -> tuple[dict[str, float], Any, list[Span]]:
+    """One iteration: the stages in the order of the HybridFlow paper's PPO listing, as tasks; those in one
+    `StageRunner` call need none of each other's results and run at the same time where their roles live in
+    different pools. Returns its metrics (field-standard names), the first ``trainer.log_train_generations``
+    scored rollout rows (a `DataProto`; None when 0), and its timeline (every stage's span).
 
     Raises:
         Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
     """
     timer = Timer()
-    watch = PreemptionWatch(workers)
-    with timer("step"):
-        batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
-        with _stage(timer, "gen", step, watch, logs):
-            rollout = stages.generate(workers["rollout"], batch)
-        if cfg.reward_model.enable:
-            with _stage(timer, "rm_score", step, watch, logs):
-                rollout = rollout.union(stages.rm_score(workers["reward_model"], rollout))
-        with _stage(timer, "reward", step, watch, logs):
-            rollout = rollout.union(stages.reward(workers["reward"], rollout))
-        with _stage(timer, "old_log_prob", step, watch, logs):
-            rollout = rollout.union(stages.old_log_prob(workers["actor"], rollout))
-        if "ref" in roles_for(cfg):
-            with _stage(timer, "ref", step, watch, logs):
-                rollout = rollout.union(stages.ref_log_prob(workers["ref"], rollout))
-        critic = uses_critic(cfg.algorithm.adv_estimator)
-        if critic:
-            with _stage(timer, "values", step, watch, logs):
-                rollout = rollout.union(stages.values(workers["critic"], rollout))
-        with _stage(timer, "adv", step, watch, logs):
+    token = stages.TIMER.set(timer)
+    run = StageRunner(workers, step, cfg.placement.concurrent, PreemptionWatch(workers), logs)
+    roles = cfg.roles()
+    try:
+        with timer("step"):
+            batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
+            [rollout] = run(Call(stages.generate, "rollout", (batch,)))
+            scored = run(
+                Call(stages.rm_score, "reward_model", (rollout,), when="reward_model" in roles),
+                Call(stages.reward, "reward", (rollout,)),
+                Call(stages.old_log_prob, "actor", (rollout,)),
+                Call(stages.ref_log_prob, "ref", (rollout,), when="ref" in roles),
+                Call(stages.values, "critic", (rollout,), when="critic" in roles),
+            )
+            for part in scored:
+                rollout = rollout if part is None else rollout.union(part)
+            enter_stage("advantage", step + 1, step)
             adv, metrics = stages.advantage(
                 rollout, cfg.algorithm, kl_ctrl, data_dir, cfg.reward.function_coef, cfg.reward_model.coef
             )
             rollout = rollout.union(adv)
-        if critic:
-            with _stage(timer, "update_critic", step, watch, logs):
-                metrics.update(stages.update_critic(workers["critic"], rollout))
-        with _stage(timer, "update_actor", step, watch, logs):
-            metrics.update(stages.update_actor(workers["actor"], rollout))
-        if cfg.rollout.name == "vllm":
-            with _stage(timer, "weight_sync", step, logs=logs):  # timing_s/weight_sync
-                metrics.update(stages.weight_sync(workers["rollout"]))
+            for updated in run(
+                Call(stages.update_critic, "critic", (rollout,), when="critic" in roles),
+                Call(stages.update_actor, "actor", (rollout,)),
+            ):
+                metrics.update(updated or {})
+            if cfg.rollout.name == "vllm":
+                [synced] = run(Call(stages.weight_sync, "rollout"))  # timing_s/weight_sync
+                metrics.update(synced)
+    finally:
+        stages.TIMER.reset(token)
     metrics.update(timer.metrics())
     metrics.update(_batch_metrics(rollout, cfg, timer.seconds))
     keep = cfg.trainer.log_train_generations
@@ -561,7 +596,7 @@ def _iteration(
     for handle in (batch, rollout):  # this iteration's batch files: no stage reads them again
         handle.delete()
     metrics["training/global_step"] = step + 1
-    return metrics, kept
+    return metrics, kept, timer.spans
 
 
 def _present(handle: DataHandle, *keys: str) -> list[str]:

@@ -49,7 +49,8 @@ from hybridflow.tasks import stages
 logger = logging.getLogger(__name__)
 
 RM_WORKER_CLS = "hybridflow.engine.rm_training:RewardModelTrainer"
-LAYOUT = {"reward_model": ["reward_model"]}
+POOL = "reward_model"
+"""The one pool of a reward-model training run: its worker group hosts the reward model being trained."""
 """One worker group, named after its one role."""
 
 
@@ -117,7 +118,7 @@ def rm_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
             for i in range(0, len(sets.val), size)
         ]
         report = RunReport(store, run_id, cfg, run_dir, sets.tokenizer)
-        workers = launch_workers(cfg, run_id, store, run_dir, LAYOUT, RM_WORKER_CLS)
+        workers = launch_workers(cfg, run_id, store, run_dir, {POOL: cfg.placement.pool(POOL, [POOL])}, RM_WORKER_CLS)
         group = workers["reward_model"]
         logs.pump()
         start = _resume(store, run_id, workers)

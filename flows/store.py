@@ -26,6 +26,9 @@ the ORM models below describe the same tables):
 - ``samples``: ``run_id`` → runs, ``step``, ``kind`` (train | val), ``idx``, ``data_source``, ``prompt``,
   ``response``, ``score`` (double, nullable), ``ground_truth``: sample generations (``trainer.log_val_generations``,
   ``trainer.log_train_generations``); unique (run_id, kind, step, idx); index (run_id, step).
+- ``stage_times``: ``run_id``, ``step``, ``stage`` (``gen``, ``ref``, ``update_actor``...), ``pool`` (the worker
+  group it ran on; NULL: the controller), ``started_at``, ``ended_at``: each iteration's timeline (stages of
+  different pools overlap); unique (run_id, step, stage).
 
 The child tables have a 64-bit surrogate ``id`` primary key, a foreign key to ``runs.id`` (ON DELETE CASCADE;
 SQLite enforces it because every connection turns ``PRAGMA foreign_keys`` on) and CHECK constraints on steps (>= 0),
@@ -121,6 +124,7 @@ __all__ = [
     "RunStore",
     "RunStoreError",
     "Sample",
+    "StageTime",
     "UnknownRunError",
     "alembic_config",
     "code_version",
@@ -367,6 +371,24 @@ class SampleRow(Base):
     ground_truth: Mapped[str] = mapped_column(Text)
 
 
+class StageTimeRow(Base):
+    """When one stage of one iteration ran, and on which pool (table ``stage_times``): the iteration's timeline."""
+
+    __tablename__ = "stage_times"
+    __table_args__ = (
+        UniqueConstraint("run_id", "step", "stage"),
+        CheckConstraint("step >= 0", name="step_nonnegative"),
+    )
+
+    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = _run_fk()
+    step: Mapped[int] = mapped_column(Integer)
+    stage: Mapped[str] = mapped_column(String(64))
+    pool: Mapped[str | None] = mapped_column(String(_NAME_MAX))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
 # --------------------------------------------------------------------------------------------------- read results
 
 
@@ -471,6 +493,24 @@ class Sample(_Record):
     response: str
     score: float | None
     ground_truth: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageTime(_Record):
+    """One stage of iteration ``step``: its name (``gen``, ``ref``, ``update_actor``...), the pool (worker group)
+    it ran on (None: the controller, e.g. ``adv``), when it started and ended."""
+
+    run_id: str
+    step: int
+    stage: str
+    pool: str | None
+    started_at: datetime
+    ended_at: datetime
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds the stage took."""
+        return (self.ended_at - self.started_at).total_seconds()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1177,6 +1217,51 @@ class RunStore:
                 delete(SampleRow).where(SampleRow.run_id == run_id, SampleRow.kind == kind, SampleRow.step == step)
             )
             session.add_all(rows)
+
+    def record_stage_times(self, run_id: str, step: int, spans: Sequence[Sequence[Any]]) -> None:
+        """Record the timeline of iteration `step`, replacing any recorded before for it (a redone iteration
+        replaces its timeline), in one transaction.
+
+        Each span is ``(stage, pool, start, end)`` (a `hybridflow.engine.metrics.Span`): the stage's name, its pool
+        (str, or None for the controller) and its start and end in seconds since the epoch. Raises ValueError for a
+        bad step, a span that is not four fields, or one that ends before it starts (nothing is recorded), and
+        UnknownRunError for an unknown run.
+        """
+        step = _step(step)
+        rows = []
+        for index, span in enumerate(spans):
+            if isinstance(span, str | bytes) or not isinstance(span, Sequence) or len(span) != 4:
+                raise ValueError(f"span {index} of step {step} must be (stage, pool, start, end), got {span!r}")
+            stage, pool, start, end = span
+            if not all(isinstance(t, int | float) and math.isfinite(t) for t in (start, end)) or end < start:
+                raise ValueError(
+                    f"span {index} ({stage!r}) of step {step}: start {start!r} to end {end!r} is not a time span"
+                )
+            rows.append(
+                StageTimeRow(
+                    run_id=run_id,
+                    step=step,
+                    stage=_text(stage, f"span {index} stage", 64),
+                    pool=None if pool is None else _text(pool, f"span {index} pool"),
+                    started_at=datetime.fromtimestamp(start, UTC),
+                    ended_at=datetime.fromtimestamp(end, UTC),
+                )
+            )
+        with self._writing() as session:
+            self._require_run(session, run_id)
+            session.execute(delete(StageTimeRow).where(StageTimeRow.run_id == run_id, StageTimeRow.step == step))
+            session.add_all(rows)
+
+    def stage_times(self, run_id: str, step: int | None = None) -> list[StageTime]:
+        """The run's stage timeline ordered by step and start; only iteration `step` if given. Raises
+        UnknownRunError."""
+        query = select(StageTimeRow).where(StageTimeRow.run_id == run_id)
+        if step is not None:
+            query = query.where(StageTimeRow.step == step)
+        with self._reading() as session:
+            self._require_run(session, run_id)
+            rows = session.scalars(query.order_by(StageTimeRow.step, StageTimeRow.started_at, StageTimeRow.id))
+            return [StageTime(r.run_id, r.step, r.stage, r.pool, r.started_at, r.ended_at) for r in rows]
 
     def update_config(self, run_id: str, config: Mapping[str, Any]) -> None:
         """Replace a run's stored config (``hf resume -o ...`` extending a run; the caller has checked that the

@@ -104,9 +104,15 @@ def cancel(job_id: str) -> bool:
     return done.returncode == 0
 
 
-def partitions() -> list[str]:
-    """The cluster's partition names (``sinfo -h -o %R``), in sinfo's order.
+def partitions() -> dict[str, int]:
+    """The cluster's partitions and how many nodes each has (``sinfo -h -o "%P %D"``, summed over its node
+    states), in sinfo's order; the default partition's name ends in ``*``, as sinfo prints it.
 
     Raises:
         SlurmCommandError: sinfo is missing or fails (no Slurm here, or slurmctld does not answer)."""
-    return list(dict.fromkeys(_run(["sinfo", "-h", "-o", "%R"]).split()))
+    found: dict[str, int] = {}
+    for line in _run(["sinfo", "-h", "-o", "%P %D"]).splitlines():
+        name, _, count = line.strip().partition(" ")
+        if name:
+            found[name] = found.get(name, 0) + int(count)
+    return found

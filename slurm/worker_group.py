@@ -29,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -172,6 +173,7 @@ class WorkerGroup:
         wait: bool = True,
     ):
         self.spec = spec
+        self._lock = threading.RLock()  # one call at a time: the controller's stages may run in several threads
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._signer = Signer(read_secret(secret_path))
@@ -271,10 +273,14 @@ class WorkerGroup:
             WorkerGroupError: a rank raised (its traceback is included), died, or stopped beating.
             AttributeError: the worker class does not register `method`.
         """
-        if self._closed:
-            raise WorkerGroupError(f"group {self.spec.name!r} is shut down")
         if method not in self.methods:
             raise AttributeError(f"group {self.spec.name!r} serves {sorted(self.methods)}, not {method!r}")
+        with self._lock:
+            if self._closed:
+                raise WorkerGroupError(f"group {self.spec.name!r} is shut down")
+            return self._call(method, args, kwargs, timeout_s)
+
+    def _call(self, method: str, args: tuple, kwargs: dict, timeout_s: float | None) -> Any:
         mode = self.methods[method]
         self.poll()  # heartbeats queued while no call ran: every live rank is fresh again
         args = tuple(
@@ -420,11 +426,12 @@ class WorkerGroup:
     def poll(self) -> None:
         """Handle the messages that arrived while no call was running (heartbeats with warning signals; results
         of an abandoned call are dropped)."""
-        if self._closed:
-            return
-        while (got := self._endpoint.recv(0)) is not None:
-            if got[1].get("type") in ("heartbeat", "hello", "fatal"):
-                self._handle_side_message(got[1])
+        with self._lock:
+            if self._closed:
+                return
+            while (got := self._endpoint.recv(0)) is not None:
+                if got[1].get("type") in ("heartbeat", "hello", "fatal"):
+                    self._handle_side_message(got[1])
 
     def _check_job_alive(self, during: str) -> str:
         """Raise if the job has ended, or (Slurm) if one of its nodes is down or drained. Returns the Slurm job's
@@ -502,10 +509,24 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ stop
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Ask every rank to exit, wait for the job to end (cancel it after `timeout_s`), close the socket."""
+        """Ask every rank to exit, wait for the job to end (cancel it after `timeout_s`), close the socket.
+
+        A call still running in another thread (a stage of a concurrent batch, when the controller is stopped)
+        is given `timeout_s` to end; then the job is cancelled, which ends that call with an error."""
         if self._closed:
             return
         self._closed = True
+        if not self._lock.acquire(timeout=timeout_s):
+            self._kill()
+            if not self._lock.acquire(timeout=max(timeout_s, self.spec.heartbeat_timeout_s + 5)):
+                logger.warning("group %s: a call did not end after its job was cancelled", self.spec.name)
+                return
+        try:
+            self._stop(timeout_s)
+        finally:
+            self._lock.release()
+
+    def _stop(self, timeout_s: float) -> None:
         if len(self.ranks) < self.spec.world_size:  # never (fully) started: nobody to tell, cancel the job now
             self._cancel()
         for rank in self.ranks:
@@ -515,12 +536,16 @@ class WorkerGroup:
         while not self._ended() and time.monotonic() < deadline:
             time.sleep(0.5)
         if not self._ended():
-            self._cancel()
-            if self.spec.executor == "local":  # submitit's local launcher ignores the first SIGTERM
-                for pid in self.pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+            self._kill()
         self._endpoint.close()
+
+    def _kill(self) -> None:
+        """Cancel the job; kill a local group's ranks (submitit's local launcher ignores the first SIGTERM)."""
+        self._cancel()
+        if self.spec.executor == "local":
+            for pid in self.pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
     def _ended(self) -> bool:
         if self.spec.executor == "local":

@@ -5,12 +5,15 @@ so the Prefect UI shows every stage of every iteration with its timing, while bu
 The exception is `advantage`, which is small and runs in the controller (as in the HybridFlow paper's listing).
 Task results are handles and metric dicts; caching is off (their inputs are live worker groups). Each task run is
 named after its stage and iteration (``update_actor-7``; ``validate-0`` before training) from `ITERATION`, which the
-flow sets before each stage.
+flow sets before each stage, and times itself in the iteration's `TIMER` (stages of different pools run at the same
+time as Prefect task futures, each in a thread of its own).
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
+from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.core_algos import KLController, masked_mean
 from hybridflow.engine.generations import GENERATION_KEYS
-from hybridflow.engine.metrics import rollout_mismatch
+from hybridflow.engine.metrics import Timer, rollout_mismatch
 from hybridflow.engine.preference import pair_scores
 from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm.handles import DataHandle
@@ -33,15 +36,35 @@ from hybridflow.slurm.worker_group import WorkerGroup
 ITERATION: ContextVar[int] = ContextVar("hybridflow_iteration", default=0)
 """The iteration the next stage belongs to (1 for the first; validation and checkpoint: the step they follow)."""
 
+TIMER: ContextVar[Timer | None] = ContextVar("hybridflow_stage_timer", default=None)
+"""The current iteration's `Timer`: each stage task times its own run there (in its own thread when it runs beside
+others), under its stage name (``timing_s/<stage>``) and the worker group it calls; None: not timed."""
 
-def _options(name: str) -> dict:
-    """A task's options: named `name`, its runs ``<name>-<iteration>``, no caching, no persisted results."""
-    return {
-        "name": name,
-        "task_run_name": lambda: f"{name}-{ITERATION.get()}",
-        "cache_policy": NO_CACHE,
-        "persist_result": False,
-    }
+
+def _stage(name: str, timing: str | None = None) -> Callable[[Callable[..., Any]], Any]:
+    """Make a function a stage task: a Prefect task named `name`, its runs ``<name>-<iteration>``, no caching, no
+    persisted results, its run timed as `timing` (default `name`) in `TIMER` with the pool of the `WorkerGroup`
+    it is given first."""
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            timer = TIMER.get()
+            if timer is None:
+                return fn(*args, **kwargs)
+            pool = args[0].spec.name if args and isinstance(args[0], WorkerGroup) else None
+            with timer(timing or name, pool):
+                return fn(*args, **kwargs)
+
+        return task(
+            timed,
+            name=name,
+            task_run_name=lambda: f"{name}-{ITERATION.get()}",
+            cache_policy=NO_CACHE,
+            persist_result=False,
+        )
+
+    return decorate
 
 
 def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -49,13 +72,13 @@ def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([m[k] for m in per_rank])) for k in per_rank[0]}
 
 
-@task(**_options("generate"))
+@_stage("generate", "gen")
 def generate(group: WorkerGroup, prompts: DataHandle) -> DataHandle:
     """Rollout: ``prompts`` [B prompts] -> B*n sequences (``responses``, ``response_mask``, ...)."""
     return group.generate_sequences(prompts)
 
 
-@task(**_options("reward"))
+@_stage("reward")
 def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """Score the responses: ``token_level_scores`` (+ ``reward_extra/*``)."""
     return group.compute_reward(
@@ -63,31 +86,31 @@ def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     )
 
 
-@task(**_options("rm_score"))
+@_stage("rm_score")
 def rm_score(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """The reward model's ``rm_scores`` [B, T] (its score on each row's last response token)."""
     return group.compute_rm_score(rollout.select(["responses", "response_mask", "raw_prompt"]))
 
 
-@task(**_options("old_log_prob"))
+@_stage("old_log_prob")
 def old_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """``old_log_probs`` and ``entropys`` under the actor that generated the batch."""
     return group.compute_log_prob(rollout)
 
 
-@task(**_options("ref_log_prob"))
+@_stage("ref_log_prob", "ref")
 def ref_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """``ref_log_prob`` under the frozen reference policy."""
     return group.compute_ref_log_prob(rollout)
 
 
-@task(**_options("values"))
+@_stage("values")
 def values(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """Critic ``values`` for each response token."""
     return group.compute_values(rollout)
 
 
-@task(**_options("advantage"))
+@_stage("advantage", "adv")
 def advantage(
     batch: DataHandle,
     algorithm: AlgorithmConfig,
@@ -113,25 +136,25 @@ def advantage(
     return DataHandle.put(out, data_dir, "advantage"), metrics
 
 
-@task(**_options("update_critic"))
+@_stage("update_critic")
 def update_critic(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
     """Critic update; returns ``critic/*`` metrics averaged over ranks."""
     return _mean_metrics(group.update_critic(batch))
 
 
-@task(**_options("weight_sync"))
+@_stage("weight_sync")
 def weight_sync(group: WorkerGroup) -> dict[str, float]:
     """Load the updated actor weights into the rollout engine (vLLM); returns its check (the flow times the stage)."""
     return _mean_metrics(group.sync_rollout_weights())
 
 
-@task(**_options("update_actor"))
+@_stage("update_actor")
 def update_actor(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
     """Actor (PPO) update; returns ``actor/*`` metrics averaged over ranks."""
     return _mean_metrics(group.update_actor(batch))
 
 
-@task(**_options("checkpoint"))
+@_stage("checkpoint")
 def checkpoint(groups: list[WorkerGroup], checkpoint_dir: str, step: int, trainer_state: dict[str, Any]) -> dict:
     """Write the checkpoint of iteration `step` atomically: every group writes the roles it hosts into one staging
     folder, then the controller adds the trainer state and the manifest and renames it.
@@ -156,7 +179,7 @@ def checkpoint(groups: list[WorkerGroup], checkpoint_dir: str, step: int, traine
     return {"path": str(info.path), "step": info.step, "bytes": info.bytes, "sha256": info.sha256}
 
 
-@task(**_options("validate"))
+@_stage("validate")
 def validate(
     rollout_group: WorkerGroup,
     reward_group: WorkerGroup,
@@ -197,14 +220,14 @@ def validate(
     return metrics, DataProto.concat(kept) if kept else None
 
 
-@task(**_options("update_reward_model"))
+@_stage("update_reward_model")
 def update_reward_model(group: WorkerGroup, pairs: DataHandle) -> dict[str, float]:
     """One Bradley-Terry optimizer step of reward-model training on a step's preference pairs; ``rm/*`` metrics
     averaged over the ranks' equal shares."""
     return _mean_metrics(group.update_reward_model(pairs))
 
 
-@task(**_options("evaluate_reward_model"))
+@_stage("evaluate_reward_model")
 def evaluate_reward_model(group: WorkerGroup, batches: list[DataHandle]) -> dict[str, float]:
     """Score every held-out pair: ``val/rm/acc`` (share with chosen above rejected), ``val/rm/margin``,
     ``val/rm/loss`` (`hybridflow.engine.preference.pair_scores`)."""

@@ -79,7 +79,7 @@ def test_malformed_override():
 
 def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
     cfg = load_config(None, [*MINIMAL, "placement.tasks_per_node=2", "placement.executor=slurm", "placement.nodes=2"])
-    assert cfg.placement.world_size == 4 and cfg.placement.critic_world_size == 4
+    assert cfg.placement.world_size == 4 and cfg.pool_of("actor").world_size == 4
     with pytest.raises(ConfigError, match=r"cannot be split evenly over the 3 data-parallel ranks"):
         load_config(None, [*MINIMAL, "placement.tasks_per_node=3"])
     with pytest.raises(ConfigError, match=r"placement.nodes > 1 needs placement.executor: slurm"):
@@ -159,3 +159,90 @@ def test_resume_may_extend_a_run_but_not_change_its_computation():
     for change in ["model.path=smollm2", "data.train_batch_size=8", "algorithm.adv_estimator=rloo"]:
         with pytest.raises(ConfigError, match=rf"cannot change {change.split('=')[0]}: .* hf run"):
             resume_config(stored, [change])
+
+
+# ------------------------------------------------------------------------------------------------ resource pools
+PPO = [*MINIMAL, "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
+POOLS = {
+    "actor_rollout": {"roles": ["actor", "rollout"], "tasks_per_node": 2},
+    "ref": {"roles": ["ref"]},
+    "critic": {"roles": ["critic"], "slurm": {"cpus_per_task": 2}},
+}
+
+
+def _pools(pools: dict, *extra: str) -> HybridFlowConfig:
+    import json
+
+    return load_config(None, [*PPO, f"placement.pools={json.dumps(pools)}", *extra])
+
+
+def test_pools_partition_the_roles_with_their_own_ranks_and_slurm_resources():
+    cfg = _pools(POOLS, "placement.tasks_per_node=1", "placement.slurm.cpus_per_task=4")
+    pools = cfg.pools()
+    assert list(pools) == ["actor_rollout", "ref", "critic"]
+    assert pools["actor_rollout"].roles == ("actor", "rollout", "reward")  # the score function joins the rollout
+    assert (pools["actor_rollout"].world_size, pools["ref"].world_size) == (2, 1)  # its own, else placement's
+    assert (pools["critic"].slurm.cpus_per_task, pools["ref"].slurm.cpus_per_task) == (2, 4)
+    assert cfg.pool_of("critic").name == "critic" and cfg.actor_layout().d == 2
+    # the shorthand layouts are pools too; colocate=false without a critic or reward model is one pool
+    assert list(load_config(None, PPO).pools()) == ["actor_rollout_ref"]
+    split = load_config(None, [*PPO, "placement.colocate=false", "placement.critic_tasks_per_node=2"])
+    assert {n: (p.roles, p.world_size) for n, p in split.pools().items()} == {
+        "actor_rollout_ref": (("actor", "rollout", "reward", "ref"), 1),
+        "critic": (("critic",), 2),
+    }
+    assert list(load_config(None, [*MINIMAL, "placement.colocate=false"]).pools()) == ["actor_rollout_ref"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"ref": {"roles": ["ref", "judge"]}},
+            r"placement.pools.ref.roles: unknown role\(s\) 'judge'; roles are actor",
+        ),
+        ({"ref": {"roles": ["ref", "critic"]}}, r"placement.pools: role 'critic' is in pools ref and critic"),
+        ({"ref": None}, r"placement.pools: role 'ref' is in no pool; add it to the roles of one pool"),
+        ({"ref": {"roles": []}}, r"placement.pools.ref.roles: List should have at least 1 item"),
+        ({"ref": {"roles": ["ref"], "tasks_per_node": 0}}, r"placement.pools.ref.tasks_per_node: .*greater than or"),
+        (
+            {"actor_rollout": {"roles": ["actor"]}, "gen": {"roles": ["rollout"]}},
+            r"actor \(pool actor_rollout\) and rollout \(pool gen\) must share a pool: .*\.pools\.actor_rollout",
+        ),
+        (
+            {"rm": {"roles": ["reward_model"]}},
+            r"placement.pools.rm: this run uses none of its roles .*reward_model.enable",
+        ),
+        ({"ref": {"roles": ["ref"], "slurm": {"gpus": 1}}}, r"placement.pools.ref.slurm.gpus: unknown key"),
+        ({"ref": {"roles": ["ref"], "nodes": 2}}, r"placement.nodes > 1 needs placement.executor: slurm"),
+    ],
+)
+def test_bad_pools_are_refused_naming_the_key(change, message):
+    pools = {**POOLS, **change}
+    with pytest.raises(ConfigError, match=message):
+        _pools({name: pool for name, pool in pools.items() if pool is not None})
+
+
+def test_pools_replace_the_colocate_shorthand_and_are_not_for_reward_model_training():
+    from hybridflow.engine.config import RMTrainingConfig
+
+    with pytest.raises(ConfigError, match=r"placement.pools replaces placement.critic_tasks_per_node"):
+        _pools(POOLS, "placement.critic_tasks_per_node=2")
+    with pytest.raises(ConfigError, match=r"critic.strategy=megatron runs in the megatron actor's processes"):
+        _pools(POOLS, "critic.strategy=megatron")
+    with pytest.raises(ConfigError, match=r"hf rm train runs one data-parallel worker group: remove placement.pools"):
+        load_config(
+            None,
+            ["data.train_files=[p.jsonl]", 'placement.pools={"a": {"roles": ["reward_model"]}}'],
+            schema=RMTrainingConfig,
+        )
+
+
+def test_resume_may_move_a_pools_slurm_job_and_its_concurrency_but_not_its_ranks():
+    from hybridflow.engine.config import resume_config
+
+    stored = _pools(POOLS).model_dump(mode="json")
+    moved = resume_config(stored, ["placement.pools.critic.slurm.time_min=30", "placement.concurrent=false"])
+    assert moved.pools()["critic"].slurm.time_min == 30 and moved.placement.concurrent is False
+    with pytest.raises(ConfigError, match=r"cannot change placement.pools.critic.tasks_per_node: .* hf run"):
+        resume_config(stored, ["placement.pools.critic.tasks_per_node=2"])

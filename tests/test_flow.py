@@ -2,8 +2,11 @@
 worker groups as separate processes, the SQLite run store, the tiny model. Includes SIGKILL + `hf resume`."""
 
 import importlib.util
+import itertools
+import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -518,30 +521,95 @@ def test_four_model_ppo_trains_on_the_reward_model_and_the_function(four_models)
     assert {"generate", "rm_score", "reward", "ref_log_prob", "values", "update_critic", "update_actor"} <= names
 
 
-def test_reward_model_and_critic_in_groups_of_their_own_equal_colocated(
+FOUR_POOLS = {
+    "actor_rollout": {"roles": ["actor", "rollout", "reward"]},
+    "ref": {"roles": ["ref"]},
+    "critic": {"roles": ["critic"]},
+    "rm": {"roles": ["reward_model"]},
+}
+POOLED = [f"placement.pools={json.dumps(FOUR_POOLS)}"]
+
+
+def _overlap(a, b) -> float:
+    """Seconds two stage spans ran at the same time (0: one after the other)."""
+    return max(0.0, (min(a.ended_at, b.ended_at) - max(a.started_at, b.started_at)).total_seconds())
+
+
+def test_four_pools_run_their_stages_at_once_and_equal_the_colocated_run(
     prefect_api, tmp_path, tiny_model_dir, four_models
 ):
+    """Actor + rollout, ref, critic and reward model on four pools (worker groups): the stages after generation
+    and the two updates run at the same time (their spans in the store's timeline overlap), each on its own pool,
+    and every metric equals the colocated run's, where the same stages ran one after another."""
     from hybridflow.flows.rlhf import rlhf_flow
 
     extra, reference_store, reference_id = four_models
-    cfg = _cfg(tmp_path, tiny_model_dir, "ppo_tiny.yaml", [*extra, "placement.colocate=false"])
+    cfg = _cfg(tmp_path, tiny_model_dir, "ppo_tiny.yaml", [*extra, *POOLED])
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
-    run_id = store.create_run(cfg.model_dump(mode="json"), "four-split")
+    run_id = store.create_run(cfg.model_dump(mode="json"), "four-pools")
     rlhf_flow(run_id=run_id, db_url=store.url)
-    groups = {p.role: p.group_name for p in store.placements(run_id)}
-    assert groups["reward_model"] == "reward_model" and groups["critic"] == "critic"
-    assert groups["actor"] == groups["ref"] == "actor_rollout_ref"
-    split, reference = _by_step(store, run_id), _by_step(reference_store, reference_id)
+    placed = {p.role: p for p in store.placements(run_id)}
+    assert {role: p.group_name for role, p in placed.items()} == {
+        "actor": "actor_rollout",
+        "rollout": "actor_rollout",
+        "reward": "actor_rollout",
+        "ref": "ref",
+        "critic": "critic",
+        "reward_model": "rm",
+    }
+    assert {r: placed[r].parallel["strategy"] for r in ("actor", "critic", "reward_model")} == dict.fromkeys(
+        ("actor", "critic", "reward_model"), "ddp"
+    )
+    pooled, reference = _by_step(store, run_id), _by_step(reference_store, reference_id)
     for step in (1, 2, 3):
         for name in FOUR_COMPARED:
-            assert split[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+            assert pooled[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+        spans = {s.stage: s for s in store.stage_times(run_id, step)}
+        pools = {stage: span.pool for stage, span in spans.items()}
+        assert pools == {
+            "step": None,
+            "gen": "actor_rollout",
+            "rm_score": "rm",
+            "reward": "actor_rollout",
+            "old_log_prob": "actor_rollout",
+            "ref": "ref",
+            "values": "critic",
+            "adv": None,
+            "update_critic": "critic",
+            "update_actor": "actor_rollout",
+        }
+        after_gen = [spans[k] for k in ("rm_score", "reward", "old_log_prob", "ref", "values")]
+        assert all(s.started_at >= spans["gen"].ended_at for s in after_gen)
+        assert spans["old_log_prob"].started_at >= spans["reward"].ended_at  # one pool: one after the other
+        assert all(s.ended_at <= spans["adv"].started_at for s in after_gen)
+        assert _overlap(spans["update_critic"], spans["update_actor"]) > 0, step
+        busy = sum(s.duration_s for s in after_gen)
+        wall = (max(s.ended_at for s in after_gen) - spans["gen"].ended_at).total_seconds()
+        assert busy > wall, (step, busy, wall)  # four pools' stages at once take less time than their sum
+    names = _task_names(store.get_run(run_id).prefect_flow_run_id)
+    assert {"rm_score", "ref_log_prob", "values", "update_critic", "update_actor"} <= names
+    shown = subprocess.run(
+        [HF, "runs", "timeline", run_id, "--step", "2", "--db", store.url],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    text = " ".join(shown.stdout.split())
+    factor = re.search(r"stages: ([\d.]+) s of work in ([\d.]+) s \(([\d.]+)x\)", text)
+    assert "iteration 2" in text and "update_critic │ critic │" in text and factor and float(factor[3]) > 1, text
+    as_json = subprocess.run(
+        [HF, "runs", "timeline", run_id, "--step", "2", "--json", "--db", store.url], capture_output=True, text=True
+    ).stdout
+    assert {json.loads(line)["stage"]: json.loads(line)["pool"] for line in as_json.splitlines()} == pools
 
 
-def test_four_model_run_killed_mid_iteration_resumes_bit_identically(
-    prefect_api, tmp_path, tiny_model_dir, four_models
-):
+def test_four_pool_run_killed_mid_iteration_resumes_bit_identically(prefect_api, tmp_path, tiny_model_dir, four_models):
+    """The four pools with their stages one after another (``placement.concurrent: false``): killed with SIGKILL
+    inside iteration 3, resumed by ``hf resume``; every iteration equals the colocated run's."""
     extra, reference_store, reference_id = four_models
-    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, extra, "ppo_tiny.yaml")
+    pooled = [*extra, *POOLED, "placement.concurrent=false"]
+    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, pooled, "ppo_tiny.yaml")
     run_id = _wait_inside_iteration(proc, store, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -553,3 +621,7 @@ def test_four_model_run_killed_mid_iteration_resumes_bit_identically(
     for step in (1, 2, 3):
         for name in FOUR_COMPARED:
             assert resumed[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+        spans = sorted((s for s in store.stage_times(run_id, step) if s.stage != "step"), key=lambda s: s.started_at)
+        assert len(spans) == 9 and all(a.ended_at <= b.started_at for a, b in itertools.pairwise(spans)), step
+    placements = store.placements(run_id)
+    assert {p.group_name for p in placements} == set(FOUR_POOLS) and len(placements) == 2 * 6  # both sessions

@@ -143,6 +143,14 @@ def test_slurm_partition_that_does_not_exist(tmp_path, tiny_model_dir, slurm_clu
     assert code == 2 and "placement.slurm.partition" in out and "gpu-nope" in out and "debug" in out
 
 
+def test_a_pool_with_more_nodes_than_its_partition_has(tmp_path, tiny_model_dir, slurm_cluster):
+    pools = '{"actor_rollout": {"roles": ["actor", "rollout"]}, "ref": {"roles": ["ref"], "nodes": 2}}'
+    code, out = _run(
+        tmp_path, tiny_model_dir, "placement.executor=slurm", f"placement.pools={pools}", "actor.use_kl_loss=true"
+    )
+    assert code == 2 and "placement.pools.ref.nodes: pool ref asks for 2 nodes, and partition 'debug' has 1" in out
+
+
 @pytest.mark.parametrize("single_path", [True, False])
 def test_your_data_replaces_the_examples_source(tmp_path, tiny_model_dir, single_path):
     """``-o data.train_files=...`` on an example with reasoning-gym prompts trains on the given file alone (and a

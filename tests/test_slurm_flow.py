@@ -1,8 +1,10 @@
-"""`hf run --executor slurm` end to end on the real Slurm cluster: the tiny PPO run with a data-parallel actor group
-(2 ranks) and a separate critic group (1 rank), its placement in the store and in `hf runs show`; then Slurm's
+"""`hf run --executor slurm` end to end on the real Slurm cluster: the tiny PPO run with all four models on four
+resource pools (a data-parallel actor pool of 2 ranks), its placement in the store and in `hf runs show`, and an
+exact `hf resume --from`; then Slurm's
 time-limit warning (SIGUSR2) stopping a run at a stage boundary with a checkpoint, a killed rank failing it, and
 `hf resume` relaunching the groups each time until the run completes."""
 
+import json
 import os
 import shutil
 import signal
@@ -11,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from tiny_runs import write_reward
 
@@ -72,38 +75,83 @@ def _rank_pid(job: str, rank: int) -> int:
     raise AssertionError(f"no rank {rank} in scontrol listpids {job}:\n{listed}")
 
 
-def test_hf_run_on_slurm_with_dp_actor_and_split_critic(slurm_cluster, prefect_api, tmp_path, tiny_model_dir):
+def test_hf_run_on_slurm_with_four_pools_then_resume_repeats_an_iteration_exactly(
+    slurm_cluster, prefect_api, tmp_path, tiny_model_dir
+):
+    """The tiny PPO run with all four models on four resource pools, each its own Slurm job: a data-parallel actor
+    + rollout pool (2 ranks), ref, critic and reward model (1 rank each). Its pools, ranks, strategies and jobs are
+    on record (and in ``hf runs show``), every job ends COMPLETED, the stages of different pools overlap in the
+    timeline; then ``hf resume --from global_step_1`` relaunches the four jobs and redoes iteration 2 exactly."""
+    from tiny_runs import write_reward_model
+    from transformers import AutoTokenizer
+
+    rm = write_reward_model(tmp_path / "rm", AutoTokenizer.from_pretrained(tiny_model_dir), seed=1)
+    pools = {
+        "actor_rollout": {"roles": ["actor", "rollout"], "tasks_per_node": 2},
+        "ref": {"roles": ["ref"]},
+        "critic": {"roles": ["critic"]},
+        "rm": {"roles": ["reward_model"]},
+    }
     config = _config_file(
         tmp_path,
         tiny_model_dir,
         "ppo_tiny.yaml",
-        ["placement.colocate=false", "placement.tasks_per_node=2", "placement.critic_tasks_per_node=1"],
+        [
+            f"placement.pools={json.dumps(pools)}",
+            "actor.use_kl_loss=true",
+            "reward_model.enable=true",
+            f"reward_model.path={rm}",
+            "trainer.save_freq=1",
+        ],
     )
     db = f"sqlite:///{tmp_path / 'runs.db'}"
     log = tmp_path / "run.log"
-    proc = _hf("run", str(config), "--executor", "slurm", "--db", db, "--prefect-api", prefect_api, log=log)
+    common = ["--db", db, "--prefect-api", prefect_api]
+    proc = _hf("run", str(config), "--executor", "slurm", *common, log=log)
     assert proc.wait(timeout=600) == 0, log.read_text()
     store = RunStore(db)
     (run,) = store.list_runs()
     assert run.status == "completed"
     placed = {p.role: p for p in store.placements(run.id)}
     assert {p.executor for p in placed.values()} == {"slurm"}
-    actor, critic = placed["actor"], placed["critic"]
-    assert actor.ranks == [0, 1] and critic.ranks == [0]  # DP=2 actor group, DP=1 critic group
-    assert actor.slurm_job_id and critic.slurm_job_id and actor.slurm_job_id != critic.slurm_job_id
-    assert actor.hosts == [slurm_cluster["node"]] * 2
+    assert {role: (p.group_name, p.ranks) for role, p in placed.items()} == {
+        "actor": ("actor_rollout", [0, 1]),  # a DP=2 pool
+        "rollout": ("actor_rollout", [0, 1]),
+        "reward": ("actor_rollout", [0, 1]),
+        "ref": ("ref", [0]),
+        "critic": ("critic", [0]),
+        "reward_model": ("rm", [0]),
+    }
+    assert placed["actor"].parallel == {"strategy": "ddp", "train": {"pp": 1, "tp": 1, "dp": 2}}
+    assert placed["critic"].parallel == placed["reward_model"].parallel == {"strategy": "ddp"}
+    jobs = {name: placed[role].slurm_job_id for name, role in [("actor_rollout", "actor"), ("ref", "ref"),
+            ("critic", "critic"), ("rm", "reward_model")]}  # fmt: skip
+    assert len(set(jobs.values())) == 4 and all(jobs.values())
+    assert placed["actor"].hosts == [slurm_cluster["node"]] * 2
     accounting = subprocess.run(
-        ["sacct", "-X", "-n", "-P", "-o", "JobID,JobName,State", "-j", f"{actor.slurm_job_id},{critic.slurm_job_id}"],
+        ["sacct", "-X", "-n", "-P", "-o", "JobID,JobName,State", "-j", ",".join(jobs.values())],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    assert f"{actor.slurm_job_id}|hybridflow-actor_rollout_ref|COMPLETED" in accounting  # shut down cleanly
-    assert f"{critic.slurm_job_id}|hybridflow-critic|COMPLETED" in accounting
-    steps = {m.step for m in store.metrics(run.id)}
-    assert {1, 2} <= steps
+    for name, job in jobs.items():
+        assert f"{job}|hybridflow-{name}|COMPLETED" in accounting, accounting  # shut down cleanly
+    first = {(m.step, m.name): m.value for m in store.metrics(run.id)}
+    spans = {s.stage: s for s in store.stage_times(run.id, 2)}
+    assert spans["ref"].pool == "ref" and spans["values"].pool == "critic" and spans["rm_score"].pool == "rm"
+    assert max(s.started_at for s in (spans["update_critic"], spans["update_actor"])) < min(
+        s.ended_at for s in (spans["update_critic"], spans["update_actor"])
+    )  # the two updates ran at the same time, on their own pools' jobs
     shown = subprocess.run([HF, "runs", "show", run.id, "--db", db], capture_output=True, text=True, check=True)
-    assert actor.slurm_job_id in shown.stdout and critic.slurm_job_id in shown.stdout and "slurm" in shown.stdout
+    assert all(job in shown.stdout for job in jobs.values()) and "slurm" in shown.stdout
+
+    proc = _hf("resume", run.id, "--from", "global_step_1", *common, log=log)
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    assert store.get_run(run.id).status == "completed"
+    assert len({p.slurm_job_id for p in store.placements(run.id)}) == 8  # four new jobs
+    again = {(m.step, m.name): m.value for m in store.metrics(run.id)}
+    for name in ["critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss"]:
+        assert again[(2, name)] == pytest.approx(first[(2, name)], rel=1e-6, abs=1e-9), name
 
 
 TOTAL = 20  # iterations of the time-limit test's run: many more than the warning needs to reach the controller

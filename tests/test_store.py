@@ -40,7 +40,7 @@ from hybridflow.flows.store import (
     default_db_url,
 )
 
-TABLES = {"runs", "iterations", "metrics", "checkpoints", "placements", "samples"}
+TABLES = {"runs", "iterations", "metrics", "checkpoints", "placements", "samples", "stage_times"}
 SHA_A, SHA_B = "a" * 64, "0123456789abcdef" * 4
 PG_SESSION_OPTIONS = "?options=-c%20timezone%3DAsia%2FKolkata"  # UTC+05:30
 
@@ -98,7 +98,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0006"
+        assert head == "0007"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -375,6 +375,25 @@ def test_samples_round_trip_replace_and_cascade(store):
     assert _count(store, "samples") == 0
 
 
+def test_stage_times_round_trip_replace_and_cascade(store):
+    run_id = store.create_run({}, "exp")
+    t = 1_790_000_000.0
+    store.record_stage_times(run_id, 1, [("gen", "actor_rollout", t, t + 2.5), ("ref", "ref", t + 2.5, t + 3.0)])
+    store.record_stage_times(run_id, 1, [("values", "critic", t + 2.5, t + 3.25), ("adv", None, t + 3.5, t + 3.5)])
+    store.record_stage_times(run_id, 2, [("gen", "actor_rollout", t + 10, t + 11.5)])
+    first = store.stage_times(run_id, step=1)  # a redone iteration replaced its timeline
+    assert [(s.stage, s.pool, s.duration_s) for s in first] == [("values", "critic", 0.75), ("adv", None, 0.0)]
+    assert first[0].started_at.timestamp() == pytest.approx(t + 2.5, abs=1e-6) and first[0].to_dict()["pool"]
+    assert [s.step for s in store.stage_times(run_id)] == [1, 1, 2]
+    with pytest.raises(ValueError, match=r"span 0 \('gen'\) of step 3: start .* is not a time span"):
+        store.record_stage_times(run_id, 3, [("gen", "a", t + 1, t)])
+    with pytest.raises(ValueError, match=r"span 0 of step 3 must be \(stage, pool, start, end\)"):
+        store.record_stage_times(run_id, 3, [("gen", t, t)])
+    assert store.stage_times(run_id, step=3) == []
+    store.delete_run(run_id)
+    assert _count(store, "stage_times") == 0
+
+
 def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
     from alembic import command
 
@@ -396,7 +415,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0006"
+        assert store.current_revision() == "0007"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
         insert = (

@@ -3,9 +3,9 @@
 Runs one config twice with ``hf run`` (each run its own store): with ``placement.concurrent: true`` (stages of
 different pools at once) and ``false`` (the same pools, one stage after another), then prints, for each, the median
 iteration time (``timing_s/step``, iterations after the first), each iteration's stage work and wall seconds
-(``hf runs timeline``'s figures: busy = the sum of the stages' durations, wall = first start to last end) and the
-median per-stage seconds. The metrics of both runs must agree (the script checks ``critic/score/mean`` and
-``actor/pg_loss``).
+(``hf runs timeline``'s figures: busy = the sum of the stages' durations, wall = first start to last end), the
+median per-stage seconds and the last iteration's timeline. The metrics of both runs must agree (the script checks
+``critic/score/mean`` and ``actor/pg_loss``).
 
     .venv/bin/python benchmarks/concurrent_stages.py [--config examples/ppo_pools_smollm2.yaml] [-o key=value ...]
 """
@@ -19,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from hybridflow.cli.timeline import overlap
+from rich.console import Console
+
+from hybridflow.cli.timeline import overlap, timeline_table
 from hybridflow.flows.store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +66,7 @@ def main() -> None:
                 if (steps[-1], f"timing_s/{name}") in metrics
             }
             print("  median stage seconds: " + ", ".join(f"{n} {v:.2f}" for n, v in per_stage.items()))
+            Console(width=150).print(timeline_table(steps[-1], store.stage_times(run_id, steps[-1])))
             results[concurrent] = metrics, steps
     (on, steps), (off, _) = results[True], results[False]
     for name in ("critic/score/mean", "actor/pg_loss"):

@@ -442,10 +442,12 @@ class PlacementConfig(_Section):
                 raise ValueError(
                     f"placement.pools: role {role!r} is in pools {' and '.join(names)}; put each role in one pool"
                 )
-        for pool in self.pool_configs().values():
+        for name, pool in self.pool_configs().items():
             if self.executor == "local" and pool.nodes > 1:
+                key = "critic_nodes" if name == "critic" and self.critic_nodes else "nodes"
+                key = f"pools.{name}.nodes" if self.pools is not None and self.pools[name].nodes else key
                 raise ValueError(
-                    "placement.nodes > 1 needs placement.executor: slurm (local groups run on this machine)"
+                    f"placement.{key} > 1 needs placement.executor: slurm (local groups run on this machine)"
                 )
         return self
 

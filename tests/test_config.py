@@ -214,7 +214,7 @@ def test_pools_partition_the_roles_with_their_own_ranks_and_slurm_resources():
             r"placement.pools.rm: this run uses none of its roles .*reward_model.enable",
         ),
         ({"ref": {"roles": ["ref"], "slurm": {"gpus": 1}}}, r"placement.pools.ref.slurm.gpus: unknown key"),
-        ({"ref": {"roles": ["ref"], "nodes": 2}}, r"placement.nodes > 1 needs placement.executor: slurm"),
+        ({"ref": {"roles": ["ref"], "nodes": 2}}, r"placement.pools.ref.nodes > 1 needs placement.executor: slurm"),
     ],
 )
 def test_bad_pools_are_refused_naming_the_key(change, message):

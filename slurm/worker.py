@@ -23,8 +23,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+import submitit
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -41,6 +43,8 @@ HANDLE_KEY = "__handle__"
 PART_KEY = "__part__"  # a result batch written to the data folder: its `write_part` description
 DP_KEY = "__dp_rank__"  # beside it: the data-parallel index whose rows it holds (parts are ordered by it)
 SKIP_KEY = "__not_collected__"  # a rank whose replica's result another rank returns
+RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank waits to learn where rank 0's rendezvous store listens
+STORE_TIMEOUT = timedelta(minutes=5)  # torch.distributed's store operations (every rank's join included)
 
 
 @dataclass
@@ -131,16 +135,25 @@ def _heartbeats(
         conn.close()
 
 
-def _init_distributed(backend: str, interface: str | None, controller_host: str) -> tuple[int, int, str]:
-    """Join the group's torch.distributed world (rendezvous at rank 0's node, from Slurm's or the local launcher's
-    environment) and pick this rank's GPU on GPU nodes. Returns (rank, world size, job id).
+def _init_distributed(
+    backend: str, interface: str | None, controller_host: str, conn: WorkerConnection
+) -> tuple[int, int, str]:
+    """Join the group's torch.distributed world and pick this rank's GPU on GPU nodes. Returns (rank, world size,
+    job id).
 
-    Nothing listens on every interface (`hybridflow.slurm.network`): rank 0's rendezvous store is bound to the
-    address the other ranks connect to (127.0.0.1 for a local group; on Slurm the address of rank 0's node name, or
-    its route to the controller where that name resolves to loopback on a multi-node job), and gloo's and NCCL's
-    connections use `interface` (``lo`` locally; on Slurm ``placement.slurm.interface``, else the interface on the
-    route to the controller)."""
-    import submitit
+    Rank 0 serves the rendezvous store on a port the operating system picks free at bind time and tells the
+    controller where (a ``rendezvous`` message on `conn`); the other ranks ask the controller for that address. A
+    port fixed in advance (submitit's, drawn from the job id) can already be held by any other socket on the node.
+
+    Nothing listens on every interface (`hybridflow.slurm.network`): the store is bound to the address the other
+    ranks connect to (127.0.0.1 for a local group; on Slurm the address of rank 0's node name, or its route to the
+    controller where that name resolves to loopback on a multi-node job), and gloo's and NCCL's connections use
+    `interface` (``lo`` locally; on Slurm ``placement.slurm.interface``, else the interface on the route to the
+    controller).
+
+    Raises:
+        RuntimeError: if the controller does not say where rank 0's store is within `RENDEZVOUS_TIMEOUT_S`.
+    """
     import torch
     import torch.distributed as dist
 
@@ -150,37 +163,52 @@ def _init_distributed(backend: str, interface: str | None, controller_host: str)
     if env.num_tasks > 1:
         for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)  # inherited from the controller's environment (e.g. set by vLLM there)
-        rendezvous = submitit.helpers.TorchDistributedEnvironment()
         if interface == network.LOOPBACK:
             address, nic = "127.0.0.1", network.LOOPBACK
         else:
-            address = socket.gethostbyname(rendezvous.master_addr)
+            address = socket.gethostbyname(env.hostnames[0])
             if address.startswith("127.") and env.num_nodes > 1:
                 address = network.route_address(controller_host)
             nic = interface or network.interface_of(network.route_address(controller_host))
         if nic:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", nic)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
-        store = _rendezvous_store(address, rendezvous.master_port, env.num_tasks, env.global_rank == 0)
+        if env.global_rank == 0:
+            listen_fd, port = _listen(address, env.num_tasks)
+            conn.send({"type": "rendezvous", "address": address, "port": port})
+        else:
+            listen_fd = None
+            address, port = _ask_rendezvous(conn)
+        store = dist.TCPStore(
+            address, port, env.num_tasks, env.global_rank == 0, timeout=STORE_TIMEOUT, master_listen_fd=listen_fd
+        )
         dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.num_tasks)
     return env.global_rank, env.num_tasks, str(env.job_id)
 
 
-def _rendezvous_store(address: str, port: int, world_size: int, is_master: bool):
-    """torch.distributed's TCPStore at `address`:`port`; rank 0 serves it on a socket it binds to `address` only
-    (torch's own server would listen on every interface)."""
-    from datetime import timedelta
+def _listen(address: str, world_size: int) -> tuple[int, int]:
+    """A listening socket bound to `address` only (torch's own store server would listen on every interface) on a
+    free port. Returns (its file descriptor, which the store's server then owns; the port)."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind((address, 0))
+    server.listen(max(128, world_size))
+    port = server.getsockname()[1]
+    return server.detach(), port
 
-    import torch.distributed as dist
 
-    listen_fd = None
-    if is_master:
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind((address, port))
-        server.listen(max(128, world_size))
-        listen_fd = server.detach()  # the store's server owns the descriptor from here
-    return dist.TCPStore(address, port, world_size, is_master, timeout=timedelta(minutes=5), master_listen_fd=listen_fd)
+def _ask_rendezvous(conn: WorkerConnection) -> tuple[str, int]:
+    """Rank 0's store address from the controller, as (host address, port). Raises RuntimeError after
+    `RENDEZVOUS_TIMEOUT_S` seconds without it."""
+    conn.send({"type": "rendezvous"})
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        message = conn.recv(remaining)
+        if message is not None and message.get("type") == "rendezvous":
+            return str(message["address"]), int(message["port"])
+    raise RuntimeError(
+        f"{conn.identity}: the controller did not say where rank 0's rendezvous store is within "
+        f"{RENDEZVOUS_TIMEOUT_S:.0f} s"
+    )
 
 
 def serve(boot: Bootstrap) -> None:
@@ -192,7 +220,7 @@ def serve(boot: Bootstrap) -> None:
     notice = _SignalNotice()
     notice.install()
     controller_host = boot.controller_address.removeprefix("tcp://").rsplit(":", 1)[0]
-    rank, world_size, job_id = _init_distributed(boot.backend, boot.interface, controller_host)
+    rank = submitit.JobEnvironment().global_rank
     signer = Signer(read_secret(boot.secret_path))
     identity = f"{boot.group}/rank-{rank}"
     stop = threading.Event()
@@ -212,6 +240,7 @@ def serve(boot: Bootstrap) -> None:
     beat.start()
     conn = WorkerConnection(boot.controller_address, identity, signer)
     try:
+        rank, world_size, job_id = _init_distributed(boot.backend, boot.interface, controller_host, conn)
         cls = load_object(boot.worker_cls, f"worker class of group {boot.group!r}")
         methods = registered_methods(cls)
         worker = cls(rank=rank, world_size=world_size, data_dir=boot.data_dir, **boot.worker_kwargs)

@@ -3,7 +3,8 @@
 The controller (the Prefect flow's process) creates a `WorkerGroup` for a worker class; submitit starts one task
 per rank (`local`: submitit's LocalExecutor, processes on this machine; `slurm`: one Slurm job of ``nodes`` x
 ``tasks_per_node`` tasks, submitted with sbatch). Ranks rendezvous for torch.distributed at rank 0's node (gloo on
-CPU, NCCL on GPU). Every rank connects back to the controller over the authenticated channel (the controller
+CPU, NCCL on GPU): rank 0 listens on a port free at that moment and the controller relays its address to the
+others. Every rank connects back to the controller over the authenticated channel (the controller
 listens on 127.0.0.1 for local groups and on its cluster address for Slurm groups, never on every interface: see
 `hybridflow.slurm.network`), says hello, and then serves the class's
 registered methods. Calling ``group.method(...)`` (or ``group.call("method", ...)``)
@@ -200,6 +201,8 @@ class WorkerGroup:
         self.ranks: dict[int, RankInfo] = {}
         self.methods: dict[str, Dispatch] = {}
         self.warning_signals: dict[int, list[str]] = {}
+        self._rendezvous: dict[str, Any] | None = None  # where rank 0's store listens, once it has said
+        self._asking: set[str] = set()  # ranks that asked before rank 0 said
         self._closed = False
         self._last_slurm_poll = 0.0
         self._slurm_state = ""
@@ -394,6 +397,8 @@ class WorkerGroup:
                 rank, int(message["pid"]), str(message["host"]), time.monotonic(), str(message.get("node", ""))
             )
             self.methods = {name: Dispatch(mode) for name, mode in message["methods"].items()}
+        elif kind == "rendezvous":
+            self._relay_rendezvous(sender, message)
         elif kind == "heartbeat":
             rank = int(sender.removeprefix(f"{self.spec.name}/rank-").split("/")[0])
             self._beat(rank)
@@ -404,6 +409,18 @@ class WorkerGroup:
         elif kind == "fatal":
             rank = int(message["rank"])
             raise self._error(f"rank {rank} failed while starting:\n{message['traceback']}", [rank])
+
+    def _relay_rendezvous(self, sender: str, message: dict[str, Any]) -> None:
+        """Rank 0 says where its rendezvous store listens (``address``, ``port``); every other rank asks, and is
+        answered as soon as that is known."""
+        if "port" in message:
+            self._rendezvous = {"type": "rendezvous", "address": str(message["address"]), "port": int(message["port"])}
+        else:
+            self._asking.add(sender)
+        if self._rendezvous is not None:
+            for identity in sorted(self._asking):
+                self._endpoint.send(identity, self._rendezvous)
+            self._asking.clear()
 
     def _beat(self, rank: int) -> None:
         if rank in self.ranks:
@@ -430,7 +447,7 @@ class WorkerGroup:
             if self._closed:
                 return
             while (got := self._endpoint.recv(0)) is not None:
-                if got[1].get("type") in ("heartbeat", "hello", "fatal"):
+                if got[1].get("type") in ("heartbeat", "hello", "fatal", "rendezvous"):
                     self._handle_side_message(got[1])
 
     def _check_job_alive(self, during: str) -> str:

@@ -3,7 +3,9 @@ sbatch through submitit, torch.distributed inside the job, several groups at onc
 groups of different sizes, and the failures a cluster brings (kill -9 of a rank, scancel, a drained node)."""
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -93,6 +95,36 @@ def test_many_to_many_transfer_between_groups_of_different_sizes(groups):
     with pytest.raises(WorkerGroupError, match=r"rank 0 raised in double") as err:
         rollout.double(produced.select(["y"]), factor=1, key="y")
     assert "rank 1 raised" not in str(err.value)
+
+
+def _submitit_ports(job_ids: range) -> set[int]:
+    """The rendezvous ports submitit's TorchDistributedEnvironment draws for these job ids (seeded by the id)."""
+    return {random.Random(str(job_id)).randint(20000, 60000) for job_id in job_ids}
+
+
+def test_ranks_rendezvous_while_another_socket_holds_the_port_submitit_would_draw(slurm_cluster, tmp_path):
+    """A port fixed by the job id can be taken by any socket on the node (CI once lost a group to a client socket
+    on it: "Address already in use"); rank 0 binds a free port instead and the controller relays it."""
+    ids = subprocess.run(
+        ["sacct", "-X", "-n", "-a", "-S", "2000-01-01", "-o", "JobID"], capture_output=True, text=True
+    ).stdout.split()
+    last = max((int(i) for i in ids if i.isdigit()), default=0)
+    held = []
+    try:
+        for port in _submitit_ports(range(last + 1, last + 11)):  # the next ten jobs' ports, on every address
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("0.0.0.0", port))
+            sock.listen(1)
+            held.append(sock)
+        group = _slurm_group(tmp_path, "crowded")
+        try:
+            assert int(group.job_id) <= last + 10
+            assert group.all_reduce(3.0) == pytest.approx(3.0 * 1 + 3.0 * 2)  # gloo across both ranks
+        finally:
+            group.shutdown(timeout_s=10)
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _raises_within(group: WorkerGroup, fault, limit_s: float = 30.0) -> tuple[WorkerGroupError, float]:

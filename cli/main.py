@@ -100,9 +100,8 @@ def _load_config(config: Path, override: list[str] | None, executor: str | None,
     (naming the file and the keys), exit 2."""
     from hybridflow.engine.config import ConfigError, load_config
 
-    overrides = list(override or []) + ([f"placement.executor={executor}"] if executor else [])
     try:
-        return load_config(config, overrides, schema)
+        return load_config(config, _overrides(override, executor), schema)
     except ConfigError as e:
         message = str(e) if str(e).startswith(str(config)) else f"{config}: {e}"
         console.print(message, markup=False, style="red")
@@ -332,6 +331,110 @@ def _status_text(record) -> str:
         return record.status
     beat = f"{record.heartbeat_at:%Y-%m-%d %H:%M:%S}" if record.heartbeat_at else "none"
     return f"crashed (last heartbeat {beat})"
+
+
+# ---------------------------------------------------------------------------------------------------- plan
+@app.command()
+def plan(
+    config: Annotated[Path, typer.Argument(help="YAML run configuration", exists=True, dir_okay=False)],
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="devices per node (GPUs; on CPU: ranks)")],
+    nodes: Annotated[int, typer.Option(min=1, help="nodes of the cluster")] = 1,
+    gpu: Annotated[str | None, typer.Option(help="hardware profile: a100-80gb, h100-80gb, h200")] = None,
+    gpu_memory_gb: Annotated[float | None, typer.Option(help="memory per device (GB); replaces the profile's")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="plan every model at a preset size instead of the config's: llama-7b ...")
+    ] = None,
+    prompt_length: Annotated[
+        int | None, typer.Option(help="prompt tokens (default: data.max_prompt_length)", min=1)
+    ] = None,
+    strategies: Annotated[
+        str, typer.Option(help="runtime: strategies this version runs; all: the paper's (3D for every model)")
+    ] = "runtime",
+    top: Annotated[int, typer.Option(min=1, help="candidates shown")] = 10,
+    output: Annotated[Path | None, typer.Option(help="write the config with the chosen plan here (YAML)")] = None,
+    override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
+    executor: Annotated[str | None, typer.Option(help="local or slurm (same as -o placement.executor=...)")] = None,
+) -> None:
+    """Choose where the run's models live, how many devices each pool gets and each model's parallel strategy, by
+    estimating the iteration's latency (HybridFlow paper, section 6, Algorithm 1). Prints the ranked plans and, with
+    --output, writes the config with the fastest plan this version runs (run it with `hf run`)."""
+    import time
+
+    from hybridflow.cli.plan import candidates_table, rejected_table, timeline_table
+    from hybridflow.engine.config import ConfigError, apply_overrides, validate_config
+    from hybridflow.mapping.cost import Workload
+    from hybridflow.mapping.hardware import UnknownHardware, hardware_profile
+    from hybridflow.mapping.planner import RUNTIME_KINDS, PlanError, Planner
+    from hybridflow.mapping.render import apply_plan
+    from hybridflow.mapping.shapes import run_models
+
+    def fail(message: str) -> None:
+        console.print(message, markup=False, style="red")
+        raise typer.Exit(2)
+
+    cfg = _load_config(config, override, executor)
+    if strategies not in ("runtime", "all"):
+        fail(f"--strategies {strategies!r}: use runtime or all")
+    if cfg.placement.executor == "local" and nodes > 1:
+        fail(
+            f"--nodes {nodes} with placement.executor local: local groups run on this machine; pass --nodes 1, "
+            "or --executor slurm to plan for a Slurm cluster"
+        )
+    try:
+        hw = hardware_profile(gpu, gpu_memory_gb)
+        models = run_models(cfg, model)
+    except (UnknownHardware, KeyError, FileNotFoundError, ValueError) as e:
+        fail(str(e.args[0] if isinstance(e, KeyError) else e))
+    planner = Planner(
+        models, Workload.from_config(cfg, prompt_length), hw, nodes, gpus_per_node, strategies, cfg.placement.concurrent
+    )
+    started = time.perf_counter()
+    try:
+        result = planner.search()
+    except PlanError as e:
+        fail(str(e))
+    seconds = time.perf_counter() - started
+    tree = apply_overrides(yaml.safe_load(config.read_text()) or {}, _overrides(override, executor), source=str(config))
+    chosen, chosen_tree = None, None
+    for candidate in result.candidates:
+        outside = [f"{m} {s.kind}" for m, s in candidate.strategies.items() if s.kind not in RUNTIME_KINDS[m]]
+        if outside:
+            candidate.not_runnable = f"not in this version: {', '.join(outside)}"
+            continue
+        try:
+            planned = apply_plan(tree, candidate, gpus_per_node)
+            validate_config(planned)
+        except ConfigError as e:
+            candidate.not_runnable = str(e).splitlines()[0]
+            continue
+        chosen, chosen_tree = candidate, planned
+        break
+    console.print(
+        f"{result.placements} placements, {result.allocations} allocations, {len(result.candidates)} feasible plans "
+        f"in {seconds:.2f} s; models: "
+        + ", ".join(f"{m} {s.name}" for m, s in result.models.items())
+        + f"; {result.workload.sequences} sequences of {result.workload.prompt_length} + "
+        f"{result.workload.response_length} tokens per iteration"
+    )
+    console.print(candidates_table(result, top))
+    if result.rejected:
+        console.print(rejected_table(result))
+    if chosen is None:
+        fail("none of the plans runs in this version (see the last column); --strategies runtime plans only those")
+    console.print(timeline_table(chosen))
+    console.print(
+        f"chosen: {' | '.join('+'.join(m) for m in chosen.placement)} on {' | '.join(map(str, chosen.devices))} "
+        f"devices, {chosen.seconds:.2f} s per iteration (estimated)"
+    )
+    if output is not None:
+        tmp = output.with_name(f".{output.name}.tmp")
+        tmp.write_text(yaml.safe_dump(chosen_tree, sort_keys=False))
+        os.replace(tmp, output)
+        console.print(f"wrote {output}: run it with [bold]hf run {output}[/bold]")
+
+
+def _overrides(override: list[str] | None, executor: str | None) -> list[str]:
+    return list(override or []) + ([f"placement.executor={executor}"] if executor else [])
 
 
 # ---------------------------------------------------------------------------------------------------- runs
@@ -682,20 +785,13 @@ def models_prepare(
 
 
 # ---------------------------------------------------------------------------------------------------- entry
-_OURS = {
-    "run",
-    "rm",
-    "resume",
-    "runs",
-    "server",
-    "models",
-    "--help",
-    "-h",
-    "--version",
-    "-V",
-    "--install-completion",
-    "--show-completion",
-}
+_OPTIONS = {"--help", "-h", "--version", "-V", "--install-completion", "--show-completion"}
+
+
+def _ours() -> set[str]:
+    """Our commands and command groups (``run``, ``plan``, ``runs`` ...) and top-level options."""
+    commands = {c.name or c.callback.__name__ for c in app.registered_commands}
+    return commands | {g.name for g in app.registered_groups} | _OPTIONS
 
 
 def version() -> str:
@@ -723,7 +819,7 @@ def _main(
 
 def _forward_to_huggingface_hub(argv: list[str]) -> bool:
     """True if `argv` (without the program name) is a huggingface_hub `hf` command rather than ours."""
-    if not argv or argv[0] not in _OURS:
+    if not argv or argv[0] not in _ours():
         return bool(argv)
     return argv[0] == "models" and len(argv) > 1 and argv[1] not in {"prepare", "--help", "-h"}
 

@@ -37,7 +37,9 @@ models_app = typer.Typer(help="Embedded models (no model hub needed).", no_args_
 runs_app = typer.Typer(help="Run history from the run store.", no_args_is_help=True)
 server_app = typer.Typer(help="The local Prefect server (UI and flow-run history).", no_args_is_help=True)
 rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_args_is_help=True)
+plans_app = typer.Typer(help="Placement plans from the run store (hf plan, placement.auto).", no_args_is_help=True)
 app.add_typer(models_app, name="models")
+app.add_typer(plans_app, name="plans")
 app.add_typer(rm_app, name="rm")
 app.add_typer(runs_app, name="runs")
 app.add_typer(server_app, name="server")
@@ -126,10 +128,12 @@ def run(
     files and their columns, the reward function, the Slurm partition, the output folder): a mistake prints one
     message naming the key and the fix, exits 2 and records no run."""
     cfg = _load_config(config, override, executor)
-    _check_inputs(cfg)
     store = _store(db)
+    if cfg.placement.auto:
+        cfg = _auto_place(config, override, executor, cfg, store)
+    _check_inputs(cfg)
     _connect_prefect(prefect_api)  # before the run is recorded: a server that cannot start leaves no stray run
-    run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
+    run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name, plan_id=cfg.placement.plan)
     console.print(f"run [bold]{run_id}[/bold] recorded in {store.url}")
     _train(store, run_id)
 
@@ -333,6 +337,45 @@ def _status_text(record) -> str:
     return f"crashed (last heartbeat {beat})"
 
 
+def _auto_place(config: Path, override, executor, cfg, store):
+    """``placement.auto``: plan the run over placement.nodes x placement.tasks_per_node devices of
+    placement.hardware, record the plan, and return the config running it (what the run records: `hf resume`
+    continues on the same pools). A plan that cannot be made: its message, exit 2."""
+    from hybridflow.engine.config import apply_overrides, validate_config
+    from hybridflow.engine.embedded_models import hybridflow_home
+    from hybridflow.mapping.auto import plan_config
+    from hybridflow.mapping.calibrate import load_profiles
+    from hybridflow.mapping.hardware import BUILTIN, UnknownHardware, hardware_profile
+    from hybridflow.mapping.planner import PlanError
+
+    placement = cfg.placement
+    try:
+        if placement.hardware is None:
+            known = ", ".join([*BUILTIN, *load_profiles(hybridflow_home() / "hardware")])
+            raise UnknownHardware(
+                f"placement.auto needs placement.hardware: the devices' profile, one of {known} (or fit one for "
+                "this machine with hf plan CONFIG --calibrate --gpus-per-node 1)"
+            )
+        hw = hardware_profile(placement.hardware, None, load_profiles(hybridflow_home() / "hardware"))
+        tree = apply_overrides(yaml.safe_load(config.read_text()) or {}, _overrides(override, executor), str(config))
+        planned = plan_config(cfg, tree, hw, placement.nodes, placement.tasks_per_node)
+    except (UnknownHardware, PlanError, FileNotFoundError, ValueError) as e:
+        console.print(f"{config}: {e}", markup=False, style="red")
+        raise typer.Exit(2) from None
+    if planned.chosen is None:
+        console.print(f"{config}: placement.auto: none of the plans runs in this version", style="red")
+        raise typer.Exit(2)
+    plan_id = planned.record(store, f"{config} (placement.auto)")
+    chosen = planned.chosen
+    console.print(
+        f"placement.auto: plan [bold]{plan_id}[/bold]: "
+        + " | ".join("+".join(m) for m in chosen.placement)
+        + f" on {' | '.join(map(str, chosen.devices))} devices, {chosen.seconds:.3g} s per iteration (estimated; "
+        f"hf plans show {plan_id})"
+    )
+    return validate_config(planned.tree)
+
+
 # ---------------------------------------------------------------------------------------------------- plan
 @app.command()
 def plan(
@@ -352,21 +395,31 @@ def plan(
     ] = "runtime",
     top: Annotated[int, typer.Option(min=1, help="candidates shown")] = 10,
     output: Annotated[Path | None, typer.Option(help="write the config with the chosen plan here (YAML)")] = None,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            help="fit a hardware profile for this machine (saved as --gpu NAME): time CONFIG's stages at two batch "
+            "sizes on one device through the real stack (or those of --from-run runs), then plan with it"
+        ),
+    ] = False,
+    from_run: Annotated[
+        list[str] | None, typer.Option(help="with --calibrate: fit to these recorded runs instead (repeatable)")
+    ] = None,
     override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
     executor: Annotated[str | None, typer.Option(help="local or slurm (same as -o placement.executor=...)")] = None,
+    db: DbOption = None,
+    prefect_api: PrefectOption = None,
 ) -> None:
     """Choose where the run's models live, how many devices each pool gets and each model's parallel strategy, by
     estimating the iteration's latency (HybridFlow paper, section 6, Algorithm 1). Prints the ranked plans and, with
     --output, writes the config with the fastest plan this version runs (run it with `hf run`)."""
-    import time
-
-    from hybridflow.cli.plan import candidates_table, rejected_table, timeline_table
-    from hybridflow.engine.config import ConfigError, apply_overrides, validate_config
-    from hybridflow.mapping.cost import Workload
+    from hybridflow.cli.plan import show_plan
+    from hybridflow.engine.config import apply_overrides
+    from hybridflow.engine.embedded_models import hybridflow_home
+    from hybridflow.mapping.auto import plan_config
+    from hybridflow.mapping.calibrate import load_profiles
     from hybridflow.mapping.hardware import UnknownHardware, hardware_profile
-    from hybridflow.mapping.planner import RUNTIME_KINDS, PlanError, Planner
-    from hybridflow.mapping.render import apply_plan
-    from hybridflow.mapping.shapes import run_models
+    from hybridflow.mapping.planner import PlanError
 
     def fail(message: str) -> None:
         console.print(message, markup=False, style="red")
@@ -380,61 +433,132 @@ def plan(
             f"--nodes {nodes} with placement.executor local: local groups run on this machine; pass --nodes 1, "
             "or --executor slurm to plan for a Slurm cluster"
         )
-    try:
-        hw = hardware_profile(gpu, gpu_memory_gb)
-        models = run_models(cfg, model)
-    except (UnknownHardware, KeyError, FileNotFoundError, ValueError) as e:
-        fail(str(e.args[0] if isinstance(e, KeyError) else e))
-    planner = Planner(
-        models, Workload.from_config(cfg, prompt_length), hw, nodes, gpus_per_node, strategies, cfg.placement.concurrent
-    )
-    started = time.perf_counter()
-    try:
-        result = planner.search()
-    except PlanError as e:
-        fail(str(e))
-    seconds = time.perf_counter() - started
+    store = _store(db)
+    if calibrate:
+        gpu = _calibrate(config, override, executor, gpu or "local", from_run or [], store, prefect_api).name
     tree = apply_overrides(yaml.safe_load(config.read_text()) or {}, _overrides(override, executor), source=str(config))
-    chosen, chosen_tree = None, None
-    for candidate in result.candidates:
-        outside = [f"{m} {s.kind}" for m, s in candidate.strategies.items() if s.kind not in RUNTIME_KINDS[m]]
-        if outside:
-            candidate.not_runnable = f"not in this version: {', '.join(outside)}"
-            continue
-        try:
-            planned = apply_plan(tree, candidate, gpus_per_node)
-            validate_config(planned)
-        except ConfigError as e:
-            candidate.not_runnable = str(e).splitlines()[0]
-            continue
-        chosen, chosen_tree = candidate, planned
-        break
-    console.print(
-        f"{result.placements} placements, {result.allocations} allocations, {len(result.candidates)} feasible plans "
-        f"in {seconds:.2f} s; models: "
-        + ", ".join(f"{m} {s.name}" for m, s in result.models.items())
-        + f"; {result.workload.sequences} sequences of {result.workload.prompt_length} + "
-        f"{result.workload.response_length} tokens per iteration"
-    )
-    console.print(candidates_table(result, top))
-    if result.rejected:
-        console.print(rejected_table(result))
-    if chosen is None:
+    try:
+        hw = hardware_profile(gpu, gpu_memory_gb, load_profiles(hybridflow_home() / "hardware"))
+        planned = plan_config(cfg, tree, hw, nodes, gpus_per_node, strategies, model, prompt_length)
+    except (UnknownHardware, PlanError, KeyError, FileNotFoundError, ValueError) as e:
+        fail(str(e.args[0] if type(e) is KeyError else e))
+    plan_id = planned.record(store, str(config))
+    show_plan(console, planned.result, planned.chosen, top, plan_id, planned.search_s)
+    if planned.chosen is None:
         fail("none of the plans runs in this version (see the last column); --strategies runtime plans only those")
-    console.print(timeline_table(chosen))
-    console.print(
-        f"chosen: {' | '.join('+'.join(m) for m in chosen.placement)} on {' | '.join(map(str, chosen.devices))} "
-        f"devices, {chosen.seconds:.2f} s per iteration (estimated)"
-    )
     if output is not None:
         tmp = output.with_name(f".{output.name}.tmp")
-        tmp.write_text(yaml.safe_dump(chosen_tree, sort_keys=False))
+        tmp.write_text(yaml.safe_dump(planned.tree, sort_keys=False))
         os.replace(tmp, output)
         console.print(f"wrote {output}: run it with [bold]hf run {output}[/bold]")
 
 
+def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], store, prefect_api):
+    """Fit the hardware profile `name` to `run_ids`, or to two runs of `config` made for it (its batch and twice
+    that, 3 iterations, every role on one rank); save it under HYBRIDFLOW_HOME/hardware and print it."""
+    from hybridflow.engine.embedded_models import hybridflow_home
+    from hybridflow.mapping.calibrate import Measured, fit_profile, measure_device, save_profile
+    from hybridflow.mapping.hardware import HardwareProfile
+
+    if not run_ids:
+        base = _load_config(config, override, executor)
+        _connect_prefect(prefect_api)
+        for prompts in (base.data.train_batch_size, 2 * base.data.train_batch_size):
+            sized = [
+                *(override or []),
+                f"data.train_batch_size={prompts}",
+                "trainer.total_iterations=3",
+                "trainer.val_before_train=false",
+                "trainer.test_freq=0",
+                "trainer.save_freq=0",
+                "trainer.num_threads=1",
+                f"trainer.experiment_name=calibrate-{name}",
+                "placement={}",
+            ]
+            cfg = _load_config(config, sized, executor)
+            run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
+            console.print(f"calibration run [bold]{run_id}[/bold]: {prompts} prompts per iteration, one device")
+            _train(store, run_id)
+            run_ids.append(run_id)
+    with console.status("measuring this machine's device (matmul, copy, gloo all-reduce)..."):
+        peaks = measure_device(threads=1)
+    base_profile = HardwareProfile(
+        name=name,
+        memory_bytes=float(_memory_per_core()),
+        dtype_bytes=4,
+        inter_node_bandwidth=peaks["intra_node_bandwidth"],
+        source=f"hf plan --calibrate on {os.uname().nodename}, runs {', '.join(run_ids)}",
+        **peaks,
+    )
+    profile = fit_profile(base_profile, [Measured.from_store(store, r) for r in run_ids], name)
+    path = save_profile(profile, hybridflow_home() / "hardware")
+    console.print(f"profile [bold]{name}[/bold] saved in {path}:")
+    console.print_json(profile.model_dump_json())
+    return profile
+
+
+def _memory_per_core() -> int:
+    """This machine's memory divided among its cores (bytes): a CPU device is one core."""
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return pages // (os.cpu_count() or 1)
+
+
 def _overrides(override: list[str] | None, executor: str | None) -> list[str]:
     return list(override or []) + ([f"placement.executor={executor}"] if executor else [])
+
+
+@plans_app.command("list")
+def plans_list(db: DbOption = None) -> None:
+    """Every placement plan, newest first: where it came from, the cluster, the chosen placement and its estimate."""
+    from hybridflow.cli.plan import placement_label
+    from hybridflow.mapping.render import candidate_from_dict
+
+    plans = _store(db).plans()
+    if not plans:
+        console.print("no plans yet: hf plan CONFIG --gpus-per-node G ... records one")
+        return
+    table = Table("plan", "created (UTC)", "source", "cluster", "models", "chosen", "s/iter", "candidates")
+    for p in plans:
+        cluster = p.inputs["cluster"]
+        models = ", ".join(f"{role} {shape['name']}" for role, shape in p.inputs["models"].items())
+        chosen = placement_label(candidate_from_dict(p.chosen)) if p.chosen else "-"
+        table.add_row(
+            p.id,
+            f"{p.created_at:%Y-%m-%d %H:%M:%S}",
+            p.source,
+            f"{cluster['nodes']} x {cluster['gpus_per_node']} {p.inputs['hardware']['name']}",
+            models,
+            chosen,
+            "-" if p.chosen_seconds is None else f"{p.chosen_seconds:.3g}",
+            str(p.candidate_count),
+        )
+    console.print(table)
+
+
+@plans_app.command("show")
+def plans_show(
+    plan_id: Annotated[str, typer.Argument(help="the plan (see `hf plans list`)")],
+    top: Annotated[int, typer.Option(min=1, help="candidates shown")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="the stored record as JSON")] = False,
+    db: DbOption = None,
+) -> None:
+    """One plan: its inputs, ranked candidates, rejected placements and the chosen one's simulated iteration."""
+    from hybridflow.cli.plan import show_plan
+    from hybridflow.flows.store import UnknownPlanError
+    from hybridflow.mapping.render import candidate_from_dict, result_from_record
+
+    try:
+        plan = _store(db).get_plan(plan_id)
+    except UnknownPlanError as e:
+        console.print(str(e), markup=False, style="red")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return
+    result = result_from_record(plan.inputs, plan.candidates, plan.rejected)
+    chosen = candidate_from_dict(plan.chosen) if plan.chosen else None
+    console.print(f"source: {plan.source}; hardware: {result.hardware.name}; strategies: {result.space}")
+    show_plan(console, result, chosen, top, plan.id, plan.search_s)
 
 
 # ---------------------------------------------------------------------------------------------------- runs
@@ -482,6 +606,8 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
         console.print(f"controller: host {r.lease_host}, pid {r.lease_pid}, last heartbeat {beat}")
     if r.error:
         console.print(f"[red]{r.error.strip().splitlines()[-1]}[/red]")
+    if r.plan_id:
+        console.print(f"placement from plan {r.plan_id} (hf plans show {r.plan_id})")
     console.print(yaml.safe_dump(r.config, sort_keys=False).rstrip())
     placement = Table("role", "pool", "ranks", "executor", "slurm job", "hosts", "parallel", title="placement")
     for p in store.placements(run_id):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.console import Console
 from rich.table import Table
 
 from hybridflow.mapping.hardware import GB
@@ -61,3 +62,25 @@ def timeline_table(candidate: Candidate) -> Table:
     for stage, (start, end) in candidate.spans.items():
         table.add_row(stage, _seconds(start), _seconds(end))
     return table
+
+
+def show_plan(
+    console: Console, result: PlanResult, chosen: Candidate | None, top: int, plan_id: str, search_s: float
+) -> None:
+    """Print a search: its size and inputs, the ranked candidates, the rejected placements, the chosen plan."""
+    w = result.workload
+    models = ", ".join(f"{m} {s.name}" for m, s in result.models.items())
+    console.print(
+        f"plan [bold]{plan_id}[/bold]: {result.placements} placements, {result.allocations} allocations, "
+        f"{len(result.candidates)} feasible plans in {search_s:.2f} s; models: {models}; {w.sequences} sequences of "
+        f"{w.prompt_length} + {w.response_length} tokens per iteration"
+    )
+    console.print(candidates_table(result, top))
+    if result.rejected:
+        console.print(rejected_table(result))
+    if chosen is not None:
+        console.print(timeline_table(chosen))
+        console.print(
+            f"chosen: {placement_label(chosen)} on {' | '.join(map(str, chosen.devices))} devices, "
+            f"{_seconds(chosen.seconds)} s per iteration (estimated)"
+        )

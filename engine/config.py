@@ -393,13 +393,25 @@ class PlacementConfig(_Section):
     critic_tasks_per_node: int | None = Field(None, ge=1, description="its ranks per node; None: tasks_per_node")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed; auto: nccl on GPUs")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    auto: bool = Field(
+        False,
+        description="plan the pools and strategies at hf run (hf plan's search) over placement.nodes x "
+        "placement.tasks_per_node devices of placement.hardware; `placement: auto` is short for {auto: true}",
+    )
+    hardware: str | None = Field(
+        None, description="placement.auto: the hardware profile (a100-80gb, h100-80gb, h200, or hf plan --calibrate's)"
+    )
+    plan: str | None = Field(None, description="the placement plan (hf plans list) this placement came from")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="a rank silent this long is reported dead")
     call_timeout_s: float | None = Field(None, gt=0, description="limit for one stage call (a stuck rank); None: none")
 
     @model_validator(mode="before")
     @classmethod
     def _earlier_world_size(cls, values: Any) -> Any:
-        """Configs recorded before nodes x tasks_per_node (``world_size: 1``, ``slurm: {}``) still load."""
+        """Configs recorded before nodes x tasks_per_node (``world_size: 1``, ``slurm: {}``) still load;
+        ``placement: auto`` is ``{auto: true}``."""
+        if values == "auto":
+            return {"auto": True}
         if isinstance(values, dict) and "world_size" in values:
             values = dict(values)
             values.setdefault("tasks_per_node", values.pop("world_size"))
@@ -916,9 +928,13 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str], source: str = "t
     ``data.reasoning_gym.*``) replaces the other kind given by `tree` rather than mixing both into one training set
     (a warning says so); to mix them, name both kinds in the overrides or write both in the file.
 
+    ``placement: auto`` becomes ``{auto: true}`` first, so ``-o placement.hardware=...`` can complete it.
+
     Raises:
         ConfigError: for a malformed override or one that descends into a value."""
     tree = copy.deepcopy(tree)
+    if tree.get("placement") == "auto":
+        tree["placement"] = {"auto": True}
     parsed = parse_overrides(overrides)
     named = {kind for kind, keys in _PROMPT_SOURCES.items() for key in parsed if key.startswith(keys)}
     data = tree.get("data")

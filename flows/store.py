@@ -4,16 +4,15 @@ One `RunStore` per process (the Prefect flow, the ``hf`` command, a worker that 
 processes may write to the same store at once. Opening a store migrates its database to the newest schema with
 Alembic (``migrations/`` next to this file); opening an up-to-date one costs one query.
 
-Schema (revision ``0006``: ``migrations/versions/0001_initial.py``, ``0002_placement_parallel.py``,
-``0003_run_lease_bad_checkpoints.py``, ``0004_samples.py``, ``0005_reward_model_role.py`` and ``0006_run_kind.py``;
-the ORM models below describe the same tables):
+Schema (revision ``0008``: ``migrations/versions/0001_initial.py`` to ``0008_placement_plans.py``; the ORM models
+below describe the same tables):
 
 - ``runs``: ``id`` (primary key, ``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC), ``kind`` (rl: ``hf run``; rm: ``hf rm
   train``), ``experiment_name``, ``config`` (JSON: the full validated config), ``status`` (pending | running |
   completed | failed | interrupted), ``code_version`` (see `code_version`), ``prefect_flow_run_id`` (nullable),
   ``created_at``, ``started_at``, ``ended_at``, ``error`` (nullable text), the run lease ``lease_token``,
-  ``lease_host``, ``lease_pid``, ``heartbeat_at`` (all nullable: see `RunStore.acquire_lease`); index on
-  ``created_at``.
+  ``lease_host``, ``lease_pid``, ``heartbeat_at`` (all nullable: see `RunStore.acquire_lease`), ``plan_id``
+  (nullable: the placement plan its placement came from; not a foreign key); index on ``created_at``.
 - ``iterations``: ``run_id`` → runs, ``step``, ``started_at``, ``ended_at`` (nullable); unique (run_id, step).
 - ``metrics``: ``run_id`` → runs, ``step``, ``name``, ``value`` (double, nullable: NULL means the recorded value was
   NaN or ±inf); unique (run_id, step, name); index (run_id, name, step).
@@ -29,6 +28,9 @@ the ORM models below describe the same tables):
 - ``stage_times``: ``run_id``, ``step``, ``stage`` (``gen``, ``ref``, ``update_actor``...), ``pool`` (the worker
   group it ran on; NULL: the controller), ``started_at``, ``ended_at``: each iteration's timeline (stages of
   different pools overlap); unique (run_id, step, stage).
+- ``placement_plans``: ``id`` (``plan-YYYYmmdd-HHMMSS-<6 hex>``), ``created_at``, ``source``, ``inputs``,
+  ``candidates``, ``rejected``, ``chosen`` (JSON), ``candidate_count``, ``chosen_seconds``, ``search_s``: every plan of
+  ``hf plan`` and ``placement.auto`` (`Plan`).
 
 The child tables have a 64-bit surrogate ``id`` primary key, a foreign key to ``runs.id`` (ON DELETE CASCADE;
 SQLite enforces it because every connection turns ``PRAGMA foreign_keys`` on) and CHECK constraints on steps (>= 0),
@@ -184,6 +186,17 @@ class RunStoreError(RuntimeError):
     """The store cannot be used: the database is unreachable, or its schema is newer than this code."""
 
 
+class UnknownPlanError(KeyError):
+    """No placement plan with this id in the store; ``str(err)`` suggests ``hf plans list``."""
+
+    def __init__(self, plan_id: str, store_url: str | None = None) -> None:
+        where = f" in the run store {store_url}" if store_url else ""
+        super().__init__(f"unknown plan id {plan_id!r}{where}; list the known plans with `hf plans list`")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class UnknownRunError(KeyError):
     """No run with this id in the store. ``str(err)`` names the id and suggests ``hf runs list``."""
 
@@ -268,6 +281,7 @@ class RunRow(Base):
     lease_host: Mapped[str | None] = mapped_column(String(255))
     lease_pid: Mapped[int | None] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    plan_id: Mapped[str | None] = mapped_column(String(64))  # not a foreign key: see 0008
 
 
 def _run_fk() -> Mapped[str]:
@@ -389,6 +403,24 @@ class StageTimeRow(Base):
     ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class PlanRow(Base):
+    """One placement plan (table ``placement_plans``): the planner's inputs, its candidates, its choice."""
+
+    __tablename__ = "placement_plans"
+    __table_args__ = (Index(None, "created_at"), CheckConstraint("candidate_count >= 0", name="count_nonnegative"))
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    source: Mapped[str] = mapped_column(String(_NAME_MAX))
+    inputs: Mapped[dict[str, Any]] = mapped_column(JSON)
+    candidates: Mapped[list[Any]] = mapped_column(JSON)
+    candidate_count: Mapped[int] = mapped_column(Integer)
+    rejected: Mapped[list[Any]] = mapped_column(JSON)
+    chosen: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    chosen_seconds: Mapped[float | None] = mapped_column(Double)
+    search_s: Mapped[float] = mapped_column(Double)
+
+
 # --------------------------------------------------------------------------------------------------- read results
 
 
@@ -430,6 +462,7 @@ class Run(_Record):
     lease_pid: int | None = None
     heartbeat_at: datetime | None = None
     kind: str = "rl"
+    plan_id: str | None = None
 
     @property
     def duration_s(self) -> float | None:
@@ -514,6 +547,26 @@ class StageTime(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class Plan(_Record):
+    """A placement plan as stored: where it came from (``source``: the config file, or ``placement.auto`` of a
+    run's experiment), the planner's ``inputs`` (models, workload, cluster, hardware profile, strategy space), the
+    ``candidates`` kept (fastest first; ``candidate_count`` were feasible), the ``rejected`` placements with the
+    reason, the ``chosen`` candidate (None: none runs in this version) and its estimated seconds per iteration, and
+    the search's seconds."""
+
+    id: str
+    created_at: datetime
+    source: str
+    inputs: dict[str, Any]
+    candidates: list[Any]
+    candidate_count: int
+    rejected: list[Any]
+    chosen: dict[str, Any] | None
+    chosen_seconds: float | None
+    search_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Placement(_Record):
     """Where one worker group ran: its role, global ranks, executor, Slurm job id and hosts, and how the role's model
     is split over the ranks (``parallel``: strategy, layouts and groups; None when not recorded)."""
@@ -556,6 +609,13 @@ def controller_state(run: Run, now: datetime | None = None) -> str | None:
     return "live"
 
 
+def _plan(row: PlanRow) -> Plan:
+    return Plan(
+        row.id, row.created_at, row.source, row.inputs, row.candidates, row.candidate_count, row.rejected, row.chosen,
+        row.chosen_seconds, row.search_s,
+    )  # fmt: skip
+
+
 def _run(row: RunRow) -> Run:
     return Run(
         id=row.id,
@@ -572,6 +632,7 @@ def _run(row: RunRow) -> Run:
         lease_pid=row.lease_pid,
         heartbeat_at=row.heartbeat_at,
         kind=row.kind,
+        plan_id=row.plan_id,
     )
 
 
@@ -949,10 +1010,13 @@ class RunStore:
 
     # ------------------------------------------------------------------------------------------------ writes
 
-    def create_run(self, config: Mapping[str, Any], experiment_name: str, kind: str = "rl") -> str:
+    def create_run(
+        self, config: Mapping[str, Any], experiment_name: str, kind: str = "rl", plan_id: str | None = None
+    ) -> str:
         """Record a new run with status ``pending`` and return its id (``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC).
 
-        ``kind`` is what it trains (`RUN_KINDS`: ``rl``, ``rm``).
+        ``kind`` is what it trains (`RUN_KINDS`: ``rl``, ``rm``); ``plan_id`` the placement plan its placement came
+        from (``placement.plan``), if any.
 
         ``config`` is the full validated config as plain JSON data (e.g. a pydantic model's
         ``model_dump(mode="json")``); it is stored as JSON and read back equal to ``json.loads(json.dumps(config))``.
@@ -982,6 +1046,7 @@ class RunStore:
                     status="pending",
                     code_version=code_version(),
                     created_at=_now(),
+                    plan_id=plan_id,
                 )
             )
         return run_id
@@ -1262,6 +1327,59 @@ class RunStore:
             self._require_run(session, run_id)
             rows = session.scalars(query.order_by(StageTimeRow.step, StageTimeRow.started_at, StageTimeRow.id))
             return [StageTime(r.run_id, r.step, r.stage, r.pool, r.started_at, r.ended_at) for r in rows]
+
+    def record_plan(
+        self,
+        source: str,
+        inputs: Mapping[str, Any],
+        candidates: Sequence[Mapping[str, Any]],
+        candidate_count: int,
+        rejected: Sequence[Mapping[str, Any]],
+        chosen: Mapping[str, Any] | None,
+        search_s: float,
+    ) -> str:
+        """Record a placement plan (plain JSON data, as `hybridflow.mapping.render.plan_record` makes it) and return
+        its id (``plan-YYYYmmdd-HHMMSS-<6 hex>``). Raises ValueError for data that is not JSON-serialisable or a
+        negative count."""
+        try:
+            data = json.loads(
+                json.dumps([dict(inputs), [dict(c) for c in candidates], [dict(r) for r in rejected],
+                            None if chosen is None else dict(chosen)], allow_nan=False)
+            )  # fmt: skip
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"plan is not JSON-serialisable ({err})") from None
+        if not isinstance(candidate_count, int) or candidate_count < 0:
+            raise ValueError(f"candidate_count must be an int >= 0, got {candidate_count!r}")
+        plan_id = f"plan-{_now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+        with self._writing() as session:
+            session.add(
+                PlanRow(
+                    id=plan_id,
+                    created_at=_now(),
+                    source=_text(source, "source"),
+                    inputs=data[0],
+                    candidates=data[1],
+                    candidate_count=candidate_count,
+                    rejected=data[2],
+                    chosen=data[3],
+                    chosen_seconds=None if chosen is None else float(chosen["seconds"]),
+                    search_s=float(search_s),
+                )
+            )
+        return plan_id
+
+    def plans(self) -> list[Plan]:
+        """Every placement plan, newest first."""
+        with self._reading() as session:
+            return [_plan(r) for r in session.scalars(select(PlanRow).order_by(PlanRow.created_at.desc()))]
+
+    def get_plan(self, plan_id: str) -> Plan:
+        """One placement plan. Raises UnknownPlanError."""
+        with self._reading() as session:
+            row = session.get(PlanRow, plan_id)
+            if row is None:
+                raise UnknownPlanError(plan_id, self.url)
+            return _plan(row)
 
     def update_config(self, run_id: str, config: Mapping[str, Any]) -> None:
         """Replace a run's stored config (``hf resume -o ...`` extending a run; the caller has checked that the

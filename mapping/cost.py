@@ -55,14 +55,14 @@ class Workload:
         return self.sequences * self.seq_length
 
     @classmethod
-    def from_config(cls, cfg, prompt_length: int | None = None) -> Workload:
-        """From a `HybridFlowConfig`: prompts of ``data.max_prompt_length`` tokens unless `prompt_length` is given,
-        responses of ``rollout.response_length`` (the longest the rollout produces)."""
+    def from_config(cls, cfg, prompt_length: int | None = None, response_length: int | None = None) -> Workload:
+        """From a `HybridFlowConfig`: prompts of ``data.max_prompt_length`` tokens and responses of
+        ``rollout.response_length`` (the longest the rollout produces) unless given (e.g. as measured)."""
         prompts = cfg.data.train_batch_size
         return cls(
             sequences=prompts * cfg.rollout.n,
             prompt_length=prompt_length or cfg.data.max_prompt_length,
-            response_length=cfg.rollout.response_length,
+            response_length=response_length or cfg.rollout.response_length,
             actor_steps=cfg.actor.ppo_epochs * (prompts // cfg.actor.ppo_mini_batch_size),
             critic_steps=cfg.critic.ppo_epochs * (prompts // cfg.critic.ppo_mini_batch_size),
             actor_epochs=cfg.actor.ppo_epochs,

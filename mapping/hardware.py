@@ -31,6 +31,9 @@ class HardwareProfile(BaseModel):
     decode_efficiency: float = Field(0.6, gt=0, le=1, description="achieved / peak memory bandwidth when decoding")
     comm_efficiency: float = Field(0.7, gt=0, le=1, description="achieved / peak link bandwidth in collectives")
     stage_overhead_s: float = Field(0.0, ge=0, description="fixed seconds per stage call (dispatch, data handles)")
+    iteration_overhead_s: float = Field(
+        0.0, ge=0, description="fixed seconds per iteration outside the models' stages (controller, reward function)"
+    )
     usable_memory: float = Field(0.9, gt=0, le=1, description="share of memory_bytes the models may take")
     decode_step_overhead_s: float = Field(0.0, ge=0, description="fixed seconds per generated token (launches, ...)")
     dtype_bytes: int = Field(2, description="bytes per weight in the compute dtype: 2 (bf16 on GPUs), 4 (fp32 on CPU)")

@@ -286,7 +286,27 @@ class Planner:
                 chosen[role] = choice.strategies[role]
                 stage_s.update(choice.costs[role].stage_s)
         seconds, spans = simulate(self.stages, pool_of, stage_s, self.concurrent)
-        return Candidate(placement, devices, chosen, stage_s, spans, seconds, tuple(peaks))
+        return Candidate(
+            placement, devices, chosen, stage_s, spans, seconds + self.hw.iteration_overhead_s, tuple(peaks)
+        )
+
+    def estimate_mapping(
+        self, placement: tuple[tuple[str, ...], ...], devices: tuple[int, ...], chosen: dict[str, Strategy]
+    ) -> Candidate:
+        """The estimate of a mapping whose strategies are given (a run config's own placement), fit or not."""
+        stage_s: dict[str, float] = {}
+        peaks, pool_of = [], {}
+        for index, models in enumerate(placement):
+            costs = [self._estimate(role, chosen[role]) for role in models]
+            peaks.append(
+                sum(c.static_bytes for c in costs) + max(max(c.transient_bytes.values(), default=0) for c in costs)
+            )
+            for role, cost in zip(models, costs, strict=True):
+                pool_of[role] = index
+                stage_s.update(cost.stage_s)
+        seconds, spans = simulate(self.stages, pool_of, stage_s, self.concurrent)
+        seconds += self.hw.iteration_overhead_s
+        return Candidate(placement, devices, dict(chosen), stage_s, spans, seconds, tuple(peaks))
 
     def _nothing_fits(self, result: PlanResult) -> str:
         everything = tuple(self.models)

@@ -1,6 +1,7 @@
 """The auto-mapping planner (`hybridflow.mapping`, `hf plan`): placements, the cost model's memory and seconds,
 bad input refused with the numbers, and a written plan run through `hf run` on local worker groups."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -15,12 +16,14 @@ from hybridflow.flows.store import RunStore
 from hybridflow.mapping.cost import Strategy, Workload, estimate
 from hybridflow.mapping.hardware import BUILTIN, GB
 from hybridflow.mapping.planner import PlanError, Planner, set_partitions
-from hybridflow.mapping.render import apply_plan
+from hybridflow.mapping.render import ROLES_OF, apply_plan
 from hybridflow.mapping.shapes import PRESETS, run_models
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
 A100 = BUILTIN["a100-80gb"]
+WIDE = {**os.environ, "COLUMNS": "250"}
+QUIET = {"capture_output": True, "text": True, "timeout": 600}
 PAPER = Workload(  # the paper's workload (section 8.1): 1,024-token prompts and responses
     sequences=1024, prompt_length=1024, response_length=1024, actor_steps=1, critic_steps=1,
     train_micro_batch=2, critic_micro_batch=2, infer_micro_batch=8, gen_micro_batch=64,
@@ -135,21 +138,99 @@ def test_a_plan_written_by_hf_plan_runs_through_hf_run(prefect_api, tmp_path, ti
     tree["reward"] = {"custom_function": write_reward(tmp_path)}
     config.write_text(yaml.safe_dump(tree))
     planned = tmp_path / "planned.yaml"
-    shown = _plan(str(config), "--gpus-per-node", "2", "--gpu", "a100-80gb", "--output", str(planned))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    shown = _plan(str(config), "--gpus-per-node", "2", "--gpu", "a100-80gb", "--output", str(planned), "--db", db)
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert "5 placements" in shown.stdout and "chosen:" in shown.stdout
-    pools = yaml.safe_load(planned.read_text())["placement"]["pools"]
+    written = yaml.safe_load(planned.read_text())
+    pools = written["placement"]["pools"]
     owner = {role: name for name, pool in pools.items() for role in pool["roles"]}
     assert set(owner) == {"actor", "rollout", "ref", "critic"}
-    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    store = RunStore(db)
+    [plan] = store.plans()
+    assert written["placement"]["plan"] == plan.id and plan.source == str(config)
     ran = subprocess.run(
         [HF, "run", str(planned), "--db", db, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=600
     )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    store = RunStore(db)
     [run] = store.list_runs()
-    assert run.status == "completed"
+    assert run.status == "completed" and run.plan_id == plan.id
     placed = {p.role: p for p in store.placements(run.id)}
     assert {role: placed[role].group_name for role in owner} == owner
     for role in owner:
         assert len(placed[role].ranks) == pools[owner[role]]["tasks_per_node"]
+    listed = subprocess.run([HF, "plans", "list", "--db", db], capture_output=True, text=True, timeout=60)
+    assert plan.id in " ".join(listed.stdout.split())
+    shown_again = subprocess.run(
+        [HF, "plans", "show", plan.id, "--db", db], capture_output=True, text=True, timeout=60, env=WIDE
+    )
+    assert shown_again.returncode == 0 and "chosen:" in shown_again.stdout, shown_again.stdout + shown_again.stderr
+    missing = subprocess.run([HF, "plans", "show", "plan-x", "--db", db], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "unknown plan id 'plan-x'" in missing.stdout
+
+
+def test_placement_auto_plans_at_hf_run_and_records_the_plan(prefect_api, tmp_path, tiny_model_dir):
+    """`placement: auto` (with placement.hardware and the devices as placement.tasks_per_node) plans at `hf run`:
+    the run records the planned pools in its config and the plan's id; without hardware it is refused first."""
+    config = tmp_path / "auto.yaml"
+    tree = yaml.safe_load((ROOT / "examples" / "ppo_tiny.yaml").read_text())
+    tree["model"]["path"] = str(tiny_model_dir)
+    tree["trainer"].update(total_iterations=0, output_dir=str(tmp_path / "out"), val_before_train=False)
+    tree["placement"] = "auto"
+    config.write_text(yaml.safe_dump(tree))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    refused = subprocess.run([HF, "run", str(config), "--db", db, "--prefect-api", prefect_api], **QUIET)
+    assert refused.returncode == 2 and "placement.auto needs placement.hardware" in refused.stdout, refused.stdout
+    store = RunStore(db)
+    assert store.list_runs() == []
+    overrides = ["-o", "placement.hardware=h100-80gb", "-o", "placement.tasks_per_node=2"]
+    ran = subprocess.run([HF, "run", str(config), *overrides, "--db", db, "--prefect-api", prefect_api], **QUIET)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    [plan] = store.plans()
+    [run] = store.list_runs()
+    assert "placement.auto: plan " + plan.id in " ".join(ran.stdout.split())
+    assert run.plan_id == plan.id and run.config["placement"]["plan"] == plan.id
+    assert run.config["placement"]["auto"] is False and plan.inputs["hardware"]["name"] == "h100-80gb"
+    pools = run.config["placement"]["pools"]
+    assert [pool["roles"] for pool in pools.values()] == [
+        [r for m in ms for r in ROLES_OF[m]] for ms in plan.chosen["placement"]
+    ]
+    placed = {p.role: p.group_name for p in store.placements(run.id)}
+    assert {role: placed[role] for role in ("actor", "rollout", "critic")} == {
+        role: name for name, pool in pools.items() for role in pool["roles"]
+    }
+
+
+def test_calibration_recovers_the_efficiencies_and_overheads_that_made_the_timings():
+    """Stage seconds made by a known profile (overhead + ideal / efficiency, per class of stage) for two workloads
+    fit back to that profile; this machine's device measures positive peaks."""
+    from hybridflow.mapping.calibrate import Measured, fit_profile, ideal, measure_device, predict
+
+    truth = A100.model_copy(
+        update={"train_efficiency": 0.3, "infer_efficiency": 0.45, "decode_efficiency": 0.2, "stage_overhead_s": 1.5,
+                "iteration_overhead_s": 4.0}
+    )  # fmt: skip
+    runs = []
+    for prompts in (8, 16):
+        cfg = _ppo(f"data.train_batch_size={prompts}", "model.path=llama-7b")
+        work = predict(cfg, ideal(truth), 200, 100)
+        stage_s = {s: truth.stage_overhead_s + t / _efficiency(truth, s) for s, t in work.stage_s.items()}
+        step_s = predict(cfg, truth, 200, 100).seconds
+        runs.append(Measured(cfg, stage_s, step_s, prompt_length=200, response_length=100))
+    fitted = fit_profile(A100, runs, "fitted")
+    for key in (
+        "train_efficiency",
+        "infer_efficiency",
+        "decode_efficiency",
+        "stage_overhead_s",
+        "iteration_overhead_s",
+    ):
+        assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-6), key
+    peaks = measure_device(threads=1)
+    assert peaks["flops"] > 1e8 and peaks["memory_bandwidth"] > 1e8 and peaks["intra_node_bandwidth"] > 1e6, peaks
+
+
+def _efficiency(profile, stage: str) -> float:
+    from hybridflow.mapping.calibrate import EFFICIENCY, STAGE_CLASS
+
+    return getattr(profile, EFFICIENCY[STAGE_CLASS[stage]])

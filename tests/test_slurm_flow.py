@@ -213,3 +213,35 @@ def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
     assert _current_job(store, run_id) not in (first_job, job, None)
     assert {m.step for m in store.metrics(run_id)} >= set(range(1, TOTAL + 1))
     assert [c.step for c in store.checkpoints(run_id)] == [warned_at, TOTAL]
+
+
+def test_a_plan_written_by_hf_plan_runs_on_slurm(slurm_cluster, prefect_api, tmp_path, tiny_model_dir):
+    """`hf plan --executor slurm` for one node of 2 devices writes pools and strategies; `hf run` of that file
+    runs one Slurm job per planned pool, each with the planned ranks, and records the plan's id."""
+    config = _config_file(
+        tmp_path, tiny_model_dir, "ppo_tiny.yaml", ["actor.use_kl_loss=true", "trainer.total_iterations=1"]
+    )
+    planned = tmp_path / "planned.yaml"
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    shown = subprocess.run(
+        [HF, "plan", str(config), "--executor", "slurm", "--gpus-per-node", "2", "--gpu", "h200",
+         "--output", str(planned), "--db", db],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    written = yaml.safe_load(planned.read_text())
+    assert written["placement"]["executor"] == "slurm"
+    pools = written["placement"]["pools"]
+    log = tmp_path / "run.log"
+    proc = _hf("run", str(planned), "--db", db, "--prefect-api", prefect_api, log=log)
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    store = RunStore(db)
+    [run] = store.list_runs()
+    [plan] = store.plans()
+    assert run.status == "completed" and run.plan_id == plan.id == written["placement"]["plan"]
+    placed = store.placements(run.id)
+    assert {p.executor for p in placed} == {"slurm"}
+    assert {p.group_name: len(p.ranks) for p in placed} == {
+        name: pool["tasks_per_node"] for name, pool in pools.items()
+    }
+    assert len({p.slurm_job_id for p in placed}) == len(pools)  # one Slurm job per planned pool

@@ -33,6 +33,7 @@ from hybridflow.flows.store import (
     Placement,
     RunStore,
     RunStoreError,
+    UnknownPlanError,
     UnknownRunError,
     alembic_config,
     code_version,
@@ -98,7 +99,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0007"
+        assert head == "0008"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -394,6 +395,37 @@ def test_stage_times_round_trip_replace_and_cascade(store):
     assert _count(store, "stage_times") == 0
 
 
+def test_placement_plans_round_trip_and_runs_name_theirs(store):
+    """A real search's plan (inputs, kept candidates, rejected placements, choice) reads back equal, newest first;
+    a run records the plan its placement came from."""
+    from hybridflow.mapping.cost import Workload
+    from hybridflow.mapping.hardware import BUILTIN
+    from hybridflow.mapping.planner import Planner
+    from hybridflow.mapping.render import KEPT, candidate_dict, plan_record, result_from_record
+    from hybridflow.mapping.shapes import PRESETS
+
+    llama = PRESETS["llama-34b"]
+    workload = Workload(sequences=1024, prompt_length=1024, response_length=1024, actor_steps=1, critic_steps=1)
+    result = Planner(
+        {"actor": llama, "critic": llama, "ref": llama}, workload, BUILTIN["a100-80gb"], 4, 8, "all"
+    ).search()
+    assert result.rejected  # some placements need more than the 32 devices
+    first = store.record_plan("ppo.yaml", **plan_record(result, result.best, 0.25))
+    second = store.record_plan("other.yaml", **plan_record(result, None, 0.5))
+    assert [p.id for p in store.plans()][:2] in ([second, first], [first, second])  # same second: either order
+    plan = store.get_plan(first)
+    assert plan.source == "ppo.yaml" and plan.search_s == 0.25 and plan.candidate_count == len(result.candidates)
+    assert plan.chosen == candidate_dict(result.best) and plan.chosen_seconds == pytest.approx(result.best.seconds)
+    assert store.get_plan(second).chosen is None
+    back = result_from_record(plan.inputs, plan.candidates, plan.rejected)
+    assert back.candidates == result.candidates[:KEPT] and back.rejected == result.rejected
+    assert back.models == result.models and back.workload == workload and back.hardware == result.hardware
+    with pytest.raises(UnknownPlanError, match="hf plans list"):
+        store.get_plan("plan-nope")
+    run_id = store.create_run({}, "exp", plan_id=first)
+    assert store.get_run(run_id).plan_id == first and store.get_run(store.create_run({}, "exp")).plan_id is None
+
+
 def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
     from alembic import command
 
@@ -415,7 +447,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0007"
+        assert store.current_revision() == "0008"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
         insert = (

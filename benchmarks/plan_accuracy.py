@@ -1,0 +1,129 @@
+"""Benchmark: the planner's cost model against measurement on this machine.
+
+1. Calibrates a CPU profile (`hf plan --calibrate`'s fit) from two colocated one-device runs of SmolLM2 PPO
+   (actor, critic, ref) at 8 and 16 prompts per iteration.
+2. Runs the placements below with ``hf run`` (SmolLM2 and the tiny model; colocated vs split pools; 1 and 2 ranks;
+   one torch thread per rank, so a rank is one of this machine's cores) and compares, for each, the measured median
+   seconds per iteration and per stage (iterations after the first) with the cost model's prediction for that
+   config (`hybridflow.mapping.calibrate.predict`, with the run's measured longest prompt and response).
+3. Prints the table, each iteration's error and the Spearman rank correlation of the placements' iteration times.
+
+    .venv/bin/python benchmarks/plan_accuracy.py [--iterations 4] [--keep DIR]
+"""
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hybridflow.flows.store import RunStore
+from hybridflow.mapping.calibrate import STAGE_CLASS, Measured, fit_profile, measure_device, predict
+from hybridflow.mapping.hardware import HardwareProfile
+
+ROOT = Path(__file__).resolve().parent.parent
+HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
+SMOLLM2 = str(ROOT / "examples" / "ppo_pools_smollm2.yaml")
+COMMON = ["trainer.val_before_train=false", "trainer.test_freq=0", "trainer.num_threads=1", "placement={}"]
+TINY = ["model.path=tiny", "data.train_batch_size=8", "rollout.response_length=16", "data.max_prompt_length=128"]
+
+
+def pools(*sets: tuple[list[str], int]) -> list[str]:
+    """``-o`` items placing each list of roles on a pool of that many ranks."""
+    out = []
+    for index, (roles, ranks) in enumerate(sets):
+        out += [
+            f"placement.pools.p{index}.roles=[{','.join(roles)}]",
+            f"placement.pools.p{index}.tasks_per_node={ranks}",
+        ]
+    return out
+
+
+PLACEMENTS = {
+    "smollm2 colocated x1": [],
+    "smollm2 colocated x2": ["placement.tasks_per_node=2"],
+    "smollm2 actor+ref | critic": pools((["actor", "rollout", "ref"], 1), (["critic"], 1)),
+    "smollm2 actor | critic+ref": pools((["actor", "rollout"], 1), (["critic", "ref"], 1)),
+    "smollm2 actor+critic | ref": pools((["actor", "rollout", "critic"], 1), (["ref"], 1)),
+    "tiny colocated x1": TINY,
+    "tiny colocated x2": [*TINY, "placement.tasks_per_node=2"],
+    "tiny actor+ref | critic": [*TINY, *pools((["actor", "rollout", "ref"], 1), (["critic"], 1))],
+}
+
+
+def hf_run(name: str, overrides: list[str], iterations: int, tmp: Path) -> tuple[RunStore, str, float]:
+    db = f"sqlite:///{tmp / (name.replace(' ', '_').replace('|', '').replace('+', '_') + '.db')}"
+    args = [HF, "run", SMOLLM2, "--db", db, "-o", f"trainer.output_dir={tmp / 'out'}"]
+    for item in [*COMMON, f"trainer.total_iterations={iterations}", *overrides]:
+        args += ["-o", item]
+    started = time.monotonic()
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+    store = RunStore(db)
+    (record,) = store.list_runs()
+    return store, record.id, time.monotonic() - started
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (no ties expected)."""
+
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            out[index] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--keep", type=Path, help="keep the stores and outputs here")
+    args = parser.parse_args()
+    console = Console(width=200)
+    tmp = args.keep or Path(tempfile.mkdtemp())
+    tmp.mkdir(parents=True, exist_ok=True)
+    calibration = []
+    for prompts in (8, 16):
+        store, run_id, wall = hf_run(f"calibrate {prompts}", [f"data.train_batch_size={prompts}"], 3, tmp)
+        calibration.append(Measured.from_store(store, run_id))
+        console.print(f"calibration run {run_id}: {prompts} prompts, hf run {wall:.0f} s")
+    peaks = measure_device(threads=1)
+    base = HardwareProfile(name="cpu-core", memory_bytes=12e9, dtype_bytes=4, inter_node_bandwidth=1e9, **peaks)
+    profile = fit_profile(base, calibration, "cpu-core")
+    console.print("fitted profile:", profile.model_dump())
+    table = Table(title="predicted vs measured seconds (median of iterations 2..N; prediction / measurement)")
+    for column in ("placement", "s/iter predicted", "s/iter measured", "error", *STAGE_CLASS):
+        table.add_column(column, justify="left" if column == "placement" else "right")
+    predicted, measured = [], []
+    for name, overrides in PLACEMENTS.items():
+        store, run_id, wall = hf_run(name, overrides, args.iterations, tmp)
+        run = Measured.from_store(store, run_id)
+        estimate = predict(run.cfg, profile, run.prompt_length, run.response_length)
+        predicted.append(estimate.seconds)
+        measured.append(run.step_s)
+        error = (estimate.seconds - run.step_s) / run.step_s
+        stages = [
+            f"{estimate.stage_s[s]:.1f}/{run.stage_s[s]:.1f}" if s in run.stage_s and s in estimate.stage_s else ""
+            for s in STAGE_CLASS
+        ]
+        table.add_row(name, f"{estimate.seconds:.1f}", f"{run.step_s:.1f}", f"{error:+.0%}", *stages)
+        console.print(
+            f"{name}: run {run_id}, hf run {wall:.0f} s, predicted {estimate.seconds:.1f} s, "
+            f"measured {run.step_s:.1f} s ({error:+.0%})"
+        )
+    console.print(table)
+    worst = max(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
+    console.print(f"largest iteration error {worst:.0%}; Spearman rank correlation {spearman(predicted, measured):.2f}")
+
+
+if __name__ == "__main__":
+    main()

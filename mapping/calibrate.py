@@ -1,0 +1,233 @@
+"""Calibration: fit a hardware profile's efficiencies and overheads to stage times measured on this machine.
+
+`measure_device` times one device's peaks with torch (a matmul for FLOP/s, a copy for memory bandwidth, a gloo
+all-reduce between two processes for the link); `fit_profile` then takes recorded runs (their configs and the stage
+seconds in the run store, ``timing_s/<stage>``) and fits, by least squares, measured = overhead + ideal / efficiency
+per class of stage (training, forward passes, generation), where ideal is the cost model's seconds at efficiency 1.
+`predict` is the cost model's estimate of a run config's own placement, which the benchmark compares with
+measurement."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hybridflow.mapping.cost import Strategy, Workload
+from hybridflow.mapping.hardware import HardwareProfile
+from hybridflow.mapping.planner import MODELS, Candidate, Planner
+from hybridflow.mapping.shapes import run_models
+
+STAGE_CLASS = {
+    "update_actor": "train",
+    "update_critic": "train",
+    "old_log_prob": "infer",
+    "ref": "infer",
+    "values": "infer",
+    "rm_score": "infer",
+    "gen": "decode",
+}
+EFFICIENCY = {"train": "train_efficiency", "infer": "infer_efficiency", "decode": "decode_efficiency"}
+
+
+def measure_device(threads: int = 1) -> dict[str, float]:
+    """This machine's device peaks with `threads` torch threads: ``flops`` (fp32 matmul of 1,024 x 1,024, FLOP/s),
+    ``memory_bandwidth`` (copy of 256 MiB, bytes/s, read + write), ``intra_node_bandwidth`` (gloo all-reduce of
+    64 MiB between two local processes, bytes/s of the ring's 2(n-1)/n volume)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        torch.mm(a, b)
+        flops = 2 * 1024**3 / _best(lambda: torch.mm(a, b), repeat=20)
+        src, dst = torch.empty(64 * 2**20), torch.empty(64 * 2**20)  # 256 MiB each
+        dst.copy_(src)
+        bandwidth = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), repeat=5)
+    finally:
+        torch.set_num_threads(previous)
+    return {"flops": flops, "memory_bandwidth": bandwidth, "intra_node_bandwidth": _gloo_bandwidth()}
+
+
+def _best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def _all_reduce_rank(rank: int, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buffer = torch.ones(16 * 2**20)  # 64 MiB
+    dist.all_reduce(buffer)
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        dist.all_reduce(buffer)
+        times.append(time.perf_counter() - started)
+    if rank == 0:
+        out.put(buffer.numel() * 4 / min(times))  # ring volume 2(n-1)/n = 1 x the buffer for n = 2
+    dist.destroy_process_group()
+
+
+def _gloo_bandwidth() -> float:
+    import torch.multiprocessing as mp
+
+    from hybridflow.cli.server import free_port
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_all_reduce_rank, args=(rank, port, queue)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    value = queue.get(timeout=120)
+    for proc in procs:
+        proc.join(timeout=60)
+    return float(value)
+
+
+def run_mapping(cfg) -> tuple[tuple[tuple[str, ...], ...], tuple[int, ...], dict[str, Strategy]]:
+    """A run config's own mapping: its pools' models (the actor for actor and rollout), their devices (ranks), and
+    each model's strategy."""
+    placement, devices = [], []
+    for pool in cfg.pools().values():
+        models = tuple(m for m in MODELS if m in pool.roles)
+        if models:
+            placement.append(models)
+            devices.append(pool.world_size)
+    strategies: dict[str, Strategy] = {}
+    for models, size in zip(placement, devices, strict=True):
+        for model in models:
+            if model == "actor":
+                a = cfg.actor
+                dp = size // (a.tp * a.pp)
+                gen_tp = cfg.rollout.gen_tp or a.tp
+                strategies[model] = Strategy(a.strategy, a.tp, a.pp, dp, gen_tp if a.strategy == "megatron" else 1)
+            elif model == "critic":
+                strategies[model] = Strategy(cfg.critic.strategy, dp=size)
+            elif model == "reward_model":
+                strategies[model] = Strategy(cfg.reward_model.strategy, dp=size)
+            else:
+                strategies[model] = Strategy("ddp", dp=size)
+    return tuple(placement), tuple(devices), strategies
+
+
+@dataclass
+class Measured:
+    """A recorded run: its config and, over its iterations, the median seconds of each stage and of the iteration,
+    and the longest prompt and response (tokens) its batches held."""
+
+    cfg: object
+    stage_s: dict[str, float]
+    step_s: float
+    prompt_length: int
+    response_length: int
+
+    @classmethod
+    def from_store(cls, store, run_id: str, skip_first: bool = True) -> Measured:
+        """Read a run's timings from the store (the first iteration, which warms caches up, left out when there
+        are others)."""
+        from hybridflow.engine.config import validate_config
+
+        run = store.get_run(run_id)
+        series: dict[str, list[float]] = {}
+        for m in store.metrics(run_id):
+            if m.value is not None:
+                series.setdefault(m.name, []).append((m.step, m.value))
+        values = {name: [v for _, v in sorted(points)] for name, points in series.items()}
+        if skip_first:
+            values = {name: v[1:] if len(v) > 1 else v for name, v in values.items()}
+        stage_s = {s: statistics.median(values[f"timing_s/{s}"]) for s in STAGE_CLASS if f"timing_s/{s}" in values}
+        return cls(
+            cfg=validate_config(run.config),
+            stage_s=stage_s,
+            step_s=statistics.median(values["timing_s/step"]),
+            prompt_length=round(max(values["prompt_length/max"])),
+            response_length=round(max(values["response_length/max"])),
+        )
+
+
+def predict(
+    cfg,
+    profile: HardwareProfile,
+    prompt_length: int | None = None,
+    response_length: int | None = None,
+    gpus_per_node: int | None = None,
+) -> Candidate:
+    """The cost model's estimate of the run config `cfg` on its own placement: seconds per stage and iteration
+    (``Candidate.stage_s``, ``seconds``, without ``profile.stage_overhead_s`` outside the models' stages)."""
+    placement, devices, strategies = run_mapping(cfg)
+    workload = Workload.from_config(cfg, prompt_length, response_length)
+    per_node = gpus_per_node or max(devices)
+    planner = Planner(run_models(cfg), workload, profile, 1, per_node, "all", cfg.placement.concurrent)
+    return planner.estimate_mapping(placement, devices, strategies)
+
+
+def ideal(profile: HardwareProfile) -> HardwareProfile:
+    """`profile` at full efficiency and no overheads: the cost model's seconds of pure work."""
+    return profile.model_copy(
+        update={"train_efficiency": 1.0, "infer_efficiency": 1.0, "decode_efficiency": 1.0,
+                "stage_overhead_s": 0.0, "decode_step_overhead_s": 0.0, "iteration_overhead_s": 0.0}
+    )  # fmt: skip
+
+
+def fit_profile(base: HardwareProfile, runs: list[Measured], name: str) -> HardwareProfile:
+    """Fit `base`'s efficiencies (one per class of stage), its ``stage_overhead_s`` and ``iteration_overhead_s`` to
+    the measured `runs` (least squares over every stage of every run: measured = overhead + ideal / efficiency;
+    then the iteration's seconds beyond the simulated stages). Efficiencies are capped at 1.
+
+    Raises:
+        ValueError: fewer than two runs (one workload cannot separate a fixed overhead from work)."""
+    if len(runs) < 2:
+        raise ValueError("calibration needs at least two runs of different sizes (overhead vs work)")
+    pure = ideal(base)
+    classes = list(EFFICIENCY)
+    rows, target = [], []
+    for run in runs:
+        estimate = predict(run.cfg, pure, run.prompt_length, run.response_length)
+        for stage, seconds in run.stage_s.items():
+            row = [1.0] + [0.0] * len(classes)
+            row[1 + classes.index(STAGE_CLASS[stage])] = estimate.stage_s[stage]
+            rows.append(row)
+            target.append(seconds)
+    solution, *_ = np.linalg.lstsq(np.array(rows), np.array(target), rcond=None)
+    overhead = max(0.0, float(solution[0]))
+    update = {"name": name, "stage_overhead_s": overhead, "iteration_overhead_s": 0.0}
+    for index, cls in enumerate(classes):
+        inverse = float(solution[1 + index])
+        update[EFFICIENCY[cls]] = 1.0 if inverse <= 1.0 else 1.0 / inverse
+    fitted = base.model_copy(update=update)
+    gaps = []
+    for run in runs:
+        estimate = predict(run.cfg, fitted, run.prompt_length, run.response_length)
+        gaps.append(run.step_s - estimate.seconds)
+    return fitted.model_copy(update={"iteration_overhead_s": max(0.0, statistics.median(gaps))})
+
+
+def save_profile(profile: HardwareProfile, folder: Path) -> Path:
+    """Write `profile` as ``<folder>/<name>.json`` (atomically)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{profile.name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(profile.model_dump(), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_profiles(folder: Path) -> dict[str, HardwareProfile]:
+    """The calibrated profiles saved in `folder`, by name."""
+    if not folder.is_dir():
+        return {}
+    return {p.stem: HardwareProfile.model_validate_json(p.read_text()) for p in sorted(folder.glob("*.json"))}

@@ -1,14 +1,15 @@
 """Benchmark: the planner's cost model against measurement on this machine.
 
-1. Calibrates a CPU profile (`hf plan --calibrate`'s fit) from two colocated one-device runs of SmolLM2 PPO
-   (actor, critic, ref) at 8 and 16 prompts per iteration.
+1. Calibrates a CPU profile (`hf plan --calibrate`'s fit) from three colocated one-device runs of PPO (actor,
+   critic, ref): SmolLM2 at 8 and 16 prompts per iteration, and the tiny model at 16 (two model sizes keep a fixed
+   per-stage overhead apart from work).
 2. Runs the placements below with ``hf run`` (SmolLM2 and the tiny model; colocated vs split pools; 1 and 2 ranks;
    one torch thread per rank, so a rank is one of this machine's cores) and compares, for each, the measured median
    seconds per iteration and per stage (iterations after the first) with the cost model's prediction for that
    config (`hybridflow.mapping.calibrate.predict`, with the run's measured longest prompt and response).
 3. Prints the table, each iteration's error and the Spearman rank correlation of the placements' iteration times.
 
-    .venv/bin/python benchmarks/plan_accuracy.py [--iterations 4] [--keep DIR]
+    .venv/bin/python benchmarks/plan_accuracy.py [--iterations 4] [--keep DIR [--reuse]]
 """
 
 import argparse
@@ -56,8 +57,15 @@ PLACEMENTS = {
 }
 
 
-def hf_run(name: str, overrides: list[str], iterations: int, tmp: Path) -> tuple[RunStore, str, float]:
-    db = f"sqlite:///{tmp / (name.replace(' ', '_').replace('|', '').replace('+', '_') + '.db')}"
+def hf_run(name: str, overrides: list[str], iterations: int, tmp: Path, reuse: bool) -> tuple[RunStore, str, float]:
+    path = tmp / (name.replace(" ", "_").replace("|", "").replace("+", "_") + ".db")
+    db = f"sqlite:///{path}"
+    if reuse and path.exists():
+        store = RunStore(db)
+        (record,) = store.list_runs()
+        if record.status == "completed":
+            return store, record.id, 0.0
+        path.unlink()
     args = [HF, "run", SMOLLM2, "--db", db, "-o", f"trainer.output_dir={tmp / 'out'}"]
     for item in [*COMMON, f"trainer.total_iterations={iterations}", *overrides]:
         args += ["-o", item]
@@ -87,15 +95,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--keep", type=Path, help="keep the stores and outputs here")
+    parser.add_argument("--reuse", action="store_true", help="with --keep: reuse the completed runs found there")
     args = parser.parse_args()
     console = Console(width=200)
     tmp = args.keep or Path(tempfile.mkdtemp())
     tmp.mkdir(parents=True, exist_ok=True)
     calibration = []
-    for prompts in (8, 16):
-        store, run_id, wall = hf_run(f"calibrate {prompts}", [f"data.train_batch_size={prompts}"], 3, tmp)
+    for name, overrides in {
+        "smollm2 8 prompts": ["data.train_batch_size=8"],
+        "smollm2 16 prompts": ["data.train_batch_size=16"],
+        "tiny 16 prompts": [*TINY, "data.train_batch_size=16"],
+    }.items():
+        store, run_id, wall = hf_run(f"calibrate {name}", overrides, 3, tmp, args.reuse)
         calibration.append(Measured.from_store(store, run_id))
-        console.print(f"calibration run {run_id}: {prompts} prompts, hf run {wall:.0f} s")
+        console.print(f"calibration run {run_id}: {name}, hf run {wall:.0f} s")
     peaks = measure_device(threads=1)
     base = HardwareProfile(name="cpu-core", memory_bytes=12e9, dtype_bytes=4, inter_node_bandwidth=1e9, **peaks)
     profile = fit_profile(base, calibration, "cpu-core")
@@ -105,7 +118,7 @@ def main() -> None:
         table.add_column(column, justify="left" if column == "placement" else "right")
     predicted, measured = [], []
     for name, overrides in PLACEMENTS.items():
-        store, run_id, wall = hf_run(name, overrides, args.iterations, tmp)
+        store, run_id, wall = hf_run(name, overrides, args.iterations, tmp, args.reuse)
         run = Measured.from_store(store, run_id)
         estimate = predict(run.cfg, profile, run.prompt_length, run.response_length)
         predicted.append(estimate.seconds)

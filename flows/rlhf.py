@@ -35,7 +35,7 @@ from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import Span, Timer, compute_data_metrics
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.preflight import prompt_sets
-from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags
+from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags, untagged_task_runs
 from hybridflow.flows.store import LeaseLostError, RunStore
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
@@ -347,6 +347,11 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
         LeaseLostError: another controller took the run over while this one ran (this one stops writing).
         CheckpointError: the checkpoint asked for with `resume_from_step` is missing or corrupt.
     """
+    with untagged_task_runs():  # the tags name the flow run only (see untagged_task_runs)
+        return _train_run(run_id, db_url, resume_from_step)
+
+
+def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) -> dict[str, float]:
     store = RunStore(db_url)
     cfg = HybridFlowConfig.model_validate(store.get_run(run_id).config)
     lease = RunLease(store, run_id).acquire()

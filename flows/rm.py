@@ -28,7 +28,7 @@ from hybridflow.engine.metrics import Timer
 from hybridflow.engine.preference import collate_pairs, epoch_batches
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.preflight import PreferenceSets, preference_sets
-from hybridflow.flows.reporting import FlowLogs, RunReport
+from hybridflow.flows.reporting import FlowLogs, RunReport, untagged_task_runs
 from hybridflow.flows.rlhf import (
     Workers,
     end_session,
@@ -93,6 +93,11 @@ def rm_flow(run_id: str, db_url: str | None = None) -> dict[str, float]:
         LeaseHeldError: another controller is training the run. LeaseLostError: another took it over meanwhile.
         NonFiniteError: a step's gradient norm is not finite (the run is recorded failed, resumable).
     """
+    with untagged_task_runs():  # the tags name the flow run only (see untagged_task_runs)
+        return _train_rm(run_id, db_url)
+
+
+def _train_rm(run_id: str, db_url: str | None) -> dict[str, float]:
     store = RunStore(db_url)
     cfg = RMTrainingConfig.model_validate(store.get_run(run_id).config)
     lease = RunLease(store, run_id).acquire()

@@ -2,22 +2,21 @@
 
 `measure_device` times one device's peaks with torch (a matmul for FLOP/s, a copy for memory bandwidth, a gloo
 all-reduce between two processes for the link); `fit_profile` then takes recorded runs (their configs and the stage
-seconds in the run store, ``timing_s/<stage>``) and fits, by least squares, measured = overhead + ideal / efficiency
-per class of stage (training, forward passes, generation), where ideal is the cost model's seconds at efficiency 1.
-`predict` is the cost model's estimate of a run config's own placement, which the benchmark compares with
-measurement."""
+seconds in the run store, ``timing_s/<stage>``) and fits the cost model's efficiencies and overheads (`FITTED`) to
+them by least squares. `predict` is the cost model's estimate of a run config's own placement, which the benchmark
+compares with measurement."""
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from hybridflow.mapping.cost import Strategy, Workload
+from hybridflow.mapping.dataflow import iteration_stages, simulate
 from hybridflow.mapping.hardware import HardwareProfile
 from hybridflow.mapping.planner import MODELS, Candidate, Planner
 from hybridflow.mapping.shapes import run_models
@@ -175,45 +174,51 @@ def predict(
     return planner.estimate_mapping(placement, devices, strategies)
 
 
-def ideal(profile: HardwareProfile) -> HardwareProfile:
-    """`profile` at full efficiency and no overheads: the cost model's seconds of pure work."""
-    return profile.model_copy(
-        update={"train_efficiency": 1.0, "infer_efficiency": 1.0, "decode_efficiency": 1.0,
-                "stage_overhead_s": 0.0, "decode_step_overhead_s": 0.0, "iteration_overhead_s": 0.0}
-    )  # fmt: skip
+FITTED = ("train_efficiency", "infer_efficiency", "decode_efficiency", "stage_overhead_s", "decode_step_overhead_s")
+"""The profile fields calibration fits (the peaks are measured: `measure_device`)."""
 
 
 def fit_profile(base: HardwareProfile, runs: list[Measured], name: str) -> HardwareProfile:
-    """Fit `base`'s efficiencies (one per class of stage), its ``stage_overhead_s`` and ``iteration_overhead_s`` to
-    the measured `runs` (least squares over every stage of every run: measured = overhead + ideal / efficiency;
-    then the iteration's seconds beyond the simulated stages). Efficiencies are capped at 1.
+    """Fit `base`'s `FITTED` fields to the measured `runs`: nonlinear least squares (scipy) of the log ratio of the
+    cost model's stage seconds (`predict`) to the measured ones, over every model stage of every run, so that small
+    and large models weigh alike; efficiencies in [0.01, 1], overheads >= 0. Then ``iteration_overhead_s``: the
+    median over the runs of the iteration's measured seconds beyond its measured stages laid out on its pools (the
+    controller's own time).
 
     Raises:
         ValueError: fewer than two runs (one workload cannot separate a fixed overhead from work)."""
+    from scipy.optimize import least_squares
+
     if len(runs) < 2:
         raise ValueError("calibration needs at least two runs of different sizes (overhead vs work)")
-    pure = ideal(base)
-    classes = list(EFFICIENCY)
-    rows, target = [], []
-    for run in runs:
-        estimate = predict(run.cfg, pure, run.prompt_length, run.response_length)
-        for stage, seconds in run.stage_s.items():
-            row = [1.0] + [0.0] * len(classes)
-            row[1 + classes.index(STAGE_CLASS[stage])] = estimate.stage_s[stage]
-            rows.append(row)
-            target.append(seconds)
-    solution, *_ = np.linalg.lstsq(np.array(rows), np.array(target), rcond=None)
-    overhead = max(0.0, float(solution[0]))
-    update = {"name": name, "stage_overhead_s": overhead, "iteration_overhead_s": 0.0}
-    for index, cls in enumerate(classes):
-        inverse = float(solution[1 + index])
-        update[EFFICIENCY[cls]] = 1.0 if inverse <= 1.0 else 1.0 / inverse
-    fitted = base.model_copy(update=update)
-    gaps = []
-    for run in runs:
-        estimate = predict(run.cfg, fitted, run.prompt_length, run.response_length)
-        gaps.append(run.step_s - estimate.seconds)
+
+    def profile(x) -> HardwareProfile:
+        return base.model_copy(
+            update={"name": name, "iteration_overhead_s": 0.0, **dict(zip(FITTED, map(float, x), strict=True))}
+        )
+
+    def residuals(x) -> list[float]:
+        out = []
+        for run in runs:
+            estimate = predict(run.cfg, profile(x), run.prompt_length, run.response_length)
+            out += [math.log(estimate.stage_s[s] / seconds) for s, seconds in run.stage_s.items()]
+        return out
+
+    start = [0.5, 0.5, 0.5, 0.01, 1e-4]
+    bounds = ([0.01, 0.01, 0.01, 0.0, 0.0], [1.0, 1.0, 1.0, 60.0, 10.0])
+    fitted = profile(least_squares(residuals, start, bounds=bounds, x_scale="jac").x)
+    gaps = [run.step_s - controller_free_seconds(run) for run in runs]
     return fitted.model_copy(update={"iteration_overhead_s": max(0.0, statistics.median(gaps))})
+
+
+def controller_free_seconds(run: Measured) -> float:
+    """The iteration's seconds if the controller took none: the run's measured stage seconds laid out on its pools
+    (`hybridflow.mapping.dataflow.simulate`)."""
+    placement, _, _ = run_mapping(run.cfg)
+    pool_of = {model: index for index, models in enumerate(placement) for model in models}
+    stages = iteration_stages(frozenset(pool_of))
+    seconds, _ = simulate(stages, pool_of, run.stage_s, run.cfg.placement.concurrent)
+    return seconds
 
 
 def save_profile(profile: HardwareProfile, folder: Path) -> Path:

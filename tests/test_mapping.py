@@ -202,35 +202,21 @@ def test_placement_auto_plans_at_hf_run_and_records_the_plan(prefect_api, tmp_pa
 
 
 def test_calibration_recovers_the_efficiencies_and_overheads_that_made_the_timings():
-    """Stage seconds made by a known profile (overhead + ideal / efficiency, per class of stage) for two workloads
-    fit back to that profile; this machine's device measures positive peaks."""
-    from hybridflow.mapping.calibrate import Measured, fit_profile, ideal, measure_device, predict
+    """Stage and iteration seconds made by the cost model with a known profile, for a small and a large model at
+    two batch sizes, fit back to that profile; this machine's device measures positive peaks."""
+    from hybridflow.mapping.calibrate import FITTED, Measured, fit_profile, measure_device, predict
 
     truth = A100.model_copy(
         update={"train_efficiency": 0.3, "infer_efficiency": 0.45, "decode_efficiency": 0.2, "stage_overhead_s": 1.5,
-                "iteration_overhead_s": 4.0}
+                "decode_step_overhead_s": 0.004, "iteration_overhead_s": 4.0}
     )  # fmt: skip
     runs = []
-    for prompts in (8, 16):
-        cfg = _ppo(f"data.train_batch_size={prompts}", "model.path=llama-7b")
-        work = predict(cfg, ideal(truth), 200, 100)
-        stage_s = {s: truth.stage_overhead_s + t / _efficiency(truth, s) for s, t in work.stage_s.items()}
-        step_s = predict(cfg, truth, 200, 100).seconds
-        runs.append(Measured(cfg, stage_s, step_s, prompt_length=200, response_length=100))
+    for model, prompts in (("llama-7b", 8), ("llama-7b", 16), ("llama-13b", 16)):
+        cfg = _ppo(f"data.train_batch_size={prompts}", f"model.path={model}")
+        estimate = predict(cfg, truth, 200, 100)
+        runs.append(Measured(cfg, estimate.stage_s, estimate.seconds, prompt_length=200, response_length=100))
     fitted = fit_profile(A100, runs, "fitted")
-    for key in (
-        "train_efficiency",
-        "infer_efficiency",
-        "decode_efficiency",
-        "stage_overhead_s",
-        "iteration_overhead_s",
-    ):
-        assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-6), key
+    for key in (*FITTED, "iteration_overhead_s"):
+        assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-3), key
     peaks = measure_device(threads=1)
     assert peaks["flops"] > 1e8 and peaks["memory_bandwidth"] > 1e8 and peaks["intra_node_bandwidth"] > 1e6, peaks
-
-
-def _efficiency(profile, stage: str) -> float:
-    from hybridflow.mapping.calibrate import EFFICIENCY, STAGE_CLASS
-
-    return getattr(profile, EFFICIENCY[STAGE_CLASS[stage]])

@@ -125,13 +125,13 @@ def main() -> None:
         measured.append(run.step_s)
         error = (estimate.seconds - run.step_s) / run.step_s
         stages = [
-            f"{estimate.stage_s[s]:.1f}/{run.stage_s[s]:.1f}" if s in run.stage_s and s in estimate.stage_s else ""
+            f"{estimate.stage_s[s]:.3g}/{run.stage_s[s]:.3g}" if s in run.stage_s and s in estimate.stage_s else ""
             for s in STAGE_CLASS
         ]
-        table.add_row(name, f"{estimate.seconds:.1f}", f"{run.step_s:.1f}", f"{error:+.0%}", *stages)
+        table.add_row(name, f"{estimate.seconds:.3g}", f"{run.step_s:.3g}", f"{error:+.0%}", *stages)
         console.print(
-            f"{name}: run {run_id}, hf run {wall:.0f} s, predicted {estimate.seconds:.1f} s, "
-            f"measured {run.step_s:.1f} s ({error:+.0%})"
+            f"{name}: run {run_id}, hf run {wall:.0f} s, predicted {estimate.seconds:.3g} s, "
+            f"measured {run.step_s:.3g} s ({error:+.0%})"
         )
     console.print(table)
     worst = max(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))

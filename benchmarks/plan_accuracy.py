@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridflow.flows.store import RunStore
-from hybridflow.mapping.calibrate import STAGE_CLASS, Measured, fit_profile, measure_device, predict
+from hybridflow.mapping.calibrate import MODEL_STAGES, Measured, fit_profile, measure_device, predict
 from hybridflow.mapping.hardware import HardwareProfile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +114,7 @@ def main() -> None:
     profile = fit_profile(base, calibration, "cpu-core")
     console.print("fitted profile:", profile.model_dump())
     table = Table(title="predicted vs measured seconds (median of iterations 2..N; prediction / measurement)")
-    for column in ("placement", "s/iter predicted", "s/iter measured", "error", *STAGE_CLASS):
+    for column in ("placement", "s/iter predicted", "s/iter measured", "error", *MODEL_STAGES):
         table.add_column(column, justify="left" if column == "placement" else "right")
     predicted, measured = [], []
     for name, overrides in PLACEMENTS.items():
@@ -126,7 +126,7 @@ def main() -> None:
         error = (estimate.seconds - run.step_s) / run.step_s
         stages = [
             f"{estimate.stage_s[s]:.3g}/{run.stage_s[s]:.3g}" if s in run.stage_s and s in estimate.stage_s else ""
-            for s in STAGE_CLASS
+            for s in MODEL_STAGES
         ]
         table.add_row(name, f"{estimate.seconds:.3g}", f"{run.step_s:.3g}", f"{error:+.0%}", *stages)
         console.print(

@@ -341,23 +341,22 @@ def _auto_place(config: Path, override, executor, cfg, store):
     """``placement.auto``: plan the run over placement.nodes x placement.tasks_per_node devices of
     placement.hardware, record the plan, and return the config running it (what the run records: `hf resume`
     continues on the same pools). A plan that cannot be made: its message, exit 2."""
-    from hybridflow.engine.config import apply_overrides, validate_config
-    from hybridflow.engine.embedded_models import hybridflow_home
+    from hybridflow.cli.plan import placement_label
+    from hybridflow.engine.config import validate_config
     from hybridflow.mapping.auto import plan_config
-    from hybridflow.mapping.calibrate import load_profiles
-    from hybridflow.mapping.hardware import BUILTIN, UnknownHardware, hardware_profile
+    from hybridflow.mapping.hardware import BUILTIN, UnknownHardware, calibrated_profiles, hardware_profile
     from hybridflow.mapping.planner import PlanError
 
     placement = cfg.placement
     try:
         if placement.hardware is None:
-            known = ", ".join([*BUILTIN, *load_profiles(hybridflow_home() / "hardware")])
+            known = ", ".join([*BUILTIN, *calibrated_profiles()])
             raise UnknownHardware(
                 f"placement.auto needs placement.hardware: the devices' profile, one of {known} (or fit one for "
                 "this machine with hf plan CONFIG --calibrate --gpus-per-node 1)"
             )
-        hw = hardware_profile(placement.hardware, None, load_profiles(hybridflow_home() / "hardware"))
-        tree = apply_overrides(yaml.safe_load(config.read_text()) or {}, _overrides(override, executor), str(config))
+        hw = hardware_profile(placement.hardware)
+        tree = _config_tree(config, override, executor)
         planned = plan_config(cfg, tree, hw, placement.nodes, placement.tasks_per_node)
     except (UnknownHardware, PlanError, FileNotFoundError, ValueError) as e:
         console.print(f"{config}: {e}", markup=False, style="red")
@@ -368,9 +367,8 @@ def _auto_place(config: Path, override, executor, cfg, store):
     plan_id = planned.record(store, f"{config} (placement.auto)")
     chosen = planned.chosen
     console.print(
-        f"placement.auto: plan [bold]{plan_id}[/bold]: "
-        + " | ".join("+".join(m) for m in chosen.placement)
-        + f" on {' | '.join(map(str, chosen.devices))} devices, {chosen.seconds:.3g} s per iteration (estimated; "
+        f"placement.auto: plan [bold]{plan_id}[/bold]: {placement_label(chosen)}"
+        f" on {' | '.join(map(str, chosen.devices))} devices, {chosen.seconds:.3g} s per iteration (estimated; "
         f"hf plans show {plan_id})"
     )
     return validate_config(planned.tree)
@@ -414,10 +412,7 @@ def plan(
     estimating the iteration's latency (HybridFlow paper, section 6, Algorithm 1). Prints the ranked plans and, with
     --output, writes the config with the fastest plan this version runs (run it with `hf run`)."""
     from hybridflow.cli.plan import show_plan
-    from hybridflow.engine.config import apply_overrides
-    from hybridflow.engine.embedded_models import hybridflow_home
     from hybridflow.mapping.auto import plan_config
-    from hybridflow.mapping.calibrate import load_profiles
     from hybridflow.mapping.hardware import UnknownHardware, hardware_profile
     from hybridflow.mapping.planner import PlanError
 
@@ -436,9 +431,9 @@ def plan(
     store = _store(db)
     if calibrate:
         gpu = _calibrate(config, override, executor, gpu or "local", from_run or [], store, prefect_api).name
-    tree = apply_overrides(yaml.safe_load(config.read_text()) or {}, _overrides(override, executor), source=str(config))
+    tree = _config_tree(config, override, executor)
     try:
-        hw = hardware_profile(gpu, gpu_memory_gb, load_profiles(hybridflow_home() / "hardware"))
+        hw = hardware_profile(gpu, gpu_memory_gb)
         planned = plan_config(cfg, tree, hw, nodes, gpus_per_node, strategies, model, prompt_length)
     except (UnknownHardware, PlanError, KeyError, FileNotFoundError, ValueError) as e:
         fail(str(e.args[0] if type(e) is KeyError else e))
@@ -456,9 +451,8 @@ def plan(
 def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], store, prefect_api):
     """Fit the hardware profile `name` to `run_ids`, or to two runs of `config` made for it (its batch and twice
     that, 3 iterations, every role on one rank); save it under HYBRIDFLOW_HOME/hardware and print it."""
-    from hybridflow.engine.embedded_models import hybridflow_home
-    from hybridflow.mapping.calibrate import Measured, fit_profile, measure_device, save_profile
-    from hybridflow.mapping.hardware import HardwareProfile
+    from hybridflow.mapping.calibrate import Measured, fit_profile, measure_device
+    from hybridflow.mapping.hardware import HardwareProfile, save_profile
 
     if not run_ids:
         base = _load_config(config, override, executor)
@@ -491,7 +485,7 @@ def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], 
         **peaks,
     )
     profile = fit_profile(base_profile, [Measured.from_store(store, r) for r in run_ids], name)
-    path = save_profile(profile, hybridflow_home() / "hardware")
+    path = save_profile(profile)
     console.print(f"profile [bold]{name}[/bold] saved in {path}:")
     console.print_json(profile.model_dump_json())
     return profile
@@ -501,6 +495,14 @@ def _memory_per_core() -> int:
     """This machine's memory divided among its cores (bytes): a CPU device is one core."""
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return pages // (os.cpu_count() or 1)
+
+
+def _config_tree(config: Path, override: list[str] | None, executor: str | None) -> dict:
+    """`config` as plain data with the ``-o`` overrides and ``--executor`` applied (the tree a plan is written
+    into; `_load_config` has validated it)."""
+    from hybridflow.engine.config import apply_overrides
+
+    return apply_overrides(yaml.safe_load(config.read_text()) or {}, _overrides(override, executor), str(config))
 
 
 def _overrides(override: list[str] | None, executor: str | None) -> list[str]:

@@ -8,12 +8,10 @@ compares with measurement."""
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from hybridflow.mapping.cost import Strategy, Workload
 from hybridflow.mapping.dataflow import iteration_stages, simulate
@@ -21,16 +19,8 @@ from hybridflow.mapping.hardware import HardwareProfile
 from hybridflow.mapping.planner import MODELS, Candidate, Planner
 from hybridflow.mapping.shapes import run_models
 
-STAGE_CLASS = {
-    "update_actor": "train",
-    "update_critic": "train",
-    "old_log_prob": "infer",
-    "ref": "infer",
-    "values": "infer",
-    "rm_score": "infer",
-    "gen": "decode",
-}
-EFFICIENCY = {"train": "train_efficiency", "infer": "infer_efficiency", "decode": "decode_efficiency"}
+MODEL_STAGES = ("update_actor", "update_critic", "old_log_prob", "ref", "values", "rm_score", "gen")
+"""The stages a model runs (``timing_s/<name>``): the ones calibration fits and the benchmark compares."""
 
 
 def measure_device(threads: int = 1) -> dict[str, float]:
@@ -148,7 +138,7 @@ class Measured:
         values = {name: [v for _, v in sorted(points)] for name, points in series.items()}
         if skip_first:
             values = {name: v[1:] if len(v) > 1 else v for name, v in values.items()}
-        stage_s = {s: statistics.median(values[f"timing_s/{s}"]) for s in STAGE_CLASS if f"timing_s/{s}" in values}
+        stage_s = {s: statistics.median(values[f"timing_s/{s}"]) for s in MODEL_STAGES if f"timing_s/{s}" in values}
         return cls(
             cfg=validate_config(run.config),
             stage_s=stage_s,
@@ -219,20 +209,3 @@ def controller_free_seconds(run: Measured) -> float:
     stages = iteration_stages(frozenset(pool_of))
     seconds, _ = simulate(stages, pool_of, run.stage_s, run.cfg.placement.concurrent)
     return seconds
-
-
-def save_profile(profile: HardwareProfile, folder: Path) -> Path:
-    """Write `profile` as ``<folder>/<name>.json`` (atomically)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{profile.name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(profile.model_dump(), indent=2))
-    tmp.replace(path)
-    return path
-
-
-def load_profiles(folder: Path) -> dict[str, HardwareProfile]:
-    """The calibrated profiles saved in `folder`, by name."""
-    if not folder.is_dir():
-        return {}
-    return {p.stem: HardwareProfile.model_validate_json(p.read_text()) for p in sorted(folder.glob("*.json"))}

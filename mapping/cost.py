@@ -21,13 +21,6 @@ from hybridflow.mapping.shapes import ModelShape
 TRAINED_BYTES_PER_PARAM = 16  # fp32 weights (or master copy), fp32 gradients, Adam m and v
 LOGIT_BYTES = 4  # log-probs are taken from fp32 logits
 
-ROLE_STAGES = {  # the timing names (timing_s/<name>) of the stages each model runs
-    "actor": ("gen", "old_log_prob", "update_actor"),
-    "critic": ("values", "update_critic"),
-    "ref": ("ref",),
-    "reward_model": ("rm_score",),
-}
-
 
 @dataclass(frozen=True)
 class Workload:

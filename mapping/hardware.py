@@ -7,6 +7,9 @@ machine it runs on (see `hybridflow.mapping.calibrate`)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 GB = 1e9  # datasheets count memory and bandwidth in decimal gigabytes
@@ -86,15 +89,39 @@ class UnknownHardware(ValueError):
     """A hardware name with no built-in or calibrated profile."""
 
 
-def hardware_profile(
-    name: str | None, memory_gb: float | None = None, calibrated: dict[str, HardwareProfile] | None = None
-) -> HardwareProfile:
-    """The profile called `name` (built-in, or one of `calibrated`), with its memory replaced by `memory_gb` when
-    given. With no name, `memory_gb` is required and the a100-80gb speeds are used with that memory.
+def profiles_dir() -> Path:
+    """Where calibrated profiles are kept: ``$HYBRIDFLOW_HOME/hardware``."""
+    from hybridflow.engine.embedded_models import hybridflow_home
+
+    return hybridflow_home() / "hardware"
+
+
+def save_profile(profile: HardwareProfile) -> Path:
+    """Write `profile` as ``<profiles_dir>/<name>.json`` (atomically); returns the path."""
+    folder = profiles_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{profile.name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(profile.model_dump(), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def calibrated_profiles() -> dict[str, HardwareProfile]:
+    """The profiles `hf plan --calibrate` saved (`profiles_dir`), by name."""
+    folder = profiles_dir()
+    if not folder.is_dir():
+        return {}
+    return {p.stem: HardwareProfile.model_validate_json(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def hardware_profile(name: str | None, memory_gb: float | None = None) -> HardwareProfile:
+    """The profile called `name` (built-in, or calibrated: `calibrated_profiles`), with its memory replaced by
+    `memory_gb` when given. With no name, `memory_gb` is required and the a100-80gb speeds are used with that memory.
 
     Raises:
         UnknownHardware: `name` has no profile and no `memory_gb` was given (the message lists the known names)."""
-    known = {**BUILTIN, **(calibrated or {})}
+    known = {**BUILTIN, **calibrated_profiles()}
     if name is None or name not in known:
         if memory_gb is None:
             what = f"no hardware profile named {name!r}" if name else "no hardware given"

@@ -76,6 +76,12 @@ def strategies(role: str, shape: ModelShape, devices: int, gpus_per_node: int, s
     return out
 
 
+def set_peak(costs: list[ModelCost]) -> float:
+    """Peak bytes per device of models colocated in one pool: what each holds all iteration, plus the largest need
+    of any one stage (the pool runs its stages one at a time)."""
+    return sum(c.static_bytes for c in costs) + max(max(c.transient_bytes.values(), default=0.0) for c in costs)
+
+
 @dataclass
 class SetChoice:
     """A colocated set on its devices: each model's strategy and estimate, and the set's peak bytes per device."""
@@ -184,9 +190,7 @@ class Planner:
         best: SetChoice | None = None
         best_s = math.inf
         for combo in itertools.product(*options):
-            peak = sum(c.static_bytes for _, c in combo) + max(
-                max(c.transient_bytes.values(), default=0) for _, c in combo
-            )
+            peak = set_peak([c for _, c in combo])
             seconds = sum(c.seconds for _, c in combo)
             if peak <= self.hw.capacity_bytes and seconds < best_s:
                 best_s = seconds
@@ -199,8 +203,7 @@ class Planner:
 
     def smallest_peak(self, models: tuple[str, ...], devices: int) -> float:
         """The least peak bytes per device of a set on `devices` (for messages)."""
-        total = 0.0
-        transient = 0.0
+        smallest = []
         for role in models:
             costs = [
                 self._estimate(role, s)
@@ -208,10 +211,8 @@ class Planner:
             ]
             if not costs:
                 return math.inf
-            small = min(costs, key=lambda c: c.peak_bytes)
-            total += small.static_bytes
-            transient = max(transient, max(small.transient_bytes.values(), default=0))
-        return total + transient
+            smallest.append(min(costs, key=lambda c: c.peak_bytes))
+        return set_peak(smallest)
 
     def min_devices(self, models: tuple[str, ...]) -> int | None:
         """A_min: the fewest devices (among `pool_sizes`) on which the set fits; None if it fits on none."""
@@ -298,9 +299,7 @@ class Planner:
         peaks, pool_of = [], {}
         for index, models in enumerate(placement):
             costs = [self._estimate(role, chosen[role]) for role in models]
-            peaks.append(
-                sum(c.static_bytes for c in costs) + max(max(c.transient_bytes.values(), default=0) for c in costs)
-            )
+            peaks.append(set_peak(costs))
             for role, cost in zip(models, costs, strict=True):
                 pool_of[role] = index
                 stage_s.update(cost.stage_s)

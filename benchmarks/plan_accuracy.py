@@ -30,7 +30,14 @@ from hybridflow.mapping.hardware import HardwareProfile
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
 SMOLLM2 = str(ROOT / "examples" / "ppo_pools_smollm2.yaml")
-COMMON = ["trainer.val_before_train=false", "trainer.test_freq=0", "trainer.num_threads=1", "placement={}"]
+COMMON = [
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
+    "trainer.save_freq=0",
+    "trainer.num_threads=1",
+    "placement={}",
+]
+SETTLE_S = 15  # before each run: the previous run's workers exit and its last checkpoint reaches the disk
 TINY = ["model.path=tiny", "data.train_batch_size=8", "rollout.response_length=16", "data.max_prompt_length=128"]
 
 
@@ -65,10 +72,12 @@ def hf_run(name: str, overrides: list[str], iterations: int, tmp: Path, reuse: b
         (record,) = store.list_runs()
         if record.status == "completed":
             return store, record.id, 0.0
-        path.unlink()
+        for stale in path.parent.glob(path.name + "*"):  # the store and its SQLite journal files
+            stale.unlink()
     args = [HF, "run", SMOLLM2, "--db", db, "-o", f"trainer.output_dir={tmp / 'out'}"]
     for item in [*COMMON, f"trainer.total_iterations={iterations}", *overrides]:
         args += ["-o", item]
+    time.sleep(SETTLE_S)
     started = time.monotonic()
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
     store = RunStore(db)
@@ -105,6 +114,7 @@ def main() -> None:
         "smollm2 8 prompts": ["data.train_batch_size=8"],
         "smollm2 16 prompts": ["data.train_batch_size=16"],
         "tiny 16 prompts": [*TINY, "data.train_batch_size=16"],
+        "tiny 16 prompts x2": [*TINY, "data.train_batch_size=16", "placement.tasks_per_node=2"],
     }.items():
         store, run_id, wall = hf_run(f"calibrate {name}", overrides, 3, tmp, args.reuse)
         calibration.append(Measured.from_store(store, run_id))

@@ -449,15 +449,18 @@ def plan(
 
 
 def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], store, prefect_api):
-    """Fit the hardware profile `name` to `run_ids`, or to two runs of `config` made for it (its batch and twice
-    that, 3 iterations, every role on one rank); save it under HYBRIDFLOW_HOME/hardware and print it."""
+    """Fit the hardware profile `name` to `run_ids`, or to runs of `config` made for it (3 iterations, every role in
+    one pool: its batch on one rank, twice that on one rank, and, on a machine of 2 cores or more, twice that on 2
+    ranks, which busy the cores the controller shares); save it under HYBRIDFLOW_HOME/hardware and print it."""
     from hybridflow.mapping.calibrate import Measured, fit_profile, measure_device
     from hybridflow.mapping.hardware import HardwareProfile, save_profile
 
     if not run_ids:
         base = _load_config(config, override, executor)
         _connect_prefect(prefect_api)
-        for prompts in (base.data.train_batch_size, 2 * base.data.train_batch_size):
+        batch = base.data.train_batch_size
+        sizes = [(batch, 1), (2 * batch, 1)] + ([(2 * batch, 2)] if len(os.sched_getaffinity(0)) >= 2 else [])
+        for prompts, ranks in sizes:
             sized = [
                 *(override or []),
                 f"data.train_batch_size={prompts}",
@@ -468,10 +471,11 @@ def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], 
                 "trainer.num_threads=1",
                 f"trainer.experiment_name=calibrate-{name}",
                 "placement={}",
+                f"placement.tasks_per_node={ranks}",
             ]
             cfg = _load_config(config, sized, executor)
             run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
-            console.print(f"calibration run [bold]{run_id}[/bold]: {prompts} prompts per iteration, one device")
+            console.print(f"calibration run [bold]{run_id}[/bold]: {prompts} prompts per iteration, {ranks} rank(s)")
             _train(store, run_id)
             run_ids.append(run_id)
     with console.status("measuring this machine's device (matmul, copy, gloo all-reduce)..."):

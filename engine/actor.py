@@ -15,6 +15,7 @@ from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penal
 from hybridflow.engine.models import compute_log_probs, response_log_probs
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.training import (
+    MaskedMeans,
     MetricLog,
     build_optimizer,
     data_parallel,
@@ -96,57 +97,90 @@ class Actor:
 
         Args:
             data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``,
-                ``rollout_log_probs`` [B, T] when ``actor.tis_cap`` is set).
+                ``rollout_log_probs`` [B, T] when ``actor.tis_cap`` is set). Without ``old_log_probs`` the update is
+                on-policy (HybridFlowConfig.skips_old_log_prob): one optimizer step, whose ratio's denominator is its
+                own forward's log-probs, detached.
 
         Returns:
             metrics averaged over micro-batches: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
             ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), ``actor/tis_weight_mean``
             and ``actor/tis_truncated_frac`` (with ``actor.tis_cap``), and per optimizer step ``actor/grad_norm``,
-            ``actor/lr``.
+            ``actor/lr``; on-policy also the old_log_prob stage's token means (`_micro_step`).
 
         Raises:
             KeyError: ``actor.tis_cap`` is set but the batch has no ``rollout_log_probs`` (an engine that reports
                 none).
+            ValueError: no ``old_log_probs`` and more than one optimizer step.
         """
         cfg = self.config
-        keys = UPDATE_KEYS + (["ref_log_prob"] if cfg.use_kl_loss else [])
-        if cfg.tis_cap is not None:
-            if "rollout_log_probs" not in data.keys:
-                raise KeyError(
-                    "actor.tis_cap needs the rollout engine's log-probs (rollout_log_probs), which this batch lacks: "
-                    "use rollout.name=vllm or remove actor.tis_cap"
-                )
+        on_policy = "old_log_probs" not in data.keys
+        keys = [k for k in UPDATE_KEYS if not (on_policy and k == "old_log_probs")]
+        keys += ["ref_log_prob"] if cfg.use_kl_loss else []
+        if cfg.tis_cap is not None and "rollout_log_probs" not in data.keys:
+            raise KeyError(
+                "actor.tis_cap needs the rollout engine's log-probs (rollout_log_probs), which this batch lacks: "
+                "use rollout.name=vllm or remove actor.tis_cap"
+            )
+        if "rollout_log_probs" in data.keys and (cfg.tis_cap is not None or on_policy):
             keys.append("rollout_log_probs")
         data = data.select(batch_keys=keys)
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group))
+        if on_policy and len(steps) != 1:
+            raise ValueError(
+                f"the batch has no old_log_probs, which only an update of one optimizer step may do without; this one "
+                f"takes {len(steps)} (actor.ppo_epochs x data.train_batch_size / actor.ppo_mini_batch_size): run the "
+                "old_log_prob stage first (actor.recompute_log_prob=true)"
+            )
         self.model.train()
         log = MetricLog()
-        for micros, weights in update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group):
+        measured = MaskedMeans() if on_policy else None
+        for micros, weights in steps:
             for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):
-                    self._micro_step(micro, temperature, loss_scale, log)
+                    self._micro_step(micro, temperature, loss_scale, log, measured)
             lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
             grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip, "actor", log)
             log.add(grad_norm=grad_norm, lr=lr)
-        return log.mean("actor")
+        return {**log.mean("actor"), **(measured.means() if measured is not None else {})}
 
-    def _micro_step(self, micro: DataProto, temperature: float, loss_scale: float, log: MetricLog) -> None:
+    def _micro_step(
+        self, micro: DataProto, temperature: float, loss_scale: float, log: MetricLog, measured: MaskedMeans | None
+    ) -> None:
+        """One micro-batch's forward and backward. With `measured` (an on-policy update: the batch has no
+        ``old_log_probs``), the old log-probs are this forward's, detached (the weights have not moved yet: one
+        optimizer step, after every micro-batch), and `measured` gets what the skipped old_log_prob stage reports
+        from the same numbers: ``actor/entropy`` (unless the entropy bonus logs its own) and the rollout engine's
+        drift (``rollout/log_prob_diff_mean``, ``rollout/kl``, as `hybridflow.engine.metrics.rollout_mismatch`)."""
         cfg = self.config
         batch = micro.batch
         mask = batch["response_mask"]
         calculate_entropy = cfg.entropy_coeff != 0
         log_prob, entropy = response_log_probs(
-            self.train_module, micro, temperature, calculate_entropy, self.compute_dtype
+            self.train_module,
+            micro,
+            temperature,
+            calculate_entropy or measured is not None,
+            self.compute_dtype,
+            entropy_grad=calculate_entropy,
         )
+        old_log_prob = batch["old_log_probs"] if measured is None else log_prob.detach()
+        if measured is not None:
+            if not calculate_entropy:
+                measured.add("actor/entropy", entropy, mask)
+            if "rollout_log_probs" in batch:
+                drift = batch["rollout_log_probs"] - old_log_prob
+                measured.add("rollout/log_prob_diff_mean", drift.abs(), mask)
+                measured.add("rollout/kl", drift, mask)
         is_weights = None
         if cfg.tis_cap is not None:
-            is_weights = truncated_is_weights(batch["old_log_probs"], batch["rollout_log_probs"], cfg.tis_cap)
+            is_weights = truncated_is_weights(old_log_prob, batch["rollout_log_probs"], cfg.tis_cap)
             log.add(
                 tis_weight_mean=masked_mean(is_weights, mask),
                 tis_truncated_frac=masked_mean((is_weights >= cfg.tis_cap).float(), mask),
             )
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
-            old_log_prob=batch["old_log_probs"],
+            old_log_prob=old_log_prob,
             log_prob=log_prob,
             advantages=batch["advantages"],
             response_mask=mask,

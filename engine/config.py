@@ -159,6 +159,13 @@ class ActorConfig(_Section):
         description="truncated importance sampling of the rollout engine's drift: weight each token's policy loss by "
         "min(pi_actor / pi_rollout, tis_cap) (2.0 is usual); None: off. Needs rollout.name=vllm",
     )
+    recompute_log_prob: bool = Field(
+        False,
+        description="run the old_log_prob stage even when the update is on-policy (one optimizer step per iteration: "
+        "actor.ppo_epochs 1 and actor.ppo_mini_batch_size = data.train_batch_size, and no "
+        "algorithm.use_kl_in_reward), where the old log-probs equal the update's own forward, detached, and the "
+        "stage is skipped",
+    )
 
 
 class RefConfig(_Section):
@@ -551,6 +558,15 @@ class HybridFlowConfig(_Section):
                 "group: set rollout.n >= 2"
             )
         return self
+
+    def skips_old_log_prob(self) -> bool:
+        """Whether the old_log_prob stage is skipped: the update is on-policy, one optimizer step per iteration
+        (``actor.ppo_epochs`` 1, ``actor.ppo_mini_batch_size`` = ``data.train_batch_size``), so the log-probs it
+        would compute are the update's own before its step; nothing reads them before the update
+        (``algorithm.use_kl_in_reward`` does); and ``actor.recompute_log_prob`` is false."""
+        a = self.actor
+        one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.data.train_batch_size
+        return one_step and not self.algorithm.use_kl_in_reward and not a.recompute_log_prob
 
     def roles(self) -> list[str]:
         """The roles this run uses: actor, rollout and reward (the score function: validation uses it) always; ref

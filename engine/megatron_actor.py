@@ -111,8 +111,9 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
 
     def loss_func(index: int, log_prob: torch.Tensor):
         batch = micros[index].batch
+        on_policy = "old_log_probs" not in batch  # one optimizer step: the old log-probs are this forward's
         pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
-            old_log_prob=batch["old_log_probs"],
+            old_log_prob=log_prob.detach() if on_policy else batch["old_log_probs"],
             log_prob=log_prob,
             advantages=batch["advantages"],
             response_mask=batch["response_mask"],
@@ -224,11 +225,17 @@ class MegatronActor(MegatronRole):
         """PPO update on this data-parallel rank's rows; returns ``actor/pg_loss``, ``actor/ppo_kl`` (last stage),
         ``actor/grad_norm`` and ``actor/lr``, averaged as `Actor.update_policy` does."""
         cfg = self.config
-        keys = UPDATE_KEYS + (["ref_log_prob"] if cfg.use_kl_loss else [])
-        data = data.select(batch_keys=keys)
+        keys = [k for k in UPDATE_KEYS if k in data.keys or k != "old_log_probs"]  # none: on-policy (`Actor`)
+        data = data.select(batch_keys=keys + (["ref_log_prob"] if cfg.use_kl_loss else []))
+        steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group))
+        if "old_log_probs" not in keys and len(steps) != 1:
+            raise ValueError(
+                f"the batch has no old_log_probs, which only an update of one optimizer step may do without; this one "
+                f"takes {len(steps)}: run the old_log_prob stage first (actor.recompute_log_prob=true)"
+            )
         self.model.train()
         log = MetricLog()
-        for micros, scales in update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group):
+        for micros, scales in steps:
             log.add(
                 **{k.removeprefix("actor/"): v for k, v in policy_gradient(self.model, micros, scales, cfg).items()}
             )

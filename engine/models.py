@@ -205,8 +205,10 @@ def response_log_probs(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     compute_dtype: torch.dtype | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probability of each response token under `model` (differentiable), and optionally the entropy.
+    """Log-probability of each response token under `model` (differentiable), and optionally the entropy
+    (differentiable unless `entropy_grad` is false: a metric, which then keeps no [b, T, V] softmax for backward).
 
     The forward runs in `compute_dtype` (see `forward_response_logits`); the softmax math runs in fp32.
 
@@ -216,7 +218,10 @@ def response_log_probs(
     """
     logits = forward_response_logits(model, micro, temperature, compute_dtype).float()
     log_probs = logprobs_from_logits(logits, micro.batch["responses"])
-    entropy = entropy_from_logits(logits) if calculate_entropy else None
+    entropy = None
+    if calculate_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits)
     return log_probs, entropy
 
 

@@ -86,13 +86,14 @@ class SingleProcessTrainer:
             if self.reward_model is not None:
                 with timer("rm_score"):
                     data = data.union(self.reward_model.compute_rm_score(data))
-            with timer("old_log_prob"):
-                old = self.actor.compute_log_prob(data, calculate_entropy=True)
-                entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
-                metrics["actor/entropy"] = float(masked_mean(entropys, data.batch["response_mask"]))
-                data = data.union(old)
-                if "rollout_log_probs" in data.keys:
-                    metrics.update(rollout_mismatch(data))
+            if not cfg.skips_old_log_prob():  # else the on-policy update uses and reports its own
+                with timer("old_log_prob"):
+                    old = self.actor.compute_log_prob(data, calculate_entropy=True)
+                    entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
+                    metrics["actor/entropy"] = float(masked_mean(entropys, data.batch["response_mask"]))
+                    data = data.union(old)
+                    if "rollout_log_probs" in data.keys:
+                        metrics.update(rollout_mismatch(data))
             if self.ref is not None:
                 with timer("ref"):
                     data = data.union(self.ref.compute_ref_log_prob(data))

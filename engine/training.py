@@ -235,6 +235,26 @@ def stop_on_non_finite_grad(grad_norm: float, optimizer, role: str, log: MetricL
     raise NonFiniteError(f"update_{role}: {role}/grad_norm is {grad_norm}{cause}; the weights were not stepped; {FIX}")
 
 
+class MaskedMeans:
+    """Token-weighted means over micro-batches: `add` accumulates a [b, T] tensor's sum over the mask's tokens and
+    the token count under a metric name; `means` gives each name's sum / count, the masked mean over every row
+    added (what `masked_mean` of the whole batch gives, whatever the micro-batches' token counts)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+        self._counts: dict[str, float] = defaultdict(float)
+
+    def add(self, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add ``values`` float [b, T] over ``mask`` (0/1, [b, T]) under `name` (e.g. ``actor/entropy``)."""
+        values = values.detach().float()
+        self._sums[name] += float((values * mask).sum())
+        self._counts[name] += float(mask.sum())
+
+    def means(self) -> dict[str, float]:
+        """name -> masked mean (NaN for a name whose mask had no token)."""
+        return {k: self._sums[k] / self._counts[k] if self._counts[k] else math.nan for k in self._sums}
+
+
 class MetricLog:
     """Collect per-micro/mini-batch values under metric names; `mean()` averages each name."""
 

@@ -13,6 +13,7 @@ This module never imports Prefect or submitit; the worker group (``hybridflow.sl
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from hybridflow.engine.config import ROLES, HybridFlowConfig
 from hybridflow.engine.critic import Critic
 from hybridflow.engine.dispatch import Dispatch, register
 from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.flops import update_mfu
 from hybridflow.engine.fsdp import full_model_state, full_optimizer_state, gathered, is_sharded
 from hybridflow.engine.models import load_critic, load_model, load_tokenizer, pick_device, pick_dtype
 from hybridflow.engine.protocol import DataProto
@@ -242,9 +244,16 @@ class RLHFWorker:
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> dict[str, float]:
-        """PPO policy update on this rank's rows; returns the actor metrics."""
+        """PPO policy update on this rank's rows; returns the actor metrics and ``perf/mfu/actor``
+        (`hybridflow.engine.flops.update_mfu`: the FLOPs the update needs over its seconds and this device's peak)."""
         self._need("actor")
-        return self.actor.update_policy(data)
+        started = time.perf_counter()
+        metrics = self.actor.update_policy(data)
+        seconds = time.perf_counter() - started
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        epochs = self.config.actor.ppo_epochs
+        metrics["perf/mfu/actor"] = update_mfu(self.config.model.path, data, epochs, seconds, device)
+        return metrics
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> dict[str, float]:

@@ -382,6 +382,11 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         logger.info(
             "run %s: iterations %d to %d; worker groups %s", run_id, start + 1, trainer.total_iterations, groups
         )
+        if cfg.skips_old_log_prob():
+            logger.info(
+                "stage old_log_prob skipped: the update is on-policy (one optimizer step per iteration), so its old "
+                "log-probs are its own forward's, detached (actor.recompute_log_prob=true runs the stage)"
+            )
         metrics: dict[str, float] = {}
         if start == 0 and trainer.val_before_train and prompts.val_batches:
             enter_stage("validate", 0, 0)
@@ -570,7 +575,7 @@ def _iteration(
             scored = run(
                 Call(stages.rm_score, "reward_model", (rollout,), when="reward_model" in roles),
                 Call(stages.reward, "reward", (rollout,)),
-                Call(stages.old_log_prob, "actor", (rollout,)),
+                Call(stages.old_log_prob, "actor", (rollout,), when=not cfg.skips_old_log_prob()),
                 Call(stages.ref_log_prob, "ref", (rollout,), when="ref" in roles),
                 Call(stages.values, "critic", (rollout,), when="critic" in roles),
             )

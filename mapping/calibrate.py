@@ -9,12 +9,13 @@ compares with measurement."""
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
 
+from hybridflow.engine.flops import matmul_flops
 from hybridflow.mapping.cost import Strategy, Workload
-from hybridflow.mapping.dataflow import iteration_stages, simulate
 from hybridflow.mapping.hardware import HardwareProfile
 from hybridflow.mapping.planner import MODELS, Candidate, Planner
 from hybridflow.mapping.shapes import run_models
@@ -26,21 +27,25 @@ MODEL_STAGES = ("update_actor", "update_critic", "old_log_prob", "ref", "values"
 def measure_device(threads: int = 1) -> dict[str, float]:
     """This machine's device peaks with `threads` torch threads: ``flops`` (fp32 matmul of 1,024 x 1,024, FLOP/s),
     ``memory_bandwidth`` (copy of 256 MiB, bytes/s, read + write), ``intra_node_bandwidth`` (gloo all-reduce of
-    64 MiB between two local processes, bytes/s of the ring's 2(n-1)/n volume)."""
+    64 MiB between two local processes, bytes/s of the ring's 2(n-1)/n volume), and ``host_cores`` (the cores this
+    process may run on: a CPU machine's devices)."""
     import torch
 
+    flops = matmul_flops(threads)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        torch.mm(a, b)
-        flops = 2 * 1024**3 / _best(lambda: torch.mm(a, b), repeat=20)
         src, dst = torch.empty(64 * 2**20), torch.empty(64 * 2**20)  # 256 MiB each
         dst.copy_(src)
         bandwidth = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), repeat=5)
     finally:
         torch.set_num_threads(previous)
-    return {"flops": flops, "memory_bandwidth": bandwidth, "intra_node_bandwidth": _gloo_bandwidth()}
+    return {
+        "flops": flops,
+        "memory_bandwidth": bandwidth,
+        "intra_node_bandwidth": _gloo_bandwidth(),
+        "host_cores": len(os.sched_getaffinity(0)),
+    }
 
 
 def _best(fn, repeat: int) -> float:
@@ -164,16 +169,24 @@ def predict(
     return planner.estimate_mapping(placement, devices, strategies)
 
 
-FITTED = ("train_efficiency", "infer_efficiency", "decode_efficiency", "stage_overhead_s", "decode_step_overhead_s")
-"""The profile fields calibration fits (the peaks are measured: `measure_device`)."""
+FITTED = (
+    "train_efficiency",
+    "infer_efficiency",
+    "decode_efficiency",
+    "stage_overhead_s",
+    "decode_step_overhead_s",
+    "layer_token_overhead_s",
+    "iteration_overhead_s",
+    "contended_stage_s",
+)
+"""The profile fields calibration fits (the peaks are measured: `measure_device`); ``contended_stage_s`` only on a
+CPU profile (``host_cores`` > 0), from runs whose ranks busy every core."""
 
 
 def fit_profile(base: HardwareProfile, runs: list[Measured], name: str) -> HardwareProfile:
     """Fit `base`'s `FITTED` fields to the measured `runs`: nonlinear least squares (scipy) of the log ratio of the
-    cost model's stage seconds (`predict`) to the measured ones, over every model stage of every run, so that small
-    and large models weigh alike; efficiencies in [0.01, 1], overheads >= 0. Then ``iteration_overhead_s``: the
-    median over the runs of the iteration's measured seconds beyond its measured stages laid out on its pools (the
-    controller's own time).
+    cost model's seconds (`predict`) to the measured ones, over every model stage and the iteration of every run,
+    so that small and large models weigh alike; efficiencies in [0.01, 1], overheads >= 0.
 
     Raises:
         ValueError: fewer than two runs (one workload cannot separate a fixed overhead from work)."""
@@ -182,30 +195,20 @@ def fit_profile(base: HardwareProfile, runs: list[Measured], name: str) -> Hardw
     if len(runs) < 2:
         raise ValueError("calibration needs at least two runs of different sizes (overhead vs work)")
 
+    fitted = [key for key in FITTED if key != "contended_stage_s" or base.host_cores]
+
     def profile(x) -> HardwareProfile:
-        return base.model_copy(
-            update={"name": name, "iteration_overhead_s": 0.0, **dict(zip(FITTED, map(float, x), strict=True))}
-        )
+        return base.model_copy(update={"name": name, **dict(zip(fitted, map(float, x), strict=True))})
 
     def residuals(x) -> list[float]:
         out = []
         for run in runs:
             estimate = predict(run.cfg, profile(x), run.prompt_length, run.response_length)
             out += [math.log(estimate.stage_s[s] / seconds) for s, seconds in run.stage_s.items()]
+            out.append(math.log(estimate.seconds / run.step_s))
         return out
 
-    start = [0.5, 0.5, 0.5, 0.01, 1e-4]
-    bounds = ([0.01, 0.01, 0.01, 0.0, 0.0], [1.0, 1.0, 1.0, 60.0, 10.0])
-    fitted = profile(least_squares(residuals, start, bounds=bounds, x_scale="jac").x)
-    gaps = [run.step_s - controller_free_seconds(run) for run in runs]
-    return fitted.model_copy(update={"iteration_overhead_s": max(0.0, statistics.median(gaps))})
-
-
-def controller_free_seconds(run: Measured) -> float:
-    """The iteration's seconds if the controller took none: the run's measured stage seconds laid out on its pools
-    (`hybridflow.mapping.dataflow.simulate`)."""
-    placement, _, _ = run_mapping(run.cfg)
-    pool_of = {model: index for index, models in enumerate(placement) for model in models}
-    stages = iteration_stages(frozenset(pool_of))
-    seconds, _ = simulate(stages, pool_of, run.stage_s, run.cfg.placement.concurrent)
-    return seconds
+    start = [0.5, 0.5, 0.5, 0.01, 1e-4, 1e-7, 0.01, 0.01][: len(fitted)]
+    bounds = ([0.01] * 3 + [0.0] * 5, [1.0] * 3 + [60.0, 10.0, 1.0, 600.0, 60.0])
+    bounds = (bounds[0][: len(fitted)], bounds[1][: len(fitted)])
+    return profile(least_squares(residuals, start, bounds=bounds, x_scale="jac").x)

@@ -1,14 +1,15 @@
-"""The cost model: seconds per stage and bytes per device of one model under one parallel strategy.
-
-Analytical, after the HybridFlow paper's simulator (section 6): FLOPs over achieved FLOP/s for compute-bound work
-(prefill, forward and backward passes), bytes over achieved bandwidth for memory-bound work (decoding: every step
-reads the weight shard and the KV cache) and for collectives (ring all-reduce moves 2(n-1)/n of the buffer), plus a
-pipeline bubble of (p-1)/m (GPipe/1F1B, m micro-batches). FLOPs: 2 per weight per token forward, 6 training (Kaplan
-et al. 2020, eq. 2.1), and causal attention's 2·s·h per layer per token forward. Memory: 16 bytes per trained
-parameter (fp32 master weights, gradients and two Adam moments; Rajbhandari et al. 2020, ZeRO section 3.1),
-activations 34·s·b·h bytes per layer in bf16 (Korthikanti et al. 2022, eq. 1 without the attention-score term,
-which flash attention does not store), the KV cache 2·layers·kv_heads·head_dim bytes per token, and the
-3D-HybridEngine's generation shard M/t_g beside the training shard M/(t·p) (HybridFlow table 2: no redundant copy)."""
+"""The cost model: seconds per stage and bytes per device of one model under one parallel strategy. Analytical, after
+the HybridFlow paper's simulator (section 6): FLOPs over achieved FLOP/s for compute-bound work (prefill, forward and
+backward passes), bytes over achieved bandwidth for memory-bound work (decoding: every step reads the weight shard
+and the KV cache) and for collectives (ring all-reduce moves 2(n-1)/n of the buffer), plus a pipeline bubble of
+(p-1)/m (GPipe/1F1B, m micro-batches), plus fixed costs the profile fits on the machine (per stage, per decoding
+step, and per token per layer of a forward pass: the work beyond the matmuls that small models pay). FLOPs: 2 per
+weight per token forward, 6 training (Kaplan et al. 2020, eq. 2.1), and causal attention's 2·s·h per layer per token
+forward. Memory: 16 bytes per trained parameter (fp32 master weights, gradients and two Adam moments; Rajbhandari et
+al. 2020, ZeRO section 3.1), activations 34·s·b·h bytes per layer in bf16 (Korthikanti et al. 2022, eq. 1 without the
+attention-score term, which flash attention does not store), the KV cache 2·layers·kv_heads·head_dim bytes per token,
+and the 3D-HybridEngine's generation shard M/t_g beside the training shard M/(t·p) (HybridFlow table 2: no redundant
+copy)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Workload:
     critic_micro_batch: int = 8
     infer_micro_batch: int = 16
     gen_micro_batch: int = 32  # sequences a replica decodes at once (its KV cache holds them)
+    old_log_prob: bool = True  # the actor's old_log_prob stage runs (false: skipped, an on-policy update)
 
     @property
     def seq_length(self) -> int:
@@ -64,6 +66,7 @@ class Workload:
             critic_micro_batch=cfg.critic.ppo_micro_batch_size,
             infer_micro_batch=cfg.actor.log_prob_micro_batch_size,
             gen_micro_batch=cfg.rollout.micro_batch_size,
+            old_log_prob=not cfg.skips_old_log_prob(),
         )
 
 
@@ -138,6 +141,20 @@ def forward_flops(shape: ModelShape, head: str, tokens: float, seq_length: int) 
     return tokens * (2 * matmul_params(shape, head) + 2 * shape.layers * seq_length * shape.hidden)
 
 
+def needed_flops(shape: ModelShape, groups: list[tuple[float, list[float]]], head: str) -> float:
+    """FLOPs one forward pass over a batch needs, each prompt computed once for its samples: `groups` holds, per
+    prompt, its tokens and each of its samples' response tokens (padding excluded; a row counted alone is a group
+    of one). The blocks cost 2 per weight per token; causal attention 2·L²·h per layer over a sequence of L tokens
+    (QK^T and AV over half the context on average), so a prompt of P tokens costs P² once and a response of R
+    tokens (P+R)² - P²; the output head runs only where it is read, at the response positions (``lm``: 2·V·h per
+    token; ``value``: 2·h)."""
+    out = shape.vocab * shape.hidden if head == "lm" else shape.hidden
+    tokens = sum(prompt + sum(responses) for prompt, responses in groups)
+    squares = sum(prompt**2 + sum((prompt + r) ** 2 - prompt**2 for r in responses) for prompt, responses in groups)
+    response_tokens = sum(sum(responses) for _, responses in groups)
+    return 2 * shape.layers * (shape.layer_params * tokens + shape.hidden * squares) + 2 * out * response_tokens
+
+
 def estimate(
     role: str,
     shape: ModelShape,
@@ -160,8 +177,11 @@ def estimate(
     stage_s: dict[str, float] = {}
     transient: dict[str, float] = {}
 
+    layer_tokens_s = replica_tokens * (shape.layers / p) * hw.layer_token_overhead_s  # one forward pass
+
     def forward_s(micro_batch: int) -> float:
         compute = forward_flops(shape, head, workload.tokens, seq) / (devices * hw.flops * hw.infer_efficiency)
+        compute += layer_tokens_s
         micro_batches = max(1, math.ceil(workload.sequences / d / micro_batch))
         bubble = 1 + (p - 1) / micro_batches
         comm = 2 * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
@@ -180,7 +200,8 @@ def estimate(
         micro = workload.train_micro_batch if role == "actor" else workload.critic_micro_batch
         flops = 3 * epochs * forward_flops(shape, head, workload.tokens, seq)
         micro_batches = max(1, math.ceil(workload.sequences / d / micro / max(1, steps // epochs)))
-        compute = flops / (devices * hw.flops * hw.train_efficiency) * (1 + (p - 1) / micro_batches)
+        compute = flops / (devices * hw.flops * hw.train_efficiency) + 3 * epochs * layer_tokens_s
+        compute *= 1 + (p - 1) / micro_batches
         comm = 4 * epochs * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
         if s.kind == "fsdp":
             gathers = epochs * math.ceil(workload.sequences / d / micro)
@@ -195,8 +216,9 @@ def estimate(
         activations = micro * seq * shape.hidden * shape.layers * 34 * (w / 2) / t
         transient[update] = activations + logits_bytes(micro)
         infer = "old_log_prob" if role == "actor" else "values"
-        stage_s[infer] = forward_s(workload.infer_micro_batch)
-        transient[infer] = logits_bytes(workload.infer_micro_batch)
+        if role == "critic" or workload.old_log_prob:
+            stage_s[infer] = forward_s(workload.infer_micro_batch)
+            transient[infer] = logits_bytes(workload.infer_micro_batch)
     else:
         static = params * w / model_shards
         stage = "ref" if role == "ref" else "rm_score"
@@ -225,12 +247,14 @@ def _generation(
     weights = matmul_params(shape, "lm") * w / t_g
     prefill_flops = forward_flops(shape, "lm", sequences * workload.prompt_length, workload.prompt_length) / t_g
     prefill = prefill_flops / (hw.flops * hw.infer_efficiency)
+    prefill += sequences * workload.prompt_length * shape.layers * hw.layer_token_overhead_s
     context = workload.prompt_length + workload.response_length / 2  # tokens an average step attends to
     kv_read = wave * context * shape.kv_bytes_per_token(w) / t_g
     step_compute = 2 * matmul_params(shape, "lm") * wave / t_g / (hw.flops * hw.infer_efficiency)
     step_memory = (weights + kv_read) / (hw.memory_bandwidth * hw.decode_efficiency)
     step_comm = 2 * shape.layers * _all_reduce_s(wave * shape.hidden * w, t_g, False, hw)
     step = max(step_compute, step_memory) + step_comm + hw.decode_step_overhead_s
+    step += wave * shape.layers * hw.layer_token_overhead_s
     decode = waves * workload.response_length * step
     if s.kind == "megatron":  # HybridFlow table 2: (t·p - t_g·p_g) / (t_g·p_g·t·p) x M inside micro-DP groups
         tp = s.tp * s.pp

@@ -38,11 +38,46 @@ def iteration_stages(models: set[str] | frozenset[str]) -> list[Stage]:
 
 
 def simulate(
-    stages: list[Stage], pool_of: dict[str, int], stage_s: dict[str, float], concurrent: bool = True
+    stages: list[Stage],
+    pool_of: dict[str, int],
+    stage_s: dict[str, float],
+    concurrent: bool = True,
+    pool_devices: tuple[int, ...] = (),
+    host_cores: int = 0,
+    contended_s: float = 0.0,
 ) -> tuple[float, dict[str, tuple[float, float]]]:
     """Schedule `stages` in order: each starts when the stages it reads have ended and its pool (``pool_of[model]``)
     is free (with `concurrent` false, when every earlier stage has ended). Returns the iteration's seconds and each
-    stage's (start, end) in seconds."""
+    stage's (start, end) in seconds.
+
+    Where the devices are the host's own cores (`host_cores` > 0: a CPU machine, whose controller shares them with
+    the ranks), a model stage that runs while ranks on `host_cores` devices or more are busy (its pool's devices,
+    ``pool_devices[pool]``, and those of the other pools' stages overlapping it) takes `contended_s` longer: the
+    controller's own work then preempts a rank, and ranks in lockstep wait for it. The stages are scheduled once
+    without that, to find the overlaps, and again with it."""
+    spans = _schedule(stages, pool_of, stage_s, concurrent)
+    if host_cores and contended_s:
+        slowed = dict(stage_s)
+        for stage in stages:
+            if stage.model is None or stage.name not in stage_s:
+                continue
+            pool = pool_of[stage.model]
+            start, end = spans[stage.name]
+            busy = {pool}
+            for other in stages:
+                if other.model is not None and other.name in stage_s and pool_of[other.model] != pool:
+                    other_start, other_end = spans[other.name]
+                    if other_start < end and start < other_end:
+                        busy.add(pool_of[other.model])
+            if sum(pool_devices[b] for b in busy) >= host_cores:
+                slowed[stage.name] += contended_s
+        spans = _schedule(stages, pool_of, slowed, concurrent)
+    return max((end for _, end in spans.values()), default=0.0), spans
+
+
+def _schedule(
+    stages: list[Stage], pool_of: dict[str, int], stage_s: dict[str, float], concurrent: bool
+) -> dict[str, tuple[float, float]]:
     free: dict[int, float] = {}
     spans: dict[str, tuple[float, float]] = {}
     last_end = 0.0
@@ -56,4 +91,4 @@ def simulate(
         spans[stage.name] = (start, end)
         free[pool] = end
         last_end = max(last_end, end)
-    return last_end, spans
+    return spans

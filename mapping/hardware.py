@@ -39,6 +39,18 @@ class HardwareProfile(BaseModel):
     )
     usable_memory: float = Field(0.9, gt=0, le=1, description="share of memory_bytes the models may take")
     decode_step_overhead_s: float = Field(0.0, ge=0, description="fixed seconds per generated token (launches, ...)")
+    layer_token_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="seconds per token per layer of a forward pass beyond its matmuls (norms, activations, attention's "
+        "softmax and their launches: what a small model pays over its FLOPs); a backward pass pays it twice more",
+    )
+    host_cores: int = Field(
+        0, ge=0, description="on a CPU machine, its cores (the devices are cores the controller shares); 0 on GPUs"
+    )
+    contended_stage_s: float = Field(
+        0.0, ge=0, description="extra seconds of a stage that runs while ranks busy every one of host_cores"
+    )
     dtype_bytes: int = Field(2, description="bytes per weight in the compute dtype: 2 (bf16 on GPUs), 4 (fp32 on CPU)")
     source: str = ""
 

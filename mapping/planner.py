@@ -286,9 +286,15 @@ class Planner:
                 pool_of[role] = index
                 chosen[role] = choice.strategies[role]
                 stage_s.update(choice.costs[role].stage_s)
-        seconds, spans = simulate(self.stages, pool_of, stage_s, self.concurrent)
+        seconds, spans = self._simulate(pool_of, devices, stage_s)
         return Candidate(
-            placement, devices, chosen, stage_s, spans, seconds + self.hw.iteration_overhead_s, tuple(peaks)
+            placement,
+            devices,
+            chosen,
+            _durations(spans, stage_s),
+            spans,
+            seconds + self.hw.iteration_overhead_s,
+            tuple(peaks),
         )
 
     def estimate_mapping(
@@ -303,9 +309,13 @@ class Planner:
             for role, cost in zip(models, costs, strict=True):
                 pool_of[role] = index
                 stage_s.update(cost.stage_s)
-        seconds, spans = simulate(self.stages, pool_of, stage_s, self.concurrent)
+        seconds, spans = self._simulate(pool_of, devices, stage_s)
         seconds += self.hw.iteration_overhead_s
-        return Candidate(placement, devices, dict(chosen), stage_s, spans, seconds, tuple(peaks))
+        return Candidate(placement, devices, dict(chosen), _durations(spans, stage_s), spans, seconds, tuple(peaks))
+
+    def _simulate(self, pool_of: dict[str, int], devices: tuple[int, ...], stage_s: dict[str, float]):
+        hw = self.hw
+        return simulate(self.stages, pool_of, stage_s, self.concurrent, devices, hw.host_cores, hw.contended_stage_s)
 
     def _nothing_fits(self, result: PlanResult) -> str:
         everything = tuple(self.models)
@@ -327,3 +337,8 @@ class Planner:
             "actor.ppo_micro_batch_size)"
         )
         return "\n".join(lines)
+
+
+def _durations(spans: dict[str, tuple[float, float]], stage_s: dict[str, float]) -> dict[str, float]:
+    """Each model stage's simulated seconds (its cost, plus contention where the profile has it)."""
+    return {name: spans[name][1] - spans[name][0] for name in stage_s}

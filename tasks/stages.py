@@ -128,7 +128,7 @@ def advantage(
     keys += [k for k in ("rm_scores", "values", "old_log_probs", "ref_log_prob") if k in batch.keys]
     data = batch.select(keys).load()
     out, metrics = compute_advantage(data, algorithm, kl_ctrl, function_coef, rm_coef)
-    if "rollout_log_probs" in batch.keys:
+    if "rollout_log_probs" in batch.keys and "old_log_probs" in batch.keys:  # else the on-policy update reports it
         metrics.update(rollout_mismatch(batch.select(["rollout_log_probs", "old_log_probs", "response_mask"]).load()))
     if "entropys" in batch.keys:
         entropy = batch.select(["entropys", "response_mask"]).load()

@@ -246,3 +246,17 @@ def test_resume_may_move_a_pools_slurm_job_and_its_concurrency_but_not_its_ranks
     assert moved.pools()["critic"].slurm.time_min == 30 and moved.placement.concurrent is False
     with pytest.raises(ConfigError, match=r"cannot change placement.pools.critic.tasks_per_node: .* hf run"):
         resume_config(stored, ["placement.pools.critic.tasks_per_node=2"])
+
+
+def test_the_old_log_prob_stage_is_skipped_only_for_an_on_policy_update():
+    """One optimizer step per iteration and nothing reading the old log-probs before the update: skipped (the main
+    job); several mini-batches, several epochs, the KL in the reward, or actor.recompute_log_prob: run."""
+    main = Path(__file__).parent.parent / "examples" / "grpo_smollm2.yaml"
+    assert load_config(main).skips_old_log_prob()
+    for change in (
+        "actor.ppo_mini_batch_size=4",
+        "actor.ppo_epochs=2",
+        "algorithm.use_kl_in_reward=true",
+        "actor.recompute_log_prob=true",
+    ):
+        assert not load_config(main, [change]).skips_old_log_prob(), change

@@ -93,6 +93,7 @@ def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, ti
         for name in ["actor/pg_loss", "actor/grad_norm", "critic/score/mean", "timing_s/gen", "perf/throughput"]:
             assert math.isfinite(metrics[step][name]), (step, name)
         assert metrics[step]["critic/score/mean"] > 0  # the dense custom reward reached the batch
+        assert 0 < metrics[step]["perf/mfu/actor"] < 1  # the update's needed FLOPs over its seconds and the peak
     val_acc = "val/reasoning_gym/basic_arithmetic/acc"
     assert val_acc in metrics[0] and val_acc in metrics[2]
     critic = example == "ppo_tiny.yaml"
@@ -117,6 +118,38 @@ def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, ti
     assert expected <= names, names
     if critic:
         assert math.isfinite(metrics[2]["critic/vf_loss"])
+
+
+def test_an_on_policy_run_skips_the_old_log_prob_stage_and_its_metrics_equal_the_staged_run(
+    prefect_api, tmp_path, tiny_model_dir
+):
+    """One optimizer step per iteration (actor.ppo_mini_batch_size = data.train_batch_size): the flow runs no
+    old_log_prob task and records no timing for it, and every metric of both iterations equals the run that
+    computes the old log-probs in their stage (actor.recompute_log_prob=true) within float32 rounding (the same
+    forward on other row groupings, see test_training)."""
+    from hybridflow.flows.rlhf import rlhf_flow
+
+    extra = ["trainer.total_iterations=2", "trainer.val_before_train=false", "actor.ppo_mini_batch_size=4"]
+    runs = {}
+    for recompute in (False, True):
+        home = tmp_path / str(recompute)
+        home.mkdir()
+        cfg = _cfg(home, tiny_model_dir, extra=[*extra, f"actor.recompute_log_prob={str(recompute).lower()}"])
+        assert cfg.skips_old_log_prob() is not recompute
+        store = RunStore(f"sqlite:///{tmp_path / f'{recompute}.db'}")
+        run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
+        rlhf_flow(run_id=run_id, db_url=store.url)
+        runs[recompute] = (_by_step(store, run_id), _task_names(store.get_run(run_id).prefect_flow_run_id))
+    (skipped, skipped_tasks), (staged, staged_tasks) = runs[False], runs[True]
+    assert "old_log_prob" in staged_tasks and "old_log_prob" not in skipped_tasks
+    assert "update_actor" in skipped_tasks
+    for step in (1, 2):
+        assert "timing_s/old_log_prob" in staged[step] and "timing_s/old_log_prob" not in skipped[step]
+        compared = {k for k in staged[step] if not k.startswith(("timing_s/", "perf/"))}
+        assert compared == {k for k in skipped[step] if not k.startswith(("timing_s/", "perf/"))}
+        assert "actor/entropy" in compared
+        for name in compared:
+            assert skipped[step][name] == pytest.approx(staged[step][name], rel=1e-4, abs=1e-6), (step, name)
 
 
 # the resume tests' runs: 4 iterations of the tiny GRPO run, long enough responses to stop one mid-iteration

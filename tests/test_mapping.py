@@ -169,6 +169,52 @@ def test_a_plan_written_by_hf_plan_runs_through_hf_run(prefect_api, tmp_path, ti
     assert missing.returncode == 2 and "unknown plan id 'plan-x'" in missing.stdout
 
 
+def test_hf_plan_calibrate_fits_a_profile_to_runs_it_makes_and_plans_with_it(prefect_api, tmp_path, tiny_model_dir):
+    """`hf plan --calibrate` runs CONFIG three times through the real stack (its batch on one rank, twice that on
+    one rank and on two), records the runs, saves a profile fitted to their stage times under
+    HYBRIDFLOW_HOME/hardware that predicts each of them, and plans with it; `--from-run` refits to recorded runs."""
+    import json
+
+    from hybridflow.mapping.calibrate import Measured, predict
+    from hybridflow.mapping.hardware import HardwareProfile, profiles_dir
+
+    config = tmp_path / "ppo.yaml"
+    tree = yaml.safe_load((ROOT / "examples" / "ppo_tiny.yaml").read_text())
+    tree["model"]["path"] = str(tiny_model_dir)
+    tree["actor"]["use_kl_loss"] = True
+    tree["trainer"]["output_dir"] = str(tmp_path / "out")
+    tree["reward"] = {"custom_function": write_reward(tmp_path)}
+    config.write_text(yaml.safe_dump(tree))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    name = f"cpu-test-{os.getpid()}"
+    saved = profiles_dir() / f"{name}.json"
+    try:
+        cli = [str(config), "--calibrate", "--gpu", name, "--gpus-per-node", "2", "--db", db]
+        shown = _plan(*cli, "--prefect-api", prefect_api)
+        assert shown.returncode == 0, shown.stdout[-3000:] + shown.stderr[-3000:]
+        store = RunStore(db)
+        runs = sorted(store.list_runs(), key=lambda r: r.created_at)
+        assert [r.status for r in runs] == ["completed"] * 3
+        sizes = [(r.config["data"]["train_batch_size"], r.config["placement"]["tasks_per_node"]) for r in runs]
+        assert sizes == [(4, 1), (8, 1), (8, 2)]
+        profile = HardwareProfile.model_validate(json.loads(saved.read_text()))
+        assert all(r.id in profile.source for r in runs) and profile.host_cores == len(os.sched_getaffinity(0))
+        assert profile.flops > 1e8 and 0 < profile.train_efficiency <= 1 and profile.layer_token_overhead_s > 0
+        for run in runs:
+            measured = Measured.from_store(store, run.id)
+            estimate = predict(measured.cfg, profile, measured.prompt_length, measured.response_length)
+            assert estimate.seconds == pytest.approx(measured.step_s, rel=0.5), (run.id, estimate.seconds)
+        [plan] = store.plans()
+        assert plan.inputs["hardware"]["name"] == name and "chosen:" in shown.stdout
+        again = _plan(*cli, "--from-run", runs[0].id, "--from-run", runs[2].id)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert len(store.list_runs()) == 3  # fitted to the recorded runs: none made
+        refit = HardwareProfile.model_validate(json.loads(saved.read_text()))
+        assert runs[0].id in refit.source and runs[1].id not in refit.source
+    finally:
+        saved.unlink(missing_ok=True)
+
+
 def test_placement_auto_plans_at_hf_run_and_records_the_plan(prefect_api, tmp_path, tiny_model_dir):
     """`placement: auto` (with placement.hardware and the devices as placement.tasks_per_node) plans at `hf run`:
     the run records the planned pools in its config and the plan's id; without hardware it is refused first."""
@@ -203,20 +249,62 @@ def test_placement_auto_plans_at_hf_run_and_records_the_plan(prefect_api, tmp_pa
 
 def test_calibration_recovers_the_efficiencies_and_overheads_that_made_the_timings():
     """Stage and iteration seconds made by the cost model with a known profile, for a small and a large model at
-    two batch sizes, fit back to that profile; this machine's device measures positive peaks."""
+    two batch sizes on one rank and on two ranks of a 2-core host, fit back to that profile; this machine's device
+    measures positive peaks."""
     from hybridflow.mapping.calibrate import FITTED, Measured, fit_profile, measure_device, predict
 
     truth = A100.model_copy(
         update={"train_efficiency": 0.3, "infer_efficiency": 0.45, "decode_efficiency": 0.2, "stage_overhead_s": 1.5,
-                "decode_step_overhead_s": 0.004, "iteration_overhead_s": 4.0}
+                "decode_step_overhead_s": 0.004, "layer_token_overhead_s": 2e-5, "iteration_overhead_s": 4.0,
+                "host_cores": 2, "contended_stage_s": 3.0}
     )  # fmt: skip
     runs = []
-    for model, prompts in (("llama-7b", 8), ("llama-7b", 16), ("llama-13b", 16)):
-        cfg = _ppo(f"data.train_batch_size={prompts}", f"model.path={model}")
+    for model, prompts, ranks in (("llama-7b", 8, 1), ("llama-7b", 16, 1), ("llama-13b", 16, 1), ("llama-7b", 16, 2)):
+        cfg = _ppo(f"data.train_batch_size={prompts}", f"model.path={model}", f"placement.tasks_per_node={ranks}")
         estimate = predict(cfg, truth, 200, 100)
         runs.append(Measured(cfg, estimate.stage_s, estimate.seconds, prompt_length=200, response_length=100))
-    fitted = fit_profile(A100, runs, "fitted")
-    for key in (*FITTED, "iteration_overhead_s"):
+    fitted = fit_profile(A100.model_copy(update={"host_cores": 2}), runs, "fitted")
+    for key in FITTED:
         assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-3), key
     peaks = measure_device(threads=1)
     assert peaks["flops"] > 1e8 and peaks["memory_bandwidth"] > 1e8 and peaks["intra_node_bandwidth"] > 1e6, peaks
+
+
+def test_a_stage_pays_the_contention_only_while_ranks_busy_every_host_core():
+    """On a 2-core host (the controller shares the cores), a one-rank stage alone is not slowed, the same stage beside
+    another pool's stage is, and so is a stage on both cores; on GPUs (host_cores 0) nothing is."""
+    from hybridflow.mapping.dataflow import iteration_stages, simulate
+
+    stages = iteration_stages({"actor", "critic"})
+    stage_s = {"gen": 4.0, "old_log_prob": 2.0, "values": 1.0, "update_critic": 3.0, "update_actor": 5.0}
+    split = {"actor": 0, "critic": 1}
+    seconds, spans = simulate(stages, split, stage_s, True, (1, 1), host_cores=2, contended_s=0.5)
+    took = {name: end - start for name, (start, end) in spans.items()}
+    assert took["gen"] == 4.0  # the critic's pool is idle while the actor generates
+    assert took["old_log_prob"] == 2.5 and took["values"] == 1.5  # side by side: both slowed
+    assert took["update_critic"] == 3.5 and took["update_actor"] == 5.5
+    assert seconds == 4.0 + 2.5 + 5.5
+    _, alone = simulate(stages, {"actor": 0, "critic": 0}, stage_s, True, (1,), host_cores=2, contended_s=0.5)
+    assert {name: end - start for name, (start, end) in alone.items() if name != "adv"} == stage_s
+    _, both = simulate(stages, {"actor": 0, "critic": 0}, stage_s, True, (2,), host_cores=2, contended_s=0.5)
+    assert all(end - start == stage_s[name] + 0.5 for name, (start, end) in both.items() if name != "adv")
+    _, gpus = simulate(stages, split, stage_s, True, (1, 1), host_cores=0, contended_s=0.5)
+    assert {name: end - start for name, (start, end) in gpus.items() if name != "adv"} == stage_s
+
+
+def test_needed_flops_count_real_tokens_causal_attention_and_the_head_at_response_positions():
+    """Hand-computed for a 2-layer model: 2 per block weight per real token (a prompt once for its samples), 2·L²·h
+    per layer per sequence (a shared prompt's P² once), the LM head (2·V·h) or the value head (2·h) per response
+    token only; ``perf/mfu/actor`` divides this (x3, each row with its own prompt) by time and the peak."""
+    from hybridflow.mapping.cost import needed_flops
+    from hybridflow.mapping.shapes import ModelShape
+
+    shape = ModelShape("t", layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, vocab=100)
+    block = 2 * 8 * 2 * 4 + 2 * 8 * 1 * 4 + 3 * 8 * 16 + 2 * 8  # q, o; k, v (one kv head); gated MLP; norms
+    assert shape.layer_params == block
+    rows = [(2, [1]), (3, [2])]  # two sequences of 3 and 5 tokens, each with its own prompt
+    blocks, attention = 2 * 2 * block * 8, 2 * 2 * 8 * (9 + 25)
+    assert needed_flops(shape, rows, "lm") == blocks + attention + 2 * 100 * 8 * 3
+    assert needed_flops(shape, rows, "value") == blocks + attention + 2 * 8 * 3
+    shared = [(3, [1, 2])]  # one prompt of 3 tokens, two samples: 3 + 1 + 2 tokens, 9 + (16 - 9) + (25 - 9)
+    assert needed_flops(shape, shared, "lm") == 2 * 2 * block * 6 + 2 * 2 * 8 * 32 + 2 * 100 * 8 * 3

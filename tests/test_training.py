@@ -92,6 +92,47 @@ def test_update_policy_on_policy(tiny_model_dir, rollout_batch):
     assert actor.model.training
 
 
+@pytest.mark.parametrize("micro_batch_size", [3, 8])
+def test_an_update_without_old_log_probs_equals_the_one_after_the_old_log_prob_stage(
+    tiny_model_dir, rollout_batch, micro_batch_size
+):
+    """The skipped stage (`HybridFlowConfig.skips_old_log_prob`): an on-policy update on a batch without
+    ``old_log_probs`` takes its own forward's log-probs, detached, as the old ones. Its loss, gradient, weights after
+    the step and the stage's metrics (``actor/entropy``, the rollout drift) equal the path that computes them in a
+    stage first. Micro-batches of 3 (uneven token counts) and of the whole batch; the responses end at different
+    lengths. Tolerance: the two paths run the same forward on different row groupings, so log-probs differ by
+    float32 rounding (~1e-7); the ratio at 1 +- 1e-7 moves the loss by that much and, through Adam's first step,
+    a weight by at most a fraction of lr only where a gradient component is within eps of 0 (see the test below)."""
+    from hybridflow.engine.metrics import rollout_mismatch
+
+    common = dict(ppo_mini_batch_size=4, ppo_micro_batch_size=micro_batch_size, use_kl_loss=False, shuffle=False)
+    drifted = rollout_batch.batch["response_mask"] * 0.01  # a made-up engine drift: the metrics must see it
+    engine = DataProto.from_dict({"rollout_log_probs": torch.zeros(len(rollout_batch), T) - drifted})
+    batch = rollout_batch.union(engine)
+    staged = make_actor(tiny_model_dir, optim=OptimConfig(lr=1e-3), **common)
+    skipped = make_actor(tiny_model_dir, optim=OptimConfig(lr=1e-3), **common)
+    old = staged.compute_log_prob(batch, calculate_entropy=True)
+    entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
+    data = batch.union(old)
+    before = params(skipped.model)
+    want = staged.update_policy(data)
+    want["actor/entropy"] = float((entropys * data.batch["response_mask"]).sum() / data.batch["response_mask"].sum())
+    want.update(rollout_mismatch(data))
+    got = skipped.update_policy(batch)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    assert got["actor/ppo_kl"] == 0.0 and got["actor/pg_clipfrac"] == 0.0  # the ratio is exactly 1
+    assert got["rollout/log_prob_diff_mean"] > 1e-3
+    skipped_params = dict(skipped.model.named_parameters())
+    for name, p in staged.model.named_parameters():
+        assert_close(skipped_params[name].detach(), p.detach(), atol=1e-5, rtol=0, msg=name)
+    assert max_change(skipped.model, before) > 5e-4
+    several = make_actor(tiny_model_dir, **{**common, "ppo_mini_batch_size": 2})
+    with pytest.raises(ValueError, match="takes 2"):
+        several.update_policy(batch)
+
+
 @pytest.mark.parametrize("micro_batch_size", [2, 3])
 @pytest.mark.parametrize(
     "loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

@@ -80,8 +80,15 @@ class Actor:
         """
         self.model.eval()
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        cfg = self.config
         log_probs, entropy = compute_log_probs(
-            self.model, data, self.config.log_prob_micro_batch_size, temperature, calculate_entropy, self.compute_dtype
+            self.model,
+            data,
+            cfg.log_prob_micro_batch_size,
+            temperature,
+            calculate_entropy,
+            self.compute_dtype,
+            share_prompts=cfg.shares_prompts,
         )
         tensors = {"old_log_probs": log_probs}
         if entropy is not None:
@@ -163,6 +170,7 @@ class Actor:
             calculate_entropy or measured is not None,
             self.compute_dtype,
             entropy_grad=calculate_entropy,
+            share_prompts=cfg.shares_prompts,
         )
         old_log_prob = batch["old_log_probs"] if measured is None else log_prob.detach()
         if measured is not None:
@@ -211,18 +219,27 @@ class RefPolicy:
         model: a copy of the initial policy (never updated; may be stored in bf16, ``load_model(trainable=False)``).
         micro_batch_size: sequences per forward (``ref.log_prob_micro_batch_size``).
         compute_dtype: dtype of the forwards, as for `Actor` (pass the actor's, so both see the same numerics).
+        share_prompts: compute a repeated prompt once (`hybridflow.engine.models.forward_response_logits`).
     """
 
-    def __init__(self, model, micro_batch_size: int, compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self, model, micro_batch_size: int, compute_dtype: torch.dtype | None = None, share_prompts: bool = True
+    ):
         self.model = model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.compute_dtype = compute_dtype
+        self.share_prompts = share_prompts
 
     @torch.no_grad()
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Returns DataProto with ``ref_log_prob`` float32 [B, T] (logits divided by the rollout temperature)."""
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
         log_probs, _ = compute_log_probs(
-            self.model, data, self.micro_batch_size, temperature, compute_dtype=self.compute_dtype
+            self.model,
+            data,
+            self.micro_batch_size,
+            temperature,
+            compute_dtype=self.compute_dtype,
+            share_prompts=self.share_prompts,
         )
         return DataProto.from_dict({"ref_log_prob": log_probs})

@@ -159,6 +159,12 @@ class ActorConfig(_Section):
         description="truncated importance sampling of the rollout engine's drift: weight each token's policy loss by "
         "min(pi_actor / pi_rollout, tis_cap) (2.0 is usual); None: off. Needs rollout.name=vllm",
     )
+    share_prompts: bool = Field(
+        True,
+        description="compute a prompt once for its n samples in the old_log_prob, ref and update passes (its keys "
+        "and values repeated for their responses; equal to full rows up to float32 rounding); false: every row in "
+        "full. Megatron and tensor parallelism (actor.tp > 1) run full rows",
+    )
     recompute_log_prob: bool = Field(
         False,
         description="run the old_log_prob stage even when the update is on-policy (one optimizer step per iteration: "
@@ -166,6 +172,12 @@ class ActorConfig(_Section):
         "algorithm.use_kl_in_reward), where the old log-probs equal the update's own forward, detached, and the "
         "stage is skipped",
     )
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether the log-prob passes and the update compute a repeated prompt once: ``share_prompts`` with ddp
+        or fsdp without tensor parallelism (megatron and tensor-parallel layers keep full rows)."""
+        return self.share_prompts and self.strategy != "megatron" and self.tp == 1
 
 
 class RefConfig(_Section):

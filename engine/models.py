@@ -172,31 +172,91 @@ def response_length(data: DataProto) -> int:
 
 
 def forward_response_logits(
-    model: PreTrainedModel, micro: DataProto, temperature: float = 1.0, compute_dtype: torch.dtype | None = None
+    model: PreTrainedModel,
+    micro: DataProto,
+    temperature: float = 1.0,
+    compute_dtype: torch.dtype | None = None,
+    share_prompts: bool = True,
 ) -> torch.Tensor:
     """Logits that predict each response token.
 
+    Rows that follow each other with the same prompt (the rollout's n samples of one prompt) share its pass: the
+    prompt runs once per group and its keys and values are repeated for the group's responses, which run as a second
+    pass over that cache (`prompt_groups`; gradients reach the prompt from every sample through the repeat). The
+    logits equal one pass over every full row up to float32 rounding (other matmul shapes): the prompt's positions
+    never see the response (causal attention), and each response sees the same keys and values. Without a repeated
+    prompt (or `share_prompts` false) it is one pass over the full rows.
+
     Args:
-        micro: DataProto with ``input_ids``, ``attention_mask``, ``position_ids`` [b, P+T], ``responses`` [b, T].
+        micro: DataProto with ``input_ids``, ``attention_mask``, ``position_ids`` [b, P+T] (prompts left-padded,
+            responses right-padded), ``responses`` [b, T].
         temperature: logits are divided by it (the rollout's sampling temperature), as the PPO ratio requires.
         compute_dtype: run the forward under `autocast` in this dtype (None / float32: as stored).
+        share_prompts: compute a repeated prompt once (False: every row in full).
 
     Returns:
         float tensor [b, T, V]: in the model's dtype, or `compute_dtype` under autocast.
     """
     t = response_length(micro)
+    counts = prompt_groups(micro) if share_prompts else None
     with autocast(_model_device(model), compute_dtype):
-        out = model(
-            input_ids=micro.batch["input_ids"],
-            attention_mask=micro.batch["attention_mask"],
-            position_ids=micro.batch["position_ids"],
-            logits_to_keep=t + 1,
-            use_cache=False,
-        )
-    logits = out.logits[:, :-1, :]
+        if counts is not None and len(counts) < len(micro):
+            logits = _shared_prompt_logits(model, micro, counts, t)
+        else:
+            out = model(
+                input_ids=micro.batch["input_ids"],
+                attention_mask=micro.batch["attention_mask"],
+                position_ids=micro.batch["position_ids"],
+                logits_to_keep=t + 1,
+                use_cache=False,
+            )
+            logits = out.logits[:, :-1, :]
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     return logits
+
+
+def prompt_groups(micro: DataProto) -> torch.Tensor:
+    """Sizes of the runs of consecutive rows with the same prompt (ids and mask of the first P = L - T columns).
+
+    Returns:
+        int64 [groups], summing to the rows (all ones when no two neighbours share a prompt)."""
+    t = response_length(micro)
+    ids = micro.batch["input_ids"][:, :-t]
+    mask = micro.batch["attention_mask"][:, :-t]
+    same = (ids[1:] == ids[:-1]).all(-1) & (mask[1:] == mask[:-1]).all(-1)
+    starts = torch.cat([torch.tensor([0], device=ids.device), torch.nonzero(~same).flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([len(ids)], device=ids.device)])
+    return (ends - starts).cpu()
+
+
+def _shared_prompt_logits(model: PreTrainedModel, micro: DataProto, counts: torch.Tensor, t: int) -> torch.Tensor:
+    from transformers.cache_utils import DynamicCache
+
+    batch = micro.batch
+    firsts = torch.cumsum(counts, 0) - counts  # each group's first row
+    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    prompt = model(
+        input_ids=ids[firsts, :-t],
+        attention_mask=mask[firsts, :-t],
+        position_ids=positions[firsts, :-t],
+        logits_to_keep=1,
+        use_cache=True,
+    )
+    repeat = counts.to(ids.device)
+    layers = [(layer.keys, layer.values) for layer in prompt.past_key_values.layers]
+    cache = DynamicCache(
+        ddp_cache_data=[(k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)) for k, v in layers]
+    )
+    responses = model(
+        input_ids=ids[:, -t:],
+        attention_mask=mask,
+        position_ids=positions[:, -t:],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    first = prompt.logits[:, -1:, :].repeat_interleave(repeat, 0)  # the last prompt position predicts token 0
+    return torch.cat([first, responses.logits[:, :-1, :]], dim=1)
 
 
 def response_log_probs(
@@ -206,9 +266,11 @@ def response_log_probs(
     calculate_entropy: bool = False,
     compute_dtype: torch.dtype | None = None,
     entropy_grad: bool = True,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each response token under `model` (differentiable), and optionally the entropy
-    (differentiable unless `entropy_grad` is false: a metric, which then keeps no [b, T, V] softmax for backward).
+    (differentiable unless `entropy_grad` is false: a metric, which then keeps no [b, T, V] softmax for backward);
+    `share_prompts`: see `forward_response_logits`.
 
     The forward runs in `compute_dtype` (see `forward_response_logits`); the softmax math runs in fp32.
 
@@ -216,7 +278,7 @@ def response_log_probs(
         (log_probs float32 [b, T], entropy float32 [b, T] or None). Positions past the response end are
         computed but meaningless; mask them with ``response_mask``.
     """
-    logits = forward_response_logits(model, micro, temperature, compute_dtype).float()
+    logits = forward_response_logits(model, micro, temperature, compute_dtype, share_prompts).float()
     log_probs = logprobs_from_logits(logits, micro.batch["responses"])
     entropy = None
     if calculate_entropy:
@@ -233,6 +295,7 @@ def compute_log_probs(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     compute_dtype: torch.dtype | None = None,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_log_probs` over a whole batch, one micro-batch of `micro_batch_size` sequences at a time.
 
@@ -241,7 +304,9 @@ def compute_log_probs(
     """
     log_probs, entropies = [], []
     for micro in data.split(micro_batch_size):
-        lp, ent = response_log_probs(model, micro, temperature, calculate_entropy, compute_dtype)
+        lp, ent = response_log_probs(
+            model, micro, temperature, calculate_entropy, compute_dtype, share_prompts=share_prompts
+        )
         log_probs.append(lp)
         if ent is not None:
             entropies.append(ent)

@@ -46,12 +46,19 @@ def build_optimizer(
 
 
 def mini_batches(
-    data: DataProto, mini_batch_size: int, epochs: int, shuffle: bool, seed: tuple[int, ...]
+    data: DataProto,
+    mini_batch_size: int,
+    epochs: int,
+    shuffle: bool,
+    seed: tuple[int, ...],
+    groups: torch.Tensor | None = None,
 ) -> Iterator[DataProto]:
     """Yield `epochs` passes over `data` in mini-batches of `mini_batch_size` sequences.
 
     Each epoch's order is ``np.random.default_rng([*seed, epoch]).permutation`` when `shuffle`, so the order is
-    a pure function of (seed, epoch): nothing to checkpoint.
+    a pure function of (seed, epoch): nothing to checkpoint. With `groups` (int [G], sizes of runs of consecutive
+    rows summing to ``len(data)``: a prompt's samples, `hybridflow.engine.models.prompt_groups`) the groups are
+    permuted and each keeps its rows together, so its prompt stays shared in the micro-batches.
 
     Raises:
         ValueError: if ``len(data)`` is not a multiple of `mini_batch_size` (names the config keys).
@@ -63,7 +70,13 @@ def mini_batches(
             "(ppo_mini_batch_size x rollout.n); adjust data.train_batch_size or ppo_mini_batch_size"
         )
     for epoch in range(epochs):
-        order = np.random.default_rng([*seed, epoch]).permutation(n) if shuffle else np.arange(n)
+        order = np.arange(n)
+        if shuffle and groups is None:
+            order = np.random.default_rng([*seed, epoch]).permutation(n)
+        elif shuffle:
+            starts = np.cumsum(groups.numpy()) - groups.numpy()
+            picked = np.random.default_rng([*seed, epoch]).permutation(len(groups))
+            order = np.concatenate([np.arange(starts[g], starts[g] + int(groups[g])) for g in picked])
         shuffled = data[order]
         yield from shuffled.split(mini_batch_size)
 
@@ -76,9 +89,12 @@ def update_steps(
     of ``config.ppo_micro_batch_size`` sequences and their loss weights (`micro_batch_weights` over `group`).
 
     `config` is the ``actor`` or ``critic`` section (``ppo_epochs``, ``shuffle``, ``ppo_micro_batch_size``,
-    ``loss_agg_mode``)."""
+    ``loss_agg_mode``; an actor that `shares_prompts` shuffles a prompt's samples together)."""
+    from hybridflow.engine.models import prompt_groups
+
     order = (seed, int(data.meta_info.get("global_steps", 0)), stream)
-    for mini in mini_batches(data, mini_batch_size, config.ppo_epochs, config.shuffle, order):
+    groups = prompt_groups(data) if getattr(config, "shares_prompts", False) else None
+    for mini in mini_batches(data, mini_batch_size, config.ppo_epochs, config.shuffle, order, groups):
         micros = mini.split(config.ppo_micro_batch_size)
         yield micros, micro_batch_weights(micros, config.loss_agg_mode, group=group)
 

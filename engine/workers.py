@@ -94,7 +94,12 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
             out.rollout = HFRollout(policy, out.tokenizer, cfg.rollout, seed=seed, compute_dtype=compute_dtype)
     if "ref" in roles:
         ref_model = load_model(model_path, compute_dtype, device, trainable=False)
-        out.ref = RefPolicy(ref_model, cfg.ref.log_prob_micro_batch_size, compute_dtype=compute_dtype)
+        out.ref = RefPolicy(
+            ref_model,
+            cfg.ref.log_prob_micro_batch_size,
+            compute_dtype=compute_dtype,
+            share_prompts=cfg.actor.shares_prompts,
+        )
     if "critic" in roles and cfg.critic.strategy == "megatron":  # in the actor's megatron layout
         out.actor.add_critic(resolve_model_path(cfg.critic.model_path or cfg.model.path), device)
         out.critic = out.actor.critic

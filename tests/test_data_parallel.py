@@ -17,14 +17,18 @@ from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 PROMPT, RESPONSE, ROWS = 4, 6, 8
 
 
-def _batch(vocab: int) -> DataProto:
+def _batch(vocab: int, pairs: bool = False) -> DataProto:
     """8 sequences whose responses have different lengths: rank 0's half has many more response tokens than rank 1's,
-    so a per-rank (instead of global) token normalisation would change the gradient."""
+    so a per-rank (instead of global) token normalisation would change the gradient. With `pairs`, rows come in
+    pairs with one prompt (two samples each), so the actor's passes share prompts
+    (`hybridflow.engine.models.forward_response_logits`)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([6, 6, 5, 6, 1, 2, 1, 3])
     response_mask = (torch.arange(RESPONSE)[None, :] < lengths[:, None]).long()
     attention_mask = torch.cat([torch.ones(ROWS, PROMPT, dtype=torch.long), response_mask], dim=1)
     input_ids = torch.randint(3, vocab, (ROWS, PROMPT + RESPONSE), generator=g)
+    if pairs:
+        input_ids[1::2, :PROMPT] = input_ids[0::2, :PROMPT]
     return DataProto.from_dict(
         {
             "input_ids": input_ids,
@@ -64,8 +68,11 @@ def groups(tmp_path_factory, tiny_model_dir):
     fsdp.actor.strategy = fsdp.critic.strategy = "fsdp"
     fsdp_tp = fsdp.model_copy(deep=True)  # 4 ranks: 2 data-parallel replicas x 2 tensor-parallel ranks
     fsdp_tp.actor.tp, fsdp_tp.placement.tasks_per_node = 2, 4
+    full = cfg.model_copy(deep=True)  # DP=1 on full rows: the reference of fsdp-tp, which shares no prompt
+    full.actor.share_prompts = False
     made = {}
-    for name, ranks, config in ((1, 1, cfg), (2, 2, cfg), ("fsdp", 2, fsdp), ("fsdp-tp", 4, fsdp_tp)):
+    groups = ((1, 1, cfg), ("full", 1, full), (2, 2, cfg), ("fsdp", 2, fsdp), ("fsdp-tp", 4, fsdp_tp))
+    for name, ranks, config in groups:
         made[name] = WorkerGroup(
             GroupSpec(name=f"{name}-{ranks}", worker_cls=WORKER_CLS, tasks_per_node=ranks),
             run_dir=tmp,
@@ -88,21 +95,25 @@ def _weights(group: WorkerGroup, folder) -> dict[str, dict[str, torch.Tensor]]:
 def test_dp2_update_equals_dp1_update(groups, tiny_model_dir):
     made, tmp = groups
     initial = _weights(made[1], tmp / "initial")
-    data = DataHandle.put(_batch(vocab=256), tmp / "data")
-    extra = made[1].compute_log_prob(data).union(made[1].compute_values(data))  # the same inputs for both
-    batch = data.union(extra)
+    # the actor's rows share prompts in pairs; the critic's (which shares none) keep the batch it always had
+    data = DataHandle.put(_batch(vocab=256, pairs=True), tmp / "data")
+    batch = data.union(made[1].compute_log_prob(data))  # the same inputs for every group
+    critic_data = DataHandle.put(_batch(vocab=256), tmp / "data")
+    critic_batch = critic_data.union(made[1].compute_values(critic_data))
 
     for group in ("fsdp", "fsdp-tp"):
         for role, tensors in _weights(made[group], tmp / f"initial-{group}").items():  # gathered from the shards
             for name, tensor in tensors.items():
                 assert torch.equal(tensor, initial[role][name]), (group, role, name)
     actor = {name: made[name].update_actor(batch) for name in made}
-    critic = {name: made[name].update_critic(batch) for name in made}
+    critic = {name: made[name].update_critic(critic_batch) for name in made}
 
     # The gradient of every optimizer step is the global mini-batch's: same grad norm on both ranks and as DP=1.
+    # DP=2, fsdp: shared prompts, as DP=1; fsdp-tp: full rows, as DP=1 on full rows ("full").
+    reference = {2: 1, "fsdp": 1, "fsdp-tp": "full"}
     for metrics, key in ((actor, "actor/grad_norm"), (critic, "critic/grad_norm")):
-        dp1 = metrics[1][0][key]
         for name in (2, "fsdp", "fsdp-tp"):  # one result per data-parallel replica (4 critic ranks with fsdp-tp)
+            dp1 = metrics[reference[name]][0][key]
             assert [m[key] for m in metrics[name]] == pytest.approx([dp1] * len(metrics[name]), rel=1e-5), (name, key)
             assert len(metrics[name]) == (4 if name == "fsdp-tp" and key.startswith("critic") else 2)
     after = {name: _weights(made[name], tmp / f"after{name}") for name in made}
@@ -113,8 +124,8 @@ def test_dp2_update_equals_dp1_update(groups, tiny_model_dir):
         # as ~1e-6 moves, and with tensor parallelism (sums split over TP ranks) up to 2.9e-5 on one element of
         # 8,192 (measured). 5e-5 is 0.5 % of one step (lr 1e-2); a missing all-reduce or a per-rank normalisation
         # moves weights by ~1e-2.
-        for name, tensor in after[1][role].items():
-            for group in (2, "fsdp", "fsdp-tp"):
+        for group in (2, "fsdp", "fsdp-tp"):
+            for name, tensor in after[reference[group]][role].items():
                 torch.testing.assert_close(after[group][role][name], tensor, rtol=0, atol=5e-5, msg=f"{group} {name}")
 
 

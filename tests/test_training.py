@@ -16,9 +16,10 @@ from torch.testing import assert_close
 
 from hybridflow.engine.actor import Actor, RefPolicy
 from hybridflow.engine.config import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
+from hybridflow.engine.core_algos import logprobs_from_logits
 from hybridflow.engine.critic import Critic
 from hybridflow.engine.guards import NonFiniteError
-from hybridflow.engine.models import load_critic, load_model, load_tokenizer
+from hybridflow.engine.models import forward_response_logits, load_critic, load_model, load_tokenizer
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout import HFRollout
 from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches, optimizer_step
@@ -92,6 +93,62 @@ def test_update_policy_on_policy(tiny_model_dir, rollout_batch):
     assert actor.model.training
 
 
+def _sampled(tiny_model_dir, n: int) -> DataProto:
+    """The four questions (prompts of different lengths, left-padded) with `n` sampled responses each, some ending
+    early, as the rollout lays them out (a prompt's samples next to each other)."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = load_model(tiny_model_dir)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(100, 160)]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    prompts = DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    rollout = HFRollout(model, tokenizer, RolloutConfig(n=n, response_length=T, micro_batch_size=32), seed=2)
+    return rollout.generate_sequences(prompts)
+
+
+@pytest.mark.parametrize(("n", "micro_batch_size"), [(1, 4), (2, 3), (8, 32), (8, 5)])
+def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_full_rows(tiny_model_dir, n, micro_batch_size):
+    """`forward_response_logits` runs a prompt once for its neighbouring samples (`prompt_groups`). Log-probs and
+    the gradient of a token-mean loss over them equal the pass over every full row, for n = 1 (nothing shared),
+    n = 2 and n = 8, with micro-batches that cut groups apart. Tolerance 1e-5: the two paths multiply the same
+    numbers in other shapes, so they differ by float32 rounding (~1e-7 relative per product, summed over the
+    layers and the vocabulary); a prompt computed wrongly (a wrong position, mask or cache row) moves log-probs
+    by 1e-2 or more."""
+    from hybridflow.engine.models import prompt_groups, response_log_probs
+
+    data = _sampled(tiny_model_dir, n)
+    lengths = data.batch["response_mask"].sum(-1)
+    assert lengths.min() < T  # some responses end early
+    model = load_model(tiny_model_dir)
+    results = {}
+    for share in (True, False):
+        model.zero_grad()
+        log_probs = []
+        for micro in data.split(micro_batch_size):
+            groups = prompt_groups(micro)
+            assert groups.sum() == len(micro) and (n > 1 or len(groups) == len(micro))
+            logits = forward_response_logits(model, micro, share_prompts=share)
+            lp = logprobs_from_logits(logits.float(), micro.batch["responses"])
+            mask = micro.batch["response_mask"]
+            ((lp * mask).sum() / data.batch["response_mask"].sum()).backward()
+            log_probs.append(lp.detach())
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[share] = torch.cat(log_probs), grads
+    (shared, shared_grads), (full, full_grads) = results[True], results[False]
+    mask = data.batch["response_mask"].bool()
+    assert_close(shared[mask], full[mask], atol=1e-5, rtol=0)
+    assert shared_grads.keys() == full_grads.keys()
+    for name, grad in full_grads.items():
+        assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    if n > 1:  # the shared path ran: its prompt pass has fewer rows than the batch
+        assert len(prompt_groups(data)) == len(QUESTIONS)
+    same, _ = response_log_probs(model, data)
+    assert_close(same[mask], full[mask], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("micro_batch_size", [3, 8])
 def test_an_update_without_old_log_probs_equals_the_one_after_the_old_log_prob_stage(
     tiny_model_dir, rollout_batch, micro_batch_size
@@ -140,7 +197,9 @@ def test_an_update_without_old_log_probs_equals_the_one_after_the_old_log_prob_s
 def test_gradient_accumulation_matches_one_micro_batch(tiny_model_dir, rollout_batch, micro_batch_size, loss_agg_mode):
     # token-mean: micro-batch losses weighted by their share of the response tokens (not of the sequences), so
     # splitting the batch does not change the gradient even though the responses have different lengths
+    # prompts in full rows: sharing a prompt runs other shapes in each grouping (its exactness: the test above)
     common = dict(ppo_mini_batch_size=4, loss_agg_mode=loss_agg_mode, shuffle=False, optim=OptimConfig(lr=1e-3))
+    common["share_prompts"] = False
     whole = make_actor(tiny_model_dir, ppo_micro_batch_size=8, **common)
     split = make_actor(tiny_model_dir, ppo_micro_batch_size=micro_batch_size, **common)
     data = with_old_log_probs(whole, rollout_batch)
@@ -180,7 +239,9 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, rollout_batch):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     actor = Actor(
         model,
-        ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size=4, optim=OptimConfig(lr=1e-3)),
+        ActorConfig(
+            ppo_mini_batch_size=4, ppo_micro_batch_size=4, log_prob_micro_batch_size=4, optim=OptimConfig(lr=1e-3)
+        ),  # the same micro-batches (and shared prompts) for the old log-probs and the update: the same bf16 path
         rollout_n=N,
         compute_dtype=torch.bfloat16,
     )
@@ -380,3 +441,22 @@ def test_optimizer_step_stops_on_nan(tiny_model_dir):
     assert max_change(model, before) > 1e-4
     assert all(p.grad is None for p in model.parameters())
     assert np.isfinite([float(p.detach().abs().max()) for p in model.parameters()]).all()
+
+
+def test_shuffled_mini_batches_keep_a_prompts_samples_together():
+    """With the prompt groups (`share_prompts`), the shuffle permutes whole groups: every group's rows stay next
+    to each other in their order, the order still depends on the seed, and every row comes once per epoch."""
+    groups = torch.tensor([4, 4, 1, 3, 4])
+    rows = DataProto.from_dict({"row": torch.arange(16)})
+    orders = []
+    for seed in ((0, 1, 0), (0, 2, 0)):
+        (mini,) = list(mini_batches(rows, 16, 1, True, seed, groups))
+        orders.append(mini.batch["row"].tolist())
+    starts = [0, 4, 8, 9, 12]
+    for order in orders:
+        assert sorted(order) == list(range(16))
+        for start, size in zip(starts, groups.tolist(), strict=True):
+            at = order.index(start)
+            assert order[at : at + size] == list(range(start, start + size))
+    assert orders[0] != orders[1]
+    assert list(mini_batches(rows, 16, 1, True, (0, 1, 0)))[0].batch["row"].tolist() != orders[0]  # rows shuffled

@@ -29,9 +29,9 @@ N = 2  # responses per prompt: batches hold 8 sequences
 T = 8
 
 
-@pytest.fixture(scope="module")
-def rollout_batch(tiny_model_dir) -> DataProto:
-    """8 sampled sequences with responses of different lengths (extra stop ids make some end early)."""
+def _sampled(tiny_model_dir, n: int, seed: int, micro_batch_size: int) -> DataProto:
+    """The four questions (prompts of different lengths, left-padded) with `n` sampled responses each, some ending
+    early (extra stop ids), as the rollout lays them out (a prompt's samples next to each other)."""
     tokenizer = load_tokenizer(tiny_model_dir)
     model = load_model(tiny_model_dir)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(100, 160)]
@@ -41,8 +41,14 @@ def rollout_batch(tiny_model_dir) -> DataProto:
     ]
     enc = tokenizer(texts, padding=True, return_tensors="pt")
     prompts = DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    rollout = HFRollout(model, tokenizer, RolloutConfig(n=N, response_length=T, micro_batch_size=8), seed=1)
-    data = rollout.generate_sequences(prompts)
+    config = RolloutConfig(n=n, response_length=T, micro_batch_size=micro_batch_size)
+    return HFRollout(model, tokenizer, config, seed=seed).generate_sequences(prompts)
+
+
+@pytest.fixture(scope="module")
+def rollout_batch(tiny_model_dir) -> DataProto:
+    """8 sampled sequences with responses of different lengths (extra stop ids make some end early)."""
+    data = _sampled(tiny_model_dir, N, seed=1, micro_batch_size=8)
     lengths = data.batch["response_mask"].sum(-1)
     assert lengths.min() < T and lengths.max() == T  # responses of different lengths
     # pairs of rows (micro-batches of 2) hold very different token counts, not proportional to their 2 sequences
@@ -93,22 +99,6 @@ def test_update_policy_on_policy(tiny_model_dir, rollout_batch):
     assert actor.model.training
 
 
-def _sampled(tiny_model_dir, n: int) -> DataProto:
-    """The four questions (prompts of different lengths, left-padded) with `n` sampled responses each, some ending
-    early, as the rollout lays them out (a prompt's samples next to each other)."""
-    tokenizer = load_tokenizer(tiny_model_dir)
-    model = load_model(tiny_model_dir)
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(100, 160)]
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-        for q in QUESTIONS
-    ]
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
-    prompts = DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-    rollout = HFRollout(model, tokenizer, RolloutConfig(n=n, response_length=T, micro_batch_size=32), seed=2)
-    return rollout.generate_sequences(prompts)
-
-
 @pytest.mark.parametrize(("n", "micro_batch_size"), [(1, 4), (2, 3), (8, 32), (8, 5)])
 def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_full_rows(tiny_model_dir, n, micro_batch_size):
     """`forward_response_logits` runs a prompt once for its neighbouring samples (`prompt_groups`). Log-probs and
@@ -119,7 +109,7 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_full_rows(tiny_mod
     by 1e-2 or more."""
     from hybridflow.engine.models import prompt_groups, response_log_probs
 
-    data = _sampled(tiny_model_dir, n)
+    data = _sampled(tiny_model_dir, n, seed=2, micro_batch_size=32)
     lengths = data.batch["response_mask"].sum(-1)
     assert lengths.min() < T  # some responses end early
     model = load_model(tiny_model_dir)

@@ -396,8 +396,9 @@ def plan(
     calibrate: Annotated[
         bool,
         typer.Option(
-            help="fit a hardware profile for this machine (saved as --gpu NAME): time CONFIG's stages at two batch "
-            "sizes on one device through the real stack (or those of --from-run runs), then plan with it"
+            help="fit a hardware profile for this machine (saved as --gpu NAME): time CONFIG's stages through the "
+            "real stack at its batch and twice that on one device, and twice that on two (or those of --from-run "
+            "runs), then plan with it"
         ),
     ] = False,
     from_run: Annotated[

@@ -69,15 +69,11 @@ def mini_batches(
             f"batch of {n} sequences is not a multiple of the mini-batch size {mini_batch_size} sequences "
             "(ppo_mini_batch_size x rollout.n); adjust data.train_batch_size or ppo_mini_batch_size"
         )
+    sizes = np.ones(n, dtype=np.int64) if groups is None else groups.numpy()  # no groups: every row its own
+    blocks = np.split(np.arange(n), np.cumsum(sizes)[:-1])
     for epoch in range(epochs):
-        order = np.arange(n)
-        if shuffle and groups is None:
-            order = np.random.default_rng([*seed, epoch]).permutation(n)
-        elif shuffle:
-            starts = np.cumsum(groups.numpy()) - groups.numpy()
-            picked = np.random.default_rng([*seed, epoch]).permutation(len(groups))
-            order = np.concatenate([np.arange(starts[g], starts[g] + int(groups[g])) for g in picked])
-        shuffled = data[order]
+        picked = np.random.default_rng([*seed, epoch]).permutation(len(blocks)) if shuffle else range(len(blocks))
+        shuffled = data[np.concatenate([blocks[b] for b in picked])]
         yield from shuffled.split(mini_batch_size)
 
 

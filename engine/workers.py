@@ -255,9 +255,9 @@ class RLHFWorker:
         started = time.perf_counter()
         metrics = self.actor.update_policy(data)
         seconds = time.perf_counter() - started
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        epochs = self.config.actor.ppo_epochs
-        metrics["perf/mfu/actor"] = update_mfu(self.config.model.path, data, epochs, seconds, device)
+        cfg = self.config
+        device = pick_device(cfg.trainer.device).type
+        metrics["perf/mfu/actor"] = update_mfu(cfg.model.path, data, cfg.actor.ppo_epochs, seconds, device)
         return metrics
 
     @register(Dispatch.DP_COMPUTE_PROTO)

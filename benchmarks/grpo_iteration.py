@@ -2,11 +2,12 @@
 
 Runs the main job's settings (examples/grpo_smollm2.yaml: SmolLM2-135M-Instruct, 8 prompts x 4 samples, up to 24
 response tokens, KL loss, vLLM rollout where installed) through the flow (`hf run`, no validation) and prints, for
-each stage, the median over iterations 2..N of: seconds, real tokens processed (padding excluded, each sample with
-its prompt), the FLOPs the stage needs (`hybridflow.mapping.cost.needed_flops` at the iteration's mean prompt and
+each stage, the median over iterations 2..N of: seconds, real tokens processed (padding excluded, each prompt once
+for its samples), the FLOPs the stage needs (`hybridflow.mapping.cost.needed_flops` at the iteration's mean prompt and
 response lengths: each prompt once for its samples, the blocks over every token, the LM head over response tokens
 only, 3x for a training pass; generation: the same forward), the achieved rate of needed FLOPs per second and its
-share of the fp32 matmul peak this script measures with the workers' torch threads.
+share of the matmul peak this script measures in the run's compute dtype (``model.dtype``) with the workers' torch
+threads.
 Then the run's own ``perf/mfu/actor`` and ``perf/throughput`` (median) and the iteration.
 
     .venv/bin/python benchmarks/grpo_iteration.py [--iterations 8] [--keep DIR [--reuse]] [-o key=value ...]
@@ -27,6 +28,7 @@ import torch
 
 from hybridflow.engine.config import validate_config
 from hybridflow.engine.flops import matmul_flops
+from hybridflow.engine.models import pick_dtype
 from hybridflow.flows.store import RunStore
 from hybridflow.mapping.cost import needed_flops
 from hybridflow.mapping.shapes import model_shape
@@ -82,7 +84,8 @@ def main() -> None:
         return statistics.median(series[name]) if name in series else float("nan")
 
     threads = cfg.trainer.num_threads or torch.get_num_threads()
-    peak = matmul_flops(threads)
+    dtype = pick_dtype(cfg.model.dtype, torch.device("cpu"))
+    peak = matmul_flops(threads, dtype=dtype)
     shape = model_shape(cfg.model.path)
     sequences = cfg.data.train_batch_size * cfg.rollout.n
     prompt, response = median("prompt_length/mean"), median("response_length/mean")
@@ -90,7 +93,8 @@ def main() -> None:
     forward = needed_flops(shape, groups, "lm")  # each prompt once for its samples
     print(
         f"run {run.id}: {sequences} sequences of {prompt:.0f} + {response:.1f} tokens (means), rollout "
-        f"{cfg.rollout.name}, {threads} torch threads, hf run {wall:.0f} s; matmul peak {peak / 1e9:.0f} GFLOP/s"
+        f"{cfg.rollout.name}, {threads} torch threads, hf run {wall:.0f} s; {str(dtype).removeprefix('torch.')} "
+        f"matmul peak {peak / 1e9:.0f} GFLOP/s"
     )
     header = f"{'stage':>13} {'seconds':>8} {'tokens':>7} {'GFLOP':>7} {'GFLOP/s':>8} {'of peak':>8}"
     print(header + "\n" + "-" * len(header))
@@ -104,7 +108,7 @@ def main() -> None:
             continue
         flops = work[1] * forward
         rate = flops / seconds
-        tokens = sequences * (prompt + response)  # processed today: every sample with its own prompt
+        tokens = cfg.data.train_batch_size * prompt + sequences * response  # each prompt once, no padding
         print(f"{stage:>13} {seconds:>8.2f} {tokens:>7.0f} {flops / 1e9:>7.1f} {rate / 1e9:>8.1f} {rate / peak:>8.1%}")
     step = median("timing_s/step")
     print(

@@ -219,7 +219,7 @@ class RefPolicy:
         model: a copy of the initial policy (never updated; may be stored in bf16, ``load_model(trainable=False)``).
         micro_batch_size: sequences per forward (``ref.log_prob_micro_batch_size``).
         compute_dtype: dtype of the forwards, as for `Actor` (pass the actor's, so both see the same numerics).
-        share_prompts: compute a repeated prompt once (`hybridflow.engine.models.forward_response_logits`).
+        share_prompts: compute a repeated prompt once (`hybridflow.engine.packing.pack_rows`).
     """
 
     def __init__(

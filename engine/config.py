@@ -161,9 +161,9 @@ class ActorConfig(_Section):
     )
     share_prompts: bool = Field(
         True,
-        description="compute a prompt once for its n samples in the old_log_prob, ref and update passes (its keys "
-        "and values repeated for their responses; equal to full rows up to float32 rounding); false: every row in "
-        "full. Megatron and tensor parallelism (actor.tp > 1) run full rows",
+        description="compute a prompt once for its n samples in the old_log_prob, ref and update passes (rows "
+        "packed without padding, each prompt followed by its samples' responses; equal to full rows up to float32 "
+        "rounding); false: every row packed with its own prompt. Megatron keeps padded full rows",
     )
     recompute_log_prob: bool = Field(
         False,
@@ -176,8 +176,8 @@ class ActorConfig(_Section):
     @property
     def shares_prompts(self) -> bool:
         """Whether the log-prob passes and the update compute a repeated prompt once: ``share_prompts`` with ddp
-        or fsdp without tensor parallelism (megatron and tensor-parallel layers keep full rows)."""
-        return self.share_prompts and self.strategy != "megatron" and self.tp == 1
+        or fsdp (megatron keeps full rows)."""
+        return self.share_prompts and self.strategy != "megatron"
 
 
 class RefConfig(_Section):
@@ -203,6 +203,12 @@ class CriticConfig(_Section):
     shuffle: bool = True
     cliprange_value: float = Field(0.5, gt=0.0)
     loss_agg_mode: LossAggMode = "token-mean"
+    share_prompts: bool = Field(True, description="as actor.share_prompts, for the values and the critic update")
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether the value passes compute a repeated prompt once (``share_prompts``, not megatron)."""
+        return self.share_prompts and self.strategy != "megatron"
 
 
 class KLControlConfig(_Section):

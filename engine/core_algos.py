@@ -11,7 +11,7 @@ Nothing here knows about workers, models or configs: every function takes tensor
   `apply_kl_penalty`, which folds the KL into the token-level rewards;
 - losses: `agg_loss` (how a [B, T] loss matrix becomes a scalar), `compute_policy_loss` (PPO clip with
   clip-higher and dual-clip) and `compute_value_loss` (clipped critic loss);
-- `entropy_from_logits` and `logprobs_from_logits`.
+- `entropy_from_logits`, `logprobs_from_logits` and `logprobs_and_entropy` (both from one log-softmax).
 
 Conventions. B is the number of sequences in the batch and T the padded response length in tokens. A mask is a
 [B, T] tensor (bool, int or float) with 1 for real response tokens and 0 for padding; responses are right-padded,
@@ -47,6 +47,7 @@ __all__ = [
     "get_adv_estimator_fn",
     "get_kl_controller",
     "kl_penalty",
+    "logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
@@ -857,10 +858,9 @@ _LOGPROB_CHUNK_ROWS = 1024
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution given by ``logits`` over the last dimension.
 
-    Computed stably as ``logsumexp(z) - sum(softmax(z) * z)``, which equals ``-sum(p * log p)`` without taking the
-    log of a probability that underflows to 0. The row maximum is subtracted from ``z`` first (the formula is
-    shift-invariant), so large logits do not cancel catastrophically; this costs one temporary of the logits' size.
-    Runs in ``logits``' dtype (callers wanting fp32 precision from bf16 logits upcast first).
+    ``-sum(exp(log_softmax(z)) * log_softmax(z))``: the log-softmax is one fused, shift-stable kernel, and a
+    probability that underflows to 0 contributes ``0 * (finite log-prob) = 0``, so large logits give no NaN. Runs in
+    ``logits``' dtype (callers wanting fp32 precision from bf16 logits upcast first).
 
     Args:
         logits: finite float [..., V], e.g. [B, T, V] or [N, V].
@@ -868,25 +868,21 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     Returns:
         Float tensor [...] (the last dimension removed), differentiable.
     """
-    shifted = logits - logits.amax(dim=-1, keepdim=True).detach()
-    probs = torch.softmax(shifted, dim=-1)
-    return torch.logsumexp(shifted, dim=-1) - (probs * shifted).sum(dim=-1)
+    log_p = torch.log_softmax(logits, dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-probability of each label under the categorical distribution given by ``logits``.
 
-    ``log_softmax(z)[y] = z[y] - logsumexp(z)``: for fp32/fp64 logits this gathers the label's logit and subtracts
-    the logsumexp, never writing a full [..., V] log-softmax tensor. For fp16/bf16 logits it works on chunks of
-    1024 rows upcast to fp32 (so memory grows by one fp32 chunk, not a copy of everything) and returns fp32, since
-    a log-sum-exp over a large vocabulary in 16-bit loses too much precision for PPO ratios.
+    ``log_softmax(z)[y]``, over chunks of 1024 rows (`logprobs_and_entropy`).
 
     Args:
         logits: float [..., V].
         labels: integer tensor [...] with values in [0, V).
 
     Returns:
-        Tensor [...]: fp32 for 16-bit logits, else ``logits``' dtype; differentiable with respect to ``logits``.
+        float32 tensor [...] (fp64 for fp64 logits), differentiable with respect to ``logits``.
 
     Raises:
         ValueError: ``labels.shape`` is not ``logits.shape[:-1]``.
@@ -896,18 +892,35 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
             f"labels of shape {list(labels.shape)} do not match logits of shape {list(logits.shape)}: "
             "labels must have the logits' shape without the last (vocabulary) dimension."
         )
+    flat, _ = logprobs_and_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return flat.reshape(labels.shape)
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, calculate_entropy: bool = False, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each label and (optionally) the entropy, from one log-softmax per chunk of rows.
+
+    Each chunk of 1024 rows is upcast to fp32 (16-bit logits: a log-sum-exp over a large vocabulary in 16 bits
+    loses too much precision for PPO ratios) and goes through ``torch.log_softmax`` once; the label's entry is the
+    log-prob and ``-sum(p * log p)`` the entropy (`entropy_from_logits`). Memory grows by one fp32 chunk at a time
+    without grad; with grad, autograd keeps each chunk's log-softmax for backward.
+
+    Args:
+        logits: float [N, V].
+        labels: integer [N] with values in [0, V).
+        calculate_entropy: also return the entropy.
+        entropy_grad: the entropy is differentiable (an entropy bonus); False: a metric, no graph kept for it.
+
+    Returns:
+        (log_probs [N], entropy [N] or None): float32 (fp64 for fp64 logits).
+    """
     labels = labels.long()
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        flat_logits = logits.reshape(-1, logits.shape[-1])
-        flat_labels = labels.reshape(-1)
-        if flat_labels.numel() == 0:
-            return flat_logits.new_empty(labels.shape, dtype=torch.float32)
-        pairs = zip(flat_logits.split(_LOGPROB_CHUNK_ROWS), flat_labels.split(_LOGPROB_CHUNK_ROWS), strict=True)
-        chunks = [_gather_minus_logsumexp(z.float(), y) for z, y in pairs]
-        return torch.cat(chunks).reshape(labels.shape)
-    return _gather_minus_logsumexp(logits, labels)
-
-
-def _gather_minus_logsumexp(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    log_probs, entropies = [], []
+    for z, y in zip(logits.split(_LOGPROB_CHUNK_ROWS), labels.split(_LOGPROB_CHUNK_ROWS), strict=True):
+        log_p = torch.log_softmax(z.float() if z.dtype in (torch.float16, torch.bfloat16) else z, dim=-1)
+        log_probs.append(log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1))
+        if calculate_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropies.append(-(log_p.exp() * log_p).sum(dim=-1))
+    return torch.cat(log_probs), (torch.cat(entropies) if calculate_entropy else None)

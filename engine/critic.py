@@ -70,7 +70,10 @@ class Critic:
     def compute_values(self, data: DataProto) -> DataProto:
         """Returns DataProto with ``values`` float32 [B, T] for the responses in `data`."""
         self.model.eval()
-        values = compute_values(self.model, data, self.config.forward_micro_batch_size, self.compute_dtype)
+        cfg = self.config
+        values = compute_values(
+            self.model, data, cfg.forward_micro_batch_size, self.compute_dtype, share_prompts=cfg.shares_prompts
+        )
         return DataProto.from_dict({"values": values})
 
     def update_critic(self, data: DataProto) -> dict[str, float]:
@@ -90,7 +93,7 @@ class Critic:
             for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                 batch = micro.batch
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):
-                    vpreds = response_values(self.train_module, micro, self.compute_dtype)
+                    vpreds = response_values(self.train_module, micro, self.compute_dtype, cfg.shares_prompts)
                     (value_loss(vpreds, batch, cfg, log) * loss_scale).backward()
             lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
             clip = cfg.optim.grad_clip

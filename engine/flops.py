@@ -1,10 +1,10 @@
 """Model FLOPs utilisation (MFU): the FLOPs a pass needs, over the seconds it took and the device's peak.
 
 The FLOPs are the cost model's (`hybridflow.mapping.cost.needed_flops`): over each sequence's real tokens, padding
-excluded, and the output head only where it is read; what the work needs, not what a padded kernel runs. The peak
+excluded, each prompt once for its samples, and the output head only where it is read: what the work needs. The peak
 is the device's dense matmul rate: on a GPU named in `hybridflow.mapping.hardware.BUILTIN` its datasheet's BF16
-figure, elsewhere (CPU, other GPUs) a matmul measured once per process (fp32 on CPU with the process's torch
-threads, bf16 on a GPU)."""
+figure, elsewhere (CPU, other GPUs) a matmul measured once per process (on CPU in the compute dtype with the
+process's torch threads, bf16 on a GPU)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ def matmul_flops(threads: int | None = None, device: str = "cpu", dtype: torch.d
 
 
 @functools.cache
-def device_peak_flops(device: str = "cpu") -> float:
-    """The peak FLOP/s MFU divides by for `device` (``cpu`` or ``cuda``): a known GPU's datasheet figure, else the
-    measured `matmul_flops` (cached for the process)."""
+def device_peak_flops(device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """The peak FLOP/s MFU divides by for `device` (``cpu`` or ``cuda``) computing in `dtype` (the compute dtype,
+    ``model.dtype``): a known GPU's datasheet BF16 figure, else the measured `matmul_flops` in `dtype` (bf16 on a
+    GPU; cached for the process)."""
     if device.startswith("cuda"):
         from hybridflow.mapping.hardware import BUILTIN
 
@@ -51,21 +52,37 @@ def device_peak_flops(device: str = "cpu") -> float:
             if profile.name.split("-")[0] in name:
                 return profile.flops
         return matmul_flops(device=device, dtype=torch.bfloat16)
-    return matmul_flops()
+    return matmul_flops(dtype=dtype)
 
 
-def update_mfu(model_path: str, data: DataProto, epochs: int, seconds: float, device: str = "cpu") -> float:
+def update_mfu(
+    model_path: str,
+    data: DataProto,
+    epochs: int,
+    seconds: float,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> float:
     """``perf/mfu/actor`` of one rank's policy update: `epochs` training passes (3 x a forward's FLOPs each, Kaplan
-    et al. 2020, eq. 2.1) over the rank's rows `data` (``attention_mask`` and ``response_mask`` [B, *]: the real
-    tokens and the response tokens of each row, each row counted with its own prompt, as verl counts it) in
-    `seconds`, as a share of `device_peak_flops`."""
+    et al. 2020, eq. 2.1) over the rank's rows `data` in `seconds`, as a share of `device_peak_flops` for the
+    compute `dtype`. The FLOPs are those the update needs: each prompt once for its neighbouring samples
+    (`hybridflow.engine.packing.prompt_groups`, as the passes compute it), every real token, no padding; verl counts
+    each row with its own prompt, which would put a shared-prompt update above 100 %.
+
+    Args:
+        data: ``input_ids``, ``attention_mask`` [B, P+T], ``responses``, ``response_mask`` [B, T].
+    """
+    from hybridflow.engine.packing import prompt_groups
     from hybridflow.mapping.cost import needed_flops
 
     responses = data.batch["response_mask"].sum(-1).tolist()
     prompts = [total - r for total, r in zip(data.batch["attention_mask"].sum(-1).tolist(), responses, strict=True)]
-    rows = [(prompt, [response]) for prompt, response in zip(prompts, responses, strict=True)]
-    flops = 3 * epochs * needed_flops(_shape(model_path), rows, "lm")
-    return flops / (seconds * device_peak_flops(device))
+    groups, first = [], 0
+    for count in prompt_groups(data).tolist():
+        groups.append((prompts[first], responses[first : first + count]))
+        first += count
+    flops = 3 * epochs * needed_flops(_shape(model_path), groups, "lm")
+    return flops / (seconds * device_peak_flops(device, dtype))
 
 
 @functools.cache

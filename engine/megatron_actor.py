@@ -41,7 +41,7 @@ def response_log_probs(model, micro: DataProto, temperature: float = 1.0) -> tor
     Args:
         model: this rank's ``GPTModel`` (its logits are this TP rank's vocabulary slice).
         micro: ``input_ids``, ``attention_mask``, ``position_ids`` [b, P+T] and ``responses`` [b, T].
-        temperature: the logits are divided by it, as in `hybridflow.engine.models.forward_response_logits`.
+        temperature: the logits are divided by it, as in `hybridflow.engine.models.response_logits`.
 
     Returns:
         float32 [b, T]. Positions past the response end are meaningless; mask them with ``response_mask``.

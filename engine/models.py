@@ -2,11 +2,12 @@
 
 Sequences are laid out as in verl: ``input_ids`` [B, P+T] = left-padded prompt (P tokens) followed by the
 right-padded response (T tokens); ``attention_mask`` and ``position_ids`` [B, P+T] cover both. The logit that
-predicts response token t sits at position P-1+t, so a forward over the sequence needs only the last T+1 positions
-of the output (``logits_to_keep``): the lm-head never runs on prompt tokens.
+predicts response token t sits at position P-1+t of a row. The passes here do not run that layout as it is: each
+micro-batch is packed (`hybridflow.engine.packing.pack_rows`: real tokens only, a prompt once for its samples) and
+the LM head runs only at the positions that predict a response token (``logits_to_keep`` as indices).
 
-Memory: log-probs and entropy are computed one micro-batch at a time, so at most
-``micro_batch_size * (T+1) * vocab`` logits exist at once (fp32, or bf16 under autocast, upcast per micro-batch).
+Memory: log-probs and entropy are computed one micro-batch at a time, so at most (the micro-batch's response
+tokens) x vocab logits exist at once (fp32, or bf16 under autocast, upcast 1,024 rows at a time).
 
 Precision: a model that is trained (actor, critic) keeps fp32 master weights (``load_model(..., trainable=True)``,
 `load_critic`), so small Adam updates are not rounded away. With a bf16 compute dtype (``model.dtype: bfloat16``, or
@@ -30,7 +31,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from hybridflow.engine.core_algos import entropy_from_logits, logprobs_from_logits
+from hybridflow.engine.core_algos import logprobs_and_entropy
+from hybridflow.engine.packing import PACKED_ATTENTION, PackedRows, pack_rows
 from hybridflow.engine.protocol import DataProto
 
 
@@ -129,7 +131,7 @@ def load_model(
     config = _config_without_dropout(path)
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=weights_dtype).to(device)
     _disable_dropout(model)
-    return model
+    return _attend_per_group(model)
 
 
 def load_critic(
@@ -153,6 +155,14 @@ def load_critic(
     if getattr(head, "bias", None) is not None:
         torch.nn.init.zeros_(head.bias)
     _disable_dropout(model)
+    return _attend_per_group(model)
+
+
+def _attend_per_group(model: PreTrainedModel) -> PreTrainedModel:
+    """Switch a model on sdpa attention to `hybridflow.engine.packing.packed_sdpa` (sdpa per prompt group of a
+    packed sequence, plain sdpa otherwise); models on another implementation keep it."""
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(PACKED_ATTENTION)
     return model
 
 
@@ -162,101 +172,45 @@ def _disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def response_length(data: DataProto) -> int:
-    """T, the padded response length: ``responses.shape[1]`` of a batch with ``responses`` int64 [B, T].
-
-    Raises:
-        KeyError: the batch has no ``responses``.
-    """
-    return int(data.batch["responses"].shape[1])
-
-
-def forward_response_logits(
+def response_logits(
     model: PreTrainedModel,
-    micro: DataProto,
+    packed: PackedRows,
     temperature: float = 1.0,
     compute_dtype: torch.dtype | None = None,
-    share_prompts: bool = True,
 ) -> torch.Tensor:
-    """Logits that predict each response token.
+    """The logits that predict each real response token of `packed` (`pack_rows`), divided by `temperature`.
 
-    Rows that follow each other with the same prompt (the rollout's n samples of one prompt) share its pass: the
-    prompt runs once per group and its keys and values are repeated for the group's responses, which run as a second
-    pass over that cache (`prompt_groups`; gradients reach the prompt from every sample through the repeat). The
-    logits equal one pass over every full row up to float32 rounding (other matmul shapes): the prompt's positions
-    never see the response (causal attention), and each response sees the same keys and values. Without a repeated
-    prompt (or `share_prompts` false) it is one pass over the full rows.
+    One forward over the packed sequence; the LM head runs only at the K predicting positions (``logits_to_keep``
+    as indices), so no [b, L, V] tensor and no padding or prompt position reaches it.
 
     Args:
-        micro: DataProto with ``input_ids``, ``attention_mask``, ``position_ids`` [b, P+T] (prompts left-padded,
-            responses right-padded), ``responses`` [b, T].
-        temperature: logits are divided by it (the rollout's sampling temperature), as the PPO ratio requires.
+        temperature: the rollout's sampling temperature, as the PPO ratio requires.
         compute_dtype: run the forward under `autocast` in this dtype (None / float32: as stored).
-        share_prompts: compute a repeated prompt once (False: every row in full).
 
     Returns:
-        float tensor [b, T, V]: in the model's dtype, or `compute_dtype` under autocast.
+        float [K, V]: in the model's dtype, or `compute_dtype` under autocast.
     """
-    t = response_length(micro)
-    counts = prompt_groups(micro) if share_prompts else None
     with autocast(_model_device(model), compute_dtype):
-        if counts is not None and len(counts) < len(micro):
-            logits = _shared_prompt_logits(model, micro, counts, t)
-        else:
-            out = model(
-                input_ids=micro.batch["input_ids"],
-                attention_mask=micro.batch["attention_mask"],
-                position_ids=micro.batch["position_ids"],
-                logits_to_keep=t + 1,
-                use_cache=False,
-            )
-            logits = out.logits[:, :-1, :]
+        out = model(**_packed_inputs(model, packed), logits_to_keep=packed.predict, use_cache=False)
+    logits = out.logits[0]
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     return logits
 
 
-def prompt_groups(micro: DataProto) -> torch.Tensor:
-    """Sizes of the runs of consecutive rows with the same prompt (ids and mask of the first P = L - T columns).
-
-    Returns:
-        int64 [groups], summing to the rows (all ones when no two neighbours share a prompt)."""
-    t = response_length(micro)
-    ids = micro.batch["input_ids"][:, :-t]
-    mask = micro.batch["attention_mask"][:, :-t]
-    same = (ids[1:] == ids[:-1]).all(-1) & (mask[1:] == mask[:-1]).all(-1)
-    starts = torch.cat([torch.tensor([0], device=ids.device), torch.nonzero(~same).flatten() + 1])
-    ends = torch.cat([starts[1:], torch.tensor([len(ids)], device=ids.device)])
-    return (ends - starts).cpu()
-
-
-def _shared_prompt_logits(model: PreTrainedModel, micro: DataProto, counts: torch.Tensor, t: int) -> torch.Tensor:
-    from transformers.cache_utils import DynamicCache
-
-    batch = micro.batch
-    firsts = torch.cumsum(counts, 0) - counts  # each group's first row
-    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    prompt = model(
-        input_ids=ids[firsts, :-t],
-        attention_mask=mask[firsts, :-t],
-        position_ids=positions[firsts, :-t],
-        logits_to_keep=1,
-        use_cache=True,
-    )
-    repeat = counts.to(ids.device)
-    layers = [(layer.keys, layer.values) for layer in prompt.past_key_values.layers]
-    cache = DynamicCache(
-        ddp_cache_data=[(k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0)) for k, v in layers]
-    )
-    responses = model(
-        input_ids=ids[:, -t:],
-        attention_mask=mask,
-        position_ids=positions[:, -t:],
-        past_key_values=cache,
-        use_cache=True,
-    )
-    first = prompt.logits[:, -1:, :].repeat_interleave(repeat, 0)  # the last prompt position predicts token 0
-    return torch.cat([first, responses.logits[:, :-1, :]], dim=1)
+def _packed_inputs(model: torch.nn.Module, packed: PackedRows) -> dict:
+    """The forward's keyword arguments for `packed`: its ids, positions and mask (additive float for eager
+    attention, which adds the mask to the scores; boolean for sdpa), and its group spans (`packed_sdpa`)."""
+    mask = packed.attention_mask
+    config = getattr(model, "module", model).config  # DDP wraps the model
+    if config._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    return {
+        "input_ids": packed.input_ids,
+        "position_ids": packed.position_ids,
+        "attention_mask": mask,
+        "packed_spans": packed.spans,
+    }
 
 
 def response_log_probs(
@@ -269,22 +223,21 @@ def response_log_probs(
     share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of each response token under `model` (differentiable), and optionally the entropy
-    (differentiable unless `entropy_grad` is false: a metric, which then keeps no [b, T, V] softmax for backward);
-    `share_prompts`: see `forward_response_logits`.
+    (differentiable unless `entropy_grad` is false: a metric, which then keeps no [K, V] softmax for backward).
 
-    The forward runs in `compute_dtype` (see `forward_response_logits`); the softmax math runs in fp32.
+    The rows are packed (`pack_rows`: no padding, a repeated prompt once unless `share_prompts` is false) and the
+    LM head runs at response positions only (`response_logits`); the forward runs in `compute_dtype`, the softmax
+    math in fp32, one log-softmax per chunk of rows for both (`core_algos.logprobs_and_entropy`).
 
     Returns:
-        (log_probs float32 [b, T], entropy float32 [b, T] or None). Positions past the response end are
-        computed but meaningless; mask them with ``response_mask``.
+        (log_probs float32 [b, T], entropy float32 [b, T] or None), 0 where ``attention_mask`` marks no response
+        token.
     """
-    logits = forward_response_logits(model, micro, temperature, compute_dtype, share_prompts).float()
-    log_probs = logprobs_from_logits(logits, micro.batch["responses"])
-    entropy = None
-    if calculate_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits)
-    return log_probs, entropy
+    packed = pack_rows(micro, share_prompts)
+    logits = response_logits(model, packed, temperature, compute_dtype)
+    targets = micro.batch["responses"][packed.rows, packed.cols]
+    log_probs, entropy = logprobs_and_entropy(logits, targets, calculate_entropy, entropy_grad)
+    return packed.scatter(log_probs), (packed.scatter(entropy) if entropy is not None else None)
 
 
 @torch.no_grad()
@@ -314,31 +267,36 @@ def compute_log_probs(
 
 
 def response_values(
-    critic: PreTrainedModel, micro: DataProto, compute_dtype: torch.dtype | None = None
+    critic: PreTrainedModel,
+    micro: DataProto,
+    compute_dtype: torch.dtype | None = None,
+    share_prompts: bool = True,
 ) -> torch.Tensor:
     """Critic values V(s_t) for each response position (differentiable).
 
-    The value for response token t is read at the position that predicts it (P-1+t), i.e. the state before
-    the token is chosen, as in GAE (Schulman et al. 2016, eq. 16). The forward runs under `autocast` in
-    `compute_dtype` (None / float32: as stored).
+    The value for response token t is read at the position that predicts it (P-1+t in the padded row), i.e. the
+    state before the token is chosen, as in GAE (Schulman et al. 2016, eq. 16). The rows are packed as for
+    `response_log_probs` (`pack_rows`: no padding, a repeated prompt once unless `share_prompts` is false); the
+    forward runs under `autocast` in `compute_dtype` (None / float32: as stored).
 
     Returns:
-        float32 [b, T].
+        float32 [b, T], 0 where ``attention_mask`` marks no response token.
     """
-    t = response_length(micro)
+    packed = pack_rows(micro, share_prompts)
     with autocast(_model_device(critic), compute_dtype):
-        out = critic(
-            input_ids=micro.batch["input_ids"],
-            attention_mask=micro.batch["attention_mask"],
-            position_ids=micro.batch["position_ids"],
-            use_cache=False,
-        )
-    return out.logits[:, -t - 1 : -1, 0].float()
+        out = critic(**_packed_inputs(critic, packed), use_cache=False)
+    return packed.scatter(out.logits[0, packed.predict, 0].float())
 
 
 @torch.no_grad()
 def compute_values(
-    critic: PreTrainedModel, data: DataProto, micro_batch_size: int, compute_dtype: torch.dtype | None = None
+    critic: PreTrainedModel,
+    data: DataProto,
+    micro_batch_size: int,
+    compute_dtype: torch.dtype | None = None,
+    share_prompts: bool = True,
 ) -> torch.Tensor:
     """`response_values` over a whole batch in micro-batches (forwards in `compute_dtype`). Returns float32 [B, T]."""
-    return torch.cat([response_values(critic, micro, compute_dtype) for micro in data.split(micro_batch_size)])
+    return torch.cat(
+        [response_values(critic, micro, compute_dtype, share_prompts) for micro in data.split(micro_batch_size)]
+    )

@@ -256,8 +256,9 @@ class RLHFWorker:
         metrics = self.actor.update_policy(data)
         seconds = time.perf_counter() - started
         cfg = self.config
-        device = pick_device(cfg.trainer.device).type
-        metrics["perf/mfu/actor"] = update_mfu(cfg.model.path, data, cfg.actor.ppo_epochs, seconds, device)
+        device = pick_device(cfg.trainer.device)
+        dtype = pick_dtype(cfg.model.dtype, device)
+        metrics["perf/mfu/actor"] = update_mfu(cfg.model.path, data, cfg.actor.ppo_epochs, seconds, device.type, dtype)
         return metrics
 
     @register(Dispatch.DP_COMPUTE_PROTO)

@@ -21,7 +21,7 @@ def _batch(vocab: int, pairs: bool = False) -> DataProto:
     """8 sequences whose responses have different lengths: rank 0's half has many more response tokens than rank 1's,
     so a per-rank (instead of global) token normalisation would change the gradient. With `pairs`, rows come in
     pairs with one prompt (two samples each), so the actor's passes share prompts
-    (`hybridflow.engine.models.forward_response_logits`)."""
+    (`hybridflow.engine.packing.pack_rows`)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([6, 6, 5, 6, 1, 2, 1, 3])
     response_mask = (torch.arange(RESPONSE)[None, :] < lengths[:, None]).long()
@@ -68,10 +68,8 @@ def groups(tmp_path_factory, tiny_model_dir):
     fsdp.actor.strategy = fsdp.critic.strategy = "fsdp"
     fsdp_tp = fsdp.model_copy(deep=True)  # 4 ranks: 2 data-parallel replicas x 2 tensor-parallel ranks
     fsdp_tp.actor.tp, fsdp_tp.placement.tasks_per_node = 2, 4
-    full = cfg.model_copy(deep=True)  # DP=1 on full rows: the reference of fsdp-tp, which shares no prompt
-    full.actor.share_prompts = False
     made = {}
-    groups = ((1, 1, cfg), ("full", 1, full), (2, 2, cfg), ("fsdp", 2, fsdp), ("fsdp-tp", 4, fsdp_tp))
+    groups = ((1, 1, cfg), (2, 2, cfg), ("fsdp", 2, fsdp), ("fsdp-tp", 4, fsdp_tp))
     for name, ranks, config in groups:
         made[name] = WorkerGroup(
             GroupSpec(name=f"{name}-{ranks}", worker_cls=WORKER_CLS, tasks_per_node=ranks),
@@ -109,8 +107,8 @@ def test_dp2_update_equals_dp1_update(groups, tiny_model_dir):
     critic = {name: made[name].update_critic(critic_batch) for name in made}
 
     # The gradient of every optimizer step is the global mini-batch's: same grad norm on both ranks and as DP=1.
-    # DP=2, fsdp: shared prompts, as DP=1; fsdp-tp: full rows, as DP=1 on full rows ("full").
-    reference = {2: 1, "fsdp": 1, "fsdp-tp": "full"}
+    # DP=2, fsdp, fsdp-tp: shared prompts, as DP=1.
+    reference = {2: 1, "fsdp": 1, "fsdp-tp": 1}
     for metrics, key in ((actor, "actor/grad_norm"), (critic, "critic/grad_norm")):
         for name in (2, "fsdp", "fsdp-tp"):  # one result per data-parallel replica (4 critic ranks with fsdp-tp)
             dp1 = metrics[reference[name]][0][key]
@@ -121,12 +119,14 @@ def test_dp2_update_equals_dp1_update(groups, tiny_model_dir):
         moved = max((after[1][role][k] - initial[role][k]).abs().max().item() for k in initial[role])
         assert moved > 1e-3, f"the {role} update did not change the weights; the comparison would prove nothing"
         # Adam divides by sqrt(v): on elements whose gradient is ~0, float summation order (2 ranks vs 1) shows up
-        # as ~1e-6 moves, and with tensor parallelism (sums split over TP ranks) up to 2.9e-5 on one element of
-        # 8,192 (measured). 5e-5 is 0.5 % of one step (lr 1e-2); a missing all-reduce or a per-rank normalisation
-        # moves weights by ~1e-2.
+        # as ~1e-6 moves, and with tensor parallelism (sums split over TP ranks, packed rows of other lengths) up
+        # to 1.8e-4 on one element of 8,192 (measured; the grad norms above agree within 1e-5). 5e-4 is 5 % of one
+        # step (lr 1e-2); a missing all-reduce or a per-rank normalisation moves weights by ~1e-2.
         for group in (2, "fsdp", "fsdp-tp"):
             for name, tensor in after[reference[group]][role].items():
-                torch.testing.assert_close(after[group][role][name], tensor, rtol=0, atol=5e-5, msg=f"{group} {name}")
+                label = f"{group} {name}"
+                got = after[group][role][name]
+                torch.testing.assert_close(got, tensor, rtol=0, atol=5e-4, msg=lambda m, label=label: f"{label}: {m}")
 
 
 def test_fsdp_generates_as_ddp_and_resumes_from_its_checkpoint(groups, tiny_model_dir):
@@ -145,7 +145,7 @@ def test_fsdp_generates_as_ddp_and_resumes_from_its_checkpoint(groups, tiny_mode
         ),
         tmp / "data",
     )  # fmt: skip
-    # greedy: the previous test left the groups' weights equal within 5e-5, not bit for bit
+    # greedy: the previous test left the groups' weights equal within 5e-4, not bit for bit
     ddp_out = made[2].generate_sequences(prompts, n=1, temperature=0.0).load().batch["responses"]
     for group in ("fsdp", "fsdp-tp"):  # fsdp-tp: each TP group generates its replica's rows tensor-parallel
         fsdp_out = made[group].generate_sequences(prompts, n=1, temperature=0.0).load().batch["responses"]

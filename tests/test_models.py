@@ -1,6 +1,6 @@
 """Tests for hybridflow.engine.models: response log-probs, entropy and critic values on the real tiny model.
 
-Every forward of the library (micro-batched, ``logits_to_keep``, slicing of the last T+1 positions) is compared with a
+Every forward of the library (micro-batched, packed rows, ``logits_to_keep`` at response positions) is compared with a
 plain reference written here: one full forward over ``input_ids`` and an explicit loop over rows and response
 positions, reading the output at position P-1+t for response token t.
 """
@@ -15,13 +15,14 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from hybridflow.engine.models import (
     compute_log_probs,
     compute_values,
-    forward_response_logits,
     load_critic,
     load_model,
     load_tokenizer,
     pick_device,
     pick_dtype,
+    response_logits,
 )
+from hybridflow.engine.packing import pack_rows
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.tiny import build_tiny_model
 
@@ -124,6 +125,23 @@ def test_log_probs_match_full_forward_reference(model, batch):
     assert (masked(reference, batch) < -1.0).all()
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "hybridflow"])
+def test_log_probs_match_the_reference_with_every_attention_implementation(tiny_model_dir, batch, attention):
+    """The packed rows' mask works with Hugging Face's eager attention (an additive mask), its sdpa (a boolean one,
+    over the whole packed sequence) and `packed_sdpa` (per prompt group; what `load_model` sets up)."""
+    from hybridflow.engine.packing import PACKED_ATTENTION
+
+    if attention == "hybridflow":
+        model = load_model(tiny_model_dir)
+        assert model.config._attn_implementation == PACKED_ATTENTION
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=attention)
+    reference = at_response_positions(torch.log_softmax(full_forward(model, batch), -1), batch, token_index=True)
+    log_probs, _ = compute_log_probs(model, batch, micro_batch_size=3)
+    assert_close(masked(log_probs, batch), masked(reference, batch), atol=1e-5, rtol=0)
+    assert (log_probs[~batch.batch["response_mask"].bool()] == 0).all()  # no token: nothing computed there
+
+
 def test_entropy_matches_reference(model, batch):
     logits = full_forward(model, batch)
     entropy_per_position = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
@@ -172,7 +190,8 @@ def test_critic_values(tiny_model_dir, batch, tmp_path):
     critic.save_pretrained(tmp_path / "critic")
     reloaded = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic").eval()
     assert reloaded.config.num_labels == 1
-    assert_close(compute_values(reloaded, batch, micro_batch_size=3), values, atol=0, rtol=0)
+    # reloaded plainly, it attends over the whole packed sequence with sdpa, not per group: float rounding apart
+    assert_close(compute_values(reloaded, batch, micro_batch_size=3), values, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------- device
@@ -209,11 +228,12 @@ def test_trained_models_keep_fp32_weights_frozen_ones_take_the_dtype(tiny_model_
 
 def test_bf16_compute_runs_under_autocast(model, batch):
     # CPU autocast supports bf16, so the CUDA path (fp32 weights, bf16 matmuls) runs here too
-    plain = forward_response_logits(model, batch)
-    cast = forward_response_logits(model, batch, compute_dtype=torch.bfloat16)
+    packed = pack_rows(batch)
+    plain = response_logits(model, packed)
+    cast = response_logits(model, packed, compute_dtype=torch.bfloat16)
     assert plain.dtype == torch.float32 and cast.dtype == torch.bfloat16
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert torch.equal(forward_response_logits(model, batch, compute_dtype=torch.float32), plain)  # fp32: no cast
+    assert torch.equal(response_logits(model, packed, compute_dtype=torch.float32), plain)  # fp32: no cast
     log_probs, _ = compute_log_probs(model, batch, micro_batch_size=3, compute_dtype=torch.bfloat16)
     reference, _ = compute_log_probs(model, batch, micro_batch_size=3)
     assert log_probs.dtype == torch.float32

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hybridflow.engine.config import RolloutConfig
-from hybridflow.engine.models import forward_response_logits, load_model, load_tokenizer
+from hybridflow.engine.models import load_model, load_tokenizer, response_logits
+from hybridflow.engine.packing import pack_rows
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout import HFRollout, position_ids_from_mask, response_mask_from_eos
 
@@ -169,8 +170,10 @@ def test_greedy_is_padding_invariant_and_argmax(sharpened_dir, tokenizer):
 
     # each greedy token is the argmax of the model's own logits at that position (padded batch, no cache)
     with torch.no_grad():
-        logits = forward_response_logits(model, batched)
-    assert torch.equal(logits.argmax(-1)[mask.bool()], responses[mask.bool()])
+        packed = pack_rows(batched)
+        logits = response_logits(model, packed)
+    assert torch.equal(logits.argmax(-1), responses[packed.rows, packed.cols])
+    assert torch.equal(packed.scatter(torch.ones(len(logits))), mask.float())  # every response token, no other
 
     # a stop id met in the middle: row 0 stops at its step-4 token; every row keeps its greedy prefix, then pads
     stop = int(responses[0, 4])

@@ -16,10 +16,10 @@ from torch.testing import assert_close
 
 from hybridflow.engine.actor import Actor, RefPolicy
 from hybridflow.engine.config import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
-from hybridflow.engine.core_algos import logprobs_from_logits
 from hybridflow.engine.critic import Critic
 from hybridflow.engine.guards import NonFiniteError
-from hybridflow.engine.models import forward_response_logits, load_critic, load_model, load_tokenizer
+from hybridflow.engine.models import load_critic, load_model, load_tokenizer, response_log_probs
+from hybridflow.engine.packing import pack_rows, prompt_groups
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout import HFRollout
 from hybridflow.engine.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches, optimizer_step
@@ -99,44 +99,64 @@ def test_update_policy_on_policy(tiny_model_dir, rollout_batch):
     assert actor.model.training
 
 
-@pytest.mark.parametrize(("n", "micro_batch_size"), [(1, 4), (2, 3), (8, 32), (8, 5)])
-def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_full_rows(tiny_model_dir, n, micro_batch_size):
-    """`forward_response_logits` runs a prompt once for its neighbouring samples (`prompt_groups`). Log-probs and
-    the gradient of a token-mean loss over them equal the pass over every full row, for n = 1 (nothing shared),
-    n = 2 and n = 8, with micro-batches that cut groups apart. Tolerance 1e-5: the two paths multiply the same
-    numbers in other shapes, so they differ by float32 rounding (~1e-7 relative per product, summed over the
-    layers and the vocabulary); a prompt computed wrongly (a wrong position, mask or cache row) moves log-probs
-    by 1e-2 or more."""
-    from hybridflow.engine.models import prompt_groups, response_log_probs
+def padded_log_probs(model, micro: DataProto) -> torch.Tensor:
+    """The reference path the packed one replaces: one Hugging Face forward over the padded full rows (every
+    prompt copy, every pad position, the LM head everywhere), log-softmax at each response position. float32 [b, T]."""
+    out = model(
+        input_ids=micro.batch["input_ids"],
+        attention_mask=micro.batch["attention_mask"],
+        position_ids=micro.batch["position_ids"],
+    )
+    logits = out.logits[:, -T - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, micro.batch["responses"].unsqueeze(-1)).squeeze(-1)
 
+
+@pytest.mark.parametrize(("n", "micro_batch_size"), [(1, 4), (2, 3), (8, 32), (8, 5)])
+def test_packed_rows_give_the_log_probs_and_gradients_of_padded_full_rows(tiny_model_dir, n, micro_batch_size):
+    """`response_log_probs` packs each micro-batch (`pack_rows`: no padding, a prompt once for its neighbouring
+    samples, attention per prompt group, the LM head at response positions only). Its log-probs and the gradient of
+    a token-mean loss over them equal the padded full-row forward, shared or not, for n = 1 (nothing to share),
+    n = 2 and n = 8, prompts of different lengths (left padding), responses ending early, micro-batches that cut
+    groups apart. Tolerance 1e-5: the paths multiply the same numbers in other shapes, so they differ by float32
+    rounding (~1e-7 relative per product, summed over layers and vocabulary); a wrong position, mask or
+    prediction index moves log-probs by 1e-2 or more."""
     data = _sampled(tiny_model_dir, n, seed=2, micro_batch_size=32)
-    lengths = data.batch["response_mask"].sum(-1)
-    assert lengths.min() < T  # some responses end early
+    mask = data.batch["response_mask"]
+    assert mask.sum(-1).min() < T  # some responses end early
+    assert len(set(data.batch["attention_mask"][:, :-T].sum(-1).tolist())) > 1  # prompts of different lengths
     model = load_model(tiny_model_dir)
     results = {}
-    for share in (True, False):
+    for path in ("padded", "shared", "unshared"):
         model.zero_grad()
         log_probs = []
         for micro in data.split(micro_batch_size):
-            groups = prompt_groups(micro)
-            assert groups.sum() == len(micro) and (n > 1 or len(groups) == len(micro))
-            logits = forward_response_logits(model, micro, share_prompts=share)
-            lp = logprobs_from_logits(logits.float(), micro.batch["responses"])
-            mask = micro.batch["response_mask"]
-            ((lp * mask).sum() / data.batch["response_mask"].sum()).backward()
+            if path == "padded":
+                lp = padded_log_probs(model, micro)
+            else:
+                lp, _ = response_log_probs(model, micro, share_prompts=path == "shared")
+            ((lp * micro.batch["response_mask"]).sum() / mask.sum()).backward()
             log_probs.append(lp.detach())
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        results[share] = torch.cat(log_probs), grads
-    (shared, shared_grads), (full, full_grads) = results[True], results[False]
-    mask = data.batch["response_mask"].bool()
-    assert_close(shared[mask], full[mask], atol=1e-5, rtol=0)
-    assert shared_grads.keys() == full_grads.keys()
-    for name, grad in full_grads.items():
-        assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
-    if n > 1:  # the shared path ran: its prompt pass has fewer rows than the batch
+        results[path] = torch.cat(log_probs), grads
+    reference, reference_grads = results["padded"]
+    for path in ("shared", "unshared"):
+        log_probs, grads = results[path]
+        assert_close(log_probs[mask.bool()], reference[mask.bool()], atol=1e-5, rtol=0, msg=path)
+        assert (log_probs[~mask.bool()] == 0).all()
+        assert grads.keys() == reference_grads.keys()
+        for name, grad in reference_grads.items():
+            assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=f"{path}: {name}")
+    # the shared path really shares: each micro-batch's packed sequence holds each prompt once and no padding
+    for micro in data.split(micro_batch_size):
+        packed, groups = pack_rows(micro), prompt_groups(micro)
+        prompt_tokens = micro.batch["attention_mask"][:, :-T].sum(-1)
+        firsts = torch.cumsum(groups, 0) - groups
+        assert packed.input_ids.shape[1] == prompt_tokens[firsts].sum() + micro.batch["response_mask"].sum()
+        assert len(packed.spans) == len(groups)
+        unshared = pack_rows(micro, share_prompts=False)
+        assert unshared.input_ids.shape[1] == prompt_tokens.sum() + micro.batch["response_mask"].sum()
+    if n > 1:
         assert len(prompt_groups(data)) == len(QUESTIONS)
-    same, _ = response_log_probs(model, data)
-    assert_close(same[mask], full[mask], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("micro_batch_size", [3, 8])

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.engine.config import ActorConfig
-from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty, masked_mean, truncated_is_weights
+from hybridflow.engine.core_algos import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean, truncated_is_weights
 from hybridflow.engine.models import compute_log_probs, response_log_probs
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.training import (
@@ -34,6 +34,30 @@ UPDATE_KEYS = [
     "old_log_probs",
     "advantages",
 ]
+
+
+def policy_loss(
+    config: ActorConfig,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The policy loss ``actor.policy_loss.loss_mode`` names (`core_algos.get_policy_loss_fn`) with the section's
+    clip ratios and ``loss_agg_mode``: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, 0-dim tensors, over
+    float [b, T] inputs (``log_prob`` carries the gradient). Both training engines (this one and megatron's) call it."""
+    return get_policy_loss_fn(config.policy_loss.loss_mode)(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        clip_ratio_c=config.clip_ratio_c,
+        loss_agg_mode=config.loss_agg_mode,
+        is_weights=is_weights,
+    )
 
 
 class Actor:
@@ -187,16 +211,8 @@ class Actor:
                 tis_weight_mean=masked_mean(is_weights, mask),
                 tis_truncated_frac=masked_mean((is_weights >= cfg.tis_cap).float(), mask),
             )
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
-            old_log_prob=old_log_prob,
-            log_prob=log_prob,
-            advantages=batch["advantages"],
-            response_mask=mask,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
-            loss_agg_mode=cfg.loss_agg_mode,
-            is_weights=is_weights,
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
+            cfg, old_log_prob, log_prob, batch["advantages"], mask, is_weights
         )
         loss = pg_loss
         if calculate_entropy:

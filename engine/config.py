@@ -122,8 +122,28 @@ class OptimConfig(_Section):
     grad_clip: float = Field(1.0, gt=0.0, description="max global grad norm")
 
 
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
+
+
+class PolicyLossConfig(_Section):
+    """Which policy loss the actor minimises (verl's ``actor.policy_loss``)."""
+
+    loss_mode: str = Field(
+        "vanilla",
+        description="a registered policy loss (hybridflow.engine.core_algos.register_policy_loss): vanilla (PPO clip "
+        "with clip-higher and dual-clip), gspo (sequence-level ratio; its paper uses loss_agg_mode "
+        "seq-mean-token-mean and clip ranges ~3e-4/4e-4), cispo (clipped importance weight, held constant)",
+    )
+
+    @field_validator("loss_mode")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from hybridflow.engine.core_algos import policy_loss_modes
+
+        if value not in policy_loss_modes():
+            raise ValueError(f"unknown actor.policy_loss.loss_mode {value!r}; registered: {policy_loss_modes()}")
+        return value
 
 
 class ActorConfig(_Section):
@@ -149,6 +169,7 @@ class ActorConfig(_Section):
     clip_ratio_high: float = Field(0.2, ge=0.0)
     clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip lower bound for negative advantages")
     loss_agg_mode: LossAggMode = "token-mean"
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0.0)
@@ -223,13 +244,27 @@ class KLControlConfig(_Section):
 class AlgorithmConfig(_Section):
     """Advantage estimator and the KL-in-reward penalty."""
 
-    adv_estimator: Literal["grpo", "gae", "rloo"] = "grpo"
+    adv_estimator: str = Field(
+        "grpo",
+        description="a registered advantage estimator (hybridflow.engine.core_algos.register_adv_est): gae (needs the "
+        "critic), grpo (norm_adv_by_std_in_grpo false: Dr. GRPO), rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline, opo",
+    )
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: KLType = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from hybridflow.engine.core_algos import adv_estimators
+
+        if value not in adv_estimators():
+            raise ValueError(f"unknown algorithm.adv_estimator {value!r}; registered: {adv_estimators()}")
+        return value
 
 
 class RewardConfig(_Section):
@@ -570,7 +605,9 @@ class HybridFlowConfig(_Section):
                 "reward.function_coef=0 leaves no training reward: set it > 0, or reward_model.enable=true with "
                 "reward_model.path"
             )
-        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+        from hybridflow.engine.core_algos import uses_groups
+
+        if uses_groups(self.algorithm.adv_estimator) and self.rollout.n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
                 "group: set rollout.n >= 2"

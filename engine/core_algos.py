@@ -5,12 +5,14 @@ Nothing here knows about workers, models or configs: every function takes tensor
 
 - masked statistics: `masked_sum`, `masked_mean`, `masked_var`, `masked_whiten`;
 - advantage estimators, in a registry keyed by the config value ``algorithm.adv_estimator``:
-  ``"gae"`` (`compute_gae_advantage_return`), ``"grpo"`` (`compute_grpo_outcome_advantage`) and
-  ``"rloo"`` (`compute_rloo_outcome_advantage`);
+  ``"gae"`` (`compute_gae_advantage_return`), ``"grpo"`` (`compute_grpo_outcome_advantage`; Dr. GRPO with
+  ``norm_adv_by_std_in_grpo`` false), ``"rloo"``, ``"reinforce_plus_plus"``, ``"reinforce_plus_plus_baseline"``
+  and ``"opo"``;
 - the KL machinery: per-token estimators (`kl_penalty`), fixed and adaptive coefficient controllers, and
   `apply_kl_penalty`, which folds the KL into the token-level rewards;
-- losses: `agg_loss` (how a [B, T] loss matrix becomes a scalar), `compute_policy_loss` (PPO clip with
-  clip-higher and dual-clip) and `compute_value_loss` (clipped critic loss);
+- losses: `agg_loss` (how a [B, T] loss matrix becomes a scalar), policy losses in a registry keyed by
+  ``actor.policy_loss.loss_mode`` (``"vanilla"``: `compute_policy_loss`, PPO clip with clip-higher and dual-clip;
+  ``"gspo"``, ``"cispo"``) and `compute_value_loss` (clipped critic loss);
 - `entropy_from_logits`, `logprobs_from_logits` and `logprobs_and_entropy` (both from one log-softmax).
 
 Conventions. B is the number of sequences in the batch and T the padded response length in tokens. A mask is a
@@ -36,16 +38,23 @@ __all__ = [
     "KL_PENALTY_TYPES",
     "AdaptiveKLController",
     "FixedKLController",
+    "adv_estimators",
     "agg_loss",
     "apply_kl_penalty",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
+    "compute_opo_outcome_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_gspo",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_value_loss",
     "entropy_from_logits",
     "get_adv_estimator_fn",
     "get_kl_controller",
+    "get_policy_loss_fn",
     "kl_penalty",
     "logprobs_and_entropy",
     "logprobs_from_logits",
@@ -53,8 +62,11 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "policy_loss_modes",
     "register_adv_est",
+    "register_policy_loss",
     "uses_critic",
+    "uses_groups",
 ]
 
 WHITEN_EPS = 1e-8
@@ -297,6 +309,23 @@ def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.T
     return call
 
 
+def uses_groups(name: str) -> bool:
+    """True when the advantage estimator ``name`` compares the responses to one prompt (it takes ``index``, the
+    prompt uids), so it needs ``rollout.n`` >= 2.
+
+    Raises:
+        ValueError: ``name`` is not a registered estimator.
+    """
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    return "index" in inspect.signature(_ADV_ESTIMATORS[name]).parameters
+
+
+def adv_estimators() -> list[str]:
+    """The registered advantage-estimator names (``algorithm.adv_estimator``), sorted."""
+    return sorted(_ADV_ESTIMATORS)
+
+
 def uses_critic(name: str) -> bool:
     """True when the advantage estimator ``name`` needs a critic (value model), i.e. it is in
     `ADV_ESTIMATORS_NEEDING_CRITIC`.
@@ -477,12 +506,111 @@ def compute_rloo_outcome_advantage(
     return advantages, advantages
 
 
+def _group_means(scores: torch.Tensor, index, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sequence's group mean of `scores` (float [B]; weighted by `weights` [B] when given), 0 for a group of
+    one. Returns float [B]."""
+    ids, n_groups = _group_ids(index, scores.shape[0])
+    ids = ids.to(scores.device)
+    weights = torch.ones_like(scores) if weights is None else weights.to(scores.dtype)
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
+    totals = torch.zeros_like(counts).index_add_(0, ids, weights)
+    sums = torch.zeros_like(counts).index_add_(0, ids, weights * scores)
+    return torch.where(counts[ids] > 1, sums[ids] / totals[ids].clamp(min=torch.finfo(scores.dtype).tiny), 0.0)
+
+
+@register_adv_est("reinforce_plus_plus")
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ advantage: the discounted return of each token, whitened over every response token of the batch.
+
+    Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models", §3
+    (token-level return ``G_t = sum_{s >= t} gamma^(s-t) r_s``, the KL penalty folded into the rewards, global
+    advantage normalisation). No critic and no group: works with ``rollout.n`` = 1.
+
+    Args:
+        token_level_rewards: float [B, T] (with ``algorithm.use_kl_in_reward`` the KL penalty is already in them).
+        response_mask: bool/int/float [B, T].
+        gamma: discount (``algorithm.gamma``).
+
+    Returns:
+        ``(advantages, returns)`` float [B, T], 0 at masked positions, no grad: ``returns`` the discounted returns,
+        ``advantages`` those whitened (`masked_whiten`) over the batch's response tokens.
+    """
+    _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    is_real = response_mask != 0
+    rewards = torch.where(is_real, token_level_rewards, 0.0)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = torch.where(is_real[:, t], running, 0.0)  # nothing flows back across padding
+    returns = torch.where(is_real, returns, 0.0)
+    advantages = masked_whiten(returns, response_mask) * is_real.to(returns.dtype)
+    return advantages, returns
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence[Any] | np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with the group-mean baseline: each response's score minus its prompt group's mean score, given
+    to every token, then whitened over every response token of the batch.
+
+    Source: Hu 2025, "REINFORCE++", §4 (REINFORCE++-baseline: the group mean replaces GRPO's per-group std
+    normalisation by a global one). A group of one has baseline 0.
+
+    Args:
+        token_level_rewards: float [B, T]; a sequence's score is its sum over the response mask.
+        response_mask: bool/int/float [B, T].
+        index: length-B prompt uids; equal uids form a group.
+
+    Returns:
+        ``(advantages, returns)``, identical float [B, T] tensors, 0 at masked positions, no grad.
+    """
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    centred = scores - _group_means(scores, index)
+    is_real = (response_mask != 0).to(scores.dtype)
+    advantages = masked_whiten(centred.unsqueeze(-1) * is_real, response_mask) * is_real
+    return advantages, advantages
+
+
+@register_adv_est("opo")
+@torch.no_grad()
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence[Any] | np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (on-policy RL with the optimal baseline) outcome advantage: each response's score minus its group's
+    length-weighted mean score, ``b = sum_j |o_j| r_j / sum_j |o_j|``.
+
+    Source: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline" (arXiv 2505.23585), §3: the optimal
+    baseline under the approximation that a sequence's gradient norm grows with its length. A group of one has
+    baseline 0.
+
+    Args:
+        token_level_rewards: float [B, T]; a sequence's score is its sum over the response mask.
+        response_mask: bool/int/float [B, T]; a sequence's length |o| is its sum.
+        index: length-B prompt uids; equal uids form a group.
+
+    Returns:
+        ``(advantages, returns)``, identical float [B, T] tensors, 0 at masked positions, no grad.
+    """
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    lengths = (response_mask != 0).sum(-1).to(scores.dtype)
+    advantages = (scores - _group_means(scores, index, lengths)).unsqueeze(-1) * (response_mask != 0).to(scores.dtype)
+    return advantages, advantages
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # KL: per-token estimators, coefficient controllers, reward penalty
 # --------------------------------------------------------------------------------------------------------------------
 
-KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-"""Names accepted by `kl_penalty` (aliases: k1 = kl, k2 = mse, k3 = low_var_kl)."""
+KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+")
+"""Names accepted by `kl_penalty` (aliases: k1 = kl, k2 = mse, k3 = low_var_kl; a trailing ``+``: the same value
+with k2's gradient, straight through)."""
 
 K3_CLAMP = 10.0
 """`kl_penalty` clamps the k3 estimate to [-10, 10] (in practice [0, 10], since k3 >= 0)."""
@@ -491,6 +619,10 @@ K3_CLAMP = 10.0
 def _kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
     _check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
     log_ratio = log_prob - ref_log_prob  # k1: log pi(x) - log pi_ref(x), x sampled from pi
+    if kind.endswith("+") and kind in KL_PENALTY_TYPES:  # the value of kind, the gradient of k2
+        value = _kl_estimate(log_prob, ref_log_prob, kind[:-1])
+        k2 = 0.5 * log_ratio.square()
+        return k2 - k2.detach() + value.detach()
     if kind in ("kl", "k1"):
         return log_ratio
     if kind == "abs":
@@ -517,7 +649,12 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: s
     - ``"mse"`` / ``"k2"``: 0.5 * k1^2 (biased, low variance);
     - ``"low_var_kl"`` / ``"k3"``: exp(ref - logp) - (ref - logp) - 1 (unbiased, low variance, always >= 0).
       For numerical safety ``ref - logp`` is clamped to [-20, 20] before the exp and the result to [-10, 10];
-      both clamps only bite on tokens whose probabilities differ by a factor above about e^12.
+      both clamps only bite on tokens whose probabilities differ by a factor above about e^12;
+    - ``"k1+"``, ``"kl+"``, ``"abs+"``, ``"k3+"``, ``"low_var_kl+"``: the value of the estimator named without the
+      ``+`` and the gradient of k2 (straight through: ``k2 - sg(k2) + sg(value)``). As a loss, k1's and k3's
+      expected gradients are not the gradient of KL(pi || pi_ref), k2's is (its gradient is
+      ``(log pi - log pi_ref) * grad log pi``, the score-function form of the KL's gradient); the ``+`` forms
+      keep the reported value of the chosen estimator and take that gradient (as verl's ``k3+``).
 
     Args:
         log_prob: float [B, T] (or any shape), log-probs under the current policy.
@@ -652,7 +789,7 @@ def apply_kl_penalty(
 # Losses
 # --------------------------------------------------------------------------------------------------------------------
 
-AGG_LOSS_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_LOSS_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Values accepted by `agg_loss` (config key ``actor.loss_agg_mode``)."""
 
 
@@ -662,6 +799,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     Modes (``actor.loss_agg_mode``):
 
     - ``"token-mean"``: mean over all masked tokens of the batch (each token weighs the same).
+    - ``"token-sum"``: sum over all masked tokens of the batch (each token weighs the same, and the loss, with its
+      gradient, grows with the batch's token count: scale the learning rate accordingly).
     - ``"seq-mean-token-sum"``: sum over each sequence's tokens, then mean over sequences.
     - ``"seq-mean-token-mean"``: mean over each sequence's tokens, then mean over sequences (each sequence weighs
       the same, as in the GRPO paper's objective).
@@ -697,6 +836,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     _check_same_shape(loss_mat=loss_mat, loss_mask=loss_mask)
     if loss_agg_mode == "token-mean":
         return masked_mean(loss_mat, loss_mask)
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, loss_mask)
     if loss_agg_mode == "seq-mean-token-sum-norm":
         return masked_sum(loss_mat, loss_mask) / loss_mat.numel()
     if loss_agg_mode == "seq-mean-token-sum":
@@ -707,6 +848,67 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     return masked_mean(per_seq, has_tokens)
 
 
+_POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
+    """Decorator that registers a policy loss under ``name`` (the value of ``actor.policy_loss.loss_mode``).
+
+    The function is called as ``fn(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low,
+    clip_ratio_high, clip_ratio_c, loss_agg_mode, is_weights)`` (all [B, T] float tensors, `is_weights` optional)
+    and returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, 0-dim tensors, ``pg_loss`` differentiable.
+    It is returned unchanged.
+
+    Raises:
+        ValueError: ``name`` is already registered to a different function.
+    """
+
+    def decorator(fn: Callable) -> Callable:
+        existing = _POLICY_LOSSES.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(f"Policy loss {name!r} is already registered (to {existing.__qualname__}); pick another.")
+        _POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def policy_loss_modes() -> list[str]:
+    """The registered policy-loss names (``actor.policy_loss.loss_mode``), sorted."""
+    return sorted(_POLICY_LOSSES)
+
+
+def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The policy loss registered under ``name`` (see `register_policy_loss` for its calling convention).
+
+    Raises:
+        ValueError: ``name`` is not registered (names the config key and the registered names).
+    """
+    if name not in _POLICY_LOSSES:
+        raise ValueError(
+            f"Unknown policy loss {name!r} (config key `actor.policy_loss.loss_mode`); "
+            f"registered: {policy_loss_modes()}."
+        )
+    return _POLICY_LOSSES[name]
+
+
+def _aggregate_policy_loss(
+    pg_losses: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str, is_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """`agg_loss` of the per-token losses [B, T], each first weighted by `is_weights` [B, T] (detached) if given."""
+    if is_weights is not None:
+        _check_same_shape(is_weights=is_weights, pg_losses=pg_losses)
+        pg_losses = pg_losses * is_weights.detach()
+    return agg_loss(pg_losses, response_mask, loss_agg_mode)
+
+
+def _check_clip_ratios(clip_ratio_low: float, clip_ratio_high: float) -> None:
+    for key, x in (("actor.clip_ratio_low", clip_ratio_low), ("actor.clip_ratio_high", clip_ratio_high)):
+        if x < 0:
+            raise ValueError(f"`{key}` must be >= 0, got {x}.")
+
+
+@register_policy_loss("vanilla")
 def compute_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -753,9 +955,7 @@ def compute_policy_loss(
     """
     if not clip_ratio_c > 1.0:
         raise ValueError(f"`actor.clip_ratio_c` must be > 1 for dual-clip PPO (3.0 is usual), got {clip_ratio_c}.")
-    for key, x in (("actor.clip_ratio_low", clip_ratio_low), ("actor.clip_ratio_high", clip_ratio_high)):
-        if x < 0:
-            raise ValueError(f"`{key}` must be >= 0, got {x}.")
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
     _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
@@ -765,14 +965,111 @@ def compute_policy_loss(
     dual_bound = -advantages * clip_ratio_c
     negative_adv = advantages < 0
     pg_losses = torch.where(negative_adv, torch.minimum(clip_loss, dual_bound), clip_loss)
-    if is_weights is not None:
-        _check_same_shape(is_weights=is_weights, log_prob=log_prob)
-        pg_losses = pg_losses * is_weights.detach()
-
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_loss = _aggregate_policy_loss(pg_losses, response_mask, loss_agg_mode, is_weights)
     with torch.no_grad():
         pg_clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
         pg_clipfrac_lower = masked_mean((negative_adv & (clip_loss > dual_bound)).float(), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO: PPO's clip on a sequence-level importance ratio, the geometric mean of the tokens' ratios.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv 2507.18071), eq. 7 and its token-level
+    form GSPO-token (eq. 13-14)::
+
+        s_i = exp(mean_t (log_prob - old_log_prob))            over response i's tokens
+        s_it = sg(s_i) * exp(log_prob_t - sg(log_prob_t))      value s_i, gradient s_i * grad log_prob_t
+        loss = max(-A * s_it, -A * clip(s_it, 1 - clip_ratio_low, 1 + clip_ratio_high))
+
+    aggregated with `agg_loss` (the paper's objective is ``seq-mean-token-mean``; its clip ranges are ~1e-4, as the
+    ratio is a per-token geometric mean). ``log s_it`` is capped at 10 before the exp. No dual clip
+    (`clip_ratio_c` unused; ``pg_clipfrac_lower`` is 0).
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: float [B, T] (``log_prob`` carries the gradient).
+        is_weights: optional float [B, T] per-token weights without gradient.
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, 0-dim tensors (see `compute_policy_loss`).
+
+    Raises:
+        ValueError: a negative clip ratio, unknown ``loss_agg_mode`` or shapes differ.
+    """
+    del clip_ratio_c
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = log_prob - old_log_prob
+    lengths = (response_mask != 0).sum(-1).clamp(min=1).to(log_prob.dtype)
+    seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / lengths
+    log_s = (log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    ratio = torch.exp(log_s)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = torch.maximum(unclipped, clipped)
+    pg_loss = _aggregate_policy_loss(pg_losses, response_mask, loss_agg_mode, is_weights)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(pg_clipfrac)
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO: REINFORCE weighted by the clipped importance ratio, held constant, so no token loses its gradient.
+
+    Source: MiniMax 2025, "MiniMax-M1" (arXiv 2506.13585), eq. 4-5::
+
+        w = sg(clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)),   ratio = exp(log_prob - old_log_prob)
+        loss = -w * A * log_prob
+
+    aggregated with `agg_loss`. PPO's clip zeroes the gradient of a clipped token; here every token's gradient is
+    ``-w * A * grad log_prob``. No dual clip (`clip_ratio_c` unused).
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: float [B, T] (``log_prob`` carries the gradient).
+        is_weights: optional float [B, T] per-token weights without gradient.
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: ``pg_clipfrac`` the share of response tokens whose
+        weight was clipped (either side), ``pg_clipfrac_lower`` those clipped below; 0-dim tensors.
+
+    Raises:
+        ValueError: a negative clip ratio, unknown ``loss_agg_mode`` or shapes differ.
+    """
+    del clip_ratio_c
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = (log_prob - old_log_prob).detach()
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = -weight * advantages * log_prob
+    pg_loss = _aggregate_policy_loss(pg_losses, response_mask, loss_agg_mode, is_weights)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((weight != ratio).float(), response_mask)
+        pg_clipfrac_lower = masked_mean((ratio < 1.0 - clip_ratio_low).float(), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 

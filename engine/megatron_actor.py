@@ -13,9 +13,9 @@ import functools
 
 import torch
 
-from hybridflow.engine.actor import UPDATE_KEYS
+from hybridflow.engine.actor import UPDATE_KEYS, policy_loss
 from hybridflow.engine.config import ActorConfig
-from hybridflow.engine.core_algos import agg_loss, compute_policy_loss, kl_penalty
+from hybridflow.engine.core_algos import agg_loss, kl_penalty
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.training import MetricLog, build_optimizer, stop_on_non_finite_grad, update_steps
 
@@ -94,8 +94,8 @@ def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool, he
 
 def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], config: ActorConfig) -> dict[str, float]:
     """Accumulate into ``.grad`` the gradient of ``sum_i loss_scales[i] * loss_i`` over the micro-batches of one
-    mini-batch, where ``loss_i`` is micro-batch i's PPO loss (`compute_policy_loss`, plus the KL loss when
-    ``actor.use_kl_loss``), through megatron's forward/backward schedule.
+    mini-batch, where ``loss_i`` is micro-batch i's policy loss (`hybridflow.engine.actor.policy_loss`, plus the KL
+    loss when ``actor.use_kl_loss``), through megatron's forward/backward schedule.
 
     Args:
         micros: equal-sized micro-batches with `hybridflow.engine.actor.UPDATE_KEYS` (+ ``ref_log_prob``) and
@@ -112,15 +112,9 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
     def loss_func(index: int, log_prob: torch.Tensor):
         batch = micros[index].batch
         on_policy = "old_log_probs" not in batch  # one optimizer step: the old log-probs are this forward's
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
-            old_log_prob=log_prob.detach() if on_policy else batch["old_log_probs"],
-            log_prob=log_prob,
-            advantages=batch["advantages"],
-            response_mask=batch["response_mask"],
-            clip_ratio_low=config.clip_ratio_low,
-            clip_ratio_high=config.clip_ratio_high,
-            clip_ratio_c=config.clip_ratio_c,
-            loss_agg_mode=config.loss_agg_mode,
+        old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
+        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
+            config, old_log_prob, log_prob, batch["advantages"], batch["response_mask"]
         )
         loss = pg_loss
         logs = dict(pg_loss=pg_loss, ppo_kl=ppo_kl, pg_clipfrac=pg_clipfrac, pg_clipfrac_lower=pg_clipfrac_lower)

@@ -155,6 +155,7 @@ def micro_batch_weights(
 
     - ``"token-mean"`` (a mean over tokens): ``w_i`` = response tokens of micro-batch i / response tokens of the
       mini-batch (``response_mask`` sums), so every token weighs the same however the batch is split;
+    - ``"token-sum"`` (a sum over tokens): ``w_i`` = 1, the micro-batches' sums add up to the mini-batch's;
     - ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"`` (means over the sequences that have a response token):
       ``w_i`` = such sequences in micro-batch i / such sequences in the mini-batch (= ``len(micro) / len(mini)``
       for rollout batches, where every response has at least one token);
@@ -174,13 +175,16 @@ def micro_batch_weights(
             its data-parallel group).
 
     Returns:
-        One float per micro-batch; with one rank they sum to 1 (or all 0, see above).
+        One float per micro-batch; with one rank they sum to 1 (or all 0, see above; ``token-sum``: each is 1).
 
     Raises:
         ValueError: unknown `loss_agg_mode` (lists the allowed values).
     """
     if loss_agg_mode not in AGG_LOSS_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; allowed: {list(AGG_LOSS_MODES)}")
+    world = dist.get_world_size(group) if group is not None else dp_world()[1]
+    if loss_agg_mode == "token-sum":
+        return [float(world)] * len(micros)  # times the ranks: DDP averages the ranks' gradients
     if loss_agg_mode == "token-mean":
         counts = [float((m.batch["response_mask"] != 0).sum()) for m in micros]
     elif loss_agg_mode == "seq-mean-token-sum-norm":
@@ -188,7 +192,6 @@ def micro_batch_weights(
     else:
         counts = [float((m.batch["response_mask"] != 0).any(dim=-1).sum()) for m in micros]
     total = sum(counts)
-    world = dist.get_world_size(group) if group is not None else dp_world()[1]
     if world > 1:
         on_gpu = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

@@ -48,7 +48,7 @@ def test_unknown_key_is_named():
 
 def test_bad_choice_lists_allowed_values():
     with pytest.raises(ConfigError) as err:
-        load_config(None, [*MINIMAL, "actor.loss_agg_mode=token-sum"])
+        load_config(None, [*MINIMAL, "actor.loss_agg_mode=token-average"])
     assert "actor.loss_agg_mode" in str(err.value) and "seq-mean-token-mean" in str(err.value)
 
 
@@ -68,8 +68,21 @@ def test_batch_sizes_must_divide():
 
 
 def test_group_estimators_need_several_samples():
-    with pytest.raises(ConfigError, match="rollout.n >= 2"):
-        load_config(None, [*MINIMAL, "rollout.n=1"])
+    for estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo"):
+        with pytest.raises(ConfigError, match="rollout.n >= 2"):
+            load_config(None, [*MINIMAL, "rollout.n=1", f"algorithm.adv_estimator={estimator}"])
+    # REINFORCE++ whitens over the batch: one sample per prompt is enough
+    assert load_config(None, [*MINIMAL, "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])
+
+
+def test_estimators_and_policy_losses_come_from_their_registries():
+    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator.*'ppo2'.*registered.*'reinforce_plus_plus'"):
+        load_config(None, [*MINIMAL, "algorithm.adv_estimator=ppo2"])
+    with pytest.raises(ConfigError, match=r"actor.policy_loss.loss_mode.*'gpsO'.*registered.*'cispo', 'gspo'"):
+        load_config(None, [*MINIMAL, "actor.policy_loss.loss_mode=gpsO"])
+    cfg = load_config(None, [*MINIMAL, "actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-sum"])
+    assert cfg.actor.policy_loss.loss_mode == "gspo" and cfg.actor.loss_agg_mode == "token-sum"
+    assert load_config(None, [*MINIMAL, "actor.kl_loss_type=k3+"]).actor.kl_loss_type == "k3+"
 
 
 def test_malformed_override():

@@ -311,7 +311,7 @@ def test_registry_uniform_calling_convention():
 
 
 def test_registry_errors():
-    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*'gae', 'grpo', 'rloo'"):
+    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*'gae', 'grpo', 'opo'.*'rloo'"):
         ca.get_adv_estimator_fn("ppo2")
     with pytest.raises(ValueError, match=r"needs \['values'\]"):
         ca.get_adv_estimator_fn("gae")(torch.zeros(2, 2), torch.ones(2, 2))
@@ -361,8 +361,9 @@ def test_kl_penalty_known_values():
         "low_var_kl": [math.exp(-1), math.e - 2, 0.0],
     }
     aliases = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
-    for name in ca.KL_PENALTY_TYPES:
-        want = torch.tensor([expected[aliases.get(name, name)]])
+    for name in ca.KL_PENALTY_TYPES:  # "k3+" and the other straight-through forms: the value of their estimator
+        base = name.removesuffix("+")
+        want = torch.tensor([expected[aliases.get(base, base)]])
         assert_close(ca.kl_penalty(logp, ref, name), want, msg=name)
 
 
@@ -808,3 +809,115 @@ def test_non_finite_advantages_stop_the_adv_stage():
         r".*hf resume",
     ):
         compute_advantage(data, algorithm)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Issue 19: more estimators, policy losses, KL straight-through, token-sum
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _whiten_by_hand(values: list[float]) -> list[float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in values]
+
+
+def test_reinforce_plus_plus_discounts_within_each_response_and_whitens_over_the_batch():
+    # a reward past a response's end (masked) must not flow back into it
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 7.0], [0.0, 2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    fn = ca.get_adv_estimator_fn("reinforce_plus_plus")
+    advantages, returns = fn(rewards, mask, gamma=0.5)
+    assert_close(returns, torch.tensor([[0.25, 0.5, 1.0, 0.0], [1.0, 2.0, 0.0, 0.0]]))
+    want = _whiten_by_hand([0.25, 0.5, 1.0, 1.0, 2.0])
+    assert_close(advantages[mask.bool()], torch.tensor(want), atol=1e-6, rtol=0)
+    assert (advantages[~mask.bool()] == 0).all()
+    assert not ca.uses_groups("reinforce_plus_plus") and not ca.uses_critic("reinforce_plus_plus")
+
+
+def test_reinforce_plus_plus_baseline_subtracts_the_group_mean_then_whitens():
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    index = np.array(["a", "a", "b"], dtype=object)
+    advantages, returns = ca.get_adv_estimator_fn("reinforce_plus_plus_baseline")(rewards, mask, index=index)
+    # centred scores: a: 1 - 0.5 = 0.5, 0 - 0.5 = -0.5; b alone: baseline 0 -> 3; one per token, then whitened
+    tokens = [0.5, 0.5, -0.5, -0.5, -0.5, 3.0]
+    assert_close(advantages[mask.bool()], torch.tensor(_whiten_by_hand(tokens)), atol=1e-6, rtol=0)
+    assert (advantages[~mask.bool()] == 0).all() and torch.equal(advantages, returns)
+    assert ca.uses_groups("reinforce_plus_plus_baseline")
+
+
+def test_opo_baseline_is_the_length_weighted_group_mean():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0]])
+    index = [0, 0, 1]
+    advantages, _ = ca.get_adv_estimator_fn("opo")(rewards, mask, index=index)
+    # group 0: lengths 3 and 1, scores 1 and 0 -> baseline (3 * 1 + 1 * 0) / 4 = 0.75; group 1 alone: baseline 0
+    assert_close(advantages, torch.tensor([[0.25, 0.25, 0.25], [-0.75, 0.0, 0.0], [2.0, 0.0, 0.0]]))
+    plain_mean = 0.5  # an unweighted baseline would give 0.5 / -0.5: the test tells them apart
+    assert not math.isclose(float(advantages[0, 0]), 1 - plain_mean)
+
+
+def test_the_policy_loss_registry_names_the_key_and_holds_the_three_losses():
+    assert {"vanilla", "gspo", "cispo"} <= set(ca.policy_loss_modes())
+    assert ca.get_policy_loss_fn("vanilla") is ca.compute_policy_loss
+    with pytest.raises(ValueError, match=r"actor\.policy_loss\.loss_mode.*registered"):
+        ca.get_policy_loss_fn("nope")
+
+
+def test_gspo_uses_the_geometric_mean_ratio_of_each_sequence():
+    old = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    log_prob = torch.tensor([[0.1, 0.3, 5.0], [0.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # the 5.0 is padding: it must not enter the ratio
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    loss, clipfrac, ppo_kl, lower = ca.compute_policy_loss_gspo(
+        old, log_prob, adv, mask, clip_ratio_low=1.0, clip_ratio_high=1.0, loss_agg_mode="seq-mean-token-mean"
+    )
+    s0, s1 = math.exp(0.2), 1.0  # exp(mean log-ratio) per sequence
+    assert math.isclose(float(loss), (-1.0 * s0 + 2.0 * s1) / 2, rel_tol=1e-6)  # mean over sequences
+    loss.backward()
+    # d/d log_prob_t of -A * s: -A * s / |y| per token, over 2 sequences
+    want = torch.tensor([[-s0 / 2 / 2, -s0 / 2 / 2, 0.0], [2.0 * s1 / 2, 0.0, 0.0]])
+    assert_close(log_prob.grad, want, atol=1e-6, rtol=0)
+    assert float(clipfrac) == 0 and float(lower) == 0
+    assert math.isclose(float(ppo_kl), -(0.1 + 0.3) / 3, rel_tol=1e-6)
+    # a tight clip: sequence 0's ratio (1.22) is above 1 + 1e-3 with A > 0, so it is clipped and gets no gradient;
+    # sequence 1's (1.0) is inside
+    log_prob.grad = None
+    clipped, clipfrac, _, _ = ca.compute_policy_loss_gspo(old, log_prob, adv, mask, 1e-3, 1e-3)
+    clipped.backward()
+    assert (log_prob.grad[0] == 0).all() and (log_prob.grad[1, 0] != 0)
+    assert math.isclose(float(clipfrac), 2 / 3, rel_tol=1e-6)
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens_weighted_by_the_clipped_ratio():
+    old = torch.tensor([[0.0, 0.0]])
+    log_prob = torch.tensor([[0.5, -0.1]], requires_grad=True)  # ratios 1.65 (clipped to 1.28) and 0.905
+    adv = torch.tensor([[1.0, 1.0]])
+    mask = torch.tensor([[1, 1]])
+    loss, clipfrac, _, lower = ca.compute_policy_loss_cispo(old, log_prob, adv, mask, 0.2, 0.28)
+    w = torch.tensor([[1.28, math.exp(-0.1)]])
+    assert math.isclose(float(loss), float(-(w * log_prob.detach()).mean()), rel_tol=1e-6)
+    loss.backward()
+    assert_close(log_prob.grad, -w / 2)  # both tokens keep a gradient; PPO's clip would zero the first
+    assert float(clipfrac) == 0.5 and float(lower) == 0.0
+    vanilla_grad = torch.autograd.grad(ca.compute_policy_loss(old, log_prob, adv, mask, 0.2, 0.28)[0], log_prob)[0]
+    assert vanilla_grad[0, 0] == 0 and log_prob.grad[0, 0] != 0
+
+
+@pytest.mark.parametrize("kind", ["k1", "kl", "abs", "k3", "low_var_kl"])
+def test_straight_through_kl_has_the_value_of_its_estimator_and_the_gradient_of_k2(kind):
+    log_prob = torch.tensor([0.3, -0.4, 0.1], requires_grad=True)
+    ref = torch.tensor([0.0, 0.2, 0.1])
+    value = ca.kl_penalty(log_prob, ref, kind + "+")
+    assert_close(value, ca.kl_penalty(log_prob, ref, kind))
+    value.sum().backward()
+    assert_close(log_prob.grad, (log_prob - ref).detach())  # d/dx of 0.5 (x - ref)^2
+    assert kind + "+" in ca.KL_PENALTY_TYPES
+
+
+def test_token_sum_sums_every_masked_token():
+    loss = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert float(ca.agg_loss(loss, mask, "token-sum")) == 6.0
+    assert float(ca.agg_loss(loss, torch.zeros_like(mask), "token-sum")) == 0.0

@@ -99,6 +99,35 @@ def test_update_policy_on_policy(tiny_model_dir, rollout_batch):
     assert actor.model.training
 
 
+@pytest.mark.parametrize("loss_mode", ["gspo", "cispo"])
+def test_the_actor_minimises_the_policy_loss_its_config_names(tiny_model_dir, rollout_batch, loss_mode):
+    """``actor.policy_loss.loss_mode`` picks the loss from the registry: at ratio 1 GSPO's loss is the
+    sequence-mean of -A (seq-mean-token-mean), CISPO's is -mean(A * log_prob); both step the weights."""
+    from hybridflow.engine.config import PolicyLossConfig
+
+    agg = "seq-mean-token-mean" if loss_mode == "gspo" else "token-mean"
+    actor = make_actor(
+        tiny_model_dir,
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size=8,
+        optim=OptimConfig(lr=1e-3),
+        loss_agg_mode=agg,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+    )
+    data = with_old_log_probs(actor, rollout_batch)
+    before = params(actor.model)
+    metrics = actor.update_policy(data)
+    mask = data.batch["response_mask"].float()
+    adv = data.batch["advantages"]
+    if loss_mode == "gspo":
+        want = float(((-adv * mask).sum(-1) / mask.sum(-1)).mean())
+    else:
+        want = float(-(adv * data.batch["old_log_probs"] * mask).sum() / mask.sum())
+    assert metrics["actor/pg_loss"] == pytest.approx(want, abs=1e-5)
+    assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/grad_norm"] > 0
+    assert max_change(actor.model, before) > 1e-4
+
+
 def padded_log_probs(model, micro: DataProto) -> torch.Tensor:
     """The reference path the packed one replaces: one Hugging Face forward over the padded full rows (every
     prompt copy, every pad position, the LM head everywhere), log-softmax at each response position. float32 [b, T]."""
@@ -202,7 +231,7 @@ def test_an_update_without_old_log_probs_equals_the_one_after_the_old_log_prob_s
 
 @pytest.mark.parametrize("micro_batch_size", [2, 3])
 @pytest.mark.parametrize(
-    "loss_agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+    "loss_agg_mode", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 )
 def test_gradient_accumulation_matches_one_micro_batch(tiny_model_dir, rollout_batch, micro_batch_size, loss_agg_mode):
     # token-mean: micro-batch losses weighted by their share of the response tokens (not of the sequences), so

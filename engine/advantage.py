@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.config import AlgorithmConfig
-from hybridflow.engine.core_algos import KLController, apply_kl_penalty, get_adv_estimator_fn, get_kl_controller
+from hybridflow.engine.config import AlgorithmConfig, OverlongBufferConfig
+from hybridflow.engine.core_algos import (
+    KLController,
+    apply_kl_penalty,
+    get_adv_estimator_fn,
+    get_kl_controller,
+    overlong_reward,
+)
 from hybridflow.engine.guards import check_finite
 from hybridflow.engine.protocol import DataProto
 
@@ -36,12 +42,32 @@ def training_scores(data: DataProto, function_coef: float = 1.0, rm_coef: float 
     return scores
 
 
+def overlong_shaped(
+    rewards: torch.Tensor, response_mask: torch.Tensor, overlong: OverlongBufferConfig, max_length: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`rewards` float [B, T] with DAPO's overlong penalty (`core_algos.overlong_reward`) added on each response's
+    last token, where its score sits; and ``reward_extra/overlong_reward/mean`` (the mean penalty) and
+    ``reward_extra/overlong/mean`` (the share of responses penalised), verl's DAPO names."""
+    lengths = (response_mask != 0).sum(-1)
+    penalty = overlong_reward(lengths, max_length, overlong.len, overlong.penalty).to(rewards.dtype)
+    last = (lengths - 1).clamp(min=0)  # an empty response: position 0, as the score
+    shaped = rewards.clone()
+    shaped[torch.arange(len(rewards), device=rewards.device), last] += penalty
+    metrics = {
+        "reward_extra/overlong_reward/mean": float(penalty.mean()),
+        "reward_extra/overlong/mean": float((penalty < 0).float().mean()),
+    }
+    return shaped, metrics
+
+
 def compute_advantage(
     data: DataProto,
     algorithm: AlgorithmConfig,
     kl_ctrl: KLController | None = None,
     function_coef: float = 1.0,
     rm_coef: float = 1.0,
+    overlong: OverlongBufferConfig | None = None,
+    max_length: int | None = None,
 ) -> tuple[DataProto, dict[str, float]]:
     """Rewards, advantages and returns for a scored rollout batch.
 
@@ -52,6 +78,8 @@ def compute_advantage(
         algorithm: the ``algorithm`` config section.
         kl_ctrl: the controller for ``use_kl_in_reward`` (updated in place with this batch's KL).
         function_coef, rm_coef: weights of the function and reward-model scores (`training_scores`).
+        overlong: ``reward.overlong_buffer``; when enabled, DAPO's overlong penalty is added to the training
+            reward (`overlong_shaped`) with `max_length` = ``rollout.response_length``.
 
     Returns:
         (DataProto with ``token_level_rewards``, ``advantages``, ``returns`` float32 [B, T]; metrics).
@@ -64,12 +92,17 @@ def compute_advantage(
     mask = batch["response_mask"]
     metrics: dict[str, float] = {}
     rewards = training_scores(data, function_coef, rm_coef)
+    if overlong is not None and overlong.enable:
+        if max_length is None:
+            raise ValueError("reward.overlong_buffer needs the response limit (rollout.response_length)")
+        rewards, metrics = overlong_shaped(rewards, mask, overlong, max_length)
     if algorithm.use_kl_in_reward:
         if kl_ctrl is None:
             raise ValueError("algorithm.use_kl_in_reward needs a KL controller (build_kl_controller)")
-        rewards, metrics = apply_kl_penalty(
+        rewards, kl_metrics = apply_kl_penalty(
             rewards, batch["old_log_probs"], batch["ref_log_prob"], mask, kl_ctrl, algorithm.kl_penalty
         )
+        metrics.update(kl_metrics)
     estimator = get_adv_estimator_fn(algorithm.adv_estimator)
     advantages, returns = estimator(
         rewards,

@@ -267,6 +267,16 @@ class AlgorithmConfig(_Section):
         return value
 
 
+class OverlongBufferConfig(_Section):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a training-reward penalty growing linearly over the
+    last ``len`` tokens before ``rollout.response_length``, to ``-penalty`` at the limit (verl's
+    ``overlong_buffer``)."""
+
+    enable: bool = False
+    len: int = Field(16, gt=0, description="tokens of the buffer before rollout.response_length")
+    penalty: float = Field(1.0, ge=0.0, description="the penalty at rollout.response_length (verl's penalty_factor)")
+
+
 class RewardConfig(_Section):
     """The score function; by default chosen by each prompt's data_source. Validation always scores with it."""
 
@@ -276,6 +286,7 @@ class RewardConfig(_Section):
         ge=0.0,
         description="weight of the function score in the training reward (0 with reward_model.enable: the RM alone)",
     )
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
 class RewardModelConfig(_Section):
@@ -599,6 +610,12 @@ class HybridFlowConfig(_Section):
             raise ValueError(
                 "actor.tis_cap corrects the drift between the rollout engine's and the actor's log-probs, and the hf "
                 "rollout samples from the actor itself: set rollout.name=vllm or remove actor.tis_cap"
+            )
+        overlong = self.reward.overlong_buffer
+        if overlong.enable and overlong.len >= self.rollout.response_length:
+            raise ValueError(
+                f"reward.overlong_buffer.len={overlong.len} must be below rollout.response_length="
+                f"{self.rollout.response_length}: the buffer is the last tokens before the limit"
             )
         if self.reward.function_coef == 0 and not self.reward_model.enable:
             raise ValueError(

@@ -62,6 +62,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_reward",
     "policy_loss_modes",
     "register_adv_est",
     "register_policy_loss",
@@ -602,6 +603,34 @@ def compute_opo_outcome_advantage(
     lengths = (response_mask != 0).sum(-1).to(scores.dtype)
     advantages = (scores - _group_means(scores, index, lengths)).unsqueeze(-1) * (response_mask != 0).to(scores.dtype)
     return advantages, advantages
+
+
+def overlong_reward(response_lengths: torch.Tensor, max_length: int, buffer_len: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response (Yu et al. 2025, "DAPO", §3.4, eq. 13)::
+
+        R(y) = min(0, ((max_length - buffer_len) - |y|) / buffer_len) * penalty
+
+    0 up to ``max_length - buffer_len`` tokens, then falling linearly to ``-penalty`` at ``max_length``.
+
+    Args:
+        response_lengths: int or float [B], tokens in each response (``response_mask`` sums).
+        max_length: L_max, ``rollout.response_length``.
+        buffer_len: L_cache, ``reward.overlong_buffer.len`` (0 < L_cache < L_max).
+        penalty: ``reward.overlong_buffer.penalty`` (>= 0).
+
+    Returns:
+        float32 [B], <= 0.
+
+    Raises:
+        ValueError: ``buffer_len`` not in (0, max_length) or a negative ``penalty``.
+    """
+    if not 0 < buffer_len < max_length or penalty < 0:
+        raise ValueError(
+            f"reward.overlong_buffer: need 0 < len ({buffer_len}) < rollout.response_length ({max_length}) and "
+            f"penalty ({penalty}) >= 0"
+        )
+    exceed = response_lengths.float() - (max_length - buffer_len)
+    return (-exceed / buffer_len * penalty).clamp(max=0.0)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -102,7 +102,13 @@ class SingleProcessTrainer:
                     data = data.union(self.critic.compute_values(data))
             with timer("adv"):
                 advantages, kl_metrics = compute_advantage(
-                    data, cfg.algorithm, self.kl_ctrl, cfg.reward.function_coef, cfg.reward_model.coef
+                    data,
+                    cfg.algorithm,
+                    self.kl_ctrl,
+                    cfg.reward.function_coef,
+                    cfg.reward_model.coef,
+                    cfg.reward.overlong_buffer,
+                    cfg.rollout.response_length,
                 )
                 data = data.union(advantages)
                 metrics.update(kl_metrics)

@@ -582,8 +582,16 @@ def _iteration(
             for part in scored:
                 rollout = rollout if part is None else rollout.union(part)
             enter_stage("advantage", step + 1, step)
+            reward = cfg.reward
             adv, metrics = stages.advantage(
-                rollout, cfg.algorithm, kl_ctrl, data_dir, cfg.reward.function_coef, cfg.reward_model.coef
+                rollout,
+                cfg.algorithm,
+                kl_ctrl,
+                data_dir,
+                reward.function_coef,
+                cfg.reward_model.coef,
+                reward.overlong_buffer,
+                cfg.rollout.response_length,
             )
             rollout = rollout.union(adv)
             for updated in run(

@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from hybridflow.engine.advantage import compute_advantage
 from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
-from hybridflow.engine.config import AlgorithmConfig
+from hybridflow.engine.config import AlgorithmConfig, OverlongBufferConfig
 from hybridflow.engine.core_algos import KLController, masked_mean
 from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import Timer, rollout_mismatch
@@ -118,16 +118,19 @@ def advantage(
     data_dir: Path,
     function_coef: float = 1.0,
     rm_coef: float = 1.0,
+    overlong: OverlongBufferConfig | None = None,
+    max_length: int | None = None,
 ) -> tuple[DataHandle, dict[str, float]]:
     """``token_level_rewards``, ``advantages``, ``returns`` (see `engine.advantage.compute_advantage`; the score
-    trained on is `function_coef` x the function's + `rm_coef` x the reward model's when the batch has one).
+    trained on is `function_coef` x the function's + `rm_coef` x the reward model's when the batch has one, plus
+    DAPO's overlong penalty with `overlong` enabled, `max_length` the response limit).
 
     Runs in the controller: it reads only the [B, T] columns it needs, and writes its three columns as a new part.
     """
     keys = ["token_level_scores", "response_mask", "uid"]
     keys += [k for k in ("rm_scores", "values", "old_log_probs", "ref_log_prob") if k in batch.keys]
     data = batch.select(keys).load()
-    out, metrics = compute_advantage(data, algorithm, kl_ctrl, function_coef, rm_coef)
+    out, metrics = compute_advantage(data, algorithm, kl_ctrl, function_coef, rm_coef, overlong, max_length)
     if "rollout_log_probs" in batch.keys and "old_log_probs" in batch.keys:  # else the on-policy update reports it
         metrics.update(rollout_mismatch(batch.select(["rollout_log_probs", "old_log_probs", "response_mask"]).load()))
     if "entropys" in batch.keys:

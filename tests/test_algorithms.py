@@ -22,6 +22,7 @@ VARIANTS = {
     "gspo": ("grpo", ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]),
     "cispo": ("grpo", ["actor.policy_loss.loss_mode=cispo"]),
     "token_sum_k3plus": ("grpo", ["actor.loss_agg_mode=token-sum", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+"]),
+    "overlong": ("grpo", ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=10"]),
 }
 
 
@@ -71,3 +72,13 @@ def test_the_same_advantages_give_each_policy_loss_its_own_value(first_steps):
     summed = first_steps["token_sum_k3plus"][0]
     assert summed["actor/grad_norm"] > 5 * grpo["actor/grad_norm"]
     assert math.isfinite(summed["actor/kl_loss"])
+
+
+def test_the_overlong_penalty_joins_the_training_reward_not_the_score(first_steps):
+    """12-token limit, a 10-token buffer: a response longer than 2 tokens loses up to 1 (DAPO, eq. 13)."""
+    metrics = first_steps["overlong"][0]
+    assert metrics["critic/score/mean"] == first_steps["grpo"][0]["critic/score/mean"]  # the function's, unshaped
+    assert -1.0 <= metrics["reward_extra/overlong_reward/mean"] < 0 and metrics["reward_extra/overlong/mean"] > 0
+    assert metrics["critic/rewards/mean"] == pytest.approx(
+        metrics["critic/score/mean"] + metrics["reward_extra/overlong_reward/mean"], abs=1e-6
+    )

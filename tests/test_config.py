@@ -273,3 +273,10 @@ def test_the_old_log_prob_stage_is_skipped_only_for_an_on_policy_update():
         "actor.recompute_log_prob=true",
     ):
         assert not load_config(main, [change]).skips_old_log_prob(), change
+
+
+def test_an_overlong_buffer_must_fit_below_the_response_limit():
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer.len=64 must be below rollout.response_length=64"):
+        load_config(None, [*MINIMAL, "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=64"])
+    cfg = load_config(None, [*MINIMAL, "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=16"])
+    assert cfg.reward.overlong_buffer.penalty == 1.0

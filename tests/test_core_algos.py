@@ -921,3 +921,23 @@ def test_token_sum_sums_every_masked_token():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert float(ca.agg_loss(loss, mask, "token-sum")) == 6.0
     assert float(ca.agg_loss(loss, torch.zeros_like(mask), "token-sum")) == 0.0
+
+
+def test_overlong_reward_falls_linearly_over_the_buffer():
+    lengths = torch.tensor([3, 6, 7, 9, 10])
+    # L_max 10, L_cache 4: free up to 6 tokens, then (6 - |y|) / 4, -1 at 10; times the penalty 0.5
+    assert_close(ca.overlong_reward(lengths, 10, 4, 0.5), torch.tensor([0.0, 0.0, -0.125, -0.375, -0.5]))
+    with pytest.raises(ValueError, match=r"reward\.overlong_buffer.*len \(10\) < rollout\.response_length \(10\)"):
+        ca.overlong_reward(lengths, 10, 10, 1.0)
+
+
+def test_overlong_shaping_puts_the_penalty_on_the_last_response_token():
+    from hybridflow.engine.advantage import overlong_shaped
+    from hybridflow.engine.config import OverlongBufferConfig
+
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    shaped, metrics = overlong_shaped(rewards, mask, OverlongBufferConfig(enable=True, len=2, penalty=1.0), 4)
+    # lengths 3, 4, 0 against a 4-token limit with a 2-token buffer: -0.5, -1, 0
+    assert_close(shaped, torch.tensor([[0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.0]]))
+    assert metrics == {"reward_extra/overlong_reward/mean": -0.5, "reward_extra/overlong/mean": pytest.approx(2 / 3)}

@@ -49,8 +49,10 @@ class PackedRows:
 
     Attributes:
         input_ids, position_ids: int64 [1, L]; L = prompt tokens (once per group) + response tokens (real ones).
-        attention_mask: bool [1, 1, L, L], True where a query (dim 2) may attend a key (dim 3).
-        predict: int64 [K], K = the micro-batch's real response tokens (``response_mask`` ones, row-major): the
+        attention_mask: bool [1, 1, L, L], True where a query (dim 2) may attend a key (dim 3); L^2 bytes (a
+            micro-batch of 16k tokens: 256 MB), whatever the attention kernel then reads of it.
+        predict: int64 [K], K = the micro-batch's real response tokens (the response part of ``attention_mask``,
+            which a rollout batch sets to ``response_mask``; row-major): the
             position of the packed sequence whose output predicts each (a prompt's last token predicts the first
             response token, response token t - 1 predicts token t).
         rows, cols: int64 [K]: where each predicted token sits in the padded [b, T] layout.

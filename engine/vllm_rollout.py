@@ -138,8 +138,10 @@ class VLLMRollout:
         finally:
             self.model.train(was_training)
         actor_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        # the engine's greedy token must be (near-)greedy for the actor: exactly in fp32, within bf16 rounding
-        tolerance = 1e-4 if self.config.vllm_dtype == "float32" else 0.1
+        # the engine's greedy token must be (near-)greedy for the actor: exactly in fp32; in bf16 within 1 nat, as
+        # the engine's bf16 weights move logits by ~0.1 and two near-tied tokens swap (a GSPO run on SmolLM2 failed
+        # its 16th sync at 0.124 against a 0.1 bound); weights that are not the actor's miss by several nats
+        tolerance = 1e-4 if self.config.vllm_dtype == "float32" else 1.0
         gap = float(actor_logprobs.max() - actor_logprobs[token])
         if gap > tolerance:
             raise RuntimeError(

@@ -25,6 +25,13 @@ from hybridflow.engine.parallel_layout import HybridLayout
 logger = logging.getLogger(__name__)
 
 
+def _registered_name(value: str, registered: list[str], key: str) -> str:
+    """`value` if a registry (`core_algos`) holds it. Raises ValueError naming `key` and the registered names."""
+    if value not in registered:
+        raise ValueError(f"unknown {key} {value!r}; registered: {registered}")
+    return value
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -141,9 +148,7 @@ class PolicyLossConfig(_Section):
     def _registered(cls, value: str) -> str:
         from hybridflow.engine.core_algos import policy_loss_modes
 
-        if value not in policy_loss_modes():
-            raise ValueError(f"unknown actor.policy_loss.loss_mode {value!r}; registered: {policy_loss_modes()}")
-        return value
+        return _registered_name(value, policy_loss_modes(), "actor.policy_loss.loss_mode")
 
 
 class ActorConfig(_Section):
@@ -262,9 +267,7 @@ class AlgorithmConfig(_Section):
     def _registered(cls, value: str) -> str:
         from hybridflow.engine.core_algos import adv_estimators
 
-        if value not in adv_estimators():
-            raise ValueError(f"unknown algorithm.adv_estimator {value!r}; registered: {adv_estimators()}")
-        return value
+        return _registered_name(value, adv_estimators(), "algorithm.adv_estimator")
 
 
 class OverlongBufferConfig(_Section):

@@ -7,6 +7,8 @@ mini-batches (one optimizer step each), each accumulated over micro-batches (one
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 
@@ -46,8 +48,12 @@ def policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The policy loss ``actor.policy_loss.loss_mode`` names (`core_algos.get_policy_loss_fn`) with the section's
     clip ratios and ``loss_agg_mode``: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, 0-dim tensors, over
-    float [b, T] inputs (``log_prob`` carries the gradient). Both training engines (this one and megatron's) call it."""
-    return get_policy_loss_fn(config.policy_loss.loss_mode)(
+    float [b, T] inputs (``log_prob`` carries the gradient), and the loss's own ``actor.policy_loss`` keys (those its
+    signature names). Both training engines (this one and megatron's) call it."""
+    fn = get_policy_loss_fn(config.policy_loss.loss_mode)
+    params = inspect.signature(fn).parameters
+    own = {k: v for k, v in config.policy_loss.model_dump(exclude={"loss_mode"}).items() if k in params}
+    return fn(
         old_log_prob,
         log_prob,
         advantages,
@@ -57,6 +63,7 @@ def policy_loss(
         clip_ratio_c=config.clip_ratio_c,
         loss_agg_mode=config.loss_agg_mode,
         is_weights=is_weights,
+        **own,
     )
 
 

@@ -7,15 +7,19 @@ trained on combines the function's and the reward model's (`training_scores`).
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
-from hybridflow.engine.config import AlgorithmConfig, OverlongBufferConfig
+from hybridflow.engine.config import AlgorithmConfig, HybridFlowConfig, OverlongBufferConfig
 from hybridflow.engine.core_algos import (
     KLController,
     apply_kl_penalty,
     get_adv_estimator_fn,
     get_kl_controller,
     overlong_reward,
+    uses_greedy_baseline,
 )
 from hybridflow.engine.guards import check_finite
 from hybridflow.engine.protocol import DataProto
@@ -60,6 +64,58 @@ def overlong_shaped(
     return shaped, metrics
 
 
+def shaped_scores(
+    data: DataProto,
+    function_coef: float = 1.0,
+    rm_coef: float = 1.0,
+    overlong: OverlongBufferConfig | None = None,
+    max_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training reward before any KL term, float32 [B, T]: `training_scores`, plus DAPO's overlong penalty
+    (`overlong_shaped`) when `overlong` is enabled; and the penalty's metrics (empty without it).
+
+    Raises:
+        ValueError: `overlong` is enabled without `max_length` (``rollout.response_length``).
+    """
+    rewards = training_scores(data, function_coef, rm_coef)
+    if overlong is None or not overlong.enable:
+        return rewards, {}
+    if max_length is None:
+        raise ValueError("reward.overlong_buffer needs the response limit (rollout.response_length)")
+    return overlong_shaped(rewards, data.batch["response_mask"], overlong, max_length)
+
+
+def reward_shaping(cfg: HybridFlowConfig) -> dict[str, Any]:
+    """`shaped_scores`' keywords from a run's config: ``reward.function_coef``, ``reward_model.coef``,
+    ``reward.overlong_buffer`` and ``rollout.response_length``."""
+    return {
+        "function_coef": cfg.reward.function_coef,
+        "rm_coef": cfg.reward_model.coef,
+        "overlong": cfg.reward.overlong_buffer,
+        "max_length": cfg.rollout.response_length,
+    }
+
+
+def greedy_baselines(uids: np.ndarray, greedy: DataProto, **shaping: Any) -> torch.Tensor:
+    """ReMax's baseline of each sampled row: the training score (`shaped_scores` with the same `shaping` keywords
+    as the samples) of the greedy response to the row's prompt, float32 [B].
+
+    Args:
+        uids: the sampled rows' prompt uids, length B (n rows per prompt).
+        greedy: one scored greedy response per prompt: ``uid`` (non-tensor), ``token_level_scores`` and
+            ``response_mask`` [P, T'] (``rm_scores`` with a reward model).
+
+    Raises:
+        ValueError: a sampled row's prompt has no greedy response in `greedy` (names the uid).
+    """
+    rewards, _ = shaped_scores(greedy, **shaping)
+    score = {uid: float(s) for uid, s in zip(greedy.non_tensor_batch["uid"], rewards.sum(-1).tolist(), strict=True)}
+    missing = [u for u in uids if u not in score]
+    if missing:
+        raise ValueError(f"no greedy response for prompt uid {missing[0]!r}: the greedy stage must see every prompt")
+    return torch.tensor([score[u] for u in uids], dtype=torch.float32)
+
+
 def compute_advantage(
     data: DataProto,
     algorithm: AlgorithmConfig,
@@ -68,34 +124,34 @@ def compute_advantage(
     rm_coef: float = 1.0,
     overlong: OverlongBufferConfig | None = None,
     max_length: int | None = None,
+    greedy: DataProto | None = None,
 ) -> tuple[DataProto, dict[str, float]]:
     """Rewards, advantages and returns for a scored rollout batch.
 
     Args:
         data: needs ``token_level_scores`` float32 [B, T] and ``response_mask`` [B, T]; ``rm_scores`` [B, T] when a
-            reward model scored the batch; ``uid`` (non-tensor) for group estimators (grpo, rloo); ``values``
-            [B, T] for gae; ``old_log_probs`` and ``ref_log_prob`` [B, T] when ``algorithm.use_kl_in_reward``.
+            reward model scored the batch; ``uid`` (non-tensor) for group estimators (grpo, rloo) and remax;
+            ``values`` [B, T] for gae; ``old_log_probs`` and ``ref_log_prob`` [B, T] when
+            ``algorithm.use_kl_in_reward``.
         algorithm: the ``algorithm`` config section.
         kl_ctrl: the controller for ``use_kl_in_reward`` (updated in place with this batch's KL).
         function_coef, rm_coef: weights of the function and reward-model scores (`training_scores`).
         overlong: ``reward.overlong_buffer``; when enabled, DAPO's overlong penalty is added to the training
             reward (`overlong_shaped`) with `max_length` = ``rollout.response_length``.
+        greedy: for an estimator with a greedy baseline (remax): the scored greedy responses, one per prompt
+            (`greedy_baselines`); reported as ``critic/reward_baseline/mean``.
 
     Returns:
         (DataProto with ``token_level_rewards``, ``advantages``, ``returns`` float32 [B, T]; metrics).
 
     Raises:
-        ValueError: if ``use_kl_in_reward`` is set without a controller.
+        ValueError: ``use_kl_in_reward`` is set without a controller, or remax without `greedy`.
         NonFiniteError: a reward, advantage or return on a response token is NaN or ±inf (names the first sample).
     """
     batch = data.batch
     mask = batch["response_mask"]
-    metrics: dict[str, float] = {}
-    rewards = training_scores(data, function_coef, rm_coef)
-    if overlong is not None and overlong.enable:
-        if max_length is None:
-            raise ValueError("reward.overlong_buffer needs the response limit (rollout.response_length)")
-        rewards, metrics = overlong_shaped(rewards, mask, overlong, max_length)
+    shaping = {"function_coef": function_coef, "rm_coef": rm_coef, "overlong": overlong, "max_length": max_length}
+    rewards, metrics = shaped_scores(data, **shaping)
     if algorithm.use_kl_in_reward:
         if kl_ctrl is None:
             raise ValueError("algorithm.use_kl_in_reward needs a KL controller (build_kl_controller)")
@@ -103,17 +159,24 @@ def compute_advantage(
             rewards, batch["old_log_probs"], batch["ref_log_prob"], mask, kl_ctrl, algorithm.kl_penalty
         )
         metrics.update(kl_metrics)
+    uids = data.non_tensor_batch.get("uid")
+    baselines = None
+    if uses_greedy_baseline(algorithm.adv_estimator):
+        if greedy is None:
+            raise ValueError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the greedy responses' scores")
+        baselines = greedy_baselines(uids, greedy, **shaping)
+        metrics["critic/reward_baseline/mean"] = float(baselines.mean())
     estimator = get_adv_estimator_fn(algorithm.adv_estimator)
     advantages, returns = estimator(
         rewards,
         mask,
-        index=data.non_tensor_batch.get("uid"),
+        index=uids,
         values=batch.get("values", None),
         gamma=algorithm.gamma,
         lam=algorithm.lam,
         norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+        reward_baselines=baselines,
     )
-    uids = data.non_tensor_batch.get("uid")
     for name, tensor in (("token_level_rewards", rewards), ("advantages", advantages), ("returns", returns)):
         check_finite(
             tensor, stage="adv", metric=name, mask=mask, describe=None if uids is None else lambda i: f"uid {uids[i]}"

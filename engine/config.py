@@ -74,6 +74,11 @@ class DataConfig(_Files):
     reasoning_gym: ReasoningGymConfig | None = None
     max_prompt_length: int = Field(256, gt=0, description="tokens; longer prompts are dropped")
     train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
+    gen_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="with algorithm.filter_groups: prompts per generation draw (default train_batch_size)",
+    )
     val_batch_size: int = Field(64, gt=0, description="prompts per validation generate call")
     shuffle: bool = True
     seed: int = 0
@@ -140,8 +145,14 @@ class PolicyLossConfig(_Section):
         "vanilla",
         description="a registered policy loss (hybridflow.engine.core_algos.register_policy_loss): vanilla (PPO clip "
         "with clip-higher and dual-clip), gspo (sequence-level ratio; its paper uses loss_agg_mode "
-        "seq-mean-token-mean and clip ranges ~3e-4/4e-4), cispo (clipped importance weight, held constant)",
+        "seq-mean-token-mean and clip ranges ~3e-4/4e-4), cispo (clipped importance weight, held constant), "
+        "clip_cov, kl_cov (Cui et al. 2025: high-covariance tokens lose their gradient / get a KL penalty)",
     )
+    clip_cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="clip_cov: share of tokens detached")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: lower bound of the covariance of a detachable token")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: upper bound of the covariance of a detachable token")
+    kl_cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="kl_cov: share of tokens KL-penalised")
+    ppo_kl_coef: float = Field(1.0, ge=0.0, description="kl_cov: coefficient of the |log ratio| penalty")
 
     @field_validator("loss_mode")
     @classmethod
@@ -246,14 +257,30 @@ class KLControlConfig(_Section):
     horizon: int = Field(10000, gt=0)
 
 
+class FilterGroupsConfig(_Section):
+    """DAPO's dynamic sampling (Yu et al. 2025, §3.2, verl's ``algorithm.filter_groups``): groups whose responses all
+    score the same give GRPO no gradient, so they are dropped and more prompts are drawn (``data.gen_batch_size`` at
+    a time) until ``data.train_batch_size`` prompts remain."""
+
+    enable: bool = False
+    metric: str = Field(
+        "acc",
+        description="what must differ within a group: seq_reward (the function's score), seq_final_reward (the "
+        "training reward: function, reward model, overlong penalty) or a key the score function reports (acc)",
+    )
+    max_num_gen_batches: int = Field(
+        0, ge=0, description="draws per iteration before the run stops as too easy or too hard (0: no limit)"
+    )
+
+
 class AlgorithmConfig(_Section):
-    """Advantage estimator and the KL-in-reward penalty."""
+    """Advantage estimator, the KL-in-reward penalty, dynamic sampling."""
 
     adv_estimator: str = Field(
         "grpo",
         description="a registered advantage estimator (hybridflow.engine.core_algos.register_adv_est): gae (needs the "
         "critic), grpo (norm_adv_by_std_in_grpo false: Dr. GRPO), rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline, opo",
+        "reinforce_plus_plus_baseline, opo, remax (baseline: the greedy response's score)",
     )
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
@@ -261,6 +288,7 @@ class AlgorithmConfig(_Section):
     use_kl_in_reward: bool = False
     kl_penalty: KLType = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
 
     @field_validator("adv_estimator")
     @classmethod
@@ -625,14 +653,40 @@ class HybridFlowConfig(_Section):
                 "reward.function_coef=0 leaves no training reward: set it > 0, or reward_model.enable=true with "
                 "reward_model.path"
             )
-        from hybridflow.engine.core_algos import uses_groups
+        from hybridflow.engine.core_algos import uses_greedy_baseline, uses_groups
 
-        if uses_groups(self.algorithm.adv_estimator) and self.rollout.n < 2:
+        estimator = self.algorithm.adv_estimator
+        if uses_groups(estimator) and self.rollout.n < 2:
             raise ValueError(
-                f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares responses within a "
-                "group: set rollout.n >= 2"
+                f"algorithm.adv_estimator={estimator} compares responses within a group: set rollout.n >= 2"
+            )
+        if self.algorithm.filter_groups.enable:
+            if self.rollout.n < 2:
+                raise ValueError(
+                    "algorithm.filter_groups drops the groups whose responses all score the same, and with "
+                    "rollout.n=1 every group is one response: set rollout.n >= 2"
+                )
+            if uses_greedy_baseline(estimator):
+                raise ValueError(
+                    f"algorithm.filter_groups is for group estimators (grpo, rloo, ...), not {estimator}: set "
+                    "algorithm.filter_groups.enable=false or another algorithm.adv_estimator"
+                )
+        elif self.data.gen_batch_size is not None:
+            raise ValueError(
+                "data.gen_batch_size sets the prompts of each draw of dynamic sampling: enable "
+                "algorithm.filter_groups.enable or remove data.gen_batch_size"
+            )
+        if uses_greedy_baseline(estimator) and self.rollout.temperature == 0:
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} subtracts the greedy response's score, and rollout.temperature=0 "
+                "samples the greedy response itself (every advantage 0): set rollout.temperature > 0"
             )
         return self
+
+    def prompts_per_draw(self) -> int:
+        """Prompts drawn per generation: ``data.gen_batch_size`` with dynamic sampling, else
+        ``data.train_batch_size``."""
+        return self.data.gen_batch_size or self.data.train_batch_size
 
     def skips_old_log_prob(self) -> bool:
         """Whether the old_log_prob stage is skipped: the update is on-policy, one optimizer step per iteration
@@ -913,20 +967,47 @@ def load_config(
     """Read a YAML config, apply ``key.sub=value`` overrides (values parsed as YAML), and validate against
     `schema` (default `HybridFlowConfig`; `RMTrainingConfig` for ``hf rm train``).
 
+    A config may extend others, as Hydra's defaults list does: ``defaults: [grpo_smollm2.yaml]`` (paths relative to
+    the file) reads those first, in order, and merges this file's keys over them, section by section.
+
     Raises:
-        ConfigError: naming every unknown, missing or ill-typed key and, for choices, the allowed values.
+        ConfigError: naming every unknown, missing or ill-typed key and, for choices, the allowed values; a
+            ``defaults`` entry that is missing or loops back.
         FileNotFoundError: if `path` does not exist.
     """
-    tree: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        try:
-            tree = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(e)}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
+    tree = {} if path is None else _read_tree(Path(path))
     return validate_config(apply_overrides(tree, overrides or [], source=str(path or "the config")), schema)
+
+
+def _read_tree(path: Path, extending: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The YAML tree of `path` merged over its ``defaults`` (read recursively; `extending`: the files on the way)."""
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(e)}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
+    bases = tree.pop("defaults", [])
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: defaults must be a list of YAML files to extend, e.g. [grpo_smollm2.yaml]")
+    merged: dict[str, Any] = {}
+    for base in bases:
+        base_path = (path.parent / base).resolve()
+        if base_path in extending or base_path == path.resolve():
+            raise ConfigError(f"{path}: defaults entry {base} extends itself (through {[str(p) for p in extending]})")
+        if not base_path.is_file():
+            raise ConfigError(f"{path}: defaults entry {base} is not a file ({base_path})")
+        merged = _merged(merged, _read_tree(base_path, (*extending, path.resolve())))
+    return _merged(merged, tree)
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`: mappings merge key by key, anything else in `top` replaces `base`'s."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def validate_config(tree: dict[str, Any], schema: type[_Section] | None = None) -> HybridFlowConfig:

@@ -7,13 +7,14 @@ Nothing here knows about workers, models or configs: every function takes tensor
 - advantage estimators, in a registry keyed by the config value ``algorithm.adv_estimator``:
   ``"gae"`` (`compute_gae_advantage_return`), ``"grpo"`` (`compute_grpo_outcome_advantage`; Dr. GRPO with
   ``norm_adv_by_std_in_grpo`` false), ``"rloo"``, ``"reinforce_plus_plus"``, ``"reinforce_plus_plus_baseline"``
-  and ``"opo"``;
+  ``"opo"`` and ``"remax"`` (baseline: the greedy response's score);
 - the KL machinery: per-token estimators (`kl_penalty`), fixed and adaptive coefficient controllers, and
   `apply_kl_penalty`, which folds the KL into the token-level rewards;
 - losses: `agg_loss` (how a [B, T] loss matrix becomes a scalar), policy losses in a registry keyed by
   ``actor.policy_loss.loss_mode`` (``"vanilla"``: `compute_policy_loss`, PPO clip with clip-higher and dual-clip;
-  ``"gspo"``, ``"cispo"``) and `compute_value_loss` (clipped critic loss);
-- `entropy_from_logits`, `logprobs_from_logits` and `logprobs_and_entropy` (both from one log-softmax).
+  ``"gspo"``, ``"cispo"``, ``"clip_cov"``, ``"kl_cov"``) and `compute_value_loss` (clipped critic loss);
+- `entropy_from_logits`, `logprobs_from_logits` and `logprobs_and_entropy` (both from one log-softmax);
+- DAPO's pieces: `overlong_reward` and `varied_groups` (dynamic sampling).
 
 Conventions. B is the number of sequences in the batch and T the padded response length in tokens. A mask is a
 [B, T] tensor (bool, int or float) with 1 for real response tokens and 0 for padding; responses are right-padded,
@@ -46,8 +47,11 @@ __all__ = [
     "compute_opo_outcome_advantage",
     "compute_policy_loss",
     "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_kl_cov",
     "compute_policy_loss_gspo",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_remax_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_value_loss",
@@ -67,7 +71,9 @@ __all__ = [
     "register_adv_est",
     "register_policy_loss",
     "uses_critic",
+    "uses_greedy_baseline",
     "uses_groups",
+    "varied_groups",
 ]
 
 WHITEN_EPS = 1e-8
@@ -226,6 +232,7 @@ _UNIFORM_ADV_KWARGS: dict[str, Any] = {
     "lam": 1.0,
     "epsilon": 1e-6,
     "norm_adv_by_std_in_grpo": True,
+    "reward_baselines": None,
 }
 
 
@@ -320,6 +327,18 @@ def uses_groups(name: str) -> bool:
     if name not in _ADV_ESTIMATORS:
         raise _unknown_adv_estimator(name)
     return "index" in inspect.signature(_ADV_ESTIMATORS[name]).parameters
+
+
+def uses_greedy_baseline(name: str) -> bool:
+    """True when the advantage estimator ``name`` subtracts the score of each prompt's greedy response (it takes
+    ``reward_baselines``, as ReMax does), so the iteration needs the greedy generation stage.
+
+    Raises:
+        ValueError: ``name`` is not a registered estimator.
+    """
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    return "reward_baselines" in inspect.signature(_ADV_ESTIMATORS[name]).parameters
 
 
 def adv_estimators() -> list[str]:
@@ -605,6 +624,63 @@ def compute_opo_outcome_advantage(
     return advantages, advantages
 
 
+@register_adv_est("remax")
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax advantage: the reward-to-go of each token minus the score of its prompt's greedy response.
+
+    Source: Li et al. 2023, "ReMax" (arXiv 2310.10505), Algorithm 1: the greedy response's reward is the baseline
+    of REINFORCE, ``A_t = sum_{t' >= t} r_t' - r(x, y_greedy)``. With an outcome reward (on the last token) every
+    token's advantage is ``r(x, y) - r(x, y_greedy)``. No whitening, no critic.
+
+    Args:
+        token_level_rewards: float [B, T].
+        response_mask: bool/int/float [B, T].
+        reward_baselines: float [B], the training score of each row's prompt's greedy response (the batch's
+            ``reward_baselines`` column, written by `hybridflow.engine.advantage.greedy_baselines`).
+
+    Returns:
+        ``(advantages, returns)`` float [B, T] (returns: the reward-to-go), 0 at masked positions, no grad.
+
+    Raises:
+        ValueError: ``reward_baselines`` does not have one entry per row.
+    """
+    if reward_baselines.shape != token_level_rewards.shape[:1]:
+        raise ValueError(
+            f"reward_baselines has shape {tuple(reward_baselines.shape)}; need one per row: "
+            f"({token_level_rewards.shape[0]},)"
+        )
+    is_real = (response_mask != 0).to(token_level_rewards.dtype)
+    rewards = torch.where(response_mask != 0, token_level_rewards, 0.0)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1) * is_real
+    advantages = (returns - reward_baselines.to(returns.dtype).unsqueeze(-1)) * is_real
+    return advantages, returns
+
+
+def varied_groups(values: torch.Tensor, index: Sequence[Any] | np.ndarray) -> torch.Tensor:
+    """Which sequences belong to a group whose `values` are not all equal (a group of one counts as varied): the
+    groups DAPO's dynamic sampling keeps, since a group of equal rewards has zero group-relative advantage.
+
+    Source: Yu et al. 2025, "DAPO" (arXiv 2503.14476), §3.2, eq. 11: keep a prompt when
+    ``0 < |{o_i : is_equivalent(a, o_i)}| < G``, generalised (as verl does) to "the group's metric has std > 0".
+
+    Args:
+        values: float [B], one metric value per sequence (e.g. its accuracy or score).
+        index: length-B prompt uids; equal uids form a group.
+
+    Returns:
+        bool [B].
+    """
+    ids, n_groups = _group_ids(index, values.shape[0])
+    values = values.to(torch.float64)
+    low = torch.full((n_groups,), float("inf"), dtype=values.dtype).scatter_reduce(0, ids, values, "amin")
+    high = torch.full((n_groups,), float("-inf"), dtype=values.dtype).scatter_reduce(0, ids, values, "amax")
+    counts = torch.bincount(ids, minlength=n_groups)
+    return ((high > low) | (counts == 1))[ids]
+
+
 def overlong_reward(response_lengths: torch.Tensor, max_length: int, buffer_len: int, penalty: float) -> torch.Tensor:
     """DAPO's soft overlong punishment per response (Yu et al. 2025, "DAPO", §3.4, eq. 13)::
 
@@ -884,9 +960,10 @@ def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
     """Decorator that registers a policy loss under ``name`` (the value of ``actor.policy_loss.loss_mode``).
 
     The function is called as ``fn(old_log_prob, log_prob, advantages, response_mask, *, clip_ratio_low,
-    clip_ratio_high, clip_ratio_c, loss_agg_mode, is_weights)`` (all [B, T] float tensors, `is_weights` optional)
-    and returns ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, 0-dim tensors, ``pg_loss`` differentiable.
-    It is returned unchanged.
+    clip_ratio_high, clip_ratio_c, loss_agg_mode, is_weights)`` (all [B, T] float tensors, `is_weights` optional),
+    plus those keys of ``actor.policy_loss`` that its signature names (e.g. ``clip_cov_ratio``), and returns
+    ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, 0-dim tensors, ``pg_loss`` differentiable. It is returned
+    unchanged.
 
     Raises:
         ValueError: ``name`` is already registered to a different function.
@@ -1101,6 +1178,126 @@ def compute_policy_loss_cispo(
         pg_clipfrac_lower = masked_mean((ratio < 1.0 - clip_ratio_low).float(), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def _token_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Each response token's centred product ``(A - mean A) * (log pi - mean log pi)`` over the batch's response
+    tokens, float [B, T], detached: its contribution to the covariance that drives entropy collapse (Cui et al.
+    2025, eq. 6-7)."""
+    log_prob = log_prob.detach()
+    return (advantages - masked_mean(advantages, response_mask)) * (log_prob - masked_mean(log_prob, response_mask))
+
+
+@register_policy_loss("clip_cov")
+def compute_policy_loss_clip_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Clip-Cov: PPO's clipped loss, with the gradient of a few high-covariance tokens removed.
+
+    Source: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models" (arXiv
+    2505.22617), §4.2, eq. 10: among the response tokens that PPO's clip leaves active and whose covariance
+    (`_token_covariance`) lies in (``clip_cov_lb``, ``clip_cov_ub``), ``max(1, int(clip_cov_ratio x tokens))`` are
+    drawn at random (torch's global generator) and contribute nothing. No dual clip.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: float [B, T] (``log_prob`` carries the gradient).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub: ``actor.policy_loss.{clip_cov_ratio, clip_cov_lb, clip_cov_ub}``.
+        is_weights: optional float [B, T] per-token weights without gradient.
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: ``pg_clipfrac`` the share of response tokens whose
+        gradient was removed, ``pg_clipfrac_lower`` 0; 0-dim tensors.
+
+    Raises:
+        ValueError: ``clip_cov_ratio`` not in (0, 1], a negative clip ratio, unknown ``loss_agg_mode`` or shapes
+            differ.
+    """
+    del clip_ratio_c
+    if not 0 < clip_cov_ratio <= 1:
+        raise ValueError(f"`actor.policy_loss.clip_cov_ratio` must be in (0, 1] (2e-4 is usual), got {clip_cov_ratio}")
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    real = response_mask != 0
+    with torch.no_grad():
+        cov = _token_covariance(advantages, log_prob, response_mask)
+        candidates = (real & (clipped <= unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)).nonzero()
+        count = max(int(clip_cov_ratio * int(real.sum())), 1)
+        dropped = candidates[torch.randperm(len(candidates))[:count]]
+        keep = torch.ones_like(advantages)
+        keep[dropped[:, 0], dropped[:, 1]] = 0.0
+    pg_losses = torch.maximum(unclipped, clipped) * keep
+    pg_loss = _aggregate_policy_loss(pg_losses, response_mask, loss_agg_mode, is_weights)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((keep == 0).float(), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(pg_clipfrac)
+
+
+@register_policy_loss("kl_cov")
+def compute_policy_loss_kl_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KL-Cov: the unclipped policy-gradient loss, plus a KL penalty on the tokens of largest covariance.
+
+    Source: Cui et al. 2025 (arXiv 2505.22617), §4.2, eq. 11: the ``max(1, int(kl_cov_ratio x tokens))`` response
+    tokens of largest covariance (`_token_covariance`) get ``-A * ratio + ppo_kl_coef * |log ratio|``, every other
+    token ``-A * ratio``. No clipping (the clip ratios are unused).
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: float [B, T] (``log_prob`` carries the gradient).
+        kl_cov_ratio, ppo_kl_coef: ``actor.policy_loss.{kl_cov_ratio, ppo_kl_coef}``.
+        is_weights: optional float [B, T] per-token weights without gradient.
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: ``ppo_kl`` the masked mean of ``|log ratio|`` (as
+        verl reports it for this loss), both clip fractions 0; 0-dim tensors.
+
+    Raises:
+        ValueError: ``kl_cov_ratio`` not in (0, 1], unknown ``loss_agg_mode`` or shapes differ.
+    """
+    del clip_ratio_low, clip_ratio_high, clip_ratio_c
+    if not 0 < kl_cov_ratio <= 1:
+        raise ValueError(f"`actor.policy_loss.kl_cov_ratio` must be in (0, 1] (2e-4 is usual), got {kl_cov_ratio}")
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    real = response_mask != 0
+    with torch.no_grad():
+        cov = _token_covariance(advantages, log_prob, response_mask).masked_fill(~real, float("-inf"))
+        count = min(max(int(kl_cov_ratio * int(real.sum())), 1), int(real.sum()))
+        penalised = torch.zeros(cov.numel(), dtype=torch.bool, device=cov.device)
+        penalised[cov.flatten().topk(count).indices] = True
+    pg_losses = -advantages * ratio + torch.where(penalised.view_as(cov), ppo_kl_coef * log_ratio.abs(), 0.0)
+    pg_loss = _aggregate_policy_loss(pg_losses, response_mask, loss_agg_mode, is_weights)
+    with torch.no_grad():
+        ppo_kl = masked_mean(log_ratio.abs(), response_mask)
+    zero = torch.zeros_like(ppo_kl)
+    return pg_loss, zero, ppo_kl, zero
 
 
 def truncated_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.engine.config import DataConfig
+from hybridflow.engine.config import DataConfig, HybridFlowConfig
 from hybridflow.engine.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -351,6 +351,11 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def longest(self) -> int:
+        """Tokens in the longest kept prompt."""
+        return max(map(len, self.input_ids))
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         """Row `i` (a shallow copy) plus ``input_ids`` (``list[int]``, unpadded) and ``index`` (= `i`)."""
         if not -len(self) <= i < len(self):
@@ -359,11 +364,12 @@ class PromptDataset:
         return {**self.rows[i], "input_ids": list(self.input_ids[i]), "index": i}
 
 
-def collate_prompts(items: Sequence[dict[str, Any]], tokenizer: Any) -> DataProto:
-    """Stack dataset items (from `PromptDataset.__getitem__`) into one left-padded batch.
+def collate_prompts(items: Sequence[dict[str, Any]], tokenizer: Any, width: int | None = None) -> DataProto:
+    """Stack dataset items (from `PromptDataset.__getitem__`) into one left-padded batch, `width` tokens wide (default
+    the longest prompt's; a fixed width lets batches of several draws be concatenated).
 
     Returns:
-        DataProto with tensors ``input_ids`` int64 [B, P] (P = longest prompt in the batch, pads =
+        DataProto with tensors ``input_ids`` int64 [B, P] (P = `width` or the longest prompt in the batch, pads =
         ``tokenizer.pad_token_id`` on the left), ``attention_mask`` int64 [B, P] (1 on real tokens),
         ``position_ids`` int64 [B, P] (0 on pads, then 0..len-1 on real tokens), and numpy object columns
         (length B) ``data_source``, ``reward_model``, ``extra_info``, ``ability``, ``raw_prompt`` (the chat list)
@@ -378,7 +384,10 @@ def collate_prompts(items: Sequence[dict[str, Any]], tokenizer: Any) -> DataProt
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos token) first")
-    width = max(len(item["input_ids"]) for item in items)
+    longest = max(len(item["input_ids"]) for item in items)
+    if width is not None and width < longest:
+        raise ValueError(f"collate_prompts: width {width} is below the longest prompt ({longest} tokens)")
+    width = width or longest
     batch_size = len(items)
     input_ids = torch.full((batch_size, width), int(pad_id), dtype=torch.int64)
     attention_mask = torch.zeros((batch_size, width), dtype=torch.int64)
@@ -405,6 +414,17 @@ def collate_prompts(items: Sequence[dict[str, Any]], tokenizer: Any) -> DataProt
 
 
 # ---------------------------------------------------------------------------------------------------- sampler
+def train_sampler(dataset: PromptDataset, cfg: HybridFlowConfig) -> PromptSampler:
+    """The run's training-prompt sampler: `HybridFlowConfig.prompts_per_draw` prompts per batch, ``data.seed`` and
+    ``data.shuffle``, fixed-width batches with dynamic sampling (``algorithm.filter_groups.enable``).
+
+    Raises:
+        ValueError: as `PromptSampler`.
+    """
+    fixed = cfg.algorithm.filter_groups.enable
+    return PromptSampler(dataset, cfg.prompts_per_draw(), cfg.data.seed, cfg.data.shuffle, fixed_width=fixed)
+
+
 class PromptSampler:
     """Deterministic, resumable batches of prompts.
 
@@ -415,13 +435,16 @@ class PromptSampler:
     ``len(dataset) // batch_size`` batches (`batches_per_epoch`).
 
     The position is the cursor ``(epoch, index)``; `state_dict` / `load_state_dict` save and restore it, and
-    after a restore the following batches are identical to those of an uninterrupted sampler.
+    after a restore the following batches are identical to those of an uninterrupted sampler. With `fixed_width`,
+    every batch is padded to the dataset's longest prompt, so batches of several draws concatenate (dynamic sampling).
 
     Raises:
         ValueError: if ``batch_size`` is below 1 or larger than the dataset (``data.train_batch_size``).
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(
+        self, dataset: PromptDataset, batch_size: int, seed: int, shuffle: bool = True, fixed_width: bool = False
+    ) -> None:
         n = len(dataset)
         if batch_size < 1:
             raise ValueError(f"data.train_batch_size must be >= 1, got {batch_size}")
@@ -434,6 +457,7 @@ class PromptSampler:
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.shuffle = shuffle
+        self.width = dataset.longest if fixed_width else None
         self.epoch = 0
         self.index = 0
         self._order_epoch = -1
@@ -470,7 +494,7 @@ class PromptSampler:
         cursor = self.index
         picks = self._order[cursor : cursor + self.batch_size]
         self.index = cursor + self.batch_size
-        batch = collate_prompts([self.dataset[int(j)] for j in picks], self.dataset.tokenizer)
+        batch = collate_prompts([self.dataset[int(j)] for j in picks], self.dataset.tokenizer, self.width)
         uids = [f"{self.epoch}-{cursor + i}" for i in range(len(picks))]
         batch.non_tensor_batch["uid"] = np.array(uids, dtype=object)
         batch.meta_info.update(epoch=self.epoch, cursor=cursor)

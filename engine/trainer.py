@@ -1,8 +1,9 @@
 """The RLHF iteration in one process: the reference path that the distributed flow reproduces stage by stage.
 
 `SingleProcessTrainer.step` is one iteration of PPO-family training, with the same stage names the Prefect flow
-uses (generate, reward, old_log_prob, ref, values, adv, update_critic, update_actor). The algorithm (GRPO, RLOO,
-PPO with GAE) is configuration: it only decides which stages run and which estimator computes advantages.
+uses (generate, gen_max, reward, filter_groups, old_log_prob, ref, values, adv, update_critic, update_actor). The
+algorithm is configuration: it only decides which stages run (PPO's critic, ReMax's greedy generation, DAPO's
+repeated draws) and which estimator computes advantages.
 
 `fit` saves checkpoints (``trainer.save_freq``, and after the last iteration) and resumes from one
 (``trainer.resume_from``) exactly: weights, optimizer and LR-scheduler states, the prompt sampler's cursor and the
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.engine.advantage import build_kl_controller, compute_advantage
+from hybridflow.engine.advantage import build_kl_controller, compute_advantage, reward_shaping
 from hybridflow.engine.checkpoint import (
     CheckpointInfo,
     latest_checkpoint,
@@ -30,8 +31,9 @@ from hybridflow.engine.checkpoint import (
     save_checkpoint,
 )
 from hybridflow.engine.config import HybridFlowConfig
-from hybridflow.engine.core_algos import masked_mean
-from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows, collate_prompts
+from hybridflow.engine.core_algos import masked_mean, uses_greedy_baseline
+from hybridflow.engine.data import PromptDataset, build_prompt_rows, collate_prompts, train_sampler
+from hybridflow.engine.dynamic_sampling import DrawCount, kept_rows
 from hybridflow.engine.metrics import Timer, compute_data_metrics, rollout_mismatch
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.tracking import Tracking, mlflow_tracking_uri
@@ -63,7 +65,7 @@ class SingleProcessTrainer:
         train_rows, val_rows = build_prompt_rows(cfg.data)
         self.train_dataset = PromptDataset(train_rows, self.tokenizer, cfg.data.max_prompt_length)
         self.val_dataset = PromptDataset(val_rows, self.tokenizer, cfg.data.max_prompt_length) if val_rows else None
-        self.sampler = PromptSampler(self.train_dataset, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        self.sampler = train_sampler(self.train_dataset, cfg)
         self.global_steps = 0
         self.checkpoints: list[CheckpointInfo] = []  # saved by this trainer, in order
 
@@ -78,14 +80,14 @@ class SingleProcessTrainer:
             prompts.meta_info["global_steps"] = self.global_steps
             with timer("gen"):
                 data = self.rollout.generate_sequences(prompts)
-            with timer("reward"):
-                scores, extras = self.reward_fn(data)
-                data.batch["token_level_scores"] = scores
-                for key, values in extras.items():  # -> reward_extra/<key>/mean
-                    data.batch[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
-            if self.reward_model is not None:
-                with timer("rm_score"):
-                    data = data.union(self.reward_model.compute_rm_score(data))
+            greedy = None
+            if uses_greedy_baseline(cfg.algorithm.adv_estimator):  # ReMax: each prompt's greedy response
+                with timer("gen_max"):
+                    greedy = self.rollout.generate_sequences(prompts, n=1, temperature=0.0, stream="greedy")
+            data = self._scored(data, timer)
+            greedy = greedy if greedy is None else self._scored(greedy, timer, extras=False)
+            if cfg.algorithm.filter_groups.enable:  # DAPO: only the varied groups, of as many draws as needed
+                data, metrics["train/num_gen_batches"] = self._dynamic_sampling(data, timer)
             if not cfg.skips_old_log_prob():  # else the on-policy update uses and reports its own
                 with timer("old_log_prob"):
                     old = self.actor.compute_log_prob(data, calculate_entropy=True)
@@ -102,13 +104,7 @@ class SingleProcessTrainer:
                     data = data.union(self.critic.compute_values(data))
             with timer("adv"):
                 advantages, kl_metrics = compute_advantage(
-                    data,
-                    cfg.algorithm,
-                    self.kl_ctrl,
-                    cfg.reward.function_coef,
-                    cfg.reward_model.coef,
-                    cfg.reward.overlong_buffer,
-                    cfg.rollout.response_length,
+                    data, cfg.algorithm, self.kl_ctrl, **reward_shaping(cfg), greedy=greedy
                 )
                 data = data.union(advantages)
                 metrics.update(kl_metrics)
@@ -127,6 +123,42 @@ class SingleProcessTrainer:
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self.sampler.state_dict()["epoch"]
         return metrics
+
+    def _scored(self, data: DataProto, timer: Timer, extras: bool = True) -> DataProto:
+        """`data` with the score function's ``token_level_scores`` float32 [B, T] and, with `extras`, one
+        ``reward_extra/<key>`` float64 [B] column per extra it reports; with a reward model, its ``rm_scores``."""
+        with timer("reward"):
+            scores, extra = self.reward_fn(data)
+            data.batch["token_level_scores"] = scores
+            for key, values in extra.items() if extras else ():  # -> reward_extra/<key>/mean
+                data.batch[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
+        if self.reward_model is not None:
+            with timer("rm_score"):
+                data = data.union(self.reward_model.compute_rm_score(data))
+        return data
+
+    def _dynamic_sampling(self, data: DataProto, timer: Timer) -> tuple[DataProto, int]:
+        """DAPO's dynamic sampling (`hybridflow.engine.dynamic_sampling`): keep the varied groups of the scored
+        first draw `data`, and draw, generate and score ``data.gen_batch_size`` more prompts (each draw its own
+        random stream) until ``data.train_batch_size`` prompts are kept. Returns the first ``train_batch_size``
+        kept groups and the number of draws.
+
+        Raises:
+            DynamicSamplingError: ``algorithm.filter_groups.max_num_gen_batches`` draws kept too few prompts.
+        """
+        cfg = self.config
+        count, kept = DrawCount(cfg), []
+        while True:
+            with timer("filter_groups"):
+                rows = kept_rows(data, cfg.algorithm.filter_groups.metric, **reward_shaping(cfg))
+            kept.append(data[rows])
+            if count.add(len(rows)):
+                return DataProto.concat(kept)[: count.rows()], count.draws
+            prompts = self.sampler.next_batch()
+            prompts.meta_info["global_steps"] = self.global_steps
+            with timer("gen"):
+                data = self.rollout.generate_sequences(prompts, stream=f"train-{count.draws}")
+            data = self._scored(data, timer)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.engine.config import DataConfig, HybridFlowConfig, Pool, PreferenceDataConfig, RMTrainingConfig
-from hybridflow.engine.data import PromptDataset, PromptSampler, build_prompt_rows
+from hybridflow.engine.data import PromptDataset, build_prompt_rows, train_sampler
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.models import load_tokenizer
 from hybridflow.engine.preference import load_preference_rows, split_held_out
@@ -78,7 +78,7 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
             raise InputError(str(e)) from None
     prompts = prompt_sets(cfg)
     try:
-        PromptSampler(prompts.train, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        train_sampler(prompts.train, cfg)
     except ValueError as e:
         raise InputError(str(e)) from None
     if cfg.reward_model.enable:

@@ -1,9 +1,10 @@
 """The RLHF flow: one Prefect flow run per `hf run` / `hf resume`, one iteration per loop turn.
 
-The loop body names the stages in order, as in the HybridFlow paper's PPO listing; the algorithm (GRPO, RLOO,
-PPO with GAE) only decides which stages run. The controller holds data handles and metrics, never bulk tensors;
-the worker groups are launched on first use and kept for the whole run. Every iteration's metrics, the placement
-and every checkpoint go to the run store, so `hf resume RUN_ID` continues from the last complete checkpoint.
+The loop body names the stages in order, as in the HybridFlow paper's PPO listing; the algorithm only decides
+which stages run (PPO's critic, ReMax's greedy generation, DAPO's repeated draws). The controller holds data
+handles and metrics, never bulk tensors; the worker groups are launched on first use and kept for the whole run.
+Every iteration's metrics, the placement and every checkpoint go to the run store, so `hf resume RUN_ID` continues
+from the last complete checkpoint.
 
 Slurm's warnings (SIGUSR2 before a worker job's time limit, SIGTERM on preemption) stop the run cleanly at the next
 stage boundary: before an update stage has run, nothing of the iteration has touched the weights, so the state the
@@ -27,10 +28,12 @@ from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 
-from hybridflow.engine.advantage import build_kl_controller
+from hybridflow.engine.advantage import build_kl_controller, reward_shaping
 from hybridflow.engine.checkpoint import CheckpointError, read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig
-from hybridflow.engine.data import PromptSampler, collate_prompts
+from hybridflow.engine.core_algos import uses_greedy_baseline
+from hybridflow.engine.data import PromptSampler, collate_prompts, train_sampler
+from hybridflow.engine.dynamic_sampling import DrawCount
 from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import Span, Timer, compute_data_metrics
 from hybridflow.flows.lease import RunLease
@@ -185,7 +188,7 @@ class Prompts:
     @classmethod
     def build(cls, cfg: HybridFlowConfig, data_dir: Path) -> Prompts:
         sets = prompt_sets(cfg)  # cached per process: under hf run, built by its pre-flight check
-        sampler = PromptSampler(sets.train, cfg.data.train_batch_size, cfg.data.seed, cfg.data.shuffle)
+        sampler = train_sampler(sets.train, cfg)
         val_batches = []
         if sets.val is not None:
             size = cfg.data.val_batch_size
@@ -568,31 +571,34 @@ def _iteration(
     token = stages.TIMER.set(timer)
     run = StageRunner(workers, step, cfg.placement.concurrent, PreemptionWatch(workers), logs)
     roles = cfg.roles()
+    drawn: list[DataHandle] = []  # dynamic sampling's draws: deleted with the batch
     try:
         with timer("step"):
             batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
-            [rollout] = run(Call(stages.generate, "rollout", (batch,)))
-            scored = run(
-                Call(stages.rm_score, "reward_model", (rollout,), when="reward_model" in roles),
-                Call(stages.reward, "reward", (rollout,)),
+            remax, dapo = uses_greedy_baseline(cfg.algorithm.adv_estimator), cfg.algorithm.filter_groups.enable
+            rollout, greedy = run(
+                Call(stages.generate, "rollout", (batch,)),
+                Call(stages.generate_greedy, "rollout", (batch,), when=remax),  # ReMax's baseline responses
+            )
+            if dapo:  # dynamic sampling: scored first, then only the varied groups of as many draws as needed
+                rollout, draws = _dynamic_sampling(cfg, run, prompts, rollout, step, data_dir, drawn)
+            *scored, greedy_rm, greedy_score = run(
+                Call(stages.rm_score, "reward_model", (rollout,), when="reward_model" in roles and not dapo),
+                Call(stages.reward, "reward", (rollout,), when=not dapo),
                 Call(stages.old_log_prob, "actor", (rollout,), when=not cfg.skips_old_log_prob()),
                 Call(stages.ref_log_prob, "ref", (rollout,), when="ref" in roles),
                 Call(stages.values, "critic", (rollout,), when="critic" in roles),
+                Call(stages.rm_score, "reward_model", (greedy,), when=remax and "reward_model" in roles),
+                Call(stages.reward, "reward", (greedy,), when=remax),
             )
             for part in scored:
                 rollout = rollout if part is None else rollout.union(part)
+            for part in (greedy_rm, greedy_score):
+                greedy = greedy if part is None else greedy.union(part)
             enter_stage("advantage", step + 1, step)
-            reward = cfg.reward
-            adv, metrics = stages.advantage(
-                rollout,
-                cfg.algorithm,
-                kl_ctrl,
-                data_dir,
-                reward.function_coef,
-                cfg.reward_model.coef,
-                reward.overlong_buffer,
-                cfg.rollout.response_length,
-            )
+            adv, metrics = stages.advantage(rollout, cfg.algorithm, kl_ctrl, data_dir, reward_shaping(cfg), greedy)
+            if dapo:
+                metrics["train/num_gen_batches"] = draws
             rollout = rollout.union(adv)
             for updated in run(
                 Call(stages.update_critic, "critic", (rollout,), when="critic" in roles),
@@ -611,10 +617,46 @@ def _iteration(
     if keep:  # before the batch files go: the first rows as scored, for the sample generations
         columns = [*GENERATION_KEYS, *_present(rollout, "data_source", "reward_model")]
         kept = rollout.select(columns).load(slice(0, keep))
-    for handle in (batch, rollout):  # this iteration's batch files: no stage reads them again
-        handle.delete()
+    for handle in (batch, rollout, greedy, *drawn):  # this iteration's batch files: no stage reads them again
+        if handle is not None:
+            handle.delete()
     metrics["training/global_step"] = step + 1
     return metrics, kept, timer.spans
+
+
+def _dynamic_sampling(
+    cfg: HybridFlowConfig,
+    run: StageRunner,
+    prompts: Prompts,
+    rollout: DataHandle,
+    step: int,
+    data_dir: Path,
+    drawn: list[DataHandle],
+) -> tuple[DataHandle, int]:
+    """DAPO's dynamic sampling (`hybridflow.engine.dynamic_sampling`): score `rollout` (the first draw), keep its
+    varied groups, and draw ``data.gen_batch_size`` more prompts (each draw its own random stream) until
+    ``data.train_batch_size`` prompts are kept. Returns the scored batch of the first ``train_batch_size`` kept
+    groups (rows of the draws' files, nothing copied) and the number of draws; appends every draw to `drawn`.
+
+    Raises:
+        DynamicSamplingError: ``algorithm.filter_groups.max_num_gen_batches`` draws kept too few prompts.
+    """
+    count, kept = DrawCount(cfg), []
+    metric, shaping, rm = cfg.algorithm.filter_groups.metric, reward_shaping(cfg), "reward_model" in cfg.roles()
+    while True:
+        for part in run(
+            Call(stages.rm_score, "reward_model", (rollout,), when=rm), Call(stages.reward, "reward", (rollout,))
+        ):
+            rollout = rollout if part is None else rollout.union(part)
+        drawn.append(rollout)
+        enter_stage("filter_groups", step + 1, step)
+        rows = stages.filter_groups(rollout, metric, shaping)
+        kept.append(rollout.take(rows))
+        if count.add(len(rows)):
+            return DataHandle.concat(kept).take(range(count.rows())), count.draws
+        batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
+        drawn.append(batch)
+        [rollout] = run(Call(stages.generate, "rollout", (batch, f"train-{count.draws}")))
 
 
 def _present(handle: DataHandle, *keys: str) -> list[str]:

@@ -27,7 +27,7 @@ below describe the same tables):
   ``trainer.log_train_generations``); unique (run_id, kind, step, idx); index (run_id, step).
 - ``stage_times``: ``run_id``, ``step``, ``stage`` (``gen``, ``ref``, ``update_actor``...), ``pool`` (the worker
   group it ran on; NULL: the controller), ``started_at``, ``ended_at``: each iteration's timeline (stages of
-  different pools overlap); unique (run_id, step, stage).
+  different pools overlap; a stage repeated in an iteration has a row per run); index (run_id, step).
 - ``placement_plans``: ``id`` (``plan-YYYYmmdd-HHMMSS-<6 hex>``), ``created_at``, ``source``, ``inputs``,
   ``candidates``, ``rejected``, ``chosen`` (JSON), ``candidate_count``, ``chosen_seconds``, ``search_s``: every plan of
   ``hf plan`` and ``placement.auto`` (`Plan`).
@@ -390,7 +390,7 @@ class StageTimeRow(Base):
 
     __tablename__ = "stage_times"
     __table_args__ = (
-        UniqueConstraint("run_id", "step", "stage"),
+        Index("ix_stage_times_run_id_step", "run_id", "step"),  # a stage may run more than once per iteration
         CheckConstraint("step >= 0", name="step_nonnegative"),
     )
 

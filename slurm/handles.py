@@ -23,10 +23,11 @@ from hybridflow.engine.protocol import DataProto
 
 @dataclass(frozen=True)
 class Part:
-    """One producer's rows of a column group: the file, and how many rows it holds."""
+    """One producer's rows of a column group: the file, how many of its rows, from which row on."""
 
     path: str
     length: int
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,52 @@ class DataHandle:
         """The same handle with `meta_info` entries added (e.g. ``global_steps``)."""
         return DataHandle(self.length, self.groups, {**self.meta_info, **meta_info}, self.id)
 
+    def take(self, rows: Sequence[int]) -> DataHandle:
+        """A handle over rows `rows` (ascending) of this one, in that order, reading the same files (nothing is
+        read or copied): e.g. the kept groups of DAPO's dynamic sampling.
+
+        Raises:
+            ValueError: `rows` is not strictly ascending or leaves 0..length-1.
+        """
+        rows = list(rows)
+        if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or (
+            rows and (rows[0] < 0 or rows[-1] >= self.length)
+        ):
+            raise ValueError(f"take: rows must be ascending within 0..{self.length - 1}")
+        runs: list[tuple[int, int]] = []  # [start, stop) runs of consecutive rows
+        for r in rows:
+            if runs and runs[-1][1] == r:
+                runs[-1] = (runs[-1][0], r + 1)
+            else:
+                runs.append((r, r + 1))
+        groups = []
+        for group in self.groups:
+            parts, offset = [], 0
+            for part in group.parts:
+                for lo, hi in runs:
+                    lo, hi = max(lo, offset), min(hi, offset + part.length)
+                    if lo < hi:
+                        parts.append(Part(part.path, hi - lo, part.start + lo - offset))
+                offset += part.length
+            groups.append(ColumnGroup(group.keys, tuple(parts) or (Part(group.parts[0].path, 0),)))
+        return DataHandle(len(rows), tuple(groups), dict(self.meta_info))
+
+    @classmethod
+    def concat(cls, handles: Sequence[DataHandle]) -> DataHandle:
+        """The rows of `handles` one after another (nothing is read or copied); the first one's ``meta_info``.
+
+        Raises:
+            ValueError: the handles' columns are not grouped alike (they must come from the same stages).
+        """
+        layout = [g.keys for g in handles[0].groups]
+        for h in handles[1:]:
+            if [g.keys for g in h.groups] != layout:
+                raise ValueError(f"concat: handle {h.id} holds columns {h.keys}, grouped unlike {handles[0].keys}")
+        groups = tuple(
+            ColumnGroup(keys, tuple(p for h in handles for p in h.groups[i].parts)) for i, keys in enumerate(layout)
+        )
+        return cls(sum(h.length for h in handles), groups, dict(handles[0].meta_info))
+
     # ------------------------------------------------------------------ reading
     def load(self, rows: slice | None = None) -> DataProto:
         """Read rows `rows` (step 1; default all) of every column, touching only the parts that overlap them."""
@@ -125,7 +172,8 @@ class DataHandle:
             for part in group.parts:
                 lo, hi = max(start, offset), min(stop, offset + part.length)
                 if lo < hi:
-                    pieces.append(DataProto.load(part.path, slice(lo - offset, hi - offset), keys=list(group.keys)))
+                    begin = part.start + lo - offset
+                    pieces.append(DataProto.load(part.path, slice(begin, begin + hi - lo), keys=list(group.keys)))
                 offset += part.length
             if not pieces:  # an empty share (fewer rows than ranks): no rows, but the columns
                 pieces.append(DataProto.load(group.parts[0].path, slice(0, 0), keys=list(group.keys)))
@@ -158,13 +206,18 @@ class DataHandle:
             "id": self.id,
             "length": self.length,
             "meta_info": self.meta_info,
-            "groups": [{"keys": list(g.keys), "parts": [[p.path, p.length] for p in g.parts]} for g in self.groups],
+            "groups": [
+                {"keys": list(g.keys), "parts": [[p.path, p.length, p.start] for p in g.parts]} for g in self.groups
+            ],
         }
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> DataHandle:
         groups = tuple(
-            ColumnGroup(tuple(g["keys"]), tuple(Part(path, int(n)) for path, n in g["parts"])) for g in obj["groups"]
+            ColumnGroup(
+                tuple(g["keys"]), tuple(Part(p[0], int(p[1]), int(p[2]) if len(p) > 2 else 0) for p in g["parts"])
+            )
+            for g in obj["groups"]
         )
         return cls(int(obj["length"]), groups, dict(obj.get("meta_info", {})), obj.get("id", uuid.uuid4().hex[:12]))
 

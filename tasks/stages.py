@@ -24,8 +24,9 @@ from prefect.cache_policies import NO_CACHE
 
 from hybridflow.engine.advantage import compute_advantage
 from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
-from hybridflow.engine.config import AlgorithmConfig, OverlongBufferConfig
+from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.core_algos import KLController, masked_mean
+from hybridflow.engine.dynamic_sampling import kept_rows, metric_columns
 from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import Timer, rollout_mismatch
 from hybridflow.engine.preference import pair_scores
@@ -73,9 +74,25 @@ def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 
 
 @_stage("generate", "gen")
-def generate(group: WorkerGroup, prompts: DataHandle) -> DataHandle:
-    """Rollout: ``prompts`` [B prompts] -> B*n sequences (``responses``, ``response_mask``, ...)."""
-    return group.generate_sequences(prompts)
+def generate(group: WorkerGroup, prompts: DataHandle, stream: str = "train") -> DataHandle:
+    """Rollout: ``prompts`` [B prompts] -> B*n sequences (``responses``, ``response_mask``, ...), sampled from the
+    random stream `stream` (another for each draw of one iteration)."""
+    return group.generate_sequences(prompts, stream=stream)
+
+
+@_stage("filter_groups")
+def filter_groups(scored: DataHandle, metric: str, shaping: dict[str, Any]) -> list[int]:
+    """DAPO's dynamic sampling: the rows of the scored draw whose group's `metric` varies
+    (`hybridflow.engine.dynamic_sampling.kept_rows`). Runs in the controller on [B] columns."""
+    data = scored.select(["uid", *metric_columns(metric, scored.keys)]).load()
+    return kept_rows(data, metric, **shaping)
+
+
+@_stage("generate_greedy", "gen_max")
+def generate_greedy(group: WorkerGroup, prompts: DataHandle) -> DataHandle:
+    """ReMax's baseline rollout: one greedy response per prompt of ``prompts`` [B prompts] -> B rows, each keeping
+    its prompt's ``uid`` (verl times it as ``gen_max``)."""
+    return group.generate_sequences(prompts, n=1, temperature=0.0, stream="greedy")
 
 
 @_stage("reward")
@@ -116,21 +133,23 @@ def advantage(
     algorithm: AlgorithmConfig,
     kl_ctrl: KLController | None,
     data_dir: Path,
-    function_coef: float = 1.0,
-    rm_coef: float = 1.0,
-    overlong: OverlongBufferConfig | None = None,
-    max_length: int | None = None,
+    shaping: dict[str, Any],
+    greedy: DataHandle | None = None,
 ) -> tuple[DataHandle, dict[str, float]]:
-    """``token_level_rewards``, ``advantages``, ``returns`` (see `engine.advantage.compute_advantage`; the score
-    trained on is `function_coef` x the function's + `rm_coef` x the reward model's when the batch has one, plus
-    DAPO's overlong penalty with `overlong` enabled, `max_length` the response limit).
+    """``token_level_rewards``, ``advantages``, ``returns`` (see `engine.advantage.compute_advantage`; `shaping`:
+    its reward keywords, `engine.advantage.reward_shaping`; `greedy`: the scored greedy responses of ReMax's
+    baseline).
 
     Runs in the controller: it reads only the [B, T] columns it needs, and writes its three columns as a new part.
     """
     keys = ["token_level_scores", "response_mask", "uid"]
     keys += [k for k in ("rm_scores", "values", "old_log_probs", "ref_log_prob") if k in batch.keys]
     data = batch.select(keys).load()
-    out, metrics = compute_advantage(data, algorithm, kl_ctrl, function_coef, rm_coef, overlong, max_length)
+    baseline = None
+    if greedy is not None:
+        columns = ["uid", "token_level_scores", "response_mask", *(["rm_scores"] if "rm_scores" in greedy.keys else [])]
+        baseline = greedy.select(columns).load()
+    out, metrics = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=baseline)
     if "rollout_log_probs" in batch.keys and "old_log_probs" in batch.keys:  # else the on-policy update reports it
         metrics.update(rollout_mismatch(batch.select(["rollout_log_probs", "old_log_probs", "response_mask"]).load()))
     if "entropys" in batch.keys:

@@ -8,8 +8,10 @@ different ``critic/advantages/*`` shows the estimator ran, a different ``actor/p
 import math
 
 import pytest
+import torch
 from tiny_runs import tiny_run_config
 
+from hybridflow.engine.dynamic_sampling import DynamicSamplingError
 from hybridflow.engine.trainer import SingleProcessTrainer
 
 VARIANTS = {
@@ -19,8 +21,12 @@ VARIANTS = {
     "reinforce_plus_plus": ("reinforce_plus_plus", ["algorithm.gamma=0.9"]),
     "reinforce_plus_plus_baseline": ("reinforce_plus_plus_baseline", []),
     "opo": ("opo", []),
+    # the tiny model's greedy responses hold no digits: the overlong penalty gives their baselines a value
+    "remax": ("remax", ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=10"]),
     "gspo": ("grpo", ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]),
     "cispo": ("grpo", ["actor.policy_loss.loss_mode=cispo"]),
+    "clip_cov": ("grpo", ["actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ratio=0.2"]),
+    "kl_cov": ("grpo", ["actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=0.2"]),
     "token_sum_k3plus": ("grpo", ["actor.loss_agg_mode=token-sum", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+"]),
     "overlong": ("grpo", ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=10"]),
 }
@@ -36,9 +42,17 @@ def first_steps(tmp_path_factory, tiny_model_dir):
             tiny_run_config(root, tiny_model_dir, estimator, [*extra, "trainer.total_iterations=1"])
         )
         before = {k: v.detach().clone() for k, v in trainer.actor.model.named_parameters()}
+        if name == "remax":  # the greedy responses' mean score, before the step, on the batch it will draw
+            cursor = trainer.sampler.state_dict()
+            greedy = trainer.rollout.generate_sequences(trainer.sampler.next_batch(), n=1, temperature=0.0)
+            trainer.sampler.load_state_dict(cursor)
+            lengths = greedy.batch["response_mask"].sum(-1).float()
+            penalty = ((12 - 10 - lengths) / 10).clamp(max=0)  # DAPO eq. 13: 12-token limit, 10-token buffer
+            greedy_score = float((trainer.reward_fn(greedy)[0].sum(-1) + penalty).mean())
         metrics = trainer.step()
         moved = max((p.detach() - before[k]).abs().max().item() for k, p in trainer.actor.model.named_parameters())
         out[name] = metrics, moved
+    out["remax"][0]["greedy_score"] = greedy_score
     return out
 
 
@@ -82,3 +96,53 @@ def test_the_overlong_penalty_joins_the_training_reward_not_the_score(first_step
     assert metrics["critic/rewards/mean"] == pytest.approx(
         metrics["critic/score/mean"] + metrics["reward_extra/overlong_reward/mean"], abs=1e-6
     )
+
+
+def test_remax_subtracts_the_score_of_each_prompts_greedy_response(first_steps):
+    """The baseline is the greedy responses' training score (here with the overlong penalty), from a greedy
+    generation of the batch's prompts; the returns are the reward-to-go (every token of a response: its training
+    reward); the exact advantage is checked in test_core_algos."""
+    remax, grpo = first_steps["remax"][0], first_steps["grpo"][0]
+    assert remax["critic/score/mean"] == grpo["critic/score/mean"]  # the same samples
+    assert remax["greedy_score"] < 0  # a baseline that matters
+    assert remax["critic/reward_baseline/mean"] == pytest.approx(remax["greedy_score"], abs=1e-6)
+    assert remax["critic/returns/max"] == pytest.approx(remax["critic/rewards/max"], abs=1e-6)
+    assert remax["critic/advantages/max"] != grpo["critic/advantages/max"]
+
+
+DAPO = ["algorithm.filter_groups.enable=true", "data.gen_batch_size=2", "trainer.total_iterations=2"]
+
+
+def test_dynamic_sampling_draws_until_enough_varied_groups_and_resumes_exactly(tmp_path, tiny_model_dir):
+    """2 prompts a draw for a batch of 4: at least two draws per iteration, each advancing the checkpointed cursor,
+    so a run resumed after iteration 1 repeats iteration 2 exactly."""
+
+    def trainer(name: str, *extra: str) -> SingleProcessTrainer:
+        root = tmp_path / name
+        root.mkdir()
+        return SingleProcessTrainer(tiny_run_config(root, tiny_model_dir, "grpo", [*DAPO, *extra]))
+
+    varied = ["algorithm.filter_groups.metric=seq_reward"]
+    whole = trainer("whole", *varied)
+    first, second = whole.step(), whole.step()
+    draws = [m["train/num_gen_batches"] for m in (first, second)]
+    assert min(draws) >= 2 and whole.sampler.state_dict()["index"] == 2 * sum(draws)
+    assert first["timing_s/filter_groups"] > 0
+
+    stopped = trainer("stopped", *varied)
+    stopped.step()
+    resumed = trainer("resumed", *varied)
+    resumed.load_checkpoint(stopped.save_checkpoint().path)
+    again = resumed.step()
+    for key, value in second.items():
+        if not key.startswith(("timing_s/", "perf/")):
+            assert again[key] == value, key
+
+    # the tiny model never answers right: every group's acc is equal, so no draw keeps anything
+    hopeless = trainer(
+        "hopeless", "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=3"
+    )
+    before = {k: v.detach().clone() for k, v in hopeless.actor.model.named_parameters()}
+    with pytest.raises(DynamicSamplingError, match=r"3 draws of 2 prompts kept 0 with a varied acc"):
+        hopeless.step()
+    assert all(torch.equal(p, before[k]) for k, p in hopeless.actor.model.named_parameters())  # nothing trained

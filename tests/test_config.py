@@ -78,7 +78,7 @@ def test_group_estimators_need_several_samples():
 def test_estimators_and_policy_losses_come_from_their_registries():
     with pytest.raises(ConfigError, match=r"algorithm.adv_estimator.*'ppo2'.*registered.*'reinforce_plus_plus'"):
         load_config(None, [*MINIMAL, "algorithm.adv_estimator=ppo2"])
-    with pytest.raises(ConfigError, match=r"actor.policy_loss.loss_mode.*'gpsO'.*registered.*'cispo', 'gspo'"):
+    with pytest.raises(ConfigError, match=r"actor.policy_loss.loss_mode.*'gpsO'.*registered.*'cispo', 'clip_cov', 'gspo', 'kl_cov'"):
         load_config(None, [*MINIMAL, "actor.policy_loss.loss_mode=gpsO"])
     cfg = load_config(None, [*MINIMAL, "actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-sum"])
     assert cfg.actor.policy_loss.loss_mode == "gspo" and cfg.actor.loss_agg_mode == "token-sum"
@@ -280,3 +280,44 @@ def test_an_overlong_buffer_must_fit_below_the_response_limit():
         load_config(None, [*MINIMAL, "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=64"])
     cfg = load_config(None, [*MINIMAL, "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=16"])
     assert cfg.reward.overlong_buffer.penalty == 1.0
+
+
+def test_remax_needs_sampled_responses_to_compare_with_the_greedy_one():
+    with pytest.raises(ConfigError, match=r"rollout.temperature=0 samples the greedy response itself"):
+        load_config(None, [*MINIMAL, "algorithm.adv_estimator=remax", "rollout.temperature=0"])
+    cfg = load_config(None, [*MINIMAL, "algorithm.adv_estimator=remax", "rollout.n=1"])  # ReMax's own setting: n=1
+    assert "critic" not in cfg.roles()
+
+
+def test_dynamic_sampling_needs_groups_and_owns_gen_batch_size():
+    dapo = [*MINIMAL, "algorithm.filter_groups.enable=true"]
+    with pytest.raises(ConfigError, match=r"with rollout.n=1 every group is one response: set rollout.n >= 2"):
+        load_config(None, [*dapo, "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])
+    with pytest.raises(ConfigError, match=r"filter_groups is for group estimators .*, not remax"):
+        load_config(None, [*dapo, "algorithm.adv_estimator=remax"])
+    with pytest.raises(ConfigError, match=r"data.gen_batch_size sets the prompts of each draw of dynamic sampling"):
+        load_config(None, [*MINIMAL, "data.gen_batch_size=16"])
+    cfg = load_config(None, [*dapo, "data.gen_batch_size=16"])
+    assert cfg.prompts_per_draw() == 16 and cfg.algorithm.filter_groups.metric == "acc"
+
+
+def test_a_config_extends_its_defaults_section_by_section(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "data: {reasoning_gym: {name: basic_arithmetic}, train_batch_size: 8}\nactor: {ppo_mini_batch_size: 8}\n"
+    )
+    (tmp_path / "dapo.yaml").write_text(
+        "defaults: [base.yaml]\ndata: {gen_batch_size: 12}\nalgorithm: {filter_groups: {enable: true}}\n"
+    )
+    cfg = load_config(tmp_path / "dapo.yaml", ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4"])
+    assert (cfg.data.reasoning_gym.name, cfg.data.gen_batch_size, cfg.data.train_batch_size) == (
+        "basic_arithmetic",
+        12,
+        4,
+    )
+    assert cfg.algorithm.filter_groups.enable
+    (tmp_path / "base.yaml").write_text("defaults: dapo.yaml\n")
+    with pytest.raises(ConfigError, match=r"defaults entry dapo.yaml extends itself"):
+        load_config(tmp_path / "dapo.yaml")
+    (tmp_path / "lost.yaml").write_text("defaults: [nowhere.yaml]\n")
+    with pytest.raises(ConfigError, match=r"defaults entry nowhere.yaml is not a file"):
+        load_config(tmp_path / "lost.yaml")

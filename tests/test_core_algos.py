@@ -941,3 +941,128 @@ def test_overlong_shaping_puts_the_penalty_on_the_last_response_token():
     # lengths 3, 4, 0 against a 4-token limit with a 2-token buffer: -0.5, -1, 0
     assert_close(shaped, torch.tensor([[0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.0]]))
     assert metrics == {"reward_extra/overlong_reward/mean": -0.5, "reward_extra/overlong/mean": pytest.approx(2 / 3)}
+
+
+def test_remax_advantage_is_the_reward_to_go_minus_the_greedy_score():
+    rewards = torch.tensor([[0.0, 0.5, 1.0, 9.0], [0.0, 2.0, 0.0, 0.0]])  # 9.0 is padding
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    baselines = torch.tensor([0.25, 3.0])
+    advantages, returns = ca.get_adv_estimator_fn("remax")(rewards, mask, reward_baselines=baselines)
+    assert_close(returns, torch.tensor([[1.5, 1.5, 1.0, 0.0], [2.0, 2.0, 0.0, 0.0]]))
+    assert_close(advantages, torch.tensor([[1.25, 1.25, 0.75, 0.0], [-1.0, -1.0, 0.0, 0.0]]))
+    assert ca.uses_greedy_baseline("remax") and not ca.uses_greedy_baseline("grpo")
+    assert not ca.uses_groups("remax") and not ca.uses_critic("remax")
+    with pytest.raises(ValueError, match=r"needs \['reward_baselines'\]"):
+        ca.get_adv_estimator_fn("remax")(rewards, mask)
+    with pytest.raises(ValueError, match=r"one per row: \(2,\)"):
+        ca.get_adv_estimator_fn("remax")(rewards, mask, reward_baselines=torch.zeros(3))
+
+
+def test_greedy_baselines_follow_each_rows_prompt_and_the_training_reward():
+    from hybridflow.engine.advantage import greedy_baselines
+    from hybridflow.engine.config import OverlongBufferConfig
+    from hybridflow.engine.protocol import DataProto
+
+    greedy = DataProto.from_dict(
+        {
+            "token_level_scores": torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.0]]),
+            "rm_scores": torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0]]),
+            "response_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+        },
+        non_tensors={"uid": np.array(["b", "a"], dtype=object)},
+    )
+    uids = np.array(["a", "a", "b", "b"], dtype=object)
+    assert_close(greedy_baselines(uids, greedy), torch.tensor([1.5, 1.5, 3.0, 3.0]))  # function + reward model
+    shaped = greedy_baselines(
+        uids, greedy, function_coef=2.0, rm_coef=0.5, overlong=OverlongBufferConfig(enable=True, len=2, penalty=1.0),
+        max_length=3,
+    )  # fmt: skip
+    # b: 2*1 + 0.5*2 - 0.5 (2 of 3 tokens, a 2-token buffer); a: 2*0.5 + 0.5*1
+    assert_close(shaped, torch.tensor([1.5, 1.5, 2.5, 2.5]))
+    with pytest.raises(ValueError, match="no greedy response for prompt uid 'c'"):
+        greedy_baselines(np.array(["c"], dtype=object), greedy)
+
+
+def test_varied_groups_keep_the_groups_whose_values_differ_and_singletons():
+    values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.25])
+    uids = np.array(["a", "a", "b", "b", "c", "c", "d"], dtype=object)
+    assert ca.varied_groups(values, uids).tolist() == [False, False, True, True, False, False, True]
+
+
+def test_dynamic_sampling_keeps_varied_groups_and_counts_draws_to_the_limit():
+    from hybridflow.engine.config import load_config
+    from hybridflow.engine.dynamic_sampling import DrawCount, DynamicSamplingError, kept_rows
+    from hybridflow.engine.protocol import DataProto
+
+    data = DataProto.from_dict(
+        {
+            "token_level_scores": torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 2.0]]),
+            "response_mask": torch.tensor([[1, 0], [1, 1], [1, 1], [1, 1]]),
+            "reward_extra/acc": torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64),
+        },
+        non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)},
+    )
+    assert kept_rows(data, "acc") == [2, 3]  # group a: both right
+    assert kept_rows(data, "seq_reward") == [2, 3]  # group a: 1 and 1 (the 0 after the mask)
+    shaped = {"function_coef": 1.0, "rm_coef": 1.0, "overlong": None, "max_length": 2}
+    assert kept_rows(data, "seq_final_reward", **shaped) == [2, 3]
+    with pytest.raises(
+        ValueError, match=r"metric=format: the score function reports no 'format' \(it reports \['acc'\]\)"
+    ):
+        kept_rows(data, "format")
+
+    cfg = load_config(
+        None,
+        [
+            "model.path=tiny", "data.reasoning_gym.name=basic_arithmetic", "data.train_batch_size=4", "rollout.n=2",
+            "actor.ppo_mini_batch_size=4",
+            "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=3",
+            "data.gen_batch_size=2",
+        ],
+    )  # fmt: skip
+    count = DrawCount(cfg)
+    assert not count.add(2) and not count.add(4)  # 1 + 2 prompts of 4
+    with pytest.raises(DynamicSamplingError, match=r"3 draws of 2 prompts kept 3 .*max_num_gen_batches"):
+        count.add(0)
+    assert DrawCount(cfg).add(8) and DrawCount(cfg).rows() == 8
+
+
+def test_clip_cov_detaches_a_high_covariance_token_that_the_clip_leaves_active():
+    # mean A = -0.25, mean log pi = 0: covariances 2.25, 0, 0, 2.75; only the first is inside (1, 2.5)
+    advantages = torch.tensor([[2.0, 0.0, 0.0, -3.0]])
+    old = torch.tensor([[1.0, 0.0, 0.0, -1.0]])
+    log_prob = old.clone().requires_grad_(True)
+    mask = torch.ones(1, 4)
+    loss, clipfrac, ppo_kl, lower = ca.get_policy_loss_fn("clip_cov")(
+        old, log_prob, advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_cov_ub=2.5
+    )
+    loss.backward()
+    assert_close(log_prob.grad, torch.tensor([[0.0, 0.0, 0.0, 0.75]]))  # vanilla: [-0.5, 0, 0, 0.75]
+    assert float(loss) == pytest.approx(3.0 / 4) and float(clipfrac) == 0.25 and float(lower) == float(ppo_kl) == 0
+    with pytest.raises(ValueError, match=r"clip_cov_ratio` must be in \(0, 1\]"):
+        ca.compute_policy_loss_clip_cov(old, log_prob, advantages, mask, clip_cov_ratio=0.0)
+
+
+def test_kl_cov_penalises_the_log_ratio_of_the_highest_covariance_token():
+    advantages = torch.tensor([[2.0, 0.0, 0.0, -3.0]])
+    old = torch.tensor([[1.0, 0.0, 0.0, -1.2]])
+    log_prob = torch.tensor([[1.0, 0.0, 0.0, -1.0]], requires_grad=True)  # covariances 2.25, 0, 0, 2.75
+    mask = torch.ones(1, 4)
+    loss, clipfrac, ppo_kl, _ = ca.compute_policy_loss_kl_cov(old, log_prob, advantages, mask, ppo_kl_coef=0.5)
+    loss.backward()
+    ratio = math.exp(0.2)
+    assert float(loss) == pytest.approx((-2.0 + 3.0 * ratio + 0.5 * 0.2) / 4, rel=1e-6)
+    assert_close(log_prob.grad, torch.tensor([[-0.5, 0.0, 0.0, (3.0 * ratio + 0.5) / 4]]))
+    assert float(ppo_kl) == pytest.approx(0.05) and float(clipfrac) == 0
+
+
+def test_the_actor_passes_a_loss_its_own_policy_loss_keys():
+    from hybridflow.engine.actor import policy_loss
+    from hybridflow.engine.config import ActorConfig
+
+    advantages, mask = torch.tensor([[2.0, 0.0, 0.0, -3.0]]), torch.ones(1, 4)
+    old, log_prob = torch.tensor([[1.0, 0.0, 0.0, -1.2]]), torch.tensor([[1.0, 0.0, 0.0, -1.0]])
+    config = ActorConfig(policy_loss={"loss_mode": "kl_cov", "ppo_kl_coef": 0.5})
+    got = policy_loss(config, old, log_prob, advantages, mask)[0]
+    want = ca.compute_policy_loss_kl_cov(old, log_prob, advantages, mask, ppo_kl_coef=0.5)[0]
+    assert float(got) == float(want) != float(ca.compute_policy_loss_kl_cov(old, log_prob, advantages, mask)[0])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from tiny_runs import write_reward
 
-from hybridflow.engine.checkpoint import verify_checkpoint
+from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import load_config
 from hybridflow.flows.store import RunStore
 
@@ -73,13 +73,21 @@ def _by_step(store: RunStore, run_id: str) -> dict[int, dict[str, float]]:
     return out
 
 
+DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward", "data.gen_batch_size=2"]
+
+
 @pytest.mark.parametrize(
-    ("example", "colocate"), [("grpo_tiny.yaml", True), ("ppo_tiny.yaml", True), ("ppo_tiny.yaml", False)]
+    ("example", "colocate", "algorithm"),
+    # plain GRPO runs in the resume tests below, colocated PPO as the reference of the four-pool tests
+    [("grpo_tiny.yaml", True, "dapo"), ("grpo_tiny.yaml", True, "remax"), ("ppo_tiny.yaml", False, "gae")],
 )
-def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, tiny_model_dir, example, colocate):
+def test_run_records_metrics_placement_and_checkpoints(
+    prefect_api, tmp_path, tiny_model_dir, example, colocate, algorithm
+):
     from hybridflow.flows.rlhf import rlhf_flow
 
     extra = ["trainer.total_iterations=2", "trainer.save_freq=1", f"placement.colocate={str(colocate).lower()}"]
+    extra += DAPO if algorithm == "dapo" else [f"algorithm.adv_estimator={algorithm}"]
     cfg = _cfg(tmp_path, tiny_model_dir, example, extra)
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
@@ -116,6 +124,16 @@ def test_run_records_metrics_placement_and_checkpoints(prefect_api, tmp_path, ti
     expected = {"generate", "reward", "old_log_prob", "advantage", "update_actor", "checkpoint", "validate"}
     expected |= {"values", "update_critic"} if critic else {"ref_log_prob"}
     assert expected <= names, names
+    assert ("generate_greedy" in names) == (algorithm == "remax")  # ReMax's baseline: a stage of its own
+    assert ("filter_groups" in names) == (algorithm == "dapo")
+    for step in (1, 2):
+        if algorithm == "remax":
+            assert metrics[step]["timing_s/gen_max"] > 0 and math.isfinite(metrics[step]["critic/reward_baseline/mean"])
+        if algorithm == "dapo":  # 2 prompts a draw for a batch of 4: at least two draws, each its own samples
+            assert metrics[step]["train/num_gen_batches"] >= 2
+    if algorithm == "dapo":  # every draw advanced the cursor the checkpoint keeps
+        state = read_trainer_state(ckpts[1].path)["sampler"]
+        assert state["index"] == 2 * (metrics[1]["train/num_gen_batches"] + metrics[2]["train/num_gen_batches"])
     if critic:
         assert math.isfinite(metrics[2]["critic/vf_loss"])
 

@@ -25,3 +25,28 @@ def test_union_select_and_delete(tmp_path):
         both.union(a)
     both.delete()
     assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_take_and_concat_pick_rows_across_parts_without_copying(tmp_path):
+    """Two draws' kept rows (DAPO's dynamic sampling) as one batch: rows from several files, each read in place."""
+    from hybridflow.slurm.handles import write_part
+
+    def drawn(offset: int) -> DataHandle:  # a two-rank result (rows 0-2 and 3-5) with a second column group
+        parts = [
+            write_part(DataProto.from_dict({"x": torch.arange(r, r + 3) + offset}), tmp_path, "gen", r) for r in (0, 3)
+        ]
+        scores = DataHandle.put(DataProto.from_dict({"s": (torch.arange(6) + offset).float()}), tmp_path, "score")
+        return DataHandle.from_parts(parts).union(scores)
+
+    first, second = drawn(0), drawn(100)
+    kept = DataHandle.concat([first.take([1, 2, 3, 4]), second.take([]), second.take([0, 5])])
+    files = {p.path for g in kept.groups for p in g.parts}
+    assert kept.length == 6 and files <= {p.path for h in (first, second) for g in h.groups for p in g.parts}
+    assert kept.load().batch["x"].tolist() == [1, 2, 3, 4, 100, 105]
+    assert kept.load().batch["s"].tolist() == [1.0, 2.0, 3.0, 4.0, 100.0, 105.0]
+    assert kept.load(slice(3, 5)).batch["x"].tolist() == [4, 100]  # a consumer rank's share crosses draws
+    assert DataHandle.from_json(kept.to_json()).load().batch["x"].tolist() == [1, 2, 3, 4, 100, 105]
+    with pytest.raises(ValueError, match="ascending"):
+        first.take([2, 1])
+    with pytest.raises(ValueError, match="grouped unlike"):
+        DataHandle.concat([first, first.select(["x"])])

@@ -99,7 +99,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0008"
+        assert head == "0009"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -381,11 +381,12 @@ def test_stage_times_round_trip_replace_and_cascade(store):
     t = 1_790_000_000.0
     store.record_stage_times(run_id, 1, [("gen", "actor_rollout", t, t + 2.5), ("ref", "ref", t + 2.5, t + 3.0)])
     store.record_stage_times(run_id, 1, [("values", "critic", t + 2.5, t + 3.25), ("adv", None, t + 3.5, t + 3.5)])
-    store.record_stage_times(run_id, 2, [("gen", "actor_rollout", t + 10, t + 11.5)])
+    draws = [("gen", "actor_rollout", t + 10, t + 11.5), ("gen", "actor_rollout", t + 12, t + 13)]  # DAPO: twice
+    store.record_stage_times(run_id, 2, draws)
     first = store.stage_times(run_id, step=1)  # a redone iteration replaced its timeline
     assert [(s.stage, s.pool, s.duration_s) for s in first] == [("values", "critic", 0.75), ("adv", None, 0.0)]
     assert first[0].started_at.timestamp() == pytest.approx(t + 2.5, abs=1e-6) and first[0].to_dict()["pool"]
-    assert [s.step for s in store.stage_times(run_id)] == [1, 1, 2]
+    assert [(s.step, s.stage) for s in store.stage_times(run_id)] == [(1, "values"), (1, "adv"), (2, "gen"), (2, "gen")]
     with pytest.raises(ValueError, match=r"span 0 \('gen'\) of step 3: start .* is not a time span"):
         store.record_stage_times(run_id, 3, [("gen", "a", t + 1, t)])
     with pytest.raises(ValueError, match=r"span 0 of step 3 must be \(stage, pool, start, end\)"):
@@ -447,7 +448,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0008"
+        assert store.current_revision() == "0009"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
         insert = (

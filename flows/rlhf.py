@@ -566,6 +566,7 @@ def _iteration(
 
     Raises:
         Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
+        DynamicSamplingError: DAPO's draw limit was reached before enough varied groups (nothing applied).
     """
     timer = Timer()
     token = stages.TIMER.set(timer)

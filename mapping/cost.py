@@ -14,7 +14,7 @@ copy)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybridflow.mapping.hardware import HardwareProfile
 from hybridflow.mapping.shapes import ModelShape
@@ -39,6 +39,8 @@ class Workload:
     infer_micro_batch: int = 16
     gen_micro_batch: int = 32  # sequences a replica decodes at once (its KV cache holds them)
     old_log_prob: bool = True  # the actor's old_log_prob stage runs (false: skipped, an on-policy update)
+    generated: int | None = None  # sequences generated (DAPO: a draw of data.gen_batch_size prompts); None: sequences
+    greedy: int = 0  # ReMax: greedy responses generated besides (stage gen_max), one per prompt
 
     @property
     def seq_length(self) -> int:
@@ -53,9 +55,13 @@ class Workload:
     def from_config(cls, cfg, prompt_length: int | None = None, response_length: int | None = None) -> Workload:
         """From a `HybridFlowConfig`: prompts of ``data.max_prompt_length`` tokens and responses of
         ``rollout.response_length`` (the longest the rollout produces) unless given (e.g. as measured)."""
+        from hybridflow.engine.core_algos import uses_greedy_baseline
+
         prompts = cfg.data.train_batch_size
         return cls(
             sequences=prompts * cfg.rollout.n,
+            generated=cfg.prompts_per_draw() * cfg.rollout.n,  # DAPO: one draw (more when groups are dropped)
+            greedy=prompts if uses_greedy_baseline(cfg.algorithm.adv_estimator) else 0,
             prompt_length=prompt_length or cfg.data.max_prompt_length,
             response_length=response_length or cfg.rollout.response_length,
             actor_steps=cfg.actor.ppo_epochs * (prompts // cfg.actor.ppo_mini_batch_size),
@@ -227,7 +233,11 @@ def estimate(
         transient[stage] = logits_bytes(workload.infer_micro_batch) + gathered
 
     if role == "actor":
-        stage_s["gen"], transient["gen"] = _generation(shape, s, workload, hw, gpus_per_node)
+        generated = replace(workload, sequences=workload.generated or workload.sequences)
+        stage_s["gen"], transient["gen"] = _generation(shape, s, generated, hw, gpus_per_node)
+        if workload.greedy:
+            greedy = replace(workload, sequences=workload.greedy)
+            stage_s["gen_max"], transient["gen_max"] = _generation(shape, s, greedy, hw, gpus_per_node)
     return ModelCost(stage_s, static, transient)
 
 

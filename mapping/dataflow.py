@@ -17,9 +17,10 @@ class Stage:
     after: tuple[str, ...] = ()
 
 
-def iteration_stages(models: set[str] | frozenset[str]) -> list[Stage]:
+def iteration_stages(models: set[str] | frozenset[str], greedy: bool = False) -> list[Stage]:
     """The stages of one iteration of a run with `models` (``actor`` always; ``critic``, ``ref``,
-    ``reward_model`` when the run has them), in the flow's order (`hybridflow.flows.rlhf._iteration`)."""
+    ``reward_model`` when the run has them), in the flow's order (`hybridflow.flows.rlhf._iteration`); with
+    `greedy`, ReMax's greedy generation ``gen_max`` after ``gen`` on the actor's pool."""
     scoring = [
         Stage(name, model, ("gen",))
         for name, model in (
@@ -30,7 +31,9 @@ def iteration_stages(models: set[str] | frozenset[str]) -> list[Stage]:
         )
         if model in models
     ]
-    stages = [Stage("gen", "actor"), *scoring, Stage("adv", None, tuple(s.name for s in scoring))]
+    gen = [Stage("gen", "actor"), *([Stage("gen_max", "actor")] if greedy else [])]
+    reads = tuple(s.name for s in scoring) + (("gen_max",) if greedy else ())
+    stages = [*gen, *scoring, Stage("adv", None, reads)]
     if "critic" in models:
         stages.append(Stage("update_critic", "critic", ("adv",)))
     stages.append(Stage("update_actor", "actor", ("adv",)))

@@ -136,7 +136,7 @@ class PlanResult:
     @property
     def stage_names(self) -> list[str]:
         """The iteration's stages that a model runs, in the flow's order."""
-        return [s.name for s in iteration_stages(frozenset(self.models)) if s.model]
+        return [s.name for s in iteration_stages(frozenset(self.models), self.workload.greedy > 0) if s.model]
 
 
 class Planner:
@@ -165,7 +165,7 @@ class Planner:
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
         self.total = nodes * gpus_per_node
         self.sizes = pool_sizes(nodes, gpus_per_node)
-        self.stages = iteration_stages(frozenset(self.models))
+        self.stages = iteration_stages(frozenset(self.models), workload.greedy > 0)
         self._estimate = cache(self._estimate_uncached)
         self._choose = cache(self._choose_uncached)
 

@@ -308,3 +308,23 @@ def test_needed_flops_count_real_tokens_causal_attention_and_the_head_at_respons
     assert needed_flops(shape, rows, "value") == blocks + attention + 2 * 8 * 3
     shared = [(3, [1, 2])]  # one prompt of 3 tokens, two samples: 3 + 1 + 2 tokens, 9 + (16 - 9) + (25 - 9)
     assert needed_flops(shape, shared, "lm") == 2 * 2 * block * 6 + 2 * 2 * 8 * 32 + 2 * 100 * 8 * 3
+
+
+def test_the_plan_counts_remaxs_greedy_generation_and_a_dapo_draw():
+    """ReMax generates a greedy response per prompt besides (stage gen_max, on the actor's pool, before adv); DAPO
+    generates ``data.gen_batch_size`` prompts a draw."""
+    grpo = Workload.from_config(_ppo("algorithm.adv_estimator=grpo"))
+    remax = Workload.from_config(_ppo("algorithm.adv_estimator=remax"))
+    dapo = Workload.from_config(
+        _ppo("algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "data.gen_batch_size=12")
+    )
+    assert (grpo.generated, grpo.greedy, remax.greedy, dapo.generated) == (8, 0, 4, 24)  # 4 prompts x 2 samples
+    shape, ddp = PRESETS["llama-7b"], Strategy("ddp", dp=8)
+    plain, greedy, drawn = (estimate("actor", shape, ddp, w, A100, 8) for w in (grpo, remax, dapo))
+    assert "gen_max" not in plain.stage_s and 0 < greedy.stage_s["gen_max"] <= plain.stage_s["gen"]
+    assert (
+        drawn.stage_s["gen"] > plain.stage_s["gen"] and drawn.stage_s["update_actor"] == plain.stage_s["update_actor"]
+    )
+    models = {"actor": shape, "ref": shape}
+    planned = {w.greedy: Planner(models, w, A100, 1, 8).search().best for w in (grpo, remax)}  # one node of 8 A100s
+    assert "gen_max" in planned[4].stage_s and planned[4].seconds > planned[0].seconds

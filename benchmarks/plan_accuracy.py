@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridflow.flows.store import RunStore
-from hybridflow.mapping.calibrate import MODEL_STAGES, Measured, fit_profile, measure_device, predict
+from hybridflow.mapping.calibrate import MODEL_STAGES, Measured, fit_profile, measure_device
 from hybridflow.mapping.hardware import HardwareProfile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,7 +130,7 @@ def main() -> None:
     for name, overrides in PLACEMENTS.items():
         store, run_id, wall = hf_run(name, overrides, args.iterations, tmp, args.reuse)
         run = Measured.from_store(store, run_id)
-        estimate = predict(run.cfg, profile, run.prompt_length, run.response_length)
+        estimate = run.predict(profile)
         predicted.append(estimate.seconds)
         measured.append(run.step_s)
         error = (estimate.seconds - run.step_s) / run.step_s

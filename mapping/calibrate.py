@@ -128,6 +128,8 @@ class Measured:
     step_s: float
     prompt_length: int
     response_length: int
+    prompt_mean: float | None = None
+    response_mean: float | None = None
 
     @classmethod
     def from_store(cls, store, run_id: str, skip_first: bool = True) -> Measured:
@@ -150,6 +152,14 @@ class Measured:
             step_s=statistics.median(values["timing_s/step"]),
             prompt_length=round(max(values["prompt_length/max"])),
             response_length=round(max(values["response_length/max"])),
+            prompt_mean=statistics.median(values["prompt_length/mean"]),
+            response_mean=statistics.median(values["response_length/mean"]),
+        )
+
+    def predict(self, profile: HardwareProfile) -> Candidate:
+        """The cost model's estimate of this run under `profile`, at its measured lengths (`predict`)."""
+        return predict(
+            self.cfg, profile, self.prompt_length, self.response_length, None, self.prompt_mean, self.response_mean
         )
 
 
@@ -159,11 +169,14 @@ def predict(
     prompt_length: int | None = None,
     response_length: int | None = None,
     gpus_per_node: int | None = None,
+    prompt_mean: float | None = None,
+    response_mean: float | None = None,
 ) -> Candidate:
     """The cost model's estimate of the run config `cfg` on its own placement: seconds per stage and iteration
-    (``Candidate.stage_s``, ``seconds``, without ``profile.stage_overhead_s`` outside the models' stages)."""
+    (``Candidate.stage_s``, ``seconds``, without ``profile.stage_overhead_s`` outside the models' stages). Lengths
+    in tokens: the longest and mean prompt and response (`Workload.from_config`)."""
     placement, devices, strategies = run_mapping(cfg)
-    workload = Workload.from_config(cfg, prompt_length, response_length)
+    workload = Workload.from_config(cfg, prompt_length, response_length, prompt_mean, response_mean)
     per_node = gpus_per_node or max(devices)
     planner = Planner(run_models(cfg), workload, profile, 1, per_node, "all", cfg.placement.concurrent)
     return planner.estimate_mapping(placement, devices, strategies)
@@ -203,7 +216,7 @@ def fit_profile(base: HardwareProfile, runs: list[Measured], name: str) -> Hardw
     def residuals(x) -> list[float]:
         out = []
         for run in runs:
-            estimate = predict(run.cfg, profile(x), run.prompt_length, run.response_length)
+            estimate = run.predict(profile(x))
             out += [math.log(estimate.stage_s[s] / seconds) for s, seconds in run.stage_s.items()]
             out.append(math.log(estimate.seconds / run.step_s))
         return out

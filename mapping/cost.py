@@ -41,6 +41,11 @@ class Workload:
     old_log_prob: bool = True  # the actor's old_log_prob stage runs (false: skipped, an on-policy update)
     generated: int | None = None  # sequences generated (DAPO: a draw of data.gen_batch_size prompts); None: sequences
     greedy: int = 0  # ReMax: greedy responses generated besides (stage gen_max), one per prompt
+    samples: int = 1  # rollout.n: sequences per prompt
+    prompt_mean: float | None = None  # mean prompt tokens (packed passes and prefill); None: prompt_length
+    response_mean: float | None = None  # mean response tokens (packed passes); None: response_length
+    actor_shares_prompts: bool = True  # actor.shares_prompts: the actor's and the ref's packed passes
+    critic_shares_prompts: bool = True  # critic.shares_prompts
 
     @property
     def seq_length(self) -> int:
@@ -48,13 +53,37 @@ class Workload:
 
     @property
     def tokens(self) -> int:
-        """Tokens of every sequence of the iteration (prompt and response)."""
+        """Tokens of every sequence of the iteration (prompt and response), padded to the longest."""
         return self.sequences * self.seq_length
 
+    @property
+    def mean_prompt(self) -> float:
+        return self.prompt_length if self.prompt_mean is None else self.prompt_mean
+
+    @property
+    def mean_response(self) -> float:
+        return self.response_length if self.response_mean is None else self.response_mean
+
+    def packed_groups(self, shared: bool, micro_batch: int) -> tuple[float, tuple[float, list[float]]]:
+        """The packed rows of one pass (`hybridflow.engine.packing.pack_rows`: no padding; with `shared`, a prompt
+        once for those of its samples in the same micro-batch of `micro_batch` sequences), as (copies, group): the
+        number of prompt copies computed and one copy's (prompt tokens, [response tokens per sample]) at the mean
+        lengths."""
+        k = min(self.samples, micro_batch) if shared else 1
+        return self.sequences / k, (self.mean_prompt, [self.mean_response] * k)
+
     @classmethod
-    def from_config(cls, cfg, prompt_length: int | None = None, response_length: int | None = None) -> Workload:
+    def from_config(
+        cls,
+        cfg,
+        prompt_length: int | None = None,
+        response_length: int | None = None,
+        prompt_mean: float | None = None,
+        response_mean: float | None = None,
+    ) -> Workload:
         """From a `HybridFlowConfig`: prompts of ``data.max_prompt_length`` tokens and responses of
-        ``rollout.response_length`` (the longest the rollout produces) unless given (e.g. as measured)."""
+        ``rollout.response_length`` (the longest the rollout produces) unless given (e.g. as measured); the mean
+        lengths, which packed passes compute, are the longest unless given."""
         from hybridflow.engine.core_algos import uses_greedy_baseline
 
         prompts = cfg.data.train_batch_size
@@ -66,6 +95,11 @@ class Workload:
             response_length=response_length or cfg.rollout.response_length,
             actor_steps=cfg.actor.ppo_epochs * (prompts // cfg.actor.ppo_mini_batch_size),
             critic_steps=cfg.critic.ppo_epochs * (prompts // cfg.critic.ppo_mini_batch_size),
+            samples=cfg.rollout.n,
+            prompt_mean=prompt_mean,
+            response_mean=response_mean,
+            actor_shares_prompts=cfg.actor.share_prompts,
+            critic_shares_prompts=cfg.critic.share_prompts,
             actor_epochs=cfg.actor.ppo_epochs,
             critic_epochs=cfg.critic.ppo_epochs,
             train_micro_batch=cfg.actor.ppo_micro_batch_size,
@@ -170,7 +204,10 @@ def estimate(
     gpus_per_node: int,
 ) -> ModelCost:
     """Seconds per stage and bytes per device of `role`'s model (``actor``, ``critic``, ``ref``, ``reward_model``)
-    with `strategy` on ``strategy.devices`` devices of nodes with `gpus_per_node` devices each."""
+    with `strategy` on ``strategy.devices`` devices of nodes with `gpus_per_node` devices each. The ddp and fsdp
+    passes of the actor, critic and ref compute packed rows (`Workload.packed_groups`: the mean lengths, a prompt
+    once per micro-batch for its samples); megatron and the reward model compute every sequence padded to the
+    longest prompt and response. Activation and logit memory is sized for the longest."""
     head = "lm" if role in ("actor", "ref") else "value"
     w = hw.dtype_bytes
     params = shape.params(head)
@@ -178,16 +215,27 @@ def estimate(
     devices = s.devices
     spans = devices > gpus_per_node  # data-parallel groups cross nodes; tensor-parallel groups stay in one
     model_shards = t * p if s.kind == "megatron" else (d if s.kind == "fsdp" else 1)
-    replica_tokens = workload.tokens / d
     seq = workload.seq_length
+    packed = s.kind != "megatron" and role != "reward_model"  # megatron and the reward model pad to the longest
+    shared = workload.critic_shares_prompts if role == "critic" else workload.actor_shares_prompts
     stage_s: dict[str, float] = {}
     transient: dict[str, float] = {}
 
-    layer_tokens_s = replica_tokens * (shape.layers / p) * hw.layer_token_overhead_s  # one forward pass
+    def pass_work(micro_batch: int) -> tuple[float, float]:
+        """FLOPs and tokens of one forward pass over the iteration's sequences in micro-batches of `micro_batch`."""
+        if not packed:
+            return forward_flops(shape, head, workload.tokens, seq), workload.tokens
+        copies, group = workload.packed_groups(shared, micro_batch)
+        return copies * needed_flops(shape, [group], head), copies * (group[0] + sum(group[1]))
+
+    def layer_tokens_s(tokens: float) -> float:
+        """The per-token per-layer cost of one forward pass over `tokens` tokens, on one replica's share."""
+        return tokens / d * (shape.layers / p) * hw.layer_token_overhead_s
 
     def forward_s(micro_batch: int) -> float:
-        compute = forward_flops(shape, head, workload.tokens, seq) / (devices * hw.flops * hw.infer_efficiency)
-        compute += layer_tokens_s
+        flops, tokens = pass_work(micro_batch)
+        replica_tokens = tokens / d
+        compute = flops / (devices * hw.flops * hw.infer_efficiency) + layer_tokens_s(tokens)
         micro_batches = max(1, math.ceil(workload.sequences / d / micro_batch))
         bubble = 1 + (p - 1) / micro_batches
         comm = 2 * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
@@ -204,9 +252,10 @@ def estimate(
         epochs = workload.actor_epochs if role == "actor" else workload.critic_epochs
         steps = workload.actor_steps if role == "actor" else workload.critic_steps
         micro = workload.train_micro_batch if role == "actor" else workload.critic_micro_batch
-        flops = 3 * epochs * forward_flops(shape, head, workload.tokens, seq)
+        flops, tokens = pass_work(micro)
+        replica_tokens = tokens / d
         micro_batches = max(1, math.ceil(workload.sequences / d / micro / max(1, steps // epochs)))
-        compute = flops / (devices * hw.flops * hw.train_efficiency) + 3 * epochs * layer_tokens_s
+        compute = 3 * epochs * (flops / (devices * hw.flops * hw.train_efficiency) + layer_tokens_s(tokens))
         compute *= 1 + (p - 1) / micro_batches
         comm = 4 * epochs * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
         if s.kind == "fsdp":
@@ -255,10 +304,11 @@ def _generation(
     wave = min(sequences, workload.gen_micro_batch)
     waves = math.ceil(sequences / wave)
     weights = matmul_params(shape, "lm") * w / t_g
-    prefill_flops = forward_flops(shape, "lm", sequences * workload.prompt_length, workload.prompt_length) / t_g
+    prompt = workload.mean_prompt  # the rollout prefills the prompts unpadded
+    prefill_flops = forward_flops(shape, "lm", sequences * prompt, prompt) / t_g
     prefill = prefill_flops / (hw.flops * hw.infer_efficiency)
-    prefill += sequences * workload.prompt_length * shape.layers * hw.layer_token_overhead_s
-    context = workload.prompt_length + workload.response_length / 2  # tokens an average step attends to
+    prefill += sequences * prompt * shape.layers * hw.layer_token_overhead_s
+    context = prompt + workload.response_length / 2  # tokens an average step attends to
     kv_read = wave * context * shape.kv_bytes_per_token(w) / t_g
     step_compute = 2 * matmul_params(shape, "lm") * wave / t_g / (hw.flops * hw.infer_efficiency)
     step_memory = (weights + kv_read) / (hw.memory_bandwidth * hw.decode_efficiency)

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,39 @@ def test_the_plan_counts_remaxs_greedy_generation_and_a_dapo_draw():
     models = {"actor": shape, "ref": shape}
     planned = {w.greedy: Planner(models, w, A100, 1, 8).search().best for w in (grpo, remax)}  # one node of 8 A100s
     assert "gen_max" in planned[4].stage_s and planned[4].seconds > planned[0].seconds
+
+
+def test_ddp_and_fsdp_passes_are_charged_packed_tokens_and_megatron_padded_ones():
+    """The actor's, critic's and ref's ddp/fsdp passes compute packed rows (mean lengths, a prompt once for the
+    samples of a micro-batch: `needed_flops`), megatron and the reward model the padded batch (`forward_flops`)."""
+    from hybridflow.mapping.cost import forward_flops, needed_flops
+
+    shape = PRESETS["llama-7b"]
+    bare = A100.model_copy(update={"collective_latency_s": 0.0, "stage_overhead_s": 0.0})
+    rate = A100.flops * A100.infer_efficiency
+    work = Workload(
+        sequences=64, prompt_length=512, response_length=256, actor_steps=1, critic_steps=1, samples=4,
+        prompt_mean=300.0, response_mean=100.0, infer_micro_batch=8,
+    )  # fmt: skip
+    ref = estimate("ref", shape, Strategy("ddp"), work, bare, 8).stage_s["ref"]
+    assert ref == pytest.approx(16 * needed_flops(shape, [(300.0, [100.0] * 4)], "lm") / rate)
+    unshared = replace(work, actor_shares_prompts=False)
+    alone = estimate("ref", shape, Strategy("ddp"), unshared, bare, 8).stage_s["ref"]
+    assert alone == pytest.approx(64 * needed_flops(shape, [(300.0, [100.0])], "lm") / rate) and alone > ref
+    small_micro = estimate("ref", shape, Strategy("ddp"), replace(work, infer_micro_batch=2), bare, 8).stage_s["ref"]
+    assert small_micro == pytest.approx(32 * needed_flops(shape, [(300.0, [100.0] * 2)], "lm") / rate)
+    padded = estimate("ref", shape, Strategy("megatron"), work, bare, 8).stage_s["ref"]
+    assert padded == pytest.approx(forward_flops(shape, "lm", 64 * 768, 768) / rate)
+    critic = estimate("critic", shape, Strategy("ddp"), replace(work, critic_shares_prompts=False), bare, 8)
+    assert critic.stage_s["values"] == pytest.approx(64 * needed_flops(shape, [(300.0, [100.0])], "value") / rate)
+    assert critic.stage_s["values"] > estimate("critic", shape, Strategy("ddp"), work, bare, 8).stage_s["values"]
+    rm = estimate("reward_model", shape, Strategy("ddp"), work, bare, 8).stage_s["rm_score"]
+    assert rm == pytest.approx(forward_flops(shape, "value", 64 * 768, 768) / rate)
+    cfg = _ppo("critic.share_prompts=false", "rollout.n=4")
+    measured = Workload.from_config(cfg, 100, 20, 80.5, 12.25)
+    assert (measured.samples, measured.actor_shares_prompts, measured.critic_shares_prompts) == (4, True, False)
+    assert (measured.mean_prompt, measured.mean_response) == (80.5, 12.25)
+    assert (Workload.from_config(cfg).mean_prompt, Workload.from_config(cfg).mean_response) == (
+        cfg.data.max_prompt_length,
+        cfg.rollout.response_length,
+    )

@@ -24,6 +24,7 @@ from hybridflow.engine.training import (
     dp_world,
     optimizer_step,
     sync_gradients,
+    update_random_stream,
     update_steps,
 )
 
@@ -173,13 +174,15 @@ class Actor:
         self.model.train()
         log = MetricLog()
         measured = MaskedMeans() if on_policy else None
-        for micros, weights in steps:
-            for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
-                with sync_gradients(self.train_module, sync=i == len(micros) - 1):
-                    self._micro_step(micro, temperature, loss_scale, log, measured)
-            lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
-            grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, cfg.optim.grad_clip, "actor", log)
-            log.add(grad_norm=grad_norm, lr=lr)
+        with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
+            for micros, weights in steps:
+                for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
+                    with sync_gradients(self.train_module, sync=i == len(micros) - 1):
+                        self._micro_step(micro, temperature, loss_scale, log, measured)
+                lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
+                clip = cfg.optim.grad_clip
+                grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, "actor", log)
+                log.add(grad_norm=grad_norm, lr=lr)
         return {**log.mean("actor"), **(measured.means() if measured is not None else {})}
 
     def _micro_step(

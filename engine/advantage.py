@@ -15,9 +15,11 @@ import torch
 from hybridflow.engine.config import AlgorithmConfig, HybridFlowConfig, OverlongBufferConfig
 from hybridflow.engine.core_algos import (
     KLController,
+    LagrangeMultiplier,
     apply_kl_penalty,
     get_adv_estimator_fn,
     get_kl_controller,
+    lagrangian_advantages,
     overlong_reward,
     uses_greedy_baseline,
 )
@@ -29,6 +31,14 @@ def build_kl_controller(algorithm: AlgorithmConfig) -> KLController:
     """The in-reward KL coefficient controller from ``algorithm.kl_ctrl`` (fixed or adaptive)."""
     ctrl = algorithm.kl_ctrl
     return get_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
+
+
+def build_lagrangian(algorithm: AlgorithmConfig) -> LagrangeMultiplier | None:
+    """Safe-RLHF's Lagrange multiplier from ``algorithm.cost_limit``, ``lambda_init``, ``lambda_lr`` and
+    ``lambda_max``; None without a cost limit."""
+    if algorithm.cost_limit is None:
+        return None
+    return LagrangeMultiplier(algorithm.cost_limit, algorithm.lambda_init, algorithm.lambda_lr, algorithm.lambda_max)
 
 
 def training_scores(data: DataProto, function_coef: float = 1.0, rm_coef: float = 1.0) -> torch.Tensor:
@@ -125,6 +135,7 @@ def compute_advantage(
     overlong: OverlongBufferConfig | None = None,
     max_length: int | None = None,
     greedy: DataProto | None = None,
+    lagrangian: LagrangeMultiplier | None = None,
 ) -> tuple[DataProto, dict[str, float]]:
     """Rewards, advantages and returns for a scored rollout batch.
 
@@ -140,12 +151,18 @@ def compute_advantage(
             reward (`overlong_shaped`) with `max_length` = ``rollout.response_length``.
         greedy: for an estimator with a greedy baseline (remax): the scored greedy responses, one per prompt
             (`greedy_baselines`); reported as ``critic/reward_baseline/mean``.
+        lagrangian: Safe-RLHF (the batch has ``token_level_costs`` and the cost critic's ``cost_values`` [B, T]):
+            the multiplier, stepped first with this batch's mean episode cost (`LagrangeMultiplier.update`); the
+            advantages are then `lagrangian_advantages` of the reward's and the cost's (same estimator), and
+            ``cost_returns`` is added. Reported: ``critic/cost/mean``, ``actor/lagrange_multiplier``.
 
     Returns:
-        (DataProto with ``token_level_rewards``, ``advantages``, ``returns`` float32 [B, T]; metrics).
+        (DataProto with ``token_level_rewards``, ``advantages``, ``returns`` float32 [B, T] (and ``cost_returns``);
+        metrics).
 
     Raises:
-        ValueError: ``use_kl_in_reward`` is set without a controller, or remax without `greedy`.
+        ValueError: ``use_kl_in_reward`` is set without a controller, remax without `greedy`, or costs without
+            `lagrangian`.
         NonFiniteError: a reward, advantage or return on a response token is NaN or ±inf (names the first sample).
     """
     batch = data.batch
@@ -167,19 +184,26 @@ def compute_advantage(
         baselines = greedy_baselines(uids, greedy, **shaping)
         metrics["critic/reward_baseline/mean"] = float(baselines.mean())
     estimator = get_adv_estimator_fn(algorithm.adv_estimator)
-    advantages, returns = estimator(
-        rewards,
-        mask,
-        index=uids,
-        values=batch.get("values", None),
-        gamma=algorithm.gamma,
-        lam=algorithm.lam,
-        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
-        reward_baselines=baselines,
-    )
-    for name, tensor in (("token_level_rewards", rewards), ("advantages", advantages), ("returns", returns)):
+    common = {
+        "index": uids,
+        "gamma": algorithm.gamma,
+        "lam": algorithm.lam,
+        "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo,
+    }
+    values = batch.get("values", None)
+    advantages, returns = estimator(rewards, mask, values=values, reward_baselines=baselines, **common)
+    out = {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}
+    if "token_level_costs" in batch:  # Safe-RLHF: the cost's advantages, weighed by the stepped multiplier
+        if lagrangian is None:
+            raise ValueError("a batch with costs (reward.cost_function) needs the multiplier (build_lagrangian)")
+        costs = batch["token_level_costs"]
+        episode_cost = float(costs.sum(-1).mean())
+        multiplier = lagrangian.update(episode_cost)
+        cost_advantages, out["cost_returns"] = estimator(costs, mask, values=batch["cost_values"], **common)
+        out["advantages"] = lagrangian_advantages(advantages, cost_advantages, multiplier)
+        metrics.update({"critic/cost/mean": episode_cost, "actor/lagrange_multiplier": multiplier})
+    for name, tensor in out.items():
         check_finite(
             tensor, stage="adv", metric=name, mask=mask, describe=None if uids is None else lambda i: f"uid {uids[i]}"
         )
-    out = DataProto.from_dict({"token_level_rewards": rewards, "advantages": advantages, "returns": returns})
-    return out, metrics
+    return DataProto.from_dict(out), metrics

@@ -6,8 +6,9 @@ Layout of one checkpoint, ``<checkpoint_dir>/global_step_<N>/`` (N = completed i
                             plus its tokenizer, so ``AutoModelForCausalLM.from_pretrained(actor/)`` loads it
     actor/optim.pt          {"optimizer": state_dict, "lr_scheduler": state_dict} (no weights: those are in actor/)
     critic/                 the same for the value model when there is one (AutoModelForTokenClassification layout)
-    trainer_state.json      {"global_steps", "sampler", "kl_ctrl_value", "format_version"} and whatever else the
-                            trainer passes (JSON)
+    cost_critic/            the same for Safe-RLHF's cost critic
+    trainer_state.json      {"global_steps", "sampler", "kl_ctrl_value", "lagrange_multiplier", "format_version"}
+                            and whatever else the trainer passes (JSON)
     rng.pt                  torch CPU (and CUDA) RNG states, numpy's global state, python ``random``'s state
     manifest.json           written last: relative path -> {"bytes", "sha256"} for every other file, plus totals
 
@@ -225,6 +226,7 @@ def save_checkpoint(
     critic_model=None,
     critic_optimizer: torch.optim.Optimizer | None = None,
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    cost_critic=None,
     keep_last: int | None = None,
 ) -> CheckpointInfo:
     """Write ``<checkpoint_dir>/global_step_<step>/`` atomically (layout and protocol in the module docstring).
@@ -239,6 +241,8 @@ def save_checkpoint(
             ``format_version`` is set here.
         critic_model, critic_optimizer, critic_scheduler: the value model and its optimizer and scheduler, all or
             none.
+        cost_critic: Safe-RLHF's cost critic (with ``model``, ``optimizer``, ``lr_scheduler``), saved as
+            ``cost_critic/``; None: none.
         keep_last: after a successful save, delete all but the `keep_last` highest-step complete checkpoints in
             `checkpoint_dir` (the one just written is always kept); None keeps everything.
 
@@ -262,6 +266,8 @@ def save_checkpoint(
         save_role(staging, "actor", actor_model, actor_optimizer, actor_scheduler, tokenizer)
         if critic_model is not None:
             save_role(staging, "critic", critic_model, critic_optimizer, critic_scheduler)
+        if cost_critic is not None:
+            save_role(staging, "cost_critic", cost_critic.model, cost_critic.optimizer, cost_critic.lr_scheduler)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -288,8 +294,9 @@ def begin_checkpoint(checkpoint_dir: str | Path, step: int) -> Path:
     return staging
 
 
-TRAINED_ROLES = ("actor", "critic", "reward_model")
-"""The roles a checkpoint holds: an RL run's actor (and critic), or a reward-model training run's reward model."""
+TRAINED_ROLES = ("actor", "critic", "cost_critic", "reward_model")
+"""The roles a checkpoint holds: an RL run's actor (and critic, and Safe-RLHF's cost critic), or a reward-model
+training run's reward model."""
 
 
 def save_role(staging: str | Path, role: str, model, optimizer, scheduler, tokenizer=None, full_state=None) -> None:
@@ -501,12 +508,12 @@ def _load_optim(folder: Path, optimizer, scheduler) -> None:
     scheduler.load_state_dict(state["lr_scheduler"])
 
 
-def role_states(actor=None, critic=None) -> dict[str, Any]:
-    """`load_checkpoint`'s keyword arguments for a trained actor and critic (objects with ``model``, ``optimizer``
-    and ``lr_scheduler``, as `hybridflow.engine.actor.Actor` and `hybridflow.engine.critic.Critic`; None for a role
-    that is not loaded)."""
+def role_states(actor=None, critic=None, cost_critic=None) -> dict[str, Any]:
+    """`load_checkpoint`'s keyword arguments for a trained actor, critic and cost critic (objects with ``model``,
+    ``optimizer`` and ``lr_scheduler``, as `hybridflow.engine.actor.Actor` and `hybridflow.engine.critic.Critic`;
+    None for a role that is not loaded)."""
     out: dict[str, Any] = {}
-    for role, trained in (("actor", actor), ("critic", critic)):
+    for role, trained in (("actor", actor), ("critic", critic), ("cost_critic", cost_critic)):
         if trained is not None:
             out.update(
                 {
@@ -527,6 +534,9 @@ def load_checkpoint(
     critic_model=None,
     critic_optimizer: torch.optim.Optimizer | None = None,
     critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    cost_critic_model=None,
+    cost_critic_optimizer: torch.optim.Optimizer | None = None,
+    cost_critic_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     verify: bool = True,
     restore_rng: bool = True,
 ) -> dict[str, Any]:
@@ -538,6 +548,8 @@ def load_checkpoint(
             None for a process that hosts no actor (e.g. a separate critic group).
         critic_model, critic_optimizer, critic_scheduler: likewise, when the run has a critic; a checkpoint's
             ``critic/`` is ignored when no critic is given.
+        cost_critic_model, cost_critic_optimizer, cost_critic_scheduler: likewise for Safe-RLHF's cost critic
+            (``cost_critic/``).
         verify: re-hash every file against the manifest first (`verify_checkpoint`; reads the checkpoint twice).
             False only checks that every listed file exists with its size in bytes.
         restore_rng: restore the RNG states saved with it (those of the process that finished the checkpoint).
@@ -563,21 +575,28 @@ def load_checkpoint(
     version = trainer_state.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format_version {version!r}; this code reads {FORMAT_VERSION}")
-    if critic_model is not None:
-        if critic_optimizer is None or critic_scheduler is None:
-            raise ValueError("load_checkpoint: critic_model needs critic_optimizer and critic_scheduler too")
-        if not (path / "critic").is_dir():
+    critics = {
+        "critic": (critic_model, critic_optimizer, critic_scheduler),
+        "cost_critic": (cost_critic_model, cost_critic_optimizer, cost_critic_scheduler),
+    }
+    for role, (model, optimizer, scheduler) in critics.items():
+        if model is None:
+            continue
+        if optimizer is None or scheduler is None:
+            raise ValueError(f"load_checkpoint: {role}_model needs {role}_optimizer and {role}_scheduler too")
+        if not (path / role).is_dir():
             raise CheckpointError(
-                f"checkpoint {path} has no critic/ folder, but a critic was given to load into "
-                "(was it saved by a run without a critic?)"
+                f"checkpoint {path} has no {role}/ folder, but a {role.replace('_', ' ')} was given to load into "
+                f"(was it saved by a run without a {role.replace('_', ' ')}?)"
             )
 
     if actor_model is not None:
         if actor_optimizer is None or actor_scheduler is None:
             raise ValueError("load_checkpoint: actor_model needs actor_optimizer and actor_scheduler too")
         _load_role(path / "actor", actor_model, actor_optimizer, actor_scheduler)
-    if critic_model is not None:
-        _load_role(path / "critic", critic_model, critic_optimizer, critic_scheduler)
+    for role, (model, optimizer, scheduler) in critics.items():
+        if model is not None:
+            _load_role(path / role, model, optimizer, scheduler)
     if restore_rng:
         _set_rng_state(torch.load(path / RNG_STATE, map_location="cpu", weights_only=True))
     return trainer_state

@@ -289,6 +289,16 @@ class AlgorithmConfig(_Section):
     kl_penalty: KLType = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    cost_limit: float | None = Field(
+        None,
+        description="Safe-RLHF (Dai et al. 2023): the episode cost d the policy must stay under; with "
+        "reward.cost_function it adds a cost critic and the PPO-Lagrangian objective (None: off)",
+    )
+    lambda_init: float = Field(1.0, gt=0.0, description="Safe-RLHF: the Lagrange multiplier's first value")
+    lambda_lr: float = Field(
+        0.1, gt=0.0, description="Safe-RLHF: step of log(lambda) per unit of mean episode cost over the limit"
+    )
+    lambda_max: float | None = Field(None, gt=0.0, description="Safe-RLHF: the multiplier's ceiling (None: none)")
 
     @field_validator("adv_estimator")
     @classmethod
@@ -312,6 +322,11 @@ class RewardConfig(_Section):
     """The score function; by default chosen by each prompt's data_source. Validation always scores with it."""
 
     custom_function: str | None = Field(None, description="'module:function' or 'path.py:function'")
+    cost_function: str | None = Field(
+        None,
+        description="Safe-RLHF's cost signal, with the custom function's signature and forms ('module:function' or "
+        "'path.py:function'); needs algorithm.cost_limit",
+    )
     function_coef: float = Field(
         1.0,
         ge=0.0,
@@ -676,12 +691,44 @@ class HybridFlowConfig(_Section):
                 "data.gen_batch_size sets the prompts of each draw of dynamic sampling: enable "
                 "algorithm.filter_groups.enable or remove data.gen_batch_size"
             )
+        self._check_safe_rlhf()
         if uses_greedy_baseline(estimator) and self.rollout.temperature == 0:
             raise ValueError(
                 f"algorithm.adv_estimator={estimator} subtracts the greedy response's score, and rollout.temperature=0 "
                 "samples the greedy response itself (every advantage 0): set rollout.temperature > 0"
             )
         return self
+
+    def _check_safe_rlhf(self) -> None:
+        """Safe-RLHF needs both its cost source and its limit, a critic (GAE) for the cost critic to sit beside,
+        and a ddp or fsdp critic (the cost critic is a second value model in the critic's group)."""
+        limit, cost = self.algorithm.cost_limit, self.reward.cost_function
+        if limit is not None and cost is None:
+            raise ValueError(
+                f"algorithm.cost_limit={limit} needs a cost source: set reward.cost_function ('module:function' or "
+                "'path.py:function', the custom reward's signature), or remove algorithm.cost_limit"
+            )
+        if cost is not None and limit is None:
+            raise ValueError(
+                f"reward.cost_function={cost} is read only by Safe-RLHF: set algorithm.cost_limit (the episode "
+                "cost to stay under), or remove reward.cost_function"
+            )
+        if limit is None:
+            return
+        if self.algorithm.adv_estimator != "gae":
+            raise ValueError(
+                f"algorithm.cost_limit (Safe-RLHF) estimates cost advantages with a cost critic beside the critic: "
+                f"set algorithm.adv_estimator=gae, not {self.algorithm.adv_estimator}"
+            )
+        if self.critic.strategy == "megatron":
+            raise ValueError(
+                "algorithm.cost_limit (Safe-RLHF): the cost critic is built for ddp and fsdp critics: set "
+                "critic.strategy to ddp or fsdp"
+            )
+
+    def safe_rlhf(self) -> bool:
+        """Whether the run is Safe-RLHF's PPO-Lagrangian: ``algorithm.cost_limit`` with ``reward.cost_function``."""
+        return self.algorithm.cost_limit is not None
 
     def prompts_per_draw(self) -> int:
         """Prompts drawn per generation: ``data.gen_batch_size`` with dynamic sampling, else

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -822,6 +823,57 @@ class AdaptiveKLController:
 
 
 KLController = FixedKLController | AdaptiveKLController
+
+
+class LagrangeMultiplier:
+    """Safe-RLHF's multiplier lambda >= 0 of the cost constraint ``J_C <= d`` (``algorithm.cost_limit``).
+
+    Source: Dai et al. 2023, "Safe RLHF: Safe Reinforcement Learning from Human Feedback", §3.3: the policy
+    maximises ``min_lambda -J_R + lambda (J_C - d)`` by alternating a policy step and a step of lambda along
+    ``J_C - d``. As their implementation, lambda is kept as ``exp(log_lambda)`` so that it stays positive; each
+    iteration ``log_lambda += lambda_lr x (J_C - d)``, J_C the batch's mean episode cost: lambda rises while the
+    cost is over the limit and falls while it is under, by a factor ``exp(lambda_lr x |J_C - d|)``; it never
+    exceeds ``lambda_max`` when set.
+
+    Attributes:
+        value: the current lambda, a float > 0 (checkpointed with the trainer state).
+    """
+
+    def __init__(self, cost_limit: float, lambda_init: float, lambda_lr: float, lambda_max: float | None = None):
+        if not lambda_init > 0:
+            raise ValueError(f"`algorithm.lambda_init` must be > 0, got {lambda_init}.")
+        self.cost_limit, self.lambda_lr, self.lambda_max = float(cost_limit), float(lambda_lr), lambda_max
+        self.value = float(lambda_init)
+
+    def update(self, episode_cost: float) -> float:
+        """Step lambda with this batch's mean episode cost J_C (cost units, as ``reward.cost_function`` returns);
+        returns the new lambda."""
+        value = math.exp(math.log(self.value) + self.lambda_lr * (episode_cost - self.cost_limit))
+        self.value = min(value, self.lambda_max) if self.lambda_max is not None else value
+        return self.value
+
+
+def lagrangian_advantages(
+    reward_advantages: torch.Tensor, cost_advantages: torch.Tensor, multiplier: float
+) -> torch.Tensor:
+    """The PPO-Lagrangian advantage ``(A_R - lambda A_C) / (1 + lambda)`` (Dai et al. 2023, §3.3, as their
+    implementation combines them): the surrogate of ``J_R - lambda J_C``, rescaled by ``1 / (1 + lambda)`` so that
+    its size does not grow with lambda.
+
+    Args:
+        reward_advantages, cost_advantages: float [B, T] (GAE of the reward and of the cost; 0 off the mask).
+        multiplier: lambda >= 0 (`LagrangeMultiplier.value`).
+
+    Returns:
+        float [B, T], the same dtype.
+
+    Raises:
+        ValueError: the shapes differ or the multiplier is negative.
+    """
+    _check_same_shape(reward_advantages=reward_advantages, cost_advantages=cost_advantages)
+    if multiplier < 0:
+        raise ValueError(f"the Lagrange multiplier must be >= 0, got {multiplier}")
+    return (reward_advantages - multiplier * cost_advantages) / (1.0 + multiplier)
 
 
 def get_kl_controller(

@@ -17,7 +17,13 @@ from hybridflow.engine.actor import UPDATE_KEYS, policy_loss
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.core_algos import agg_loss, kl_penalty
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.training import MetricLog, build_optimizer, stop_on_non_finite_grad, update_steps
+from hybridflow.engine.training import (
+    MetricLog,
+    build_optimizer,
+    stop_on_non_finite_grad,
+    update_random_stream,
+    update_steps,
+)
 
 
 def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -229,13 +235,13 @@ class MegatronActor(MegatronRole):
             )
         self.model.train()
         log = MetricLog()
-        for micros, scales in steps:
-            log.add(
-                **{k.removeprefix("actor/"): v for k, v in policy_gradient(self.model, micros, scales, cfg).items()}
-            )
-            clip = cfg.optim.grad_clip
-            step = optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
-            log.add(**step)
+        with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
+            for micros, scales in steps:
+                gradient = policy_gradient(self.model, micros, scales, cfg)
+                log.add(**{k.removeprefix("actor/"): v for k, v in gradient.items()})
+                clip = cfg.optim.grad_clip
+                step = optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
+                log.add(**step)
         return log.mean("actor")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engine.critic import UPDATE_KEYS, value_loss
+from hybridflow.engine.critic import UPDATE_KEYS, VALUE_COLUMNS, value_loss
 from hybridflow.engine.megatron_actor import MegatronRole, optimizer_step, response_values, run_schedule
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.training import MetricLog, update_steps
@@ -29,7 +29,7 @@ class MegatronCritic(MegatronRole):
         """Clipped value-loss update on this data-parallel rank's rows. Returns ``critic/vf_loss``,
         ``critic/vf_clipfrac``, ``critic/vpred_mean`` (last stage), ``critic/grad_norm``, ``critic/lr``."""
         cfg = self.config
-        data = data.select(batch_keys=UPDATE_KEYS)
+        data = data.select(batch_keys=[*UPDATE_KEYS, *VALUE_COLUMNS])
         self.model.train()
         log = MetricLog()
         for micros, scales in update_steps(data, self.mini_batch_size, cfg, self.seed, 1, self.dp_group):

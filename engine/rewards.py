@@ -221,8 +221,8 @@ def check_builtin_source(data_source: str) -> None:
     )
 
 
-def load_reward_function(spec: str) -> ScoreFunction:
-    """Load a score function from ``reward.custom_function``.
+def load_reward_function(spec: str, key: str = "reward.custom_function") -> ScoreFunction:
+    """Load a score function from ``reward.custom_function`` (or, as `key` names, ``reward.cost_function``).
 
     Forms: ``"package.module:function"`` (imported with importlib from ``sys.path``) or ``"path/to/file.py:function"``
     (absolute, or relative to the current directory; the file is loaded as a module of its own).
@@ -236,10 +236,10 @@ def load_reward_function(spec: str) -> ScoreFunction:
         AttributeError: if the module has no such function (its public callables are listed).
         TypeError: if the attribute is not callable or cannot take the four arguments.
     """
-    fn = load_object(spec, "reward.custom_function")
+    fn = load_object(spec, key)
     func_name = spec.rsplit(":", 1)[1]
     if not callable(fn):
-        raise TypeError(f"reward.custom_function {spec!r}: {func_name!r} is a {type(fn).__name__}, not a callable")
+        raise TypeError(f"{key} {spec!r}: {func_name!r} is a {type(fn).__name__}, not a callable")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have no signature; calling will tell
@@ -249,7 +249,7 @@ def load_reward_function(spec: str) -> ScoreFunction:
             signature.bind("data_source", "solution_str", "ground_truth", {})
         except TypeError as e:
             raise TypeError(
-                f"reward.custom_function {spec!r}: {func_name}{signature} cannot be called as "
+                f"{key} {spec!r}: {func_name}{signature} cannot be called as "
                 f"(data_source, solution_str, ground_truth, extra_info): {e}"
             ) from e
     return fn

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.engine.advantage import build_kl_controller, compute_advantage, reward_shaping
+from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, compute_advantage, reward_shaping
 from hybridflow.engine.checkpoint import (
     CheckpointInfo,
     latest_checkpoint,
@@ -59,8 +59,10 @@ class SingleProcessTrainer:
         roles = build_roles(cfg, cfg.roles())
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
+        self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
         self.reward_model = roles.reward_model
         self.kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
+        self.lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without a cost limit)
 
         train_rows, val_rows = build_prompt_rows(cfg.data)
         self.train_dataset = PromptDataset(train_rows, self.tokenizer, cfg.data.max_prompt_length)
@@ -99,18 +101,21 @@ class SingleProcessTrainer:
             if self.ref is not None:
                 with timer("ref"):
                     data = data.union(self.ref.compute_ref_log_prob(data))
-            if self.critic is not None:
+            critics = [c for c in (self.critic, self.cost_critic) if c is not None]  # Safe-RLHF: and the cost's
+            if critics:
                 with timer("values"):
-                    data = data.union(self.critic.compute_values(data))
+                    for critic in critics:
+                        data = data.union(critic.compute_values(data))
             with timer("adv"):
                 advantages, kl_metrics = compute_advantage(
-                    data, cfg.algorithm, self.kl_ctrl, **reward_shaping(cfg), greedy=greedy
+                    data, cfg.algorithm, self.kl_ctrl, **reward_shaping(cfg), greedy=greedy, lagrangian=self.lagrangian
                 )
                 data = data.union(advantages)
                 metrics.update(kl_metrics)
-            if self.critic is not None:
+            if critics:
                 with timer("update_critic"):
-                    metrics.update(self.critic.update_critic(data))
+                    for critic in critics:
+                        metrics.update(critic.update_critic(data))
             with timer("update_actor"):
                 metrics.update(self.actor.update_policy(data))
             if hasattr(self.rollout, "sync_weights"):  # an engine with its own copy of the weights (vLLM)
@@ -126,10 +131,13 @@ class SingleProcessTrainer:
 
     def _scored(self, data: DataProto, timer: Timer, extras: bool = True) -> DataProto:
         """`data` with the score function's ``token_level_scores`` float32 [B, T] and, with `extras`, one
-        ``reward_extra/<key>`` float64 [B] column per extra it reports; with a reward model, its ``rm_scores``."""
+        ``reward_extra/<key>`` float64 [B] column per extra it reports; with a reward model, its ``rm_scores``;
+        with ``reward.cost_function`` (Safe-RLHF), ``token_level_costs`` float32 [B, T]."""
         with timer("reward"):
             scores, extra = self.reward_fn(data)
             data.batch["token_level_scores"] = scores
+            if self.cost_fn is not None:
+                data.batch["token_level_costs"] = self.cost_fn(data)[0]
             for key, values in extra.items() if extras else ():  # -> reward_extra/<key>/mean
                 data.batch[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
         if self.reward_model is not None:
@@ -218,6 +226,7 @@ class SingleProcessTrainer:
             "global_steps": self.global_steps,
             "sampler": self.sampler.state_dict(),
             "kl_ctrl_value": self.kl_ctrl.value if self.kl_ctrl is not None else None,
+            "lagrange_multiplier": self.lagrangian.value if self.lagrangian is not None else None,
         }
         critic = self.critic
         info = save_checkpoint(
@@ -231,6 +240,7 @@ class SingleProcessTrainer:
             critic_model=critic.model if critic else None,
             critic_optimizer=critic.optimizer if critic else None,
             critic_scheduler=critic.lr_scheduler if critic else None,
+            cost_critic=self.cost_critic,
         )
         self.checkpoints.append(info)
         logger.info("saved checkpoint %s (%d bytes, manifest sha256 %s)", info.path, info.bytes, info.sha256)
@@ -238,15 +248,16 @@ class SingleProcessTrainer:
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore the state saved by `save_checkpoint` from folder `path` (verified against its manifest first):
-        weights, optimizer and scheduler states, RNG states, ``global_steps``, the sampler cursor and the KL
-        coefficient. The next `step` then produces what the interrupted run's next iteration would have.
+        weights, optimizer and scheduler states, RNG states, ``global_steps``, the sampler cursor, the KL
+        coefficient and Safe-RLHF's multiplier. The next `step` then produces what the interrupted run's next
+        iteration would have.
 
         Raises:
             FileNotFoundError: `path` does not exist.
             hybridflow.engine.checkpoint.CheckpointError: the checkpoint is incomplete or corrupt, or does not fit
                 this configuration (other model, or a critic the checkpoint lacks); the message says which.
         """
-        state = load_checkpoint(path, **role_states(self.actor, self.critic))
+        state = load_checkpoint(path, **role_states(self.actor, self.critic, self.cost_critic))
         self.global_steps = int(state["global_steps"])
         self.sampler.load_state_dict(state["sampler"])
         kl_value = state.get("kl_ctrl_value")
@@ -255,6 +266,8 @@ class SingleProcessTrainer:
                 logger.warning("checkpoint %s has no KL coefficient; keeping %s", path, self.kl_ctrl.value)
             else:
                 self.kl_ctrl.value = float(kl_value)
+        if self.lagrangian is not None and state.get("lagrange_multiplier") is not None:
+            self.lagrangian.value = float(state["lagrange_multiplier"])
         logger.info("resumed from %s at global step %d", path, self.global_steps)
 
     def _resume_path(self) -> Path | None:

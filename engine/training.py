@@ -97,6 +97,20 @@ def update_steps(
         yield micros, micro_batch_weights(micros, config.loss_agg_mode, group=group)
 
 
+@contextlib.contextmanager
+def update_random_stream(seed: int, data: DataProto, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Run an update on a CPU random stream of its own, seeded with ``(seed, meta_info["global_steps"], rank in
+    group)``, and give the global stream back as it was after: a random draw of the update (Clip-Cov's tokens) is
+    then a pure function of the seed and the iteration, so a flow run resumed from a checkpoint (whose workers'
+    global generators start afresh) repeats it exactly, and the draws do not shift any other stream."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    steps = int(data.meta_info.get("global_steps", 0))
+    state = np.random.SeedSequence([seed, steps, rank]).generate_state(1)[0]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(state))
+        yield
+
+
 def dp_world() -> tuple[int, int]:
     """(rank, size) of the data-parallel group: torch.distributed's default group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
@@ -212,7 +226,7 @@ def optimizer_step(
     """Clip the global grad norm to `grad_clip`, step, and zero the grads.
 
     Args:
-        role: ``actor`` or ``critic``, for the error message.
+        role: ``actor``, ``critic`` or ``cost_critic``, for the error message.
         log: the update's metric log; its non-finite values of this mini-batch (a NaN loss) are named in the error.
 
     Returns:

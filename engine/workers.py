@@ -48,7 +48,9 @@ class Roles:
     rollout: HFRollout | HybridActorRollout | None = None
     ref: RefPolicy | None = None
     critic: Critic | MegatronCritic | None = None
+    cost_critic: Critic | None = None  # Safe-RLHF: a second value model in the critic's processes
     reward_fn: RewardManager | None = None
+    cost_fn: RewardManager | None = None  # Safe-RLHF: reward.cost_function, with the score function
     reward_model: RewardModel | None = None
 
 
@@ -107,9 +109,18 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
         critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)
         critic_model = load_critic(critic_path, compute_dtype, device, trainable=True)
         out.critic = Critic(critic_model, cfg.critic, cfg.rollout.n, seed, compute_dtype=compute_dtype)
+        if cfg.safe_rlhf():  # the cost critic: its own value model, initialised as the critic's
+            cost_model = load_critic(critic_path, compute_dtype, device, trainable=True)
+            columns = ("cost_values", "cost_returns")
+            out.cost_critic = Critic(
+                cost_model, cfg.critic, cfg.rollout.n, seed, compute_dtype, name="cost_critic", columns=columns
+            )
     if "reward" in roles:
         custom = load_reward_function(cfg.reward.custom_function) if cfg.reward.custom_function else None
         out.reward_fn = RewardManager(out.tokenizer, custom, name=cfg.reward.custom_function)
+        if cfg.reward.cost_function:
+            cost = load_reward_function(cfg.reward.cost_function, "reward.cost_function")
+            out.cost_fn = RewardManager(out.tokenizer, cost, name=cfg.reward.cost_function)
     if "reward_model" in roles:
         rm = cfg.reward_model
         rm_path = resolve_model_path(rm.path)
@@ -142,7 +153,9 @@ class RLHFWorker:
         self.rollout: HFRollout | None = None
         self.ref: RefPolicy | None = None
         self.critic: Critic | MegatronCritic | None = None
+        self.cost_critic: Critic | None = None
         self.reward_fn: RewardManager | None = None
+        self.cost_fn: RewardManager | None = None
         self.reward_model: RewardModel | None = None
 
     @property
@@ -175,6 +188,7 @@ class RLHFWorker:
         roles = build_roles(self.config, self.roles)
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
+        self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
         self.reward_model = roles.reward_model
         info = {}
         if self._megatron:
@@ -214,10 +228,13 @@ class RLHFWorker:
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
         """``token_level_scores`` float32 [B, T] plus one float64 column per extra the score function reports
-        (``reward_extra/<key>``, e.g. ``reward_extra/acc``)."""
+        (``reward_extra/<key>``, e.g. ``reward_extra/acc``); with ``reward.cost_function`` (Safe-RLHF), its
+        ``token_level_costs`` float32 [B, T] (each response's cost on its last token)."""
         self._need("reward")
         scores, extras = self.reward_fn(data)
         tensors = {"token_level_scores": scores}
+        if self.cost_fn is not None:
+            tensors["token_level_costs"] = self.cost_fn(data)[0]
         for key, values in extras.items():
             tensors[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
         return DataProto.from_dict(tensors)
@@ -243,9 +260,10 @@ class RLHFWorker:
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
-        """``values`` float32 [B, T] from the critic."""
+        """``values`` float32 [B, T] from the critic (and Safe-RLHF's ``cost_values`` from the cost critic)."""
         self._need("critic")
-        return self.critic.compute_values(data)
+        out = self.critic.compute_values(data)
+        return out if self.cost_critic is None else out.union(self.cost_critic.compute_values(data))
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> dict[str, float]:
@@ -263,9 +281,11 @@ class RLHFWorker:
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> dict[str, float]:
-        """Value update on this rank's rows; returns the critic metrics."""
+        """Value update on this rank's rows (and the cost critic's, Safe-RLHF); returns the critic metrics
+        (``critic/*``, ``cost_critic/*``)."""
         self._need("critic")
-        return self.critic.update_critic(data)
+        metrics = self.critic.update_critic(data)
+        return metrics if self.cost_critic is None else {**metrics, **self.cost_critic.update_critic(data)}
 
     @register(Dispatch.RANK_ZERO)
     def save_checkpoint_part(self, staging: str) -> list[str]:
@@ -281,6 +301,7 @@ class RLHFWorker:
             written += ["actor", "critic"] if self.critic is not None and megatron_critic else ["actor"]
         roles = [("actor", self.actor, self.tokenizer)] if self.actor is not None and not self._megatron else []
         roles += [("critic", self.critic, None)] if self.critic is not None and not megatron_critic else []
+        roles += [("cost_critic", self.cost_critic, None)] if self.cost_critic is not None else []
         for role, trained, tokenizer in roles:
             full_state = None
             if is_sharded(trained.model):  # FSDP: gather full tensors, a collective of every rank
@@ -298,6 +319,6 @@ class RLHFWorker:
             self.actor.load(path)
         actor = None if self._megatron else self.actor
         critic = None if self.config.critic.strategy == "megatron" else self.critic
-        load_checkpoint(path, verify=False, restore_rng=False, **role_states(actor, critic))
+        load_checkpoint(path, verify=False, restore_rng=False, **role_states(actor, critic, self.cost_critic))
         if self.rollout is not None and hasattr(self.rollout, "sync_weights"):  # the engine serves the restored actor
             self.rollout.sync_weights()

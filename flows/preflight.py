@@ -11,8 +11,8 @@ What is checked, each failure an `InputError` naming the config key and the fix:
 - ``reward_model.path`` (when ``reward_model.enable``): a one-label ``*ForSequenceClassification`` folder whose
   tokenizer pads (pad or EOS token), and ``reward_model.max_length`` longer than the shortest training prompt
   rendered in the RM's chat template (weights are not loaded here; the worker loads them before iteration 1).
-- ``reward.custom_function``: imports and names a function taking ``(data_source, solution_str, ground_truth,
-  extra_info)``.
+- ``reward.custom_function`` (and ``reward.cost_function``): imports and names a function taking ``(data_source,
+  solution_str, ground_truth, extra_info)``.
 - ``placement.executor: slurm``: Slurm's commands answer; every pool's partition exists and has the nodes it asks.
 - ``trainer.output_dir`` (and ``trainer.checkpoint_dir`` when set): can be created and written.
 - ``trainer.resume_from``: a checkpoint folder whose files match its ``manifest.json``.
@@ -71,11 +71,13 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         model_folder("critic.model_path", cfg.critic.model_path)
     if cfg.reward_model.enable:
         rm_tokenizer = _check_reward_model(cfg.reward_model.path)
-    if cfg.reward.custom_function:
-        try:
-            load_reward_function(cfg.reward.custom_function)
-        except (ValueError, ImportError, AttributeError, TypeError, FileNotFoundError) as e:
-            raise InputError(str(e)) from None
+    functions = {"reward.custom_function": cfg.reward.custom_function, "reward.cost_function": cfg.reward.cost_function}
+    for key, spec in functions.items():
+        if spec:
+            try:
+                load_reward_function(spec, key)
+            except (ValueError, ImportError, AttributeError, TypeError, FileNotFoundError) as e:
+                raise InputError(str(e)) from None
     prompts = prompt_sets(cfg)
     try:
         train_sampler(prompts.train, cfg)

@@ -28,10 +28,10 @@ from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 
-from hybridflow.engine.advantage import build_kl_controller, reward_shaping
+from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, reward_shaping
 from hybridflow.engine.checkpoint import CheckpointError, read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig
-from hybridflow.engine.core_algos import uses_greedy_baseline
+from hybridflow.engine.core_algos import LagrangeMultiplier, uses_greedy_baseline
 from hybridflow.engine.data import PromptSampler, collate_prompts, train_sampler
 from hybridflow.engine.dynamic_sampling import DrawCount
 from hybridflow.engine.generations import GENERATION_KEYS
@@ -376,9 +376,10 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         prompts = Prompts.build(cfg, data_dir)
         report = RunReport(store, run_id, cfg, run_dir, prompt_sets(cfg).tokenizer)
         kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
+        lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without algorithm.cost_limit)
         workers = launch_workers(cfg, run_id, store, run_dir)
         logs.pump()
-        start = _resume(store, run_id, cfg, workers, prompts, kl_ctrl, resume_from_step)
+        start = _resume(store, run_id, cfg, workers, prompts, kl_ctrl, lagrangian, resume_from_step)
         trainer = cfg.trainer
         notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
         groups = ", ".join(f"{n} ({g.spec.world_size} ranks, job {g.job_id})" for n, g in workers.groups.items())
@@ -398,10 +399,12 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
             notify("validation", metrics=val)
         for step in range(start, trainer.total_iterations):
             lease.check()
-            state_before = _trainer_state(step, prompts, kl_ctrl)
+            state_before = _trainer_state(step, prompts, kl_ctrl, lagrangian)
             store.start_iteration(run_id, step + 1)
             try:
-                metrics, train_kept, timeline = _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir, logs)
+                metrics, train_kept, timeline = _iteration(
+                    cfg, workers, prompts, kl_ctrl, step, data_dir, logs, lagrangian
+                )
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
@@ -421,7 +424,7 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
             # before that redoes the iteration from the previous checkpoint (metrics are upserted).
             warned = warned or PreemptionWatch(workers).signals()
             if last or warned or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
-                state = _trainer_state(step + 1, prompts, kl_ctrl)
+                state = _trainer_state(step + 1, prompts, kl_ctrl, lagrangian)
                 save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state)
             store.end_iteration(run_id, step + 1)
             notify("iteration", step=step + 1, metrics=metrics)
@@ -489,12 +492,14 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl) -> dict[str, Any]:
-    """What a checkpoint after `steps_done` iterations needs besides the weights: the data cursor, the KL coef."""
+def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl, lagrangian=None) -> dict[str, Any]:
+    """What a checkpoint after `steps_done` iterations needs besides the weights: the data cursor, the KL coef,
+    Safe-RLHF's Lagrange multiplier."""
     return {
         "global_steps": steps_done,
         "sampler": prompts.sampler.state_dict(),
         "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
+        "lagrange_multiplier": lagrangian.value if lagrangian is not None else None,
     }
 
 
@@ -558,6 +563,7 @@ def _iteration(
     step: int,
     data_dir: Path,
     logs: FlowLogs | None = None,
+    lagrangian: LagrangeMultiplier | None = None,
 ) -> tuple[dict[str, float], Any, list[Span]]:
     """One iteration: the stages in the order of the HybridFlow paper's PPO listing, as tasks; those in one
     `StageRunner` call need none of each other's results and run at the same time where their roles live in
@@ -597,7 +603,9 @@ def _iteration(
             for part in (greedy_rm, greedy_score):
                 greedy = greedy if part is None else greedy.union(part)
             enter_stage("advantage", step + 1, step)
-            adv, metrics = stages.advantage(rollout, cfg.algorithm, kl_ctrl, data_dir, reward_shaping(cfg), greedy)
+            adv, metrics = stages.advantage(
+                rollout, cfg.algorithm, kl_ctrl, data_dir, reward_shaping(cfg), greedy, lagrangian
+            )
             if dapo:
                 metrics["train/num_gen_batches"] = draws
             rollout = rollout.union(adv)
@@ -683,6 +691,7 @@ def _resume(
     workers: Workers,
     prompts: Prompts,
     kl_ctrl,
+    lagrangian: LagrangeMultiplier | None = None,
     from_step: int | None = None,
 ) -> int:
     """Load the checkpoint the run continues from and return the iterations it holds (0: from the start).
@@ -710,6 +719,8 @@ def _resume(
     prompts.sampler.load_state_dict(state["sampler"])
     if kl_ctrl is not None and state.get("kl_ctrl_value") is not None:
         kl_ctrl.value = state["kl_ctrl_value"]
+    if lagrangian is not None and state.get("lagrange_multiplier") is not None:
+        lagrangian.value = state["lagrange_multiplier"]
     logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], path)
     notify("resumed", step=int(state["global_steps"]), path=str(path))
     return int(state["global_steps"])

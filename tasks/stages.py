@@ -25,7 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from hybridflow.engine.advantage import compute_advantage
 from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
-from hybridflow.engine.core_algos import KLController, masked_mean
+from hybridflow.engine.core_algos import KLController, LagrangeMultiplier, masked_mean
 from hybridflow.engine.dynamic_sampling import kept_rows, metric_columns
 from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import Timer, rollout_mismatch
@@ -135,21 +135,23 @@ def advantage(
     data_dir: Path,
     shaping: dict[str, Any],
     greedy: DataHandle | None = None,
+    lagrangian: LagrangeMultiplier | None = None,
 ) -> tuple[DataHandle, dict[str, float]]:
     """``token_level_rewards``, ``advantages``, ``returns`` (see `engine.advantage.compute_advantage`; `shaping`:
     its reward keywords, `engine.advantage.reward_shaping`; `greedy`: the scored greedy responses of ReMax's
-    baseline).
+    baseline; `lagrangian`: Safe-RLHF's multiplier, stepped here, which adds ``cost_returns``).
 
     Runs in the controller: it reads only the [B, T] columns it needs, and writes its three columns as a new part.
     """
     keys = ["token_level_scores", "response_mask", "uid"]
-    keys += [k for k in ("rm_scores", "values", "old_log_probs", "ref_log_prob") if k in batch.keys]
+    optional = ("rm_scores", "values", "old_log_probs", "ref_log_prob", "token_level_costs", "cost_values")
+    keys += [k for k in optional if k in batch.keys]
     data = batch.select(keys).load()
     baseline = None
     if greedy is not None:
         columns = ["uid", "token_level_scores", "response_mask", *(["rm_scores"] if "rm_scores" in greedy.keys else [])]
         baseline = greedy.select(columns).load()
-    out, metrics = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=baseline)
+    out, metrics = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=baseline, lagrangian=lagrangian)
     if "rollout_log_probs" in batch.keys and "old_log_probs" in batch.keys:  # else the on-policy update reports it
         metrics.update(rollout_mismatch(batch.select(["rollout_log_probs", "old_log_probs", "response_mask"]).load()))
     if "entropys" in batch.keys:

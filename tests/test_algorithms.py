@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from tiny_runs import tiny_run_config
+from tiny_runs import tiny_run_config, write_cost
 
 from hybridflow.engine.dynamic_sampling import DynamicSamplingError
 from hybridflow.engine.trainer import SingleProcessTrainer
@@ -146,3 +146,43 @@ def test_dynamic_sampling_draws_until_enough_varied_groups_and_resumes_exactly(t
     with pytest.raises(DynamicSamplingError, match=r"3 draws of 2 prompts kept 0 with a varied acc"):
         hopeless.step()
     assert all(torch.equal(p, before[k]) for k, p in hopeless.actor.model.named_parameters())  # nothing trained
+
+
+def test_safe_rlhf_steps_lambda_against_the_cost_limit_trains_the_cost_critic_and_resumes_exactly(
+    tmp_path, tiny_model_dir
+):
+    """Safe-RLHF (``algorithm.cost_limit`` with ``reward.cost_function``): lambda rises while the mean episode cost
+    is over the limit and falls while it is under, the cost critic trains beside the critic, and a run resumed
+    after iteration 1 repeats iteration 2 exactly, lambda included."""
+
+    def trainer(name: str, limit: float) -> SingleProcessTrainer:
+        root = tmp_path / name
+        root.mkdir()
+        extra = [f"algorithm.cost_limit={limit}", f"reward.cost_function={write_cost(root)}"]
+        return SingleProcessTrainer(tiny_run_config(root, tiny_model_dir, "gae", extra))
+
+    over = trainer("over", 0.0)  # every response costs more than 0
+    cost_before = {k: v.detach().clone() for k, v in over.cost_critic.model.named_parameters()}
+    first, second = over.step(), over.step()
+    cost = first["critic/cost/mean"]
+    assert cost > 0 and first["actor/lagrange_multiplier"] == pytest.approx(math.exp(0.1 * cost))
+    assert 1.0 < first["actor/lagrange_multiplier"] < second["actor/lagrange_multiplier"]
+    assert math.isfinite(first["cost_critic/vf_loss"]) and first["cost_critic/grad_norm"] > 0
+    assert first["cost_critic/vf_loss"] != first["critic/vf_loss"]  # its own targets: the cost's returns
+    moved = max((p.detach() - cost_before[k]).abs().max().item() for k, p in over.cost_critic.model.named_parameters())
+    assert moved > 0
+
+    under = trainer("under", 1e3).step()  # far under the limit: lambda falls
+    assert under["actor/lagrange_multiplier"] < 1.0
+
+    stopped = trainer("stopped", 0.0)
+    stopped.step()
+    saved = stopped.save_checkpoint().path
+    assert (saved / "cost_critic").is_dir()
+    resumed = trainer("resumed", 0.0)
+    resumed.load_checkpoint(saved)
+    assert resumed.lagrangian.value == first["actor/lagrange_multiplier"]
+    again = resumed.step()
+    for key, value in second.items():
+        if not key.startswith(("timing_s/", "perf/")):
+            assert again[key] == value, key

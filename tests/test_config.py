@@ -322,3 +322,19 @@ def test_a_config_extends_its_defaults_section_by_section(tmp_path):
     (tmp_path / "lost.yaml").write_text("defaults: [nowhere.yaml]\n")
     with pytest.raises(ConfigError, match=r"defaults entry nowhere.yaml is not a file"):
         load_config(tmp_path / "lost.yaml")
+
+
+def test_safe_rlhf_needs_its_cost_source_and_limit_and_a_ddp_or_fsdp_critic():
+    cost = "reward.cost_function=costs.py:length"
+    with pytest.raises(ConfigError, match=r"algorithm.cost_limit=0.5 needs a cost source: set reward.cost_function"):
+        load_config(None, [*MINIMAL, "algorithm.adv_estimator=gae", "algorithm.cost_limit=0.5"])
+    with pytest.raises(ConfigError, match=r"reward.cost_function=costs.py:length is read only by Safe-RLHF"):
+        load_config(None, [*MINIMAL, "algorithm.adv_estimator=gae", cost])
+    safe = [*MINIMAL, "algorithm.cost_limit=0.5", cost]
+    with pytest.raises(ConfigError, match=r"set algorithm.adv_estimator=gae, not grpo"):
+        load_config(None, safe)
+    megatron = ["actor.strategy=megatron", "critic.strategy=megatron"]
+    with pytest.raises(ConfigError, match=r"cost critic is built for ddp and fsdp critics: set critic.strategy"):
+        load_config(None, [*safe, "algorithm.adv_estimator=gae", *megatron])
+    cfg = load_config(None, [*safe, "algorithm.adv_estimator=gae"])
+    assert cfg.safe_rlhf() and "critic" in cfg.roles() and not load_config(None, MINIMAL).safe_rlhf()

@@ -1066,3 +1066,62 @@ def test_the_actor_passes_a_loss_its_own_policy_loss_keys():
     got = policy_loss(config, old, log_prob, advantages, mask)[0]
     want = ca.compute_policy_loss_kl_cov(old, log_prob, advantages, mask, ppo_kl_coef=0.5)[0]
     assert float(got) == float(want) != float(ca.compute_policy_loss_kl_cov(old, log_prob, advantages, mask)[0])
+
+
+def test_the_lagrange_multiplier_rises_over_the_cost_limit_and_falls_under_it():
+    """Safe-RLHF: log lambda steps by lambda_lr x (J_C - d); lambda stays positive and under lambda_max."""
+    lagrangian = ca.LagrangeMultiplier(cost_limit=0.5, lambda_init=1.0, lambda_lr=0.1)
+    assert lagrangian.update(2.5) == pytest.approx(math.exp(0.2))  # over the limit by 2: up
+    assert lagrangian.update(0.5) == pytest.approx(math.exp(0.2))  # at the limit: unchanged
+    assert lagrangian.update(-9.5) == pytest.approx(math.exp(-0.8))  # under by 10: down, still > 0
+    capped = ca.LagrangeMultiplier(0.0, 1.0, 1.0, lambda_max=2.0)
+    assert capped.update(5.0) == 2.0 and capped.value == 2.0
+    with pytest.raises(ValueError, match=r"algorithm.lambda_init. must be > 0"):
+        ca.LagrangeMultiplier(0.0, 0.0, 0.1)
+
+
+def test_lagrangian_advantages_weigh_the_cost_by_lambda_over_one_plus_lambda():
+    reward_adv = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
+    cost_adv = torch.tensor([[0.5, 1.0], [-1.0, 0.0]])
+    assert_close(ca.lagrangian_advantages(reward_adv, cost_adv, 0.0), reward_adv)
+    assert_close(ca.lagrangian_advantages(reward_adv, cost_adv, 3.0), torch.tensor([[-0.125, -1.25], [0.875, 0.0]]))
+    with pytest.raises(ValueError, match=r"multiplier must be >= 0"):
+        ca.lagrangian_advantages(reward_adv, cost_adv, -1.0)
+
+
+def test_compute_advantage_steps_lambda_then_combines_the_reward_and_cost_gae():
+    """The advantage stage with costs: lambda is stepped with the batch's mean episode cost first; the advantages
+    are `lagrangian_advantages` of the two GAEs under the new lambda; ``cost_returns`` is the cost critic's target."""
+    from hybridflow.engine.advantage import build_lagrangian, compute_advantage
+    from hybridflow.engine.config import AlgorithmConfig
+    from hybridflow.engine.protocol import DataProto
+
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0]])
+    costs = torch.tensor([[0.0, 0.0, 2.0], [0.0, 4.0, 0.0]])  # mean episode cost 3
+    values, cost_values = torch.full((2, 3), 0.25), torch.tensor([[1.0, 0.5, 0.0], [2.0, 1.0, 0.0]])
+    data = DataProto.from_dict(
+        {
+            "token_level_scores": scores,
+            "response_mask": mask,
+            "values": values,
+            "token_level_costs": costs,
+            "cost_values": cost_values,
+        }  # fmt: skip
+    )
+    algorithm = AlgorithmConfig(adv_estimator="gae", cost_limit=1.0, lambda_init=0.5, lambda_lr=0.2)
+    lagrangian = build_lagrangian(algorithm)
+    out, metrics = compute_advantage(data, algorithm, lagrangian=lagrangian)
+    multiplier = 0.5 * math.exp(0.2 * (3.0 - 1.0))
+    assert lagrangian.value == pytest.approx(multiplier)
+    assert metrics["critic/cost/mean"] == 3.0 and metrics["actor/lagrange_multiplier"] == pytest.approx(multiplier)
+    gae = ca.get_adv_estimator_fn("gae")
+    reward_adv, returns = gae(scores, mask, values=values, gamma=1.0, lam=1.0)
+    cost_adv, cost_returns = gae(costs, mask, values=cost_values, gamma=1.0, lam=1.0)
+    assert_close(out.batch["advantages"], ca.lagrangian_advantages(reward_adv, cost_adv, multiplier))
+    assert_close(out.batch["returns"], returns)
+    assert_close(out.batch["cost_returns"], cost_returns)
+    assert_close(cost_returns, torch.tensor([[2.0, 2.0, 2.0], [4.0, 4.0, 0.0]]))  # the cost to go
+    with pytest.raises(ValueError, match=r"needs the multiplier"):
+        compute_advantage(data, algorithm)
+    assert build_lagrangian(AlgorithmConfig()) is None

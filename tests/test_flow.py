@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_runs import write_reward
+from tiny_runs import write_cost, write_reward
 
 from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import load_config
@@ -78,8 +78,9 @@ DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=s
 
 @pytest.mark.parametrize(
     ("example", "colocate", "algorithm"),
-    # plain GRPO runs in the resume tests below, colocated PPO as the reference of the four-pool tests
-    [("grpo_tiny.yaml", True, "dapo"), ("grpo_tiny.yaml", True, "remax"), ("ppo_tiny.yaml", False, "gae")],
+    # plain GRPO runs in the resume tests below, colocated PPO as the reference of the four-pool tests; Safe-RLHF is
+    # PPO with a cost critic beside the critic (here in a pool of its own) and the Lagrangian multiplier
+    [("grpo_tiny.yaml", True, "dapo"), ("grpo_tiny.yaml", True, "remax"), ("ppo_tiny.yaml", False, "safe_rlhf")],
 )
 def test_run_records_metrics_placement_and_checkpoints(
     prefect_api, tmp_path, tiny_model_dir, example, colocate, algorithm
@@ -87,7 +88,11 @@ def test_run_records_metrics_placement_and_checkpoints(
     from hybridflow.flows.rlhf import rlhf_flow
 
     extra = ["trainer.total_iterations=2", "trainer.save_freq=1", f"placement.colocate={str(colocate).lower()}"]
-    extra += DAPO if algorithm == "dapo" else [f"algorithm.adv_estimator={algorithm}"]
+    if algorithm == "safe_rlhf":  # every response costs more than 0: lambda rises each iteration
+        extra += ["algorithm.adv_estimator=gae", "algorithm.cost_limit=0"]
+        extra += [f"reward.cost_function={write_cost(tmp_path)}"]
+    else:
+        extra += DAPO if algorithm == "dapo" else [f"algorithm.adv_estimator={algorithm}"]
     cfg = _cfg(tmp_path, tiny_model_dir, example, extra)
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
@@ -118,6 +123,7 @@ def test_run_records_metrics_placement_and_checkpoints(
     for c in ckpts:
         assert verify_checkpoint(c.path).sha256 == c.sha256
         assert (Path(c.path) / "critic").is_dir() == critic
+        assert (Path(c.path) / "cost_critic").is_dir() == (algorithm == "safe_rlhf")
     data_files = [p.name for p in (Path(ckpts[0].path).parent.parent / "data").iterdir()]
     assert data_files and all(name.startswith("val-") for name in data_files), data_files  # iterations cleaned up
     names = _task_names(run.prefect_flow_run_id)
@@ -136,6 +142,11 @@ def test_run_records_metrics_placement_and_checkpoints(
         assert state["index"] == 2 * (metrics[1]["train/num_gen_batches"] + metrics[2]["train/num_gen_batches"])
     if critic:
         assert math.isfinite(metrics[2]["critic/vf_loss"])
+    if algorithm == "safe_rlhf":  # the cost critic trained, lambda rose from 1 and the checkpoint keeps it
+        lambdas = [metrics[step]["actor/lagrange_multiplier"] for step in (1, 2)]
+        assert 1.0 < lambdas[0] < lambdas[1] and metrics[2]["critic/cost/mean"] > 0
+        assert math.isfinite(metrics[2]["cost_critic/vf_loss"]) and metrics[2]["cost_critic/grad_norm"] > 0
+        assert read_trainer_state(ckpts[1].path)["lagrange_multiplier"] == lambdas[1]
 
 
 def test_an_on_policy_run_skips_the_old_log_prob_stage_and_its_metrics_equal_the_staged_run(

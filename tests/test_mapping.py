@@ -365,3 +365,16 @@ def test_ddp_and_fsdp_passes_are_charged_packed_tokens_and_megatron_padded_ones(
         cfg.data.max_prompt_length,
         cfg.rollout.response_length,
     )
+
+
+def test_a_safe_rlhf_critic_pays_for_its_cost_critic_on_the_same_devices():
+    """Safe-RLHF's cost critic is a second value model in the critic's processes: its stages take twice the work
+    (one stage call) and its devices hold twice the trained state."""
+    cfg = _ppo("algorithm.cost_limit=0.5", "reward.cost_function=costs.py:length")
+    safe, plain = Workload.from_config(cfg), Workload.from_config(_ppo())
+    assert safe.cost_critic and not plain.cost_critic
+    shape, ddp = PRESETS["llama-7b"], Strategy("ddp", dp=8)
+    both, one = (estimate("critic", shape, ddp, w, A100, 8) for w in (safe, plain))
+    assert both.static_bytes == 2 * one.static_bytes
+    for stage in ("values", "update_critic"):
+        assert both.stage_s[stage] == pytest.approx(2 * one.stage_s[stage] - A100.stage_overhead_s)

@@ -128,6 +128,35 @@ def test_the_actor_minimises_the_policy_loss_its_config_names(tiny_model_dir, ro
     assert max_change(actor.model, before) > 1e-4
 
 
+def test_clip_covs_random_tokens_are_a_function_of_the_seed_and_iteration_not_the_global_stream(
+    tiny_model_dir, rollout_batch
+):
+    """Clip-Cov draws the tokens whose gradient it removes. The draw runs on the update's own stream
+    (`update_random_stream`: the seed and ``global_steps``), so a flow worker resumed from a checkpoint, whose
+    global generator starts afresh, updates exactly as the uninterrupted run; the global stream is left as it was."""
+    from hybridflow.engine.config import PolicyLossConfig
+
+    loss = PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9)
+
+    def update(global_seed: int, step: int) -> tuple[dict[str, torch.Tensor], float]:
+        actor = make_actor(
+            tiny_model_dir, ppo_mini_batch_size=4, ppo_micro_batch_size=8, optim=OptimConfig(lr=1e-3), policy_loss=loss
+        )
+        data = with_old_log_probs(actor, rollout_batch)
+        data.meta_info["global_steps"] = step
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        metrics = actor.update_policy(data)
+        assert torch.equal(torch.get_rng_state(), state)  # the global stream untouched
+        return params(actor.model), metrics["actor/pg_clipfrac"]
+
+    (first, clipped), (again, clipped_again) = update(1, 3), update(2, 3)
+    assert clipped == clipped_again > 0
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    other, _ = update(1, 4)  # another iteration: another draw
+    assert any(not torch.equal(first[k], other[k]) for k in first)
+
+
 def padded_log_probs(model, micro: DataProto) -> torch.Tensor:
     """The reference path the packed one replaces: one Hugging Face forward over the padded full rows (every
     prompt copy, every pad position, the LM head everywhere), log-softmax at each response position. float32 [b, T]."""

@@ -53,6 +53,20 @@ def write_reward(root: Path) -> str:
     return f"{reward_file}:digit_share"
 
 
+LENGTH_COST = '''
+def length_cost(data_source, solution_str, ground_truth, extra_info):
+    """Safe-RLHF's cost: the response's characters / 20 (the tiny model's responses vary in length)."""
+    return len(solution_str) / 20
+'''
+
+
+def write_cost(root: Path) -> str:
+    """Write the length cost into `root`; returns its ``reward.cost_function`` spec."""
+    cost_file = Path(root) / "my_cost.py"
+    cost_file.write_text(LENGTH_COST)
+    return f"{cost_file}:length_cost"
+
+
 def tiny_run_config(root: Path, model_dir: Path, estimator: str, extra: list[str] | tuple = ()) -> HybridFlowConfig:
     """A one-line-per-key small run: 4 prompts x 2 samples, 12 new tokens, outputs under `root`."""
     return load_config(

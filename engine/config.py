@@ -349,6 +349,11 @@ class RewardModelConfig(_Section):
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
     coef: float = Field(1.0, description="weight of the RM score in the training reward")
+    cost_path: str | None = Field(
+        None,
+        description="Safe-RLHF's cost model: a one-label sequence classifier whose score is the response's cost, "
+        "scored in the rm_score stage with this section's settings (needs algorithm.cost_limit; enable not needed)",
+    )
 
     @model_validator(mode="after")
     def _path_when_enabled(self) -> RewardModelConfig:
@@ -700,19 +705,29 @@ class HybridFlowConfig(_Section):
         return self
 
     def _check_safe_rlhf(self) -> None:
-        """Safe-RLHF needs both its cost source and its limit, a critic (GAE) for the cost critic to sit beside,
-        and a ddp or fsdp critic (the cost critic is a second value model in the critic's group)."""
-        limit, cost = self.algorithm.cost_limit, self.reward.cost_function
-        if limit is not None and cost is None:
+        """Safe-RLHF needs its limit and one cost source (a cost function or a cost model), a critic (GAE) for the
+        cost critic to sit beside, and a ddp or fsdp critic (the cost critic is a second value model in the critic's
+        group)."""
+        limit = self.algorithm.cost_limit
+        sources = {"reward.cost_function": self.reward.cost_function}
+        sources["reward_model.cost_path"] = self.reward_model.cost_path
+        given = {key: value for key, value in sources.items() if value is not None}
+        if limit is not None and not given:
             raise ValueError(
                 f"algorithm.cost_limit={limit} needs a cost source: set reward.cost_function ('module:function' or "
-                "'path.py:function', the custom reward's signature), or remove algorithm.cost_limit"
+                "'path.py:function', the custom reward's signature) or reward_model.cost_path (a cost model's "
+                "folder), or remove algorithm.cost_limit"
             )
-        if cost is not None and limit is None:
+        if len(given) > 1:
             raise ValueError(
-                f"reward.cost_function={cost} is read only by Safe-RLHF: set algorithm.cost_limit (the episode "
-                "cost to stay under), or remove reward.cost_function"
+                "reward.cost_function and reward_model.cost_path are both set: Safe-RLHF takes one cost; remove one"
             )
+        for key, value in given.items():
+            if limit is None:
+                raise ValueError(
+                    f"{key}={value} is read only by Safe-RLHF: set algorithm.cost_limit (the episode cost to stay "
+                    f"under), or remove {key}"
+                )
         if limit is None:
             return
         if self.algorithm.adv_estimator != "gae":
@@ -727,7 +742,8 @@ class HybridFlowConfig(_Section):
             )
 
     def safe_rlhf(self) -> bool:
-        """Whether the run is Safe-RLHF's PPO-Lagrangian: ``algorithm.cost_limit`` with ``reward.cost_function``."""
+        """Whether the run is Safe-RLHF's PPO-Lagrangian: ``algorithm.cost_limit`` with ``reward.cost_function`` or
+        ``reward_model.cost_path``."""
         return self.algorithm.cost_limit is not None
 
     def prompts_per_draw(self) -> int:
@@ -747,7 +763,7 @@ class HybridFlowConfig(_Section):
     def roles(self) -> list[str]:
         """The roles this run uses: actor, rollout and reward (the score function: validation uses it) always; ref
         for a KL term (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``); critic for an advantage estimator
-        that needs one (GAE); reward_model when ``reward_model.enable``."""
+        that needs one (GAE); reward_model when ``reward_model.enable`` or a cost model (``reward_model.cost_path``)."""
         from hybridflow.engine.core_algos import uses_critic
 
         roles = ["actor", "rollout", "reward"]
@@ -755,7 +771,7 @@ class HybridFlowConfig(_Section):
             roles.append("ref")
         if uses_critic(self.algorithm.adv_estimator):
             roles.append("critic")
-        if self.reward_model.enable:
+        if self.reward_model.enable or self.reward_model.cost_path:
             roles.append("reward_model")
         return roles
 
@@ -797,7 +813,7 @@ class HybridFlowConfig(_Section):
         enable = {
             "ref": "actor.use_kl_loss or algorithm.use_kl_in_reward",
             "critic": "algorithm.adv_estimator=gae",
-            "reward_model": "reward_model.enable",
+            "reward_model": "reward_model.enable or reward_model.cost_path",
         }
         pools = self.placement.pools
         owner = {role: name for name, pool in pools.items() for role in pool.roles}

@@ -30,9 +30,10 @@ class RewardModelError(ValueError):
     EOS token. The message names the key and the fix."""
 
 
-def check_reward_model(path: str | Path) -> tuple[Any, Any]:
-    """Check a reward model folder without loading its weights: ``(config, tokenizer)``, the tokenizer's pad token
-    set (EOS when it has none).
+def check_reward_model(path: str | Path, key: str = "reward_model.path") -> tuple[Any, Any]:
+    """Check a reward model folder (`key` names its setting: ``reward_model.path`` or Safe-RLHF's
+    ``reward_model.cost_path``) without loading its weights: ``(config, tokenizer)``, the tokenizer's pad token set
+    (EOS when it has none).
 
     Raises:
         RewardModelError: the folder's model is not a ``*ForSequenceClassification`` with one label, or its tokenizer
@@ -44,20 +45,20 @@ def check_reward_model(path: str | Path) -> tuple[Any, Any]:
     architectures = getattr(config, "architectures", None) or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise RewardModelError(
-            f"reward_model.path={path}: its config.json names {architectures or 'no architecture'}, not a "
+            f"{key}={path}: its config.json names {architectures or 'no architecture'}, not a "
             "*ForSequenceClassification model; give a reward model trained with one output (hf rm train, or "
             "AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) then save_pretrained)"
         )
     if config.num_labels != 1:
         raise RewardModelError(
-            f"reward_model.path={path}: the model has {config.num_labels} labels; a reward model has exactly one "
+            f"{key}={path}: the model has {config.num_labels} labels; a reward model has exactly one "
             "(num_labels=1: one scalar score per sequence)"
         )
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise RewardModelError(
-                f"reward_model.path={path}: its tokenizer has no pad token and no EOS token to pad with; set "
+                f"{key}={path}: its tokenizer has no pad token and no EOS token to pad with; set "
                 "pad_token in its tokenizer_config.json"
             )
         tokenizer.pad_token = tokenizer.eos_token
@@ -177,15 +178,25 @@ class RewardModel:
         path: its folder, resolved (`hybridflow.engine.embedded_models.resolve_model_path`).
         actor_tokenizer: decodes the rollout's responses.
         device: where it runs; dtype: its weights' dtype (``reward_model.dtype`` resolved by ``pick_dtype``).
+        column: the batch column its scores go to: ``rm_scores``; Safe-RLHF's cost model (``reward_model.cost_path``,
+            the same section's tokenization, micro-batches, strategy and dtype): ``token_level_costs``.
 
     Raises:
         RewardModelError: see `load_reward_model`.
     """
 
-    def __init__(self, config: RewardModelConfig, path: Path, actor_tokenizer: Any, device, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: RewardModelConfig,
+        path: Path,
+        actor_tokenizer: Any,
+        device,
+        dtype: torch.dtype,
+        column: str = "rm_scores",
+    ):
         import torch.distributed as dist
 
-        self.config = config
+        self.config, self.column = config, column
         self.model, self.tokenizer = load_reward_model(path, dtype)
         self.model.to(device)
         self.actor_tokenizer = actor_tokenizer
@@ -195,7 +206,7 @@ class RewardModel:
             shard_model(self.model)
 
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        """``rm_scores`` float32 [B, T]: each row's RM score on its last response token, 0 elsewhere.
+        """``rm_scores`` (the `column`) float32 [B, T]: each row's RM score on its last response token, 0 elsewhere.
 
         Args:
             data: ``responses`` int64 [B, T], ``response_mask`` [B, T], non-tensor ``raw_prompt`` (chat lists).
@@ -207,4 +218,4 @@ class RewardModel:
             scores = score_texts(
                 self.model, self.tokenizer, texts, self.config.max_length, self.config.micro_batch_size
             )
-        return DataProto.from_dict({"rm_scores": place_on_last_token(scores, data.batch["response_mask"])})
+        return DataProto.from_dict({self.column: place_on_last_token(scores, data.batch["response_mask"])})

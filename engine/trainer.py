@@ -60,7 +60,7 @@ class SingleProcessTrainer:
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
-        self.reward_model = roles.reward_model
+        self.scorers = roles.scorers()  # the reward model and Safe-RLHF's cost model, those configured
         self.kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
         self.lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without a cost limit)
 
@@ -140,9 +140,10 @@ class SingleProcessTrainer:
                 data.batch["token_level_costs"] = self.cost_fn(data)[0]
             for key, values in extra.items() if extras else ():  # -> reward_extra/<key>/mean
                 data.batch[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
-        if self.reward_model is not None:
+        if self.scorers:
             with timer("rm_score"):
-                data = data.union(self.reward_model.compute_rm_score(data))
+                for scorer in self.scorers:
+                    data = data.union(scorer.compute_rm_score(data))
         return data
 
     def _dynamic_sampling(self, data: DataProto, timer: Timer) -> tuple[DataProto, int]:

@@ -52,6 +52,11 @@ class Roles:
     reward_fn: RewardManager | None = None
     cost_fn: RewardManager | None = None  # Safe-RLHF: reward.cost_function, with the score function
     reward_model: RewardModel | None = None
+    cost_model: RewardModel | None = None  # Safe-RLHF: reward_model.cost_path, scored with the reward model
+
+    def scorers(self) -> list[RewardModel]:
+        """The sequence classifiers of the rm_score stage: the reward model, the cost model (either may be absent)."""
+        return [m for m in (self.reward_model, self.cost_model) if m is not None]
 
 
 def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
@@ -123,8 +128,12 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
             out.cost_fn = RewardManager(out.tokenizer, cost, name=cfg.reward.cost_function)
     if "reward_model" in roles:
         rm = cfg.reward_model
-        rm_path = resolve_model_path(rm.path)
-        out.reward_model = RewardModel(rm, rm_path, out.tokenizer, device, pick_dtype(rm.dtype, device))
+        dtype = pick_dtype(rm.dtype, device)
+        if rm.enable:
+            out.reward_model = RewardModel(rm, resolve_model_path(rm.path), out.tokenizer, device, dtype)
+        if rm.cost_path:
+            cost_path = resolve_model_path(rm.cost_path)
+            out.cost_model = RewardModel(rm, cost_path, out.tokenizer, device, dtype, column="token_level_costs")
     return out
 
 
@@ -157,6 +166,7 @@ class RLHFWorker:
         self.reward_fn: RewardManager | None = None
         self.cost_fn: RewardManager | None = None
         self.reward_model: RewardModel | None = None
+        self.scorers: list[RewardModel] = []  # the reward model and Safe-RLHF's cost model, those configured
 
     @property
     def _megatron(self) -> bool:
@@ -190,6 +200,7 @@ class RLHFWorker:
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
         self.reward_model = roles.reward_model
+        self.scorers = roles.scorers()
         info = {}
         if self._megatron:
             info["actor_params"] = self.actor.parameter_count()
@@ -242,9 +253,13 @@ class RLHFWorker:
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` float32 [B, T]: the reward model's score on each row's last response token
-        (`RewardModel.compute_rm_score`)."""
-        self._need("reward_model")
-        return self.reward_model.compute_rm_score(data)
+        (`RewardModel.compute_rm_score`); Safe-RLHF's cost model's as ``token_level_costs``."""
+        if not self.scorers:
+            raise RuntimeError(f"this group does not host role 'reward_model' (it hosts {sorted(self.roles)})")
+        out = self.scorers[0].compute_rm_score(data)
+        for scorer in self.scorers[1:]:
+            out = out.union(scorer.compute_rm_score(data))
+        return out
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

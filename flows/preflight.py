@@ -8,9 +8,10 @@ What is checked, each failure an `InputError` naming the config key and the fix:
 - ``data.*``: every file exists and has verl's columns; the reasoning-gym generator exists; prompts fit
   ``data.max_prompt_length``; there are at least ``data.train_batch_size`` of them; every ``data_source`` has a
   reward (built in, or ``reward.custom_function``).
-- ``reward_model.path`` (when ``reward_model.enable``): a one-label ``*ForSequenceClassification`` folder whose
-  tokenizer pads (pad or EOS token), and ``reward_model.max_length`` longer than the shortest training prompt
-  rendered in the RM's chat template (weights are not loaded here; the worker loads them before iteration 1).
+- ``reward_model.path`` (when ``reward_model.enable``) and Safe-RLHF's ``reward_model.cost_path``: a one-label
+  ``*ForSequenceClassification`` folder whose tokenizer pads (pad or EOS token), and ``reward_model.max_length``
+  longer than the shortest training prompt rendered in its chat template (weights are not loaded here; the worker
+  loads them before iteration 1).
 - ``reward.custom_function`` (and ``reward.cost_function``): imports and names a function taking ``(data_source,
   solution_str, ground_truth, extra_info)``.
 - ``placement.executor: slurm``: Slurm's commands answer; every pool's partition exists and has the nodes it asks.
@@ -69,8 +70,9 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     model_folder("model.path", cfg.model.path)
     if cfg.critic.model_path:
         model_folder("critic.model_path", cfg.critic.model_path)
-    if cfg.reward_model.enable:
-        rm_tokenizer = _check_reward_model(cfg.reward_model.path)
+    rm = cfg.reward_model
+    scorers = {"reward_model.path": rm.path if rm.enable else None, "reward_model.cost_path": rm.cost_path}
+    scorers = {key: _check_reward_model(path, key) for key, path in scorers.items() if path}
     functions = {"reward.custom_function": cfg.reward.custom_function, "reward.cost_function": cfg.reward.cost_function}
     for key, spec in functions.items():
         if spec:
@@ -83,8 +85,8 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         train_sampler(prompts.train, cfg)
     except ValueError as e:
         raise InputError(str(e)) from None
-    if cfg.reward_model.enable:
-        _check_reward_model_length(cfg.reward_model.max_length, prompts.train, rm_tokenizer)
+    for rm_tokenizer in scorers.values():
+        _check_reward_model_length(rm.max_length, prompts.train, rm_tokenizer)
     if not cfg.reward.custom_function:
         rows = prompts.train.rows + (prompts.val.rows if prompts.val else [])
         for source in sorted({row["data_source"] for row in rows}):
@@ -101,11 +103,12 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         _check_resume_from(cfg.trainer.resume_from)
 
 
-def _check_reward_model(path: str) -> Any:
-    """The RM's tokenizer, after `check_reward_model` accepted its folder (``reward_model.path``)."""
-    folder = model_folder("reward_model.path", path)
+def _check_reward_model(path: str, key: str = "reward_model.path") -> Any:
+    """The RM's tokenizer, after `check_reward_model` accepted its folder (`key`: ``reward_model.path``, or Safe-RLHF's
+    cost model, ``reward_model.cost_path``)."""
+    folder = model_folder(key, path)
     try:
-        return check_reward_model(folder)[1]
+        return check_reward_model(folder, key)[1]
     except RewardModelError as e:
         raise InputError(str(e)) from None
 

@@ -47,6 +47,7 @@ class Workload:
     actor_shares_prompts: bool = True  # actor.shares_prompts: the actor's and the ref's packed passes
     critic_shares_prompts: bool = True  # critic.shares_prompts
     cost_critic: bool = False  # Safe-RLHF: a cost critic beside the critic, on its devices, the same work again
+    scorers: int = 1  # sequence classifiers of the rm_score stage: the reward model, Safe-RLHF's cost model
 
     @property
     def seq_length(self) -> int:
@@ -102,6 +103,7 @@ class Workload:
             actor_shares_prompts=cfg.actor.share_prompts,
             critic_shares_prompts=cfg.critic.share_prompts,
             cost_critic=cfg.safe_rlhf(),
+            scorers=max(1, int(cfg.reward_model.enable) + int(cfg.reward_model.cost_path is not None)),
             actor_epochs=cfg.actor.ppo_epochs,
             critic_epochs=cfg.critic.ppo_epochs,
             train_micro_batch=cfg.actor.ppo_micro_batch_size,
@@ -283,9 +285,10 @@ def estimate(
         gathered = params * w * (1 - 1 / d) if s.kind == "fsdp" else 0.0  # fsdp scores with whole weights
         transient[stage] = logits_bytes(workload.infer_micro_batch) + gathered
 
-    if role == "critic" and workload.cost_critic:  # Safe-RLHF: the cost critic's passes follow in the same call
-        stage_s = {stage: 2 * seconds - hw.stage_overhead_s for stage, seconds in stage_s.items()}
-        static *= 2
+    twins = 2 if role == "critic" and workload.cost_critic else workload.scorers if role == "reward_model" else 1
+    if twins > 1:  # Safe-RLHF: the cost critic (cost model) beside the critic (reward model), in the same call
+        stage_s = {stage: twins * seconds - (twins - 1) * hw.stage_overhead_s for stage, seconds in stage_s.items()}
+        static *= twins
     if role == "actor":
         generated = replace(workload, sequences=workload.generated or workload.sequences)
         stage_s["gen"], transient["gen"] = _generation(shape, s, generated, hw, gpus_per_node)

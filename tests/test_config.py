@@ -338,3 +338,10 @@ def test_safe_rlhf_needs_its_cost_source_and_limit_and_a_ddp_or_fsdp_critic():
         load_config(None, [*safe, "algorithm.adv_estimator=gae", *megatron])
     cfg = load_config(None, [*safe, "algorithm.adv_estimator=gae"])
     assert cfg.safe_rlhf() and "critic" in cfg.roles() and not load_config(None, MINIMAL).safe_rlhf()
+    model = "reward_model.cost_path=cost_rm"  # a cost model instead: the reward_model role hosts it
+    cfg = load_config(None, [*MINIMAL, "algorithm.adv_estimator=gae", "algorithm.cost_limit=0.5", model])
+    assert cfg.safe_rlhf() and "reward_model" in cfg.roles() and not cfg.reward_model.enable
+    with pytest.raises(ConfigError, match=r"reward.cost_function and reward_model.cost_path are both set"):
+        load_config(None, [*safe, "algorithm.adv_estimator=gae", model])
+    with pytest.raises(ConfigError, match=r"reward_model.cost_path=cost_rm is read only by Safe-RLHF"):
+        load_config(None, [*MINIMAL, "algorithm.adv_estimator=gae", model])

@@ -378,3 +378,8 @@ def test_a_safe_rlhf_critic_pays_for_its_cost_critic_on_the_same_devices():
     assert both.static_bytes == 2 * one.static_bytes
     for stage in ("values", "update_critic"):
         assert both.stage_s[stage] == pytest.approx(2 * one.stage_s[stage] - A100.stage_overhead_s)
+    rm = ["reward_model.enable=true", "reward_model.path=rm", "algorithm.cost_limit=0.5"]
+    scored = Workload.from_config(_ppo(*rm, "reward_model.cost_path=cost"))  # a reward model and a cost model
+    assert (scored.scorers, Workload.from_config(_ppo(*rm[:2])).scorers) == (2, 1)
+    two, one = (estimate("reward_model", shape, ddp, w, A100, 8) for w in (scored, plain))
+    assert two.stage_s["rm_score"] == pytest.approx(2 * one.stage_s["rm_score"] - A100.stage_overhead_s)

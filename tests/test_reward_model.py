@@ -4,6 +4,7 @@ left truncation; in worker groups of 1 and 2 ranks (ddp and fsdp), real processe
 config, the pre-flight check and the loader."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -172,3 +173,30 @@ def test_config_and_preflight_refuse_a_reward_model_that_cannot_work(tmp_path, t
         check("OpenAssistant/reward-model-deberta-v3-large")
     with pytest.raises(InputError, match=r"reward_model.max_length=8 tokens is not longer than the shortest training"):
         check(folder, "reward_model.max_length=8")
+
+
+def test_a_cost_model_scores_safe_rlhfs_cost_and_is_checked_before_work(tmp_path, tiny_model_dir):
+    """``reward_model.cost_path`` (Safe-RLHF's cost model, without a reward model): the rm_score stage's classifier
+    whose score is ``token_level_costs``; the iteration's ``critic/cost/mean`` is its mean score over the batch, and
+    a folder that is no classifier is refused up front, naming the key."""
+    from hybridflow.engine.trainer import SingleProcessTrainer
+    from hybridflow.flows.preflight import InputError, check_run_inputs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    folder = write_reward_model(tmp_path / "cost", tokenizer, seed=3)
+    safe = ["algorithm.cost_limit=0", f"reward_model.cost_path={folder}", "trainer.total_iterations=1"]
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "gae", safe)
+    assert "reward_model" in cfg.roles() and not cfg.reward_model.enable
+    check_run_inputs(cfg)
+    trainer = SingleProcessTrainer(cfg)
+    assert trainer.scorers and trainer.scorers[0].column == "token_level_costs"
+    cursor = trainer.sampler.state_dict()
+    batch = trainer.rollout.generate_sequences(trainer.sampler.next_batch())  # the rows the step will draw
+    trainer.sampler.load_state_dict(cursor)
+    direct = _direct(folder, reward_model_texts(batch, tokenizer, AutoTokenizer.from_pretrained(folder)))
+    metrics = trainer.step()
+    assert metrics["critic/cost/mean"] == pytest.approx(sum(direct) / len(direct), rel=1e-4)
+    assert "timing_s/rm_score" in metrics and math.isfinite(metrics["cost_critic/vf_loss"])
+    with pytest.raises(InputError, match=r"reward_model.cost_path=.*not a \*ForSequenceClassification"):
+        not_a_classifier = ["algorithm.cost_limit=0", f"reward_model.cost_path={tiny_model_dir}"]
+        check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "gae", not_a_classifier))

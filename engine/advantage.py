@@ -17,9 +17,11 @@ from hybridflow.engine.core_algos import (
     KLController,
     LagrangeMultiplier,
     apply_kl_penalty,
+    compute_gae_advantage_return,
     get_adv_estimator_fn,
     get_kl_controller,
     lagrangian_advantages,
+    masked_whiten,
     overlong_reward,
     uses_greedy_baseline,
 )
@@ -33,12 +35,36 @@ def build_kl_controller(algorithm: AlgorithmConfig) -> KLController:
     return get_kl_controller(ctrl.type, ctrl.kl_coef, target_kl=ctrl.target_kl, horizon=ctrl.horizon)
 
 
+def _lagrangian_advantages(
+    batch, rewards: torch.Tensor, kl_cost: torch.Tensor | None, algorithm: AlgorithmConfig, lagrangian
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Safe-RLHF's advantage stage (Dai et al. 2023, §3.3): step lambda with the batch's episode costs (the sum of
+    each row's ``token_level_costs``), estimate the reward's and the cost's GAE (the critic's ``values``, the cost
+    critic's ``cost_values``) unwhitened, and whiten their Lagrangian combination `lagrangian_advantages`. The
+    in-reward KL penalty `kl_cost` (when ``algorithm.use_kl_in_reward``), subtracted from the reward, is added to
+    the cost too, so the policy's KL weight stays beta whatever lambda: ((-beta KL) - lambda (beta KL)) / (1 +
+    lambda) = -beta KL. Returns the columns (``token_level_rewards``, ``advantages``, ``returns``,
+    ``cost_returns``, float32 [B, T]) and ``critic/cost/mean``, ``actor/lagrange_multiplier``."""
+    mask = batch["response_mask"]
+    episode_costs = batch["token_level_costs"].sum(-1)
+    multiplier = lagrangian.update(episode_costs.tolist())
+    costs = batch["token_level_costs"] if kl_cost is None else batch["token_level_costs"] + kl_cost
+    gae = {"gamma": algorithm.gamma, "lam": algorithm.lam, "whiten": False}
+    reward_advantages, returns = compute_gae_advantage_return(rewards, batch["values"], mask, **gae)
+    cost_advantages, cost_returns = compute_gae_advantage_return(costs, batch["cost_values"], mask, **gae)
+    combined = lagrangian_advantages(reward_advantages, cost_advantages, multiplier)
+    advantages = torch.where(mask != 0, masked_whiten(combined, mask), 0.0)
+    out = {"token_level_rewards": rewards, "advantages": advantages, "returns": returns, "cost_returns": cost_returns}
+    return out, {"critic/cost/mean": float(episode_costs.mean()), "actor/lagrange_multiplier": multiplier}
+
+
 def build_lagrangian(algorithm: AlgorithmConfig) -> LagrangeMultiplier | None:
-    """Safe-RLHF's Lagrange multiplier from ``algorithm.cost_limit``, ``lambda_init``, ``lambda_lr`` and
-    ``lambda_max``; None without a cost limit."""
+    """Safe-RLHF's Lagrange multiplier from ``algorithm.cost_limit``, ``lambda_init``, ``lambda_lr``,
+    ``lambda_max`` and ``episode_cost_window``; None without a cost limit."""
     if algorithm.cost_limit is None:
         return None
-    return LagrangeMultiplier(algorithm.cost_limit, algorithm.lambda_init, algorithm.lambda_lr, algorithm.lambda_max)
+    a = algorithm
+    return LagrangeMultiplier(a.cost_limit, a.lambda_init, a.lambda_lr, a.lambda_max, a.episode_cost_window)
 
 
 def training_scores(data: DataProto, function_coef: float = 1.0, rm_coef: float = 1.0) -> torch.Tensor:
@@ -152,9 +178,10 @@ def compute_advantage(
         greedy: for an estimator with a greedy baseline (remax): the scored greedy responses, one per prompt
             (`greedy_baselines`); reported as ``critic/reward_baseline/mean``.
         lagrangian: Safe-RLHF (the batch has ``token_level_costs`` and the cost critic's ``cost_values`` [B, T]):
-            the multiplier, stepped first with this batch's mean episode cost (`LagrangeMultiplier.update`); the
-            advantages are then `lagrangian_advantages` of the reward's and the cost's (same estimator), and
-            ``cost_returns`` is added. Reported: ``critic/cost/mean``, ``actor/lagrange_multiplier``.
+            the multiplier, stepped first with this batch's episode costs (`LagrangeMultiplier.update`); the
+            advantages are then the whitened `lagrangian_advantages` of the reward's and the cost's GAE
+            (`_lagrangian_advantages`), and ``cost_returns`` is added. Reported: ``critic/cost/mean`` (this batch's
+            mean episode cost), ``actor/lagrange_multiplier``.
 
     Returns:
         (DataProto with ``token_level_rewards``, ``advantages``, ``returns`` float32 [B, T] (and ``cost_returns``);
@@ -162,46 +189,53 @@ def compute_advantage(
 
     Raises:
         ValueError: ``use_kl_in_reward`` is set without a controller, remax without `greedy`, or costs without
-            `lagrangian`.
+            `lagrangian` (or the reverse).
         NonFiniteError: a reward, advantage or return on a response token is NaN or ±inf (names the first sample).
     """
     batch = data.batch
     mask = batch["response_mask"]
     shaping = {"function_coef": function_coef, "rm_coef": rm_coef, "overlong": overlong, "max_length": max_length}
     rewards, metrics = shaped_scores(data, **shaping)
+    kl_cost = None  # the in-reward KL penalty, beta x KL_t [B, T], which Safe-RLHF also charges as a cost
     if algorithm.use_kl_in_reward:
         if kl_ctrl is None:
             raise ValueError("algorithm.use_kl_in_reward needs a KL controller (build_kl_controller)")
+        shaped = rewards
         rewards, kl_metrics = apply_kl_penalty(
             rewards, batch["old_log_probs"], batch["ref_log_prob"], mask, kl_ctrl, algorithm.kl_penalty
         )
+        kl_cost = shaped - rewards
         metrics.update(kl_metrics)
     uids = data.non_tensor_batch.get("uid")
-    baselines = None
-    if uses_greedy_baseline(algorithm.adv_estimator):
-        if greedy is None:
-            raise ValueError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the greedy responses' scores")
-        baselines = greedy_baselines(uids, greedy, **shaping)
-        metrics["critic/reward_baseline/mean"] = float(baselines.mean())
-    estimator = get_adv_estimator_fn(algorithm.adv_estimator)
-    common = {
-        "index": uids,
-        "gamma": algorithm.gamma,
-        "lam": algorithm.lam,
-        "norm_adv_by_std_in_grpo": algorithm.norm_adv_by_std_in_grpo,
-    }
-    values = batch.get("values", None)
-    advantages, returns = estimator(rewards, mask, values=values, reward_baselines=baselines, **common)
-    out = {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}
-    if "token_level_costs" in batch:  # Safe-RLHF: the cost's advantages, weighed by the stepped multiplier
-        if lagrangian is None:
-            raise ValueError("a batch with costs (reward.cost_function) needs the multiplier (build_lagrangian)")
-        costs = batch["token_level_costs"]
-        episode_cost = float(costs.sum(-1).mean())
-        multiplier = lagrangian.update(episode_cost)
-        cost_advantages, out["cost_returns"] = estimator(costs, mask, values=batch["cost_values"], **common)
-        out["advantages"] = lagrangian_advantages(advantages, cost_advantages, multiplier)
-        metrics.update({"critic/cost/mean": episode_cost, "actor/lagrange_multiplier": multiplier})
+    if (lagrangian is None) != ("token_level_costs" not in batch):
+        raise ValueError(
+            "Safe-RLHF needs both the batch's token_level_costs (reward.cost_function or reward_model.cost_path) and "
+            "the Lagrange multiplier (build_lagrangian with algorithm.cost_limit); got only one"
+        )
+    if lagrangian is not None:
+        out, safe_metrics = _lagrangian_advantages(batch, rewards, kl_cost, algorithm, lagrangian)
+        metrics.update(safe_metrics)
+    else:
+        baselines = None
+        if uses_greedy_baseline(algorithm.adv_estimator):
+            if greedy is None:
+                raise ValueError(
+                    f"algorithm.adv_estimator={algorithm.adv_estimator} needs the greedy responses' scores"
+                )
+            baselines = greedy_baselines(uids, greedy, **shaping)
+            metrics["critic/reward_baseline/mean"] = float(baselines.mean())
+        estimator = get_adv_estimator_fn(algorithm.adv_estimator)
+        advantages, returns = estimator(
+            rewards,
+            mask,
+            index=uids,
+            values=batch.get("values", None),
+            gamma=algorithm.gamma,
+            lam=algorithm.lam,
+            norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+            reward_baselines=baselines,
+        )
+        out = {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}
     for name, tensor in out.items():
         check_finite(
             tensor, stage="adv", metric=name, mask=mask, describe=None if uids is None else lambda i: f"uid {uids[i]}"

@@ -291,14 +291,18 @@ class AlgorithmConfig(_Section):
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     cost_limit: float | None = Field(
         None,
-        description="Safe-RLHF (Dai et al. 2023): the episode cost d the policy must stay under; with "
-        "reward.cost_function it adds a cost critic and the PPO-Lagrangian objective (None: off)",
+        description="Safe-RLHF (Dai et al. 2023): the episode cost d the policy must stay under; with a cost source "
+        "(reward.cost_function or reward_model.cost_path) it adds a cost critic and the PPO-Lagrangian objective "
+        "(None: off)",
     )
     lambda_init: float = Field(1.0, gt=0.0, description="Safe-RLHF: the Lagrange multiplier's first value")
     lambda_lr: float = Field(
-        0.1, gt=0.0, description="Safe-RLHF: step of log(lambda) per unit of mean episode cost over the limit"
+        0.1, gt=0.0, description="Safe-RLHF: log(lambda) += lambda_lr x (mean episode cost - cost_limit) x lambda"
     )
     lambda_max: float | None = Field(None, gt=0.0, description="Safe-RLHF: the multiplier's ceiling (None: none)")
+    episode_cost_window: int = Field(
+        128, gt=0, description="Safe-RLHF: the last responses whose mean cost steps lambda (128 as Safe-RLHF's code)"
+    )
 
     @field_validator("adv_estimator")
     @classmethod

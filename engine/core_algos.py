@@ -25,6 +25,7 @@ keys (``actor.loss_agg_mode``, ``algorithm.kl_penalty``, ...) mean what verl use
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import math
@@ -367,6 +368,7 @@ def compute_gae_advantage_return(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation over the response tokens.
 
@@ -384,11 +386,13 @@ def compute_gae_advantage_return(
         response_mask: bool/int/float [B, T], 1 on real response tokens.
         gamma: discount factor in [0, 1] (``algorithm.gamma``).
         lam: GAE lambda in [0, 1] (``algorithm.lam``).
+        whiten: False: the advantages as estimated (Safe-RLHF combines two before whitening).
 
     Returns:
         ``(advantages, returns)``, both [B, T] in ``values``' dtype, no grad. ``returns = advantages + values``
         computed before whitening (the critic's regression target); ``advantages`` are then whitened with
-        `masked_whiten` over all response tokens of the batch. Both are exactly 0 at masked positions.
+        `masked_whiten` over all response tokens of the batch (unless `whiten` is false). Both are exactly 0 at
+        masked positions.
 
     Raises:
         ValueError: shapes differ, gamma or lam outside [0, 1], or fewer than two response tokens in the batch
@@ -413,7 +417,8 @@ def compute_gae_advantage_return(
         advantages[:, t] = next_adv
 
     returns = torch.where(is_real, advantages + vals, 0.0)
-    advantages = torch.where(is_real, masked_whiten(advantages, response_mask), 0.0)
+    if whiten:
+        advantages = torch.where(is_real, masked_whiten(advantages, response_mask), 0.0)
     return advantages, returns
 
 
@@ -830,27 +835,66 @@ class LagrangeMultiplier:
 
     Source: Dai et al. 2023, "Safe RLHF: Safe Reinforcement Learning from Human Feedback", §3.3: the policy
     maximises ``min_lambda -J_R + lambda (J_C - d)`` by alternating a policy step and a step of lambda along
-    ``J_C - d``. As their implementation, lambda is kept as ``exp(log_lambda)`` so that it stays positive; each
-    iteration ``log_lambda += lambda_lr x (J_C - d)``, J_C the batch's mean episode cost: lambda rises while the
-    cost is over the limit and falls while it is under, by a factor ``exp(lambda_lr x |J_C - d|)``; it never
-    exceeds ``lambda_max`` when set.
+    ``J_C - d``. As in their PPO-Lagrangian implementation, lambda is kept as ``exp(log_lambda)`` (so it stays
+    positive), J_C is the mean cost of the last ``window`` episodes (responses), and each iteration takes one
+    gradient-descent step of ``lambda_lr`` on the loss ``-(J_C - d) x lambda`` over ``log_lambda``:
+    ``log_lambda += lambda_lr x (J_C - d) x lambda``. Lambda rises while the cost is over the limit and falls while
+    it is under; ``log_lambda`` is kept in [`LOG_LAMBDA_MIN`, log(``lambda_max``)] so that lambda neither underflows
+    to 0 nor overflows.
 
     Attributes:
-        value: the current lambda, a float > 0 (checkpointed with the trainer state).
+        log_value: log lambda (checkpointed, with the window, by `state_dict`).
+        value: lambda, a float > 0.
+
+    Raises:
+        ValueError: ``lambda_init`` or ``lambda_max`` is not > 0, or ``window`` < 1 (each names its config key).
     """
 
-    def __init__(self, cost_limit: float, lambda_init: float, lambda_lr: float, lambda_max: float | None = None):
+    LOG_LAMBDA_MIN = -50.0
+
+    def __init__(
+        self,
+        cost_limit: float,
+        lambda_init: float,
+        lambda_lr: float,
+        lambda_max: float | None = None,
+        window: int = 128,
+    ):
         if not lambda_init > 0:
             raise ValueError(f"`algorithm.lambda_init` must be > 0, got {lambda_init}.")
-        self.cost_limit, self.lambda_lr, self.lambda_max = float(cost_limit), float(lambda_lr), lambda_max
-        self.value = float(lambda_init)
+        if lambda_max is not None and not lambda_max > 0:
+            raise ValueError(f"`algorithm.lambda_max` must be > 0 or unset, got {lambda_max}.")
+        if window < 1:
+            raise ValueError(f"`algorithm.episode_cost_window` must be >= 1, got {window}.")
+        self.cost_limit, self.lambda_lr = float(cost_limit), float(lambda_lr)
+        self.log_max = math.log(lambda_max) if lambda_max is not None else 50.0
+        self.log_value = self._clamped(math.log(lambda_init))
+        self.costs: collections.deque[float] = collections.deque(maxlen=window)
 
-    def update(self, episode_cost: float) -> float:
-        """Step lambda with this batch's mean episode cost J_C (cost units, as ``reward.cost_function`` returns);
-        returns the new lambda."""
-        value = math.exp(math.log(self.value) + self.lambda_lr * (episode_cost - self.cost_limit))
-        self.value = min(value, self.lambda_max) if self.lambda_max is not None else value
+    def _clamped(self, log_value: float) -> float:
+        return min(max(log_value, self.LOG_LAMBDA_MIN), self.log_max)
+
+    @property
+    def value(self) -> float:
+        return math.exp(self.log_value)
+
+    def update(self, episode_costs: Sequence[float]) -> float:
+        """Add this batch's episode costs (one per response, in ``reward.cost_function``'s units) to the window and
+        step lambda with the window's mean; returns the new lambda."""
+        self.costs.extend(float(c) for c in episode_costs)
+        mean_cost = sum(self.costs) / len(self.costs)
+        self.log_value = self._clamped(self.log_value + self.lambda_lr * (mean_cost - self.cost_limit) * self.value)
         return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"log_lambda", "episode_costs"}``: what a checkpoint keeps (JSON-serialisable)."""
+        return {"log_lambda": self.log_value, "episode_costs": list(self.costs)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`'s output exactly."""
+        self.log_value = float(state["log_lambda"])
+        self.costs.clear()
+        self.costs.extend(float(c) for c in state["episode_costs"])
 
 
 def lagrangian_advantages(

@@ -213,8 +213,9 @@ class SingleProcessTrainer:
 
     def save_checkpoint(self) -> CheckpointInfo:
         """Save ``<checkpoint_dir>/global_step_<global_steps>/`` atomically (`hybridflow.engine.checkpoint`):
-        actor (and critic) weights in Hugging Face layout with their optimizer and scheduler states, the tokenizer,
-        the sampler cursor, the KL coefficient and the RNG states. The frozen reference policy is not saved: it is
+        actor (and critic, and Safe-RLHF's cost critic) weights in Hugging Face layout with their optimizer and
+        scheduler states, the tokenizer, the sampler cursor, the KL coefficient, Safe-RLHF's multiplier (log lambda
+        and its cost window) and the RNG states. The frozen reference policy is not saved: it is
         rebuilt from ``model.path``.
 
         Returns:
@@ -227,7 +228,7 @@ class SingleProcessTrainer:
             "global_steps": self.global_steps,
             "sampler": self.sampler.state_dict(),
             "kl_ctrl_value": self.kl_ctrl.value if self.kl_ctrl is not None else None,
-            "lagrange_multiplier": self.lagrangian.value if self.lagrangian is not None else None,
+            "lagrange_multiplier": self.lagrangian.state_dict() if self.lagrangian is not None else None,
         }
         critic = self.critic
         info = save_checkpoint(
@@ -268,7 +269,7 @@ class SingleProcessTrainer:
             else:
                 self.kl_ctrl.value = float(kl_value)
         if self.lagrangian is not None and state.get("lagrange_multiplier") is not None:
-            self.lagrangian.value = float(state["lagrange_multiplier"])
+            self.lagrangian.load_state_dict(state["lagrange_multiplier"])
         logger.info("resumed from %s at global step %d", path, self.global_steps)
 
     def _resume_path(self) -> Path | None:

@@ -237,14 +237,14 @@ class RLHFWorker:
         return self.rollout.sync_weights() if hasattr(self.rollout, "sync_weights") else {}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    def compute_reward(self, data: DataProto) -> DataProto:
+    def compute_reward(self, data: DataProto, costs: bool = True) -> DataProto:
         """``token_level_scores`` float32 [B, T] plus one float64 column per extra the score function reports
-        (``reward_extra/<key>``, e.g. ``reward_extra/acc``); with ``reward.cost_function`` (Safe-RLHF), its
-        ``token_level_costs`` float32 [B, T] (each response's cost on its last token)."""
+        (``reward_extra/<key>``, e.g. ``reward_extra/acc``); with ``reward.cost_function`` (Safe-RLHF) and `costs`,
+        its ``token_level_costs`` float32 [B, T] (each response's cost on its last token)."""
         self._need("reward")
         scores, extras = self.reward_fn(data)
         tensors = {"token_level_scores": scores}
-        if self.cost_fn is not None:
+        if self.cost_fn is not None and costs:
             tensors["token_level_costs"] = self.cost_fn(data)[0]
         for key, values in extras.items():
             tensors[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
@@ -253,7 +253,10 @@ class RLHFWorker:
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` float32 [B, T]: the reward model's score on each row's last response token
-        (`RewardModel.compute_rm_score`); Safe-RLHF's cost model's as ``token_level_costs``."""
+        (`RewardModel.compute_rm_score`); Safe-RLHF's cost model's as ``token_level_costs``.
+
+        Raises:
+            RuntimeError: this group hosts neither a reward model nor a cost model."""
         if not self.scorers:
             raise RuntimeError(f"this group does not host role 'reward_model' (it hosts {sorted(self.roles)})")
         out = self.scorers[0].compute_rm_score(data)
@@ -304,8 +307,9 @@ class RLHFWorker:
 
     @register(Dispatch.RANK_ZERO)
     def save_checkpoint_part(self, staging: str) -> list[str]:
-        """Write the trained roles this group hosts (actor, critic) into a checkpoint's staging folder (see
-        `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the roles written.
+        """Write the trained roles this group hosts (actor, critic, Safe-RLHF's cost critic) into a checkpoint's
+        staging folder (see `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the
+        roles written.
 
         Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
         sharded model (``fsdp``, ``megatron``) is gathered from its shards first, so every rank takes part."""

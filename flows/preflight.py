@@ -100,7 +100,7 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     if cfg.trainer.checkpoint_dir:
         _check_writable("trainer.checkpoint_dir", Path(cfg.trainer.checkpoint_dir))
     if cfg.trainer.resume_from not in (None, "auto"):
-        _check_resume_from(cfg.trainer.resume_from)
+        _check_resume_from(cfg.trainer.resume_from, cfg.safe_rlhf())
 
 
 def _check_reward_model(path: str, key: str = "reward_model.path") -> Any:
@@ -282,7 +282,8 @@ def _check_mlflow_server(uri: str) -> None:
         ) from None
 
 
-def _check_resume_from(value: str) -> None:
+def _check_resume_from(value: str, cost_critic: bool = False) -> None:
+    """The checkpoint verifies; a Safe-RLHF run's (`cost_critic`) holds a cost critic to continue."""
     from hybridflow.engine.checkpoint import CheckpointError, verify_checkpoint
 
     try:
@@ -292,6 +293,12 @@ def _check_resume_from(value: str) -> None:
             f"trainer.resume_from={value}: not a usable checkpoint ({e}); give a global_step_<N> folder written by "
             "HybridFlow (its manifest.json lists every file), or remove the key to start from model.path"
         ) from None
+    if cost_critic and not (Path(value) / "cost_critic").is_dir():
+        raise InputError(
+            f"trainer.resume_from={value}: the checkpoint has no cost_critic/ (a run without Safe-RLHF wrote it), and "
+            "algorithm.cost_limit needs one to continue: resume a Safe-RLHF run's checkpoint, or remove "
+            "trainer.resume_from (or algorithm.cost_limit)"
+        )
 
 
 def _check_writable(key: str, folder: Path) -> None:

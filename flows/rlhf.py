@@ -499,7 +499,7 @@ def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl, lagrangian=None) 
         "global_steps": steps_done,
         "sampler": prompts.sampler.state_dict(),
         "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
-        "lagrange_multiplier": lagrangian.value if lagrangian is not None else None,
+        "lagrange_multiplier": lagrangian.state_dict() if lagrangian is not None else None,
     }
 
 
@@ -720,7 +720,7 @@ def _resume(
     if kl_ctrl is not None and state.get("kl_ctrl_value") is not None:
         kl_ctrl.value = state["kl_ctrl_value"]
     if lagrangian is not None and state.get("lagrange_multiplier") is not None:
-        lagrangian.value = state["lagrange_multiplier"]
+        lagrangian.load_state_dict(state["lagrange_multiplier"])
     logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], path)
     notify("resumed", step=int(state["global_steps"]), path=str(path))
     return int(state["global_steps"])

@@ -97,7 +97,7 @@ def generate_greedy(group: WorkerGroup, prompts: DataHandle) -> DataHandle:
 
 @_stage("reward")
 def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
-    """Score the responses: ``token_level_scores`` (+ ``reward_extra/*``)."""
+    """Score the responses: ``token_level_scores`` (+ ``reward_extra/*``; Safe-RLHF's ``token_level_costs``)."""
     return group.compute_reward(
         rollout.select(["responses", "response_mask", "data_source", "reward_model", "extra_info"])
     )
@@ -105,7 +105,8 @@ def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
 
 @_stage("rm_score")
 def rm_score(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
-    """The reward model's ``rm_scores`` [B, T] (its score on each row's last response token)."""
+    """The reward model's ``rm_scores`` [B, T] (its score on each row's last response token), and Safe-RLHF's cost
+    model's ``token_level_costs`` [B, T]."""
     return group.compute_rm_score(rollout.select(["responses", "response_mask", "raw_prompt"]))
 
 
@@ -123,7 +124,7 @@ def ref_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
 
 @_stage("values")
 def values(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
-    """Critic ``values`` for each response token."""
+    """Critic ``values`` for each response token (and Safe-RLHF's cost critic's ``cost_values``), [B, T]."""
     return group.compute_values(rollout)
 
 
@@ -225,7 +226,7 @@ def validate(
         rollout = rollout_group.generate_sequences(
             batch.with_meta(global_steps=step), n=1, temperature=temperature, stream=f"val-{index}"
         )
-        scores = reward_group.compute_reward(rollout)
+        scores = reward_group.compute_reward(rollout, costs=False)  # validation reports no cost
         scored = scores.union(rollout.select(["data_source"])).load()
         wanted = keep - sum(len(k) for k in kept)
         if wanted > 0:

@@ -186,3 +186,13 @@ def test_safe_rlhf_steps_lambda_against_the_cost_limit_trains_the_cost_critic_an
     for key, value in second.items():
         if not key.startswith(("timing_s/", "perf/")):
             assert again[key] == value, key
+
+    # a checkpoint without a cost critic (plain PPO) cannot continue as Safe-RLHF: refused before any work
+    from hybridflow.flows.preflight import InputError, check_run_inputs
+
+    (tmp_path / "plain").mkdir()
+    plain = SingleProcessTrainer(tiny_run_config(tmp_path / "plain", tiny_model_dir, "gae")).save_checkpoint().path
+    safe = ["algorithm.cost_limit=0", f"reward.cost_function={write_cost(tmp_path)}"]
+    check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "gae", [*safe, f"trainer.resume_from={saved}"]))
+    with pytest.raises(InputError, match=r"has no cost_critic/ \(a run without Safe-RLHF wrote it\)"):
+        check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "gae", [*safe, f"trainer.resume_from={plain}"]))

@@ -1069,15 +1069,27 @@ def test_the_actor_passes_a_loss_its_own_policy_loss_keys():
 
 
 def test_the_lagrange_multiplier_rises_over_the_cost_limit_and_falls_under_it():
-    """Safe-RLHF: log lambda steps by lambda_lr x (J_C - d); lambda stays positive and under lambda_max."""
-    lagrangian = ca.LagrangeMultiplier(cost_limit=0.5, lambda_init=1.0, lambda_lr=0.1)
-    assert lagrangian.update(2.5) == pytest.approx(math.exp(0.2))  # over the limit by 2: up
-    assert lagrangian.update(0.5) == pytest.approx(math.exp(0.2))  # at the limit: unchanged
-    assert lagrangian.update(-9.5) == pytest.approx(math.exp(-0.8))  # under by 10: down, still > 0
+    """Safe-RLHF: log lambda += lambda_lr x (mean cost of the window - d) x lambda; lambda stays in (0, lambda_max],
+    and the state (log lambda, the window) round-trips."""
+    lagrangian = ca.LagrangeMultiplier(cost_limit=0.5, lambda_init=1.0, lambda_lr=0.1, window=4)
+    assert lagrangian.update([2.0, 3.0]) == pytest.approx(math.exp(0.2))  # mean 2.5, over the limit by 2: up
+    up = math.exp(0.2)
+    assert lagrangian.update([0.0, -3.0]) == pytest.approx(up * math.exp(0.1 * (0.5 - 0.5) * up))  # window mean 0.5
+    assert list(lagrangian.costs) == [2.0, 3.0, 0.0, -3.0]
+    down = lagrangian.update([-7.0, -7.0])  # the window drops the two oldest: mean (0 - 3 - 7 - 7) / 4
+    assert down == pytest.approx(up * math.exp(0.1 * (-4.25 - 0.5) * up)) and 0 < down < 1
+    copy = ca.LagrangeMultiplier(0.5, 1.0, 0.1, window=4)
+    copy.load_state_dict(lagrangian.state_dict())
+    assert copy.value == down and copy.update([1.0]) == lagrangian.update([1.0])
     capped = ca.LagrangeMultiplier(0.0, 1.0, 1.0, lambda_max=2.0)
-    assert capped.update(5.0) == 2.0 and capped.value == 2.0
+    assert capped.update([5.0]) == pytest.approx(2.0)
+    floor = ca.LagrangeMultiplier(0.0, 1.0, 1e6)
+    assert floor.update([-1e6]) == math.exp(ca.LagrangeMultiplier.LOG_LAMBDA_MIN) > 0  # clamped: no underflow to 0
+    assert floor.update([-1e6]) > 0  # so the next step still has a log
     with pytest.raises(ValueError, match=r"algorithm.lambda_init. must be > 0"):
         ca.LagrangeMultiplier(0.0, 0.0, 0.1)
+    with pytest.raises(ValueError, match=r"algorithm.episode_cost_window. must be >= 1"):
+        ca.LagrangeMultiplier(0.0, 1.0, 0.1, window=0)
 
 
 def test_lagrangian_advantages_weigh_the_cost_by_lambda_over_one_plus_lambda():
@@ -1090,38 +1102,53 @@ def test_lagrangian_advantages_weigh_the_cost_by_lambda_over_one_plus_lambda():
 
 
 def test_compute_advantage_steps_lambda_then_combines_the_reward_and_cost_gae():
-    """The advantage stage with costs: lambda is stepped with the batch's mean episode cost first; the advantages
-    are `lagrangian_advantages` of the two GAEs under the new lambda; ``cost_returns`` is the cost critic's target."""
+    """The advantage stage with costs: lambda is stepped with the batch's episode costs first; the advantages are the
+    whitened `lagrangian_advantages` of the two unwhitened GAEs under the new lambda; ``cost_returns`` is the cost
+    critic's target; the in-reward KL penalty is charged to the cost as well."""
     from hybridflow.engine.advantage import build_lagrangian, compute_advantage
     from hybridflow.engine.config import AlgorithmConfig
     from hybridflow.engine.protocol import DataProto
 
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0]])
-    costs = torch.tensor([[0.0, 0.0, 2.0], [0.0, 4.0, 0.0]])  # mean episode cost 3
+    costs = torch.tensor([[0.0, 0.0, 2.0], [0.0, 4.0, 0.0]])  # episode costs 2 and 4: mean 3
     values, cost_values = torch.full((2, 3), 0.25), torch.tensor([[1.0, 0.5, 0.0], [2.0, 1.0, 0.0]])
-    data = DataProto.from_dict(
-        {
-            "token_level_scores": scores,
-            "response_mask": mask,
-            "values": values,
-            "token_level_costs": costs,
-            "cost_values": cost_values,
-        }  # fmt: skip
-    )
+    columns = {
+        "token_level_scores": scores, "response_mask": mask, "values": values,
+        "token_level_costs": costs, "cost_values": cost_values,
+    }  # fmt: skip
+    data = DataProto.from_dict(columns)
     algorithm = AlgorithmConfig(adv_estimator="gae", cost_limit=1.0, lambda_init=0.5, lambda_lr=0.2)
     lagrangian = build_lagrangian(algorithm)
     out, metrics = compute_advantage(data, algorithm, lagrangian=lagrangian)
-    multiplier = 0.5 * math.exp(0.2 * (3.0 - 1.0))
+    multiplier = 0.5 * math.exp(0.2 * (3.0 - 1.0) * 0.5)
     assert lagrangian.value == pytest.approx(multiplier)
     assert metrics["critic/cost/mean"] == 3.0 and metrics["actor/lagrange_multiplier"] == pytest.approx(multiplier)
-    gae = ca.get_adv_estimator_fn("gae")
-    reward_adv, returns = gae(scores, mask, values=values, gamma=1.0, lam=1.0)
-    cost_adv, cost_returns = gae(costs, mask, values=cost_values, gamma=1.0, lam=1.0)
-    assert_close(out.batch["advantages"], ca.lagrangian_advantages(reward_adv, cost_adv, multiplier))
+    gae = ca.compute_gae_advantage_return
+    reward_adv, returns = gae(scores, values, mask, 1.0, 1.0, whiten=False)
+    cost_adv, cost_returns = gae(costs, cost_values, mask, 1.0, 1.0, whiten=False)
+    want = ca.masked_whiten(ca.lagrangian_advantages(reward_adv, cost_adv, multiplier), mask) * mask
+    assert_close(out.batch["advantages"], want)
     assert_close(out.batch["returns"], returns)
-    assert_close(out.batch["cost_returns"], cost_returns)
     assert_close(cost_returns, torch.tensor([[2.0, 2.0, 2.0], [4.0, 4.0, 0.0]]))  # the cost to go
-    with pytest.raises(ValueError, match=r"needs the multiplier"):
+    assert_close(out.batch["cost_returns"], cost_returns)
+
+    # KL in the reward: beta x KL_t leaves the reward and joins the cost (both critics' targets show it)
+    log_probs = {"old_log_probs": torch.zeros(2, 3), "ref_log_prob": torch.full((2, 3), -0.5)}  # k1 KL 0.5 a token
+    kl = AlgorithmConfig(
+        adv_estimator="gae", cost_limit=1.0, use_kl_in_reward=True, kl_ctrl={"type": "fixed", "kl_coef": 0.2}
+    )
+    from hybridflow.engine.advantage import build_kl_controller
+
+    out, _ = compute_advantage(
+        DataProto.from_dict({**columns, **log_probs}), kl, build_kl_controller(kl), lagrangian=build_lagrangian(kl)
+    )
+    penalty = 0.2 * 0.5 * mask  # beta x KL on every response token
+    assert_close(out.batch["returns"], gae(scores - penalty, values, mask, 1.0, 1.0, whiten=False)[1])
+    assert_close(out.batch["cost_returns"], gae(costs + penalty, cost_values, mask, 1.0, 1.0, whiten=False)[1])
+    with pytest.raises(ValueError, match=r"needs both the batch's token_level_costs .* got only one"):
         compute_advantage(data, algorithm)
+    with pytest.raises(ValueError, match=r"needs both the batch's token_level_costs .* got only one"):
+        compute_advantage(DataProto.from_dict({"token_level_scores": scores, "response_mask": mask, "values": values}),
+                          algorithm, lagrangian=build_lagrangian(algorithm))  # fmt: skip
     assert build_lagrangian(AlgorithmConfig()) is None

@@ -146,7 +146,8 @@ def test_run_records_metrics_placement_and_checkpoints(
         lambdas = [metrics[step]["actor/lagrange_multiplier"] for step in (1, 2)]
         assert 1.0 < lambdas[0] < lambdas[1] and metrics[2]["critic/cost/mean"] > 0
         assert math.isfinite(metrics[2]["cost_critic/vf_loss"]) and metrics[2]["cost_critic/grad_norm"] > 0
-        assert read_trainer_state(ckpts[1].path)["lagrange_multiplier"] == lambdas[1]
+        saved = read_trainer_state(ckpts[1].path)["lagrange_multiplier"]  # log lambda and the cost window
+        assert math.exp(saved["log_lambda"]) == pytest.approx(lambdas[1]) and len(saved["episode_costs"]) == 16
 
 
 def test_an_on_policy_run_skips_the_old_log_prob_stage_and_its_metrics_equal_the_staged_run(

@@ -1,0 +1,34 @@
+"""Layering (issue 20): the engine (models, algorithms, workers) knows nothing of orchestration. Its modules never
+import Prefect or submitit, so a worker process and the single-process trainer load without them, and the
+controller's choice of orchestration stays in `flows` and `slurm`."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ENGINE = sorted((Path(__file__).resolve().parent.parent / "engine").glob("*.py"))
+ORCHESTRATION = ("prefect", "submitit")
+
+
+def _imported(path: Path) -> set[str]:
+    """The top-level package of every module `path` imports, at any depth of the file (functions included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_layering_check_sees_function_level_imports(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from prefect import flow\n    import submitit.core\n")
+    assert set(ORCHESTRATION) <= _imported(probe)
+
+
+@pytest.mark.parametrize("path", ENGINE, ids=lambda p: p.name)
+def test_engine_code_never_imports_prefect_or_submitit(path):
+    assert ENGINE, "no engine modules found"
+    assert not _imported(path) & set(ORCHESTRATION), f"{path.name} imports {_imported(path) & set(ORCHESTRATION)}"

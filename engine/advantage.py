@@ -58,6 +58,34 @@ def _lagrangian_advantages(
     return out, {"critic/cost/mean": float(episode_costs.mean()), "actor/lagrange_multiplier": multiplier}
 
 
+def _estimator_advantages(
+    data: DataProto, rewards: torch.Tensor, algorithm: AlgorithmConfig, greedy: DataProto | None, shaping: dict
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The configured estimator's ``advantages`` and ``returns`` [B, T] on `rewards` (with ReMax's greedy baselines
+    from `greedy`, reported as ``critic/reward_baseline/mean``), and ``token_level_rewards``.
+
+    Raises:
+        ValueError: an estimator with a greedy baseline and no `greedy`."""
+    uids = data.non_tensor_batch.get("uid")
+    baselines, metrics = None, {}
+    if uses_greedy_baseline(algorithm.adv_estimator):
+        if greedy is None:
+            raise ValueError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the greedy responses' scores")
+        baselines = greedy_baselines(uids, greedy, **shaping)
+        metrics["critic/reward_baseline/mean"] = float(baselines.mean())
+    advantages, returns = get_adv_estimator_fn(algorithm.adv_estimator)(
+        rewards,
+        data.batch["response_mask"],
+        index=uids,
+        values=data.batch.get("values", None),
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+        reward_baselines=baselines,
+    )
+    return {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}, metrics
+
+
 def build_lagrangian(algorithm: AlgorithmConfig) -> LagrangeMultiplier | None:
     """Safe-RLHF's Lagrange multiplier from ``algorithm.cost_limit``, ``lambda_init``, ``lambda_lr``,
     ``lambda_max`` and ``episode_cost_window``; None without a cost limit."""
@@ -213,29 +241,10 @@ def compute_advantage(
             "the Lagrange multiplier (build_lagrangian with algorithm.cost_limit); got only one"
         )
     if lagrangian is not None:
-        out, safe_metrics = _lagrangian_advantages(batch, rewards, kl_cost, algorithm, lagrangian)
-        metrics.update(safe_metrics)
+        out, more = _lagrangian_advantages(batch, rewards, kl_cost, algorithm, lagrangian)
     else:
-        baselines = None
-        if uses_greedy_baseline(algorithm.adv_estimator):
-            if greedy is None:
-                raise ValueError(
-                    f"algorithm.adv_estimator={algorithm.adv_estimator} needs the greedy responses' scores"
-                )
-            baselines = greedy_baselines(uids, greedy, **shaping)
-            metrics["critic/reward_baseline/mean"] = float(baselines.mean())
-        estimator = get_adv_estimator_fn(algorithm.adv_estimator)
-        advantages, returns = estimator(
-            rewards,
-            mask,
-            index=uids,
-            values=batch.get("values", None),
-            gamma=algorithm.gamma,
-            lam=algorithm.lam,
-            norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
-            reward_baselines=baselines,
-        )
-        out = {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}
+        out, more = _estimator_advantages(data, rewards, algorithm, greedy, shaping)
+    metrics.update(more)
     for name, tensor in out.items():
         check_finite(
             tensor, stage="adv", metric=name, mask=mask, describe=None if uids is None else lambda i: f"uid {uids[i]}"

@@ -60,6 +60,7 @@ class SingleProcessTrainer:
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
+        self.critics = roles.critics()  # the critic and Safe-RLHF's cost critic, those configured
         self.scorers = roles.scorers()  # the reward model and Safe-RLHF's cost model, those configured
         self.kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
         self.lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without a cost limit)
@@ -101,10 +102,9 @@ class SingleProcessTrainer:
             if self.ref is not None:
                 with timer("ref"):
                     data = data.union(self.ref.compute_ref_log_prob(data))
-            critics = [c for c in (self.critic, self.cost_critic) if c is not None]  # Safe-RLHF: and the cost's
-            if critics:
+            if self.critics:
                 with timer("values"):
-                    for critic in critics:
+                    for critic in self.critics:
                         data = data.union(critic.compute_values(data))
             with timer("adv"):
                 advantages, kl_metrics = compute_advantage(
@@ -112,9 +112,9 @@ class SingleProcessTrainer:
                 )
                 data = data.union(advantages)
                 metrics.update(kl_metrics)
-            if critics:
+            if self.critics:
                 with timer("update_critic"):
-                    for critic in critics:
+                    for critic in self.critics:
                         metrics.update(critic.update_critic(data))
             with timer("update_actor"):
                 metrics.update(self.actor.update_policy(data))

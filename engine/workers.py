@@ -54,6 +54,10 @@ class Roles:
     reward_model: RewardModel | None = None
     cost_model: RewardModel | None = None  # Safe-RLHF: reward_model.cost_path, scored with the reward model
 
+    def critics(self) -> list[Critic | MegatronCritic]:
+        """The value models of the values and update_critic stages: the critic, Safe-RLHF's cost critic."""
+        return [c for c in (self.critic, self.cost_critic) if c is not None]
+
     def scorers(self) -> list[RewardModel]:
         """The sequence classifiers of the rm_score stage: the reward model, the cost model (either may be absent)."""
         return [m for m in (self.reward_model, self.cost_model) if m is not None]
@@ -137,6 +141,14 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     return out
 
 
+def _joined(parts: list[DataProto]) -> DataProto:
+    """The columns of every part (same rows) in one `DataProto`."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out.union(part)
+    return out
+
+
 class RLHFWorker:
     """One rank hosting the given roles.
 
@@ -166,6 +178,7 @@ class RLHFWorker:
         self.reward_fn: RewardManager | None = None
         self.cost_fn: RewardManager | None = None
         self.reward_model: RewardModel | None = None
+        self.critics: list[Critic | MegatronCritic] = []  # the critic and Safe-RLHF's cost critic, those configured
         self.scorers: list[RewardModel] = []  # the reward model and Safe-RLHF's cost model, those configured
 
     @property
@@ -200,7 +213,7 @@ class RLHFWorker:
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
         self.reward_model = roles.reward_model
-        self.scorers = roles.scorers()
+        self.critics, self.scorers = roles.critics(), roles.scorers()
         info = {}
         if self._megatron:
             info["actor_params"] = self.actor.parameter_count()
@@ -259,10 +272,7 @@ class RLHFWorker:
             RuntimeError: this group hosts neither a reward model nor a cost model."""
         if not self.scorers:
             raise RuntimeError(f"this group does not host role 'reward_model' (it hosts {sorted(self.roles)})")
-        out = self.scorers[0].compute_rm_score(data)
-        for scorer in self.scorers[1:]:
-            out = out.union(scorer.compute_rm_score(data))
-        return out
+        return _joined([scorer.compute_rm_score(data) for scorer in self.scorers])
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -280,8 +290,7 @@ class RLHFWorker:
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` float32 [B, T] from the critic (and Safe-RLHF's ``cost_values`` from the cost critic)."""
         self._need("critic")
-        out = self.critic.compute_values(data)
-        return out if self.cost_critic is None else out.union(self.cost_critic.compute_values(data))
+        return _joined([critic.compute_values(data) for critic in self.critics])
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> dict[str, float]:
@@ -302,8 +311,7 @@ class RLHFWorker:
         """Value update on this rank's rows (and the cost critic's, Safe-RLHF); returns the critic metrics
         (``critic/*``, ``cost_critic/*``)."""
         self._need("critic")
-        metrics = self.critic.update_critic(data)
-        return metrics if self.cost_critic is None else {**metrics, **self.cost_critic.update_critic(data)}
+        return {k: v for critic in self.critics for k, v in critic.update_critic(data).items()}
 
     @register(Dispatch.RANK_ZERO)
     def save_checkpoint_part(self, staging: str) -> list[str]:

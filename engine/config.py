@@ -20,7 +20,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hybridflow.engine.backends import backend_names, training_backend
 from hybridflow.engine.parallel_layout import HybridLayout
+from hybridflow.engine.rollouts import rollout_names, rollout_spec
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +95,11 @@ class DataConfig(_Files):
 class RolloutConfig(_Section):
     """Sampling: responses per prompt, temperature, top-p/top-k, response length (tokens)."""
 
-    name: Literal["hf", "vllm", "auto"] = Field(
+    name: str = Field(
         "hf",
-        description="hf: transformers generate; vllm: an in-process vLLM engine; auto: vllm where it is installed and "
-        "the layout allows it, else hf (resolved when the config is loaded, and recorded resolved)",
+        description="a registered rollout (hybridflow.engine.rollouts.register_rollout): hf: transformers generate; "
+        "vllm: an in-process vLLM engine; auto: vllm where it is installed and the layout allows it, else hf "
+        "(resolved when the config is loaded, and recorded resolved)",
     )
     n: int = Field(4, gt=0, description="responses sampled per prompt")
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
@@ -122,6 +125,11 @@ class RolloutConfig(_Section):
         description="actor.strategy=megatron: how training shards become generation shards: hybridflow (all-gather "
         "inside micro-DP groups, no redundant copy) or naive (gather the whole model, keep the training shard)",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        return value if value == "auto" else _registered_name(value, rollout_names(), "rollout.name")
 
 
 class OptimConfig(_Section):
@@ -162,19 +170,30 @@ class PolicyLossConfig(_Section):
         return _registered_name(value, policy_loss_modes(), "actor.policy_loss.loss_mode")
 
 
+def _registered_backend(value: str, key: str) -> str:
+    return _registered_name(value, backend_names(), key)
+
+
 class ActorConfig(_Section):
     """The PPO policy update: training backend, mini/micro-batches, clipping (clip-higher, dual-clip), loss
     aggregation, KL loss."""
 
-    strategy: Literal["ddp", "fsdp", "megatron"] = Field(
+    strategy: str = Field(
         "ddp",
-        description="ddp: a Hugging Face model replicated on every rank, gradients all-reduced; fsdp: the same model "
+        description="a registered training backend (hybridflow.engine.backends.register_backend): ddp: a Hugging Face "
+        "model replicated on every rank, gradients all-reduced; fsdp: the same model "
         "sharded over the ranks with FSDP2 (weights, gradients and optimizer states 1/ranks each); megatron: "
         "megatron-core GPTModel with tensor (actor.tp) and pipeline (actor.pp) parallelism, generating through the "
         "3D-HybridEngine",
     )
     tp: int = Field(1, ge=1, description="actor.strategy=megatron or fsdp: tensor-parallel size")
     pp: int = Field(1, ge=1, description="actor.strategy=megatron: pipeline-parallel size (stages)")
+
+    @field_validator("strategy")
+    @classmethod
+    def _registered_strategy(cls, value: str) -> str:
+        return _registered_backend(value, "actor.strategy")
+
     optim: OptimConfig = Field(default_factory=OptimConfig)
     ppo_mini_batch_size: int = Field(8, gt=0, description="prompts per optimizer step (times rollout.n sequences)")
     ppo_micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward")
@@ -214,7 +233,7 @@ class ActorConfig(_Section):
     def shares_prompts(self) -> bool:
         """Whether the log-prob passes and the update compute a repeated prompt once: ``share_prompts`` with ddp
         or fsdp (megatron keeps full rows)."""
-        return self.share_prompts and self.strategy != "megatron"
+        return self.share_prompts and training_backend(self.strategy).packs_rows
 
 
 class RefConfig(_Section):
@@ -227,10 +246,10 @@ class CriticConfig(_Section):
     """The value model and its clipped value-loss update (PPO with GAE only)."""
 
     model_path: str | None = Field(None, description="None: initialise from model.path")
-    strategy: Literal["ddp", "fsdp", "megatron"] = Field(
+    strategy: str = Field(
         "ddp",
-        description="as actor.strategy; megatron needs actor.strategy=megatron and placement.colocate (the critic "
-        "shares the actor's processes and layout)",
+        description="a registered training backend, as actor.strategy; megatron needs actor.strategy=megatron and "
+        "placement.colocate (the critic shares the actor's processes and layout)",
     )
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = Field(8, gt=0)
@@ -245,7 +264,12 @@ class CriticConfig(_Section):
     @property
     def shares_prompts(self) -> bool:
         """Whether the value passes compute a repeated prompt once (``share_prompts``, not megatron)."""
-        return self.share_prompts and self.strategy != "megatron"
+        return self.share_prompts and training_backend(self.strategy).packs_rows
+
+    @field_validator("strategy")
+    @classmethod
+    def _registered_strategy(cls, value: str) -> str:
+        return _registered_backend(value, "critic.strategy")
 
 
 class KLControlConfig(_Section):
@@ -661,10 +685,11 @@ class HybridFlowConfig(_Section):
         self._check_pools()
         self._parallel_layout()
         self._divisible_by_ranks()
-        if self.actor.tis_cap is not None and self.rollout.name != "vllm":
+        if self.actor.tis_cap is not None and not rollout_spec(self.rollout.name).reports_log_probs:
             raise ValueError(
-                "actor.tis_cap corrects the drift between the rollout engine's and the actor's log-probs, and the hf "
-                "rollout samples from the actor itself: set rollout.name=vllm or remove actor.tis_cap"
+                f"actor.tis_cap corrects the drift between the rollout engine's and the actor's log-probs, and the "
+                f"{self.rollout.name} rollout reports none (it samples from the actor itself): set rollout.name=vllm "
+                "or remove actor.tis_cap"
             )
         overlong = self.reward.overlong_buffer
         if overlong.enable and overlong.len >= self.rollout.response_length:
@@ -739,7 +764,7 @@ class HybridFlowConfig(_Section):
                 f"algorithm.cost_limit (Safe-RLHF) estimates cost advantages with a cost critic beside the critic: "
                 f"set algorithm.adv_estimator=gae, not {self.algorithm.adv_estimator}"
             )
-        if self.critic.strategy == "megatron":
+        if training_backend(self.critic.strategy, "critic.strategy").hosted_by_actor:
             raise ValueError(
                 "algorithm.cost_limit (Safe-RLHF): the cost critic is built for ddp and fsdp critics: set "
                 "critic.strategy to ddp or fsdp"
@@ -837,10 +862,11 @@ class HybridFlowConfig(_Section):
                     f"placement.pools.{name}: this run uses none of its roles ({', '.join(pool.roles)}); remove the "
                     f"pool, or enable them ({how})"
                 )
-        if self.critic.strategy == "megatron" and "critic" in owner and owner["critic"] != owner["actor"]:
+        critic = training_backend(self.critic.strategy, "critic.strategy")
+        if critic.hosted_by_actor and "critic" in owner and owner["critic"] != owner["actor"]:
             raise ValueError(
-                "critic.strategy=megatron runs in the megatron actor's processes and layout: put critic in the "
-                f"actor's pool (placement.pools.{owner['actor']}.roles), or set critic.strategy=ddp|fsdp"
+                f"critic.strategy={critic.name} runs in the {critic.name} actor's processes and layout: put critic in "
+                f"the actor's pool (placement.pools.{owner['actor']}.roles), or set critic.strategy=ddp|fsdp"
             )
 
     def _resolve_rollout(self) -> None:
@@ -853,59 +879,18 @@ class HybridFlowConfig(_Section):
         self.rollout.name = "vllm" if vllm and not megatron_tp else "hf"
 
     def _parallel_layout(self) -> None:
-        actor, rollout = self.actor, self.rollout
+        """The actor's layout as its backend allows (`TrainingBackend.check_layout`), and a critic hosted by the actor
+        (megatron) only with a megatron actor in the actor's pool."""
         world = self.pool_of("actor").world_size
         separate = self.placement.pools is None and not self.placement.colocate
-        if self.critic.strategy == "megatron" and (actor.strategy != "megatron" or separate):
+        critic = training_backend(self.critic.strategy, "critic.strategy")
+        if critic.hosted_by_actor and (self.actor.strategy != critic.name or separate):
             raise ValueError(
-                "critic.strategy=megatron runs in the megatron actor's processes and layout: set "
-                "actor.strategy=megatron and place the critic in the actor's pool (placement.colocate=true), or "
+                f"critic.strategy={critic.name} runs in the {critic.name} actor's processes and layout: set "
+                f"actor.strategy={critic.name} and place the critic in the actor's pool (placement.colocate=true), or "
                 "critic.strategy=ddp|fsdp"
             )
-        if actor.strategy == "fsdp":
-            if (actor.pp, rollout.gen_pp) != (1, 1) or rollout.gen_tp not in (None, actor.tp):
-                raise ValueError(
-                    "actor.strategy=fsdp trains with tensor parallelism (actor.tp) only and generates in the same "
-                    "layout: leave actor.pp, rollout.gen_pp at 1 and rollout.gen_tp unset, or use "
-                    "actor.strategy=megatron for pipelines and resharding"
-                )
-            if world % actor.tp:
-                raise ValueError(
-                    f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of "
-                    f"actor.tp = {actor.tp}"
-                )
-            return
-        if actor.strategy != "megatron":
-            if (actor.tp, actor.pp, rollout.gen_tp or 1, rollout.gen_pp) != (1, 1, 1, 1):
-                raise ValueError(
-                    "actor.tp, actor.pp, rollout.gen_tp and rollout.gen_pp split the model for the 3D-HybridEngine and "
-                    f"need actor.strategy=megatron (or fsdp for actor.tp); got strategy {actor.strategy!r}"
-                )
-            return
-        if importlib.util.find_spec("megatron.core") is None:
-            raise ValueError(
-                "actor.strategy=megatron needs megatron-core: pip install megatron-core (bash .ci/setup installs it), "
-                "or set actor.strategy=ddp"
-            )
-        if world % (actor.tp * actor.pp):
-            raise ValueError(
-                f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of "
-                f"actor.tp x actor.pp = {actor.tp * actor.pp}"
-            )
-        if actor.entropy_coeff != 0 or actor.tis_cap is not None:
-            raise ValueError(
-                "actor.strategy=megatron does not compute the vocabulary-parallel entropy bonus or truncated "
-                "importance sampling yet: set actor.entropy_coeff=0 and leave actor.tis_cap unset"
-            )
-        if rollout.gen_pp != 1:
-            raise ValueError("rollout.gen_pp > 1 (pipelined generation) is not implemented: set rollout.gen_pp=1")
-        if rollout.name == "vllm" and (rollout.gen_tp or actor.tp) != 1:
-            raise ValueError(
-                "actor.strategy=megatron feeds vLLM from the 3D-HybridEngine's generation shards only without tensor "
-                "parallelism (vLLM's own TP over the generation TP group is not built): set rollout.gen_tp=1, or "
-                "rollout.name=hf to generate tensor-parallel with transformers"
-            )
-        self.actor_layout()  # gen_tp must divide tp
+        training_backend(self.actor.strategy).check_layout(self, world)
 
     def actor_layout(self) -> HybridLayout:
         """The actor group's training layout p-t-d and generation layout p_g-t_g (``actor.strategy=megatron``;

@@ -4,10 +4,11 @@ rollout generating from the same weights through the 3D-HybridEngine, in one wor
 `HybridActorRollout` owns, on one rank: megatron's parallel state, this rank's ``GPTModel`` shard and its
 `MegatronActor`, and a `HybridEngine` over the shard. Each ``generate_sequences`` moves the weights to the
 generation layout (``rollout.gen_tp``, ``rollout.reshard``), builds a tensor-parallel Hugging Face model over the
-generation shards (`hybridflow.engine.tp_generation`, no copy), samples with the ``hf`` rollout, and moves the
-weights back; between calls the rank holds only its training shard. With ``rollout.name: vllm`` (only at
-``rollout.gen_tp: 1``) each rank runs an in-process vLLM engine of its own instead, and ``sync_weights`` streams the
-generation shards (the whole model, in Hugging Face names) into it after every update.
+generation shards (`hybridflow.engine.tp_generation`, no copy), lends it to the rollout, and moves the weights
+back; between calls the rank holds only its training shard. It is the rollout's `hybridflow.engine.rollouts.
+WeightSource` (`generation_model`): the ``hf`` rollout samples with the lent model, a ``vllm`` engine (only at
+``rollout.gen_tp: 1``, one per rank) loads the generation shards (the whole model, in Hugging Face names) from it
+after every update.
 
 Transfer protocol (`dispatch_coords`): the actor's stages split a batch over megatron's data-parallel replicas (the
 ranks of one model-parallel group get the same rows) and collect from the last pipeline stage's first TP rank;
@@ -26,7 +27,6 @@ import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,6 @@ from hybridflow.engine.megatron_bridge import generation_hf_weights, generation_
 from hybridflow.engine.megatron_checkpoint import global_names, load_sharded_role, save_sharded_role
 from hybridflow.engine.models import load_model
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.rollout import HFRollout
 
 
 class HybridActorRollout:
@@ -85,14 +84,7 @@ class HybridActorRollout:
         hf_model = load_model(model_path, torch.float32, device, trainable=False)
         self.hf_config = hf_model.config
         self.generation_config = hf_model.generation_config
-        self.vllm = None
-        if cfg.rollout.name == "vllm":  # an engine of its own (from the model folder), synced from the gen shards
-            from hybridflow.engine.vllm_rollout import VLLMRollout
-
-            self.vllm = VLLMRollout(
-                hf_model, tokenizer, str(model_path), cfg.rollout, cfg.data.max_prompt_length, cfg.trainer.seed
-            )
-            self.vllm.model = None  # between syncs it holds no model: `sync_weights` lends it the generation model
+        self.device = device
         specs = megatron_shard_specs(self.hf_config, layout.p)
         for key, value in (
             ("query groups (num_key_value_heads)", self.hf_config.num_key_value_heads),
@@ -142,43 +134,13 @@ class HybridActorRollout:
             return c.dp, layout.d, c.pp == layout.p - 1 and c.tp == 0
         return None
 
-    # ------------------------------------------------------------------ stages
-    def generate_sequences(self, prompts: DataProto, **kwargs: Any) -> DataProto:
-        """Sample (`HFRollout.generate_sequences` and its arguments). With the hf rollout: reshard to the generation
-        layout, generate tensor-parallel on the generation shards, reshard back; with vllm: the engine (synced by
-        `sync_weights`) generates. ``last_transition`` gets ``hybrid_engine/to_generation_s``, ``/to_training_s``,
-        ``/received_mib`` and ``/gen_param_mib`` (this rank's)."""
-        if self.vllm is not None:
-            self.vllm.resume_memory()  # a no-op on CPU
-            try:
-                return self.vllm.generate_sequences(prompts, **kwargs)
-            finally:
-                self.vllm.release_memory()
-        with self._generation_model() as model:
-            out = HFRollout(model, self.tokenizer, self.cfg.rollout, seed=self.cfg.trainer.seed).generate_sequences(
-                prompts, **kwargs
-            )
-            del model  # no reference to the generation buffers may outlive the return to training
-        return out
-
-    def sync_weights(self) -> dict[str, float]:
-        """vllm: load the generation shards (``rollout.gen_tp=1``: the whole model, viewed in Hugging Face names)
-        into the engine and probe it (`VLLMRollout.sync_weights`); hf: nothing to do (returns {})."""
-        if self.vllm is None:
-            return {}
-        with self._generation_model() as model:
-            self.vllm.model = model
-            try:
-                probe = self.vllm.sync_weights()
-            finally:
-                self.vllm.model = None
-            del model  # as in generate_sequences
-        return probe
-
+    # ------------------------------------------------------------------ weight source
     @contextlib.contextmanager
-    def _generation_model(self) -> Iterator[torch.nn.Module]:
+    def generation_model(self) -> Iterator[torch.nn.Module]:
         """The weights in the generation layout, as a (tensor-parallel) Hugging Face model over the generation
-        shards, for the duration of the context; back in the training layout after it."""
+        shards, for the duration of the context; back in the training layout after it (`hybridflow.engine.rollouts.
+        WeightSource`). ``last_transition`` gets ``hybrid_engine/to_generation_s``, ``/to_training_s``,
+        ``/received_mib`` and ``/gen_param_mib`` (this rank's), reported with the next update."""
         from hybridflow.engine.tp_generation import build_tp_generation_model
 
         stats = self.engine.to_generation()

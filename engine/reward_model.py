@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridflow.engine.backends import training_backend
 from hybridflow.engine.protocol import DataProto
 
 if TYPE_CHECKING:
@@ -200,7 +201,8 @@ class RewardModel:
         self.model, self.tokenizer = load_reward_model(path, dtype)
         self.model.to(device)
         self.actor_tokenizer = actor_tokenizer
-        if config.strategy == "fsdp" and dist.is_initialized() and dist.get_world_size() > 1:
+        sharded = training_backend(config.strategy, "reward_model.strategy").sharded
+        if sharded and dist.is_initialized() and dist.get_world_size() > 1:
             from hybridflow.engine.fsdp import shard_model
 
             shard_model(self.model)

@@ -170,7 +170,8 @@ class HFRollout:
     """Generate with ``model.generate``, `micro_batch_size` sequences per call.
 
     Args:
-        model: a causal LM (shared with the actor: generation sees the current weights, no copy).
+        model: a causal LM (shared with the actor: generation sees the current weights, no copy), or the
+            `hybridflow.engine.rollouts.WeightSource` that lends one for each call (an FSDP or megatron actor's).
         tokenizer: its tokenizer (pad id, eos id).
         config: the ``rollout`` config section.
         seed: the run's seed (``trainer.seed``); with ``meta_info["global_steps"]``, the stream tag and the
@@ -191,13 +192,16 @@ class HFRollout:
         seed: int = 0,
         compute_dtype: torch.dtype | None = None,
     ):
-        self.model = model
+        from hybridflow.engine.rollouts import ModelWeights
+
+        self.weights = ModelWeights(model) if isinstance(model, torch.nn.Module) else model
         self.tokenizer = tokenizer
         self.config = config
         self.seed = int(seed)
         self.compute_dtype = compute_dtype
-        self.eos_token_ids = eos_token_ids(tokenizer, model.generation_config)
-        set_fields = {name: getattr(model.generation_config, name, None) for name in _NO_OFF_VALUE}
+        generation_config = self.weights.generation_config
+        self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
+        set_fields = {name: getattr(generation_config, name, None) for name in _NO_OFF_VALUE}
         set_fields = {name: value for name, value in set_fields.items() if value is not None}
         if set_fields:
             raise ValueError(
@@ -259,30 +263,44 @@ class HFRollout:
         row_offset = int(prompts.meta_info.get("row_offset", 0))
         batch = expand_prompts(prompts, n, stream)
         generation_config = self._generation_config(temperature)
-        device = next(self.model.parameters()).device
-        rng_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
-        was_training = self.model.training
-        self.model.eval()
         parts = []
-        try:
-            with torch.random.fork_rng(devices=rng_devices):
-                size = self.config.micro_batch_size
-                for i, micro in enumerate(batch.split(size)):
-                    first = row_offset * n + i * size
-                    torch.manual_seed(sampling_seed(self.seed, global_steps, stream, first))
-                    parts.append(self._generate_micro(micro, generation_config, device))
-        finally:
-            self.model.train(was_training)
+        with self.weights.generation_model() as model:
+            device = next(model.parameters()).device
+            rng_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.random.fork_rng(devices=rng_devices):
+                    size = self.config.micro_batch_size
+                    for i, micro in enumerate(batch.split(size)):
+                        first = row_offset * n + i * size
+                        torch.manual_seed(sampling_seed(self.seed, global_steps, stream, first))
+                        parts.append(self._generate_micro(model, micro, generation_config, device))
+            finally:
+                model.train(was_training)
+            del model  # a generation model lent by the 3D-HybridEngine must not outlive the context
         out = DataProto.concat(parts)
         out.meta_info.update(prompts.meta_info)
         out.meta_info["temperature"] = temperature
         return out
 
-    def _generate_micro(self, micro: DataProto, generation_config: GenerationConfig, device) -> DataProto:
+    def update_weights(self) -> dict[str, float]:
+        """Nothing to load: each call generates with the weight source's current model. Returns {}."""
+        return {}
+
+    def sleep(self) -> None:
+        """Nothing to give back: the rollout holds no memory of its own between calls."""
+
+    def wake(self) -> None:
+        """Nothing to take back (see `sleep`)."""
+
+    def _generate_micro(
+        self, model: torch.nn.Module, micro: DataProto, generation_config: GenerationConfig, device
+    ) -> DataProto:
         prompt_ids = micro.batch["input_ids"].to(device)
         prompt_mask = micro.batch["attention_mask"].to(device)
         with autocast(device, self.compute_dtype):
-            output = self.model.generate(
+            output = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
             )
         tensors = assemble_rollout(

@@ -36,6 +36,7 @@ from hybridflow.engine.data import PromptDataset, build_prompt_rows, collate_pro
 from hybridflow.engine.dynamic_sampling import DrawCount, kept_rows
 from hybridflow.engine.metrics import Timer, compute_data_metrics, rollout_mismatch
 from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollouts import awake, rollout_spec
 from hybridflow.engine.tracking import Tracking, mlflow_tracking_uri
 from hybridflow.engine.workers import build_roles
 
@@ -82,11 +83,11 @@ class SingleProcessTrainer:
             prompts = self.sampler.next_batch()
             prompts.meta_info["global_steps"] = self.global_steps
             with timer("gen"):
-                data = self.rollout.generate_sequences(prompts)
+                data = self._generate(prompts)
             greedy = None
             if uses_greedy_baseline(cfg.algorithm.adv_estimator):  # ReMax: each prompt's greedy response
                 with timer("gen_max"):
-                    greedy = self.rollout.generate_sequences(prompts, n=1, temperature=0.0, stream="greedy")
+                    greedy = self._generate(prompts, n=1, temperature=0.0, stream="greedy")
             data = self._scored(data, timer)
             greedy = greedy if greedy is None else self._scored(greedy, timer, extras=False)
             if cfg.algorithm.filter_groups.enable:  # DAPO: only the varied groups, of as many draws as needed
@@ -118,9 +119,9 @@ class SingleProcessTrainer:
                         metrics.update(critic.update_critic(data))
             with timer("update_actor"):
                 metrics.update(self.actor.update_policy(data))
-            if hasattr(self.rollout, "sync_weights"):  # an engine with its own copy of the weights (vLLM)
+            if rollout_spec(cfg.rollout.name).syncs_weights:  # a rollout with weights of its own (vLLM)
                 with timer("weight_sync"):
-                    metrics.update(self.rollout.sync_weights())
+                    metrics.update(self.rollout.update_weights())
         metrics.update(compute_data_metrics(data, cfg.rollout.response_length))
         metrics.update(timer.metrics())
         metrics.update(_throughput(data, timer.seconds))
@@ -128,6 +129,11 @@ class SingleProcessTrainer:
         metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self.sampler.state_dict()["epoch"]
         return metrics
+
+    def _generate(self, prompts: DataProto, **kwargs) -> DataProto:
+        """The rollout's `generate_sequences` (same arguments), woken for the call (`rollouts.awake`)."""
+        with awake(self.rollout):
+            return self.rollout.generate_sequences(prompts, **kwargs)
 
     def _scored(self, data: DataProto, timer: Timer, extras: bool = True) -> DataProto:
         """`data` with the score function's ``token_level_scores`` float32 [B, T] and, with `extras`, one
@@ -166,7 +172,7 @@ class SingleProcessTrainer:
             prompts = self.sampler.next_batch()
             prompts.meta_info["global_steps"] = self.global_steps
             with timer("gen"):
-                data = self.rollout.generate_sequences(prompts, stream=f"train-{count.draws}")
+                data = self._generate(prompts, stream=f"train-{count.draws}")
             data = self._scored(data, timer)
 
     # ------------------------------------------------------------------ validation
@@ -186,7 +192,7 @@ class SingleProcessTrainer:
             prompts = collate_prompts(items, self.tokenizer)
             prompts.meta_info["global_steps"] = self.global_steps
             # its own random stream: sampled validation never shifts training's samples
-            out = self.rollout.generate_sequences(
+            out = self._generate(
                 prompts, n=1, temperature=self.config.rollout.val_temperature, stream=f"val-{batch_index}"
             )
             scores, extras = self.reward_fn(out)

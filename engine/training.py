@@ -121,29 +121,17 @@ def dp_world() -> tuple[int, int]:
 def data_parallel(
     model: torch.nn.Module, strategy: str = "ddp", tp: int = 1
 ) -> tuple[torch.nn.Module, dist.ProcessGroup | None]:
-    """The module to train through and the data-parallel group (None: torch.distributed's default group, or no
-    group on one rank), for several data-parallel ranks (one rank: `model` itself).
-
-    - ``ddp``: `model` wrapped in ``DistributedDataParallel`` (rank 0's weights are broadcast to all). Buffers are
-      not broadcast in forward (no collective outside backward; the rollout may run forwards any number of times
-      on the unwrapped model). Gradients are bucketed and all-reduced (averaged) during the last backward of each
-      mini-batch, see `sync_gradients`.
-    - ``fsdp``: `model` itself, sharded in place with FSDP2 (`hybridflow.engine.fsdp.shard_model`), tensor-parallel
-      over groups of `tp` ranks when ``tp > 1``; build its optimizer after this call.
+    """The module to train `model` through and the data-parallel group (None: torch.distributed's default group, or
+    no group on one rank), as the training backend `strategy` wraps it (`hybridflow.engine.backends.HFBackend.
+    data_parallel`: ``ddp`` replicates, ``fsdp`` shards in place). Gradients are all-reduced in the last backward of
+    each mini-batch, see `sync_gradients`.
 
     Raises:
-        ValueError: an unknown strategy.
+        ValueError: `strategy` is not registered, or trains a model of its own (megatron).
     """
-    if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"unknown data-parallel strategy {strategy!r}; use ddp or fsdp")
-    if dp_world()[1] == 1:
-        return model, None
-    if strategy == "fsdp":
-        from hybridflow.engine.fsdp import shard_model
+    from hybridflow.engine.backends import training_backend
 
-        return model, shard_model(model, tp)
-    device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False), None
+    return training_backend(strategy).data_parallel(model, tp)
 
 
 def sync_gradients(module: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:

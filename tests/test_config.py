@@ -128,7 +128,7 @@ def test_parallel_layout_keys_are_checked_and_give_the_layout():
         load_config(None, [*megatron, "actor.tp=4", "rollout.gen_tp=3"])
     with pytest.raises(ConfigError, match=r"rollout.gen_pp > 1 .* set rollout.gen_pp=1"):
         load_config(None, [*megatron, "actor.pp=2", "rollout.gen_pp=2"])
-    with pytest.raises(ConfigError, match=r"feeds vLLM .* only without tensor parallelism .* set rollout.gen_tp=1"):
+    with pytest.raises(ConfigError, match=r"feeds the vllm rollout .* without tensor parallelism .* rollout.gen_tp=1"):
         load_config(None, [*megatron, "actor.tp=2", "rollout.name=vllm"])
     assert load_config(None, [*megatron, "actor.tp=2", "rollout.name=auto"]).rollout.name == "hf"
     assert load_config(None, [*megatron, "actor.tp=2", "rollout.gen_tp=1", "rollout.name=vllm"]).actor.tp == 2

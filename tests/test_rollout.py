@@ -9,15 +9,27 @@ to stop early declare extra EOS ids in ``generation_config.eos_token_id`` (a lis
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
 
-from hybridflow.engine.config import RolloutConfig
+from hybridflow.engine.config import ConfigError, RolloutConfig, load_config
 from hybridflow.engine.models import load_model, load_tokenizer, response_logits
 from hybridflow.engine.packing import pack_rows
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout import HFRollout, position_ids_from_mask, response_mask_from_eos
+from hybridflow.engine.rollouts import (
+    _ROLLOUTS,
+    awake,
+    build_rollout,
+    register_rollout,
+    rollout_names,
+    rollout_spec,
+)
 
+GRPO_TINY = Path(__file__).parents[1] / "examples" / "grpo_tiny.yaml"
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7"]
 KEYS = {"prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"}
 
@@ -305,7 +317,49 @@ def test_sampling_is_a_function_of_seed_step_and_stream(tiny_model_dir, tokenize
     # another step, stream or seed draws other samples
     assert not torch.equal(_sample(rollout, prompts, global_steps=5), first)
     assert not torch.equal(_sample(rollout, prompts, global_steps=4, stream="val"), first)
-    other_seed = HFRollout(rollout.model, tokenizer, config, seed=12)
+    other_seed = HFRollout(rollout.weights.model, tokenizer, config, seed=12)
     assert not torch.equal(_sample(other_seed, prompts, global_steps=4), first)
     # micro-batches of one call get different seeds: the two samples of each prompt differ
     assert all(not torch.equal(first[2 * i], first[2 * i + 1]) for i in range(len(QUESTIONS)))
+
+
+# ------------------------------------------------------------------------------------------------ registry, protocol
+
+
+class _CountingSource:
+    """A `WeightSource` over a real model that counts the generation models it lends."""
+
+    def __init__(self, model):
+        self.model, self.generation_config, self.device, self.lent = model, model.generation_config, model.device, 0
+
+    @contextlib.contextmanager
+    def generation_model(self):
+        self.lent += 1
+        yield self.model
+
+
+def test_registered_rollout_is_a_config_choice_and_built_from_the_weight_source(tiny_model_dir, tokenizer):
+    calls = []
+
+    @register_rollout("test_recording", syncs_weights=True)
+    def build(cfg, weights, tok, model_path, compute_dtype):
+        calls.append((cfg.rollout.name, model_path))
+        return HFRollout(weights, tok, cfg.rollout, seed=cfg.trainer.seed, compute_dtype=compute_dtype)
+
+    try:
+        assert "test_recording" in rollout_names()
+        cfg = load_config(GRPO_TINY, ["rollout.name=test_recording"])
+        source = _CountingSource(load_model(tiny_model_dir))
+        rollout = build_rollout(cfg, source, tokenizer, tiny_model_dir)
+        assert calls == [("test_recording", tiny_model_dir)]
+        with awake(rollout):
+            out = rollout.generate_sequences(prompt_batch(tokenizer, QUESTIONS[:2]), n=1, temperature=0.0)
+        assert len(out) == 2 and source.lent == 1  # the model was borrowed from the source for the call
+        assert rollout_spec("test_recording").syncs_weights and not rollout_spec("hf").syncs_weights
+        assert rollout.update_weights() == {}
+    finally:
+        _ROLLOUTS.pop("test_recording")
+    with pytest.raises(ConfigError, match=r"rollout.name 'test_recording'; registered: \['hf', 'vllm'\]"):
+        load_config(GRPO_TINY, ["rollout.name=test_recording"])
+    with pytest.raises(ValueError, match="registered: "):
+        rollout_spec("nope")

@@ -69,7 +69,7 @@ def test_greedy_equals_hf_before_and_after_a_weight_update(setup):
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=generator) * 0.05 * p.abs().mean())
     before = rollout.generate_sequences(_prompts(tokenizer), n=1, temperature=0.0).batch["responses"]
-    metrics = rollout.sync_weights()
+    metrics = rollout.update_weights()
     assert metrics["rollout/weight_probe_diff"] < 1e-4
     assert metrics["rollout/weight_sync_bytes"] == sum(t.numel() * 4 for t in model.state_dict().values())
     after = rollout.generate_sequences(_prompts(tokenizer), n=1, temperature=0.0).batch["responses"]

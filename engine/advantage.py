@@ -21,6 +21,7 @@ from hybridflow.engine.core_algos import (
     get_adv_estimator_fn,
     get_kl_controller,
     lagrangian_advantages,
+    masked_mean,
     masked_whiten,
     overlong_reward,
     uses_greedy_baseline,
@@ -250,3 +251,46 @@ def compute_advantage(
             tensor, stage="adv", metric=name, mask=mask, describe=None if uids is None else lambda i: f"uid {uids[i]}"
         )
     return DataProto.from_dict(out), metrics
+
+
+ADVANTAGE_INPUTS = (
+    "token_level_scores",
+    "response_mask",
+    "uid",
+    "rm_scores",
+    "values",
+    "old_log_probs",
+    "ref_log_prob",
+    "token_level_costs",
+    "cost_values",
+    "rollout_log_probs",
+    "entropys",
+)
+"""The columns `advantage_stage` reads, those present (the controller loads only these)."""
+
+
+def advantage_stage(
+    data: DataProto,
+    greedy: DataProto | None,
+    algorithm: AlgorithmConfig,
+    kl_ctrl: KLController | None,
+    shaping: dict[str, Any],
+    lagrangian: LagrangeMultiplier | None = None,
+) -> tuple[DataProto, dict[str, float]]:
+    """The iteration's ``adv`` stage, run by the controller: `compute_advantage` (`shaping`: `reward_shaping`'s
+    keywords; `greedy`: ReMax's scored greedy batch) plus ``rollout/*`` (`hybridflow.engine.metrics.
+    rollout_mismatch`, when the batch has the engine's and the actor's log-probs) and ``actor/entropy`` (the mean
+    ``entropys`` over response tokens, when the old_log_prob stage ran).
+
+    Returns:
+        (DataProto of ``token_level_rewards``, ``advantages``, ``returns`` [B, T] float32 (and ``cost_returns``),
+        metrics). Raises as `compute_advantage`.
+    """
+    from hybridflow.engine.metrics import rollout_mismatch
+
+    out, metrics = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=greedy, lagrangian=lagrangian)
+    if "rollout_log_probs" in data.keys and "old_log_probs" in data.keys:  # else the on-policy update reports it
+        metrics.update(rollout_mismatch(data))
+    if "entropys" in data.keys:
+        metrics["actor/entropy"] = float(masked_mean(data.batch["entropys"], data.batch["response_mask"]))
+    return out, metrics

@@ -64,6 +64,18 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
     return metrics
 
 
+def batch_metrics(data: DataProto, response_limit: int, seconds: dict[str, float]) -> dict[str, float]:
+    """`compute_data_metrics` of the trained batch plus its throughput: ``perf/total_num_tokens`` (prompt and
+    response tokens), ``perf/throughput`` (those tokens per second of the iteration, ``seconds["step"]``) and
+    ``perf/gen_throughput`` (response tokens per second of generation, ``seconds["gen"]``)."""
+    metrics = compute_data_metrics(data, response_limit)
+    total = float(data.batch["attention_mask"].sum())
+    metrics["perf/total_num_tokens"] = total
+    metrics["perf/throughput"] = total / seconds["step"]
+    metrics["perf/gen_throughput"] = float(data.batch["response_mask"].sum()) / seconds["gen"]
+    return metrics
+
+
 class Span(NamedTuple):
     """One timed stage: its name, the pool (worker group) it ran on (None: the controller), and its start and end
     (seconds since the epoch)."""

@@ -139,6 +139,10 @@ class DataProto:
         non_tensor = {k: v[np_index] for k, v in self.non_tensor_batch.items()}
         return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(self.meta_info))
 
+    def take(self, rows: Sequence[int]) -> DataProto:
+        """The samples at `rows` (indices, in that order), as `hybridflow.slurm.handles.DataHandle.take`."""
+        return self[np.asarray(list(rows), dtype=np.int64)]
+
     @property
     def keys(self) -> list[str]:
         """Tensor keys followed by non-tensor keys."""

@@ -1,9 +1,8 @@
-"""The RLHF iteration in one process: the reference path that the distributed flow reproduces stage by stage.
+"""RLHF training in one process, with no Prefect server or worker groups: every role in this process.
 
-`SingleProcessTrainer.step` is one iteration of PPO-family training, with the same stage names the Prefect flow
-uses (generate, gen_max, reward, filter_groups, old_log_prob, ref, values, adv, update_critic, update_actor). The
-algorithm is configuration: it only decides which stages run (PPO's critic, ReMax's greedy generation, DAPO's
-repeated draws) and which estimator computes advantages.
+`SingleProcessTrainer.step` runs the flow's iteration (`hybridflow.engine.iteration.run_iteration`), its stages
+calls of an in-process `hybridflow.engine.workers.RLHFWorker` (`LocalStages`): the same stages, worker methods and
+metrics as a flow run on one rank.
 
 `fit` saves checkpoints (``trainer.save_freq``, and after the last iteration) and resumes from one
 (``trainer.resume_from``) exactly: weights, optimizer and LR-scheduler states, the prompt sampler's cursor and the
@@ -16,12 +15,14 @@ reward function); `validate` runs under a forked torch RNG so that it never shif
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, compute_advantage, reward_shaping
+from hybridflow.engine.advantage import advantage_stage, build_kl_controller, build_lagrangian, reward_shaping
 from hybridflow.engine.checkpoint import (
     CheckpointInfo,
     latest_checkpoint,
@@ -31,14 +32,13 @@ from hybridflow.engine.checkpoint import (
     save_checkpoint,
 )
 from hybridflow.engine.config import HybridFlowConfig
-from hybridflow.engine.core_algos import masked_mean, uses_greedy_baseline
 from hybridflow.engine.data import PromptDataset, build_prompt_rows, collate_prompts, train_sampler
-from hybridflow.engine.dynamic_sampling import DrawCount, kept_rows
-from hybridflow.engine.metrics import Timer, compute_data_metrics, rollout_mismatch
+from hybridflow.engine.dynamic_sampling import kept_rows
+from hybridflow.engine.iteration import TIMING, Call, run_iteration
+from hybridflow.engine.metrics import Timer
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.rollouts import awake, rollout_spec
 from hybridflow.engine.tracking import Tracking, mlflow_tracking_uri
-from hybridflow.engine.workers import build_roles
+from hybridflow.engine.workers import RLHFWorker
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,13 @@ class SingleProcessTrainer:
     def __init__(self, config: HybridFlowConfig):
         self.config = cfg = config
         torch.manual_seed(cfg.trainer.seed)
-        roles = build_roles(cfg, cfg.roles())
-        self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
-        self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
-        self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
-        self.critics = roles.critics()  # the critic and Safe-RLHF's cost critic, those configured
-        self.scorers = roles.scorers()  # the reward model and Safe-RLHF's cost model, those configured
+        self.worker = RLHFWorker(0, 1, "", cfg.model_dump(mode="json"), sorted(cfg.roles()))
+        self.worker.init_model()  # every role in this process (build_roles)
+        worker = self.worker
+        self.tokenizer, self.actor, self.rollout = worker.tokenizer, worker.actor, worker.rollout
+        self.ref, self.critic, self.reward_fn = worker.ref, worker.critic, worker.reward_fn
+        self.cost_critic, self.cost_fn = worker.cost_critic, worker.cost_fn
+        self.critics, self.scorers = worker.critics, worker.scorers
         self.kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
         self.lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without a cost limit)
 
@@ -75,105 +76,13 @@ class SingleProcessTrainer:
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> dict[str, float]:
-        """Run one iteration on the next batch of prompts; returns its metrics (field-standard names)."""
-        cfg = self.config
+        """Run one iteration on the next batch of prompts (`hybridflow.engine.iteration.run_iteration`, the flow's
+        iteration, its stages called in this process: `LocalStages`); returns its metrics (field-standard names)."""
         timer = Timer()
-        metrics: dict[str, float] = {}
-        with timer("step"):
-            prompts = self.sampler.next_batch()
-            prompts.meta_info["global_steps"] = self.global_steps
-            with timer("gen"):
-                data = self._generate(prompts)
-            greedy = None
-            if uses_greedy_baseline(cfg.algorithm.adv_estimator):  # ReMax: each prompt's greedy response
-                with timer("gen_max"):
-                    greedy = self._generate(prompts, n=1, temperature=0.0, stream="greedy")
-            data = self._scored(data, timer)
-            greedy = greedy if greedy is None else self._scored(greedy, timer, extras=False)
-            if cfg.algorithm.filter_groups.enable:  # DAPO: only the varied groups, of as many draws as needed
-                data, metrics["train/num_gen_batches"] = self._dynamic_sampling(data, timer)
-            if not cfg.skips_old_log_prob():  # else the on-policy update uses and reports its own
-                with timer("old_log_prob"):
-                    old = self.actor.compute_log_prob(data, calculate_entropy=True)
-                    entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
-                    metrics["actor/entropy"] = float(masked_mean(entropys, data.batch["response_mask"]))
-                    data = data.union(old)
-                    if "rollout_log_probs" in data.keys:
-                        metrics.update(rollout_mismatch(data))
-            if self.ref is not None:
-                with timer("ref"):
-                    data = data.union(self.ref.compute_ref_log_prob(data))
-            if self.critics:
-                with timer("values"):
-                    for critic in self.critics:
-                        data = data.union(critic.compute_values(data))
-            with timer("adv"):
-                advantages, kl_metrics = compute_advantage(
-                    data, cfg.algorithm, self.kl_ctrl, **reward_shaping(cfg), greedy=greedy, lagrangian=self.lagrangian
-                )
-                data = data.union(advantages)
-                metrics.update(kl_metrics)
-            if self.critics:
-                with timer("update_critic"):
-                    for critic in self.critics:
-                        metrics.update(critic.update_critic(data))
-            with timer("update_actor"):
-                metrics.update(self.actor.update_policy(data))
-            if rollout_spec(cfg.rollout.name).syncs_weights:  # a rollout with weights of its own (vLLM)
-                with timer("weight_sync"):
-                    metrics.update(self.rollout.update_weights())
-        metrics.update(compute_data_metrics(data, cfg.rollout.response_length))
-        metrics.update(timer.metrics())
-        metrics.update(_throughput(data, timer.seconds))
+        metrics = run_iteration(self.config, LocalStages(self, timer), self.global_steps, timer).metrics
         self.global_steps += 1
-        metrics["training/global_step"] = self.global_steps
         metrics["training/epoch"] = self.sampler.state_dict()["epoch"]
         return metrics
-
-    def _generate(self, prompts: DataProto, **kwargs) -> DataProto:
-        """The rollout's `generate_sequences` (same arguments), woken for the call (`rollouts.awake`)."""
-        with awake(self.rollout):
-            return self.rollout.generate_sequences(prompts, **kwargs)
-
-    def _scored(self, data: DataProto, timer: Timer, extras: bool = True) -> DataProto:
-        """`data` with the score function's ``token_level_scores`` float32 [B, T] and, with `extras`, one
-        ``reward_extra/<key>`` float64 [B] column per extra it reports; with a reward model, its ``rm_scores``;
-        with ``reward.cost_function`` (Safe-RLHF), ``token_level_costs`` float32 [B, T]."""
-        with timer("reward"):
-            scores, extra = self.reward_fn(data)
-            data.batch["token_level_scores"] = scores
-            if self.cost_fn is not None:
-                data.batch["token_level_costs"] = self.cost_fn(data)[0]
-            for key, values in extra.items() if extras else ():  # -> reward_extra/<key>/mean
-                data.batch[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
-        if self.scorers:
-            with timer("rm_score"):
-                for scorer in self.scorers:
-                    data = data.union(scorer.compute_rm_score(data))
-        return data
-
-    def _dynamic_sampling(self, data: DataProto, timer: Timer) -> tuple[DataProto, int]:
-        """DAPO's dynamic sampling (`hybridflow.engine.dynamic_sampling`): keep the varied groups of the scored
-        first draw `data`, and draw, generate and score ``data.gen_batch_size`` more prompts (each draw its own
-        random stream) until ``data.train_batch_size`` prompts are kept. Returns the first ``train_batch_size``
-        kept groups and the number of draws.
-
-        Raises:
-            DynamicSamplingError: ``algorithm.filter_groups.max_num_gen_batches`` draws kept too few prompts.
-        """
-        cfg = self.config
-        count, kept = DrawCount(cfg), []
-        while True:
-            with timer("filter_groups"):
-                rows = kept_rows(data, cfg.algorithm.filter_groups.metric, **reward_shaping(cfg))
-            kept.append(data[rows])
-            if count.add(len(rows)):
-                return DataProto.concat(kept)[: count.rows()], count.draws
-            prompts = self.sampler.next_batch()
-            prompts.meta_info["global_steps"] = self.global_steps
-            with timer("gen"):
-                data = self._generate(prompts, stream=f"train-{count.draws}")
-            data = self._scored(data, timer)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -192,7 +101,7 @@ class SingleProcessTrainer:
             prompts = collate_prompts(items, self.tokenizer)
             prompts.meta_info["global_steps"] = self.global_steps
             # its own random stream: sampled validation never shifts training's samples
-            out = self._generate(
+            out = self.worker.generate_sequences(
                 prompts, n=1, temperature=self.config.rollout.val_temperature, stream=f"val-{batch_index}"
             )
             scores, extras = self.reward_fn(out)
@@ -364,13 +273,52 @@ class SingleProcessTrainer:
                 self.save_checkpoint()  # logged, and listed in self.checkpoints (records stay metrics only)
 
 
-def _throughput(data: DataProto, seconds: dict[str, float]) -> dict[str, float]:
-    """``perf/throughput``: all tokens (prompt + response) per second of the iteration; ``perf/gen_throughput``:
-    response tokens per second of generation."""
-    total = float(data.batch["attention_mask"].sum())
-    response = float(data.batch["response_mask"].sum())
-    return {
-        "perf/total_num_tokens": total,
-        "perf/throughput": total / seconds["step"],
-        "perf/gen_throughput": response / seconds["gen"],
-    }
+class LocalStages:
+    """The single-process trainer's `hybridflow.engine.iteration.Stages`: each stage a call of the trainer's
+    in-process `RLHFWorker` (the method the flow's worker groups run), on `DataProto` batches, timed in `timer`."""
+
+    def __init__(self, trainer: SingleProcessTrainer, timer: Timer):
+        self.trainer, self.timer, self.cfg = trainer, timer, trainer.config
+        worker = trainer.worker
+        self.methods: dict[str, Callable[..., Any]] = {
+            "generate": lambda prompts, stream="train": worker.generate_sequences(prompts, stream=stream),
+            "generate_greedy": lambda prompts: worker.generate_sequences(
+                prompts, n=1, temperature=0.0, stream="greedy"
+            ),
+            "reward": worker.compute_reward,
+            "rm_score": worker.compute_rm_score,
+            "old_log_prob": worker.compute_log_prob,
+            "ref_log_prob": worker.compute_ref_log_prob,
+            "values": worker.compute_values,
+            "update_critic": worker.update_critic,
+            "update_actor": worker.update_actor,
+            "weight_sync": worker.sync_rollout_weights,
+        }
+
+    def __call__(self, *calls: Call) -> list[Any]:
+        out = []
+        for call in calls:
+            if not call.when:
+                out.append(None)
+                continue
+            with self.timer(TIMING.get(call.stage, call.stage)):
+                out.append(self.methods[call.stage](*call.args))
+        return out
+
+    def next_prompts(self, step: int) -> DataProto:
+        prompts = self.trainer.sampler.next_batch()
+        prompts.meta_info["global_steps"] = step
+        return prompts
+
+    def filter_groups(self, scored: DataProto, step: int) -> list[int]:
+        with self.timer("filter_groups"):
+            return kept_rows(scored, self.cfg.algorithm.filter_groups.metric, **reward_shaping(self.cfg))
+
+    def advantage(self, batch: DataProto, greedy: DataProto | None, step: int) -> tuple[DataProto, dict]:
+        trainer = self.trainer
+        with self.timer(TIMING["advantage"]):
+            shaping = reward_shaping(self.cfg)
+            return advantage_stage(batch, greedy, self.cfg.algorithm, trainer.kl_ctrl, shaping, trainer.lagrangian)
+
+    def view(self, batch: DataProto) -> DataProto:
+        return batch

@@ -32,12 +32,12 @@ from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, r
 from hybridflow.engine.backends import training_backend
 from hybridflow.engine.checkpoint import CheckpointError, read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig
-from hybridflow.engine.core_algos import LagrangeMultiplier, uses_greedy_baseline
+from hybridflow.engine.core_algos import KLController, LagrangeMultiplier
 from hybridflow.engine.data import PromptSampler, collate_prompts, train_sampler
-from hybridflow.engine.dynamic_sampling import DrawCount
 from hybridflow.engine.generations import GENERATION_KEYS
-from hybridflow.engine.metrics import Span, Timer, compute_data_metrics
-from hybridflow.engine.rollouts import rollout_spec
+from hybridflow.engine.iteration import Call, run_iteration
+from hybridflow.engine.metrics import Span, Timer
+from hybridflow.engine.protocol import DataProto
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.preflight import prompt_sets
 from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags, untagged_task_runs
@@ -97,26 +97,21 @@ def enter_stage(name: str, iteration: int, step: int) -> None:
     stages.ITERATION.set(iteration)
 
 
-@dataclass(frozen=True)
-class Call:
-    """One stage call of an iteration: the stage task `task` (`hybridflow.tasks.stages`) on the worker group that
-    hosts `role`, with `args` after the group; skipped when `when` is false."""
-
-    task: Any
-    role: str
-    args: tuple[Any, ...] = ()
-    when: bool = True
-
-
 @dataclass
 class StageRunner:
-    """Runs the stages of the iteration after `step` on the run's worker groups: each batch of independent stage
-    calls at once where their roles live in different pools (``placement.concurrent``), after the preemption
-    check, then forwards the workers' log lines to the flow's logs."""
+    """The flow's `hybridflow.engine.iteration.Stages`: runs the stages of the iteration after `step` as Prefect
+    tasks (`hybridflow.tasks.stages.ITERATION_TASKS`) on the run's worker groups, with data handles: each batch of
+    independent stage calls at once where their roles live in different pools (``placement.concurrent``), after
+    the preemption check, then forwards the workers' log lines to the flow's logs. The controller's stages
+    (advantage, DAPO's filter) run here on the columns they need."""
 
+    cfg: HybridFlowConfig
     workers: Workers
+    prompts: Prompts
+    data_dir: Path
     step: int
-    concurrent: bool = True
+    kl_ctrl: KLController | None = None
+    lagrangian: LagrangeMultiplier | None = None
     watch: PreemptionWatch | None = None
     logs: FlowLogs | None = None
 
@@ -134,8 +129,8 @@ class StageRunner:
         run = [c for c in calls if c.when]
         for c in run:
             if self.watch is not None:
-                self.watch.before_stage(c.task.name)
-        enter_stage(" + ".join(c.task.name for c in run), self.step + 1, self.step)
+                self.watch.before_stage(c.stage)
+        enter_stage(" + ".join(c.stage for c in run), self.step + 1, self.step)
         try:
             results = self._run(run)
         finally:
@@ -146,16 +141,41 @@ class StageRunner:
 
     def _run(self, calls: list[Call]) -> list[Any]:
         groups = [self.workers[c.role] for c in calls]
-        if not self.concurrent or len({id(g) for g in groups}) < 2:
-            return [c.task(g, *c.args) for c, g in zip(calls, groups, strict=True)]
+        tasks = [stages.ITERATION_TASKS[c.stage] for c in calls]
+        if not self.cfg.placement.concurrent or len({id(g) for g in groups}) < 2:
+            return [task(g, *c.args) for task, c, g in zip(tasks, calls, groups, strict=True)]
         futures: list[PrefectFuture] = []
         last: dict[int, PrefectFuture] = {}  # each group's previous call: a group serves one call at a time
-        for c, g in zip(calls, groups, strict=True):
+        for task, c, g in zip(tasks, calls, groups, strict=True):
             before = last.get(id(g))
-            last[id(g)] = c.task.submit(g, *c.args, wait_for=[before] if before is not None else None)
+            last[id(g)] = task.submit(g, *c.args, wait_for=[before] if before is not None else None)
             futures.append(last[id(g)])
         wait(futures)
         return [f.result() for f in futures]
+
+    def next_prompts(self, step: int) -> DataHandle:
+        """The sampler's next batch, written to the run's data folder."""
+        batch = DataHandle.put(self.prompts.sampler.next_batch(), self.data_dir, "prompts")
+        return batch.with_meta(global_steps=step)
+
+    def filter_groups(self, scored: DataHandle, step: int) -> list[int]:
+        """DAPO's filter (`hybridflow.tasks.stages.filter_groups`), in the controller."""
+        enter_stage("filter_groups", step + 1, step)
+        return stages.filter_groups(scored, self.cfg.algorithm.filter_groups.metric, reward_shaping(self.cfg))
+
+    def advantage(self, batch: DataHandle, greedy: DataHandle | None, step: int) -> tuple[DataHandle, dict]:
+        """The advantage stage (`hybridflow.tasks.stages.advantage`), in the controller."""
+        enter_stage("advantage", step + 1, step)
+        shaping = reward_shaping(self.cfg)
+        algorithm = self.cfg.algorithm
+        return stages.advantage(batch, algorithm, self.kl_ctrl, self.data_dir, shaping, greedy, self.lagrangian)
+
+    def view(self, batch: DataHandle) -> DataProto:
+        """The columns `hybridflow.engine.metrics.batch_metrics` reads, loaded."""
+        keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask"]
+        keys += ["attention_mask", *_present(batch, "values", "rm_scores")]
+        keys += [k for k in batch.keys if k.startswith("reward_extra/")]
+        return batch.select(keys).load()
 
 
 def flow_run_ui_url() -> str | None:
@@ -564,10 +584,10 @@ def _iteration(
     logs: FlowLogs | None = None,
     lagrangian: LagrangeMultiplier | None = None,
 ) -> tuple[dict[str, float], Any, list[Span]]:
-    """One iteration: the stages in the order of the HybridFlow paper's PPO listing, as tasks; those in one
-    `StageRunner` call need none of each other's results and run at the same time where their roles live in
-    different pools. Returns its metrics (field-standard names), the first ``trainer.log_train_generations``
-    scored rollout rows (a `DataProto`; None when 0), and its timeline (every stage's span).
+    """One iteration (`hybridflow.engine.iteration.run_iteration`, the one the single-process trainer runs too), its
+    stages as tasks on the worker groups (`StageRunner`). Returns its metrics (field-standard names), the first
+    ``trainer.log_train_generations`` scored rollout rows (a `DataProto`; None when 0), and its timeline (every
+    stage's span).
 
     Raises:
         Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
@@ -575,112 +595,24 @@ def _iteration(
     """
     timer = Timer()
     token = stages.TIMER.set(timer)
-    run = StageRunner(workers, step, cfg.placement.concurrent, PreemptionWatch(workers), logs)
-    roles = cfg.roles()
-    drawn: list[DataHandle] = []  # dynamic sampling's draws: deleted with the batch
+    runner = StageRunner(cfg, workers, prompts, data_dir, step, kl_ctrl, lagrangian, PreemptionWatch(workers), logs)
     try:
-        with timer("step"):
-            batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
-            remax, dapo = uses_greedy_baseline(cfg.algorithm.adv_estimator), cfg.algorithm.filter_groups.enable
-            rollout, greedy = run(
-                Call(stages.generate, "rollout", (batch,)),
-                Call(stages.generate_greedy, "rollout", (batch,), when=remax),  # ReMax's baseline responses
-            )
-            if dapo:  # dynamic sampling: scored first, then only the varied groups of as many draws as needed
-                rollout, draws = _dynamic_sampling(cfg, run, prompts, rollout, step, data_dir, drawn)
-            *scored, greedy_rm, greedy_score = run(
-                Call(stages.rm_score, "reward_model", (rollout,), when="reward_model" in roles and not dapo),
-                Call(stages.reward, "reward", (rollout,), when=not dapo),
-                Call(stages.old_log_prob, "actor", (rollout,), when=not cfg.skips_old_log_prob()),
-                Call(stages.ref_log_prob, "ref", (rollout,), when="ref" in roles),
-                Call(stages.values, "critic", (rollout,), when="critic" in roles),
-                Call(stages.rm_score, "reward_model", (greedy,), when=remax and "reward_model" in roles),
-                Call(stages.reward, "reward", (greedy,), when=remax),
-            )
-            for part in scored:
-                rollout = rollout if part is None else rollout.union(part)
-            for part in (greedy_rm, greedy_score):
-                greedy = greedy if part is None else greedy.union(part)
-            enter_stage("advantage", step + 1, step)
-            adv, metrics = stages.advantage(
-                rollout, cfg.algorithm, kl_ctrl, data_dir, reward_shaping(cfg), greedy, lagrangian
-            )
-            if dapo:
-                metrics["train/num_gen_batches"] = draws
-            rollout = rollout.union(adv)
-            for updated in run(
-                Call(stages.update_critic, "critic", (rollout,), when="critic" in roles),
-                Call(stages.update_actor, "actor", (rollout,)),
-            ):
-                metrics.update(updated or {})
-            if rollout_spec(cfg.rollout.name).syncs_weights:  # a rollout with weights of its own (vLLM)
-                [synced] = run(Call(stages.weight_sync, "rollout"))  # timing_s/weight_sync
-                metrics.update(synced)
+        done = run_iteration(cfg, runner, step, timer)
     finally:
         stages.TIMER.reset(token)
-    metrics.update(timer.metrics())
-    metrics.update(_batch_metrics(rollout, cfg, timer.seconds))
     keep = cfg.trainer.log_train_generations
     kept = None
     if keep:  # before the batch files go: the first rows as scored, for the sample generations
-        columns = [*GENERATION_KEYS, *_present(rollout, "data_source", "reward_model")]
-        kept = rollout.select(columns).load(slice(0, keep))
-    for handle in (batch, rollout, greedy, *drawn):  # this iteration's batch files: no stage reads them again
+        columns = [*GENERATION_KEYS, *_present(done.batch, "data_source", "reward_model")]
+        kept = done.batch.select(columns).load(slice(0, keep))
+    for handle in (done.batch, done.greedy, *done.drawn):  # this iteration's batch files: no stage reads them again
         if handle is not None:
             handle.delete()
-    metrics["training/global_step"] = step + 1
-    return metrics, kept, timer.spans
-
-
-def _dynamic_sampling(
-    cfg: HybridFlowConfig,
-    run: StageRunner,
-    prompts: Prompts,
-    rollout: DataHandle,
-    step: int,
-    data_dir: Path,
-    drawn: list[DataHandle],
-) -> tuple[DataHandle, int]:
-    """DAPO's dynamic sampling (`hybridflow.engine.dynamic_sampling`): score `rollout` (the first draw), keep its
-    varied groups, and draw ``data.gen_batch_size`` more prompts (each draw its own random stream) until
-    ``data.train_batch_size`` prompts are kept. Returns the scored batch of the first ``train_batch_size`` kept
-    groups (rows of the draws' files, nothing copied) and the number of draws; appends every draw to `drawn`.
-
-    Raises:
-        DynamicSamplingError: ``algorithm.filter_groups.max_num_gen_batches`` draws kept too few prompts.
-    """
-    count, kept = DrawCount(cfg), []
-    metric, shaping, rm = cfg.algorithm.filter_groups.metric, reward_shaping(cfg), "reward_model" in cfg.roles()
-    while True:
-        for part in run(
-            Call(stages.rm_score, "reward_model", (rollout,), when=rm), Call(stages.reward, "reward", (rollout,))
-        ):
-            rollout = rollout if part is None else rollout.union(part)
-        drawn.append(rollout)
-        enter_stage("filter_groups", step + 1, step)
-        rows = stages.filter_groups(rollout, metric, shaping)
-        kept.append(rollout.take(rows))
-        if count.add(len(rows)):
-            return DataHandle.concat(kept).take(range(count.rows())), count.draws
-        batch = DataHandle.put(prompts.sampler.next_batch(), data_dir, "prompts").with_meta(global_steps=step)
-        drawn.append(batch)
-        [rollout] = run(Call(stages.generate, "rollout", (batch, f"train-{count.draws}")))
+    return done.metrics, kept, timer.spans
 
 
 def _present(handle: DataHandle, *keys: str) -> list[str]:
     return [k for k in keys if k in handle.keys]
-
-
-def _batch_metrics(rollout: DataHandle, cfg: HybridFlowConfig, seconds: dict[str, float]) -> dict[str, Any]:
-    keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask", "attention_mask"]
-    keys += _present(rollout, "values", "rm_scores") + [k for k in rollout.keys if k.startswith("reward_extra/")]
-    data = rollout.select(keys).load()
-    metrics = compute_data_metrics(data, cfg.rollout.response_length)
-    total = float(data.batch["attention_mask"].sum())
-    metrics["perf/total_num_tokens"] = total
-    metrics["perf/throughput"] = total / seconds["step"]
-    metrics["perf/gen_throughput"] = float(data.batch["response_mask"].sum()) / seconds["gen"]
-    return metrics
 
 
 def _resume(

@@ -22,13 +22,14 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from hybridflow.engine.advantage import compute_advantage
+from hybridflow.engine.advantage import ADVANTAGE_INPUTS, advantage_stage
 from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
-from hybridflow.engine.core_algos import KLController, LagrangeMultiplier, masked_mean
+from hybridflow.engine.core_algos import KLController, LagrangeMultiplier
 from hybridflow.engine.dynamic_sampling import kept_rows, metric_columns
 from hybridflow.engine.generations import GENERATION_KEYS
-from hybridflow.engine.metrics import Timer, rollout_mismatch
+from hybridflow.engine.iteration import TIMING
+from hybridflow.engine.metrics import Timer
 from hybridflow.engine.preference import pair_scores
 from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm.handles import DataHandle
@@ -42,10 +43,10 @@ TIMER: ContextVar[Timer | None] = ContextVar("hybridflow_stage_timer", default=N
 others), under its stage name (``timing_s/<stage>``) and the worker group it calls; None: not timed."""
 
 
-def _stage(name: str, timing: str | None = None) -> Callable[[Callable[..., Any]], Any]:
+def _stage(name: str) -> Callable[[Callable[..., Any]], Any]:
     """Make a function a stage task: a Prefect task named `name`, its runs ``<name>-<iteration>``, no caching, no
-    persisted results, its run timed as `timing` (default `name`) in `TIMER` with the pool of the `WorkerGroup`
-    it is given first."""
+    persisted results, its run timed as ``timing_s/<name>`` (verl's name where it differs, `iteration.TIMING`) in
+    `TIMER` with the pool of the `WorkerGroup` it is given first."""
 
     def decorate(fn: Callable[..., Any]) -> Any:
         @functools.wraps(fn)
@@ -54,7 +55,7 @@ def _stage(name: str, timing: str | None = None) -> Callable[[Callable[..., Any]
             if timer is None:
                 return fn(*args, **kwargs)
             pool = args[0].spec.name if args and isinstance(args[0], WorkerGroup) else None
-            with timer(timing or name, pool):
+            with timer(TIMING.get(name, name), pool):
                 return fn(*args, **kwargs)
 
         return task(
@@ -73,7 +74,7 @@ def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([m[k] for m in per_rank])) for k in per_rank[0]}
 
 
-@_stage("generate", "gen")
+@_stage("generate")
 def generate(group: WorkerGroup, prompts: DataHandle, stream: str = "train") -> DataHandle:
     """Rollout: ``prompts`` [B prompts] -> B*n sequences (``responses``, ``response_mask``, ...), sampled from the
     random stream `stream` (another for each draw of one iteration)."""
@@ -88,7 +89,7 @@ def filter_groups(scored: DataHandle, metric: str, shaping: dict[str, Any]) -> l
     return kept_rows(data, metric, **shaping)
 
 
-@_stage("generate_greedy", "gen_max")
+@_stage("generate_greedy")
 def generate_greedy(group: WorkerGroup, prompts: DataHandle) -> DataHandle:
     """ReMax's baseline rollout: one greedy response per prompt of ``prompts`` [B prompts] -> B rows, each keeping
     its prompt's ``uid`` (verl times it as ``gen_max``)."""
@@ -116,7 +117,7 @@ def old_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     return group.compute_log_prob(rollout)
 
 
-@_stage("ref_log_prob", "ref")
+@_stage("ref_log_prob")
 def ref_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     """``ref_log_prob`` under the frozen reference policy."""
     return group.compute_ref_log_prob(rollout)
@@ -128,7 +129,7 @@ def values(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
     return group.compute_values(rollout)
 
 
-@_stage("advantage", "adv")
+@_stage("advantage")
 def advantage(
     batch: DataHandle,
     algorithm: AlgorithmConfig,
@@ -144,20 +145,12 @@ def advantage(
 
     Runs in the controller: it reads only the [B, T] columns it needs, and writes its three columns as a new part.
     """
-    keys = ["token_level_scores", "response_mask", "uid"]
-    optional = ("rm_scores", "values", "old_log_probs", "ref_log_prob", "token_level_costs", "cost_values")
-    keys += [k for k in optional if k in batch.keys]
-    data = batch.select(keys).load()
+    data = batch.select([k for k in ADVANTAGE_INPUTS if k in batch.keys]).load()
     baseline = None
     if greedy is not None:
         columns = ["uid", "token_level_scores", "response_mask", *(["rm_scores"] if "rm_scores" in greedy.keys else [])]
         baseline = greedy.select(columns).load()
-    out, metrics = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=baseline, lagrangian=lagrangian)
-    if "rollout_log_probs" in batch.keys and "old_log_probs" in batch.keys:  # else the on-policy update reports it
-        metrics.update(rollout_mismatch(batch.select(["rollout_log_probs", "old_log_probs", "response_mask"]).load()))
-    if "entropys" in batch.keys:
-        entropy = batch.select(["entropys", "response_mask"]).load()
-        metrics["actor/entropy"] = float(masked_mean(entropy.batch["entropys"], entropy.batch["response_mask"]))
+    out, metrics = advantage_stage(data, baseline, algorithm, kl_ctrl, shaping, lagrangian)
     return DataHandle.put(out, data_dir, "advantage"), metrics
 
 
@@ -177,6 +170,21 @@ def weight_sync(group: WorkerGroup) -> dict[str, float]:
 def update_actor(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
     """Actor (PPO) update; returns ``actor/*`` metrics averaged over ranks."""
     return _mean_metrics(group.update_actor(batch))
+
+
+ITERATION_TASKS = {
+    "generate": generate,
+    "generate_greedy": generate_greedy,
+    "reward": reward,
+    "rm_score": rm_score,
+    "old_log_prob": old_log_prob,
+    "ref_log_prob": ref_log_prob,
+    "values": values,
+    "update_critic": update_critic,
+    "update_actor": update_actor,
+    "weight_sync": weight_sync,
+}
+"""The task of each stage of `hybridflow.engine.iteration.STAGES`, as the flow runs it on a worker group."""
 
 
 @_stage("checkpoint")

@@ -4,8 +4,6 @@ A backend owns what differs between ways of training a model over a worker group
 
 - building the actor (with the `hybridflow.engine.rollouts.WeightSource` its rollout generates from) and a critic;
 - wrapping a Hugging Face model for data parallelism (`data_parallel`);
-- the data-parallel coordinates of this rank for a stage (`dispatch_coords`, the transfer protocol of
-  `hybridflow.engine.dispatch`);
 - writing and restoring a trained role in a checkpoint.
 
 Registered here: ``ddp`` (a replica per rank, gradients all-reduced), ``fsdp`` (FSDP2 shards, optionally
@@ -100,13 +98,6 @@ class TrainingBackend:
         """The parameter count of `role`'s model for the run record; None where this rank cannot tell."""
         return sum(p.numel() for p in trained.model.parameters())
 
-    def dispatch_coords(
-        self, cfg: HybridFlowConfig, actor: Any, rank: int, world_size: int, method: str
-    ) -> tuple[int, int, bool] | None:
-        """This rank's ``(data-parallel index, size, collect)`` for the actor's or rollout's `method`; None: every
-        rank is a replica of its own."""
-        return None
-
     def save(self, staging: str | Path, role: str, trained: Any, tokenizer, rank: int) -> list[str]:
         """Write `role` into a checkpoint's staging folder; every rank calls it. Returns the roles written (rank 0)."""
         from hybridflow.engine.checkpoint import save_role
@@ -188,14 +179,6 @@ class HFBackend(TrainingBackend):
         model = load_critic(critic_path, compute_dtype, device, trainable=True)
         return Critic(model, cfg.critic, cfg.rollout.n, cfg.trainer.seed, compute_dtype, name=name, columns=columns)
 
-    def dispatch_coords(self, cfg, actor, rank, world_size, method):
-        """With ``actor.tp > 1`` (fsdp) the ranks of a tensor-parallel group share their rows of the actor's and
-        rollout's stages, and its first rank returns them."""
-        tp = cfg.actor.tp
-        if tp > 1 and method in ("generate_sequences", "compute_log_prob", "update_actor"):
-            return rank // tp, world_size // tp, rank % tp == 0
-        return None
-
 
 class MegatronBackend(TrainingBackend):
     """``megatron``: `hybridflow.engine.hybrid_actor.HybridActorRollout`, the megatron-core actor and its
@@ -258,11 +241,6 @@ class MegatronBackend(TrainingBackend):
     def parameter_count(self, role, trained):
         """The actor's whole model (`HybridActorRollout.parameter_count`); None for the critic (a shard here)."""
         return trained.parameter_count() if role == "actor" else None
-
-    def dispatch_coords(self, cfg, actor, rank, world_size, method):
-        """Megatron's data-parallel replicas for the actor's (and a megatron critic's) stages, the generation
-        replicas for the rollout (`HybridActorRollout.dispatch_coords`)."""
-        return actor.dispatch_coords(method)
 
     def save(self, staging, role, trained, tokenizer, rank):
         """The actor writes itself and a megatron critic (`HybridActorRollout.save`: shards gathered, every rank

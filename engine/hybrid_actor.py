@@ -10,9 +10,10 @@ WeightSource` (`generation_model`): the ``hf`` rollout samples with the lent mod
 ``rollout.gen_tp: 1``, one per rank) loads the generation shards (the whole model, in Hugging Face names) from it
 after every update.
 
-Transfer protocol (`dispatch_coords`): the actor's stages split a batch over megatron's data-parallel replicas (the
-ranks of one model-parallel group get the same rows) and collect from the last pipeline stage's first TP rank;
-generation splits over the generation replicas (the generation TP groups) and collects from each one's first rank.
+Transfer protocol (`hybridflow.engine.dispatch`, meshes from `HybridLayout.mesh_coords`): the actor's stages split a
+batch over megatron's data-parallel replicas (the ranks of one model-parallel group get the same rows) and collect
+from the last pipeline stage's first TP rank; generation splits over the generation replicas (the generation TP
+groups) and collects from each one's first rank.
 
 With ``critic.strategy: megatron`` the same processes host a megatron critic (`add_critic`) in the same layout.
 
@@ -118,21 +119,6 @@ class HybridActorRollout:
         load_hf_weights(model, {n: p.detach() for n, p in hf_critic.named_parameters()}, self.critic_config)
         del hf_critic
         self.critic = MegatronCritic(model, self.cfg.critic, self.cfg.rollout.n, self.cfg.trainer.seed)
-
-    # ------------------------------------------------------------------ transfer protocol
-    def dispatch_coords(self, method: str) -> tuple[int, int, bool] | None:
-        """``(data-parallel index, data-parallel size, collect)`` of this rank for `method`, or None when the
-        method is not the actor's or the rollout's (it then runs plain data-parallel over every rank)."""
-        c, layout = self.coords, self.layout
-        if method == "generate_sequences":
-            groups = layout.gen_tp_groups()
-            replica = next(i for i, g in enumerate(groups) if self.rank in g)
-            return replica, len(groups), c.gen_tp == 0
-        if method in ("compute_log_prob", "update_actor") or (
-            self.critic is not None and method in ("compute_values", "update_critic")
-        ):
-            return c.dp, layout.d, c.pp == layout.p - 1 and c.tp == 0
-        return None
 
     # ------------------------------------------------------------------ weight source
     @contextlib.contextmanager

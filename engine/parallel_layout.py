@@ -95,6 +95,26 @@ class HybridLayout:
         pp = rank // (self.t * self.d)
         return Coords(pp, dp, tp, pp // self.s_p, tp // self.s_t, pp % self.s_p, tp % self.s_t)
 
+    def mesh_coords(self, rank: int, mesh: str) -> tuple[int, int, bool]:
+        """`rank`'s ``(data-parallel index, data-parallel size, collect)`` on `mesh` (`hybridflow.engine.dispatch`):
+
+        - ``train``: its training replica (the ranks of one model-parallel group share rows); the last pipeline
+          stage's first TP rank collects;
+        - ``generate``: its generation replica (a generation TP group, `gen_tp_groups`); its first rank collects.
+
+        With p = t = 1 (ddp) every rank is a replica of its own on both meshes.
+
+        Raises:
+            ValueError: an unknown mesh, or `rank` outside the layout.
+        """
+        c = self.coords(rank)
+        if mesh == "train":
+            return c.dp, self.d, c.pp == self.p - 1 and c.tp == 0
+        if mesh == "generate":
+            groups = self.gen_tp_groups()
+            return next(i for i, g in enumerate(groups) if rank in g), len(groups), c.gen_tp == 0
+        raise ValueError(f"unknown mesh {mesh!r}; the actor's meshes are train and generate")
+
     # ------------------------------------------------------------------ groups (lists of global ranks)
     def micro_dp_groups(self) -> list[list[int]]:
         """Ranks whose training shards together form one generation shard; ordered by micro index

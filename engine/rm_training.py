@@ -94,10 +94,6 @@ class RewardModelTrainer:
         self.rank, self.world_size, self.data_dir = rank, world_size, data_dir
         self.config = RMTrainingConfig.model_validate(config)
 
-    def dispatch_coords(self, method: str) -> None:
-        """Every rank is its own data-parallel replica (see `hybridflow.engine.dispatch`)."""
-        return None
-
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
         """Load the model (a new score head from ``trainer.seed`` on a causal LM), wrap it for data parallelism,

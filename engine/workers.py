@@ -165,13 +165,16 @@ class RLHFWorker:
         section = "critic" if role == "cost_critic" else role
         return training_backend(getattr(self.config, section).strategy, f"{section}.strategy")
 
-    def dispatch_coords(self, method: str) -> tuple[int, int, bool] | None:
-        """This rank's ``(data-parallel index, size, collect)`` for a ``DP_COMPUTE_PROTO`` `method` (see
-        `hybridflow.engine.dispatch`), as the actor's backend splits its (and the rollout's) stages
-        (`TrainingBackend.dispatch_coords`); None (every rank its own replica) otherwise."""
-        if method == "compute_rm_score" or self.actor is None:  # the reward model is whole (or FSDP-sharded)
-            return None
-        return self._backend("actor").dispatch_coords(self.config, self.actor, self.rank, self.world_size, method)
+    def mesh_coords(self, mesh: str) -> tuple[int, int, bool] | None:
+        """This rank's ``(data-parallel index, size, collect)`` on `mesh` (`hybridflow.engine.dispatch.MESHES`): the
+        actor's training or generation layout (`HybridLayout.mesh_coords`, whatever its backend), the critic's when
+        the critic lives in the actor's layout (megatron); None (every rank its own replica) for a critic of its
+        own processes."""
+        if mesh == "critic":
+            if not self._backend("critic").hosted_by_actor:
+                return None
+            mesh = "train"
+        return self.config.actor_layout().mesh_coords(self.rank, mesh)
 
     def _trained(self) -> list[tuple[str, Any]]:
         """The trained roles this rank hosts, in checkpoint order: (role, object)."""
@@ -202,7 +205,7 @@ class RLHFWorker:
             info["reward_model_params"] = sum(p.numel() for p in self.reward_model.model.parameters())
         return info
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="generate")
     def generate_sequences(
         self, prompts: DataProto, n: int | None = None, temperature: float | None = None, stream: str = "train"
     ) -> DataProto:
@@ -244,7 +247,7 @@ class RLHFWorker:
             raise RuntimeError(f"this group does not host role 'reward_model' (it hosts {sorted(self.roles)})")
         return _joined([scorer.compute_rm_score(data) for scorer in self.scorers])
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="train")
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` float32 [B, T] under the current actor."""
         self._need("actor")
@@ -256,13 +259,13 @@ class RLHFWorker:
         self._need("ref")
         return self.ref.compute_ref_log_prob(data)
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="critic")
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` float32 [B, T] from the critic (and Safe-RLHF's ``cost_values`` from the cost critic)."""
         self._need("critic")
         return _joined([critic.compute_values(data) for critic in self.critics])
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="train")
     def update_actor(self, data: DataProto) -> dict[str, float]:
         """PPO policy update on this rank's rows; returns the actor metrics and ``perf/mfu/actor``
         (`hybridflow.engine.flops.update_mfu`: the FLOPs the update needs over its seconds and this device's peak)."""
@@ -276,7 +279,7 @@ class RLHFWorker:
         metrics["perf/mfu/actor"] = update_mfu(cfg.model.path, data, cfg.actor.ppo_epochs, seconds, device.type, dtype)
         return metrics
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="critic")
     def update_critic(self, data: DataProto) -> dict[str, float]:
         """Value update on this rank's rows (and the cost critic's, Safe-RLHF); returns the critic metrics
         (``critic/*``, ``cost_critic/*``)."""

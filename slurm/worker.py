@@ -30,9 +30,8 @@ import submitit
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hybridflow.engine.dispatch import Dispatch, registered_methods
+from hybridflow.engine.dispatch import TransferProtocol, rank_result, rank_share, registered_methods
 from hybridflow.engine.imports import load_object
-from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm import network
 from hybridflow.slurm.channel import Signer, WorkerConnection, read_secret
 from hybridflow.slurm.handles import DataHandle, write_part
@@ -40,9 +39,6 @@ from hybridflow.slurm.handles import DataHandle, write_part
 logger = logging.getLogger(__name__)
 
 HANDLE_KEY = "__handle__"
-PART_KEY = "__part__"  # a result batch written to the data folder: its `write_part` description
-DP_KEY = "__dp_rank__"  # beside it: the data-parallel index whose rows it holds (parts are ordered by it)
-SKIP_KEY = "__not_collected__"  # a rank whose replica's result another rank returns
 RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank waits to learn where rank 0's rendezvous store listens
 STORE_TIMEOUT = timedelta(minutes=5)  # torch.distributed's store operations (every rank's join included)
 
@@ -253,7 +249,7 @@ def serve(boot: Bootstrap) -> None:
                 "host": socket.gethostname(),
                 "node": os.environ.get("SLURMD_NODENAME", ""),  # Slurm's name for the node (empty when local)
                 "job_id": job_id,
-                "methods": {name: mode.value for name, mode in methods.items()},
+                "methods": {name: protocol.mode.value for name, protocol in methods.items()},
             }
         )
         _loop(conn, worker, methods, boot, rank, world_size)
@@ -267,7 +263,12 @@ def serve(boot: Bootstrap) -> None:
 
 
 def _loop(
-    conn: WorkerConnection, worker: Any, methods: dict[str, Dispatch], boot: Bootstrap, rank: int, world_size: int
+    conn: WorkerConnection,
+    worker: Any,
+    methods: dict[str, TransferProtocol],
+    boot: Bootstrap,
+    rank: int,
+    world_size: int,
 ) -> None:
     while True:
         message = conn.recv()
@@ -282,22 +283,13 @@ def _loop(
                     f"{type(worker).__name__}.{name} is not a registered method; registered: {sorted(methods)}"
                 )
             args, kwargs = decode_args(message["args"]), decode_args(message["kwargs"])
-            collect, dp_rank = True, rank
-            if methods[name] is Dispatch.DP_COMPUTE_PROTO:
-                coords = getattr(worker, "dispatch_coords", None)
-                dp_rank, dp_size, collect = (coords(name) if coords else None) or (rank, world_size, True)
-                handle: DataHandle = args[0]
-                rows = handle.shard_rows(dp_rank, dp_size)
-                shard = handle.load(rows)
-                shard.meta_info["row_offset"] = rows.start  # where this share starts in the whole batch
-                args = [shard, *args[1:]]
+            args, dp_rank, collect = rank_share(methods[name], worker, rank, world_size, args)
             started = time.perf_counter()
             result = getattr(worker, name)(*args, **kwargs)
             logger.info("rank %d: %s done in %.2f s", rank, name, time.perf_counter() - started)
-            if not collect:  # another rank of this replica returns its result
-                result = {SKIP_KEY: True}
-            elif isinstance(result, DataProto):
-                result = {PART_KEY: write_part(result, boot.data_dir, name, rank), DP_KEY: dp_rank}
+            result = rank_result(
+                result, dp_rank, collect, lambda out, stage=name: write_part(out, boot.data_dir, stage, rank)
+            )
             conn.send({"type": "result", "id": call_id, "rank": rank, "result": encode_args(result)})
         except Exception:
             conn.send({"type": "error", "id": call_id, "rank": rank, "traceback": traceback.format_exc()})

@@ -40,12 +40,12 @@ from typing import Any
 import submitit
 import zmq
 
-from hybridflow.engine.dispatch import Dispatch
+from hybridflow.engine.dispatch import Dispatch, gather_results, split_arguments
 from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm import cluster, network
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, read_secret
 from hybridflow.slurm.handles import DataHandle
-from hybridflow.slurm.worker import DP_KEY, PART_KEY, SKIP_KEY, Bootstrap, decode_args, encode_args, serve
+from hybridflow.slurm.worker import Bootstrap, decode_args, encode_args, serve
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ class WorkerGroup:
         args = tuple(
             DataHandle.put(a, self.data_dir, f"{method}-input") if isinstance(a, DataProto) else a for a in args
         )
-        per_rank = self._split(mode, method, args, kwargs)
+        per_rank = split_arguments(mode, method, self.spec.world_size, args, kwargs)
         call_id = uuid.uuid4().hex
         for rank, (rank_args, rank_kwargs) in per_rank.items():
             message = {
@@ -312,37 +312,8 @@ class WorkerGroup:
                     f"rank {rank} is unreachable (its connection closed) when {method} was sent", [rank]
                 ) from None
         results = self._collect(call_id, method, set(per_rank), timeout_s)
-        return self._gather(mode, results, args)
-
-    def _split(self, mode: Dispatch, method: str, args: tuple, kwargs: dict) -> dict[int, tuple[list, dict]]:
-        ranks = range(self.spec.world_size)
-        if mode is Dispatch.ALL_TO_ALL:
-            for value in [*args, *kwargs.values()]:
-                if not isinstance(value, list | tuple) or len(value) != self.spec.world_size:
-                    raise ValueError(
-                        f"{method} is ALL_TO_ALL: every argument must be a list of "
-                        f"{self.spec.world_size} entries (one per rank)"
-                    )
-            return {r: ([a[r] for a in args], {k: v[r] for k, v in kwargs.items()}) for r in ranks}
-        if mode is Dispatch.DP_COMPUTE_PROTO and (not args or not isinstance(args[0], DataHandle)):
-            raise ValueError(f"{method} is DP_COMPUTE_PROTO: its first argument must be a DataProto or DataHandle")
-        return {r: (list(args), dict(kwargs)) for r in ranks}
-
-    def _gather(self, mode: Dispatch, results: dict[int, Any], args: tuple) -> Any:
         ordered = [decode_args(results[r]) for r in sorted(results)]
-        if mode is Dispatch.DP_COMPUTE_PROTO:
-            ordered = [r for r in ordered if not (isinstance(r, dict) and SKIP_KEY in r)]
-            if all(isinstance(r, dict) and PART_KEY in r for r in ordered):
-                ordered.sort(key=lambda r: r[DP_KEY])
-                return DataHandle.from_parts([r[PART_KEY] for r in ordered], meta_info=args[0].meta_info)
-        ordered = [self._part_to_handle(r) for r in ordered]  # e.g. per-rank metrics of a DP update
-        return ordered[0] if mode is Dispatch.RANK_ZERO else ordered
-
-    @staticmethod
-    def _part_to_handle(result: Any) -> Any:
-        if isinstance(result, dict) and PART_KEY in result:
-            return DataHandle.from_parts([result[PART_KEY]])
-        return result
+        return gather_results(mode, ordered, args[0].meta_info if mode is Dispatch.DP_COMPUTE_PROTO else None)
 
     def _collect(self, call_id: str, method: str, pending: set[int], timeout_s: float | None) -> dict[int, Any]:
         results: dict[int, Any] = {}

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hybridflow.engine.dispatch import Dispatch, register
 from hybridflow.engine.hybrid_engine import HybridEngine, megatron_shard_specs, model_bytes, shard_parameters, table2
 from hybridflow.engine.megatron_bridge import generation_hf_weights, generation_order, hf_to_mcore
 from hybridflow.engine.parallel_layout import HybridLayout
@@ -208,3 +209,43 @@ def _generation_worker(rank: int, store_path: str) -> None:
 
 def test_greedy_generation_from_resharded_weights_equals_one_process(tmp_path):
     mp.spawn(_generation_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+def test_mesh_coords_give_each_backend_its_replicas():
+    """The transfer protocol's meshes (`hybridflow.engine.dispatch`): which rows a rank computes, who returns them."""
+    # the paper's example, 8 ranks, training 1-4-2, generation 1-2-2-2 (generation TP groups [0,2] [1,3] [4,6] [5,7])
+    layout = HybridLayout(p=1, t=4, d=2, p_g=1, t_g=2)
+    assert [layout.mesh_coords(r, "train") for r in range(8)] == [
+        (0, 2, True), (0, 2, False), (0, 2, False), (0, 2, False),
+        (1, 2, True), (1, 2, False), (1, 2, False), (1, 2, False),
+    ]  # fmt: skip
+    assert [layout.mesh_coords(r, "generate") for r in range(8)] == [
+        (0, 4, True), (1, 4, True), (0, 4, False), (1, 4, False),
+        (2, 4, True), (3, 4, True), (2, 4, False), (3, 4, False),
+    ]  # fmt: skip
+    # two pipeline stages: the last stage returns the replica's rows
+    pipeline = HybridLayout(p=2, t=1, d=2, p_g=1, t_g=1)
+    assert [pipeline.mesh_coords(r, "train") for r in range(4)] == [
+        (0, 2, False),
+        (1, 2, False),
+        (0, 2, True),
+        (1, 2, True),
+    ]
+    # fsdp with actor.tp=2 on 4 ranks: a TP group shares its rows on both meshes, its first rank returns them
+    fsdp = HybridLayout(p=1, t=2, d=2, p_g=1, t_g=2)
+    for mesh in ("train", "generate"):
+        assert [fsdp.mesh_coords(r, mesh) for r in range(4)] == [
+            (0, 2, True),
+            (0, 2, False),
+            (1, 2, True),
+            (1, 2, False),
+        ]
+    # ddp: every rank a replica of its own
+    ddp = HybridLayout(p=1, t=1, d=3, p_g=1, t_g=1)
+    assert [ddp.mesh_coords(r, m) for m in ("train", "generate") for r in range(3)] == [
+        (r, 3, True) for r in range(3)
+    ] * 2
+    with pytest.raises(ValueError, match="unknown mesh 'critic'"):
+        ddp.mesh_coords(0, "critic")
+    with pytest.raises(ValueError, match="splits over one of"):
+        register(Dispatch.ONE_TO_ALL, mesh="train")

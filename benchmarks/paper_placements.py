@@ -15,10 +15,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from hybridflow.mapping.cost import Workload
-from hybridflow.mapping.hardware import BUILTIN
-from hybridflow.mapping.planner import PlanError, Planner
-from hybridflow.mapping.shapes import PRESETS
+from hybridflow.placement.cost import Workload
+from hybridflow.placement.hardware import BUILTIN
+from hybridflow.placement.planner import PlanError, Planner
+from hybridflow.placement.shapes import PRESETS
 
 FIXED = {
     "colocate": (("actor", "critic", "ref", "reward_model"),),

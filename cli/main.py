@@ -61,7 +61,7 @@ PrefectOption = Annotated[
 
 def _store(db: str | None):
     """The run store (`--db` or the default); an unreachable or unusable one: its one-line message, exit 2."""
-    from hybridflow.flows.store import RunStore, RunStoreError
+    from hybridflow.store.run_store import RunStore, RunStoreError
 
     if db:  # the flow (and its workers) read the same variable; a URL never goes into flow parameters
         os.environ["HYBRIDFLOW_DB_URL"] = db
@@ -74,7 +74,7 @@ def _store(db: str | None):
 
 def _get_run(store, run_id: str):
     """The run record, or exit 2 with the store's message (which names the id and `hf runs list`)."""
-    from hybridflow.flows.store import UnknownRunError
+    from hybridflow.store.run_store import UnknownRunError
 
     try:
         return store.get_run(run_id)
@@ -100,7 +100,7 @@ def _connect_prefect(prefect_api: str | None) -> None:
 def _load_config(config: Path, override: list[str] | None, executor: str | None, schema=None):
     """The validated config of `config` with the ``-o`` overrides and ``--executor``; on an error: the message
     (naming the file and the keys), exit 2."""
-    from hybridflow.engine.config import ConfigError, load_config
+    from hybridflow.core.config import ConfigError, load_config
 
     try:
         return load_config(config, _overrides(override, executor), schema)
@@ -164,8 +164,8 @@ def resume(
     """Continue RUN_ID from its newest usable checkpoint (a new flow run of the same run), for more iterations
     with ``-o trainer.total_iterations=N``. A checkpoint that fails verification is marked bad and the one before
     it is used. A run another controller is training is refused; one whose controller crashed is taken over."""
-    from hybridflow.engine.config import ConfigError, resume_config
-    from hybridflow.flows.store import LeaseHeldError, controller_state
+    from hybridflow.core.config import ConfigError, resume_config
+    from hybridflow.store.run_store import LeaseHeldError, controller_state
 
     store = _store(db)
     record = _get_run(store, run_id)
@@ -216,7 +216,7 @@ def resume(
 def _resume_rm(store, record, overrides: list[str], from_checkpoint: str | None, prefect_api: str | None) -> None:
     """`hf resume` of a reward-model training run: from its newest usable checkpoint, for ``trainer.total_epochs``
     (``-o trainer.total_epochs=N`` trains a finished one on)."""
-    from hybridflow.engine.config import ConfigError, RMTrainingConfig, resume_config
+    from hybridflow.core.config import ConfigError, RMTrainingConfig, resume_config
 
     if from_checkpoint is not None:
         console.print("[red]--from: a reward-model run resumes from its newest usable checkpoint only[/red]")
@@ -258,10 +258,10 @@ def _checkpoint_step(store, run_id: str, name: str) -> int:
 
 
 def _check_inputs(cfg) -> None:
-    """The pre-flight check (`hybridflow.flows.preflight`) of an RL or a reward-model training config; on a
+    """The pre-flight check (`hybridflow.orchestration.preflight`) of an RL or a reward-model training config; on a
     problem: its message, exit 2."""
-    from hybridflow.engine.config import RMTrainingConfig
-    from hybridflow.flows.preflight import InputError, check_rm_inputs, check_run_inputs
+    from hybridflow.core.config import RMTrainingConfig
+    from hybridflow.orchestration.preflight import InputError, check_rm_inputs, check_run_inputs
 
     try:
         with console.status("checking the model, data and reward function..."):
@@ -286,8 +286,8 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
     """Run the run's flow (``hybridflow-rlhf``, or ``hybridflow-rm`` for a run of kind ``rm``) with the live
     display; exit 1 (failed), 2 (another controller), 3 (stopped on Slurm's warning), 130/143 (interrupted)."""
     from hybridflow.cli.progress import LiveProgress
-    from hybridflow.flows import rlhf, rm
-    from hybridflow.flows.store import LeaseHeldError, LeaseLostError
+    from hybridflow.orchestration import rlhf, rm
+    from hybridflow.store.run_store import LeaseHeldError, LeaseLostError
 
     with LiveProgress(console) as progress:
         rlhf.listeners.append(progress.on_event)
@@ -329,7 +329,7 @@ def _cause(message: str) -> str | None:
 def _status_text(record) -> str:
     """The run's status, with ``running`` told apart: ``running`` (its controller heartbeats) or ``crashed`` (its
     controller died: last heartbeat time)."""
-    from hybridflow.flows.store import controller_state
+    from hybridflow.store.run_store import controller_state
 
     if record.status != "running" or controller_state(record) == "live":
         return record.status
@@ -342,10 +342,10 @@ def _auto_place(config: Path, override, executor, cfg, store):
     placement.hardware, record the plan, and return the config running it (what the run records: `hf resume`
     continues on the same pools). A plan that cannot be made: its message, exit 2."""
     from hybridflow.cli.plan import placement_label
-    from hybridflow.engine.config import validate_config
-    from hybridflow.mapping.auto import plan_config
-    from hybridflow.mapping.hardware import BUILTIN, UnknownHardware, calibrated_profiles, hardware_profile
-    from hybridflow.mapping.planner import PlanError
+    from hybridflow.core.config import validate_config
+    from hybridflow.placement.auto import plan_config
+    from hybridflow.placement.hardware import BUILTIN, UnknownHardware, calibrated_profiles, hardware_profile
+    from hybridflow.placement.planner import PlanError
 
     placement = cfg.placement
     try:
@@ -413,9 +413,9 @@ def plan(
     estimating the iteration's latency (HybridFlow paper, section 6, Algorithm 1). Prints the ranked plans and, with
     --output, writes the config with the fastest plan this version runs (run it with `hf run`)."""
     from hybridflow.cli.plan import show_plan
-    from hybridflow.mapping.auto import plan_config
-    from hybridflow.mapping.hardware import UnknownHardware, hardware_profile
-    from hybridflow.mapping.planner import PlanError
+    from hybridflow.placement.auto import plan_config
+    from hybridflow.placement.hardware import UnknownHardware, hardware_profile
+    from hybridflow.placement.planner import PlanError
 
     def fail(message: str) -> None:
         console.print(message, markup=False, style="red")
@@ -453,8 +453,8 @@ def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], 
     """Fit the hardware profile `name` to `run_ids`, or to runs of `config` made for it (3 iterations, every role in
     one pool: its batch on one rank, twice that on one rank, and, on a machine of 2 cores or more, twice that on 2
     ranks, which busy the cores the controller shares); save it under HYBRIDFLOW_HOME/hardware and print it."""
-    from hybridflow.mapping.calibrate import Measured, fit_profile, measure_device
-    from hybridflow.mapping.hardware import HardwareProfile, save_profile
+    from hybridflow.placement.calibrate import Measured, fit_profile, measure_device
+    from hybridflow.placement.hardware import HardwareProfile, save_profile
 
     if not run_ids:
         base = _load_config(config, override, executor)
@@ -505,7 +505,7 @@ def _memory_per_core() -> int:
 def _config_tree(config: Path, override: list[str] | None, executor: str | None) -> dict:
     """`config` as plain data with the ``-o`` overrides and ``--executor`` applied (the tree a plan is written
     into; `_load_config` has validated it)."""
-    from hybridflow.engine.config import apply_overrides
+    from hybridflow.core.config import apply_overrides
 
     return apply_overrides(yaml.safe_load(config.read_text()) or {}, _overrides(override, executor), str(config))
 
@@ -518,7 +518,7 @@ def _overrides(override: list[str] | None, executor: str | None) -> list[str]:
 def plans_list(db: DbOption = None) -> None:
     """Every placement plan, newest first: where it came from, the cluster, the chosen placement and its estimate."""
     from hybridflow.cli.plan import placement_label
-    from hybridflow.mapping.render import candidate_from_dict
+    from hybridflow.placement.render import candidate_from_dict
 
     plans = _store(db).plans()
     if not plans:
@@ -551,8 +551,8 @@ def plans_show(
 ) -> None:
     """One plan: its inputs, ranked candidates, rejected placements and the chosen one's simulated iteration."""
     from hybridflow.cli.plan import show_plan
-    from hybridflow.flows.store import UnknownPlanError
-    from hybridflow.mapping.render import candidate_from_dict, result_from_record
+    from hybridflow.placement.render import candidate_from_dict, result_from_record
+    from hybridflow.store.run_store import UnknownPlanError
 
     try:
         plan = _store(db).get_plan(plan_id)
@@ -674,7 +674,7 @@ def runs_delete(
 ) -> None:
     """Delete a run's records (metrics, iterations, checkpoints' records, placements) from the store and, with
     ``--files``, its output folder ``<trainer.output_dir>/<experiment_name>/<run_id>``."""
-    from hybridflow.flows.store import controller_state
+    from hybridflow.store.run_store import controller_state
 
     store = _store(db)
     record = _get_run(store, run_id)
@@ -886,7 +886,7 @@ def rm_train(
     """Train a reward model on preference pairs (Bradley-Terry loss; Prefect flow ``hybridflow-rm`` on a worker
     group), recorded in the run store as a run of kind ``rm``; the result is a Hugging Face folder that
     ``reward_model.path`` loads: ``<output_dir>/<experiment_name>/<run_id>/reward_model``."""
-    from hybridflow.engine.config import RMTrainingConfig
+    from hybridflow.core.config import RMTrainingConfig
 
     cfg = _load_config(config, override, executor, RMTrainingConfig)
     _check_inputs(cfg)
@@ -906,7 +906,7 @@ def models_prepare(
     force: Annotated[bool, typer.Option(help="rebuild even if already prepared")] = False,
 ) -> None:
     """Convert an embedded model into a cached Hugging Face folder (idempotent) and print its path."""
-    from hybridflow.engine.embedded_models import prepare_model
+    from hybridflow.core.embedded_models import prepare_model
 
     try:
         with console.status(f"preparing {name} (once; ~30 s for smollm2)..."):
@@ -960,7 +960,7 @@ def _forward_to_huggingface_hub(argv: list[str]) -> bool:
 def main() -> None:
     """Entry point of ``hf`` and ``hybridflow``."""
     # Warnings and errors on the terminal; INFO lines (the controller's and the workers') go to the flow run's logs
-    # in the Prefect UI only (hybridflow.flows.reporting.FlowLogs).
+    # in the Prefect UI only (hybridflow.orchestration.reporting.FlowLogs).
     terminal = logging.StreamHandler()
     terminal.setLevel(logging.WARNING)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", handlers=[terminal])

@@ -5,8 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from hybridflow.mapping.hardware import GB
-from hybridflow.mapping.planner import Candidate, PlanResult
+from hybridflow.placement.hardware import GB
+from hybridflow.placement.planner import Candidate, PlanResult
 
 
 def _seconds(value: float) -> str:

@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridflow.engine.embedded_models import hybridflow_home
+from hybridflow.core.embedded_models import hybridflow_home
 
 DEFAULT_PORT = 4200
 START_TIMEOUT_S = 120.0
@@ -222,7 +222,7 @@ def free_port() -> int:
 
 def use_server(api_url: str) -> None:
     """Point this process's Prefect client at `api_url` (call before importing prefect). Prefect's INFO lines (and
-    the controller's and workers' log lines, `hybridflow.flows.reporting.FlowLogs`) go to the flow run's logs in the
+    the controller's and workers' log lines, `orchestration.reporting.FlowLogs`) go to the flow run's logs in the
     UI, not to the terminal: its console handler shows warnings only, as the live display shows the progress."""
     os.environ.update(OFFLINE_ENV)
     os.environ["PREFECT_API_URL"] = api_url

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
-from hybridflow.flows.store import StageTime
+from hybridflow.store.run_store import StageTime
 
 BAR_WIDTH = 40
 """Characters of the time axis."""

@@ -19,8 +19,8 @@ server.use_server(f"http://127.0.0.1:{PREFECT_PORT}/api")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """Folder with a random tiny LlamaForCausalLM + byte-level BPE tokenizer (see hybridflow.engine.tiny)."""
-    from hybridflow.engine.tiny import build_tiny_model
+    """Folder with a random tiny LlamaForCausalLM + byte-level BPE tokenizer (see hybridflow.core.tiny)."""
+    from hybridflow.core.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
 
@@ -59,13 +59,13 @@ SLURM_START_TIMEOUT_S = 300
 
 
 def start_dev_cluster(timeout_s: float = SLURM_START_TIMEOUT_S) -> str | None:
-    """Run ``slurm/dev_cluster.sh start`` with its output captured through pipes (as a fresh machine's first test
+    """Run ``runtime/dev_cluster.sh start`` with its output captured through pipes (as a fresh machine's first test
     run does). Returns None when the cluster is up, else why not: the script's output and the tail of every daemon
     log under ``$HYBRIDFLOW_SLURM_DIR/log``."""
     import subprocess
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "slurm" / "dev_cluster.sh"
+    script = Path(__file__).resolve().parent.parent / "runtime" / "dev_cluster.sh"
     try:
         done = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
@@ -96,7 +96,7 @@ def _slurm_logs(lines: int = 20) -> str:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A real one-node Slurm cluster, started by the project's `slurm/dev_cluster.sh` (munge, MariaDB + slurmdbd,
+    """A real one-node Slurm cluster, started by the project's `runtime/dev_cluster.sh` (munge, MariaDB + slurmdbd,
     slurmctld, slurmd; installed from Debian when missing). Needs root; CI (CI=true) fails rather than skips."""
     import shutil
     import socket

@@ -1,4 +1,4 @@
-"""`slurm/dev_cluster.sh start` on a machine where the cluster is stopped returns promptly to a caller that reads its
+"""`runtime/dev_cluster.sh start` on a machine where the cluster is stopped returns promptly to a caller that reads its
 output through pipes: no daemon it starts keeps the script's stdout/stderr open (issue: a MariaDB started in a
 background subshell held them, and the first `pytest` on a fresh machine waited 15 minutes)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import start_dev_cluster
 
-SCRIPT = Path(__file__).resolve().parent.parent / "slurm" / "dev_cluster.sh"
+SCRIPT = Path(__file__).resolve().parent.parent / "runtime" / "dev_cluster.sh"
 
 
 def _daemons() -> set[str]:

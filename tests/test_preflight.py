@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridflow.cli.main import app
-from hybridflow.flows.store import RunStore
+from hybridflow.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "grpo_tiny.yaml"

@@ -1,1 +1,0 @@
-"""flows: see README (built in the orchestration issue)."""

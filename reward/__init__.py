@@ -1,0 +1,1 @@
+"""Rewards: rule-based and custom score functions, the reward model, and reward-model training."""

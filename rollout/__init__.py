@@ -1,0 +1,1 @@
+"""Rollouts (the registry: hf, vllm): sampling responses from the actor's weights."""

@@ -1,1 +1,0 @@
-"""slurm: see README (built in the orchestration issue)."""

@@ -1,0 +1,1 @@
+"""The SQL run store (SQLAlchemy, Alembic migrations): runs, metrics, checkpoints, placements, plans."""

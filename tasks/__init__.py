@@ -1,1 +1,0 @@
-"""tasks: see README (built in the orchestration issue)."""

@@ -68,6 +68,44 @@ def policy_loss(
     )
 
 
+def actor_loss(
+    config: ActorConfig,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    batch,
+    entropy: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """The actor's loss on one micro-batch, as both training engines (this one and megatron's) assemble it: the
+    `policy_loss`, minus ``actor.entropy_coeff`` x the entropy bonus when `entropy` [b, T] is given (its
+    ``loss_agg_mode`` aggregate), plus ``actor.kl_loss_coef`` x the KL loss to ``ref_log_prob`` when
+    ``actor.use_kl_loss`` (``actor.kl_loss_type``, aggregated alike).
+
+    Args:
+        batch: the micro-batch's tensors (``advantages``, ``response_mask`` [b, T], ``ref_log_prob`` for the KL loss).
+
+    Returns:
+        The loss (0-dim, carrying the gradient of `log_prob` and `entropy`) and its terms for the metrics, named as
+        ``actor/<name>``: ``entropy``, ``kl_loss``, ``kl_coef`` where they apply, then ``pg_loss``,
+        ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower``.
+    """
+    mask = batch["response_mask"]
+    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
+        config, old_log_prob, log_prob, batch["advantages"], mask, is_weights
+    )
+    loss, terms = pg_loss, {}
+    if entropy is not None:
+        entropy_loss = agg_loss(entropy, mask, config.loss_agg_mode)
+        loss = loss - config.entropy_coeff * entropy_loss
+        terms["entropy"] = entropy_loss
+    if config.use_kl_loss:
+        kl_loss = agg_loss(kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type), mask, config.loss_agg_mode)
+        loss = loss + config.kl_loss_coef * kl_loss
+        terms.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
+    terms.update(pg_loss=pg_loss, pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
+    return loss, terms
+
+
 class Actor:
     """PPO actor around a Hugging Face causal LM.
 
@@ -179,10 +217,8 @@ class Actor:
                 for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                     with sync_gradients(self.train_module, sync=i == len(micros) - 1):
                         self._micro_step(micro, temperature, loss_scale, log, measured)
-                lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
                 clip = cfg.optim.grad_clip
-                grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, "actor", log)
-                log.add(grad_norm=grad_norm, lr=lr)
+                log.add(**optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, "actor", log))
         return {**log.mean("actor"), **(measured.means() if measured is not None else {})}
 
     def _micro_step(
@@ -221,21 +257,9 @@ class Actor:
                 tis_weight_mean=masked_mean(is_weights, mask),
                 tis_truncated_frac=masked_mean((is_weights >= cfg.tis_cap).float(), mask),
             )
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
-            cfg, old_log_prob, log_prob, batch["advantages"], mask, is_weights
-        )
-        loss = pg_loss
-        if calculate_entropy:
-            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
-            loss = loss - cfg.entropy_coeff * entropy_loss
-            log.add(entropy=entropy_loss)
-        if cfg.use_kl_loss:
-            kl = kl_penalty(log_prob, batch["ref_log_prob"], cfg.kl_loss_type)
-            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode)
-            loss = loss + cfg.kl_loss_coef * kl_loss
-            log.add(kl_loss=kl_loss, kl_coef=cfg.kl_loss_coef)
+        loss, terms = actor_loss(cfg, old_log_prob, log_prob, batch, entropy if calculate_entropy else None, is_weights)
         (loss * loss_scale).backward()
-        log.add(pg_loss=pg_loss, pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
+        log.add(**terms)
 
 
 class RefPolicy:

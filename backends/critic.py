@@ -113,8 +113,6 @@ class Critic:
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):
                     vpreds = response_values(self.train_module, micro, self.compute_dtype, cfg.shares_prompts)
                     (value_loss(vpreds, batch, cfg, log, self.columns) * loss_scale).backward()
-            lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step uses (optimizer_step advances it)
             clip = cfg.optim.grad_clip
-            grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, self.name, log)
-            log.add(grad_norm=grad_norm, lr=lr)
+            log.add(**optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, self.name, log))
         return log.mean(self.name)

@@ -13,12 +13,11 @@ import functools
 
 import torch
 
-from hybridflow.algorithms.core_algos import agg_loss, kl_penalty
-from hybridflow.backends.actor import UPDATE_KEYS, policy_loss
+from hybridflow.backends.actor import UPDATE_KEYS, actor_loss
 from hybridflow.backends.training import (
     MetricLog,
     build_optimizer,
-    stop_on_non_finite_grad,
+    optimizer_step,
     update_random_stream,
     update_steps,
 )
@@ -100,8 +99,8 @@ def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool, he
 
 def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], config: ActorConfig) -> dict[str, float]:
     """Accumulate into ``.grad`` the gradient of ``sum_i loss_scales[i] * loss_i`` over the micro-batches of one
-    mini-batch, where ``loss_i`` is micro-batch i's policy loss (`hybridflow.backends.actor.policy_loss`, plus the KL
-    loss when ``actor.use_kl_loss``), through megatron's forward/backward schedule.
+    mini-batch, where ``loss_i`` is micro-batch i's actor loss (`hybridflow.backends.actor.actor_loss`: the policy
+    loss, plus the KL loss when ``actor.use_kl_loss``), through megatron's forward/backward schedule.
 
     Args:
         micros: equal-sized micro-batches with `hybridflow.backends.actor.UPDATE_KEYS` (+ ``ref_log_prob``) and
@@ -119,19 +118,10 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
         batch = micros[index].batch
         on_policy = "old_log_probs" not in batch  # one optimizer step: the old log-probs are this forward's
         old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
-        pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
-            config, old_log_prob, log_prob, batch["advantages"], batch["response_mask"]
-        )
-        loss = pg_loss
-        logs = dict(pg_loss=pg_loss, ppo_kl=ppo_kl, pg_clipfrac=pg_clipfrac, pg_clipfrac_lower=pg_clipfrac_lower)
-        if config.use_kl_loss:
-            kl = kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type)
-            kl_loss = agg_loss(kl, batch["response_mask"], config.loss_agg_mode)
-            loss = loss + config.kl_loss_coef * kl_loss
-            logs.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
-        logged.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in logs.items()})
+        loss, terms = actor_loss(config, old_log_prob, log_prob, batch)  # (no entropy bonus on megatron yet)
+        logged.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in terms.items()})
         # the schedule divides each micro-batch's loss by their number: undo it, then weigh
-        return loss * loss_scales[index] * len(micros), {"pg_loss": pg_loss.detach()}
+        return loss * loss_scales[index] * len(micros), {"pg_loss": terms["pg_loss"].detach()}
 
     run_schedule(model, micros, loss_func, forward_only=False)
     _sync_tied_embedding_grads(model)
@@ -240,21 +230,21 @@ class MegatronActor(MegatronRole):
                 gradient = policy_gradient(self.model, micros, scales, cfg)
                 log.add(**{k.removeprefix("actor/"): v for k, v in gradient.items()})
                 clip = cfg.optim.grad_clip
-                step = optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
+                step = averaged_optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
                 log.add(**step)
         return log.mean("actor")
 
 
-def optimizer_step(
+def averaged_optimizer_step(
     model, optimizer, scheduler, dp_group, grad_clip: float, log: MetricLog | None = None, role: str = "actor"
 ) -> dict[str, float]:
     """After a mini-batch's gradients are accumulated: average them over megatron's data-parallel group (the loss
-    weights carry a factor D, see `micro_batch_weights`), clip the global norm (`clip_grad_norm`), step and zero
-    them. Returns ``grad_norm`` (before clipping) and ``lr`` (the rate this step used).
+    weights carry a factor D, see `micro_batch_weights`), then the shared step
+    (`hybridflow.backends.training.optimizer_step`) with the norm over the model-parallel group (`clip_grad_norm`).
+    Returns ``grad_norm`` (before clipping) and ``lr`` (the rate this step used).
 
     Raises:
-        NonFiniteError: the norm is NaN or infinite (`hybridflow.backends.training.stop_on_non_finite_grad`): the
-            weights are not stepped.
+        NonFiniteError: the norm is NaN or infinite: the weights are not stepped.
     """
     dp = torch.distributed.get_world_size(dp_group)
     if dp > 1:
@@ -262,13 +252,7 @@ def optimizer_step(
             if p.grad is not None:
                 torch.distributed.all_reduce(p.grad, group=dp_group)
                 p.grad.div_(dp)
-    lr = scheduler.get_last_lr()[0]
-    grad_norm = clip_grad_norm(model, grad_clip)
-    stop_on_non_finite_grad(grad_norm, optimizer, role, log)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": grad_norm, "lr": lr}
+    return optimizer_step(model, optimizer, scheduler, grad_clip, role, log, clip=clip_grad_norm)
 
 
 def _sync_tied_embedding_grads(model) -> None:

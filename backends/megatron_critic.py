@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.backends.critic import UPDATE_KEYS, VALUE_COLUMNS, value_loss
-from hybridflow.backends.megatron_actor import MegatronRole, optimizer_step, response_values, run_schedule
+from hybridflow.backends.megatron_actor import MegatronRole, averaged_optimizer_step, response_values, run_schedule
 from hybridflow.backends.training import MetricLog, update_steps
 from hybridflow.core.protocol import DataProto
 
@@ -39,7 +39,7 @@ class MegatronCritic(MegatronRole):
                 return value_loss(vpreds, micros[index].batch, cfg, log) * scales[index] * len(micros), {}
 
             run_schedule(self.model, micros, loss_of, forward_only=False, head=response_values)
-            step = optimizer_step(
+            step = averaged_optimizer_step(
                 self.model, self.optimizer, self.lr_scheduler, self.dp_group, cfg.optim.grad_clip, log, "critic"
             )
             log.add(**step)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -203,6 +203,20 @@ def micro_batch_weights(
     return [world * c / total if total > 0 else 0.0 for c in counts]
 
 
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip a Hugging Face model's gradients to a global 2-norm of `max_norm` (``torch.nn.utils.clip_grad_norm_``;
+    FSDP and TP shards on meshes of 1 or 2 dimensions summed over their mesh). Returns the norm before clipping."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if any(isinstance(g, DTensor) for g in grads):
+        squares = [g.norm() ** 2 for g in grads]
+        grad_norm = sum(s.full_tensor() if isinstance(s, DTensor) else s for s in squares).sqrt()
+        if grad_norm > max_norm:
+            for g in grads:
+                g.mul_(max_norm / (grad_norm + 1e-6))  # as clip_grad_norm_
+        return float(grad_norm)
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+
 def optimizer_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -210,33 +224,30 @@ def optimizer_step(
     grad_clip: float,
     role: str = "actor",
     log: MetricLog | None = None,
-) -> float:
-    """Clip the global grad norm to `grad_clip`, step, and zero the grads.
+    clip: Callable[[torch.nn.Module, float], float] = clip_grad_norm,
+) -> dict[str, float]:
+    """The one optimizer step of every backend, after a mini-batch's gradients are accumulated (and, where the
+    backend does not, averaged over its data-parallel ranks): clip the global grad norm to `grad_clip` with `clip`
+    (this module's `clip_grad_norm`; megatron's over its model-parallel group), step, advance the schedule, zero
+    the grads.
 
     Args:
-        role: ``actor``, ``critic`` or ``cost_critic``, for the error message.
+        role: ``actor``, ``critic``, ``cost_critic`` or ``rm``, for the error message.
         log: the update's metric log; its non-finite values of this mini-batch (a NaN loss) are named in the error.
 
     Returns:
-        The grad norm before clipping (float).
+        ``grad_norm`` (the global norm before clipping) and ``lr`` (the rate this step used).
 
     Raises:
         NonFiniteError: the grad norm is NaN or infinite (`stop_on_non_finite_grad`): nothing is stepped.
     """
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if any(isinstance(g, DTensor) for g in grads):  # FSDP (and TP): shards on meshes of 1 or 2 dimensions
-        squares = [g.norm() ** 2 for g in grads]
-        grad_norm = sum(s.full_tensor() if isinstance(s, DTensor) else s for s in squares).sqrt()
-        if grad_norm > grad_clip:
-            for g in grads:
-                g.mul_(grad_clip / (grad_norm + 1e-6))  # as clip_grad_norm_
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    stop_on_non_finite_grad(float(grad_norm), optimizer, role, log)
+    lr = scheduler.get_last_lr()[0]
+    grad_norm = clip(model, grad_clip)
+    stop_on_non_finite_grad(grad_norm, optimizer, role, log)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return {"grad_norm": grad_norm, "lr": lr}
 
 
 def stop_on_non_finite_grad(grad_norm: float, optimizer, role: str, log: MetricLog | None) -> None:

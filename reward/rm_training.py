@@ -143,9 +143,8 @@ class RewardModelTrainer:
             sums["margin"] += float(diff.mean()) * share
             sums["chosen_score"] += float(chosen.detach().mean()) * share
             sums["rejected_score"] += float(rejected.detach().mean()) * share
-        lr = self.lr_scheduler.get_last_lr()[0]
-        grad_norm = optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.config.optim.grad_clip, "rm")
-        return {**{f"rm/{k}": v for k, v in sums.items()}, "rm/grad_norm": grad_norm, "rm/lr": lr}
+        step = optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.config.optim.grad_clip, "rm")
+        return {**{f"rm/{k}": v for k, v in sums.items()}, "rm/grad_norm": step["grad_norm"], "rm/lr": step["lr"]}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()

@@ -504,8 +504,8 @@ def test_optimizer_step_stops_on_nan(tiny_model_dir):
     # a finite step: returns the pre-clip global norm and moves the weights
     _backward(model)
     expected = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
-    norm = optimizer_step(model, optimizer, scheduler, grad_clip=1e-6)
-    assert norm == pytest.approx(expected, rel=1e-5)
+    step = optimizer_step(model, optimizer, scheduler, grad_clip=1e-6)
+    assert step["grad_norm"] == pytest.approx(expected, rel=1e-5) and step["lr"] == pytest.approx(1e-3)
     assert max_change(model, before) > 1e-4
     assert all(p.grad is None for p in model.parameters())
     assert np.isfinite([float(p.detach().abs().max()) for p in model.parameters()]).all()

@@ -139,8 +139,8 @@ def advantage(
     greedy: DataHandle | None = None,
     lagrangian: LagrangeMultiplier | None = None,
 ) -> tuple[DataHandle, dict[str, float]]:
-    """``token_level_rewards``, ``advantages``, ``returns`` (see `engine.advantage.compute_advantage`; `shaping`:
-    its reward keywords, `engine.advantage.reward_shaping`; `greedy`: the scored greedy responses of ReMax's
+    """``token_level_rewards``, ``advantages``, ``returns`` (`algorithms.advantage.advantage_stage`; `shaping`:
+    its reward keywords, `algorithms.advantage.reward_shaping`; `greedy`: the scored greedy responses of ReMax's
     baseline; `lagrangian`: Safe-RLHF's multiplier, stepped here, which adds ``cost_returns``).
 
     Runs in the controller: it reads only the [B, T] columns it needs, and writes its three columns as a new part.

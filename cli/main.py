@@ -5,6 +5,7 @@
 - ``hf runs list | show RUN_ID | metrics RUN_ID --name NAME | samples RUN_ID | plot RUN_ID ...``: run history from
   the store: metrics, sample generations, plots.
 - ``hf server start | stop | status``: the local Prefect server (its UI shows every flow run).
+- ``hf data check CONFIG``: a config's prompts: rows, train/validation duplicates, lengths, label audit.
 - ``hf models prepare NAME``: make an embedded model (``smollm2``, ``tiny``) available as a local HF folder.
 
 huggingface_hub installs a command named ``hf`` too; every subcommand this CLI does not define (``hf download``,
@@ -31,6 +32,7 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from hybridflow.cli import server
+from hybridflow.cli.data_check import data_app
 
 app = typer.Typer(help="HybridFlow: RLHF (PPO, GRPO, RLOO) with a single controller.", no_args_is_help=True)
 models_app = typer.Typer(help="Embedded models (no model hub needed).", no_args_is_help=True)
@@ -38,6 +40,7 @@ runs_app = typer.Typer(help="Run history from the run store.", no_args_is_help=T
 server_app = typer.Typer(help="The local Prefect server (UI and flow-run history).", no_args_is_help=True)
 rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_args_is_help=True)
 plans_app = typer.Typer(help="Placement plans from the run store (hf plan, placement.auto).", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 app.add_typer(models_app, name="models")
 app.add_typer(plans_app, name="plans")
 app.add_typer(rm_app, name="rm")

@@ -84,6 +84,11 @@ class DataConfig(_Files):
     val_batch_size: int = Field(64, gt=0, description="prompts per validation generate call")
     shuffle: bool = True
     seed: int = 0
+    audit_labels: bool = Field(
+        True,
+        description="refuse a run whose labels fail their exact audit (hybridflow.core.audit: arithmetic sources); "
+        "hf data check CONFIG lists them",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:

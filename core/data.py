@@ -342,11 +342,7 @@ class PromptDataset:
             )
 
     def _encode(self, prompt: list[dict[str, str]]) -> list[int]:
-        if self.apply_chat_template:
-            text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        text = "\n".join(m["content"] for m in prompt)
-        return list(self.tokenizer.encode(text))
+        return encode_prompt(prompt, self.tokenizer, self.apply_chat_template)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -362,6 +358,14 @@ class PromptDataset:
             raise IndexError(f"PromptDataset index {i} out of range for {len(self)} rows")
         i = i % len(self)
         return {**self.rows[i], "input_ids": list(self.input_ids[i]), "index": i}
+
+
+def encode_prompt(prompt: list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True) -> list[int]:
+    """A chat prompt's token ids as the rollout sees them (see `PromptDataset` for the two tokenizations)."""
+    if apply_chat_template:
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode("\n".join(m["content"] for m in prompt)))
 
 
 def collate_prompts(items: Sequence[dict[str, Any]], tokenizer: Any, width: int | None = None) -> DataProto:

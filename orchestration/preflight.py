@@ -7,7 +7,8 @@ What is checked, each failure an `InputError` naming the config key and the fix:
   ``config.json`` and a tokenizer; a hub id (``org/name``) is refused: no model hub is reached from here.
 - ``data.*``: every file exists and has verl's columns; the reasoning-gym generator exists; prompts fit
   ``data.max_prompt_length``; there are at least ``data.train_batch_size`` of them; every ``data_source`` has a
-  reward (built in, or ``reward.custom_function``).
+  reward (built in, or ``reward.custom_function``); with ``data.audit_labels`` (default), every label of a source
+  that has an audit (`hybridflow.core.audit`: exact arithmetic) is the value of its question.
 - ``reward_model.path`` (when ``reward_model.enable``) and Safe-RLHF's ``reward_model.cost_path``: a one-label
   ``*ForSequenceClassification`` folder whose tokenizer pads (pad or EOS token), and ``reward_model.max_length``
   longer than the shortest training prompt rendered in its chat template (weights are not loaded here; the worker
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridflow.core.audit import audit_rows
 from hybridflow.core.config import DataConfig, HybridFlowConfig, Pool, PreferenceDataConfig, RMTrainingConfig
 from hybridflow.core.data import PromptDataset, build_prompt_rows, train_sampler
 from hybridflow.core.embedded_models import EMBEDDED_MODELS, resolve_model_path
@@ -87,6 +89,8 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         raise InputError(str(e)) from None
     for rm_tokenizer in scorers.values():
         _check_reward_model_length(rm.max_length, prompts.train, rm_tokenizer)
+    if cfg.data.audit_labels:
+        _check_labels(prompts)
     if not cfg.reward.custom_function:
         rows = prompts.train.rows + (prompts.val.rows if prompts.val else [])
         for source in sorted({row["data_source"] for row in rows}):
@@ -101,6 +105,22 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         _check_writable("trainer.checkpoint_dir", Path(cfg.trainer.checkpoint_dir))
     if cfg.trainer.resume_from not in (None, "auto"):
         _check_resume_from(cfg.trainer.resume_from, cfg.safe_rlhf())
+
+
+def _check_labels(prompts: PromptSets) -> None:
+    """Refuse prompts whose labels fail their audit (`hybridflow.core.audit`), naming the first failures and the fix."""
+    for name, dataset in (("training", prompts.train), ("validation", prompts.val)):
+        if dataset is None:
+            continue
+        result = audit_rows(dataset.rows)
+        if result.failures:
+            shown = "; ".join(f"{question} {problem}" for _, _, question, problem in result.failures[:3])
+            raise InputError(
+                f"data: {len(result.failures)} of {result.audited} {name} labels are not the value of their question "
+                f"(e.g. {shown}). Fix the data (`hf data check CONFIG` lists every failure; with reasoning-gym's "
+                'basic_arithmetic and allow_parentheses: false, drop "/" from data.reasoning_gym.config.operators: '
+                "reasoning-gym 0.1.25 mislabels its divisions), or set data.audit_labels=false to train on them anyway"
+            )
 
 
 def _check_reward_model(path: str, key: str = "reward_model.path") -> Any:

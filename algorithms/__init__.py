@@ -1,2 +1,3 @@
-"""The RLHF algorithms: advantage estimators and policy losses (core_algos), the advantage stage, DAPO's dynamic
-sampling, and the one iteration function both the flow and the trainer run."""
+"""The RLHF algorithms: advantage estimators (estimators), KL (kl), Safe-RLHF's Lagrangian (lagrangian), policy and
+value losses (losses), the advantage stage, DAPO's dynamic sampling, and the one iteration function both the flow and
+the trainer run."""

@@ -1,7 +1,7 @@
 """The advantage stage on a rollout batch: KL-in-reward (optional), then the configured estimator.
 
 Small and controller-side in the HybridFlow design: it reads [B, T] tensors the other stages produced and adds
-``token_level_rewards``, ``advantages`` and ``returns``. The estimators themselves live in `core_algos`. The score
+``token_level_rewards``, ``advantages`` and ``returns``. The estimators themselves live in `estimators`. The score
 trained on combines the function's and the reward model's (`training_scores`).
 """
 
@@ -12,22 +12,41 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.algorithms.core_algos import (
-    KLController,
-    LagrangeMultiplier,
-    apply_kl_penalty,
-    compute_gae_advantage_return,
-    get_adv_estimator_fn,
-    get_kl_controller,
-    lagrangian_advantages,
-    masked_mean,
-    masked_whiten,
-    overlong_reward,
-    uses_greedy_baseline,
-)
+from hybridflow.algorithms.estimators import compute_gae_advantage_return, get_adv_estimator_fn, uses_greedy_baseline
+from hybridflow.algorithms.kl import KLController, apply_kl_penalty, get_kl_controller
+from hybridflow.algorithms.lagrangian import LagrangeMultiplier, lagrangian_advantages
 from hybridflow.core.config import AlgorithmConfig, HybridFlowConfig, OverlongBufferConfig
 from hybridflow.core.guards import check_finite
 from hybridflow.core.protocol import DataProto
+from hybridflow.core.torch_ops import masked_mean, masked_whiten
+
+
+def overlong_reward(response_lengths: torch.Tensor, max_length: int, buffer_len: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response (Yu et al. 2025, "DAPO", §3.4, eq. 13)::
+
+        R(y) = min(0, ((max_length - buffer_len) - |y|) / buffer_len) * penalty
+
+    0 up to ``max_length - buffer_len`` tokens, then falling linearly to ``-penalty`` at ``max_length``.
+
+    Args:
+        response_lengths: int or float [B], tokens in each response (``response_mask`` sums).
+        max_length: L_max, ``rollout.response_length``.
+        buffer_len: L_cache, ``reward.overlong_buffer.len`` (0 < L_cache < L_max).
+        penalty: ``reward.overlong_buffer.penalty`` (>= 0).
+
+    Returns:
+        float32 [B], <= 0.
+
+    Raises:
+        ValueError: ``buffer_len`` not in (0, max_length) or a negative ``penalty``.
+    """
+    if not 0 < buffer_len < max_length or penalty < 0:
+        raise ValueError(
+            f"reward.overlong_buffer: need 0 < len ({buffer_len}) < rollout.response_length ({max_length}) and "
+            f"penalty ({penalty}) >= 0"
+        )
+    exceed = response_lengths.float() - (max_length - buffer_len)
+    return (-exceed / buffer_len * penalty).clamp(max=0.0)
 
 
 def build_kl_controller(algorithm: AlgorithmConfig) -> KLController:
@@ -114,7 +133,7 @@ def training_scores(data: DataProto, function_coef: float = 1.0, rm_coef: float 
 def overlong_shaped(
     rewards: torch.Tensor, response_mask: torch.Tensor, overlong: OverlongBufferConfig, max_length: int
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """`rewards` float [B, T] with DAPO's overlong penalty (`core_algos.overlong_reward`) added on each response's
+    """`rewards` float [B, T] with DAPO's overlong penalty (`overlong_reward`) added on each response's
     last token, where its score sits; and ``reward_extra/overlong_reward/mean`` (the mean penalty) and
     ``reward_extra/overlong/mean`` (the share of responses penalised), verl's DAPO names."""
     lengths = (response_mask != 0).sum(-1)

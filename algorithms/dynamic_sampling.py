@@ -11,17 +11,42 @@ Both the flow and the single-process trainer use these functions.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridflow.algorithms.advantage import shaped_scores
-from hybridflow.algorithms.core_algos import masked_sum, varied_groups
+from hybridflow.algorithms.estimators import group_ids
 from hybridflow.core.config import HybridFlowConfig
 from hybridflow.core.protocol import DataProto
+from hybridflow.core.torch_ops import masked_sum
 
 SEQUENCE_METRICS = ("seq_reward", "seq_final_reward")
+
+
+def varied_groups(values: torch.Tensor, index: Sequence[Any] | np.ndarray) -> torch.Tensor:
+    """Which sequences belong to a group whose `values` are not all equal (a group of one counts as varied): the
+    groups DAPO's dynamic sampling keeps, since a group of equal rewards has zero group-relative advantage.
+
+    Source: Yu et al. 2025, "DAPO" (arXiv 2503.14476), §3.2, eq. 11: keep a prompt when
+    ``0 < |{o_i : is_equivalent(a, o_i)}| < G``, generalised (as verl does) to "the group's metric has std > 0".
+
+    Args:
+        values: float [B], one metric value per sequence (e.g. its accuracy or score).
+        index: length-B prompt uids; equal uids form a group.
+
+    Returns:
+        bool [B].
+    """
+    ids, n_groups = group_ids(index, values.shape[0])
+    values = values.to(torch.float64)
+    low = torch.full((n_groups,), float("inf"), dtype=values.dtype).scatter_reduce(0, ids, values, "amin")
+    high = torch.full((n_groups,), float("-inf"), dtype=values.dtype).scatter_reduce(0, ids, values, "amax")
+    counts = torch.bincount(ids, minlength=n_groups)
+    return ((high > low) | (counts == 1))[ids]
 
 
 class DynamicSamplingError(RuntimeError):

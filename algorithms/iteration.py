@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hybridflow.algorithms.core_algos import uses_greedy_baseline
 from hybridflow.algorithms.dynamic_sampling import DrawCount
+from hybridflow.algorithms.estimators import uses_greedy_baseline
 from hybridflow.core.config import HybridFlowConfig
 from hybridflow.core.metrics import Timer, batch_metrics
 from hybridflow.core.protocol import DataProto

@@ -12,7 +12,8 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from hybridflow.algorithms.core_algos import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean, truncated_is_weights
+from hybridflow.algorithms.kl import kl_penalty
+from hybridflow.algorithms.losses import get_policy_loss_fn, truncated_is_weights
 from hybridflow.backends.training import (
     MaskedMeans,
     MetricLog,
@@ -27,6 +28,7 @@ from hybridflow.backends.training import (
 from hybridflow.core.config import ActorConfig
 from hybridflow.core.models import compute_log_probs, response_log_probs
 from hybridflow.core.protocol import DataProto
+from hybridflow.core.torch_ops import agg_loss, masked_mean
 
 UPDATE_KEYS = [
     "input_ids",
@@ -47,7 +49,7 @@ def policy_loss(
     response_mask: torch.Tensor,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The policy loss ``actor.policy_loss.loss_mode`` names (`core_algos.get_policy_loss_fn`) with the section's
+    """The policy loss ``actor.policy_loss.loss_mode`` names (`losses.get_policy_loss_fn`) with the section's
     clip ratios and ``loss_agg_mode``: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, 0-dim tensors, over
     float [b, T] inputs (``log_prob`` carries the gradient), and the loss's own ``actor.policy_loss`` keys (those its
     signature names). Both training engines (this one and megatron's) call it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridflow.algorithms.core_algos import compute_value_loss, masked_mean
+from hybridflow.algorithms.losses import compute_value_loss
 from hybridflow.backends.training import (
     MetricLog,
     build_optimizer,
@@ -18,6 +18,7 @@ from hybridflow.backends.training import (
 from hybridflow.core.config import CriticConfig
 from hybridflow.core.models import compute_values, response_values
 from hybridflow.core.protocol import DataProto
+from hybridflow.core.torch_ops import masked_mean
 
 UPDATE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 VALUE_COLUMNS = ("values", "returns")

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hybridflow.algorithms.core_algos import AGG_LOSS_MODES
 from hybridflow.core.config import OptimConfig
 from hybridflow.core.guards import FIX, NonFiniteError
 from hybridflow.core.packing import prompt_groups
 from hybridflow.core.protocol import DataProto
+from hybridflow.core.torch_ops import AGG_LOSS_MODES
 
 
 def build_optimizer(
@@ -152,7 +152,7 @@ def micro_batch_weights(
 ) -> list[float]:
     """Weights that turn per-micro-batch losses into the loss of their whole (global) mini-batch.
 
-    Each micro-batch loss is aggregated over the micro-batch alone (`core_algos.agg_loss`); backpropagating
+    Each micro-batch loss is aggregated over the micro-batch alone (`torch_ops.agg_loss`); backpropagating
     ``sum_i w_i * loss_i`` accumulates the gradient of the mini-batch loss aggregated in one piece when
 
     - ``"token-mean"`` (a mean over tokens): ``w_i`` = response tokens of micro-batch i / response tokens of the
@@ -172,7 +172,7 @@ def micro_batch_weights(
 
     Args:
         micros: this rank's micro-batches of one mini-batch, each with ``response_mask`` [b_i, T] (0/1).
-        loss_agg_mode: one of `core_algos.AGG_LOSS_MODES` (``actor.loss_agg_mode`` / ``critic.loss_agg_mode``).
+        loss_agg_mode: one of `torch_ops.AGG_LOSS_MODES` (``actor.loss_agg_mode`` / ``critic.loss_agg_mode``).
         group: the data-parallel group (default: torch.distributed's default group, as `dp_world`; megatron passes
             its data-parallel group).
 

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def _registered_name(value: str, registered: list[str], key: str) -> str:
-    """`value` if a registry (`core_algos`) holds it. Raises ValueError naming `key` and the registered names."""
+    """`value` if its registry holds it. Raises ValueError naming `key` and the registered names."""
     if value not in registered:
         raise ValueError(f"unknown {key} {value!r}; registered: {registered}")
     return value
@@ -156,7 +156,7 @@ class PolicyLossConfig(_Section):
 
     loss_mode: str = Field(
         "vanilla",
-        description="a registered policy loss (algorithms.core_algos.register_policy_loss): vanilla (PPO clip "
+        description="a registered policy loss (algorithms.losses.register_policy_loss): vanilla (PPO clip "
         "with clip-higher and dual-clip), gspo (sequence-level ratio; its paper uses loss_agg_mode "
         "seq-mean-token-mean and clip ranges ~3e-4/4e-4), cispo (clipped importance weight, held constant), "
         "clip_cov, kl_cov (Cui et al. 2025: high-covariance tokens lose their gradient / get a KL penalty)",
@@ -170,7 +170,7 @@ class PolicyLossConfig(_Section):
     @field_validator("loss_mode")
     @classmethod
     def _registered(cls, value: str) -> str:
-        from hybridflow.algorithms.core_algos import policy_loss_modes
+        from hybridflow.algorithms.losses import policy_loss_modes
 
         return _registered_name(value, policy_loss_modes(), "actor.policy_loss.loss_mode")
 
@@ -307,7 +307,7 @@ class AlgorithmConfig(_Section):
 
     adv_estimator: str = Field(
         "grpo",
-        description="a registered advantage estimator (algorithms.core_algos.register_adv_est): gae (needs the "
+        description="a registered advantage estimator (algorithms.estimators.register_adv_est): gae (needs the "
         "critic), grpo (norm_adv_by_std_in_grpo false: Dr. GRPO), rloo, reinforce_plus_plus, "
         "reinforce_plus_plus_baseline, opo, remax (baseline: the greedy response's score)",
     )
@@ -336,7 +336,7 @@ class AlgorithmConfig(_Section):
     @field_validator("adv_estimator")
     @classmethod
     def _registered(cls, value: str) -> str:
-        from hybridflow.algorithms.core_algos import adv_estimators
+        from hybridflow.algorithms.estimators import adv_estimators
 
         return _registered_name(value, adv_estimators(), "algorithm.adv_estimator")
 
@@ -707,7 +707,7 @@ class HybridFlowConfig(_Section):
                 "reward.function_coef=0 leaves no training reward: set it > 0, or reward_model.enable=true with "
                 "reward_model.path"
             )
-        from hybridflow.algorithms.core_algos import uses_greedy_baseline, uses_groups
+        from hybridflow.algorithms.estimators import uses_greedy_baseline, uses_groups
 
         estimator = self.algorithm.adv_estimator
         if uses_groups(estimator) and self.rollout.n < 2:
@@ -798,7 +798,7 @@ class HybridFlowConfig(_Section):
         """The roles this run uses: actor, rollout and reward (the score function: validation uses it) always; ref
         for a KL term (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``); critic for an advantage estimator
         that needs one (GAE); reward_model when ``reward_model.enable`` or a cost model (``reward_model.cost_path``)."""
-        from hybridflow.algorithms.core_algos import uses_critic
+        from hybridflow.algorithms.estimators import uses_critic
 
         roles = ["actor", "rollout", "reward"]
         if self.actor.use_kl_loss or self.algorithm.use_kl_in_reward:

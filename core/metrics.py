@@ -11,8 +11,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hybridflow.algorithms.core_algos import masked_mean
 from hybridflow.core.protocol import DataProto
+from hybridflow.core.torch_ops import masked_mean
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

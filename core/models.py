@@ -31,9 +31,9 @@ from transformers import (
     PreTrainedModel,
 )
 
-from hybridflow.algorithms.core_algos import logprobs_and_entropy
 from hybridflow.core.packing import PACKED_ATTENTION, PackedRows, pack_rows
 from hybridflow.core.protocol import DataProto
+from hybridflow.core.torch_ops import logprobs_and_entropy
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -227,7 +227,7 @@ def response_log_probs(
 
     The rows are packed (`pack_rows`: no padding, a repeated prompt once unless `share_prompts` is false) and the
     LM head runs at response positions only (`response_logits`); the forward runs in `compute_dtype`, the softmax
-    math in fp32, one log-softmax per chunk of rows for both (`core_algos.logprobs_and_entropy`).
+    math in fp32, one log-softmax per chunk of rows for both (`torch_ops.logprobs_and_entropy`).
 
     Returns:
         (log_probs float32 [b, T], entropy float32 [b, T] or None), 0 where ``attention_mask`` marks no response

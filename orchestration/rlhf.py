@@ -29,8 +29,9 @@ from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 
 from hybridflow.algorithms.advantage import build_kl_controller, build_lagrangian, reward_shaping
-from hybridflow.algorithms.core_algos import KLController, LagrangeMultiplier
 from hybridflow.algorithms.iteration import Call, run_iteration
+from hybridflow.algorithms.kl import KLController
+from hybridflow.algorithms.lagrangian import LagrangeMultiplier
 from hybridflow.backends.registry import training_backend
 from hybridflow.core.checkpoint import CheckpointError, read_trainer_state, verify_checkpoint
 from hybridflow.core.config import HybridFlowConfig, Pool, RMTrainingConfig

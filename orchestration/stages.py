@@ -23,9 +23,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from hybridflow.algorithms.advantage import ADVANTAGE_INPUTS, advantage_stage
-from hybridflow.algorithms.core_algos import KLController, LagrangeMultiplier
 from hybridflow.algorithms.dynamic_sampling import kept_rows, metric_columns
 from hybridflow.algorithms.iteration import TIMING
+from hybridflow.algorithms.kl import KLController
+from hybridflow.algorithms.lagrangian import LagrangeMultiplier
 from hybridflow.core.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.core.config import AlgorithmConfig
 from hybridflow.core.generations import GENERATION_KEYS

@@ -86,7 +86,7 @@ class Workload:
         """From a `HybridFlowConfig`: prompts of ``data.max_prompt_length`` tokens and responses of
         ``rollout.response_length`` (the longest the rollout produces) unless given (e.g. as measured); the mean
         lengths, which packed passes compute, are the longest unless given."""
-        from hybridflow.algorithms.core_algos import uses_greedy_baseline
+        from hybridflow.algorithms.estimators import uses_greedy_baseline
 
         prompts = cfg.data.train_batch_size
         return cls(

@@ -186,7 +186,7 @@ def _grad_worker(rank: int, store: str, model_dir: str, results) -> None:
 def test_policy_gradient_with_tp2_and_pp2_equals_hugging_face(tmp_path):
     """The PPO loss's gradient on megatron (TP=1, TP=2, PP=2; 2 micro-batches through megatron's schedule), mapped
     back to Hugging Face names, equals the gradient of the same loss computed on the Hugging Face model."""
-    from hybridflow.algorithms.core_algos import compute_policy_loss
+    from hybridflow.algorithms.losses import compute_policy_loss
     from hybridflow.backends.megatron_bridge import stage_names
     from hybridflow.core.models import response_log_probs
 

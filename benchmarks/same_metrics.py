@@ -37,8 +37,8 @@ from pathlib import Path
 sys.path.insert(0, "tests")
 from tiny_runs import LENGTH_COST, write_reward
 try:
-    from hybridflow.core.config import load_config
-    from hybridflow.core.trainer import SingleProcessTrainer
+    from hybridflow.engine.config import load_config
+    from hybridflow.engine.trainer import SingleProcessTrainer
 except ImportError:  # a revision before the folders by concept
     from hybridflow.engine.config import load_config
     from hybridflow.engine.trainer import SingleProcessTrainer
@@ -66,7 +66,7 @@ for name, (example, extra) in cases.items():
 STORE_BODY = """
 import json, sys
 try:
-    from hybridflow.store.run_store import RunStore
+    from hybridflow.flows.store.run_store import RunStore
 except ImportError:
     from hybridflow.flows.store import RunStore
 store = RunStore()

@@ -1,4 +1,5 @@
-"""Tests for the algorithms' tensor functions: hybridflow.core.torch_ops and hybridflow.algorithms.{estimators, kl,
+"""Tests for the algorithms' tensor functions: hybridflow.engine.torch_ops and hybridflow.engine.algorithms.{estimators,
+kl,
 lagrangian, losses}.
 
 Each algorithm is compared with a plain-Python reference (loops over batch and time on python floats) on random
@@ -14,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from hybridflow.algorithms import advantage, dynamic_sampling, estimators, kl, losses
-from hybridflow.algorithms.lagrangian import LagrangeMultiplier, lagrangian_advantages
-from hybridflow.core import torch_ops
+from hybridflow.engine import advantage, dynamic_sampling, torch_ops
+from hybridflow.engine.algorithms import estimators, kl, losses
+from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier, lagrangian_advantages
 
 # --------------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -797,10 +798,10 @@ def test_logprobs_label_shape_mismatch():
 def test_non_finite_advantages_stop_the_adv_stage():
     """A NaN score on a response token stops compute_advantage with NonFiniteError naming the stage, the metric
     and the first sample (its uid); NaN on a padding position is ignored."""
-    from hybridflow.algorithms.advantage import compute_advantage
-    from hybridflow.core.config import AlgorithmConfig
-    from hybridflow.core.guards import NonFiniteError
-    from hybridflow.core.protocol import DataProto
+    from hybridflow.engine.advantage import compute_advantage
+    from hybridflow.engine.config import AlgorithmConfig
+    from hybridflow.engine.guards import NonFiniteError
+    from hybridflow.engine.protocol import DataProto
 
     scores = torch.zeros(4, 3)
     scores[:, 1] = torch.tensor([1.0, 0.0, 0.5, 0.25])
@@ -943,8 +944,8 @@ def test_overlong_reward_falls_linearly_over_the_buffer():
 
 
 def test_overlong_shaping_puts_the_penalty_on_the_last_response_token():
-    from hybridflow.algorithms.advantage import overlong_shaped
-    from hybridflow.core.config import OverlongBufferConfig
+    from hybridflow.engine.advantage import overlong_shaped
+    from hybridflow.engine.config import OverlongBufferConfig
 
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
@@ -970,9 +971,9 @@ def test_remax_advantage_is_the_reward_to_go_minus_the_greedy_score():
 
 
 def test_greedy_baselines_follow_each_rows_prompt_and_the_training_reward():
-    from hybridflow.algorithms.advantage import greedy_baselines
-    from hybridflow.core.config import OverlongBufferConfig
-    from hybridflow.core.protocol import DataProto
+    from hybridflow.engine.advantage import greedy_baselines
+    from hybridflow.engine.config import OverlongBufferConfig
+    from hybridflow.engine.protocol import DataProto
 
     greedy = DataProto.from_dict(
         {
@@ -1001,9 +1002,9 @@ def test_varied_groups_keep_the_groups_whose_values_differ_and_singletons():
 
 
 def test_dynamic_sampling_keeps_varied_groups_and_counts_draws_to_the_limit():
-    from hybridflow.algorithms.dynamic_sampling import DrawCount, DynamicSamplingError, kept_rows
-    from hybridflow.core.config import load_config
-    from hybridflow.core.protocol import DataProto
+    from hybridflow.engine.config import load_config
+    from hybridflow.engine.dynamic_sampling import DrawCount, DynamicSamplingError, kept_rows
+    from hybridflow.engine.protocol import DataProto
 
     data = DataProto.from_dict(
         {
@@ -1068,8 +1069,8 @@ def test_kl_cov_penalises_the_log_ratio_of_the_highest_covariance_token():
 
 
 def test_the_actor_passes_a_loss_its_own_policy_loss_keys():
-    from hybridflow.backends.actor import policy_loss
-    from hybridflow.core.config import ActorConfig
+    from hybridflow.engine.backends.actor import policy_loss
+    from hybridflow.engine.config import ActorConfig
 
     advantages, mask = torch.tensor([[2.0, 0.0, 0.0, -3.0]]), torch.ones(1, 4)
     old, log_prob = torch.tensor([[1.0, 0.0, 0.0, -1.2]]), torch.tensor([[1.0, 0.0, 0.0, -1.0]])
@@ -1116,9 +1117,9 @@ def test_compute_advantage_steps_lambda_then_combines_the_reward_and_cost_gae():
     """The advantage stage with costs: lambda is stepped with the batch's episode costs first; the advantages are the
     whitened `lagrangian_advantages` of the two unwhitened GAEs under the new lambda; ``cost_returns`` is the cost
     critic's target; the in-reward KL penalty is charged to the cost as well."""
-    from hybridflow.algorithms.advantage import build_lagrangian, compute_advantage
-    from hybridflow.core.config import AlgorithmConfig
-    from hybridflow.core.protocol import DataProto
+    from hybridflow.engine.advantage import build_lagrangian, compute_advantage
+    from hybridflow.engine.config import AlgorithmConfig
+    from hybridflow.engine.protocol import DataProto
 
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0]])
@@ -1149,7 +1150,7 @@ def test_compute_advantage_steps_lambda_then_combines_the_reward_and_cost_gae():
     kl = AlgorithmConfig(
         adv_estimator="gae", cost_limit=1.0, use_kl_in_reward=True, kl_ctrl={"type": "fixed", "kl_coef": 0.2}
     )
-    from hybridflow.algorithms.advantage import build_kl_controller
+    from hybridflow.engine.advantage import build_kl_controller
 
     out, _ = compute_advantage(
         DataProto.from_dict({**columns, **log_probs}), kl, build_kl_controller(kl), lagrangian=build_lagrangian(kl)

@@ -289,11 +289,11 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
     """Run the run's flow (``hybridflow-rlhf``, or ``hybridflow-rm`` for a run of kind ``rm``) with the live
     display; exit 1 (failed), 2 (another controller), 3 (stopped on Slurm's warning), 130/143 (interrupted)."""
     from hybridflow.cli.progress import LiveProgress
-    from hybridflow.flows import rlhf, rm
+    from hybridflow.flows import lifecycle, rlhf, rm
     from hybridflow.flows.store.run_store import LeaseHeldError, LeaseLostError
 
     with LiveProgress(console) as progress:
-        rlhf.listeners.append(progress.on_event)
+        lifecycle.listeners.append(progress.on_event)
         try:
             if store.get_run(run_id).kind == "rm":
                 rm.run_rm_flow(run_id=run_id)
@@ -312,7 +312,7 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
             console.print(f"fix the cause, then continue with: hf resume {run_id}")
             raise typer.Exit(1) from None
         finally:
-            rlhf.listeners.remove(progress.on_event)
+            lifecycle.listeners.remove(progress.on_event)
     record = store.get_run(run_id)
     if record.status == "interrupted":  # stopped on Slurm's time-limit or preemption warning, checkpointed
         console.print(f"[yellow]{record.error}[/yellow]")

@@ -20,7 +20,7 @@ LIVE_METRICS = (
 
 
 class LiveProgress:
-    """Listens to the flow's events (``hybridflow.flows.rlhf.listeners``) and draws a progress bar, printing one
+    """Listens to the flow's events (``hybridflow.flows.lifecycle.listeners``) and draws a progress bar, printing one
     line per iteration with its key metrics, so the scrollback keeps the history."""
 
     def __init__(self, console: Console):

@@ -26,19 +26,81 @@ from hybridflow.engine.extensions import rollout_spec
 from hybridflow.engine.metrics import Timer, batch_metrics
 from hybridflow.engine.protocol import DataProto
 
-STAGES = (
-    "generate",
-    "generate_greedy",
-    "rm_score",
-    "reward",
-    "old_log_prob",
-    "ref_log_prob",
-    "values",
-    "update_critic",
-    "update_actor",
-    "weight_sync",
-)
-"""The stages a `Call` names; each is a method of `hybridflow.engine.worker.RLHFWorker` on the role's ranks."""
+
+@dataclass(frozen=True)
+class StageMethod:
+    """What a stage calls: a method of `hybridflow.engine.worker.RLHFWorker` on the ranks of the role's pool.
+
+    Attributes:
+        method: the worker method.
+        doc: what the stage computes (the Prefect task's description).
+        takes_batch: the first argument of a `Call` is the batch (else the method takes none).
+        names: keyword names of a `Call`'s arguments after the batch (``generate``'s random ``stream``).
+        fixed: keyword arguments every call passes (ReMax's greedy generation).
+        columns: the batch columns the method reads; a data handle sends only these (None: every column).
+        metrics: the method returns metrics per rank, which the flow averages over the data-parallel ranks.
+    """
+
+    method: str
+    doc: str
+    takes_batch: bool = True
+    names: tuple[str, ...] = ()
+    fixed: dict[str, Any] = field(default_factory=dict)
+    columns: tuple[str, ...] | None = None
+    metrics: bool = False
+
+    def bind(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A `Call`'s `args` as the method's positional and keyword arguments."""
+        head = 1 if self.takes_batch else 0
+        return args[:head], {**dict(zip(self.names, args[head:], strict=False)), **self.fixed}
+
+
+STAGE_METHODS: dict[str, StageMethod] = {
+    "generate": StageMethod(
+        "generate_sequences",
+        "Rollout: prompts [B] -> B*n sequences (responses, response_mask, ...), sampled from the random stream "
+        "`stream` (another for each draw of one iteration).",
+        names=("stream",),
+    ),
+    "generate_greedy": StageMethod(
+        "generate_sequences",
+        "ReMax's baseline rollout: one greedy response per prompt [B] -> B rows, each keeping its prompt's uid "
+        "(verl times it as gen_max).",
+        fixed={"n": 1, "temperature": 0.0, "stream": "greedy"},
+    ),
+    "rm_score": StageMethod(
+        "compute_rm_score",
+        "The reward model's rm_scores [B, T] (its score on each row's last response token), and Safe-RLHF's cost "
+        "model's token_level_costs [B, T].",
+        columns=("responses", "response_mask", "raw_prompt"),
+    ),
+    "reward": StageMethod(
+        "compute_reward",
+        "Score the responses: token_level_scores (+ reward_extra/*; Safe-RLHF's token_level_costs).",
+        columns=("responses", "response_mask", "data_source", "reward_model", "extra_info"),
+    ),
+    "old_log_prob": StageMethod("compute_log_prob", "old_log_probs and entropys under the actor that generated."),
+    "ref_log_prob": StageMethod("compute_ref_log_prob", "ref_log_prob under the frozen reference policy."),
+    "values": StageMethod(
+        "compute_values", "Critic values for each response token (and Safe-RLHF's cost critic's cost_values), [B, T]."
+    ),
+    "update_critic": StageMethod("update_critic", "Critic update; critic/* metrics averaged over ranks.", metrics=True),
+    "update_actor": StageMethod(
+        "update_actor", "Actor (PPO) update; actor/* metrics averaged over ranks.", metrics=True
+    ),
+    "weight_sync": StageMethod(
+        "sync_rollout_weights",
+        "Load the updated actor weights into the rollout engine (vLLM); returns its check.",
+        takes_batch=False,
+        metrics=True,
+    ),
+}
+"""The one table of the stages a `Call` names and the worker method each calls: the flow's tasks
+(`hybridflow.tasks.stages`) and the single-process trainer (`hybridflow.engine.trainer.LocalStages`) both call
+through it."""
+
+STAGES = tuple(STAGE_METHODS)
+"""The stages a `Call` names."""
 
 TIMING = {"generate": "gen", "generate_greedy": "gen_max", "ref_log_prob": "ref", "advantage": "adv"}
 """A stage's name in ``timing_s/<name>`` where it differs from the stage's (verl's names)."""

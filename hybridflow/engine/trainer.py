@@ -15,7 +15,6 @@ reward function); `validate` runs under a forked torch RNG so that it never shif
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from hybridflow.engine.checkpoint import (
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.data import PromptDataset, build_prompt_rows, collate_prompts, train_sampler
 from hybridflow.engine.dynamic_sampling import kept_rows
-from hybridflow.engine.iteration import TIMING, Call, run_iteration
+from hybridflow.engine.iteration import STAGE_METHODS, TIMING, Call, run_iteration
 from hybridflow.engine.metrics import Timer, ValidationTally
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.tracking import Tracking, mlflow_tracking_uri
@@ -269,25 +268,11 @@ class SingleProcessTrainer:
 
 class LocalStages:
     """The single-process trainer's `hybridflow.engine.iteration.Stages`: each stage a call of the trainer's
-    in-process `RLHFWorker` (the method the flow's worker groups run), on `DataProto` batches, timed in `timer`."""
+    in-process `RLHFWorker` (the method `iteration.STAGE_METHODS` names, as the flow's worker groups run it), on
+    `DataProto` batches, timed in `timer`."""
 
     def __init__(self, trainer: SingleProcessTrainer, timer: Timer):
         self.trainer, self.timer, self.cfg = trainer, timer, trainer.config
-        worker = trainer.worker
-        self.methods: dict[str, Callable[..., Any]] = {
-            "generate": lambda prompts, stream="train": worker.generate_sequences(prompts, stream=stream),
-            "generate_greedy": lambda prompts: worker.generate_sequences(
-                prompts, n=1, temperature=0.0, stream="greedy"
-            ),
-            "reward": worker.compute_reward,
-            "rm_score": worker.compute_rm_score,
-            "old_log_prob": worker.compute_log_prob,
-            "ref_log_prob": worker.compute_ref_log_prob,
-            "values": worker.compute_values,
-            "update_critic": worker.update_critic,
-            "update_actor": worker.update_actor,
-            "weight_sync": worker.sync_rollout_weights,
-        }
 
     def __call__(self, *calls: Call) -> list[Any]:
         out = []
@@ -295,8 +280,10 @@ class LocalStages:
             if not call.when:
                 out.append(None)
                 continue
+            spec = STAGE_METHODS[call.stage]
+            args, kwargs = spec.bind(call.args)
             with self.timer(TIMING.get(call.stage, call.stage)):
-                out.append(self.methods[call.stage](*call.args))
+                out.append(getattr(self.trainer.worker, spec.method)(*args, **kwargs))
         return out
 
     def next_prompts(self, step: int) -> DataProto:

@@ -27,9 +27,7 @@ from hybridflow.engine.config import RMTrainingConfig
 from hybridflow.engine.metrics import Timer
 from hybridflow.engine.reward.preference import collate_pairs, epoch_batches
 from hybridflow.flows.lease import RunLease
-from hybridflow.flows.preflight import PreferenceSets, preference_sets
-from hybridflow.flows.reporting import FlowLogs, RunReport, untagged_task_runs
-from hybridflow.flows.rlhf import (
+from hybridflow.flows.lifecycle import (
     Workers,
     end_session,
     enter_stage,
@@ -42,6 +40,8 @@ from hybridflow.flows.rlhf import (
     save_checkpoint,
     usable_checkpoint,
 )
+from hybridflow.flows.preflight import PreferenceSets, preference_sets
+from hybridflow.flows.reporting import FlowLogs, RunReport, untagged_task_runs
 from hybridflow.flows.store.run_store import RunStore
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.tasks import stages

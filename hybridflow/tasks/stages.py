@@ -29,7 +29,7 @@ from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.dynamic_sampling import kept_rows, metric_columns
 from hybridflow.engine.generations import GENERATION_KEYS
-from hybridflow.engine.iteration import TIMING
+from hybridflow.engine.iteration import STAGE_METHODS, TIMING
 from hybridflow.engine.metrics import Timer, ValidationTally
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward.preference import pair_scores
@@ -75,59 +75,12 @@ def _mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([m[k] for m in per_rank])) for k in per_rank[0]}
 
 
-@_stage("generate")
-def generate(group: WorkerGroup, prompts: DataHandle, stream: str = "train") -> DataHandle:
-    """Rollout: ``prompts`` [B prompts] -> B*n sequences (``responses``, ``response_mask``, ...), sampled from the
-    random stream `stream` (another for each draw of one iteration)."""
-    return group.generate_sequences(prompts, stream=stream)
-
-
 @_stage("filter_groups")
 def filter_groups(scored: DataHandle, metric: str, shaping: dict[str, Any]) -> list[int]:
     """DAPO's dynamic sampling: the rows of the scored draw whose group's `metric` varies
     (`hybridflow.engine.dynamic_sampling.kept_rows`). Runs in the controller on [B] columns."""
     data = scored.select(["uid", *metric_columns(metric, scored.keys)]).load()
     return kept_rows(data, metric, **shaping)
-
-
-@_stage("generate_greedy")
-def generate_greedy(group: WorkerGroup, prompts: DataHandle) -> DataHandle:
-    """ReMax's baseline rollout: one greedy response per prompt of ``prompts`` [B prompts] -> B rows, each keeping
-    its prompt's ``uid`` (verl times it as ``gen_max``)."""
-    return group.generate_sequences(prompts, n=1, temperature=0.0, stream="greedy")
-
-
-@_stage("reward")
-def reward(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
-    """Score the responses: ``token_level_scores`` (+ ``reward_extra/*``; Safe-RLHF's ``token_level_costs``)."""
-    return group.compute_reward(
-        rollout.select(["responses", "response_mask", "data_source", "reward_model", "extra_info"])
-    )
-
-
-@_stage("rm_score")
-def rm_score(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
-    """The reward model's ``rm_scores`` [B, T] (its score on each row's last response token), and Safe-RLHF's cost
-    model's ``token_level_costs`` [B, T]."""
-    return group.compute_rm_score(rollout.select(["responses", "response_mask", "raw_prompt"]))
-
-
-@_stage("old_log_prob")
-def old_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
-    """``old_log_probs`` and ``entropys`` under the actor that generated the batch."""
-    return group.compute_log_prob(rollout)
-
-
-@_stage("ref_log_prob")
-def ref_log_prob(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
-    """``ref_log_prob`` under the frozen reference policy."""
-    return group.compute_ref_log_prob(rollout)
-
-
-@_stage("values")
-def values(group: WorkerGroup, rollout: DataHandle) -> DataHandle:
-    """Critic ``values`` for each response token (and Safe-RLHF's cost critic's ``cost_values``), [B, T]."""
-    return group.compute_values(rollout)
 
 
 @_stage("advantage")
@@ -155,37 +108,24 @@ def advantage(
     return DataHandle.put(out, data_dir, "advantage"), metrics
 
 
-@_stage("update_critic")
-def update_critic(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
-    """Critic update; returns ``critic/*`` metrics averaged over ranks."""
-    return _mean_metrics(group.update_critic(batch))
+def _worker_task(name: str) -> Any:
+    """The task of stage `name`: one call of its worker method (`iteration.STAGE_METHODS`) on the group, the batch
+    handle narrowed to the columns the method reads; per-rank metrics averaged over the ranks."""
+    spec = STAGE_METHODS[name]
+
+    def call(group: WorkerGroup, *args: Any) -> Any:
+        args, kwargs = spec.bind(args)
+        if spec.columns is not None:
+            args = (args[0].select(list(spec.columns)), *args[1:])
+        result = getattr(group, spec.method)(*args, **kwargs)
+        return _mean_metrics(result) if spec.metrics else result
+
+    call.__name__, call.__doc__ = name, spec.doc
+    return _stage(name)(call)
 
 
-@_stage("weight_sync")
-def weight_sync(group: WorkerGroup) -> dict[str, float]:
-    """Load the updated actor weights into the rollout engine (vLLM); returns its check (the flow times the stage)."""
-    return _mean_metrics(group.sync_rollout_weights())
-
-
-@_stage("update_actor")
-def update_actor(group: WorkerGroup, batch: DataHandle) -> dict[str, float]:
-    """Actor (PPO) update; returns ``actor/*`` metrics averaged over ranks."""
-    return _mean_metrics(group.update_actor(batch))
-
-
-ITERATION_TASKS = {
-    "generate": generate,
-    "generate_greedy": generate_greedy,
-    "reward": reward,
-    "rm_score": rm_score,
-    "old_log_prob": old_log_prob,
-    "ref_log_prob": ref_log_prob,
-    "values": values,
-    "update_critic": update_critic,
-    "update_actor": update_actor,
-    "weight_sync": weight_sync,
-}
-"""The task of each stage of `hybridflow.engine.iteration.STAGES`, as the flow runs it on a worker group."""
+ITERATION_TASKS = {name: _worker_task(name) for name in STAGE_METHODS}
+"""The task of each stage of `hybridflow.engine.iteration.STAGE_METHODS`, as the flow runs it on a worker group."""
 
 
 @_stage("checkpoint")

@@ -4,8 +4,12 @@ One `RunStore` per process (the Prefect flow, the ``hf`` command, a worker that 
 processes may write to the same store at once. Opening a store migrates its database to the newest schema with
 Alembic (``migrations/`` next to this file); opening an up-to-date one costs one query.
 
+The package's modules: this one (`RunStore`: writes and queries), `schema` (the ORM models), `records` (what reads
+return), `database` (URLs, engines, Alembic's configuration, the code version), `validation` (checks of what is
+written), `constants` and `errors`; this module re-exports the public names (``__all__``).
+
 Schema (revision ``0008``: ``migrations/versions/0001_initial.py`` to ``0008_placement_plans.py``; the ORM models
-below describe the same tables):
+in `schema` describe the same tables):
 
 - ``runs``: ``id`` (primary key, ``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC), ``kind`` (rl: ``hf run``; rm: ``hf rm
   train``), ``experiment_name``, ``config`` (JSON: the full validated config), ``status`` (pending | running |
@@ -61,56 +65,90 @@ A new schema change is a new hand-written revision in ``migrations/versions`` (e
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import operator
 import os
-import re
 import secrets
 import socket
-import subprocess
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 from datetime import UTC, datetime
-from functools import lru_cache
-from importlib import metadata
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
-    JSON,
-    BigInteger,
-    Boolean,
-    CheckConstraint,
-    DateTime,
-    Double,
-    ForeignKey,
-    Index,
-    Integer,
-    MetaData,
-    String,
-    Text,
-    UniqueConstraint,
-    create_engine,
     delete,
-    event,
     select,
     text,
     update,
 )
-from sqlalchemy.engine import URL, Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.engine import URL, Engine
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from hybridflow.flows.store.constants import (
+    _PG_MIGRATION_LOCK,
+    _SHA256,
+    _WRITE_OPTION,
+    EXECUTORS,
+    FINAL_STATUSES,
+    LEASE_RENEW_S,
+    LEASE_TTL_S,
+    MIGRATIONS_DIR,
+    ROLES,
+    RUN_KINDS,
+    RUN_STATUSES,
+    SAMPLE_KINDS,
+)
+from hybridflow.flows.store.database import (
+    _create_engine,
+    _parse_url,
+    alembic_config,
+    code_version,
+    default_db_url,
+    normalize_db_url,
+)
+from hybridflow.flows.store.errors import (
+    LeaseHeldError,
+    LeaseLostError,
+    RunStoreError,
+    UnknownPlanError,
+    UnknownRunError,
+)
+from hybridflow.flows.store.records import (
+    Checkpoint,
+    Iteration,
+    MetricPoint,
+    Placement,
+    Plan,
+    Run,
+    Sample,
+    StageTime,
+    _checkpoint,
+    _placement_record,
+    _plan,
+    _run,
+    controller_state,
+)
+from hybridflow.flows.store.schema import (
+    Base,
+    CheckpointRow,
+    IterationRow,
+    MetricRow,
+    PlacementRow,
+    PlanRow,
+    RunRow,
+    SampleRow,
+    StageTimeRow,
+)
+from hybridflow.flows.store.validation import _metric_value, _new_run_id, _now, _placement, _status, _step, _text
 
 if TYPE_CHECKING:
-    from alembic.config import Config
+    pass
 
 __all__ = [
     "EXECUTORS",
+    "LEASE_RENEW_S",
     "LEASE_TTL_S",
     "MIGRATIONS_DIR",
     "ROLES",
@@ -134,745 +172,6 @@ __all__ = [
     "default_db_url",
     "normalize_db_url",
 ]
-
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
-"""Alembic's script folder (env.py, script.py.mako, versions/); shipped as package data, loaded by path."""
-
-RUN_KINDS = ("rl", "rm")
-"""What a run trains: ``rl`` a policy (``hf run``, flow ``hybridflow-rlhf``), ``rm`` a reward model (``hf rm train``,
-flow ``hybridflow-rm``)."""
-RUN_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
-FINAL_STATUSES = ("completed", "failed", "interrupted")
-ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
-EXECUTORS = ("local", "slurm")
-SAMPLE_KINDS = ("train", "val")
-LEASE_TTL_S = 60.0
-"""A controller renews its run's lease every `LEASE_RENEW_S` seconds; a lease whose last heartbeat is older than this
-(or, on the same host, whose process is gone) is stale: its controller crashed, and another may take the run over."""
-LEASE_RENEW_S = 10.0
-SQLITE_BUSY_TIMEOUT_S = 30.0
-"""How long a SQLite writer waits for another process's write lock before failing, in seconds."""
-
-_NAME_MAX = 255
-_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
-_PG_MIGRATION_LOCK = 0x6866_5275_6E53_746F  # "hfRunSto": the advisory lock key serialising migrations
-_WRITE_OPTION = "hybridflow_write"  # execution option marking the engine whose transactions write
-
-
-# --------------------------------------------------------------------------------------------------------- errors
-
-
-class LeaseHeldError(RuntimeError):
-    """Another controller holds the run's lease: it is training the run now (named by its host, pid, last heartbeat
-    and Prefect flow run)."""
-
-    def __init__(self, run: Run) -> None:
-        self.host, self.pid, self.heartbeat_at = run.lease_host, run.lease_pid, run.heartbeat_at
-        host, pid = self.host, self.pid
-        beat = f"{run.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if run.heartbeat_at else "never"
-        flow = f", Prefect flow run {run.prefect_flow_run_id}" if run.prefect_flow_run_id else ""
-        super().__init__(
-            f"run {run.id} is being trained by another controller (host {host}, pid {pid}{flow}, last heartbeat "
-            f"{beat}); wait for it to end or stop it (kill {pid} on {host}); a controller that died is taken over "
-            f"(at once from its own host, else once its heartbeat is {LEASE_TTL_S:.0f} s old)"
-        )
-
-
-class LeaseLostError(RuntimeError):
-    """This controller's lease on the run was taken over by another controller: it must stop writing the run."""
-
-
-class RunStoreError(RuntimeError):
-    """The store cannot be used: the database is unreachable, or its schema is newer than this code."""
-
-
-class UnknownPlanError(KeyError):
-    """No placement plan with this id in the store; ``str(err)`` suggests ``hf plans list``."""
-
-    def __init__(self, plan_id: str, store_url: str | None = None) -> None:
-        where = f" in the run store {store_url}" if store_url else ""
-        super().__init__(f"unknown plan id {plan_id!r}{where}; list the known plans with `hf plans list`")
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class UnknownRunError(KeyError):
-    """No run with this id in the store. ``str(err)`` names the id and suggests ``hf runs list``."""
-
-    def __init__(self, run_id: str, store_url: str | None = None) -> None:
-        self.run_id = run_id
-        where = f" in the run store {store_url}" if store_url else ""
-        super().__init__(f"unknown run id {run_id!r}{where}; list the known runs with `hf runs list`")
-
-    def __str__(self) -> str:  # KeyError's str() would repr() the message
-        return str(self.args[0])
-
-
-# ------------------------------------------------------------------------------------------------------ ORM models
-
-
-class UTCDateTime(TypeDecorator[datetime]):
-    """A timezone-aware datetime stored as UTC; read back as UTC whatever the backend or session time zone.
-
-    SQLite keeps no offset, so values go in as naive UTC and come out with ``tzinfo=UTC``. Raises ValueError on a
-    naive datetime (its zone would be a guess).
-    """
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError(f"naive datetime {value!r}: pass an aware one, e.g. datetime.now(UTC)")
-        value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is None:
-            return None
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
-_ID = BigInteger().with_variant(Integer(), "sqlite")  # SQLite auto-increments only "INTEGER PRIMARY KEY"
-
-
-def _in(column: str, values: Sequence[str]) -> str:
-    return f"{column} IN ({', '.join(repr(v) for v in values)})"
-
-
-class Base(DeclarativeBase):
-    """Declarative base of the run store tables; constraint names follow ``metadata``'s naming convention."""
-
-    metadata = MetaData(
-        naming_convention={
-            "pk": "pk_%(table_name)s",
-            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-            "ck": "ck_%(table_name)s_%(constraint_name)s",
-            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-        }
-    )
-
-
-class RunRow(Base):
-    """One run (table ``runs``)."""
-
-    __tablename__ = "runs"
-    __table_args__ = (
-        CheckConstraint(_in("status", RUN_STATUSES), name="status"),
-        Index(None, "created_at"),
-    )
-
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(8), server_default="rl")  # CHECK on PostgreSQL only: see 0006
-    experiment_name: Mapped[str] = mapped_column(String(_NAME_MAX))
-    config: Mapped[dict[str, Any]] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(16))
-    code_version: Mapped[str] = mapped_column(String(255))
-    prefect_flow_run_id: Mapped[str | None] = mapped_column(String(64))
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    error: Mapped[str | None] = mapped_column(Text)
-    lease_token: Mapped[str | None] = mapped_column(String(64))
-    lease_host: Mapped[str | None] = mapped_column(String(255))
-    lease_pid: Mapped[int | None] = mapped_column(Integer)
-    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    plan_id: Mapped[str | None] = mapped_column(String(64))  # not a foreign key: see 0008
-
-
-def _run_fk() -> Mapped[str]:
-    return mapped_column(String(64), ForeignKey("runs.id", ondelete="CASCADE"))
-
-
-class IterationRow(Base):
-    """One training iteration of a run (table ``iterations``)."""
-
-    __tablename__ = "iterations"
-    __table_args__ = (UniqueConstraint("run_id", "step"), CheckConstraint("step >= 0", name="step_nonnegative"))
-
-    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = _run_fk()
-    step: Mapped[int] = mapped_column(Integer)
-    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-
-
-class MetricRow(Base):
-    """One scalar metric at one step (table ``metrics``); ``value`` NULL = NaN or ±inf was recorded."""
-
-    __tablename__ = "metrics"
-    __table_args__ = (
-        UniqueConstraint("run_id", "step", "name"),
-        Index(None, "run_id", "name", "step"),
-        CheckConstraint("step >= 0", name="step_nonnegative"),
-    )
-
-    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = _run_fk()
-    step: Mapped[int] = mapped_column(Integer)
-    name: Mapped[str] = mapped_column(String(_NAME_MAX))
-    value: Mapped[float | None] = mapped_column(Double)
-
-
-class CheckpointRow(Base):
-    """One checkpoint of a run (table ``checkpoints``)."""
-
-    __tablename__ = "checkpoints"
-    __table_args__ = (
-        UniqueConstraint("run_id", "step"),
-        CheckConstraint("step >= 0", name="step_nonnegative"),
-        CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
-    )
-
-    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = _run_fk()
-    step: Mapped[int] = mapped_column(Integer)
-    path: Mapped[str] = mapped_column(Text)
-    bytes: Mapped[int] = mapped_column(BigInteger)
-    sha256: Mapped[str] = mapped_column(String(64))
-    complete: Mapped[bool] = mapped_column(Boolean)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    bad_reason: Mapped[str | None] = mapped_column(Text)
-
-
-class PlacementRow(Base):
-    """Where one worker group of a run was placed (table ``placements``)."""
-
-    __tablename__ = "placements"
-    __table_args__ = (
-        CheckConstraint(_in("role", ROLES), name="role"),
-        CheckConstraint(_in("executor", EXECUTORS), name="executor"),
-        Index(None, "run_id"),
-    )
-
-    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = _run_fk()
-    role: Mapped[str] = mapped_column(String(16))
-    group_name: Mapped[str] = mapped_column(String(_NAME_MAX))
-    ranks: Mapped[list[int]] = mapped_column(JSON)
-    executor: Mapped[str] = mapped_column(String(16))
-    slurm_job_id: Mapped[str | None] = mapped_column(String(64))
-    hosts: Mapped[list[str]] = mapped_column(JSON)
-    parallel: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-
-
-class SampleRow(Base):
-    """One sample generation of a run at one step (table ``samples``)."""
-
-    __tablename__ = "samples"
-    __table_args__ = (
-        UniqueConstraint("run_id", "kind", "step", "idx"),
-        Index(None, "run_id", "step"),
-        CheckConstraint("step >= 0", name="step_nonnegative"),
-        CheckConstraint("idx >= 0", name="idx_nonnegative"),
-        CheckConstraint(_in("kind", SAMPLE_KINDS), name="kind"),
-    )
-
-    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = _run_fk()
-    step: Mapped[int] = mapped_column(Integer)
-    kind: Mapped[str] = mapped_column(String(8))
-    idx: Mapped[int] = mapped_column(Integer)
-    data_source: Mapped[str] = mapped_column(String(_NAME_MAX))
-    prompt: Mapped[str] = mapped_column(Text)
-    response: Mapped[str] = mapped_column(Text)
-    score: Mapped[float | None] = mapped_column(Double)
-    ground_truth: Mapped[str] = mapped_column(Text)
-
-
-class StageTimeRow(Base):
-    """When one stage of one iteration ran, and on which pool (table ``stage_times``): the iteration's timeline."""
-
-    __tablename__ = "stage_times"
-    __table_args__ = (
-        Index("ix_stage_times_run_id_step", "run_id", "step"),  # a stage may run more than once per iteration
-        CheckConstraint("step >= 0", name="step_nonnegative"),
-    )
-
-    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = _run_fk()
-    step: Mapped[int] = mapped_column(Integer)
-    stage: Mapped[str] = mapped_column(String(64))
-    pool: Mapped[str | None] = mapped_column(String(_NAME_MAX))
-    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
-
-
-class PlanRow(Base):
-    """One placement plan (table ``placement_plans``): the planner's inputs, its candidates, its choice."""
-
-    __tablename__ = "placement_plans"
-    __table_args__ = (Index(None, "created_at"), CheckConstraint("candidate_count >= 0", name="count_nonnegative"))
-
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    source: Mapped[str] = mapped_column(String(_NAME_MAX))
-    inputs: Mapped[dict[str, Any]] = mapped_column(JSON)
-    candidates: Mapped[list[Any]] = mapped_column(JSON)
-    candidate_count: Mapped[int] = mapped_column(Integer)
-    rejected: Mapped[list[Any]] = mapped_column(JSON)
-    chosen: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    chosen_seconds: Mapped[float | None] = mapped_column(Double)
-    search_s: Mapped[float] = mapped_column(Double)
-
-
-# --------------------------------------------------------------------------------------------------- read results
-
-
-def _jsonable(value: Any) -> Any:
-    return value.isoformat() if isinstance(value, datetime) else value
-
-
-class _Record:
-    __slots__ = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-ready dict (datetimes as ISO 8601 strings with ``+00:00``)."""
-        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
-
-
-def _seconds(start: datetime | None, end: datetime | None) -> float | None:
-    return (end - start).total_seconds() if start is not None and end is not None else None
-
-
-@dataclass(frozen=True, slots=True)
-class Run(_Record):
-    """A run as stored. Times are UTC; ``started_at``/``ended_at`` are None until the run starts/ends.
-
-    ``lease_host``, ``lease_pid``, ``heartbeat_at``: the controller holding the run and its last heartbeat (None
-    while no controller holds it); `controller_state` tells a live controller from a crashed one.
-    """
-
-    id: str
-    experiment_name: str
-    config: dict[str, Any]
-    status: str
-    code_version: str
-    prefect_flow_run_id: str | None
-    created_at: datetime
-    started_at: datetime | None
-    ended_at: datetime | None
-    error: str | None
-    lease_host: str | None = None
-    lease_pid: int | None = None
-    heartbeat_at: datetime | None = None
-    kind: str = "rl"
-    plan_id: str | None = None
-
-    @property
-    def duration_s(self) -> float | None:
-        """Seconds from start to end, or None while not both are set."""
-        return _seconds(self.started_at, self.ended_at)
-
-
-@dataclass(frozen=True, slots=True)
-class Iteration(_Record):
-    """One iteration (step) of a run; ``ended_at`` is None while it runs or if it was interrupted."""
-
-    run_id: str
-    step: int
-    started_at: datetime
-    ended_at: datetime | None
-
-    @property
-    def duration_s(self) -> float | None:
-        """Seconds the iteration took, or None if it has not ended."""
-        return _seconds(self.started_at, self.ended_at)
-
-
-class MetricPoint(NamedTuple):
-    """One metric value: ``(step, name, value)``; ``value`` is None where NaN or ±inf was recorded."""
-
-    step: int
-    name: str
-    value: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict."""
-        return self._asdict()
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpoint(_Record):
-    """A checkpoint: ``bytes`` is its size in bytes, ``sha256`` its lowercase hex digest (of its ``manifest.json``);
-    ``bad_reason`` is None for a usable one, else why a resume must not start from it."""
-
-    run_id: str
-    step: int
-    path: str
-    bytes: int
-    sha256: str
-    complete: bool
-    created_at: datetime
-    bad_reason: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Sample(_Record):
-    """One sample generation: the prompt and response text, its score (None: NaN or ±inf) and ground truth, at
-    iteration ``step`` (``kind`` train) or the validation after it (``kind`` val; step 0: before training)."""
-
-    run_id: str
-    step: int
-    kind: str
-    idx: int
-    data_source: str
-    prompt: str
-    response: str
-    score: float | None
-    ground_truth: str
-
-
-@dataclass(frozen=True, slots=True)
-class StageTime(_Record):
-    """One stage of iteration ``step``: its name (``gen``, ``ref``, ``update_actor``...), the pool (worker group)
-    it ran on (None: the controller, e.g. ``adv``), when it started and ended."""
-
-    run_id: str
-    step: int
-    stage: str
-    pool: str | None
-    started_at: datetime
-    ended_at: datetime
-
-    @property
-    def duration_s(self) -> float:
-        """Seconds the stage took."""
-        return (self.ended_at - self.started_at).total_seconds()
-
-
-@dataclass(frozen=True, slots=True)
-class Plan(_Record):
-    """A placement plan as stored: where it came from (``source``: the config file, or ``placement.auto`` of a
-    run's experiment), the planner's ``inputs`` (models, workload, cluster, hardware profile, strategy space), the
-    ``candidates`` kept (fastest first; ``candidate_count`` were feasible), the ``rejected`` placements with the
-    reason, the ``chosen`` candidate (None: none runs in this version) and its estimated seconds per iteration, and
-    the search's seconds."""
-
-    id: str
-    created_at: datetime
-    source: str
-    inputs: dict[str, Any]
-    candidates: list[Any]
-    candidate_count: int
-    rejected: list[Any]
-    chosen: dict[str, Any] | None
-    chosen_seconds: float | None
-    search_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Placement(_Record):
-    """Where one worker group ran: its role, global ranks, executor, Slurm job id and hosts, and how the role's model
-    is split over the ranks (``parallel``: strategy, layouts and groups; None when not recorded)."""
-
-    run_id: str
-    role: str
-    group_name: str
-    ranks: list[int]
-    executor: str
-    slurm_job_id: str | None
-    hosts: list[str]
-    parallel: dict[str, Any] | None
-    created_at: datetime
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process `pid` of this host exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc (macOS): kill(0) said it exists
-
-
-def controller_state(run: Run, now: datetime | None = None) -> str | None:
-    """Whether the controller holding `run`'s lease is alive: ``"live"``, ``"crashed"`` (its heartbeat is older
-    than `LEASE_TTL_S`, or it ran on this host and its process is gone), or None when no controller holds it."""
-    if run.lease_host is None or run.lease_pid is None:
-        return None
-    age = ((now or _now()) - run.heartbeat_at).total_seconds() if run.heartbeat_at else float("inf")
-    if age > LEASE_TTL_S:
-        return "crashed"
-    if run.lease_host == socket.gethostname() and not _pid_alive(run.lease_pid):
-        return "crashed"
-    return "live"
-
-
-def _plan(row: PlanRow) -> Plan:
-    return Plan(
-        row.id, row.created_at, row.source, row.inputs, row.candidates, row.candidate_count, row.rejected, row.chosen,
-        row.chosen_seconds, row.search_s,
-    )  # fmt: skip
-
-
-def _run(row: RunRow) -> Run:
-    return Run(
-        id=row.id,
-        experiment_name=row.experiment_name,
-        config=row.config,
-        status=row.status,
-        code_version=row.code_version,
-        prefect_flow_run_id=row.prefect_flow_run_id,
-        created_at=row.created_at,
-        started_at=row.started_at,
-        ended_at=row.ended_at,
-        error=row.error,
-        lease_host=row.lease_host,
-        lease_pid=row.lease_pid,
-        heartbeat_at=row.heartbeat_at,
-        kind=row.kind,
-        plan_id=row.plan_id,
-    )
-
-
-# ----------------------------------------------------------------------------------------------- URLs and versions
-
-
-def normalize_db_url(url: str) -> str:
-    """Return ``url`` with a bare ``postgresql://`` or ``postgres://`` scheme rewritten to ``postgresql+psycopg://``.
-
-    SQLAlchemy's default driver for the bare scheme is psycopg2, which HybridFlow does not install; psycopg 3 is a
-    dependency. Other URLs (``sqlite:///...``, ``postgresql+psycopg2://...``) are returned unchanged.
-    """
-    for prefix in ("postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
-    return url
-
-
-def default_db_url() -> str:
-    """The run store URL: ``$HYBRIDFLOW_DB_URL`` if set and non-empty (normalised by `normalize_db_url`), else
-    ``sqlite:///<$HYBRIDFLOW_HOME or ~/.cache/hybridflow>/runs.db`` (an absolute path; the folder is created)."""
-    url = os.environ.get("HYBRIDFLOW_DB_URL", "").strip()
-    if url:
-        return normalize_db_url(url)
-    # The rule of hybridflow.engine.embedded_models.hybridflow_home, not imported: the store stays clear of the
-    # worker-side engine package (the `hf runs` commands and the controller need no torch).
-    home = Path(os.environ.get("HYBRIDFLOW_HOME", Path.home() / ".cache" / "hybridflow")).expanduser().absolute()
-    home.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{home / 'runs.db'}"
-
-
-def _git(root: Path, *args: str) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "--no-optional-locks", "-C", str(root), *args],  # read-only: never rewrites the index
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """The running code's version: the package version, plus ``+g<12-hex commit>`` (and ``.dirty`` if tracked files
-    differ from it) when this module runs from a git checkout, e.g. ``0.1.0+g0825a05c1d2e.dirty``. Without git, or
-    from an installed wheel, just the package version (``unknown`` if the package metadata is missing)."""
-    try:
-        version = metadata.version("hybridflow")
-    except metadata.PackageNotFoundError:
-        version = "unknown"
-    root = Path(__file__).resolve().parent.parent
-    if not ((root / "pyproject.toml").is_file() and (root / ".git").exists()):
-        return version  # an installed copy: a git repository around site-packages says nothing about this code
-    commit = _git(root, "rev-parse", "--short=12", "HEAD")
-    if not commit:
-        return version
-    changes = _git(root, "status", "--porcelain", "--untracked-files=no")
-    return f"{version}+g{commit}{'.dirty' if changes else ''}"
-
-
-def alembic_config(url: str) -> Config:
-    """An Alembic config for the run store's migrations (`MIGRATIONS_DIR`) against ``url``, for `RunStore.upgrade`
-    and for writing new revisions by hand (``alembic.command.revision(alembic_config(url), ...)``)."""
-    from alembic.config import Config
-
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    config.set_main_option("path_separator", "os")
-    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))  # ConfigParser interpolates '%'
-    return config
-
-
-# --------------------------------------------------------------------------------------------------------- engines
-
-
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
-    dbapi_connection.isolation_level = None  # the driver emits no BEGIN of its own; `_sqlite_on_begin` does
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")  # persistent in the file; several processes read and write
-        cursor.execute("PRAGMA synchronous = NORMAL")  # safe with WAL: a crash loses at most the last commits
-        cursor.execute("PRAGMA foreign_keys = ON")
-    finally:
-        cursor.close()
-
-
-def _sqlite_on_begin(connection: Connection) -> None:
-    immediate = connection.get_execution_options().get(_WRITE_OPTION, False)
-    connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
-
-def _parse_url(url: str | URL) -> URL:
-    try:
-        parsed = make_url(normalize_db_url(url) if isinstance(url, str) else url)
-    except ArgumentError as err:
-        raise ValueError(
-            f"cannot parse the run store URL {url!r} ({err}); use sqlite:////abs/path/runs.db or "
-            "postgresql://user:password@host:5432/dbname (e.g. in HYBRIDFLOW_DB_URL)"
-        ) from None
-    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
-        raise ValueError(
-            f"unsupported database {parsed.get_backend_name()!r} in the run store URL "
-            f"{parsed.render_as_string(hide_password=True)!r}; the run store supports sqlite:///path/runs.db and "
-            "postgresql://user:password@host:5432/dbname"
-        )
-    return parsed
-
-
-def _private_sqlite_file(path: Path) -> None:
-    """Create the SQLite file (and its folder) readable by its owner only (0600: SQLite gives its ``-wal`` and
-    ``-shm`` files the same mode); an existing one of this user's that others can read is made 0600 too."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # O_EXCL: an existing file is never opened here, since closing any descriptor of a SQLite file drops the POSIX
-    # locks this process's connections hold on it (and another store in this process may be writing)
-    with contextlib.suppress(FileExistsError, PermissionError):
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))  # an empty file: an empty database
-    for file in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-        try:
-            info = file.stat()
-            if info.st_uid == os.getuid() and info.st_mode & 0o077:
-                file.chmod(0o600)
-        except OSError:
-            continue
-
-
-def _create_engine(url: URL) -> Engine:
-    if url.get_backend_name() == "sqlite":
-        database = url.database
-        if database and database != ":memory:" and not database.startswith("file:"):
-            _private_sqlite_file(Path(database))
-        engine = create_engine(url)
-        event.listen(engine, "connect", _sqlite_on_connect)
-        event.listen(engine, "begin", _sqlite_on_begin)
-        return engine
-    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
-
-
-# ------------------------------------------------------------------------------------------------------ validation
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _new_run_id() -> str:
-    return f"run-{_now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
-
-
-def _text(value: Any, what: str, max_len: int = _NAME_MAX) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
-    if len(value) > max_len:
-        raise ValueError(f"{what} is {len(value)} characters long; at most {max_len} are allowed")
-    return value
-
-
-def _step(step: Any) -> int:
-    if isinstance(step, bool):
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    try:
-        value = operator.index(step)  # int, numpy integers; not floats
-    except TypeError:
-        raise ValueError(f"step must be an int >= 0, got {step!r} ({type(step).__name__})") from None
-    if value < 0:
-        raise ValueError(f"step must be an int >= 0, got {value}")
-    return value
-
-
-def _status(status: Any) -> str:
-    if status not in RUN_STATUSES:
-        raise ValueError(f"invalid run status {status!r}; allowed: {', '.join(RUN_STATUSES)}")
-    return str(status)
-
-
-def _metric_value(step: int, name: str, value: Any) -> float | None:
-    if value is None or isinstance(value, str | bytes):
-        raise ValueError(f"metric {name!r} at step {step} is {value!r}, not a number; pass a float")
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError, RuntimeError) as err:
-        raise ValueError(
-            f"metric {name!r} at step {step} is {value!r} ({type(value).__name__}), not a number ({err}); "
-            "pass a float (a tensor: .item())"
-        ) from None
-    return number if math.isfinite(number) else None
-
-
-def _json_list(value: Any, what: str, item_type: type, row: int) -> list[Any]:
-    if not isinstance(value, list | tuple) or any(not isinstance(v, item_type) or isinstance(v, bool) for v in value):
-        raise ValueError(f"placement row {row}: {what} must be a list of {item_type.__name__}, got {value!r}")
-    return list(value)
-
-
-_PLACEMENT_KEYS = ("role", "group_name", "ranks", "executor", "slurm_job_id", "hosts", "parallel")
-_PLACEMENT_REQUIRED = ("role", "group_name", "ranks", "executor")
-
-
-def _placement(run_id: str, index: int, row: Any, now: datetime) -> PlacementRow:
-    if not isinstance(row, Mapping):
-        raise ValueError(f"placement row {index} must be a dict with keys {', '.join(_PLACEMENT_KEYS)}, got {row!r}")
-    unknown = sorted(set(row) - set(_PLACEMENT_KEYS))
-    missing = [k for k in _PLACEMENT_REQUIRED if k not in row]
-    if unknown or missing:
-        problems = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else [])
-        raise ValueError(
-            f"placement row {index}: {', '.join(problems)}; "
-            f"required: {', '.join(_PLACEMENT_REQUIRED)}; optional: slurm_job_id, hosts, parallel"
-        )
-    if row["role"] not in ROLES:
-        raise ValueError(f"placement row {index}: invalid role {row['role']!r}; allowed: {', '.join(ROLES)}")
-    if row["executor"] not in EXECUTORS:
-        raise ValueError(
-            f"placement row {index}: invalid executor {row['executor']!r}; allowed: {', '.join(EXECUTORS)}"
-        )
-    ranks = _json_list(row["ranks"], "ranks", int, index)
-    if not ranks or min(ranks) < 0:
-        raise ValueError(f"placement row {index}: ranks must be a non-empty list of ints >= 0, got {ranks!r}")
-    job = row.get("slurm_job_id")
-    if job is not None and (isinstance(job, bool) or not isinstance(job, str | int) or not str(job)):
-        raise ValueError(f"placement row {index}: slurm_job_id must be a str, an int or None, got {job!r}")
-    parallel = row.get("parallel")
-    if parallel is not None and not isinstance(parallel, Mapping):
-        raise ValueError(f"placement row {index}: parallel must be a dict (JSON object) or None, got {parallel!r}")
-    return PlacementRow(
-        run_id=run_id,
-        role=row["role"],
-        group_name=_text(row["group_name"], f"placement row {index}: group_name"),
-        ranks=ranks,
-        executor=row["executor"],
-        slurm_job_id=None if job is None else str(job),
-        hosts=_json_list(row.get("hosts", []), "hosts", str, index),
-        parallel=None if parallel is None else json.loads(json.dumps(parallel)),
-        created_at=now,
-    )
-
 
 # ------------------------------------------------------------------------------------------------------- the store
 
@@ -1496,23 +795,3 @@ class RunStore:
                 .order_by(PlacementRow.created_at, PlacementRow.id)
             )
             return [_placement_record(r) for r in rows]
-
-
-def _checkpoint(row: CheckpointRow) -> Checkpoint:
-    return Checkpoint(
-        row.run_id, row.step, row.path, row.bytes, row.sha256, row.complete, row.created_at, row.bad_reason
-    )
-
-
-def _placement_record(row: PlacementRow) -> Placement:
-    return Placement(
-        run_id=row.run_id,
-        role=row.role,
-        group_name=row.group_name,
-        ranks=list(row.ranks),
-        executor=row.executor,
-        slurm_job_id=row.slurm_job_id,
-        hosts=list(row.hosts),
-        parallel=row.parallel,
-        created_at=row.created_at,
-    )

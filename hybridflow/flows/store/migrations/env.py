@@ -10,7 +10,7 @@ from alembic import context
 from sqlalchemy import engine_from_config, pool
 from sqlalchemy.engine import Connection
 
-from hybridflow.flows.store.run_store import Base
+from hybridflow.flows.store.schema import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -2,8 +2,8 @@
 
 import torch
 
-from hybridflow.core.protocol import DataProto
-from hybridflow.runtime.dispatch import Dispatch, register
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.transfer import Dispatch, register
 
 
 class BenchWorker:

@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 
 from hybridflow.cli.timeline import overlap, timeline_table
-from hybridflow.store.run_store import RunStore
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"

@@ -71,7 +71,7 @@ def steady(rates: list[float]) -> float:
 
 
 def main() -> None:
-    from hybridflow.core.embedded_models import resolve_model_path
+    from hybridflow.engine.embedded_models import resolve_model_path
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 128])

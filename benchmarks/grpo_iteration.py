@@ -3,7 +3,8 @@
 Runs the main job's settings (examples/grpo_smollm2.yaml: SmolLM2-135M-Instruct, 8 prompts x 4 samples, up to 24
 response tokens, KL loss, vLLM rollout where installed) through the flow (`hf run`, no validation) and prints, for
 each stage, the median over iterations 2..N of: seconds, real tokens processed (padding excluded, each prompt once
-for its samples), the FLOPs the stage needs (`hybridflow.placement.cost.needed_flops` at the iteration's mean prompt and
+for its samples), the FLOPs the stage needs (`hybridflow.flows.placement.cost.needed_flops` at the iteration's mean
+prompt and
 response lengths: each prompt once for its samples, the blocks over every token, the LM head over response tokens
 only, 3x for a training pass; generation: the same forward), the achieved rate of needed FLOPs per second and its
 share of the matmul peak this script measures in the run's compute dtype (``model.dtype``) with the workers' torch
@@ -26,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.core.config import validate_config
-from hybridflow.core.flops import matmul_flops
-from hybridflow.core.models import pick_dtype
-from hybridflow.placement.cost import needed_flops
-from hybridflow.placement.shapes import model_shape
-from hybridflow.store.run_store import RunStore
+from hybridflow.engine.config import validate_config
+from hybridflow.engine.flops import matmul_flops
+from hybridflow.engine.models import pick_dtype
+from hybridflow.engine.shapes import model_shape
+from hybridflow.flows.placement.cost import needed_flops
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"

@@ -3,7 +3,7 @@
 4 processes (torch.distributed: gloo on CPU by default; --device cuda puts rank r's tensors on GPU r mod the GPU
 count, with --backend nccl or gloo, since NCCL refuses two ranks on one GPU) hold a 125 M-parameter
 Llama (hidden 768, 12 layers, 32k vocabulary, untied embeddings; fp32 weights, random), cut into megatron-core's
-training shards (fused QKV and gate/up, `hybridflow.backends.megatron_bridge`), in training layouts t=4 and
+training shards (fused QKV and gate/up, `hybridflow.engine.backends.megatron_bridge`), in training layouts t=4 and
 p=2,t=2, and move it to generation layouts t_g in {1, 2} (p_g = 1) and back, in ``hybridflow`` mode (micro-DP
 all-gathers, training shards reused in place) and ``naive`` mode (the paper's HybridFlow-V). Per layout and mode it
 prints, for the rank with the largest figure: bytes received, peak bytes of gathered (generation-side) parameters,
@@ -26,9 +26,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hybridflow.backends.hybrid_engine import HybridEngine, megatron_shard_specs, model_bytes, shard_parameters, table2
-from hybridflow.backends.megatron_bridge import generation_order, hf_to_mcore
-from hybridflow.backends.parallel_layout import HybridLayout
+from hybridflow.engine.backends.hybrid_engine import (
+    HybridEngine,
+    megatron_shard_specs,
+    model_bytes,
+    shard_parameters,
+    table2,
+)
+from hybridflow.engine.backends.megatron_bridge import generation_order, hf_to_mcore
+from hybridflow.engine.parallel_layout import HybridLayout
 
 WORLD = 4
 LAYOUTS = [(1, 4, 1, 1), (1, 4, 1, 2), (2, 2, 1, 1), (2, 2, 1, 2)]  # (p, t, p_g, t_g)

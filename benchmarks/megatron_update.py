@@ -1,6 +1,7 @@
 """Benchmark: one PPO update of the megatron-core actor against the Hugging Face actor, on one device.
 
-One process (torch.distributed world of 1: gloo on CPU with `hybridflow.backends.megatron_cpu`, NCCL on CUDA) builds
+One process (torch.distributed world of 1: gloo on CPU with `hybridflow.engine.backends.megatron_cpu`, NCCL on CUDA)
+builds
 a random Llama (GQA, SwiGLU, tied embeddings; --hidden/--layers), the `Actor` (HF) and the `MegatronActor`
 (megatron-core GPTModel, TP=PP=1) from the same weights, and runs the same PPO updates on a random batch of
 --sequences x (64 prompt + 64 response) tokens. Prints per update: seconds (median of --repeats after one warm-up),
@@ -19,10 +20,10 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hybridflow.backends.actor import Actor
-from hybridflow.backends.megatron_bridge import mcore_to_hf
-from hybridflow.core.config import ActorConfig
-from hybridflow.core.protocol import DataProto
+from hybridflow.engine.backends.actor import Actor
+from hybridflow.engine.backends.megatron_bridge import mcore_to_hf
+from hybridflow.engine.config import ActorConfig
+from hybridflow.engine.protocol import DataProto
 
 PROMPT, RESPONSE = 64, 64
 
@@ -69,15 +70,15 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     else:
-        from hybridflow.backends.megatron_cpu import install
+        from hybridflow.engine.backends.megatron_cpu import install
 
         install()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from hybridflow.backends.megatron_actor import MegatronActor
-    from hybridflow.backends.megatron_model import build_gpt_model, load_hf_weights
+    from hybridflow.engine.backends.megatron_actor import MegatronActor
+    from hybridflow.engine.backends.megatron_model import build_gpt_model, load_hf_weights
 
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)

@@ -15,10 +15,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from hybridflow.placement.cost import Workload
-from hybridflow.placement.hardware import BUILTIN
-from hybridflow.placement.planner import PlanError, Planner
-from hybridflow.placement.shapes import PRESETS
+from hybridflow.engine.shapes import PRESETS
+from hybridflow.flows.placement.cost import Workload
+from hybridflow.flows.placement.hardware import BUILTIN
+from hybridflow.flows.placement.planner import PlanError, Planner
 
 FIXED = {
     "colocate": (("actor", "critic", "ref", "reward_model"),),

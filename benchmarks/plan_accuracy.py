@@ -6,7 +6,7 @@
 2. Runs the placements below with ``hf run`` (SmolLM2 and the tiny model; colocated vs split pools; 1 and 2 ranks;
    one torch thread per rank, so a rank is one of this machine's cores) and compares, for each, the measured median
    seconds per iteration and per stage (iterations after the first) with the cost model's prediction for that
-   config (`hybridflow.placement.calibrate.predict`, with the run's measured longest prompt and response).
+   config (`hybridflow.flows.placement.calibrate.predict`, with the run's measured longest prompt and response).
 3. Prints the table, each iteration's error and the Spearman rank correlation of the placements' iteration times.
 
     .venv/bin/python benchmarks/plan_accuracy.py [--iterations 4] [--keep DIR [--reuse]]
@@ -23,9 +23,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from hybridflow.placement.calibrate import MODEL_STAGES, Measured, fit_profile, measure_device
-from hybridflow.placement.hardware import HardwareProfile
-from hybridflow.store.run_store import RunStore
+from hybridflow.flows.placement.calibrate import MODEL_STAGES, Measured, fit_profile, measure_device
+from hybridflow.flows.placement.hardware import HardwareProfile
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.core.config import load_config
-from hybridflow.core.trainer import SingleProcessTrainer
+from hybridflow.engine.config import load_config
+from hybridflow.engine.trainer import SingleProcessTrainer
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

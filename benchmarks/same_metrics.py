@@ -15,7 +15,8 @@ Exit status 1 when any differs.
 
     .venv/bin/python benchmarks/same_metrics.py --before 3b4d0ea [--after HEAD] [--main-job] [--keep DIR]
 
-Works on revisions from before and after the folders by concept of issue 20 (it finds each tree's packages).
+Works on revisions of every layout: before the folders by concept of issue 20, those folders, and the design card's
+``hybridflow/`` package of issue 30 (it finds each tree's packages).
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
 from tiny_runs import LENGTH_COST, write_reward
-try:
-    from hybridflow.core.config import load_config
-    from hybridflow.core.trainer import SingleProcessTrainer
-except ImportError:  # a revision before the folders by concept
+try:  # the design card's layout (issue 30), and the revisions before the folders by concept (issue 20)
     from hybridflow.engine.config import load_config
     from hybridflow.engine.trainer import SingleProcessTrainer
+except ImportError:  # the folders by concept
+    from hybridflow.core.config import load_config
+    from hybridflow.core.trainer import SingleProcessTrainer
 out_dir = Path(sys.argv[1])
 reward = write_reward(out_dir)
 (out_dir / "cost.py").write_text(LENGTH_COST)
@@ -66,9 +67,12 @@ for name, (example, extra) in cases.items():
 STORE_BODY = """
 import json, sys
 try:
-    from hybridflow.store.run_store import RunStore
+    from hybridflow.flows.store.run_store import RunStore
 except ImportError:
-    from hybridflow.flows.store import RunStore
+    try:
+        from hybridflow.store.run_store import RunStore
+    except ImportError:
+        from hybridflow.store import RunStore
 store = RunStore()
 runs = {"flow/" + r.config["trainer"]["experiment_name"]: [[m.step, m.name, m.value] for m in store.metrics(r.id)]
         for r in store.list_runs()}
@@ -77,7 +81,11 @@ open(sys.argv[1], "w").write(json.dumps(runs))
 
 
 def package_root(tree: Path, scratch: Path) -> Path:
-    """A folder whose ``hybridflow/`` links every package folder of `tree` (a folder with an ``__init__.py``)."""
+    """The folder to put on ``PYTHONPATH`` for `tree`'s code: the tree itself where it holds the ``hybridflow/``
+    package (issue 30 on); else a folder whose ``hybridflow/`` links every package folder of `tree` (a folder with an
+    ``__init__.py``), as ``package-dir`` mapped them."""
+    if (tree / "hybridflow" / "__init__.py").is_file():
+        return tree
     root = scratch / "pythonpath"
     (root / "hybridflow").mkdir(parents=True)
     for folder in tree.iterdir():

@@ -8,7 +8,7 @@ torch.distributed rendezvous, loading the models and reading the data.
 
     .venv/bin/python benchmarks/startup.py [--executor local|slurm|both] [--repeats 3] [--config FILE]
 
-Slurm needs a cluster (``bash runtime/dev_cluster.sh start`` as root gives a one-node one).
+Slurm needs a cluster (``bash hybridflow/slurm/dev_cluster.sh start`` as root gives a one-node one).
 """
 
 import argparse
@@ -23,7 +23,7 @@ from datetime import UTC
 from pathlib import Path
 
 from hybridflow.cli import server
-from hybridflow.store.run_store import RunStore
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = str(Path(sys.executable).parent / "hf")

@@ -7,7 +7,7 @@
 
     .venv/bin/python benchmarks/worker_groups.py [--executor local|slurm|both] [--calls 1000] [--mb 100]
 
-Slurm needs a cluster (``bash runtime/dev_cluster.sh start`` as root gives a one-node one).
+Slurm needs a cluster (``bash hybridflow/slurm/dev_cluster.sh start`` as root gives a one-node one).
 """
 
 import argparse
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.core.protocol import DataProto
-from hybridflow.runtime.channel import create_secret
-from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup, slurm_parameters
+from hybridflow.engine.protocol import DataProto
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, slurm_parameters
 
 WORKER = f"{Path(__file__).resolve().parent / 'bench_worker.py'}:BenchWorker"
 

@@ -17,10 +17,10 @@ import json
 import time
 from pathlib import Path
 
-from hybridflow.core.config import load_config
-from hybridflow.core.data import collate_prompts
-from hybridflow.orchestration.preflight import prompt_sets
-from hybridflow.runtime.workers import build_roles
+from hybridflow.engine.config import load_config
+from hybridflow.engine.data import collate_prompts
+from hybridflow.engine.worker import build_roles
+from hybridflow.flows.preflight import prompt_sets
 
 ROOT = Path(__file__).resolve().parent
 

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from hybridflow.cli import server
+from hybridflow.slurm import network
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -13,14 +14,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Prefect reads its settings once, when it is first imported (here: while test modules are collected), so the
 # session server's URL is set now, before that, and the `prefect_api` fixture starts the server on this port; set
 # later, the in-process flows would quietly run on an ephemeral server of Prefect's own instead.
-PREFECT_PORT = server.free_port()
+PREFECT_PORT = network.free_port()
 server.use_server(f"http://127.0.0.1:{PREFECT_PORT}/api")
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """Folder with a random tiny LlamaForCausalLM + byte-level BPE tokenizer (see hybridflow.core.tiny)."""
-    from hybridflow.core.tiny import build_tiny_model
+    """Folder with a random tiny LlamaForCausalLM + byte-level BPE tokenizer (see hybridflow.engine.tiny)."""
+    from hybridflow.engine.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
 
@@ -59,7 +60,8 @@ SLURM_START_TIMEOUT_S = 300
 
 
 def start_dev_cluster(timeout_s: float = SLURM_START_TIMEOUT_S) -> str | None:
-    """Run ``runtime/dev_cluster.sh start`` with its output captured through pipes (as a fresh machine's first test
+    """Run ``hybridflow/slurm/dev_cluster.sh start`` with its output captured through pipes (as a fresh machine's first
+    test
     run does). Returns None when the cluster is up, else why not: the script's output and the tail of every daemon
     log under ``$HYBRIDFLOW_SLURM_DIR/log``."""
     import subprocess
@@ -96,7 +98,8 @@ def _slurm_logs(lines: int = 20) -> str:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A real one-node Slurm cluster, started by the project's `runtime/dev_cluster.sh` (munge, MariaDB + slurmdbd,
+    """A real one-node Slurm cluster, started by the project's `hybridflow/slurm/dev_cluster.sh` (munge, MariaDB +
+    slurmdbd,
     slurmctld, slurmd; installed from Debian when missing). Needs root; CI (CI=true) fails rather than skips."""
     import shutil
     import socket

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psycopg
 
-from hybridflow.cli.server import free_port
+from hybridflow.slurm.network import free_port
 
 SERVER_SETTINGS = "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=50"
 

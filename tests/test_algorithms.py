@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny_runs import tiny_run_config, write_cost
 
-from hybridflow.algorithms.dynamic_sampling import DynamicSamplingError
-from hybridflow.core.trainer import SingleProcessTrainer
+from hybridflow.engine.dynamic_sampling import DynamicSamplingError
+from hybridflow.engine.trainer import SingleProcessTrainer
 
 VARIANTS = {
     "grpo": ("grpo", []),
@@ -188,7 +188,7 @@ def test_safe_rlhf_steps_lambda_against_the_cost_limit_trains_the_cost_critic_an
             assert again[key] == value, key
 
     # a checkpoint without a cost critic (plain PPO) cannot continue as Safe-RLHF: refused before any work
-    from hybridflow.orchestration.preflight import InputError, check_run_inputs
+    from hybridflow.flows.preflight import InputError, check_run_inputs
 
     (tmp_path / "plain").mkdir()
     plain = SingleProcessTrainer(tiny_run_config(tmp_path / "plain", tiny_model_dir, "gae")).save_checkpoint().path

@@ -20,7 +20,7 @@ import torch
 from tiny_runs import tiny_run_config
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-from hybridflow.core.checkpoint import (
+from hybridflow.engine.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -29,7 +29,7 @@ from hybridflow.core.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hybridflow.core.trainer import SingleProcessTrainer
+from hybridflow.engine.trainer import SingleProcessTrainer
 
 VARIANTS = {
     "grpo": (

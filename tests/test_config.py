@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.core.config import ConfigError, HybridFlowConfig, load_config
+from hybridflow.engine.config import ConfigError, HybridFlowConfig, load_config
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 MINIMAL = ["data.reasoning_gym.name=basic_arithmetic"]
@@ -14,7 +14,7 @@ MINIMAL = ["data.reasoning_gym.name=basic_arithmetic"]
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_validate(path):
-    from hybridflow.core.config import RMTrainingConfig
+    from hybridflow.engine.config import RMTrainingConfig
 
     if path.name.startswith("rm_"):  # hf rm train's configs
         assert isinstance(load_config(path, schema=RMTrainingConfig), RMTrainingConfig)
@@ -165,7 +165,7 @@ def test_given_prompt_files_replace_the_files_reasoning_gym_source(tmp_path, cap
 
 
 def test_resume_may_extend_a_run_but_not_change_its_computation():
-    from hybridflow.core.config import resume_config
+    from hybridflow.engine.config import resume_config
 
     stored = load_config(Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml").model_dump(mode="json")
     extended = resume_config(stored, ["trainer.total_iterations=40", "placement.slurm.time_min=30"])
@@ -238,7 +238,7 @@ def test_bad_pools_are_refused_naming_the_key(change, message):
 
 
 def test_pools_replace_the_colocate_shorthand_and_are_not_for_reward_model_training():
-    from hybridflow.core.config import RMTrainingConfig
+    from hybridflow.engine.config import RMTrainingConfig
 
     with pytest.raises(ConfigError, match=r"placement.pools replaces placement.critic_tasks_per_node"):
         _pools(POOLS, "placement.critic_tasks_per_node=2")
@@ -253,7 +253,7 @@ def test_pools_replace_the_colocate_shorthand_and_are_not_for_reward_model_train
 
 
 def test_resume_may_move_a_pools_slurm_job_and_its_concurrency_but_not_its_ranks():
-    from hybridflow.core.config import resume_config
+    from hybridflow.engine.config import resume_config
 
     stored = _pools(POOLS).model_dump(mode="json")
     moved = resume_config(stored, ["placement.pools.critic.slurm.time_min=30", "placement.concurrent=false"])

@@ -1,4 +1,6 @@
-"""Tests for hybridflow.algorithms.core_algos.
+"""Tests for the algorithms' tensor functions: hybridflow.engine.torch_ops and hybridflow.engine.algorithms.{estimators,
+kl,
+lagrangian, losses}.
 
 Each algorithm is compared with a plain-Python reference (loops over batch and time on python floats) on random
 inputs with random right-padded masks, and checked on small cases worked out by hand in the comments.
@@ -13,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from hybridflow.algorithms import core_algos as ca
+from hybridflow.engine import advantage, dynamic_sampling, torch_ops
+from hybridflow.engine.algorithms import estimators, kl, losses
+from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier, lagrangian_advantages
 
 # --------------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -68,24 +72,24 @@ def test_masked_mean_equals_mean_of_selected(pairs):
     mask = torch.tensor([k for _, k in pairs])
     selected = values[mask]
     expected = selected.mean() if selected.numel() else torch.tensor(0.0)  # empty selection -> 0 by contract
-    assert_close(ca.masked_mean(values, mask), expected, rtol=1e-5, atol=1e-3)
-    assert_close(ca.masked_sum(values, mask), selected.sum(), rtol=1e-5, atol=1e-3)
+    assert_close(torch_ops.masked_mean(values, mask), expected, rtol=1e-5, atol=1e-3)
+    assert_close(torch_ops.masked_sum(values, mask), selected.sum(), rtol=1e-5, atol=1e-3)
 
 
 def test_masked_mean_sum_along_dim_and_padding_garbage_is_ignored():
     values = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 0.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     # rows: mean(1, 2) = 1.5; mean(4) = 4; empty row -> 0.
-    assert_close(ca.masked_mean(values, mask, dim=-1), torch.tensor([1.5, 4.0, 0.0]))
-    assert_close(ca.masked_sum(values, mask, dim=-1), torch.tensor([3.0, 4.0, 0.0]))
+    assert_close(torch_ops.masked_mean(values, mask, dim=-1), torch.tensor([1.5, 4.0, 0.0]))
+    assert_close(torch_ops.masked_sum(values, mask, dim=-1), torch.tensor([3.0, 4.0, 0.0]))
     # columns: mean(1, 4) = 2.5; mean(2) = 2; nothing -> 0.
-    assert_close(ca.masked_mean(values, mask, dim=0), torch.tensor([2.5, 2.0, 0.0]))
-    assert_close(ca.masked_mean(values, mask), torch.tensor(7.0 / 3))
+    assert_close(torch_ops.masked_mean(values, mask, dim=0), torch.tensor([2.5, 2.0, 0.0]))
+    assert_close(torch_ops.masked_mean(values, mask), torch.tensor(7.0 / 3))
 
 
 def test_masked_mean_gradient_only_reaches_selected_entries():
     values = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
-    ca.masked_mean(values, torch.tensor([[True, True, False]])).backward()
+    torch_ops.masked_mean(values, torch.tensor([[True, True, False]])).backward()
     assert_close(values.grad, torch.tensor([[0.5, 0.5, 0.0]]))
 
 
@@ -94,12 +98,12 @@ def test_masked_var_and_whiten_match_torch_on_selection():
     values = torch.randn(6, 9, generator=gen) * 3 + 1
     mask = random_mask(6, 9, gen)
     selected = values[mask.bool()]
-    assert_close(ca.masked_var(values, mask), selected.var())
-    assert_close(ca.masked_var(values, mask, unbiased=False), selected.var(unbiased=False))
-    white = ca.masked_whiten(values, mask)[mask.bool()]
+    assert_close(torch_ops.masked_var(values, mask), selected.var())
+    assert_close(torch_ops.masked_var(values, mask, unbiased=False), selected.var(unbiased=False))
+    white = torch_ops.masked_whiten(values, mask)[mask.bool()]
     assert_close(white.mean(), torch.tensor(0.0), atol=1e-5, rtol=0)
     assert_close(white.var(), torch.tensor(1.0), atol=1e-5, rtol=0)
-    kept_mean = ca.masked_whiten(values, mask, shift_mean=False)[mask.bool()]
+    kept_mean = torch_ops.masked_whiten(values, mask, shift_mean=False)[mask.bool()]
     assert_close(kept_mean.mean(), selected.mean(), atol=1e-5, rtol=0)
     assert_close(kept_mean.std(), torch.tensor(1.0), atol=1e-5, rtol=0)
 
@@ -107,17 +111,19 @@ def test_masked_var_and_whiten_match_torch_on_selection():
 def test_masked_var_needs_enough_entries():
     values = torch.tensor([[1.0, 2.0]])
     with pytest.raises(ValueError, match="at least 2"):
-        ca.masked_var(values, torch.tensor([[1, 0]]))
+        torch_ops.masked_var(values, torch.tensor([[1, 0]]))
     with pytest.raises(ValueError, match="no entries"):
-        ca.masked_var(values, torch.tensor([[0, 0]]), unbiased=False)
-    assert_close(ca.masked_var(values, torch.tensor([[1, 0]]), unbiased=False), torch.tensor(0.0))
+        torch_ops.masked_var(values, torch.tensor([[0, 0]]), unbiased=False)
+    assert_close(torch_ops.masked_var(values, torch.tensor([[1, 0]]), unbiased=False), torch.tensor(0.0))
 
 
 def test_mask_shape_mismatch_names_shapes():
     with pytest.raises(ValueError, match=r"\[2, 3\].*\[2, 4\]"):
-        ca.masked_mean(torch.zeros(2, 4), torch.ones(2, 3))
+        torch_ops.masked_mean(torch.zeros(2, 4), torch.ones(2, 3))
     # a mask that broadcasts to the values is fine
-    assert_close(ca.masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1], [0]])), torch.tensor(2.0))
+    assert_close(
+        torch_ops.masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]), torch.tensor([[1], [0]])), torch.tensor(2.0)
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -154,7 +160,7 @@ def test_gae_matches_reference(gamma, lam):
     rewards = torch.randn(5, 8, generator=gen)
     values = torch.randn(5, 8, generator=gen)
     mask = random_mask(5, 8, gen)
-    adv, ret = ca.compute_gae_advantage_return(rewards, values, mask, gamma, lam)
+    adv, ret = estimators.compute_gae_advantage_return(rewards, values, mask, gamma, lam)
     ref_adv, ref_ret = py_gae(rewards, values, mask, gamma, lam)
     assert_close(adv, ref_adv)
     assert_close(ret, ref_ret)
@@ -168,7 +174,7 @@ def test_gae_hand_computed_1x3_and_padding_is_inert():
     # -> [-0.8207, -0.2931, 1.1138].
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
     values = torch.tensor([[0.1, 0.2, 0.3]])
-    adv, ret = ca.compute_gae_advantage_return(rewards, values, torch.ones(1, 3), gamma=0.5, lam=1.0)
+    adv, ret = estimators.compute_gae_advantage_return(rewards, values, torch.ones(1, 3), gamma=0.5, lam=1.0)
     assert_close(ret, torch.tensor([[0.25, 0.5, 1.0]]))
     dev = [0.15 - 1.15 / 3, 0.3 - 1.15 / 3, 0.7 - 1.15 / 3]
     std = math.sqrt(sum(d * d for d in dev) / 2 + 1e-8)
@@ -179,7 +185,7 @@ def test_gae_hand_computed_1x3_and_padding_is_inert():
     rewards_p = torch.tensor([[0.0, 0.0, 1.0, 5.0, float("nan")]])
     values_p = torch.tensor([[0.1, 0.2, 0.3, 100.0, float("inf")]])
     mask_p = torch.tensor([[1, 1, 1, 0, 0]])
-    adv_p, ret_p = ca.compute_gae_advantage_return(rewards_p, values_p, mask_p, gamma=0.5, lam=1.0)
+    adv_p, ret_p = estimators.compute_gae_advantage_return(rewards_p, values_p, mask_p, gamma=0.5, lam=1.0)
     assert_close(adv_p[:, :3], adv)
     assert_close(ret_p[:, :3], ret)
     assert adv_p[0, 3:].tolist() == [0.0, 0.0] and ret_p[0, 3:].tolist() == [0.0, 0.0]
@@ -192,7 +198,7 @@ def test_gae_skips_a_hole_inside_a_response():
     # whitened over the two real tokens [0, 0.75]: mean 0.375, unbiased var 0.28125 -> [-0.7071, 0.7071].
     rewards = torch.tensor([[0.0, 9.0, 1.0]])
     values = torch.tensor([[0.5, 7.0, 0.25]])
-    adv, ret = ca.compute_gae_advantage_return(rewards, values, torch.tensor([[1, 0, 1]]), gamma=0.5, lam=1.0)
+    adv, ret = estimators.compute_gae_advantage_return(rewards, values, torch.tensor([[1, 0, 1]]), gamma=0.5, lam=1.0)
     assert_close(ret, torch.tensor([[0.5, 0.0, 1.0]]))
     half_sqrt2 = 0.375 / math.sqrt(0.28125 + 1e-8)
     assert_close(adv, torch.tensor([[-half_sqrt2, 0.0, half_sqrt2]]))
@@ -201,9 +207,9 @@ def test_gae_skips_a_hole_inside_a_response():
 def test_gae_rejects_bad_input():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"values \[2, 4\]"):
-        ca.compute_gae_advantage_return(x, torch.zeros(2, 4), torch.ones(2, 3), 1.0, 1.0)
+        estimators.compute_gae_advantage_return(x, torch.zeros(2, 4), torch.ones(2, 3), 1.0, 1.0)
     with pytest.raises(ValueError, match="algorithm.gamma"):
-        ca.compute_gae_advantage_return(x, x, torch.ones(2, 3), 1.5, 1.0)
+        estimators.compute_gae_advantage_return(x, x, torch.ones(2, 3), 1.5, 1.0)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -223,7 +229,9 @@ def random_outcome_batch(seed: int):
 @pytest.mark.parametrize("norm", [True, False])
 def test_grpo_matches_reference(norm):
     rewards, mask, index = random_outcome_batch(2)
-    adv, ret = ca.compute_grpo_outcome_advantage(rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=norm)
+    adv, ret = estimators.compute_grpo_outcome_advantage(
+        rewards, mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=norm
+    )
     scores, groups = py_group_scores(rewards, mask, index)
     expected = [0.0] * len(scores)
     for members in groups.values():
@@ -242,7 +250,7 @@ def test_grpo_hand_computed_group_of_three_and_singleton():
     rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [2.0, 0.0]])
     mask = torch.tensor([[1, 1], [1, 1], [1, 0], [1, 0]])
     index = np.array(["p", "p", "p", "q"], dtype=object)
-    adv, _ = ca.compute_grpo_outcome_advantage(rewards, mask, index)
+    adv, _ = estimators.compute_grpo_outcome_advantage(rewards, mask, index)
     s = math.sqrt(1 / 3) + 1e-6
     expected = torch.tensor([[2 / 3 / s] * 2, [-1 / 3 / s] * 2, [-1 / 3 / s, 0.0], [2 / (1 + 1e-6), 0.0]])
     assert_close(adv, expected)
@@ -253,8 +261,8 @@ def test_outcome_score_is_masked_sum_and_uids_may_be_ints_or_lists():
     # a reward at a padded position is ignored: scores are 1 and 0, not 1 and 7
     rewards = torch.tensor([[1.0, 0.0], [0.0, 7.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    adv_int, _ = ca.compute_rloo_outcome_advantage(rewards, mask, np.array([3, 3]))
-    adv_list, _ = ca.compute_rloo_outcome_advantage(rewards, mask, ["x", "x"])
+    adv_int, _ = estimators.compute_rloo_outcome_advantage(rewards, mask, np.array([3, 3]))
+    adv_list, _ = estimators.compute_rloo_outcome_advantage(rewards, mask, ["x", "x"])
     # RLOO of [1, 0]: [1 - 0, 0 - 1]
     assert_close(adv_int, torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
     assert_close(adv_list, adv_int)
@@ -264,14 +272,14 @@ def test_rloo_hand_computed_and_singleton():
     # scores [1, 0, 0]: baselines are the mean of the other two: [0, 0.5, 0.5] -> [1, -0.5, -0.5].
     # singleton score 3 -> baseline 0 -> 3.
     rewards = torch.tensor([[1.0], [0.0], [0.0], [3.0]])
-    adv, ret = ca.compute_rloo_outcome_advantage(rewards, torch.ones(4, 1), np.array([0, 0, 0, 1]))
+    adv, ret = estimators.compute_rloo_outcome_advantage(rewards, torch.ones(4, 1), np.array([0, 0, 0, 1]))
     assert_close(adv, torch.tensor([[1.0], [-0.5], [-0.5], [3.0]]))
     assert torch.equal(adv, ret)
 
 
 def test_rloo_matches_reference():
     rewards, mask, index = random_outcome_batch(3)
-    adv, _ = ca.compute_rloo_outcome_advantage(rewards, mask, index)
+    adv, _ = estimators.compute_rloo_outcome_advantage(rewards, mask, index)
     scores, groups = py_group_scores(rewards, mask, index)
     expected = [0.0] * len(scores)
     for members in groups.values():
@@ -283,9 +291,9 @@ def test_rloo_matches_reference():
 
 def test_outcome_estimators_reject_wrong_index_length():
     with pytest.raises(ValueError, match="`index` has 2 entries but the batch has 3"):
-        ca.compute_grpo_outcome_advantage(torch.zeros(3, 2), torch.ones(3, 2), np.array(["a", "b"]))
+        estimators.compute_grpo_outcome_advantage(torch.zeros(3, 2), torch.ones(3, 2), np.array(["a", "b"]))
     with pytest.raises(ValueError, match="uid"):
-        ca.compute_rloo_outcome_advantage(torch.zeros(3, 2), torch.ones(3, 2), np.array(["a"]))
+        estimators.compute_rloo_outcome_advantage(torch.zeros(3, 2), torch.ones(3, 2), np.array(["a"]))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -297,51 +305,53 @@ def test_registry_uniform_calling_convention():
     rewards, mask, index = random_outcome_batch(4)
     values = torch.randn(rewards.shape, generator=torch.Generator().manual_seed(5))
     everything = dict(index=index, values=values, gamma=0.9, lam=0.8, epsilon=1e-6, norm_adv_by_std_in_grpo=False)
-    gae = ca.get_adv_estimator_fn("gae")(rewards, mask, **everything)
-    assert_close(gae[0], ca.compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8)[0])
-    grpo = ca.get_adv_estimator_fn("grpo")(rewards, mask, **everything)
-    assert_close(grpo[0], ca.compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)[0])
-    rloo = ca.get_adv_estimator_fn("rloo")(rewards, mask, index=index)
-    assert_close(rloo[0], ca.compute_rloo_outcome_advantage(rewards, mask, index)[0])
+    gae = estimators.get_adv_estimator_fn("gae")(rewards, mask, **everything)
+    assert_close(gae[0], estimators.compute_gae_advantage_return(rewards, values, mask, 0.9, 0.8)[0])
+    grpo = estimators.get_adv_estimator_fn("grpo")(rewards, mask, **everything)
+    assert_close(
+        grpo[0], estimators.compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)[0]
+    )
+    rloo = estimators.get_adv_estimator_fn("rloo")(rewards, mask, index=index)
+    assert_close(rloo[0], estimators.compute_rloo_outcome_advantage(rewards, mask, index)[0])
     # gamma and lam default to 1 in the uniform convention
     assert_close(
-        ca.get_adv_estimator_fn("gae")(rewards, mask, values=values)[1],
-        ca.compute_gae_advantage_return(rewards, values, mask, 1.0, 1.0)[1],
+        estimators.get_adv_estimator_fn("gae")(rewards, mask, values=values)[1],
+        estimators.compute_gae_advantage_return(rewards, values, mask, 1.0, 1.0)[1],
     )
 
 
 def test_registry_errors():
     with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*'gae', 'grpo', 'opo'.*'rloo'"):
-        ca.get_adv_estimator_fn("ppo2")
+        estimators.get_adv_estimator_fn("ppo2")
     with pytest.raises(ValueError, match=r"needs \['values'\]"):
-        ca.get_adv_estimator_fn("gae")(torch.zeros(2, 2), torch.ones(2, 2))
+        estimators.get_adv_estimator_fn("gae")(torch.zeros(2, 2), torch.ones(2, 2))
     for name in ("grpo", "rloo"):  # the message names the batch column that carries the prompt ids
         with pytest.raises(ValueError, match=r"needs \['index'\].*the batch's non-tensor `uid` column"):
-            ca.get_adv_estimator_fn(name)(torch.zeros(2, 2), torch.ones(2, 2))
+            estimators.get_adv_estimator_fn(name)(torch.zeros(2, 2), torch.ones(2, 2))
     with pytest.raises(ValueError, match="unexpected keyword"):
-        ca.get_adv_estimator_fn("rloo")(torch.zeros(2, 2), torch.ones(2, 2), index=[0, 0], gama=0.9)
+        estimators.get_adv_estimator_fn("rloo")(torch.zeros(2, 2), torch.ones(2, 2), index=[0, 0], gama=0.9)
     with pytest.raises(ValueError, match="already registered"):
-        ca.register_adv_est("gae")(lambda token_level_rewards, response_mask: None)
+        estimators.register_adv_est("gae")(lambda token_level_rewards, response_mask: None)
 
 
 def test_register_custom_estimator_and_uses_critic():
-    assert ca.uses_critic("gae") and not ca.uses_critic("grpo") and not ca.uses_critic("rloo")
-    assert "gae" in ca.ADV_ESTIMATORS_NEEDING_CRITIC and "grpo" not in ca.ADV_ESTIMATORS_NEEDING_CRITIC
+    assert estimators.uses_critic("gae") and not estimators.uses_critic("grpo") and not estimators.uses_critic("rloo")
+    assert "gae" in estimators.ADV_ESTIMATORS_NEEDING_CRITIC and "grpo" not in estimators.ADV_ESTIMATORS_NEEDING_CRITIC
     with pytest.raises(ValueError, match="algorithm.adv_estimator"):
-        ca.uses_critic("nope")
+        estimators.uses_critic("nope")
 
-    @ca.register_adv_est("test_reinforce")
+    @estimators.register_adv_est("test_reinforce")
     def reinforce(token_level_rewards, response_mask, scale=1.0):
         adv = token_level_rewards * response_mask * scale
         return adv, adv
 
     try:
-        fn = ca.get_adv_estimator_fn("test_reinforce")
+        fn = estimators.get_adv_estimator_fn("test_reinforce")
         adv, _ = fn(torch.ones(1, 2), torch.tensor([[1, 0]]), index=None, scale=3.0, gamma=0.5)
         assert_close(adv, torch.tensor([[3.0, 0.0]]))
-        assert not ca.uses_critic("test_reinforce")
+        assert not estimators.uses_critic("test_reinforce")
     finally:
-        del ca._ADV_ESTIMATORS["test_reinforce"]
+        del estimators._ADV_ESTIMATORS["test_reinforce"]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -361,10 +371,10 @@ def test_kl_penalty_known_values():
         "low_var_kl": [math.exp(-1), math.e - 2, 0.0],
     }
     aliases = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
-    for name in ca.KL_PENALTY_TYPES:  # "k3+" and the other straight-through forms: the value of their estimator
+    for name in kl.KL_PENALTY_TYPES:  # "k3+" and the other straight-through forms: the value of their estimator
         base = name.removesuffix("+")
         want = torch.tensor([expected[aliases.get(base, base)]])
-        assert_close(ca.kl_penalty(logp, ref, name), want, msg=name)
+        assert_close(kl.kl_penalty(logp, ref, name), want, msg=name)
 
 
 def test_k3_clamps():
@@ -372,7 +382,7 @@ def test_k3_clamps():
     # ref - logp = 5 is inside: e^5 - 6 = 142.4 -> 10 as well; ref - logp = 2: e^2 - 3 = 4.389 unclamped.
     logp = torch.tensor([0.0, 0.0, 0.0, 0.0])
     ref = torch.tensor([50.0, -50.0, 5.0, 2.0])
-    out = ca.kl_penalty(logp, ref, "k3")
+    out = kl.kl_penalty(logp, ref, "k3")
     assert_close(out, torch.tensor([10.0, 10.0, 10.0, math.exp(2) - 3]))
     assert torch.isfinite(out).all()
 
@@ -380,7 +390,7 @@ def test_k3_clamps():
 def test_kl_penalty_reference_on_random_inputs():
     gen = torch.Generator().manual_seed(6)
     logp, ref = torch.randn(4, 7, generator=gen), torch.randn(4, 7, generator=gen)
-    k3 = ca.kl_penalty(logp, ref, "low_var_kl")
+    k3 = kl.kl_penalty(logp, ref, "low_var_kl")
     for i in range(4):
         for t in range(7):
             d = float(ref[i, t]) - float(logp[i, t])
@@ -389,12 +399,12 @@ def test_kl_penalty_reference_on_random_inputs():
 
 def test_kl_penalty_unknown_name():
     with pytest.raises(ValueError, match=r"algorithm\.kl_penalty.*actor\.kl_loss_type.*'low_var_kl'"):
-        ca.kl_penalty(torch.zeros(1), torch.zeros(1), "full")
+        kl.kl_penalty(torch.zeros(1), torch.zeros(1), "full")
 
 
 def test_adaptive_kl_controller_one_update():
     # error = clip(9 / 6 - 1, -0.2, 0.2) = clip(0.5) = 0.2; value = 0.1 * (1 + 0.2 * 256 / 10000) = 0.100512
-    ctrl = ca.AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10000)
+    ctrl = kl.AdaptiveKLController(init_kl_coef=0.1, target_kl=6.0, horizon=10000)
     ctrl.update(current_kl=9.0, n_steps=256)
     assert math.isclose(ctrl.value, 0.100512, rel_tol=1e-12)
     # error = 6.6 / 6 - 1 = 0.1 (inside the clip): value *= 1 + 0.1 * 1000 / 10000 = 1.01
@@ -406,15 +416,15 @@ def test_adaptive_kl_controller_one_update():
 
 
 def test_fixed_controller_and_factory():
-    fixed = ca.get_kl_controller("fixed", 0.05)
+    fixed = kl.get_kl_controller("fixed", 0.05)
     fixed.update(current_kl=100.0, n_steps=64)
-    assert isinstance(fixed, ca.FixedKLController) and fixed.value == 0.05
-    adaptive = ca.get_kl_controller("adaptive", 0.2, target_kl=1.0, horizon=100)
-    assert isinstance(adaptive, ca.AdaptiveKLController) and adaptive.value == 0.2
+    assert isinstance(fixed, kl.FixedKLController) and fixed.value == 0.05
+    adaptive = kl.get_kl_controller("adaptive", 0.2, target_kl=1.0, horizon=100)
+    assert isinstance(adaptive, kl.AdaptiveKLController) and adaptive.value == 0.2
     with pytest.raises(ValueError, match=r"target_kl.*horizon"):
-        ca.get_kl_controller("adaptive", 0.2, target_kl=1.0)
+        kl.get_kl_controller("adaptive", 0.2, target_kl=1.0)
     with pytest.raises(ValueError, match=r"algorithm\.kl_ctrl\.type.*fixed, adaptive"):
-        ca.get_kl_controller("pid", 0.2)
+        kl.get_kl_controller("pid", 0.2)
 
 
 class RecordingController:
@@ -436,7 +446,7 @@ def test_apply_kl_penalty_hand_computed():
     ref = torch.zeros(2, 3)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     ctrl = RecordingController(0.5)
-    rewards, metrics = ca.apply_kl_penalty(scores, logp, ref, mask, ctrl, kl_penalty="kl")
+    rewards, metrics = kl.apply_kl_penalty(scores, logp, ref, mask, ctrl, kl_penalty="kl")
     assert_close(rewards, torch.tensor([[-0.5, 0.0, 9.0], [2.5, 0.0, 0.0]]))
     assert ctrl.calls == [(pytest.approx(0.25), 2)]
     assert metrics == {"actor/reward_kl_penalty": pytest.approx(0.25), "actor/reward_kl_penalty_coeff": 0.5}
@@ -447,8 +457,8 @@ def test_apply_kl_penalty_matches_reference():
     gen = torch.Generator().manual_seed(7)
     scores, logp, ref = (torch.randn(6, 5, generator=gen) for _ in range(3))
     mask = random_mask(6, 5, gen)
-    ctrl = ca.AdaptiveKLController(0.3, target_kl=0.1, horizon=1000)
-    rewards, metrics = ca.apply_kl_penalty(scores, logp, ref, mask, ctrl, kl_penalty="k2")
+    ctrl = kl.AdaptiveKLController(0.3, target_kl=0.1, horizon=1000)
+    rewards, metrics = kl.apply_kl_penalty(scores, logp, ref, mask, ctrl, kl_penalty="k2")
     per_seq = []
     expected = scores.clone()
     for i, n in enumerate(row_lengths(mask)):
@@ -480,7 +490,7 @@ def test_agg_loss_modes_2x3():
         "seq-mean-token-sum-norm": 7 / 6,
     }
     for mode, want in expected.items():
-        assert_close(ca.agg_loss(loss, mask, mode), torch.tensor(want), msg=mode)
+        assert_close(torch_ops.agg_loss(loss, mask, mode), torch.tensor(want), msg=mode)
 
 
 def test_agg_loss_all_masked_sequence():
@@ -495,20 +505,20 @@ def test_agg_loss_all_masked_sequence():
         "seq-mean-token-sum-norm": 0.5,
     }
     for mode, want in expected.items():
-        assert_close(ca.agg_loss(loss, mask, mode), torch.tensor(want), msg=mode)
+        assert_close(torch_ops.agg_loss(loss, mask, mode), torch.tensor(want), msg=mode)
     # everything masked: loss 0 and zero gradient in every mode
-    for mode in ca.AGG_LOSS_MODES:
+    for mode in torch_ops.AGG_LOSS_MODES:
         mat = loss.clone().requires_grad_(True)
-        out = ca.agg_loss(mat, torch.zeros(2, 3), mode)
+        out = torch_ops.agg_loss(mat, torch.zeros(2, 3), mode)
         out.backward()
         assert out.item() == 0.0 and torch.count_nonzero(mat.grad) == 0, mode
 
 
 def test_agg_loss_unknown_mode_and_bad_shape():
     with pytest.raises(ValueError, match=r"actor\.loss_agg_mode.*'token-mean'.*'seq-mean-token-sum-norm'"):
-        ca.agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "sum")
+        torch_ops.agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "sum")
     with pytest.raises(ValueError, match=r"\[2, 3\].*\[3, 2\]"):
-        ca.agg_loss(torch.zeros(2, 3), torch.ones(3, 2), "token-mean")
+        torch_ops.agg_loss(torch.zeros(2, 3), torch.ones(3, 2), "token-mean")
 
 
 @settings(max_examples=30, deadline=None)
@@ -522,13 +532,13 @@ def test_agg_loss_invariants(batch, length, seed, scale):
     gen = torch.Generator().manual_seed(seed)
     loss = torch.randn(batch, length, generator=gen)
     mask = random_mask(batch, length, gen)
-    for mode in ca.AGG_LOSS_MODES:
-        base = ca.agg_loss(loss, mask, mode)
+    for mode in torch_ops.AGG_LOSS_MODES:
+        base = torch_ops.agg_loss(loss, mask, mode)
         # linear in the loss
-        assert_close(ca.agg_loss(loss * scale, mask, mode), base * scale, rtol=1e-5, atol=1e-5)
+        assert_close(torch_ops.agg_loss(loss * scale, mask, mode), base * scale, rtol=1e-5, atol=1e-5)
         # padding values do not matter
         garbage = torch.where(mask.bool(), loss, torch.full_like(loss, 1e6))
-        assert_close(ca.agg_loss(garbage, mask, mode), base)
+        assert_close(torch_ops.agg_loss(garbage, mask, mode), base)
     # reference loops
     lengths = row_lengths(mask)
     rows = [[float(loss[i, t]) for t in range(n)] for i, n in enumerate(lengths)]
@@ -540,12 +550,12 @@ def test_agg_loss_invariants(batch, length, seed, scale):
         "seq-mean-token-sum-norm": sum(flat) / (batch * length),
     }
     for mode, want in ref.items():
-        assert_close(ca.agg_loss(loss, mask, mode), torch.tensor(want), rtol=1e-5, atol=1e-5)
+        assert_close(torch_ops.agg_loss(loss, mask, mode), torch.tensor(want), rtol=1e-5, atol=1e-5)
     # with a full mask, every mean-type mode agrees with token-mean
     full = torch.ones(batch, length)
-    token_mean = ca.agg_loss(loss, full, "token-mean")
-    assert_close(ca.agg_loss(loss, full, "seq-mean-token-mean"), token_mean)
-    assert_close(ca.agg_loss(loss, full, "seq-mean-token-sum-norm"), token_mean)
+    token_mean = torch_ops.agg_loss(loss, full, "token-mean")
+    assert_close(torch_ops.agg_loss(loss, full, "seq-mean-token-mean"), token_mean)
+    assert_close(torch_ops.agg_loss(loss, full, "seq-mean-token-sum-norm"), token_mean)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -585,7 +595,7 @@ def test_policy_loss_matches_reference(low, high):
     new = old + 0.8 * torch.randn(6, 7, generator=gen)  # ratios spread around 1, some far out
     adv = torch.randn(6, 7, generator=gen)
     mask = random_mask(6, 7, gen)
-    out = ca.compute_policy_loss(old, new, adv, mask, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=3.0)
+    out = losses.compute_policy_loss(old, new, adv, mask, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=3.0)
     ref = py_policy_loss(old, new, adv, mask, low, high, 3.0)
     for got, want, name in zip(out, ref, ["pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"], strict=True):
         assert got.dim() == 0, name
@@ -598,14 +608,16 @@ def test_dual_clip_engages_for_large_ratio_with_negative_advantage():
     # ppo_kl = old - new = -ln 10.
     old = torch.tensor([[0.0]])
     new = torch.tensor([[math.log(10.0)]], requires_grad=True)
-    loss, clipfrac, ppo_kl, clipfrac_lower = ca.compute_policy_loss(old, new, torch.tensor([[-1.0]]), torch.ones(1, 1))
+    loss, clipfrac, ppo_kl, clipfrac_lower = losses.compute_policy_loss(
+        old, new, torch.tensor([[-1.0]]), torch.ones(1, 1)
+    )
     assert_close(loss, torch.tensor(3.0))
     assert clipfrac.item() == 0.0 and clipfrac_lower.item() == 1.0
     assert_close(ppo_kl, torch.tensor(-math.log(10.0)))
     loss.backward()
     assert new.grad.item() == 0.0  # the constant bound carries no gradient
     # with A > 0 the same ratio is ordinary-clipped: max(-10, -1.2) = -1.2, dual-clip does not apply
-    loss_pos, clipfrac_pos, _, lower_pos = ca.compute_policy_loss(old, new, torch.tensor([[1.0]]), torch.ones(1, 1))
+    loss_pos, clipfrac_pos, _, lower_pos = losses.compute_policy_loss(old, new, torch.tensor([[1.0]]), torch.ones(1, 1))
     assert_close(loss_pos, torch.tensor(-1.2))
     assert clipfrac_pos.item() == 1.0 and lower_pos.item() == 0.0
 
@@ -616,9 +628,9 @@ def test_clip_higher_and_gradient():
     old = torch.tensor([[0.0]])
     adv = torch.tensor([[1.0]])
     new = torch.tensor([[math.log(1.25)]], requires_grad=True)
-    sym = ca.compute_policy_loss(old, new, adv, torch.ones(1, 1), 0.2, 0.2)
+    sym = losses.compute_policy_loss(old, new, adv, torch.ones(1, 1), 0.2, 0.2)
     assert_close(sym[0], torch.tensor(-1.2)) and sym[1].item() == 1.0
-    high = ca.compute_policy_loss(old, new, adv, torch.ones(1, 1), 0.2, 0.28)
+    high = losses.compute_policy_loss(old, new, adv, torch.ones(1, 1), 0.2, 0.28)
     assert_close(high[0], torch.tensor(-1.25))
     assert high[1].item() == 0.0
     high[0].backward()
@@ -631,7 +643,7 @@ def test_policy_loss_uses_agg_mode_and_ignores_padding():
     adv = torch.tensor([[1.0, 3.0, 1.0], [2.0, 1.0, 1.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     # ratio 1 everywhere real: per-token loss = -A -> [[-1, -3], [-2]]; seq-mean-token-mean = (-2 + -2) / 2 = -2
-    loss, clipfrac, ppo_kl, _ = ca.compute_policy_loss(old, new, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    loss, clipfrac, ppo_kl, _ = losses.compute_policy_loss(old, new, adv, mask, loss_agg_mode="seq-mean-token-mean")
     assert_close(loss, torch.tensor(-2.0))
     assert clipfrac.item() == 0.0 and ppo_kl.item() == 0.0
 
@@ -640,29 +652,29 @@ def test_truncated_is_weights_and_their_effect_on_the_policy_loss():
     old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
     rollout = torch.log(torch.tensor([[0.25, 0.4, 0.3]]))
     # pi_old / pi_rollout = [2, 0.5, 3] -> truncated at 2.5: [2, 0.5, 2.5]
-    w = ca.truncated_is_weights(old, rollout, cap=2.5)
+    w = losses.truncated_is_weights(old, rollout, cap=2.5)
     assert_close(w, torch.tensor([[2.0, 0.5, 2.5]]))
     # ratio 1 (log_prob == old): per-token loss -A, weighted: -(1*2 + 3*0.5 + 2*2.5) / 3
     adv = torch.tensor([[1.0, 3.0, 2.0]])
     mask = torch.ones(1, 3)
     new = old.clone().requires_grad_(True)
-    loss, *_ = ca.compute_policy_loss(old, new, adv, mask, is_weights=w)
+    loss, *_ = losses.compute_policy_loss(old, new, adv, mask, is_weights=w)
     assert_close(loss, torch.tensor(-(2.0 + 1.5 + 5.0) / 3))
     loss.backward()
     # d(-A * w * exp(new - old)) / d new = -A * w at ratio 1: the weights scale the gradient, and get none
     assert_close(new.grad, -(adv * w) / 3)
     with pytest.raises(ValueError, match=r"actor\.tis_cap"):
-        ca.truncated_is_weights(old, rollout, cap=0.0)
+        losses.truncated_is_weights(old, rollout, cap=0.0)
 
 
 def test_policy_loss_errors():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"actor\.clip_ratio_c.*> 1"):
-        ca.compute_policy_loss(x, x, x, torch.ones(1, 2), clip_ratio_c=1.0)
+        losses.compute_policy_loss(x, x, x, torch.ones(1, 2), clip_ratio_c=1.0)
     with pytest.raises(ValueError, match=r"actor\.loss_agg_mode"):
-        ca.compute_policy_loss(x, x, x, torch.ones(1, 2), loss_agg_mode="mean")
+        losses.compute_policy_loss(x, x, x, torch.ones(1, 2), loss_agg_mode="mean")
     with pytest.raises(ValueError, match=r"advantages \[1, 3\]"):
-        ca.compute_policy_loss(x, x, torch.zeros(1, 3), torch.ones(1, 2))
+        losses.compute_policy_loss(x, x, torch.zeros(1, 3), torch.ones(1, 2))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -678,7 +690,7 @@ def test_value_loss_hand_computed():
     values = torch.zeros(1, 3)
     returns = torch.tensor([[2.0, 0.0, -50.0]])
     mask = torch.tensor([[1, 1, 0]])
-    loss, clipfrac = ca.compute_value_loss(vpreds, values, returns, mask, cliprange_value=0.5)
+    loss, clipfrac = losses.compute_value_loss(vpreds, values, returns, mask, cliprange_value=0.5)
     assert_close(loss, torch.tensor(0.8125))
     assert_close(clipfrac, torch.tensor(0.5))
     loss.backward()
@@ -691,7 +703,7 @@ def test_value_loss_matches_reference():
     vpreds, values, returns = (torch.randn(5, 6, generator=gen) for _ in range(3))
     mask = random_mask(5, 6, gen)
     c = 0.3
-    loss, clipfrac = ca.compute_value_loss(vpreds, values, returns, mask, c, loss_agg_mode="seq-mean-token-sum")
+    loss, clipfrac = losses.compute_value_loss(vpreds, values, returns, mask, c, loss_agg_mode="seq-mean-token-sum")
     seq_sums, flags = [], []
     for i, n in enumerate(row_lengths(mask)):
         total = 0.0
@@ -709,7 +721,7 @@ def test_value_loss_matches_reference():
 def test_value_loss_rejects_negative_cliprange():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"critic\.cliprange_value"):
-        ca.compute_value_loss(x, x, x, torch.ones(1, 2), cliprange_value=-0.1)
+        losses.compute_value_loss(x, x, x, torch.ones(1, 2), cliprange_value=-0.1)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -720,20 +732,20 @@ def test_value_loss_rejects_negative_cliprange():
 def test_entropy_matches_reference_for_3d_and_2d():
     gen = torch.Generator().manual_seed(10)
     logits = torch.randn(2, 3, 11, generator=gen) * 4
-    ent = ca.entropy_from_logits(logits)
+    ent = torch_ops.entropy_from_logits(logits)
     assert ent.shape == (2, 3)
     for i in range(2):
         for t in range(3):
             probs = torch.softmax(logits[i, t].double(), -1).tolist()
             want = -sum(p * math.log(p) for p in probs if p > 0)
             assert math.isclose(float(ent[i, t]), want, rel_tol=1e-5, abs_tol=1e-6)
-    assert_close(ca.entropy_from_logits(logits.reshape(6, 11)), ent.reshape(6))
+    assert_close(torch_ops.entropy_from_logits(logits.reshape(6, 11)), ent.reshape(6))
 
 
 def test_entropy_gradient_matches_torch_distributions():
     gen = torch.Generator().manual_seed(13)
     logits = torch.randn(4, 9, generator=gen, dtype=torch.float64, requires_grad=True)
-    ca.entropy_from_logits(logits).sum().backward()
+    torch_ops.entropy_from_logits(logits).sum().backward()
     ours = logits.grad.clone()
     logits.grad = None
     torch.distributions.Categorical(logits=logits).entropy().sum().backward()
@@ -742,9 +754,9 @@ def test_entropy_gradient_matches_torch_distributions():
 
 def test_entropy_uniform_and_extreme_logits():
     # uniform over V = 8 -> ln 8; one logit far above the rest -> ~0, without NaN.
-    assert_close(ca.entropy_from_logits(torch.zeros(3, 8)), torch.full((3,), math.log(8)))
+    assert_close(torch_ops.entropy_from_logits(torch.zeros(3, 8)), torch.full((3,), math.log(8)))
     extreme = torch.tensor([[1000.0, -1000.0, 0.0], [5e4, 5e4, -5e4]])
-    out = ca.entropy_from_logits(extreme)
+    out = torch_ops.entropy_from_logits(extreme)
     assert torch.isfinite(out).all()
     assert_close(out, torch.tensor([0.0, math.log(2)]), atol=1e-4, rtol=0)
 
@@ -753,7 +765,7 @@ def test_logprobs_from_logits_matches_reference():
     gen = torch.Generator().manual_seed(11)
     logits = (torch.randn(3, 4, 13, generator=gen) * 3).requires_grad_(True)
     labels = torch.randint(0, 13, (3, 4), generator=gen)
-    out = ca.logprobs_from_logits(logits, labels)
+    out = torch_ops.logprobs_from_logits(logits, labels)
     assert out.shape == (3, 4) and out.dtype == torch.float32
     got = out.detach()
     for i in range(3):
@@ -772,7 +784,7 @@ def test_logprobs_from_bf16_logits_are_fp32_and_accurate():
     gen = torch.Generator().manual_seed(12)
     logits = (torch.randn(2100, 50, generator=gen) * 5).bfloat16()  # more rows than one chunk
     labels = torch.randint(0, 50, (2100,), generator=gen)
-    out = ca.logprobs_from_logits(logits, labels)
+    out = torch_ops.logprobs_from_logits(logits, labels)
     assert out.dtype == torch.float32 and out.shape == (2100,)
     want = torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None]).squeeze(-1)
     assert_close(out, want)
@@ -780,16 +792,16 @@ def test_logprobs_from_bf16_logits_are_fp32_and_accurate():
 
 def test_logprobs_label_shape_mismatch():
     with pytest.raises(ValueError, match=r"labels of shape \[2, 3\].*logits of shape \[2, 4, 5\]"):
-        ca.logprobs_from_logits(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))
+        torch_ops.logprobs_from_logits(torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_non_finite_advantages_stop_the_adv_stage():
     """A NaN score on a response token stops compute_advantage with NonFiniteError naming the stage, the metric
     and the first sample (its uid); NaN on a padding position is ignored."""
-    from hybridflow.algorithms.advantage import compute_advantage
-    from hybridflow.core.config import AlgorithmConfig
-    from hybridflow.core.guards import NonFiniteError
-    from hybridflow.core.protocol import DataProto
+    from hybridflow.engine.advantage import compute_advantage
+    from hybridflow.engine.config import AlgorithmConfig
+    from hybridflow.engine.guards import NonFiniteError
+    from hybridflow.engine.protocol import DataProto
 
     scores = torch.zeros(4, 3)
     scores[:, 1] = torch.tensor([1.0, 0.0, 0.5, 0.25])
@@ -826,32 +838,32 @@ def test_reinforce_plus_plus_discounts_within_each_response_and_whitens_over_the
     # a reward past a response's end (masked) must not flow back into it
     rewards = torch.tensor([[0.0, 0.0, 1.0, 7.0], [0.0, 2.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    fn = ca.get_adv_estimator_fn("reinforce_plus_plus")
+    fn = estimators.get_adv_estimator_fn("reinforce_plus_plus")
     advantages, returns = fn(rewards, mask, gamma=0.5)
     assert_close(returns, torch.tensor([[0.25, 0.5, 1.0, 0.0], [1.0, 2.0, 0.0, 0.0]]))
     want = _whiten_by_hand([0.25, 0.5, 1.0, 1.0, 2.0])
     assert_close(advantages[mask.bool()], torch.tensor(want), atol=1e-6, rtol=0)
     assert (advantages[~mask.bool()] == 0).all()
-    assert not ca.uses_groups("reinforce_plus_plus") and not ca.uses_critic("reinforce_plus_plus")
+    assert not estimators.uses_groups("reinforce_plus_plus") and not estimators.uses_critic("reinforce_plus_plus")
 
 
 def test_reinforce_plus_plus_baseline_subtracts_the_group_mean_then_whitens():
     rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [3.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
     index = np.array(["a", "a", "b"], dtype=object)
-    advantages, returns = ca.get_adv_estimator_fn("reinforce_plus_plus_baseline")(rewards, mask, index=index)
+    advantages, returns = estimators.get_adv_estimator_fn("reinforce_plus_plus_baseline")(rewards, mask, index=index)
     # centred scores: a: 1 - 0.5 = 0.5, 0 - 0.5 = -0.5; b alone: baseline 0 -> 3; one per token, then whitened
     tokens = [0.5, 0.5, -0.5, -0.5, -0.5, 3.0]
     assert_close(advantages[mask.bool()], torch.tensor(_whiten_by_hand(tokens)), atol=1e-6, rtol=0)
     assert (advantages[~mask.bool()] == 0).all() and torch.equal(advantages, returns)
-    assert ca.uses_groups("reinforce_plus_plus_baseline")
+    assert estimators.uses_groups("reinforce_plus_plus_baseline")
 
 
 def test_opo_baseline_is_the_length_weighted_group_mean():
     rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0]])
     index = [0, 0, 1]
-    advantages, _ = ca.get_adv_estimator_fn("opo")(rewards, mask, index=index)
+    advantages, _ = estimators.get_adv_estimator_fn("opo")(rewards, mask, index=index)
     # group 0: lengths 3 and 1, scores 1 and 0 -> baseline (3 * 1 + 1 * 0) / 4 = 0.75; group 1 alone: baseline 0
     assert_close(advantages, torch.tensor([[0.25, 0.25, 0.25], [-0.75, 0.0, 0.0], [2.0, 0.0, 0.0]]))
     plain_mean = 0.5  # an unweighted baseline would give 0.5 / -0.5: the test tells them apart
@@ -859,10 +871,10 @@ def test_opo_baseline_is_the_length_weighted_group_mean():
 
 
 def test_the_policy_loss_registry_names_the_key_and_holds_the_three_losses():
-    assert {"vanilla", "gspo", "cispo"} <= set(ca.policy_loss_modes())
-    assert ca.get_policy_loss_fn("vanilla") is ca.compute_policy_loss
+    assert {"vanilla", "gspo", "cispo"} <= set(losses.policy_loss_modes())
+    assert losses.get_policy_loss_fn("vanilla") is losses.compute_policy_loss
     with pytest.raises(ValueError, match=r"actor\.policy_loss\.loss_mode.*registered"):
-        ca.get_policy_loss_fn("nope")
+        losses.get_policy_loss_fn("nope")
 
 
 def test_gspo_uses_the_geometric_mean_ratio_of_each_sequence():
@@ -870,7 +882,7 @@ def test_gspo_uses_the_geometric_mean_ratio_of_each_sequence():
     log_prob = torch.tensor([[0.1, 0.3, 5.0], [0.0, 0.0, 0.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # the 5.0 is padding: it must not enter the ratio
     adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
-    loss, clipfrac, ppo_kl, lower = ca.compute_policy_loss_gspo(
+    loss, clipfrac, ppo_kl, lower = losses.compute_policy_loss_gspo(
         old, log_prob, adv, mask, clip_ratio_low=1.0, clip_ratio_high=1.0, loss_agg_mode="seq-mean-token-mean"
     )
     s0, s1 = math.exp(0.2), 1.0  # exp(mean log-ratio) per sequence
@@ -884,7 +896,7 @@ def test_gspo_uses_the_geometric_mean_ratio_of_each_sequence():
     # a tight clip: sequence 0's ratio (1.22) is above 1 + 1e-3 with A > 0, so it is clipped and gets no gradient;
     # sequence 1's (1.0) is inside
     log_prob.grad = None
-    clipped, clipfrac, _, _ = ca.compute_policy_loss_gspo(old, log_prob, adv, mask, 1e-3, 1e-3)
+    clipped, clipfrac, _, _ = losses.compute_policy_loss_gspo(old, log_prob, adv, mask, 1e-3, 1e-3)
     clipped.backward()
     assert (log_prob.grad[0] == 0).all() and (log_prob.grad[1, 0] != 0)
     assert math.isclose(float(clipfrac), 2 / 3, rel_tol=1e-6)
@@ -895,13 +907,13 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens_weighted_by_the_clipped_rati
     log_prob = torch.tensor([[0.5, -0.1]], requires_grad=True)  # ratios 1.65 (clipped to 1.28) and 0.905
     adv = torch.tensor([[1.0, 1.0]])
     mask = torch.tensor([[1, 1]])
-    loss, clipfrac, _, lower = ca.compute_policy_loss_cispo(old, log_prob, adv, mask, 0.2, 0.28)
+    loss, clipfrac, _, lower = losses.compute_policy_loss_cispo(old, log_prob, adv, mask, 0.2, 0.28)
     w = torch.tensor([[1.28, math.exp(-0.1)]])
     assert math.isclose(float(loss), float(-(w * log_prob.detach()).mean()), rel_tol=1e-6)
     loss.backward()
     assert_close(log_prob.grad, -w / 2)  # both tokens keep a gradient; PPO's clip would zero the first
     assert float(clipfrac) == 0.5 and float(lower) == 0.0
-    vanilla_grad = torch.autograd.grad(ca.compute_policy_loss(old, log_prob, adv, mask, 0.2, 0.28)[0], log_prob)[0]
+    vanilla_grad = torch.autograd.grad(losses.compute_policy_loss(old, log_prob, adv, mask, 0.2, 0.28)[0], log_prob)[0]
     assert vanilla_grad[0, 0] == 0 and log_prob.grad[0, 0] != 0
 
 
@@ -909,31 +921,31 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens_weighted_by_the_clipped_rati
 def test_straight_through_kl_has_the_value_of_its_estimator_and_the_gradient_of_k2(kind):
     log_prob = torch.tensor([0.3, -0.4, 0.1], requires_grad=True)
     ref = torch.tensor([0.0, 0.2, 0.1])
-    value = ca.kl_penalty(log_prob, ref, kind + "+")
-    assert_close(value, ca.kl_penalty(log_prob, ref, kind))
+    value = kl.kl_penalty(log_prob, ref, kind + "+")
+    assert_close(value, kl.kl_penalty(log_prob, ref, kind))
     value.sum().backward()
     assert_close(log_prob.grad, (log_prob - ref).detach())  # d/dx of 0.5 (x - ref)^2
-    assert kind + "+" in ca.KL_PENALTY_TYPES
+    assert kind + "+" in kl.KL_PENALTY_TYPES
 
 
 def test_token_sum_sums_every_masked_token():
     loss = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert float(ca.agg_loss(loss, mask, "token-sum")) == 6.0
-    assert float(ca.agg_loss(loss, torch.zeros_like(mask), "token-sum")) == 0.0
+    assert float(torch_ops.agg_loss(loss, mask, "token-sum")) == 6.0
+    assert float(torch_ops.agg_loss(loss, torch.zeros_like(mask), "token-sum")) == 0.0
 
 
 def test_overlong_reward_falls_linearly_over_the_buffer():
     lengths = torch.tensor([3, 6, 7, 9, 10])
     # L_max 10, L_cache 4: free up to 6 tokens, then (6 - |y|) / 4, -1 at 10; times the penalty 0.5
-    assert_close(ca.overlong_reward(lengths, 10, 4, 0.5), torch.tensor([0.0, 0.0, -0.125, -0.375, -0.5]))
+    assert_close(advantage.overlong_reward(lengths, 10, 4, 0.5), torch.tensor([0.0, 0.0, -0.125, -0.375, -0.5]))
     with pytest.raises(ValueError, match=r"reward\.overlong_buffer.*len \(10\) < rollout\.response_length \(10\)"):
-        ca.overlong_reward(lengths, 10, 10, 1.0)
+        advantage.overlong_reward(lengths, 10, 10, 1.0)
 
 
 def test_overlong_shaping_puts_the_penalty_on_the_last_response_token():
-    from hybridflow.algorithms.advantage import overlong_shaped
-    from hybridflow.core.config import OverlongBufferConfig
+    from hybridflow.engine.advantage import overlong_shaped
+    from hybridflow.engine.config import OverlongBufferConfig
 
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
@@ -947,21 +959,21 @@ def test_remax_advantage_is_the_reward_to_go_minus_the_greedy_score():
     rewards = torch.tensor([[0.0, 0.5, 1.0, 9.0], [0.0, 2.0, 0.0, 0.0]])  # 9.0 is padding
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     baselines = torch.tensor([0.25, 3.0])
-    advantages, returns = ca.get_adv_estimator_fn("remax")(rewards, mask, reward_baselines=baselines)
+    advantages, returns = estimators.get_adv_estimator_fn("remax")(rewards, mask, reward_baselines=baselines)
     assert_close(returns, torch.tensor([[1.5, 1.5, 1.0, 0.0], [2.0, 2.0, 0.0, 0.0]]))
     assert_close(advantages, torch.tensor([[1.25, 1.25, 0.75, 0.0], [-1.0, -1.0, 0.0, 0.0]]))
-    assert ca.uses_greedy_baseline("remax") and not ca.uses_greedy_baseline("grpo")
-    assert not ca.uses_groups("remax") and not ca.uses_critic("remax")
+    assert estimators.uses_greedy_baseline("remax") and not estimators.uses_greedy_baseline("grpo")
+    assert not estimators.uses_groups("remax") and not estimators.uses_critic("remax")
     with pytest.raises(ValueError, match=r"needs \['reward_baselines'\]"):
-        ca.get_adv_estimator_fn("remax")(rewards, mask)
+        estimators.get_adv_estimator_fn("remax")(rewards, mask)
     with pytest.raises(ValueError, match=r"one per row: \(2,\)"):
-        ca.get_adv_estimator_fn("remax")(rewards, mask, reward_baselines=torch.zeros(3))
+        estimators.get_adv_estimator_fn("remax")(rewards, mask, reward_baselines=torch.zeros(3))
 
 
 def test_greedy_baselines_follow_each_rows_prompt_and_the_training_reward():
-    from hybridflow.algorithms.advantage import greedy_baselines
-    from hybridflow.core.config import OverlongBufferConfig
-    from hybridflow.core.protocol import DataProto
+    from hybridflow.engine.advantage import greedy_baselines
+    from hybridflow.engine.config import OverlongBufferConfig
+    from hybridflow.engine.protocol import DataProto
 
     greedy = DataProto.from_dict(
         {
@@ -986,13 +998,13 @@ def test_greedy_baselines_follow_each_rows_prompt_and_the_training_reward():
 def test_varied_groups_keep_the_groups_whose_values_differ_and_singletons():
     values = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.25])
     uids = np.array(["a", "a", "b", "b", "c", "c", "d"], dtype=object)
-    assert ca.varied_groups(values, uids).tolist() == [False, False, True, True, False, False, True]
+    assert dynamic_sampling.varied_groups(values, uids).tolist() == [False, False, True, True, False, False, True]
 
 
 def test_dynamic_sampling_keeps_varied_groups_and_counts_draws_to_the_limit():
-    from hybridflow.algorithms.dynamic_sampling import DrawCount, DynamicSamplingError, kept_rows
-    from hybridflow.core.config import load_config
-    from hybridflow.core.protocol import DataProto
+    from hybridflow.engine.config import load_config
+    from hybridflow.engine.dynamic_sampling import DrawCount, DynamicSamplingError, kept_rows
+    from hybridflow.engine.protocol import DataProto
 
     data = DataProto.from_dict(
         {
@@ -1033,14 +1045,14 @@ def test_clip_cov_detaches_a_high_covariance_token_that_the_clip_leaves_active()
     old = torch.tensor([[1.0, 0.0, 0.0, -1.0]])
     log_prob = old.clone().requires_grad_(True)
     mask = torch.ones(1, 4)
-    loss, clipfrac, ppo_kl, lower = ca.get_policy_loss_fn("clip_cov")(
+    loss, clipfrac, ppo_kl, lower = losses.get_policy_loss_fn("clip_cov")(
         old, log_prob, advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_cov_ub=2.5
     )
     loss.backward()
     assert_close(log_prob.grad, torch.tensor([[0.0, 0.0, 0.0, 0.75]]))  # vanilla: [-0.5, 0, 0, 0.75]
     assert float(loss) == pytest.approx(3.0 / 4) and float(clipfrac) == 0.25 and float(lower) == float(ppo_kl) == 0
     with pytest.raises(ValueError, match=r"clip_cov_ratio` must be in \(0, 1\]"):
-        ca.compute_policy_loss_clip_cov(old, log_prob, advantages, mask, clip_cov_ratio=0.0)
+        losses.compute_policy_loss_clip_cov(old, log_prob, advantages, mask, clip_cov_ratio=0.0)
 
 
 def test_kl_cov_penalises_the_log_ratio_of_the_highest_covariance_token():
@@ -1048,7 +1060,7 @@ def test_kl_cov_penalises_the_log_ratio_of_the_highest_covariance_token():
     old = torch.tensor([[1.0, 0.0, 0.0, -1.2]])
     log_prob = torch.tensor([[1.0, 0.0, 0.0, -1.0]], requires_grad=True)  # covariances 2.25, 0, 0, 2.75
     mask = torch.ones(1, 4)
-    loss, clipfrac, ppo_kl, _ = ca.compute_policy_loss_kl_cov(old, log_prob, advantages, mask, ppo_kl_coef=0.5)
+    loss, clipfrac, ppo_kl, _ = losses.compute_policy_loss_kl_cov(old, log_prob, advantages, mask, ppo_kl_coef=0.5)
     loss.backward()
     ratio = math.exp(0.2)
     assert float(loss) == pytest.approx((-2.0 + 3.0 * ratio + 0.5 * 0.2) / 4, rel=1e-6)
@@ -1057,57 +1069,57 @@ def test_kl_cov_penalises_the_log_ratio_of_the_highest_covariance_token():
 
 
 def test_the_actor_passes_a_loss_its_own_policy_loss_keys():
-    from hybridflow.backends.actor import policy_loss
-    from hybridflow.core.config import ActorConfig
+    from hybridflow.engine.backends.actor import policy_loss
+    from hybridflow.engine.config import ActorConfig
 
     advantages, mask = torch.tensor([[2.0, 0.0, 0.0, -3.0]]), torch.ones(1, 4)
     old, log_prob = torch.tensor([[1.0, 0.0, 0.0, -1.2]]), torch.tensor([[1.0, 0.0, 0.0, -1.0]])
     config = ActorConfig(policy_loss={"loss_mode": "kl_cov", "ppo_kl_coef": 0.5})
     got = policy_loss(config, old, log_prob, advantages, mask)[0]
-    want = ca.compute_policy_loss_kl_cov(old, log_prob, advantages, mask, ppo_kl_coef=0.5)[0]
-    assert float(got) == float(want) != float(ca.compute_policy_loss_kl_cov(old, log_prob, advantages, mask)[0])
+    want = losses.compute_policy_loss_kl_cov(old, log_prob, advantages, mask, ppo_kl_coef=0.5)[0]
+    assert float(got) == float(want) != float(losses.compute_policy_loss_kl_cov(old, log_prob, advantages, mask)[0])
 
 
 def test_the_lagrange_multiplier_rises_over_the_cost_limit_and_falls_under_it():
     """Safe-RLHF: log lambda += lambda_lr x (mean cost of the window - d) x lambda; lambda stays in (0, lambda_max],
     and the state (log lambda, the window) round-trips."""
-    lagrangian = ca.LagrangeMultiplier(cost_limit=0.5, lambda_init=1.0, lambda_lr=0.1, window=4)
+    lagrangian = LagrangeMultiplier(cost_limit=0.5, lambda_init=1.0, lambda_lr=0.1, window=4)
     assert lagrangian.update([2.0, 3.0]) == pytest.approx(math.exp(0.2))  # mean 2.5, over the limit by 2: up
     up = math.exp(0.2)
     assert lagrangian.update([0.0, -3.0]) == pytest.approx(up * math.exp(0.1 * (0.5 - 0.5) * up))  # window mean 0.5
     assert list(lagrangian.costs) == [2.0, 3.0, 0.0, -3.0]
     down = lagrangian.update([-7.0, -7.0])  # the window drops the two oldest: mean (0 - 3 - 7 - 7) / 4
     assert down == pytest.approx(up * math.exp(0.1 * (-4.25 - 0.5) * up)) and 0 < down < 1
-    copy = ca.LagrangeMultiplier(0.5, 1.0, 0.1, window=4)
+    copy = LagrangeMultiplier(0.5, 1.0, 0.1, window=4)
     copy.load_state_dict(lagrangian.state_dict())
     assert copy.value == down and copy.update([1.0]) == lagrangian.update([1.0])
-    capped = ca.LagrangeMultiplier(0.0, 1.0, 1.0, lambda_max=2.0)
+    capped = LagrangeMultiplier(0.0, 1.0, 1.0, lambda_max=2.0)
     assert capped.update([5.0]) == pytest.approx(2.0)
-    floor = ca.LagrangeMultiplier(0.0, 1.0, 1e6)
-    assert floor.update([-1e6]) == math.exp(ca.LagrangeMultiplier.LOG_LAMBDA_MIN) > 0  # clamped: no underflow to 0
+    floor = LagrangeMultiplier(0.0, 1.0, 1e6)
+    assert floor.update([-1e6]) == math.exp(LagrangeMultiplier.LOG_LAMBDA_MIN) > 0  # clamped: no underflow to 0
     assert floor.update([-1e6]) > 0  # so the next step still has a log
     with pytest.raises(ValueError, match=r"algorithm.lambda_init. must be > 0"):
-        ca.LagrangeMultiplier(0.0, 0.0, 0.1)
+        LagrangeMultiplier(0.0, 0.0, 0.1)
     with pytest.raises(ValueError, match=r"algorithm.episode_cost_window. must be >= 1"):
-        ca.LagrangeMultiplier(0.0, 1.0, 0.1, window=0)
+        LagrangeMultiplier(0.0, 1.0, 0.1, window=0)
 
 
 def test_lagrangian_advantages_weigh_the_cost_by_lambda_over_one_plus_lambda():
     reward_adv = torch.tensor([[1.0, -2.0], [0.5, 0.0]])
     cost_adv = torch.tensor([[0.5, 1.0], [-1.0, 0.0]])
-    assert_close(ca.lagrangian_advantages(reward_adv, cost_adv, 0.0), reward_adv)
-    assert_close(ca.lagrangian_advantages(reward_adv, cost_adv, 3.0), torch.tensor([[-0.125, -1.25], [0.875, 0.0]]))
+    assert_close(lagrangian_advantages(reward_adv, cost_adv, 0.0), reward_adv)
+    assert_close(lagrangian_advantages(reward_adv, cost_adv, 3.0), torch.tensor([[-0.125, -1.25], [0.875, 0.0]]))
     with pytest.raises(ValueError, match=r"multiplier must be >= 0"):
-        ca.lagrangian_advantages(reward_adv, cost_adv, -1.0)
+        lagrangian_advantages(reward_adv, cost_adv, -1.0)
 
 
 def test_compute_advantage_steps_lambda_then_combines_the_reward_and_cost_gae():
     """The advantage stage with costs: lambda is stepped with the batch's episode costs first; the advantages are the
     whitened `lagrangian_advantages` of the two unwhitened GAEs under the new lambda; ``cost_returns`` is the cost
     critic's target; the in-reward KL penalty is charged to the cost as well."""
-    from hybridflow.algorithms.advantage import build_lagrangian, compute_advantage
-    from hybridflow.core.config import AlgorithmConfig
-    from hybridflow.core.protocol import DataProto
+    from hybridflow.engine.advantage import build_lagrangian, compute_advantage
+    from hybridflow.engine.config import AlgorithmConfig
+    from hybridflow.engine.protocol import DataProto
 
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0]])
@@ -1124,10 +1136,10 @@ def test_compute_advantage_steps_lambda_then_combines_the_reward_and_cost_gae():
     multiplier = 0.5 * math.exp(0.2 * (3.0 - 1.0) * 0.5)
     assert lagrangian.value == pytest.approx(multiplier)
     assert metrics["critic/cost/mean"] == 3.0 and metrics["actor/lagrange_multiplier"] == pytest.approx(multiplier)
-    gae = ca.compute_gae_advantage_return
+    gae = estimators.compute_gae_advantage_return
     reward_adv, returns = gae(scores, values, mask, 1.0, 1.0, whiten=False)
     cost_adv, cost_returns = gae(costs, cost_values, mask, 1.0, 1.0, whiten=False)
-    want = ca.masked_whiten(ca.lagrangian_advantages(reward_adv, cost_adv, multiplier), mask) * mask
+    want = torch_ops.masked_whiten(lagrangian_advantages(reward_adv, cost_adv, multiplier), mask) * mask
     assert_close(out.batch["advantages"], want)
     assert_close(out.batch["returns"], returns)
     assert_close(cost_returns, torch.tensor([[2.0, 2.0, 2.0], [4.0, 4.0, 0.0]]))  # the cost to go
@@ -1138,7 +1150,7 @@ def test_compute_advantage_steps_lambda_then_combines_the_reward_and_cost_gae():
     kl = AlgorithmConfig(
         adv_estimator="gae", cost_limit=1.0, use_kl_in_reward=True, kl_ctrl={"type": "fixed", "kl_coef": 0.2}
     )
-    from hybridflow.algorithms.advantage import build_kl_controller
+    from hybridflow.engine.advantage import build_kl_controller
 
     out, _ = compute_advantage(
         DataProto.from_dict({**columns, **log_probs}), kl, build_kl_controller(kl), lagrangian=build_lagrangian(kl)

@@ -11,13 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridflow.core.data import (
-    PromptDataset,
-    PromptSampler,
-    collate_prompts,
-    load_rows,
-    reasoning_gym_rows,
-)
+from hybridflow.engine.data import PromptDataset, PromptSampler, collate_prompts, load_rows, reasoning_gym_rows
 
 ADD_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]}
 
@@ -173,7 +167,7 @@ def test_prompt_dataset_tokenizes_with_template_once(tiny_tokenizer):
 
 def test_prompt_dataset_filters_long_prompts(tiny_tokenizer, caplog):
     rows = [_row(i) for i in range(4)] + [_row(9, "word " * 200), _row(8, "long " * 300)]
-    with caplog.at_level(logging.WARNING, logger="hybridflow.core.data"):
+    with caplog.at_level(logging.WARNING, logger="hybridflow.engine.data"):
         ds = PromptDataset(rows, tiny_tokenizer, max_prompt_length=64)
     assert ds.num_filtered == 2 and len(ds) == 4
     assert [r["reward_model"]["ground_truth"] for r in ds.rows] == ["0", "2", "4", "6"]

@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 from tiny_runs import tiny_run_config
 
-from hybridflow.core.protocol import DataProto
-from hybridflow.orchestration.rlhf import WORKER_CLS
-from hybridflow.runtime.channel import create_secret
-from hybridflow.runtime.handles import DataHandle
-from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup
+from hybridflow.engine.protocol import DataProto
+from hybridflow.flows.lifecycle import WORKER_CLS
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
 PROMPT, RESPONSE, ROWS = 4, 6, 8
 
@@ -21,7 +21,7 @@ def _batch(vocab: int, pairs: bool = False) -> DataProto:
     """8 sequences whose responses have different lengths: rank 0's half has many more response tokens than rank 1's,
     so a per-rank (instead of global) token normalisation would change the gradient. With `pairs`, rows come in
     pairs with one prompt (two samples each), so the actor's passes share prompts
-    (`hybridflow.core.packing.pack_rows`)."""
+    (`hybridflow.engine.packing.pack_rows`)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.tensor([6, 6, 5, 6, 1, 2, 1, 3])
     response_mask = (torch.arange(RESPONSE)[None, :] < lengths[:, None]).long()
@@ -133,7 +133,7 @@ def test_fsdp_generates_as_ddp_and_resumes_from_its_checkpoint(groups, tiny_mode
     """The rollout of an FSDP-sharded actor (all layers gathered once for generate) generates what the unsharded
     actor generates; a checkpoint written from the shards loads back into them, optimizer state included, so the
     next update after loading equals the next update after saving."""
-    from hybridflow.core.checkpoint import begin_checkpoint, finish_checkpoint
+    from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 
     made, tmp = groups
     data = DataHandle.put(_batch(vocab=256), tmp / "data")

@@ -1,4 +1,5 @@
-"""`runtime/dev_cluster.sh start` on a machine where the cluster is stopped returns promptly to a caller that reads its
+"""`hybridflow/slurm/dev_cluster.sh start` on a machine where the cluster is stopped returns promptly to a caller that
+reads its
 output through pipes: no daemon it starts keeps the script's stdout/stderr open (issue: a MariaDB started in a
 background subshell held them, and the first `pytest` on a fresh machine waited 15 minutes)."""
 

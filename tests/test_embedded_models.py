@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from hybridflow.core.embedded_models import model_cache_dir, prepare_model, resolve_model_path
-from hybridflow.core.models import load_model, load_tokenizer
+from hybridflow.engine.embedded_models import model_cache_dir, prepare_model, resolve_model_path
+from hybridflow.engine.models import load_model, load_tokenizer
 
 
 def test_smollm2_prepared_folder_is_reused_and_loads():

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from tiny_runs import write_cost, write_reward
 
-from hybridflow.core.checkpoint import read_trainer_state, verify_checkpoint
-from hybridflow.core.config import load_config
-from hybridflow.store.run_store import RunStore
+from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
+from hybridflow.engine.config import load_config
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
@@ -85,7 +85,7 @@ DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=s
 def test_run_records_metrics_placement_and_checkpoints(
     prefect_api, tmp_path, tiny_model_dir, example, colocate, algorithm
 ):
-    from hybridflow.orchestration.rlhf import rlhf_flow
+    from hybridflow.flows.rlhf import rlhf_flow
 
     extra = ["trainer.total_iterations=2", "trainer.save_freq=1", f"placement.colocate={str(colocate).lower()}"]
     if algorithm == "safe_rlhf":  # every response costs more than 0: lambda rises each iteration
@@ -157,7 +157,7 @@ def test_an_on_policy_run_skips_the_old_log_prob_stage_and_its_metrics_equal_the
     old_log_prob task and records no timing for it, and every metric of both iterations equals the run that
     computes the old log-probs in their stage (actor.recompute_log_prob=true) within float32 rounding (the same
     forward on other row groupings, see test_training)."""
-    from hybridflow.orchestration.rlhf import rlhf_flow
+    from hybridflow.flows.rlhf import rlhf_flow
 
     extra = ["trainer.total_iterations=2", "trainer.val_before_train=false", "actor.ppo_mini_batch_size=4"]
     runs = {}
@@ -190,7 +190,7 @@ RESUMED += ["rollout.response_length=48"]
 @pytest.fixture(scope="module")
 def reference(prefect_api, tmp_path_factory, tiny_model_dir) -> dict[int, dict[str, float]]:
     """Metrics by step of the uninterrupted 4-iteration run that the resumed runs must reproduce."""
-    from hybridflow.orchestration.rlhf import rlhf_flow
+    from hybridflow.flows.rlhf import rlhf_flow
 
     tmp = tmp_path_factory.mktemp("reference")
     cfg = _cfg(tmp, tiny_model_dir, extra=RESUMED)
@@ -496,7 +496,7 @@ def test_megatron_run_records_its_layout_and_resumes_exactly(prefect_api, tmp_pa
     groups, and a second run started from the first one's iteration-1 checkpoint (``trainer.resume_from``, its own
     checkpoints in ``trainer.checkpoint_dir``) reproduces its iteration 2. (One run covers what a GRPO run with the
     megatron actor would: the estimator does not touch the training engine.)"""
-    from hybridflow.orchestration.rlhf import rlhf_flow
+    from hybridflow.flows.rlhf import rlhf_flow
 
     example = "ppo_tiny.yaml"
     extra = ["trainer.total_iterations=2", "trainer.save_freq=1", "trainer.val_before_train=false", *MEGATRON]
@@ -548,7 +548,7 @@ def four_models(prefect_api, tmp_path_factory, tiny_model_dir) -> tuple[list[str
     from tiny_runs import write_reward_model
     from transformers import AutoTokenizer
 
-    from hybridflow.orchestration.rlhf import rlhf_flow
+    from hybridflow.flows.rlhf import rlhf_flow
 
     tmp = tmp_path_factory.mktemp("four")
     rm = write_reward_model(tmp / "rm", AutoTokenizer.from_pretrained(tiny_model_dir), seed=1)
@@ -604,7 +604,7 @@ def test_four_pools_run_their_stages_at_once_and_equal_the_colocated_run(
     """Actor + rollout, ref, critic and reward model on four pools (worker groups): the stages after generation
     and the two updates run at the same time (their spans in the store's timeline overlap), each on its own pool,
     and every metric equals the colocated run's, where the same stages ran one after another."""
-    from hybridflow.orchestration.rlhf import rlhf_flow
+    from hybridflow.flows.rlhf import rlhf_flow
 
     extra, reference_store, reference_id = four_models
     cfg = _cfg(tmp_path, tiny_model_dir, "ppo_tiny.yaml", [*extra, *POOLED])

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hybridflow.core.protocol import DataProto
-from hybridflow.runtime.handles import DataHandle
+from hybridflow.engine.protocol import DataProto
+from hybridflow.slurm.handles import DataHandle
 
 
 def test_shares_cover_every_row_once_even_with_more_ranks_than_rows(tmp_path):
@@ -29,7 +29,7 @@ def test_union_select_and_delete(tmp_path):
 
 def test_take_and_concat_pick_rows_across_parts_without_copying(tmp_path):
     """Two draws' kept rows (DAPO's dynamic sampling) as one batch: rows from several files, each read in place."""
-    from hybridflow.runtime.handles import write_part
+    from hybridflow.slurm.handles import write_part
 
     def drawn(offset: int) -> DataHandle:  # a two-rank result (rows 0-2 and 3-5) with a second column group
         parts = [

@@ -13,10 +13,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hybridflow.backends.hybrid_engine import HybridEngine, megatron_shard_specs, model_bytes, shard_parameters, table2
-from hybridflow.backends.megatron_bridge import generation_hf_weights, generation_order, hf_to_mcore
-from hybridflow.backends.parallel_layout import HybridLayout
-from hybridflow.runtime.dispatch import Dispatch, register
+from hybridflow.engine.backends.hybrid_engine import (
+    HybridEngine,
+    megatron_shard_specs,
+    model_bytes,
+    shard_parameters,
+    table2,
+)
+from hybridflow.engine.backends.megatron_bridge import generation_hf_weights, generation_order, hf_to_mcore
+from hybridflow.engine.parallel_layout import HybridLayout
+from hybridflow.engine.transfer import Dispatch, register
 
 WORLD = 4
 CASES = [  # (p, t, p_g, t_g)
@@ -170,7 +176,7 @@ def test_resharding_on_four_processes(tmp_path):
 def _generation_worker(rank: int, store_path: str) -> None:
     """Greedy generation from the generation shards (TP over the generation TP group) equals the single-process
     model's, for training layouts t=4 and p=2,t=2 resharded to t_g=1 and t_g=2."""
-    from hybridflow.backends.tp_generation import build_tp_generation_model
+    from hybridflow.engine.backends.tp_generation import build_tp_generation_model
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
@@ -212,7 +218,7 @@ def test_greedy_generation_from_resharded_weights_equals_one_process(tmp_path):
 
 
 def test_mesh_coords_give_each_backend_its_replicas():
-    """The transfer protocol's meshes (`hybridflow.runtime.dispatch`): which rows a rank computes, who returns them."""
+    """The transfer protocol's meshes (`hybridflow.engine.transfer`): which rows a rank computes, who returns them."""
     # the paper's example, 8 ranks, training 1-4-2, generation 1-2-2-2 (generation TP groups [0,2] [1,3] [4,6] [5,7])
     layout = HybridLayout(p=1, t=4, d=2, p_g=1, t_g=2)
     assert [layout.mesh_coords(r, "train") for r in range(8)] == [

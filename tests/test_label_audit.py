@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridflow.cli.main import app
-from hybridflow.core.audit import arithmetic_audit, audit_rows, exact_value, question_expression
-from hybridflow.core.config import load_config
-from hybridflow.core.data import build_prompt_rows, reasoning_gym_rows
-from hybridflow.store.run_store import RunStore
+from hybridflow.engine.audit import arithmetic_audit, audit_rows, exact_value, question_expression
+from hybridflow.engine.config import load_config
+from hybridflow.engine.data import build_prompt_rows, reasoning_gym_rows
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 RL_EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.yaml") if p.name != "rm_smollm2.yaml")

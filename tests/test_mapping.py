@@ -1,4 +1,4 @@
-"""The auto-mapping planner (`hybridflow.placement`, `hf plan`): placements, the cost model's memory and seconds,
+"""The auto-mapping planner (`hybridflow.flows.placement`, `hf plan`): placements, the cost model's memory and seconds,
 bad input refused with the numbers, and a written plan run through `hf run` on local worker groups."""
 
 import os
@@ -12,13 +12,13 @@ import pytest
 import yaml
 from tiny_runs import write_reward
 
-from hybridflow.core.config import load_config
-from hybridflow.placement.cost import Strategy, Workload, estimate
-from hybridflow.placement.hardware import BUILTIN, GB
-from hybridflow.placement.planner import PlanError, Planner, set_partitions
-from hybridflow.placement.render import ROLES_OF, apply_plan
-from hybridflow.placement.shapes import PRESETS, run_models
-from hybridflow.store.run_store import RunStore
+from hybridflow.engine.config import load_config
+from hybridflow.engine.shapes import PRESETS, run_models
+from hybridflow.flows.placement.cost import Strategy, Workload, estimate
+from hybridflow.flows.placement.hardware import BUILTIN, GB
+from hybridflow.flows.placement.planner import PlanError, Planner, set_partitions
+from hybridflow.flows.placement.render import ROLES_OF, apply_plan
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
@@ -176,8 +176,8 @@ def test_hf_plan_calibrate_fits_a_profile_to_runs_it_makes_and_plans_with_it(pre
     HYBRIDFLOW_HOME/hardware that predicts each of them, and plans with it; `--from-run` refits to recorded runs."""
     import json
 
-    from hybridflow.placement.calibrate import Measured, predict
-    from hybridflow.placement.hardware import HardwareProfile, profiles_dir
+    from hybridflow.flows.placement.calibrate import Measured, predict
+    from hybridflow.flows.placement.hardware import HardwareProfile, profiles_dir
 
     config = tmp_path / "ppo.yaml"
     tree = yaml.safe_load((ROOT / "examples" / "ppo_tiny.yaml").read_text())
@@ -252,7 +252,7 @@ def test_calibration_recovers_the_efficiencies_and_overheads_that_made_the_timin
     """Stage and iteration seconds made by the cost model with a known profile, for a small and a large model at
     two batch sizes on one rank and on two ranks of a 2-core host, fit back to that profile; this machine's device
     measures positive peaks."""
-    from hybridflow.placement.calibrate import FITTED, Measured, fit_profile, measure_device, predict
+    from hybridflow.flows.placement.calibrate import FITTED, Measured, fit_profile, measure_device, predict
 
     truth = A100.model_copy(
         update={"train_efficiency": 0.3, "infer_efficiency": 0.45, "decode_efficiency": 0.2, "stage_overhead_s": 1.5,
@@ -274,7 +274,7 @@ def test_calibration_recovers_the_efficiencies_and_overheads_that_made_the_timin
 def test_a_stage_pays_the_contention_only_while_ranks_busy_every_host_core():
     """On a 2-core host (the controller shares the cores), a one-rank stage alone is not slowed, the same stage beside
     another pool's stage is, and so is a stage on both cores; on GPUs (host_cores 0) nothing is."""
-    from hybridflow.placement.dataflow import iteration_stages, simulate
+    from hybridflow.flows.placement.dataflow import iteration_stages, simulate
 
     stages = iteration_stages({"actor", "critic"})
     stage_s = {"gen": 4.0, "old_log_prob": 2.0, "values": 1.0, "update_critic": 3.0, "update_actor": 5.0}
@@ -297,8 +297,8 @@ def test_needed_flops_count_real_tokens_causal_attention_and_the_head_at_respons
     """Hand-computed for a 2-layer model: 2 per block weight per real token (a prompt once for its samples), 2·L²·h
     per layer per sequence (a shared prompt's P² once), the LM head (2·V·h) or the value head (2·h) per response
     token only; ``perf/mfu/actor`` divides this (x3, each row with its own prompt) by time and the peak."""
-    from hybridflow.placement.cost import needed_flops
-    from hybridflow.placement.shapes import ModelShape
+    from hybridflow.engine.shapes import ModelShape
+    from hybridflow.flows.placement.cost import needed_flops
 
     shape = ModelShape("t", layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, vocab=100)
     block = 2 * 8 * 2 * 4 + 2 * 8 * 1 * 4 + 3 * 8 * 16 + 2 * 8  # q, o; k, v (one kv head); gated MLP; norms
@@ -334,7 +334,7 @@ def test_the_plan_counts_remaxs_greedy_generation_and_a_dapo_draw():
 def test_ddp_and_fsdp_passes_are_charged_packed_tokens_and_megatron_padded_ones():
     """The actor's, critic's and ref's ddp/fsdp passes compute packed rows (mean lengths, a prompt once for the
     samples of a micro-batch: `needed_flops`), megatron and the reward model the padded batch (`forward_flops`)."""
-    from hybridflow.placement.cost import forward_flops, needed_flops
+    from hybridflow.flows.placement.cost import forward_flops, needed_flops
 
     shape = PRESETS["llama-7b"]
     bare = A100.model_copy(update={"collective_latency_s": 0.0, "stage_overhead_s": 0.0})

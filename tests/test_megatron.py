@@ -1,4 +1,5 @@
-"""The megatron-core backend on CPU (gloo, through `hybridflow.backends.megatron_cpu`): the Hugging Face <-> megatron
+"""The megatron-core backend on CPU (gloo, through `hybridflow.engine.backends.megatron_cpu`): the Hugging Face <->
+megatron
 bridge round-trips exactly (GQA, SwiGLU, tied embeddings, Qwen2 q/k/v biases; also through TP shards), and on 2 real
 processes the language-model loss of megatron's GPTModel equals the Hugging Face model's with TP=1, TP=2 and PP=2."""
 
@@ -10,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from hybridflow.backends.megatron_bridge import hf_to_mcore, mcore_to_hf, shard, unshard
-from hybridflow.core.tiny import build_tiny_model
+from hybridflow.engine.backends.megatron_bridge import hf_to_mcore, mcore_to_hf, shard, unshard
+from hybridflow.engine.tiny import build_tiny_model
 
 if os.environ.get("CI") != "true":  # CI installs megatron-core: there the tests must run, never skip
     pytest.importorskip("megatron.core", reason="megatron-core not installed (see .ci/setup)")
@@ -58,7 +59,7 @@ def _join(rank: int, store: str) -> None:
     """This spawned process joins the 2-process gloo world, patched for megatron on CPU."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    from hybridflow.backends.megatron_cpu import install
+    from hybridflow.engine.backends.megatron_cpu import install
 
     install()
 
@@ -69,7 +70,7 @@ def _layouts(hf_model):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from hybridflow.backends.megatron_model import build_gpt_model, load_hf_weights
+    from hybridflow.engine.backends.megatron_model import build_gpt_model, load_hf_weights
 
     state = {n: p.detach() for n, p in hf_model.named_parameters()}
     for tp, pp in LAYOUTS:
@@ -146,8 +147,8 @@ def test_tp2_and_pp2_losses_equal_tp1_and_hugging_face(tmp_path):
 
 def _policy_batch(model, generator):
     """A PPO mini-batch in the rollout layout: left-padded prompts (4 tokens), right-padded responses (5 tokens)."""
-    from hybridflow.core.protocol import DataProto
-    from hybridflow.rollout.hf import assemble_rollout
+    from hybridflow.engine.protocol import DataProto
+    from hybridflow.engine.rollout.hf import assemble_rollout
 
     rows, vocab = 4, model.config.vocab_size
     prompts = torch.randint(4, vocab, (rows, 4), generator=generator)
@@ -166,8 +167,8 @@ def _grad_worker(rank: int, store: str, model_dir: str, results) -> None:
     _join(rank, store)
     from megatron.core import parallel_state
 
-    from hybridflow.backends.megatron_actor import policy_gradient
-    from hybridflow.core.config import ActorConfig
+    from hybridflow.engine.backends.megatron_actor import policy_gradient
+    from hybridflow.engine.config import ActorConfig
 
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
@@ -186,9 +187,9 @@ def _grad_worker(rank: int, store: str, model_dir: str, results) -> None:
 def test_policy_gradient_with_tp2_and_pp2_equals_hugging_face(tmp_path):
     """The PPO loss's gradient on megatron (TP=1, TP=2, PP=2; 2 micro-batches through megatron's schedule), mapped
     back to Hugging Face names, equals the gradient of the same loss computed on the Hugging Face model."""
-    from hybridflow.algorithms.core_algos import compute_policy_loss
-    from hybridflow.backends.megatron_bridge import stage_names
-    from hybridflow.core.models import response_log_probs
+    from hybridflow.engine.algorithms.losses import compute_policy_loss
+    from hybridflow.engine.backends.megatron_bridge import stage_names
+    from hybridflow.engine.models import response_log_probs
 
     model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=128, head_dim=16, num_layers=2)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -222,7 +223,7 @@ def _update_worker(rank: int, store: str, model_dir: str, results) -> None:
     _join(rank, store)
     from megatron.core import parallel_state
 
-    from hybridflow.backends.megatron_actor import MegatronActor
+    from hybridflow.engine.backends.megatron_actor import MegatronActor
 
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
@@ -245,7 +246,7 @@ def _update_worker(rank: int, store: str, model_dir: str, results) -> None:
 
 
 def _update_config():
-    from hybridflow.core.config import ActorConfig
+    from hybridflow.engine.config import ActorConfig
 
     return ActorConfig(
         ppo_mini_batch_size=2,  # x n=2: the 4 sequences are one global mini-batch
@@ -262,8 +263,8 @@ def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
     the weights move by up to 2e-2; Adam turns summation-order noise in near-zero gradients into element differences
     of 1e-4 on one CPU and 2.4e-4 on another, hence an element tolerance of 1e-3 beside a tight check of the whole
     update)."""
-    from hybridflow.backends.actor import Actor
-    from hybridflow.backends.megatron_bridge import stage_names
+    from hybridflow.engine.backends.actor import Actor
+    from hybridflow.engine.backends.megatron_bridge import stage_names
 
     model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=128, head_dim=16, num_layers=2)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file
 from tiny_runs import tiny_run_config
 
-from hybridflow.core.checkpoint import begin_checkpoint, finish_checkpoint
-from hybridflow.core.protocol import DataProto
-from hybridflow.orchestration.rlhf import WORKER_CLS
-from hybridflow.runtime.channel import create_secret
-from hybridflow.runtime.handles import DataHandle
-from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup
+from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
+from hybridflow.engine.protocol import DataProto
+from hybridflow.flows.lifecycle import WORKER_CLS
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
 if importlib.util.find_spec("megatron.core") is None and os.environ.get("CI") != "true":
     pytest.skip("megatron-core is not installed (bash .ci/setup installs it)", allow_module_level=True)

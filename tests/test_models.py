@@ -1,4 +1,4 @@
-"""Tests for hybridflow.core.models: response log-probs, entropy and critic values on the real tiny model.
+"""Tests for hybridflow.engine.models: response log-probs, entropy and critic values on the real tiny model.
 
 Every forward of the library (micro-batched, packed rows, ``logits_to_keep`` at response positions) is compared with a
 plain reference written here: one full forward over ``input_ids`` and an explicit loop over rows and response
@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from hybridflow.core.models import (
+from hybridflow.engine.models import (
     compute_log_probs,
     compute_values,
     load_critic,
@@ -22,9 +22,9 @@ from hybridflow.core.models import (
     pick_dtype,
     response_logits,
 )
-from hybridflow.core.packing import pack_rows
-from hybridflow.core.protocol import DataProto
-from hybridflow.core.tiny import build_tiny_model
+from hybridflow.engine.packing import pack_rows
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.tiny import build_tiny_model
 
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "Solve it step by step.", "2 + 2"]
 ANSWERS = ["The answer is 7.", "Hello there, how can I help you today? I am a", "7", "#### 42", ""]
@@ -129,7 +129,7 @@ def test_log_probs_match_full_forward_reference(model, batch):
 def test_log_probs_match_the_reference_with_every_attention_implementation(tiny_model_dir, batch, attention):
     """The packed rows' mask works with Hugging Face's eager attention (an additive mask), its sdpa (a boolean one,
     over the whole packed sequence) and `packed_sdpa` (per prompt group; what `load_model` sets up)."""
-    from hybridflow.core.packing import PACKED_ATTENTION
+    from hybridflow.engine.packing import PACKED_ATTENTION
 
     if attention == "hybridflow":
         model = load_model(tiny_model_dir)

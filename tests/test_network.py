@@ -6,9 +6,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hybridflow.runtime import network
-from hybridflow.runtime.channel import create_secret
-from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup
+from hybridflow.slurm import network
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
 TOY = f"{Path(__file__).parent / 'workers_for_tests.py'}:ToyWorker"
 
@@ -62,7 +62,7 @@ def test_a_flood_of_forged_messages_logs_two_lines_and_counts_all(caplog):
 
     import zmq
 
-    from hybridflow.runtime.channel import ControllerEndpoint, Signer
+    from hybridflow.slurm.channel import ControllerEndpoint, Signer
 
     endpoint = ControllerEndpoint(Signer(b"the run's secret"))
     rogue = zmq.Context.instance().socket(zmq.DEALER)
@@ -70,7 +70,7 @@ def test_a_flood_of_forged_messages_logs_two_lines_and_counts_all(caplog):
     rogue.connect(endpoint.address)
     forger = Signer(b"a guess")
     try:
-        with caplog.at_level(logging.WARNING, logger="hybridflow.runtime.channel"):
+        with caplog.at_level(logging.WARNING, logger="hybridflow.slurm.channel"):
             for i in range(3000):
                 rogue.send_multipart(forger.pack({"type": "result", "id": str(i), "from": "rogue"}))
             deadline = time.monotonic() + 30
@@ -81,7 +81,7 @@ def test_a_flood_of_forged_messages_logs_two_lines_and_counts_all(caplog):
             while endpoint.signer.dropped < 3001 and time.monotonic() < deadline:
                 endpoint.recv(0.05)
         assert endpoint.signer.dropped == 3001
-        lines = [r.getMessage() for r in caplog.records if r.name == "hybridflow.runtime.channel"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "hybridflow.slurm.channel"]
         assert len(lines) == 2, lines
         assert lines[0].startswith("dropped an unauthenticated") and "rogue" in lines[0]
         assert lines[1].startswith("dropped 3000 messages in the last")

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridflow.cli.main import app
-from hybridflow.store.run_store import RunStore
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "grpo_tiny.yaml"
@@ -130,7 +130,7 @@ def test_output_dir_that_cannot_be_written(tmp_path, tiny_model_dir):
 
 
 def test_an_mlflow_server_that_does_not_answer(tmp_path, tiny_model_dir):
-    from hybridflow.cli.server import free_port
+    from hybridflow.slurm.network import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     code, out = _run(tmp_path, tiny_model_dir, "trainer.logger=[console,mlflow]", f"trainer.mlflow_tracking_uri={uri}")

@@ -1,4 +1,4 @@
-"""Tests for `hybridflow.core.protocol.DataProto`: property tests over random batches plus example tests."""
+"""Tests for `hybridflow.engine.protocol.DataProto`: property tests over random batches plus example tests."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from tensordict import TensorDict
 
-import hybridflow.core.protocol as protocol
-from hybridflow.core.protocol import DataProto
+import hybridflow.engine.protocol as protocol
+from hybridflow.engine.protocol import DataProto
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
 # Same-width integer dtype, to compare floating tensors bit for bit (NaN payloads, -0.0, bfloat16 patterns).

@@ -11,8 +11,8 @@ import torch
 from tiny_runs import tiny_run_config, worker_group, write_reward_model
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from hybridflow.core.protocol import DataProto
-from hybridflow.reward.reward_model import (
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.reward.reward_model import (
     RewardModelError,
     load_reward_model,
     place_on_last_token,
@@ -67,7 +67,7 @@ def _direct(folder, texts, max_length=None) -> list[float]:
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from hybridflow.core.embedded_models import prepare_model
+    from hybridflow.engine.embedded_models import prepare_model
 
     return AutoTokenizer.from_pretrained(prepare_model("smollm2"))
 
@@ -123,9 +123,9 @@ def test_inputs_that_cannot_score_are_refused(tmp_path, tiny_model_dir):
 def test_worker_groups_of_two_ranks_score_as_one_rank_and_the_direct_forward(tmp_path, tiny_model_dir):
     """``compute_rm_score`` (DP_COMPUTE_PROTO) over 3 rows: 1 rank, 2 ddp ranks (2 + 1 rows) and 2 fsdp ranks
     (sharded weights, gathered for the call even by the rank with fewer rows) give the same ``rm_scores``."""
-    from hybridflow.orchestration.rlhf import WORKER_CLS
-    from hybridflow.runtime.channel import create_secret
-    from hybridflow.runtime.handles import DataHandle
+    from hybridflow.flows.lifecycle import WORKER_CLS
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
 
     actor_tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     folder = write_reward_model(tmp_path / "rm", actor_tokenizer)
@@ -153,8 +153,8 @@ def test_worker_groups_of_two_ranks_score_as_one_rank_and_the_direct_forward(tmp
 
 
 def test_config_and_preflight_refuse_a_reward_model_that_cannot_work(tmp_path, tiny_model_dir):
-    from hybridflow.core.config import ConfigError
-    from hybridflow.orchestration.preflight import InputError, check_run_inputs
+    from hybridflow.engine.config import ConfigError
+    from hybridflow.flows.preflight import InputError, check_run_inputs
 
     with pytest.raises(ConfigError, match="reward_model.enable is true but reward_model.path is not set"):
         tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["reward_model.enable=true"])
@@ -179,8 +179,8 @@ def test_a_cost_model_scores_safe_rlhfs_cost_and_is_checked_before_work(tmp_path
     """``reward_model.cost_path`` (Safe-RLHF's cost model, without a reward model): the rm_score stage's classifier
     whose score is ``token_level_costs``; the iteration's ``critic/cost/mean`` is its mean score over the batch, and
     a folder that is no classifier is refused up front, naming the key."""
-    from hybridflow.core.trainer import SingleProcessTrainer
-    from hybridflow.orchestration.preflight import InputError, check_run_inputs
+    from hybridflow.engine.trainer import SingleProcessTrainer
+    from hybridflow.flows.preflight import InputError, check_run_inputs
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     folder = write_reward_model(tmp_path / "cost", tokenizer, seed=3)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.core.data import reasoning_gym_rows
-from hybridflow.core.guards import NonFiniteError
-from hybridflow.core.protocol import DataProto
-from hybridflow.reward.rewards import (
+from hybridflow.engine.data import reasoning_gym_rows
+from hybridflow.engine.guards import NonFiniteError
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.reward.rewards import (
     RewardManager,
     default_compute_score,
     extract_answer,

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from tiny_runs import worker_group
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from hybridflow.core.config import ConfigError, RMTrainingConfig, load_config
-from hybridflow.reward.preference import collate_pairs, epoch_batches, load_preference_rows, pair_texts
-from hybridflow.reward.reward_model import load_reward_model, score_texts
-from hybridflow.reward.rm_training import bradley_terry_loss
-from hybridflow.store.run_store import RunStore
+from hybridflow.engine.config import ConfigError, RMTrainingConfig, load_config
+from hybridflow.engine.reward.preference import collate_pairs, epoch_batches, load_preference_rows, pair_texts
+from hybridflow.engine.reward.reward_model import load_reward_model, score_texts
+from hybridflow.engine.reward.rm_training import bradley_terry_loss
+from hybridflow.flows.store.run_store import RunStore
 
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
 WORDS = ["apple", "river", "stone", "cloud", "table", "green", "light", "music", "paper", "window", "garden"]
@@ -115,9 +115,9 @@ def test_preference_layouts_and_their_errors(tmp_path, tiny_model_dir):
 
 
 def test_dp2_update_equals_dp1(tmp_path, tiny_model_dir):
-    from hybridflow.orchestration.rm import RM_WORKER_CLS
-    from hybridflow.runtime.channel import create_secret
-    from hybridflow.runtime.handles import DataHandle
+    from hybridflow.flows.rm import RM_WORKER_CLS
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
 
     cfg = _config(tmp_path, tiny_model_dir, "data.micro_batch_size=2")
     create_secret(tmp_path / "secret")
@@ -164,7 +164,7 @@ def _by_step(store: RunStore, run_id: str) -> dict[int, dict[str, float]]:
 
 
 def test_hf_rm_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir):
-    from hybridflow.orchestration.rm import rm_flow
+    from hybridflow.flows.rm import rm_flow
 
     # the uninterrupted 2-epoch run, in process
     (tmp_path / "ref").mkdir()

@@ -1,4 +1,4 @@
-"""Tests for hybridflow.rollout.hf: masks and positions by hand, and HFRollout on the real tiny model.
+"""Tests for hybridflow.engine.rollout.hf: masks and positions by hand, and HFRollout on the real tiny model.
 
 The tiny model's random init (weights of std 0.02) leaves the residual stream dominated by the current token's
 embedding, so greedy decoding repeats one token whatever the prompt; a broken padding or position id would go
@@ -15,12 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.core.config import ConfigError, RolloutConfig, load_config
-from hybridflow.core.models import load_model, load_tokenizer, response_logits
-from hybridflow.core.packing import pack_rows
-from hybridflow.core.protocol import DataProto
-from hybridflow.rollout.hf import HFRollout, position_ids_from_mask, response_mask_from_eos
-from hybridflow.rollout.registry import (
+from hybridflow.engine.config import ConfigError, RolloutConfig, load_config
+from hybridflow.engine.extensions import (
     _ROLLOUTS,
     awake,
     build_rollout,
@@ -28,6 +24,10 @@ from hybridflow.rollout.registry import (
     rollout_names,
     rollout_spec,
 )
+from hybridflow.engine.models import load_model, load_tokenizer, response_logits
+from hybridflow.engine.packing import pack_rows
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout.hf import HFRollout, position_ids_from_mask, response_mask_from_eos
 
 GRPO_TINY = Path(__file__).parents[1] / "examples" / "grpo_tiny.yaml"
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7"]

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hybridflow.cli import main, server
+from hybridflow.slurm import network
 
 runner = CliRunner()
 
@@ -31,7 +32,7 @@ def test_status_without_a_server_exits_1(tmp_path, monkeypatch):
 
 def test_each_home_gets_its_own_server(tmp_path, monkeypatch, capsys):
     home_a, home_b = tmp_path / "a", tmp_path / "b"
-    port = server.free_port()
+    port = network.free_port()
     started = []  # (home, pid) of every server this test started: all stopped in `finally`
 
     def in_home(home):

@@ -1,4 +1,5 @@
-"""Worker groups as jobs of a real Slurm cluster (runtime/dev_cluster.sh: slurmctld, slurmd, slurmdbd + MariaDB):
+"""Worker groups as jobs of a real Slurm cluster (hybridflow/slurm/dev_cluster.sh: slurmctld, slurmd, slurmdbd +
+MariaDB):
 sbatch through submitit, torch.distributed inside the job, several groups at once, many-to-many transfer between
 groups of different sizes, and the failures a cluster brings (kill -9 of a rank, scancel, a drained node)."""
 
@@ -15,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.core.protocol import DataProto
-from hybridflow.runtime import cluster
-from hybridflow.runtime.channel import create_secret
-from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup, WorkerGroupError, slurm_parameters
+from hybridflow.engine.protocol import DataProto
+from hybridflow.slurm import cluster
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, WorkerGroupError, slurm_parameters
 
 TOY = f"{Path(__file__).parent / 'workers_for_tests.py'}:ToyWorker"
 

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from tiny_runs import write_reward
 
-from hybridflow.core.config import load_config
-from hybridflow.store.run_store import RunStore
+from hybridflow.engine.config import load_config
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_runs import tiny_run_config
 
-from hybridflow.core.trainer import SingleProcessTrainer
+from hybridflow.engine.trainer import SingleProcessTrainer
 
 
 def _config(tmp_path, tiny_model_dir, estimator, extra=()):

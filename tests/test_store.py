@@ -22,7 +22,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from postgres import postgres_server, unavailable_reason
 
-from hybridflow.store.run_store import (
+from hybridflow.flows.store.run_store import (
     LEASE_TTL_S,
     RUN_STATUSES,
     Base,
@@ -399,11 +399,11 @@ def test_stage_times_round_trip_replace_and_cascade(store):
 def test_placement_plans_round_trip_and_runs_name_theirs(store):
     """A real search's plan (inputs, kept candidates, rejected placements, choice) reads back equal, newest first;
     a run records the plan its placement came from."""
-    from hybridflow.placement.cost import Workload
-    from hybridflow.placement.hardware import BUILTIN
-    from hybridflow.placement.planner import Planner
-    from hybridflow.placement.render import KEPT, candidate_dict, plan_record, result_from_record
-    from hybridflow.placement.shapes import PRESETS
+    from hybridflow.engine.shapes import PRESETS
+    from hybridflow.flows.placement.cost import Workload
+    from hybridflow.flows.placement.hardware import BUILTIN
+    from hybridflow.flows.placement.planner import Planner
+    from hybridflow.flows.placement.render import KEPT, candidate_dict, plan_record, result_from_record
 
     llama = PRESETS["llama-34b"]
     workload = Workload(sequences=1024, prompt_length=1024, response_length=1024, actor_steps=1, critic_steps=1)
@@ -501,7 +501,7 @@ def test_two_sqlite_stores_write_concurrently(tmp_path):
 
 WRITER = """
 import sys
-from hybridflow.store.run_store import RunStore
+from hybridflow.flows.store.run_store import RunStore
 store = RunStore(sys.argv[1])  # both processes may find the file empty and race to migrate it
 run_id = store.create_run({"writer": sys.argv[2]}, "process-writer")
 for step in range(20):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.core.tracking import GENERATION_COLUMNS, Tracking, markdown_table, missing_libraries
+from hybridflow.engine.tracking import GENERATION_COLUMNS, Tracking, markdown_table, missing_libraries
 
 STEPS = {
     0: {"val/gsm8k/acc": 0.25},
@@ -142,7 +142,7 @@ def test_markdown_table_escapes_cells_and_missing_libraries():
 
 
 def test_an_unknown_tracker_is_a_config_error():
-    from hybridflow.core.config import ConfigError, load_config
+    from hybridflow.engine.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="trainer.logger"):
         load_config(None, ["data.reasoning_gym.name=basic_arithmetic", "trainer.logger=[console,neptune]"])

@@ -1,4 +1,4 @@
-"""Tests for the PPO updates: hybridflow.backends.actor (Actor, RefPolicy), critic (Critic) and training.
+"""Tests for the PPO updates: hybridflow.engine.backends.actor (Actor, RefPolicy), critic (Critic) and training.
 
 Batches come from HFRollout on the real tiny model (seeded); ``old_log_probs`` from `Actor.compute_log_prob` on the
 weights that generated them (on-policy), and random but fixed advantages. The responses have different lengths,
@@ -14,15 +14,21 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hybridflow.backends.actor import Actor, RefPolicy
-from hybridflow.backends.critic import Critic
-from hybridflow.backends.training import MetricLog, build_optimizer, micro_batch_weights, mini_batches, optimizer_step
-from hybridflow.core.config import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
-from hybridflow.core.guards import NonFiniteError
-from hybridflow.core.models import load_critic, load_model, load_tokenizer, response_log_probs
-from hybridflow.core.packing import pack_rows, prompt_groups
-from hybridflow.core.protocol import DataProto
-from hybridflow.rollout.hf import HFRollout
+from hybridflow.engine.backends.actor import Actor, RefPolicy
+from hybridflow.engine.backends.critic import Critic
+from hybridflow.engine.backends.training import (
+    MetricLog,
+    build_optimizer,
+    micro_batch_weights,
+    mini_batches,
+    optimizer_step,
+)
+from hybridflow.engine.config import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
+from hybridflow.engine.guards import NonFiniteError
+from hybridflow.engine.models import load_critic, load_model, load_tokenizer, response_log_probs
+from hybridflow.engine.packing import pack_rows, prompt_groups
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout.hf import HFRollout
 
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "Solve it step by step."]
 N = 2  # responses per prompt: batches hold 8 sequences
@@ -103,7 +109,7 @@ def test_update_policy_on_policy(tiny_model_dir, rollout_batch):
 def test_the_actor_minimises_the_policy_loss_its_config_names(tiny_model_dir, rollout_batch, loss_mode):
     """``actor.policy_loss.loss_mode`` picks the loss from the registry: at ratio 1 GSPO's loss is the
     sequence-mean of -A (seq-mean-token-mean), CISPO's is -mean(A * log_prob); both step the weights."""
-    from hybridflow.core.config import PolicyLossConfig
+    from hybridflow.engine.config import PolicyLossConfig
 
     agg = "seq-mean-token-mean" if loss_mode == "gspo" else "token-mean"
     actor = make_actor(
@@ -134,7 +140,7 @@ def test_clip_covs_random_tokens_are_a_function_of_the_seed_and_iteration_not_th
     """Clip-Cov draws the tokens whose gradient it removes. The draw runs on the update's own stream
     (`update_random_stream`: the seed and ``global_steps``), so a flow worker resumed from a checkpoint, whose
     global generator starts afresh, updates exactly as the uninterrupted run; the global stream is left as it was."""
-    from hybridflow.core.config import PolicyLossConfig
+    from hybridflow.engine.config import PolicyLossConfig
 
     loss = PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-1e9, clip_cov_ub=1e9)
 
@@ -228,7 +234,7 @@ def test_an_update_without_old_log_probs_equals_the_one_after_the_old_log_prob_s
     lengths. Tolerance: the two paths run the same forward on different row groupings, so log-probs differ by
     float32 rounding (~1e-7); the ratio at 1 +- 1e-7 moves the loss by that much and, through Adam's first step,
     a weight by at most a fraction of lr only where a gradient component is within eps of 0 (see the test below)."""
-    from hybridflow.core.metrics import rollout_mismatch
+    from hybridflow.engine.metrics import rollout_mismatch
 
     common = dict(ppo_mini_batch_size=4, ppo_micro_batch_size=micro_batch_size, use_kl_loss=False, shuffle=False)
     drifted = rollout_batch.batch["response_mask"] * 0.01  # a made-up engine drift: the metrics must see it

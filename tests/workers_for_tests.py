@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridflow.core.protocol import DataProto
-from hybridflow.runtime.dispatch import Dispatch, register
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.transfer import Dispatch, register
 
 
 class ToyWorker:

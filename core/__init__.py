@@ -1,2 +1,0 @@
-"""Shared by every room: the DataProto batch, the run config, prompt data, models, checkpoints, trackers, metrics, and
-the single-process trainer."""

@@ -1,0 +1,61 @@
+"""What every command group of ``hf`` shares: the console, the ``--db`` and ``--prefect-api`` options, and opening
+the run store and a run in it with a one-line error."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # piped: no truncation
+
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db", help="SQLAlchemy URL of the run store (default: $HYBRIDFLOW_DB_URL or SQLite under $HYBRIDFLOW_HOME)"
+    ),
+]
+PrefectOption = Annotated[
+    str | None,
+    typer.Option(
+        "--prefect-api", help="use this Prefect API instead of starting a local server, e.g. http://host:4200/api"
+    ),
+]
+
+
+def _store(db: str | None):
+    """The run store (`--db` or the default); an unreachable or unusable one: its one-line message, exit 2."""
+    from hybridflow.flows.store.run_store import RunStore, RunStoreError
+
+    if db:  # the flow (and its workers) read the same variable; a URL never goes into flow parameters
+        os.environ["HYBRIDFLOW_DB_URL"] = db
+    try:
+        return RunStore(db)
+    except (RunStoreError, ValueError) as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _get_run(store, run_id: str):
+    """The run record, or exit 2 with the store's message (which names the id and `hf runs list`)."""
+    from hybridflow.flows.store.run_store import UnknownRunError
+
+    try:
+        return store.get_run(run_id)
+    except UnknownRunError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _status_text(record) -> str:
+    """The run's status, with ``running`` told apart: ``running`` (its controller heartbeats) or ``crashed`` (its
+    controller died: last heartbeat time)."""
+    from hybridflow.flows.store.run_store import controller_state
+
+    if record.status != "running" or controller_state(record) == "live":
+        return record.status
+    beat = f"{record.heartbeat_at:%Y-%m-%d %H:%M:%S}" if record.heartbeat_at else "none"
+    return f"crashed (last heartbeat {beat})"

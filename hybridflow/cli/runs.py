@@ -1,0 +1,287 @@
+"""``hf runs ...``: run history from the run store: list, show, delete, metrics, samples, timeline, plot."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.table import Column, Table
+
+from hybridflow.cli.common import DbOption, _get_run, _status_text, _store, console
+
+runs_app = typer.Typer(help="Run history from the run store.", no_args_is_help=True)
+
+
+@runs_app.command("list")
+def runs_list(db: DbOption = None, limit: int = 50) -> None:
+    """The newest runs: id, kind (rl: ``hf run``; rm: ``hf rm train``), experiment, status (a ``running`` run whose
+    controller died shows ``crashed`` and its last heartbeat, UTC), iterations (rm: steps) done, times."""
+    table = Table("kind", "experiment", "status", "iterations", "created (UTC)", "duration")
+    table.columns.insert(0, Column("run id", no_wrap=True))
+    store = _store(db)
+    for r in store.list_runs(limit=limit):
+        done = len([i for i in store.iterations(r.id) if i.ended_at is not None])
+        total = r.config.get("trainer", {}).get("total_iterations", "?") if r.kind == "rl" else "?"
+        duration = f"{r.duration_s:.0f} s" if r.duration_s is not None else ""
+        created = f"{r.created_at:%Y-%m-%d %H:%M:%S}"
+        table.add_row(r.id, r.kind, r.experiment_name, _status_text(r), f"{done}/{total}", created, duration)
+    console.print(table)
+
+
+def _parallel_summary(parallel: dict | None) -> str:
+    """``megatron p1-t2-d2 -> gen p1-t1 x4 (hybridflow)`` from a placement's ``parallel`` record (``fsdp`` for a
+    model with a strategy and no layout on record); '' when absent."""
+    if not parallel:
+        return ""
+    if "train" not in parallel:
+        return str(parallel.get("strategy", ""))
+    train, gen = parallel.get("train", {}), parallel.get("generate", {})
+    text = f"{parallel.get('strategy', '?')} p{train.get('pp')}-t{train.get('tp')}-d{train.get('dp')}"
+    if gen:
+        text += f" -> gen p{gen.get('pp')}-t{gen.get('tp')} x{gen.get('replicas')} ({parallel.get('reshard')})"
+    return text
+
+
+@runs_app.command("show")
+def runs_show(run_id: str, db: DbOption = None) -> None:
+    """A run's config, placement, metrics (a few key ones per iteration) and checkpoints."""
+    store = _store(db)
+    r = _get_run(store, run_id)
+    console.print(
+        f"[bold]{r.id}[/bold]  {r.experiment_name}  status={_status_text(r)}  code={r.code_version}  "
+        f"prefect flow run={r.prefect_flow_run_id}"
+    )
+    if r.lease_host is not None:
+        beat = f"{r.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if r.heartbeat_at else "never"
+        console.print(f"controller: host {r.lease_host}, pid {r.lease_pid}, last heartbeat {beat}")
+    if r.error:
+        console.print(f"[red]{r.error.strip().splitlines()[-1]}[/red]")
+    if r.plan_id:
+        console.print(f"placement from plan {r.plan_id} (hf plans show {r.plan_id})")
+    console.print(yaml.safe_dump(r.config, sort_keys=False).rstrip())
+    placement = Table("role", "pool", "ranks", "executor", "slurm job", "hosts", "parallel", title="placement")
+    for p in store.placements(run_id):
+        placement.add_row(
+            p.role,
+            p.group_name,
+            str(p.ranks),
+            p.executor,
+            p.slurm_job_id or "",
+            ", ".join(p.hosts),
+            _parallel_summary(p.parallel),
+        )
+    console.print(placement)
+    shown = [
+        "critic/score/mean",
+        "critic/rm_score/mean",
+        "rm/loss",
+        "rm/acc",
+        "actor/pg_loss",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "response_length/mean",
+        "timing_s/step",
+    ]
+    points = store.metrics(run_id)
+    recorded = {p.name for p in points}
+    shown = [name for name in shown if name in recorded]
+    vals = sorted(name for name in recorded if name.startswith("val/") and name.endswith("/acc"))
+    table = Table("step", *shown, *vals, title="metrics (hf runs metrics RUN_ID --name NAME for any other)")
+    by_step: dict[int, dict[str, float | None]] = {}
+    for p in points:
+        by_step.setdefault(p.step, {})[p.name] = p.value
+    for step, values in sorted(by_step.items()):
+        table.add_row(str(step), *[_fmt(values.get(name)) for name in [*shown, *vals]])
+    console.print(table)
+    ckpts = Table("step", "path", "bytes", "sha256", "usable", title="checkpoints")
+    for c in store.checkpoints(run_id):
+        usable = "yes" if c.complete and c.bad_reason is None else f"no: {c.bad_reason or 'incomplete'}"
+        ckpts.add_row(str(c.step), c.path, f"{c.bytes:,}", c.sha256[:16], usable)
+    console.print(ckpts)
+    samples = store.samples(run_id)
+    if samples:
+        steps = sorted({s.step for s in samples})
+        console.print(f"{len(samples)} sample generations at steps {steps[0]}..{steps[-1]}: hf runs samples {run_id}")
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+@runs_app.command("delete")
+def runs_delete(
+    run_id: str,
+    files: Annotated[bool, typer.Option("--files", help="also remove the run's output folder")] = False,
+    force: Annotated[bool, typer.Option("--force", help="delete a run even while its controller runs")] = False,
+    db: DbOption = None,
+) -> None:
+    """Delete a run's records (metrics, iterations, checkpoints' records, placements) from the store and, with
+    ``--files``, its output folder ``<trainer.output_dir>/<experiment_name>/<run_id>``."""
+    from hybridflow.flows.store.run_store import controller_state
+
+    store = _store(db)
+    record = _get_run(store, run_id)
+    if controller_state(record) == "live" and not force:
+        console.print(
+            f"[red]run {run_id} is being trained (host {record.lease_host}, pid {record.lease_pid}): stop that "
+            "controller first, or pass --force[/red]"
+        )
+        raise typer.Exit(2)
+    folder = _run_folder(store, record)
+    store.delete_run(run_id)
+    console.print(f"deleted run {run_id} from {store.url}")
+    if files:
+        if folder is not None and folder.is_dir():
+            shutil.rmtree(folder)
+            console.print(f"removed {folder}")
+        else:
+            console.print(f"no output folder of {run_id} found (looked for {folder})")
+
+
+def _run_folder(store, record) -> Path | None:
+    """The run's output folder: where its recorded checkpoints are (``<folder>/checkpoints/global_step_N``), else
+    the config's ``<trainer.output_dir>/<experiment_name>/<run_id>`` from the current directory. Only a folder named
+    after the run is ever returned."""
+    ckpts = store.checkpoints(record.id)
+    if ckpts:
+        folder = Path(ckpts[-1].path).parent.parent
+    else:
+        trainer = record.config.get("trainer", {})
+        folder = Path(trainer.get("output_dir", "outputs")).resolve() / trainer.get("experiment_name", "") / record.id
+    return folder if folder.name == record.id else None
+
+
+@runs_app.command("metrics")
+def runs_metrics(
+    run_id: str,
+    name: Annotated[list[str] | None, typer.Option("--name", help="metric name (repeatable); default all")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="csv or json")] = "csv",
+    db: DbOption = None,
+) -> None:
+    """A run's metrics as CSV (step,name,value) or JSON, for plotting or spreadsheets."""
+    store = _store(db)
+    _get_run(store, run_id)
+    points = [p for n in (name or [None]) for p in store.metrics(run_id, n)]
+    if fmt == "json":
+        print(json.dumps([{"step": p.step, "name": p.name, "value": p.value} for p in points]))
+    elif fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["step", "name", "value"])
+        writer.writerows([p.step, p.name, p.value] for p in points)
+        print(out.getvalue(), end="")
+    else:
+        console.print(f"[red]--format must be csv or json, got {fmt!r}[/red]")
+        raise typer.Exit(2)
+
+
+@runs_app.command("samples")
+def runs_samples(
+    run_id: str,
+    step: Annotated[int | None, typer.Option("--step", help="only this step (0: validation before training)")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", help="train or val; default both")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
+    db: DbOption = None,
+) -> None:
+    """A run's sample generations (prompt, response, score, ground truth), kept with trainer.log_val_generations=N
+    and trainer.log_train_generations=N."""
+    store = _store(db)
+    record = _get_run(store, run_id)
+    if kind not in (None, "train", "val"):
+        console.print(f"[red]--kind must be train or val, got {kind!r}[/red]")
+        raise typer.Exit(2)
+    samples = store.samples(run_id, step=step, kind=kind)
+    if as_json:
+        for sample in samples:
+            print(json.dumps(sample.to_dict()))
+        return
+    if not samples:
+        trainer = record.config.get("trainer", {})
+        keep = {k: trainer.get(f"log_{k}_generations", 0) for k in ("val", "train")}
+        where = f" at step {step}" if step is not None else ""
+        console.print(
+            f"no samples of {run_id}{where} (trainer.log_val_generations={keep['val']}, "
+            f"trainer.log_train_generations={keep['train']}; set them to N to keep N samples per step)"
+        )
+        return
+    for s in samples:
+        console.rule(f"step {s.step} {s.kind} #{s.idx}  {s.data_source}  score={_fmt(s.score)}", align="left")
+        console.print("[bold]prompt[/bold]", markup=True)
+        console.print(s.prompt, markup=False, highlight=False)
+        console.print("[bold]response[/bold]", markup=True)
+        console.print(s.response, markup=False, highlight=False)
+        console.print(f"[bold]ground truth[/bold] {s.ground_truth}", highlight=False)
+
+
+@runs_app.command("timeline")
+def runs_timeline(
+    run_id: str,
+    step: Annotated[list[int] | None, typer.Option("--step", help="iteration (repeatable); default the last")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per stage")] = False,
+    db: DbOption = None,
+) -> None:
+    """When each stage of an iteration ran and on which resource pool: stages of different pools that ran at the
+    same time overlap on the time axis."""
+    from hybridflow.cli.timeline import timeline_table
+
+    store = _store(db)
+    _get_run(store, run_id)
+    recorded = store.stage_times(run_id)
+    steps = step or sorted({s.step for s in recorded})[-1:]
+    if as_json:
+        for s in recorded:
+            if s.step in steps:
+                print(json.dumps({**s.to_dict(), "duration_s": s.duration_s}))
+        return
+    if not recorded:
+        console.print(f"no stage timeline of {run_id} on record (recorded from the first iteration on)")
+        raise typer.Exit(1)
+    for k in steps:
+        stages = [s for s in recorded if s.step == k]
+        if not stages:
+            console.print(f"[red]no timeline of iteration {k}; recorded: {sorted({s.step for s in recorded})}[/red]")
+            raise typer.Exit(2)
+        console.print(timeline_table(k, stages))
+
+
+@runs_app.command("plot")
+def runs_plot(
+    run_ids: Annotated[list[str], typer.Argument(help="one or more runs, overlaid")],
+    name: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--name",
+            help="metric name or glob, e.g. val/*/acc (repeatable); default: reward, held-out "
+            "accuracy, KL, entropy, response length",
+        ),
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="PNG to write (default: plot-<first run>.png)")] = None,
+    show: Annotated[bool, typer.Option(help="also draw it in the terminal when it shows images")] = True,
+    db: DbOption = None,
+) -> None:
+    """Plot metrics of one or more runs against the iteration (one panel per metric, runs overlaid) into a PNG."""
+    from hybridflow.cli.plots import DEFAULT_METRICS, plot_runs, resolve_names, show_in_terminal
+
+    store = _store(db)
+    series: dict[str, dict[str, list[tuple[int, float | None]]]] = {}
+    for run_id in run_ids:
+        _get_run(store, run_id)
+        metrics: dict[str, list[tuple[int, float | None]]] = {}
+        for point in store.metrics(run_id):
+            metrics.setdefault(point.name, []).append((point.step, point.value))
+        series[run_id] = metrics
+    available = {n for metrics in series.values() for n in metrics}
+    try:
+        names = resolve_names(name or DEFAULT_METRICS, available, explicit=bool(name))
+        path = plot_runs(series, names, out or Path(f"plot-{run_ids[0]}.png"))
+    except ValueError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    if not (show and show_in_terminal(path)):
+        console.print(f"wrote {path} ({', '.join(names)})")

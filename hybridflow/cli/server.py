@@ -1,0 +1,223 @@
+"""A local Prefect server per HybridFlow home: started once, reused, its SQLite database under that home.
+
+Each ``$HYBRIDFLOW_HOME`` (default ``~/.cache/hybridflow``) has at most one server of its own, described by
+``$HYBRIDFLOW_HOME/prefect/server.json`` (``{"port": ..., "pid": ...}``) and started with
+``PREFECT_HOME=$HYBRIDFLOW_HOME/prefect``. A server is *this home's* only if the recorded pid is alive, is a
+``prefect server`` process whose ``PREFECT_HOME`` is this home's (when ``/proc/PID/environ`` is readable), and the
+recorded port answers ``/health``. `hf run` calls `start`, which reuses this home's server or starts one; it never
+attaches to a server that another home (or anybody) started: when the requested port is taken it starts this home's
+server on a free port instead. `hf server status|stop` see and stop only this home's server; ``--prefect-api URL``
+is the way to use any other server. The same server serves the Prefect UI. Settings keep it offline: analytics off,
+no telemetry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridflow.engine.embedded_models import hybridflow_home
+from hybridflow.slurm.network import free_port
+
+DEFAULT_PORT = 4200
+START_TIMEOUT_S = 120.0
+
+OFFLINE_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",
+}
+
+
+def prefect_home() -> Path:
+    """``$HYBRIDFLOW_HOME/prefect``: the server's database, logs and pid file."""
+    return hybridflow_home() / "prefect"
+
+
+@dataclass
+class ServerInfo:
+    """This home's running server: its port (API and UI URLs derive from it), process id and HybridFlow home.
+
+    `started` is True when `start` started it just now (False: it was already running); `taken_port` is the
+    requested port when something else held it and the server was started on `port` instead (else None).
+    """
+
+    port: int
+    pid: int
+    home: Path = field(default_factory=hybridflow_home)
+    started: bool = False
+    taken_port: int | None = None
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def describe(self) -> str:
+        """One line for the user: whose server it is, its UI and whether `start` started it just now."""
+        how = "started now" if self.started else "already running"
+        if self.taken_port is not None:
+            how += f" on a free port: {self.taken_port} is taken by something this home did not start"
+        return f"Prefect server of {self.home}: UI {self.ui_url} ({how}, pid {self.pid})"
+
+
+def _state_file() -> Path:
+    return prefect_home() / "server.json"
+
+
+def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
+    """True if a Prefect server answers ``GET <api_url>/health``."""
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _read_state() -> tuple[int, int] | None:
+    """(port, pid) recorded in this home's ``server.json``, or None if there is no (readable) record."""
+    try:
+        state = json.loads(_state_file().read_text())
+        return int(state["port"]), int(state["pid"])
+    except (OSError, ValueError, KeyError, TypeError):  # missing, not JSON, or not the expected fields
+        return None
+
+
+def status() -> ServerInfo | None:
+    """This home's server, if it is running and healthy (see the module docstring); None otherwise, including when
+    a server that this home did not start answers on the recorded or default port."""
+    state = _read_state()
+    if state is None:
+        return None
+    port, pid = state
+    info = ServerInfo(port, pid)
+    return info if _is_own_server(pid) and healthy(info.api_url) else None
+
+
+def start(port: int = DEFAULT_PORT, timeout_s: float = START_TIMEOUT_S) -> ServerInfo:
+    """This home's server: the running one (``started=False``, whatever its port), else a new ``prefect server
+    start`` in the background (its own session, survives this process) once it is healthy (``started=True``).
+
+    A new server listens on 127.0.0.1:`port`; if that port is taken (another home's server, anything else) it
+    listens on a free port instead and `ServerInfo.taken_port` says so. Either way the port and pid go to this home's
+    ``server.json``. `timeout_s` is in seconds.
+
+    Raises:
+        RuntimeError: if the new server exits or is not healthy within `timeout_s` (the tail of its log is
+            included).
+    """
+    running = status()
+    if running is not None:
+        return running
+    home = prefect_home()
+    home.mkdir(parents=True, exist_ok=True)
+    taken_port = None
+    if not _port_free(port):
+        taken_port, port = port, free_port()
+    env = {**os.environ, **OFFLINE_ENV, "PREFECT_HOME": str(home.resolve())}
+    env.pop("PREFECT_API_URL", None)
+    # The UI's pages call the API at this URL; Prefect derives it from its port setting, not from --port, so a
+    # server on any port but 4200 would serve a UI that asks port 4200 (another server, or nothing).
+    env["PREFECT_UI_API_URL"] = f"http://127.0.0.1:{port}/api"
+    log = open(home / "server.log", "ab")  # noqa: SIM115 - handed to the child process
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log.close()  # the server process has its own copy
+    info = ServerInfo(port, process.pid, started=True, taken_port=taken_port)
+    deadline = time.monotonic() + timeout_s
+    while not healthy(info.api_url):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            tail = (home / "server.log").read_text(errors="replace").splitlines()[-20:]
+            raise RuntimeError(
+                f"Prefect server did not start on port {port} (log {home / 'server.log'}):\n" + "\n".join(tail)
+            )
+        time.sleep(0.5)
+    _state_file().write_text(json.dumps({"port": port, "pid": process.pid}))
+    return info
+
+
+def stop(timeout_s: float = 20.0) -> bool:
+    """Stop this home's server (SIGTERM to its process group, SIGKILL after `timeout_s` seconds) and forget it.
+    Returns False if this home had none running; a server that this home did not start is never touched."""
+    state = _read_state()
+    _state_file().unlink(missing_ok=True)
+    if state is None:
+        return False
+    pid = state[1]
+    if not _is_own_server(pid):  # not running any more, or the pid was reused by another program or home
+        return False
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):  # reap it when this process started it (else: a zombie)
+            os.waitpid(pid, os.WNOHANG)
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    os.killpg(pid, signal.SIGKILL)
+    return True
+
+
+def _is_prefect_server(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"prefect" in cmdline and b"server" in cmdline
+
+
+def _is_own_server(pid: int) -> bool:
+    """True if `pid` is a live ``prefect server`` process started for this home: its ``PREFECT_HOME`` is this home's
+    prefect folder (not checked when ``/proc/PID/environ`` cannot be read)."""
+    if pid <= 0 or not _is_prefect_server(pid):
+        return False
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    return os.fsencode(f"PREFECT_HOME={prefect_home().resolve()}") in environ
+
+
+def _port_free(port: int) -> bool:
+    """True if a server could listen on 127.0.0.1:`port` now (bound the way ``prefect server start`` checks)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def use_server(api_url: str) -> None:
+    """Point this process's Prefect client at `api_url` (call before importing prefect). Prefect's INFO lines (and
+    the controller's and workers' log lines, `orchestration.reporting.FlowLogs`) go to the flow run's logs in the
+    UI, not to the terminal: its console handler shows warnings only, as the live display shows the progress."""
+    os.environ.update(OFFLINE_ENV)
+    os.environ["PREFECT_API_URL"] = api_url
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")

@@ -1,0 +1,471 @@
+"""Advantage estimators, in a registry keyed by the config value ``algorithm.adv_estimator``: ``"gae"``
+(`compute_gae_advantage_return`), ``"grpo"`` (`compute_grpo_outcome_advantage`; Dr. GRPO with
+``norm_adv_by_std_in_grpo`` false), ``"rloo"``, ``"reinforce_plus_plus"``, ``"reinforce_plus_plus_baseline"``,
+``"opo"`` and ``"remax"`` (baseline: the greedy response's score). Each is a pure torch function of token-level
+rewards and masks.
+
+Conventions. B is the number of sequences in the batch and T the padded response length in tokens. A mask is a
+[B, T] tensor (bool, int or float) with 1 for real response tokens and 0 for padding; responses are right-padded,
+so a row of the mask is ones followed by zeros. Positions where the mask is 0 never influence a result: they are
+replaced by 0 before any arithmetic, so even NaN or inf there is harmless. Names follow verl, so that the config
+keys (``actor.loss_agg_mode``, ``algorithm.kl_penalty``, ...) mean what verl users expect.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.engine.torch_ops import check_same_shape, masked_sum, masked_whiten
+
+# --------------------------------------------------------------------------------------------------------------------
+# Advantage estimators and their registry
+# --------------------------------------------------------------------------------------------------------------------
+
+_ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+
+ADV_ESTIMATORS_NEEDING_CRITIC: set[str] = set()
+"""Names of registered advantage estimators that need a critic's ``values`` (filled by `register_adv_est`)."""
+
+# The keyword arguments that every estimator returned by `get_adv_estimator_fn` accepts, with their defaults.
+_UNIFORM_ADV_KWARGS: dict[str, Any] = {
+    "index": None,
+    "values": None,
+    "gamma": 1.0,
+    "lam": 1.0,
+    "epsilon": 1e-6,
+    "norm_adv_by_std_in_grpo": True,
+    "reward_baselines": None,
+}
+
+
+def register_adv_est(name: str, *, needs_critic: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator that registers an advantage estimator under ``name`` (the value of ``algorithm.adv_estimator``).
+
+    The function must accept ``token_level_rewards`` and ``response_mask`` and any subset of the uniform keyword
+    arguments listed in `get_adv_estimator_fn`, and return ``(advantages, returns)``, both [B, T]. It is returned
+    unchanged. With ``needs_critic=True`` the name is added to `ADV_ESTIMATORS_NEEDING_CRITIC`.
+
+    Raises:
+        ValueError: ``name`` is already registered to a different function.
+    """
+
+    def decorator(fn: Callable) -> Callable:
+        existing = _ADV_ESTIMATORS.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(
+                f"Advantage estimator {name!r} is already registered (to {existing.__qualname__}); pick another name."
+            )
+        _ADV_ESTIMATORS[name] = fn
+        if needs_critic:
+            ADV_ESTIMATORS_NEEDING_CRITIC.add(name)
+        return fn
+
+    return decorator
+
+
+def _unknown_adv_estimator(name: str) -> ValueError:
+    return ValueError(
+        f"Unknown advantage estimator {name!r} (config key `algorithm.adv_estimator`); "
+        f"registered: {sorted(_ADV_ESTIMATORS)}."
+    )
+
+
+def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Look up a registered advantage estimator and wrap it in the uniform calling convention.
+
+    The returned callable is called as::
+
+        advantages, returns = fn(token_level_rewards, response_mask, *, index=None, values=None, gamma=1.0,
+                                 lam=1.0, epsilon=1e-6, norm_adv_by_std_in_grpo=True)
+
+    and forwards to the estimator only the keywords its signature takes, so callers can always pass everything
+    they have (``"gae"`` uses values/gamma/lam; ``"grpo"`` index/epsilon/norm_adv_by_std_in_grpo; ``"rloo"``
+    index/epsilon). Extra keywords that the estimator itself declares are passed through as well.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the registered names); when the returned
+            callable is called, an argument the estimator requires is None or missing (e.g. ``values`` for GAE),
+            or a keyword is neither uniform nor accepted by the estimator.
+    """
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    fn = _ADV_ESTIMATORS[name]
+    params = inspect.signature(fn).parameters
+    required = [n for n, p in params.items() if p.default is inspect.Parameter.empty]
+
+    @functools.wraps(fn)
+    def call(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **kwargs: Any):
+        unknown = sorted(k for k in kwargs if k not in _UNIFORM_ADV_KWARGS and k not in params)
+        if unknown:
+            raise ValueError(
+                f"Advantage estimator {name!r} got unexpected keyword(s) {unknown}; "
+                f"allowed: {sorted(_UNIFORM_ADV_KWARGS)} plus the estimator's own parameters."
+            )
+        merged = {**_UNIFORM_ADV_KWARGS, **kwargs}
+        given = {k: v for k, v in merged.items() if k in params}
+        missing = [n for n in required if n not in ("token_level_rewards", "response_mask") and given.get(n) is None]
+        if missing:
+            hint = ""
+            if "index" in missing:
+                hint = (
+                    " `index` is the batch's non-tensor `uid` column: one prompt id per sequence, equal for the "
+                    "responses to one prompt (set by the data sampler, PromptSampler.next_batch, or by the rollout)."
+                )
+            raise ValueError(
+                f"Advantage estimator {name!r} needs {missing}, but they were not given (or are None).{hint}"
+            )
+        return fn(token_level_rewards=token_level_rewards, response_mask=response_mask, **given)
+
+    return call
+
+
+def uses_groups(name: str) -> bool:
+    """True when the advantage estimator ``name`` compares the responses to one prompt (it takes ``index``, the
+    prompt uids), so it needs ``rollout.n`` >= 2.
+
+    Raises:
+        ValueError: ``name`` is not a registered estimator.
+    """
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    return "index" in inspect.signature(_ADV_ESTIMATORS[name]).parameters
+
+
+def uses_greedy_baseline(name: str) -> bool:
+    """True when the advantage estimator ``name`` subtracts the score of each prompt's greedy response (it takes
+    ``reward_baselines``, as ReMax does), so the iteration needs the greedy generation stage.
+
+    Raises:
+        ValueError: ``name`` is not a registered estimator.
+    """
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    return "reward_baselines" in inspect.signature(_ADV_ESTIMATORS[name]).parameters
+
+
+def adv_estimators() -> list[str]:
+    """The registered advantage-estimator names (``algorithm.adv_estimator``), sorted."""
+    return sorted(_ADV_ESTIMATORS)
+
+
+def uses_critic(name: str) -> bool:
+    """True when the advantage estimator ``name`` needs a critic (value model), i.e. it is in
+    `ADV_ESTIMATORS_NEEDING_CRITIC`.
+
+    Raises:
+        ValueError: ``name`` is not a registered estimator.
+    """
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    return name in ADV_ESTIMATORS_NEEDING_CRITIC
+
+
+@register_adv_est("gae", needs_critic=True)
+@torch.no_grad()
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation over the response tokens.
+
+    Source: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation",
+    eq. 16: ``A_t = sum_l (gamma * lam)^l * delta_{t+l}`` with ``delta_t = r_t + gamma * V_{t+1} - V_t``, computed
+    by the right-to-left recursion ``A_t = delta_t + gamma * lam * A_{t+1}``.
+
+    Padding: at positions where the mask is 0 the recursion does not step; the "next" value and advantage are
+    carried through unchanged. For right-padded responses this means the last real token bootstraps with
+    ``V = 0`` and ``A = 0`` after it (the episode ends there); a hole inside a response is skipped over.
+
+    Args:
+        token_level_rewards: float [B, T], the reward of each token (after any KL penalty).
+        values: float [B, T], the critic's value of each token's state.
+        response_mask: bool/int/float [B, T], 1 on real response tokens.
+        gamma: discount factor in [0, 1] (``algorithm.gamma``).
+        lam: GAE lambda in [0, 1] (``algorithm.lam``).
+        whiten: False: the advantages as estimated (Safe-RLHF combines two before whitening).
+
+    Returns:
+        ``(advantages, returns)``, both [B, T] in ``values``' dtype, no grad. ``returns = advantages + values``
+        computed before whitening (the critic's regression target); ``advantages`` are then whitened with
+        `masked_whiten` over all response tokens of the batch (unless `whiten` is false). Both are exactly 0 at
+        masked positions.
+
+    Raises:
+        ValueError: shapes differ, gamma or lam outside [0, 1], or fewer than two response tokens in the batch
+            (whitening needs a variance).
+    """
+    check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    for key, x in (("algorithm.gamma", gamma), ("algorithm.lam", lam)):
+        if not 0.0 <= x <= 1.0:
+            raise ValueError(f"`{key}` must be in [0, 1], got {x}.")
+    is_real = response_mask != 0
+    rewards = torch.where(is_real, token_level_rewards.to(values.dtype), 0.0)
+    vals = torch.where(is_real, values, 0.0)
+
+    next_value = torch.zeros_like(vals[:, 0])
+    next_adv = torch.zeros_like(vals[:, 0])
+    advantages = torch.zeros_like(vals)
+    for t in reversed(range(vals.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        next_adv = torch.where(is_real[:, t], adv_t, next_adv)
+        next_value = torch.where(is_real[:, t], vals[:, t], next_value)
+        advantages[:, t] = next_adv
+
+    returns = torch.where(is_real, advantages + vals, 0.0)
+    if whiten:
+        advantages = torch.where(is_real, masked_whiten(advantages, response_mask), 0.0)
+    return advantages, returns
+
+
+def group_ids(index: Sequence[Any] | np.ndarray | torch.Tensor, batch_size: int) -> tuple[torch.Tensor, int]:
+    """Map each sequence's prompt uid to a dense group id 0..G-1; return (ids int64 [B], G)."""
+    # .tolist() turns numpy/torch elements into python scalars and strings, which hash by value.
+    uids = index.tolist() if isinstance(index, torch.Tensor | np.ndarray) else list(index)
+    if len(uids) != batch_size:
+        raise ValueError(
+            f"`index` has {len(uids)} entries but the batch has {batch_size} sequences; "
+            "pass one prompt uid per sequence (the non-tensor column `uid`)."
+        )
+    dense: dict[Any, int] = {}
+    ids = [dense.setdefault(uid, len(dense)) for uid in uids]
+    return torch.tensor(ids, dtype=torch.long), len(dense)
+
+
+def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """One score per sequence, float [B]: the sum of its rewards over the response tokens."""
+    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    if token_level_rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards must be [B, T], got shape {list(token_level_rewards.shape)}.")
+    return masked_sum(token_level_rewards, response_mask, dim=-1)
+
+
+@register_adv_est("grpo")
+@torch.no_grad()
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage: each response's score relative to the other responses to the same prompt.
+
+    Source: Shao et al. 2024, "DeepSeekMath", §4.1.2 (outcome supervision):
+    ``A_i = (r_i - mean(r_group)) / std(r_group)``, given to every token of response i. Without std
+    normalisation (``norm_adv_by_std_in_grpo=False``) this is the Dr. GRPO variant, Liu et al. 2025.
+
+    The score of a sequence is the sum of its token-level rewards over the response mask. The std is the unbiased
+    sample std (as ``torch.std``). A group of size 1 uses mean 0 and std 1, so its advantage is its own score
+    (divided by 1 + epsilon when normalising).
+
+    Args:
+        token_level_rewards: float [B, T].
+        response_mask: bool/int/float [B, T].
+        index: length-B numpy array (object, str or int) or sequence of prompt uids; equal uids form a group.
+        epsilon: added to the group std before dividing.
+        norm_adv_by_std_in_grpo: divide by (std + epsilon) (``algorithm.norm_adv_by_std_in_grpo``).
+
+    Returns:
+        ``(advantages, returns)``, identical [B, T] tensors in the rewards' dtype, 0 at masked positions, no grad.
+
+    Raises:
+        ValueError: shapes differ or ``index`` does not have B entries.
+    """
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    ids, n_groups = group_ids(index, scores.shape[0])
+    ids = ids.to(scores.device)
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
+    sums = torch.zeros_like(counts).index_add_(0, ids, scores)
+    singleton = counts == 1
+    mean = torch.where(singleton, 0.0, sums / counts)
+    sq_dev = torch.zeros_like(counts).index_add_(0, ids, (scores - mean[ids]) ** 2)
+    std = torch.where(singleton, 1.0, torch.sqrt(sq_dev / (counts - 1).clamp(min=1)))
+
+    adv = scores - mean[ids]
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std[ids] + epsilon)
+    advantages = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return advantages, advantages
+
+
+@register_adv_est("rloo")
+@torch.no_grad()
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | np.ndarray,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (REINFORCE Leave-One-Out) outcome advantage.
+
+    Source: Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+    Human Feedback in LLMs", §3: ``A_i = r_i - (1 / (k - 1)) * sum_{j != i} r_j`` over the k responses to the
+    same prompt, given to every token of response i. A group of size 1 has no other responses, so its baseline
+    is 0 and ``A_i = r_i``.
+
+    Args:
+        token_level_rewards: float [B, T]; the score of a sequence is its sum over the response mask.
+        response_mask: bool/int/float [B, T].
+        index: length-B numpy array (object, str or int) or sequence of prompt uids; equal uids form a group.
+        epsilon: unused; accepted so that every outcome estimator takes the same arguments.
+
+    Returns:
+        ``(advantages, returns)``, identical [B, T] tensors in the rewards' dtype, 0 at masked positions, no grad.
+
+    Raises:
+        ValueError: shapes differ or ``index`` does not have B entries.
+    """
+    del epsilon
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    ids, n_groups = group_ids(index, scores.shape[0])
+    ids = ids.to(scores.device)
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
+    sums = torch.zeros_like(counts).index_add_(0, ids, scores)
+    others = counts[ids] - 1
+    baseline = torch.where(others > 0, (sums[ids] - scores) / others.clamp(min=1), 0.0)
+    advantages = (scores - baseline).unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages
+
+
+def _group_means(scores: torch.Tensor, index, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sequence's group mean of `scores` (float [B]; weighted by `weights` [B] when given), 0 for a group of
+    one. Returns float [B]."""
+    ids, n_groups = group_ids(index, scores.shape[0])
+    ids = ids.to(scores.device)
+    weights = torch.ones_like(scores) if weights is None else weights.to(scores.dtype)
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
+    totals = torch.zeros_like(counts).index_add_(0, ids, weights)
+    sums = torch.zeros_like(counts).index_add_(0, ids, weights * scores)
+    return torch.where(counts[ids] > 1, sums[ids] / totals[ids].clamp(min=torch.finfo(scores.dtype).tiny), 0.0)
+
+
+@register_adv_est("reinforce_plus_plus")
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ advantage: the discounted return of each token, whitened over every response token of the batch.
+
+    Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models", §3
+    (token-level return ``G_t = sum_{s >= t} gamma^(s-t) r_s``, the KL penalty folded into the rewards, global
+    advantage normalisation). No critic and no group: works with ``rollout.n`` = 1.
+
+    Args:
+        token_level_rewards: float [B, T] (with ``algorithm.use_kl_in_reward`` the KL penalty is already in them).
+        response_mask: bool/int/float [B, T].
+        gamma: discount (``algorithm.gamma``).
+
+    Returns:
+        ``(advantages, returns)`` float [B, T], 0 at masked positions, no grad: ``returns`` the discounted returns,
+        ``advantages`` those whitened (`masked_whiten`) over the batch's response tokens.
+    """
+    check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    is_real = response_mask != 0
+    rewards = torch.where(is_real, token_level_rewards, 0.0)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = torch.where(is_real[:, t], running, 0.0)  # nothing flows back across padding
+    returns = torch.where(is_real, returns, 0.0)
+    advantages = masked_whiten(returns, response_mask) * is_real.to(returns.dtype)
+    return advantages, returns
+
+
+@register_adv_est("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence[Any] | np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with the group-mean baseline: each response's score minus its prompt group's mean score, given
+    to every token, then whitened over every response token of the batch.
+
+    Source: Hu 2025, "REINFORCE++", §4 (REINFORCE++-baseline: the group mean replaces GRPO's per-group std
+    normalisation by a global one). A group of one has baseline 0.
+
+    Args:
+        token_level_rewards: float [B, T]; a sequence's score is its sum over the response mask.
+        response_mask: bool/int/float [B, T].
+        index: length-B prompt uids; equal uids form a group.
+
+    Returns:
+        ``(advantages, returns)``, identical float [B, T] tensors, 0 at masked positions, no grad.
+    """
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    centred = scores - _group_means(scores, index)
+    is_real = (response_mask != 0).to(scores.dtype)
+    advantages = masked_whiten(centred.unsqueeze(-1) * is_real, response_mask) * is_real
+    return advantages, advantages
+
+
+@register_adv_est("opo")
+@torch.no_grad()
+def compute_opo_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence[Any] | np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (on-policy RL with the optimal baseline) outcome advantage: each response's score minus its group's
+    length-weighted mean score, ``b = sum_j |o_j| r_j / sum_j |o_j|``.
+
+    Source: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline" (arXiv 2505.23585), §3: the optimal
+    baseline under the approximation that a sequence's gradient norm grows with its length. A group of one has
+    baseline 0.
+
+    Args:
+        token_level_rewards: float [B, T]; a sequence's score is its sum over the response mask.
+        response_mask: bool/int/float [B, T]; a sequence's length |o| is its sum.
+        index: length-B prompt uids; equal uids form a group.
+
+    Returns:
+        ``(advantages, returns)``, identical float [B, T] tensors, 0 at masked positions, no grad.
+    """
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    lengths = (response_mask != 0).sum(-1).to(scores.dtype)
+    advantages = (scores - _group_means(scores, index, lengths)).unsqueeze(-1) * (response_mask != 0).to(scores.dtype)
+    return advantages, advantages
+
+
+@register_adv_est("remax")
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, reward_baselines: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax advantage: the reward-to-go of each token minus the score of its prompt's greedy response.
+
+    Source: Li et al. 2023, "ReMax" (arXiv 2310.10505), Algorithm 1: the greedy response's reward is the baseline
+    of REINFORCE, ``A_t = sum_{t' >= t} r_t' - r(x, y_greedy)``. With an outcome reward (on the last token) every
+    token's advantage is ``r(x, y) - r(x, y_greedy)``. No whitening, no critic.
+
+    Args:
+        token_level_rewards: float [B, T].
+        response_mask: bool/int/float [B, T].
+        reward_baselines: float [B], the training score of each row's prompt's greedy response (the batch's
+            ``reward_baselines`` column, written by `hybridflow.engine.advantage.greedy_baselines`).
+
+    Returns:
+        ``(advantages, returns)`` float [B, T] (returns: the reward-to-go), 0 at masked positions, no grad.
+
+    Raises:
+        ValueError: ``reward_baselines`` does not have one entry per row.
+    """
+    if reward_baselines.shape != token_level_rewards.shape[:1]:
+        raise ValueError(
+            f"reward_baselines has shape {tuple(reward_baselines.shape)}; need one per row: "
+            f"({token_level_rewards.shape[0]},)"
+        )
+    is_real = (response_mask != 0).to(token_level_rewards.dtype)
+    rewards = torch.where(response_mask != 0, token_level_rewards, 0.0)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1) * is_real
+    advantages = (returns - reward_baselines.to(returns.dtype).unsqueeze(-1)) * is_real
+    return advantages, returns

@@ -1,0 +1,297 @@
+"""The actor: the policy being trained. Computes response log-probs and runs the PPO policy update.
+
+Each rank of a worker group holds one `Actor`; with several ranks the update is data-parallel (see `training`).
+The update follows PPO (Schulman et al. 2017, Alg. 1): for ``ppo_epochs`` passes, split the batch into
+mini-batches (one optimizer step each), each accumulated over micro-batches (one forward/backward each).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.engine.algorithms.kl import kl_penalty
+from hybridflow.engine.algorithms.losses import get_policy_loss_fn, truncated_is_weights
+from hybridflow.engine.backends.training import (
+    MaskedMeans,
+    MetricLog,
+    build_optimizer,
+    data_parallel,
+    dp_world,
+    optimizer_step,
+    sync_gradients,
+    update_random_stream,
+    update_steps,
+)
+from hybridflow.engine.config import ActorConfig
+from hybridflow.engine.models import compute_log_probs, response_log_probs
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.torch_ops import agg_loss, masked_mean
+
+UPDATE_KEYS = [
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "responses",
+    "response_mask",
+    "old_log_probs",
+    "advantages",
+]
+
+
+def policy_loss(
+    config: ActorConfig,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The policy loss ``actor.policy_loss.loss_mode`` names (`losses.get_policy_loss_fn`) with the section's
+    clip ratios and ``loss_agg_mode``: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, 0-dim tensors, over
+    float [b, T] inputs (``log_prob`` carries the gradient), and the loss's own ``actor.policy_loss`` keys (those its
+    signature names). Both training engines (this one and megatron's) call it."""
+    fn = get_policy_loss_fn(config.policy_loss.loss_mode)
+    params = inspect.signature(fn).parameters
+    own = {k: v for k, v in config.policy_loss.model_dump(exclude={"loss_mode"}).items() if k in params}
+    return fn(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        clip_ratio_low=config.clip_ratio_low,
+        clip_ratio_high=config.clip_ratio_high,
+        clip_ratio_c=config.clip_ratio_c,
+        loss_agg_mode=config.loss_agg_mode,
+        is_weights=is_weights,
+        **own,
+    )
+
+
+def actor_loss(
+    config: ActorConfig,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    batch,
+    entropy: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+    """The actor's loss on one micro-batch, as both training engines (this one and megatron's) assemble it: the
+    `policy_loss`, minus ``actor.entropy_coeff`` x the entropy bonus when `entropy` [b, T] is given (its
+    ``loss_agg_mode`` aggregate), plus ``actor.kl_loss_coef`` x the KL loss to ``ref_log_prob`` when
+    ``actor.use_kl_loss`` (``actor.kl_loss_type``, aggregated alike).
+
+    Args:
+        batch: the micro-batch's tensors (``advantages``, ``response_mask`` [b, T], ``ref_log_prob`` for the KL loss).
+
+    Returns:
+        The loss (0-dim, carrying the gradient of `log_prob` and `entropy`) and its terms for the metrics, named as
+        ``actor/<name>``: ``entropy``, ``kl_loss``, ``kl_coef`` where they apply, then ``pg_loss``,
+        ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower``.
+    """
+    mask = batch["response_mask"]
+    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
+        config, old_log_prob, log_prob, batch["advantages"], mask, is_weights
+    )
+    loss, terms = pg_loss, {}
+    if entropy is not None:
+        entropy_loss = agg_loss(entropy, mask, config.loss_agg_mode)
+        loss = loss - config.entropy_coeff * entropy_loss
+        terms["entropy"] = entropy_loss
+    if config.use_kl_loss:
+        kl_loss = agg_loss(kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type), mask, config.loss_agg_mode)
+        loss = loss + config.kl_loss_coef * kl_loss
+        terms.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
+    terms.update(pg_loss=pg_loss, pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
+    return loss, terms
+
+
+class Actor:
+    """PPO actor around a Hugging Face causal LM.
+
+    Args:
+        model: the policy (trained in place; the rollout may share it).
+        config: the ``actor`` config section.
+        rollout_n: responses per prompt, to turn ``ppo_mini_batch_size`` (prompts) into sequences.
+        seed: seeds the mini-batch shuffling (with the iteration number from ``meta_info["global_steps"]``).
+        compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, weights and gradients stay as
+            loaded, fp32 with ``load_model(..., trainable=True)``); None or float32: no autocast.
+
+    Under torch.distributed (a worker group of D ranks) the model is wrapped in DDP or sharded with FSDP2 here
+    (``actor.strategy``; with ``actor.tp`` FSDP2 runs over D / tp data-parallel replicas of tp tensor-parallel
+    ranks), a collective: every rank constructs its `Actor` together; ``ppo_mini_batch_size x rollout_n`` must be a
+    multiple of the data-parallel size.
+    """
+
+    def __init__(
+        self, model, config: ActorConfig, rollout_n: int, seed: int = 0, compute_dtype: torch.dtype | None = None
+    ):
+        self.model = model
+        self.config = config
+        self.seed = seed
+        self.compute_dtype = compute_dtype
+        # DDP or FSDP2 across the group's ranks (see `training`), else `model`; FSDP shards the parameters, so the
+        # optimizer is built on them afterwards
+        self.train_module, self.dp_group = data_parallel(model, config.strategy, getattr(config, "tp", 1))
+        dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else dp_world()[1]
+        # sequences per rank per optimizer step: the global mini-batch is split over the data-parallel ranks
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // dp
+        self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
+
+    def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto:
+        """Log-probs of the responses under the current weights.
+
+        Args:
+            data: rollout output (``input_ids``, ``attention_mask``, ``position_ids``, ``responses``);
+                ``meta_info["temperature"]`` (sampling temperature, default 1.0) divides the logits.
+
+        Returns:
+            DataProto with ``old_log_probs`` float32 [B, T] (and ``entropys`` float32 [B, T] if asked).
+        """
+        self.model.eval()
+        temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        cfg = self.config
+        log_probs, entropy = compute_log_probs(
+            self.model,
+            data,
+            cfg.log_prob_micro_batch_size,
+            temperature,
+            calculate_entropy,
+            self.compute_dtype,
+            share_prompts=cfg.shares_prompts,
+        )
+        tensors = {"old_log_probs": log_probs}
+        if entropy is not None:
+            tensors["entropys"] = entropy
+        return DataProto.from_dict(tensors)
+
+    def update_policy(self, data: DataProto) -> dict[str, float]:
+        """PPO update on a batch with advantages.
+
+        Each mini-batch is one optimizer step; its loss is accumulated over micro-batches weighted by
+        `training.micro_batch_weights`, so the gradient equals that of the mini-batch loss in one piece (for
+        ``token-mean``: every response token of the mini-batch weighs the same).
+
+        Args:
+            data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``,
+                ``rollout_log_probs`` [B, T] when ``actor.tis_cap`` is set). Without ``old_log_probs`` the update is
+                on-policy (HybridFlowConfig.skips_old_log_prob): one optimizer step, whose ratio's denominator is its
+                own forward's log-probs, detached.
+
+        Returns:
+            metrics averaged over micro-batches: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
+            ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), ``actor/tis_weight_mean``
+            and ``actor/tis_truncated_frac`` (with ``actor.tis_cap``), and per optimizer step ``actor/grad_norm``,
+            ``actor/lr``; on-policy also the old_log_prob stage's token means (`_micro_step`).
+
+        Raises:
+            KeyError: ``actor.tis_cap`` is set but the batch has no ``rollout_log_probs`` (an engine that reports
+                none).
+            ValueError: no ``old_log_probs`` and more than one optimizer step.
+        """
+        cfg = self.config
+        on_policy = "old_log_probs" not in data.keys
+        keys = [k for k in UPDATE_KEYS if not (on_policy and k == "old_log_probs")]
+        keys += ["ref_log_prob"] if cfg.use_kl_loss else []
+        if cfg.tis_cap is not None and "rollout_log_probs" not in data.keys:
+            raise KeyError(
+                "actor.tis_cap needs the rollout engine's log-probs (rollout_log_probs), which this batch lacks: "
+                "use rollout.name=vllm or remove actor.tis_cap"
+            )
+        if "rollout_log_probs" in data.keys and (cfg.tis_cap is not None or on_policy):
+            keys.append("rollout_log_probs")
+        data = data.select(batch_keys=keys)
+        temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group))
+        if on_policy and len(steps) != 1:
+            raise ValueError(
+                f"the batch has no old_log_probs, which only an update of one optimizer step may do without; this one "
+                f"takes {len(steps)} (actor.ppo_epochs x data.train_batch_size / actor.ppo_mini_batch_size): run the "
+                "old_log_prob stage first (actor.recompute_log_prob=true)"
+            )
+        self.model.train()
+        log = MetricLog()
+        measured = MaskedMeans() if on_policy else None
+        with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
+            for micros, weights in steps:
+                for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
+                    with sync_gradients(self.train_module, sync=i == len(micros) - 1):
+                        self._micro_step(micro, temperature, loss_scale, log, measured)
+                clip = cfg.optim.grad_clip
+                log.add(**optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, "actor", log))
+        return {**log.mean("actor"), **(measured.means() if measured is not None else {})}
+
+    def _micro_step(
+        self, micro: DataProto, temperature: float, loss_scale: float, log: MetricLog, measured: MaskedMeans | None
+    ) -> None:
+        """One micro-batch's forward and backward. With `measured` (an on-policy update: the batch has no
+        ``old_log_probs``), the old log-probs are this forward's, detached (the weights have not moved yet: one
+        optimizer step, after every micro-batch), and `measured` gets what the skipped old_log_prob stage reports
+        from the same numbers: ``actor/entropy`` (unless the entropy bonus logs its own) and the rollout engine's
+        drift (``rollout/log_prob_diff_mean``, ``rollout/kl``, as `hybridflow.engine.metrics.rollout_mismatch`)."""
+        cfg = self.config
+        batch = micro.batch
+        mask = batch["response_mask"]
+        calculate_entropy = cfg.entropy_coeff != 0
+        log_prob, entropy = response_log_probs(
+            self.train_module,
+            micro,
+            temperature,
+            calculate_entropy or measured is not None,
+            self.compute_dtype,
+            entropy_grad=calculate_entropy,
+            share_prompts=cfg.shares_prompts,
+        )
+        old_log_prob = batch["old_log_probs"] if measured is None else log_prob.detach()
+        if measured is not None:
+            if not calculate_entropy:
+                measured.add("actor/entropy", entropy, mask)
+            if "rollout_log_probs" in batch:
+                drift = batch["rollout_log_probs"] - old_log_prob
+                measured.add("rollout/log_prob_diff_mean", drift.abs(), mask)
+                measured.add("rollout/kl", drift, mask)
+        is_weights = None
+        if cfg.tis_cap is not None:
+            is_weights = truncated_is_weights(old_log_prob, batch["rollout_log_probs"], cfg.tis_cap)
+            log.add(
+                tis_weight_mean=masked_mean(is_weights, mask),
+                tis_truncated_frac=masked_mean((is_weights >= cfg.tis_cap).float(), mask),
+            )
+        loss, terms = actor_loss(cfg, old_log_prob, log_prob, batch, entropy if calculate_entropy else None, is_weights)
+        (loss * loss_scale).backward()
+        log.add(**terms)
+
+
+class RefPolicy:
+    """The frozen reference policy: log-probs only, for the KL term.
+
+    Args:
+        model: a copy of the initial policy (never updated; may be stored in bf16, ``load_model(trainable=False)``).
+        micro_batch_size: sequences per forward (``ref.log_prob_micro_batch_size``).
+        compute_dtype: dtype of the forwards, as for `Actor` (pass the actor's, so both see the same numerics).
+        share_prompts: compute a repeated prompt once (`hybridflow.engine.packing.pack_rows`).
+    """
+
+    def __init__(
+        self, model, micro_batch_size: int, compute_dtype: torch.dtype | None = None, share_prompts: bool = True
+    ):
+        self.model = model.eval().requires_grad_(False)
+        self.micro_batch_size = micro_batch_size
+        self.compute_dtype = compute_dtype
+        self.share_prompts = share_prompts
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """Returns DataProto with ``ref_log_prob`` float32 [B, T] (logits divided by the rollout temperature)."""
+        temperature = data.meta_info.get("temperature", 1.0) or 1.0
+        log_probs, _ = compute_log_probs(
+            self.model,
+            data,
+            self.micro_batch_size,
+            temperature,
+            compute_dtype=self.compute_dtype,
+            share_prompts=self.share_prompts,
+        )
+        return DataProto.from_dict({"ref_log_prob": log_probs})

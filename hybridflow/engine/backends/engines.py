@@ -1,0 +1,264 @@
+"""The training engines (``actor.strategy`` / ``critic.strategy``, registered in `hybridflow.engine.extensions`).
+
+A backend owns what differs between ways of training a model over a worker group's ranks:
+
+- building the actor (with the `hybridflow.engine.extensions.WeightSource` its rollout generates from) and a critic;
+- wrapping a Hugging Face model for data parallelism (`data_parallel`);
+- writing and restoring a trained role in a checkpoint.
+
+Here: ``ddp`` (a replica per rank, gradients all-reduced), ``fsdp`` (FSDP2 shards, optionally
+tensor-parallel) and ``megatron`` (megatron-core tensor and pipeline parallel, generating through the
+3D-HybridEngine). The worker calls the backend its config names and never branches on the name itself;
+``actor.strategy`` and ``critic.strategy`` accept every registered name (`hybridflow.engine.extensions.backend_names`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # no torch at import
+    import torch
+    import torch.distributed as dist
+
+    from hybridflow.engine.config import HybridFlowConfig
+    from hybridflow.engine.extensions import WeightSource
+
+
+_VALUE_COLUMNS = ("values", "returns")
+
+
+class TrainingBackend:
+    """The interface of a training engine; `HFBackend` and `MegatronBackend` implement it.
+
+    Attributes:
+        name: its ``strategy`` value.
+        hf_model: it trains a Hugging Face model in place (`data_parallel`); False: a model of its own.
+        sharded: the model's weights are split over the ranks at rest.
+        packs_rows: its forward packs a prompt's samples into rows that compute the prompt once
+            (``actor.share_prompts``, `hybridflow.engine.packing`).
+        hosted_by_actor: a critic of this backend lives in the actor's processes and parallel layout.
+    """
+
+    name: str
+    hf_model: bool = True
+    sharded: bool = False
+    packs_rows: bool = True
+    hosted_by_actor: bool = False
+
+    def check_layout(self, cfg: HybridFlowConfig, world: int) -> None:
+        """Refuse an actor layout (``actor.tp``/``pp``, ``rollout.gen_tp``/``gen_pp``) this backend cannot train or
+        generate in, on an actor pool of `world` ranks.
+
+        Raises:
+            ValueError: naming the keys and the fix.
+        """
+        actor, rollout = cfg.actor, cfg.rollout
+        if (actor.tp, actor.pp, rollout.gen_tp or 1, rollout.gen_pp) != (1, 1, 1, 1):
+            raise ValueError(
+                "actor.tp, actor.pp, rollout.gen_tp and rollout.gen_pp split the model for the 3D-HybridEngine and "
+                f"need actor.strategy=megatron (or fsdp for actor.tp); got strategy {actor.strategy!r}"
+            )
+
+    def layout_record(self, cfg: HybridFlowConfig, world: int) -> dict[str, Any]:
+        """How the actor is split over its pool's `world` ranks, for the run store (``placements.parallel``)."""
+        tp = cfg.actor.tp
+        return {"train": {"pp": 1, "tp": tp, "dp": world // tp}}
+
+    def data_parallel(self, model: torch.nn.Module, tp: int = 1) -> tuple[torch.nn.Module, dist.ProcessGroup | None]:
+        """The module to train `model` through and its data-parallel group (None: the default group, or no group on
+        one rank).
+
+        Raises:
+            ValueError: the backend trains a model of its own (megatron).
+        """
+        raise ValueError(f"strategy {self.name!r} does not train a Hugging Face model in place; use ddp or fsdp")
+
+    def build_actor(
+        self, cfg: HybridFlowConfig, model_path: Path, tokenizer, device: torch.device, compute_dtype: torch.dtype
+    ) -> tuple[Any, WeightSource]:
+        """The actor (``update_policy``, ``compute_log_prob``, ``model``/``optimizer``/``lr_scheduler``) and the
+        weight source its rollout generates from."""
+        raise NotImplementedError
+
+    def build_critic(
+        self,
+        cfg: HybridFlowConfig,
+        actor: Any,
+        critic_path: Path,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        name: str = "critic",
+        columns: tuple[str, str] = ("values", "returns"),
+    ) -> Any:
+        """A critic (``compute_values``, ``update_critic``) writing `columns`, its metrics under ``<name>/``."""
+        raise NotImplementedError
+
+    def parameter_count(self, role: str, trained: Any) -> int | None:
+        """The parameter count of `role`'s model for the run record; None where this rank cannot tell."""
+        return sum(p.numel() for p in trained.model.parameters())
+
+    def save(self, staging: str | Path, role: str, trained: Any, tokenizer, rank: int) -> list[str]:
+        """Write `role` into a checkpoint's staging folder; every rank calls it. Returns the roles written (rank 0)."""
+        from hybridflow.engine.checkpoint import save_role
+        from hybridflow.engine.sharded_state import full_model_state, full_optimizer_state, is_sharded
+
+        full_state = None
+        if is_sharded(trained.model):  # FSDP: gather full tensors, a collective of every rank
+            full_state = full_model_state(trained.model), full_optimizer_state(trained.model, trained.optimizer)
+        if rank != 0:
+            return []
+        save_role(staging, role, trained.model, trained.optimizer, trained.lr_scheduler, tokenizer, full_state)
+        return [role]
+
+    def load(self, path: str | Path, role: str, trained: Any) -> dict[str, Any]:
+        """Restore `role` from checkpoint `path`, or return the `hybridflow.engine.checkpoint.load_checkpoint`
+        keyword arguments that restore it (the caller loads every role in one call)."""
+        from hybridflow.engine.checkpoint import role_states
+
+        return role_states(**{role: trained})
+
+
+class HFBackend(TrainingBackend):
+    """``ddp`` and ``fsdp``: a Hugging Face model trained by `hybridflow.engine.backends.actor.Actor` and
+    `hybridflow.engine.backends.critic.Critic`, replicated (``DistributedDataParallel``) or sharded (FSDP2,
+    tensor-parallel
+    over groups of ``actor.tp`` ranks) over the group; the rollout generates with the actor's model itself
+    (gathered from its shards under fsdp)."""
+
+    def __init__(self, name: str, sharded: bool):
+        self.name, self.sharded = name, sharded
+
+    def check_layout(self, cfg, world):
+        """``ddp``: every rank a whole replica (no tp/pp). ``fsdp``: tensor parallelism (``actor.tp``) only, and
+        generation in the training layout."""
+        if not self.sharded:
+            return super().check_layout(cfg, world)
+        actor, rollout = cfg.actor, cfg.rollout
+        if (actor.pp, rollout.gen_pp) != (1, 1) or rollout.gen_tp not in (None, actor.tp):
+            raise ValueError(
+                f"actor.strategy={self.name} trains with tensor parallelism (actor.tp) only and generates in the same "
+                "layout: leave actor.pp, rollout.gen_pp at 1 and rollout.gen_tp unset, or use "
+                "actor.strategy=megatron for pipelines and resharding"
+            )
+        if world % actor.tp:
+            raise ValueError(
+                f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of actor.tp = {actor.tp}"
+            )
+
+    def data_parallel(self, model: torch.nn.Module, tp: int = 1) -> tuple[torch.nn.Module, dist.ProcessGroup | None]:
+        """``ddp``: `model` wrapped in ``DistributedDataParallel`` (rank 0's weights broadcast to all; buffers not
+        broadcast in forward, so the rollout may run any number of forwards on the unwrapped model). ``fsdp``:
+        `model` itself, sharded in place (`hybridflow.engine.backends.fsdp.shard_model`, tensor-parallel over groups of
+        `tp`
+        ranks when ``tp > 1``) and the data-parallel group; build its optimizer after this call. One rank: `model`."""
+        import torch
+
+        from hybridflow.engine.backends.training import dp_world
+
+        if dp_world()[1] == 1:
+            return model, None
+        if self.sharded:
+            from hybridflow.engine.backends.fsdp import shard_model
+
+            return model, shard_model(model, tp)
+        device_ids = [model.device.index] if getattr(model, "device", torch.device("cpu")).type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False), None
+
+    def build_actor(self, cfg, model_path, tokenizer, device, compute_dtype):
+        from hybridflow.engine.backends.actor import Actor
+        from hybridflow.engine.backends.weights import GatheredWeights, ModelWeights
+        from hybridflow.engine.models import load_model
+
+        policy = load_model(model_path, compute_dtype, device, trainable=True)
+        actor = Actor(policy, cfg.actor, cfg.rollout.n, cfg.trainer.seed, compute_dtype=compute_dtype)
+        return actor, GatheredWeights(policy) if self.sharded else ModelWeights(policy)
+
+    def build_critic(self, cfg, actor, critic_path, device, compute_dtype, name="critic", columns=_VALUE_COLUMNS):
+        from hybridflow.engine.backends.critic import Critic
+        from hybridflow.engine.models import load_critic
+
+        model = load_critic(critic_path, compute_dtype, device, trainable=True)
+        return Critic(model, cfg.critic, cfg.rollout.n, cfg.trainer.seed, compute_dtype, name=name, columns=columns)
+
+
+class MegatronBackend(TrainingBackend):
+    """``megatron``: `hybridflow.engine.backends.hybrid_actor.HybridActorRollout`, the megatron-core actor and its
+    3D-HybridEngine (the rollout's weight source); a megatron critic lives in the actor's processes and layout."""
+
+    name = "megatron"
+    hf_model = False
+    sharded = True
+    packs_rows = False
+    hosted_by_actor = True
+
+    def check_layout(self, cfg, world):
+        """megatron-core installed; the pool a multiple of tp x pp; generation without pipelines, tensor-parallel
+        only where the rollout can (`hybridflow.engine.extensions.RolloutSpec.tensor_parallel`); gen_tp dividing tp;
+        no entropy bonus or truncated importance sampling yet."""
+        import importlib.util
+
+        from hybridflow.engine.extensions import rollout_spec
+
+        actor, rollout = cfg.actor, cfg.rollout
+        if importlib.util.find_spec("megatron.core") is None:
+            raise ValueError(
+                "actor.strategy=megatron needs megatron-core: pip install megatron-core (bash .ci/setup installs it), "
+                "or set actor.strategy=ddp"
+            )
+        if world % (actor.tp * actor.pp):
+            raise ValueError(
+                f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of "
+                f"actor.tp x actor.pp = {actor.tp * actor.pp}"
+            )
+        if actor.entropy_coeff != 0 or actor.tis_cap is not None:
+            raise ValueError(
+                "actor.strategy=megatron does not compute the vocabulary-parallel entropy bonus or truncated "
+                "importance sampling yet: set actor.entropy_coeff=0 and leave actor.tis_cap unset"
+            )
+        if rollout.gen_pp != 1:
+            raise ValueError("rollout.gen_pp > 1 (pipelined generation) is not implemented: set rollout.gen_pp=1")
+        if not rollout_spec(rollout.name).tensor_parallel and (rollout.gen_tp or actor.tp) != 1:
+            raise ValueError(
+                f"actor.strategy=megatron feeds the {rollout.name} rollout from the 3D-HybridEngine's generation "
+                "shards only without tensor parallelism (vLLM's own TP over the generation TP group is not built): set "
+                "rollout.gen_tp=1, or rollout.name=hf to generate tensor-parallel with transformers"
+            )
+        cfg.actor_layout()  # gen_tp must divide tp
+
+    def layout_record(self, cfg, world):
+        """The training and generation layouts, the resharding mode and the rank groups (`HybridLayout.describe`)."""
+        return {"reshard": cfg.rollout.reshard, **cfg.actor_layout().describe()}
+
+    def build_actor(self, cfg, model_path, tokenizer, device, compute_dtype):
+        from hybridflow.engine.backends.hybrid_actor import HybridActorRollout
+
+        actor = HybridActorRollout(cfg, model_path, tokenizer, device)
+        return actor, actor
+
+    def build_critic(self, cfg, actor, critic_path, device, compute_dtype, name="critic", columns=_VALUE_COLUMNS):
+        actor.add_critic(critic_path, device)
+        return actor.critic
+
+    def parameter_count(self, role, trained):
+        """The actor's whole model (`HybridActorRollout.parameter_count`); None for the critic (a shard here)."""
+        return trained.parameter_count() if role == "actor" else None
+
+    def save(self, staging, role, trained, tokenizer, rank):
+        """The actor writes itself and a megatron critic (`HybridActorRollout.save`: shards gathered, every rank
+        takes part); the critic has nothing more to write."""
+        if role != "actor":
+            return []
+        trained.save(staging)
+        return ["actor", "critic"] if trained.critic is not None else ["actor"]
+
+    def load(self, path, role, trained):
+        """The actor loads its shards and a megatron critic's (`HybridActorRollout.load`)."""
+        if role == "actor":
+            trained.load(path)
+        return {}
+
+
+DDP = HFBackend("ddp", sharded=False)
+FSDP = HFBackend("fsdp", sharded=True)
+MEGATRON = MegatronBackend()

@@ -1,0 +1,273 @@
+"""The PPO policy loss on megatron-core's ``GPTModel`` (`hybridflow.engine.backends.megatron_model`): response log-probs
+from
+vocabulary-parallel logits and the clipped surrogate, run through megatron's forward/backward schedule, so the same
+code trains with tensor, pipeline and data parallelism.
+
+Batches use the rollout layout of `hybridflow.engine.rollout.hf` (left-padded prompts, right-padded responses). The
+attention mask given to megatron is causal and hides padding (megatron takes an explicit mask instead of its
+causal default when one is passed; True = masked).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hybridflow.engine.backends.actor import UPDATE_KEYS, actor_loss
+from hybridflow.engine.backends.training import (
+    MetricLog,
+    build_optimizer,
+    optimizer_step,
+    update_random_stream,
+    update_steps,
+)
+from hybridflow.engine.config import ActorConfig
+from hybridflow.engine.protocol import DataProto
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """megatron's attention mask: True where query i must not see key j (j > i, or j is padding).
+    int/bool [B, S] -> bool [B, 1, S, S]."""
+    seq = attention_mask.shape[1]
+    future = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).triu(1)
+    return future[None, None] | ~attention_mask.bool()[:, None, None, :]
+
+
+def forward(model, micro: DataProto) -> torch.Tensor:
+    """One forward of this rank's stage: vocabulary-parallel logits [b, S, V/t] on the last pipeline stage, the
+    hidden states megatron passes on elsewhere (the schedule feeds earlier stages' outputs in)."""
+    batch = micro.batch
+    return model(batch["input_ids"], batch["position_ids"], attention_mask=causal_padding_mask(batch["attention_mask"]))
+
+
+def response_log_probs(model, micro: DataProto, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each response token (differentiable; last pipeline stage only).
+
+    Args:
+        model: this rank's ``GPTModel`` (its logits are this TP rank's vocabulary slice).
+        micro: ``input_ids``, ``attention_mask``, ``position_ids`` [b, P+T] and ``responses`` [b, T].
+        temperature: the logits are divided by it, as in `hybridflow.engine.models.response_logits`.
+
+    Returns:
+        float32 [b, T]. Positions past the response end are meaningless; mask them with ``response_mask``.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    responses = micro.batch["responses"]
+    logits = forward(model, micro)[:, -responses.shape[1] - 1 : -1].float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    # megatron's cross entropy takes [s, b, v/t] and returns -log p [s, b]
+    return -vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), responses.t().contiguous()).t()
+
+
+def response_values(model, micro: DataProto, temperature: float = 1.0) -> torch.Tensor:
+    """The critic's value for each response token, read at the position that predicts it, as
+    `hybridflow.engine.models.response_values` does (last pipeline stage of a model built with ``value_head``).
+    float32 [b, T], differentiable; `temperature` is ignored."""
+    responses = micro.batch["responses"]
+    return forward(model, micro)[:, -responses.shape[1] - 1 : -1, 0].float()
+
+
+def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool, head=response_log_probs) -> None:
+    """Run equal-sized `micros` through megatron's forward(/backward) schedule: every stage forwards, the last
+    stage turns its output into per-response-token values with ``head(model, micro, temperature)`` (default:
+    response log-probs; temperature from ``meta_info``) and calls ``loss_of(index, values) -> (loss, dict)``;
+    megatron divides each loss by ``len(micros)`` before backward."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    last_stage = parallel_state.is_pipeline_last_stage()
+    temperature = micros[0].meta_info.get("temperature", 1.0) or 1.0
+
+    def forward_step(data_iterator, model):
+        index, micro = next(data_iterator)
+        if not last_stage:  # hidden states for the next stage; megatron never calls this stage's loss function
+            return forward(model, micro), None
+        return head(model, micro, temperature), functools.partial(loss_of, index)
+
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(list(enumerate(micros))),
+        model=[model],
+        num_microbatches=len(micros),
+        seq_length=micros[0].batch["input_ids"].shape[1],
+        micro_batch_size=len(micros[0]),
+        forward_only=forward_only,
+    )
+
+
+def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], config: ActorConfig) -> dict[str, float]:
+    """Accumulate into ``.grad`` the gradient of ``sum_i loss_scales[i] * loss_i`` over the micro-batches of one
+    mini-batch, where ``loss_i`` is micro-batch i's actor loss (`hybridflow.engine.backends.actor.actor_loss`: the
+    policy
+    loss, plus the KL loss when ``actor.use_kl_loss``), through megatron's forward/backward schedule.
+
+    Args:
+        micros: equal-sized micro-batches with `hybridflow.engine.backends.actor.UPDATE_KEYS` (+ ``ref_log_prob``) and
+            ``meta_info["temperature"]``.
+        loss_scales: one weight per micro-batch (`hybridflow.engine.backends.training.micro_batch_weights`).
+
+    Returns:
+        ``actor/pg_loss``, ``actor/ppo_kl``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and, with the KL
+        loss, ``actor/kl_loss`` and ``actor/kl_coef``, averaged over micro-batches (last pipeline stage; empty
+        elsewhere), as `hybridflow.engine.backends.actor.Actor` names them.
+    """
+    logged: list[dict[str, float]] = []  # per micro-batch, as computed (the schedule rescales what it returns)
+
+    def loss_func(index: int, log_prob: torch.Tensor):
+        batch = micros[index].batch
+        on_policy = "old_log_probs" not in batch  # one optimizer step: the old log-probs are this forward's
+        old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
+        loss, terms = actor_loss(config, old_log_prob, log_prob, batch)  # (no entropy bonus on megatron yet)
+        logged.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in terms.items()})
+        # the schedule divides each micro-batch's loss by their number: undo it, then weigh
+        return loss * loss_scales[index] * len(micros), {"pg_loss": terms["pg_loss"].detach()}
+
+    run_schedule(model, micros, loss_func, forward_only=False)
+    _sync_tied_embedding_grads(model)
+    if not logged:
+        return {}
+    return {f"actor/{k}": sum(m[k] for m in logged) / len(logged) for k in logged[0]}
+
+
+def clip_grad_norm(model, max_norm: float) -> float:
+    """Clip the gradients to a global 2-norm of `max_norm`, the norm taken over the whole model: each tensor-parallel
+    shard counted once, replicated parameters (norms) once per model, a tied output layer once; summed over the
+    model-parallel group. Returns the norm before clipping (as ``torch.nn.utils.clip_grad_norm_``)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    counted = [
+        p.grad
+        for p in model.parameters()
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+    ]
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros(1, dtype=torch.float64, device=device)  # on the GPU with NCCL
+    for g in counted:
+        squares += g.double().pow(2).sum()
+    torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    total = float(squares.sqrt())
+    coefficient = max_norm / (total + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
+    return total
+
+
+class MegatronRole:
+    """What the megatron actor and critic share: the model shard, its AdamW optimizer and schedule, megatron's
+    data-parallel group, the per-rank mini-batch size (``ppo_mini_batch_size x n / D`` sequences, D = megatron's
+    data-parallel size) and forward-only passes through megatron's schedule.
+
+    Args:
+        model: this rank's ``GPTModel`` (`hybridflow.engine.backends.megatron_model.build_gpt_model`).
+        config: the role's section (``actor`` or ``critic``).
+        rollout_n: responses per prompt.
+        seed: seeds the mini-batch shuffling (with ``meta_info["global_steps"]``).
+    """
+
+    def __init__(self, model, config, rollout_n: int, seed: int = 0):
+        from megatron.core import parallel_state
+
+        self.model = model
+        self.config = config
+        self.seed = seed
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.mini_batch_size = config.ppo_mini_batch_size * rollout_n // torch.distributed.get_world_size(self.dp_group)
+        self.optimizer, self.lr_scheduler = build_optimizer(model, config.optim)
+
+    @torch.no_grad()
+    def forward_only(self, data: DataProto, micro_batch_size: int, head, key: str) -> DataProto | None:
+        """``{key: head's output}`` float32 [B, T] over `data` in micro-batches, forward only through megatron's
+        schedule, on the last pipeline stage; None on the others (the 3D transfer protocol collects from it)."""
+        from megatron.core import parallel_state
+
+        self.model.eval()
+        collected: list[torch.Tensor] = []
+
+        def keep(index: int, values: torch.Tensor):
+            collected.append(values)
+            return values.sum() * 0.0, {}
+
+        run_schedule(self.model, data.split(micro_batch_size), keep, forward_only=True, head=head)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return DataProto.from_dict({key: torch.cat(collected).float()})
+
+
+class MegatronActor(MegatronRole):
+    """The PPO actor on megatron-core, with the update semantics of `hybridflow.engine.backends.actor.Actor`:
+    mini-batches
+    of ``ppo_mini_batch_size x n / D`` sequences per data-parallel rank, each one AdamW step; micro-batch losses
+    weighted by `micro_batch_weights` over megatron's data-parallel group; gradients averaged over it; the global
+    grad norm clipped to ``actor.optim.grad_clip``. Arguments as `MegatronRole` (``config``: the ``actor`` section).
+    """
+
+    def compute_log_prob(self, data: DataProto) -> DataProto | None:
+        """Log-probs of the responses under the current weights (``old_log_probs`` float32 [B, T]) in micro-batches
+        of ``actor.log_prob_micro_batch_size``, the logits divided by ``meta_info["temperature"]``; last pipeline
+        stage only (see `MegatronRole.forward_only`)."""
+        return self.forward_only(data, self.config.log_prob_micro_batch_size, response_log_probs, "old_log_probs")
+
+    def update_policy(self, data: DataProto) -> dict[str, float]:
+        """PPO update on this data-parallel rank's rows; returns ``actor/pg_loss``, ``actor/ppo_kl`` (last stage),
+        ``actor/grad_norm`` and ``actor/lr``, averaged as `Actor.update_policy` does."""
+        cfg = self.config
+        keys = [k for k in UPDATE_KEYS if k in data.keys or k != "old_log_probs"]  # none: on-policy (`Actor`)
+        data = data.select(batch_keys=keys + (["ref_log_prob"] if cfg.use_kl_loss else []))
+        steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group))
+        if "old_log_probs" not in keys and len(steps) != 1:
+            raise ValueError(
+                f"the batch has no old_log_probs, which only an update of one optimizer step may do without; this one "
+                f"takes {len(steps)}: run the old_log_prob stage first (actor.recompute_log_prob=true)"
+            )
+        self.model.train()
+        log = MetricLog()
+        with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
+            for micros, scales in steps:
+                gradient = policy_gradient(self.model, micros, scales, cfg)
+                log.add(**{k.removeprefix("actor/"): v for k, v in gradient.items()})
+                clip = cfg.optim.grad_clip
+                step = averaged_optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
+                log.add(**step)
+        return log.mean("actor")
+
+
+def averaged_optimizer_step(
+    model, optimizer, scheduler, dp_group, grad_clip: float, log: MetricLog | None = None, role: str = "actor"
+) -> dict[str, float]:
+    """After a mini-batch's gradients are accumulated: average them over megatron's data-parallel group (the loss
+    weights carry a factor D, see `micro_batch_weights`), then the shared step
+    (`hybridflow.engine.backends.training.optimizer_step`) with the norm over the model-parallel group
+    (`clip_grad_norm`).
+    Returns ``grad_norm`` (before clipping) and ``lr`` (the rate this step used).
+
+    Raises:
+        NonFiniteError: the norm is NaN or infinite: the weights are not stepped.
+    """
+    dp = torch.distributed.get_world_size(dp_group)
+    if dp > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=dp_group)
+                p.grad.div_(dp)
+    return optimizer_step(model, optimizer, scheduler, grad_clip, role, log, clip=clip_grad_norm)
+
+
+def _sync_tied_embedding_grads(model) -> None:
+    """With tied input/output embeddings split over pipeline stages, the first stage's embedding and the last
+    stage's output layer are one weight held twice: sum their gradients (megatron's embedding group)."""
+    from megatron.core import parallel_state
+
+    if not getattr(model, "share_embeddings_and_output_weights", False):
+        return
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not parallel_state.is_rank_in_embedding_group():
+        return
+    weight = model.shared_embedding_or_output_weight()
+    if weight.grad is not None:
+        torch.distributed.all_reduce(weight.grad, group=parallel_state.get_embedding_group())

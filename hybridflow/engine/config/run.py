@@ -1,0 +1,363 @@
+"""The whole configs: `HybridFlowConfig` (an RL run: its sections and the rules that span them) and
+`RMTrainingConfig` (``hf rm train``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from hybridflow.engine.config.sections import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    PlacementConfig,
+    Pool,
+    RefConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    TrainerConfig,
+    _Files,
+    _RunTrainer,
+    _Section,
+)
+from hybridflow.engine.extensions import rollout_spec, training_backend
+from hybridflow.engine.parallel_layout import HybridLayout
+
+
+class HybridFlowConfig(_Section):
+    """The whole run configuration. See the README's configuration reference."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_section(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "data" not in values:
+            raise ValueError("no data section: set data.train_files (parquet/jsonl) or data.reasoning_gym.name")
+        return values
+
+    @model_validator(mode="after")
+    def _batch_sizes(self) -> HybridFlowConfig:
+        self._resolve_rollout()
+        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size})"
+            )
+        if self.algorithm.adv_estimator == "gae" and self.data.train_batch_size % self.critic.ppo_mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
+                f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
+            )
+        self._check_pools()
+        self._parallel_layout()
+        self._divisible_by_ranks()
+        if self.actor.tis_cap is not None and not rollout_spec(self.rollout.name).reports_log_probs:
+            raise ValueError(
+                f"actor.tis_cap corrects the drift between the rollout engine's and the actor's log-probs, and the "
+                f"{self.rollout.name} rollout reports none (it samples from the actor itself): set rollout.name=vllm "
+                "or remove actor.tis_cap"
+            )
+        overlong = self.reward.overlong_buffer
+        if overlong.enable and overlong.len >= self.rollout.response_length:
+            raise ValueError(
+                f"reward.overlong_buffer.len={overlong.len} must be below rollout.response_length="
+                f"{self.rollout.response_length}: the buffer is the last tokens before the limit"
+            )
+        if self.reward.function_coef == 0 and not self.reward_model.enable:
+            raise ValueError(
+                "reward.function_coef=0 leaves no training reward: set it > 0, or reward_model.enable=true with "
+                "reward_model.path"
+            )
+        from hybridflow.engine.algorithms.estimators import uses_greedy_baseline, uses_groups
+
+        estimator = self.algorithm.adv_estimator
+        if uses_groups(estimator) and self.rollout.n < 2:
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} compares responses within a group: set rollout.n >= 2"
+            )
+        if self.algorithm.filter_groups.enable:
+            if self.rollout.n < 2:
+                raise ValueError(
+                    "algorithm.filter_groups drops the groups whose responses all score the same, and with "
+                    "rollout.n=1 every group is one response: set rollout.n >= 2"
+                )
+            if uses_greedy_baseline(estimator):
+                raise ValueError(
+                    f"algorithm.filter_groups is for group estimators (grpo, rloo, ...), not {estimator}: set "
+                    "algorithm.filter_groups.enable=false or another algorithm.adv_estimator"
+                )
+        elif self.data.gen_batch_size is not None:
+            raise ValueError(
+                "data.gen_batch_size sets the prompts of each draw of dynamic sampling: enable "
+                "algorithm.filter_groups.enable or remove data.gen_batch_size"
+            )
+        self._check_safe_rlhf()
+        if uses_greedy_baseline(estimator) and self.rollout.temperature == 0:
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} subtracts the greedy response's score, and rollout.temperature=0 "
+                "samples the greedy response itself (every advantage 0): set rollout.temperature > 0"
+            )
+        return self
+
+    def _check_safe_rlhf(self) -> None:
+        """Safe-RLHF needs its limit and one cost source (a cost function or a cost model), a critic (GAE) for the
+        cost critic to sit beside, and a ddp or fsdp critic (the cost critic is a second value model in the critic's
+        group)."""
+        limit = self.algorithm.cost_limit
+        sources = {"reward.cost_function": self.reward.cost_function}
+        sources["reward_model.cost_path"] = self.reward_model.cost_path
+        given = {key: value for key, value in sources.items() if value is not None}
+        if limit is not None and not given:
+            raise ValueError(
+                f"algorithm.cost_limit={limit} needs a cost source: set reward.cost_function ('module:function' or "
+                "'path.py:function', the custom reward's signature) or reward_model.cost_path (a cost model's "
+                "folder), or remove algorithm.cost_limit"
+            )
+        if len(given) > 1:
+            raise ValueError(
+                "reward.cost_function and reward_model.cost_path are both set: Safe-RLHF takes one cost; remove one"
+            )
+        for key, value in given.items():
+            if limit is None:
+                raise ValueError(
+                    f"{key}={value} is read only by Safe-RLHF: set algorithm.cost_limit (the episode cost to stay "
+                    f"under), or remove {key}"
+                )
+        if limit is None:
+            return
+        if self.algorithm.adv_estimator != "gae":
+            raise ValueError(
+                f"algorithm.cost_limit (Safe-RLHF) estimates cost advantages with a cost critic beside the critic: "
+                f"set algorithm.adv_estimator=gae, not {self.algorithm.adv_estimator}"
+            )
+        if training_backend(self.critic.strategy, "critic.strategy").hosted_by_actor:
+            raise ValueError(
+                "algorithm.cost_limit (Safe-RLHF): the cost critic is built for ddp and fsdp critics: set "
+                "critic.strategy to ddp or fsdp"
+            )
+
+    def safe_rlhf(self) -> bool:
+        """Whether the run is Safe-RLHF's PPO-Lagrangian: ``algorithm.cost_limit`` with ``reward.cost_function`` or
+        ``reward_model.cost_path``."""
+        return self.algorithm.cost_limit is not None
+
+    def prompts_per_draw(self) -> int:
+        """Prompts drawn per generation: ``data.gen_batch_size`` with dynamic sampling, else
+        ``data.train_batch_size``."""
+        return self.data.gen_batch_size or self.data.train_batch_size
+
+    def skips_old_log_prob(self) -> bool:
+        """Whether the old_log_prob stage is skipped: the update is on-policy, one optimizer step per iteration
+        (``actor.ppo_epochs`` 1, ``actor.ppo_mini_batch_size`` = ``data.train_batch_size``), so the log-probs it
+        would compute are the update's own before its step; nothing reads them before the update
+        (``algorithm.use_kl_in_reward`` does); and ``actor.recompute_log_prob`` is false."""
+        a = self.actor
+        one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.data.train_batch_size
+        return one_step and not self.algorithm.use_kl_in_reward and not a.recompute_log_prob
+
+    def roles(self) -> list[str]:
+        """The roles this run uses: actor, rollout and reward (the score function: validation uses it) always; ref
+        for a KL term (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``); critic for an advantage estimator
+        that needs one (GAE); reward_model when ``reward_model.enable`` or a cost model (``reward_model.cost_path``)."""
+        from hybridflow.engine.algorithms.estimators import uses_critic
+
+        roles = ["actor", "rollout", "reward"]
+        if self.actor.use_kl_loss or self.algorithm.use_kl_in_reward:
+            roles.append("ref")
+        if uses_critic(self.algorithm.adv_estimator):
+            roles.append("critic")
+        if self.reward_model.enable or self.reward_model.cost_path:
+            roles.append("reward_model")
+        return roles
+
+    def pools(self) -> dict[str, Pool]:
+        """The run's resource pools (`PlacementConfig.pool_configs`), each hosting the roles of `roles` it names
+        (the score function ``reward``, when no pool names it, in the rollout's pool); pools hosting none of them
+        are left out (``colocate: false`` without a critic or reward model: one pool)."""
+        used = self.roles()
+        configured = self.placement.pool_configs()
+        named = {r for pool in configured.values() for r in pool.roles}
+        out = {}
+        for name, pool in configured.items():
+            roles = [
+                r
+                for r in used
+                if r in pool.roles or (r == "reward" and "reward" not in named and "rollout" in pool.roles)
+            ]
+            if roles:
+                out[name] = replace(pool, roles=tuple(roles))
+        return out
+
+    def pool_of(self, role: str) -> Pool:
+        """The pool hosting `role` (one of `roles`).
+
+        Raises:
+            KeyError: the run does not use `role`."""
+        for pool in self.pools().values():
+            if role in pool.roles:
+                return pool
+        raise KeyError(f"this run has no {role!r} role (its roles: {', '.join(self.roles())})")
+
+    def _check_pools(self) -> None:
+        """``placement.pools`` must place every role the run uses, keep actor and rollout together (the
+        3D-HybridEngine and the hf rollout generate with the actor's weights, in its processes), and use every
+        pool it names."""
+        if self.placement.pools is None:
+            return
+        used = self.roles()
+        enable = {
+            "ref": "actor.use_kl_loss or algorithm.use_kl_in_reward",
+            "critic": "algorithm.adv_estimator=gae",
+            "reward_model": "reward_model.enable or reward_model.cost_path",
+        }
+        pools = self.placement.pools
+        owner = {role: name for name, pool in pools.items() for role in pool.roles}
+        for role in used:
+            if role not in owner and role != "reward":
+                raise ValueError(f"placement.pools: role {role!r} is in no pool; add it to the roles of one pool")
+        if owner["actor"] != owner["rollout"]:
+            raise ValueError(
+                f"placement.pools: actor (pool {owner['actor']}) and rollout (pool {owner['rollout']}) must share a "
+                "pool: the rollout generates with the actor's weights in the actor's processes (3D-HybridEngine); "
+                f"put both in placement.pools.{owner['actor']}.roles"
+            )
+        for name, pool in pools.items():
+            if not set(pool.roles) & set(used):
+                how = "; ".join(f"{r}: {enable[r]}" for r in pool.roles if r in enable)
+                raise ValueError(
+                    f"placement.pools.{name}: this run uses none of its roles ({', '.join(pool.roles)}); remove the "
+                    f"pool, or enable them ({how})"
+                )
+        critic = training_backend(self.critic.strategy, "critic.strategy")
+        if critic.hosted_by_actor and "critic" in owner and owner["critic"] != owner["actor"]:
+            raise ValueError(
+                f"critic.strategy={critic.name} runs in the {critic.name} actor's processes and layout: put critic in "
+                f"the actor's pool (placement.pools.{owner['actor']}.roles), or set critic.strategy=ddp|fsdp"
+            )
+
+    def _resolve_rollout(self) -> None:
+        """``rollout.name: auto``: vllm where it is installed, unless the megatron actor generates tensor-parallel
+        (vLLM is fed from the generation shards only at rollout.gen_tp=1), else hf."""
+        if self.rollout.name != "auto":
+            return
+        vllm = importlib.util.find_spec("vllm") is not None
+        megatron_tp = self.actor.strategy == "megatron" and (self.rollout.gen_tp or self.actor.tp) > 1
+        self.rollout.name = "vllm" if vllm and not megatron_tp else "hf"
+
+    def _parallel_layout(self) -> None:
+        """The actor's layout as its backend allows (`TrainingBackend.check_layout`), and a critic hosted by the actor
+        (megatron) only with a megatron actor in the actor's pool."""
+        world = self.pool_of("actor").world_size
+        separate = self.placement.pools is None and not self.placement.colocate
+        critic = training_backend(self.critic.strategy, "critic.strategy")
+        if critic.hosted_by_actor and (self.actor.strategy != critic.name or separate):
+            raise ValueError(
+                f"critic.strategy={critic.name} runs in the {critic.name} actor's processes and layout: set "
+                f"actor.strategy={critic.name} and place the critic in the actor's pool (placement.colocate=true), or "
+                "critic.strategy=ddp|fsdp"
+            )
+        training_backend(self.actor.strategy).check_layout(self, world)
+
+    def actor_layout(self, world: int | None = None) -> HybridLayout:
+        """The actor group's training layout p-t-d and generation layout p_g-t_g (``actor.strategy=megatron``;
+        with ``ddp`` every rank is a data-parallel replica: p = t = 1, d = ranks) over `world` ranks (default: the
+        actor pool's).
+
+        Raises:
+            ValueError: rollout.gen_tp does not divide actor.tp."""
+        actor = self.actor
+        d = (world or self.pool_of("actor").world_size) // (actor.tp * actor.pp)
+        return HybridLayout(p=actor.pp, t=actor.tp, d=d, p_g=self.rollout.gen_pp, t_g=self.rollout.gen_tp or actor.tp)
+
+    def _divisible_by_ranks(self) -> None:
+        """Every data-parallel rank must get the same number of sequences of every mini-batch (each optimizer step
+        all-reduces gradients once per rank)."""
+        n = self.rollout.n
+        actor_pool = self.pool_of("actor")
+        actor_dp = actor_pool.world_size // (self.actor.tp * self.actor.pp)
+        checks = [("actor", actor_pool, actor_dp, self.actor.ppo_mini_batch_size)]
+        if "critic" in self.roles():
+            critic_pool = self.pool_of("critic")
+            checks.append(("critic", critic_pool, critic_pool.world_size, self.critic.ppo_mini_batch_size))
+        for role, pool, ranks, mini in checks:
+            if ranks > 1 and (mini * n) % ranks:
+                split = " / (actor.tp x actor.pp)" if role == "actor" and ranks != pool.world_size else ""
+                raise ValueError(
+                    f"{role}.ppo_mini_batch_size x rollout.n = {mini * n} sequences cannot be split evenly over the "
+                    f"{ranks} data-parallel ranks of the {role}'s pool {pool.name} (its nodes x "
+                    f"tasks_per_node{split}); make it a multiple of the ranks"
+                )
+
+
+class PreferenceDataConfig(_Files):
+    """Preference pairs for reward-model training, in the field's layout (TRL's preference datasets): parquet or
+    jsonl files with columns ``chosen`` and ``rejected`` (strings, or chat lists of the response's messages) and
+    optionally ``prompt`` (a string, or a chat list). Without ``val_files``, ``val_fraction`` of the training pairs
+    is held out (chosen by ``seed``)."""
+
+    train_files: list[str] = Field(description="parquet/jsonl preference files (path or list)")
+    val_files: list[str] = Field(default_factory=list, description="held-out pairs (path or list)")
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="held out of train_files when val_files is empty")
+    max_length: int = Field(512, gt=0, description="tokens per (prompt + response); longer: the prompt's start goes")
+    train_batch_size: int = Field(16, gt=0, description="pairs per optimizer step")
+    micro_batch_size: int = Field(4, gt=0, description="pairs per forward/backward (2 sequences each)")
+    val_batch_size: int = Field(64, gt=0, description="pairs per evaluation call")
+    shuffle: bool = True
+    seed: int = 0
+
+
+class RMTrainerConfig(_RunTrainer):
+    """Epochs, evaluation, checkpoints and outputs of a reward-model training run (``hf rm train``)."""
+
+    experiment_name: str = "reward_model"
+    total_epochs: int = Field(1, ge=0, description="passes over the training pairs")
+    val_before_train: bool = Field(True, description="evaluate the initial model (step 0)")
+    save_freq: int = Field(0, ge=0, description="also checkpoint every K steps (always: at each epoch's end)")
+
+
+class RMTrainingConfig(_Section):
+    """A reward-model training run (``hf rm train``): a sequence classifier with one label, initialised from
+    ``model.path`` (a causal LM gets a new score head), trained with the Bradley-Terry loss on preference pairs."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: PreferenceDataConfig
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    trainer: RMTrainerConfig = Field(default_factory=RMTrainerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    @model_validator(mode="after")
+    def _one_pool(self) -> RMTrainingConfig:
+        if self.placement.pools is not None:
+            raise ValueError(
+                "hf rm train runs one data-parallel worker group: remove placement.pools and give its ranks with "
+                "placement.nodes x tasks_per_node"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pairs_split_over_ranks(self) -> RMTrainingConfig:
+        ranks, batch = self.placement.world_size, self.data.train_batch_size
+        if batch % ranks:
+            raise ValueError(
+                f"data.train_batch_size ({batch} pairs) must be a multiple of the group's {ranks} data-parallel "
+                "ranks (placement.nodes x tasks_per_node): every rank takes the same share of each step"
+            )
+        return self

@@ -1,0 +1,651 @@
+"""The config's sections (pydantic models): ``model``, ``data``, ``rollout``, ``actor``, ``ref``, ``critic``,
+``algorithm``, ``reward``, ``reward_model``, ``trainer``, ``placement``; each checks its own keys and names the
+registered choices (`hybridflow.engine.extensions`, the estimator and loss registries)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hybridflow.engine.extensions import backend_names, rollout_names, training_backend
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        elif e["type"] == "literal_error":
+            lines.append(f"  {key}: {e['msg']} (got {e['input']!r})")
+        else:
+            lines.append(f"  {key}: {e['msg']}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _registered_name(value: str, registered: list[str], key: str) -> str:
+    """`value` if its registry holds it. Raises ValueError naming `key` and the registered names."""
+    if value not in registered:
+        raise ValueError(f"unknown {key} {value!r}; registered: {registered}")
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The policy model: a local Hugging Face folder or an embedded model, and the compute dtype."""
+
+    path: str = Field("tiny", description="local Hugging Face folder, or an embedded model: 'smollm2', 'tiny'")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
+
+
+class ReasoningGymConfig(_Section):
+    """Prompts from a reasoning-gym generator: train and held-out validation items from one seeded set."""
+
+    name: str = Field(description="reasoning-gym generator, e.g. basic_arithmetic")
+    config: dict[str, Any] = Field(default_factory=dict, description="generator keyword arguments")
+    train_size: int = Field(1000, gt=0)
+    val_size: int = Field(100, ge=0)
+    seed: int = 0
+    instruction: str | None = Field(None, description="appended to each question; None uses the default")
+
+
+class _Files(_Section):
+    """A data section with ``train_files`` and ``val_files``."""
+
+    @field_validator("train_files", "val_files", mode="before", check_fields=False)
+    @classmethod
+    def _one_path_is_a_list(cls, value: Any) -> Any:
+        """``data.train_files: train.parquet`` means ``[train.parquet]`` (as verl accepts)."""
+        return [value] if isinstance(value, str | Path) else value
+
+
+class DataConfig(_Files):
+    """Prompt sources, prompt length limit (tokens) and batch sizes (prompts)."""
+
+    train_files: list[str] = Field(
+        default_factory=list, description="parquet/jsonl files in verl's layout (one path or a list)"
+    )
+    val_files: list[str] = Field(default_factory=list, description="held-out prompts for validation (path or list)")
+    reasoning_gym: ReasoningGymConfig | None = None
+    max_prompt_length: int = Field(256, gt=0, description="tokens; longer prompts are dropped")
+    train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
+    gen_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="with algorithm.filter_groups: prompts per generation draw (default train_batch_size)",
+    )
+    val_batch_size: int = Field(64, gt=0, description="prompts per validation generate call")
+    shuffle: bool = True
+    seed: int = 0
+    audit_labels: bool = Field(
+        True,
+        description="refuse a run whose labels fail their exact audit (hybridflow.engine.audit: arithmetic sources); "
+        "hf data check CONFIG lists them",
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if not self.train_files and self.reasoning_gym is None:
+            raise ValueError("set data.train_files (parquet/jsonl) or data.reasoning_gym.name")
+        return self
+
+
+class RolloutConfig(_Section):
+    """Sampling: responses per prompt, temperature, top-p/top-k, response length (tokens)."""
+
+    name: str = Field(
+        "hf",
+        description="a registered rollout (hybridflow.engine.extensions.register_rollout): hf: transformers generate; "
+        "vllm: an in-process vLLM engine; auto: vllm where it is installed and the layout allows it, else hf "
+        "(resolved when the config is loaded, and recorded resolved)",
+    )
+    n: int = Field(4, gt=0, description="responses sampled per prompt")
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = disabled")
+    response_length: int = Field(64, gt=0, description="max new tokens")
+    micro_batch_size: int = Field(32, gt=0, description="sequences per generate call")
+    val_temperature: float = Field(0.0, ge=0.0, description="validation sampling temperature (0 = greedy)")
+    vllm_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="vllm: the engine's weights and compute (bf16: 1.8x faster here; drift is reported)"
+    )
+    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vllm on CPU: KV cache space (GiB)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm on GPU: share of GPU memory it may use")
+    gen_tp: int | None = Field(
+        None,
+        ge=1,
+        description="actor.strategy=megatron: tensor-parallel size of generation (the 3D-HybridEngine's t_g; must "
+        "divide actor.tp); None: actor.tp",
+    )
+    gen_pp: int = Field(1, ge=1, description="pipeline stages of generation (p_g); only 1 is implemented")
+    reshard: Literal["hybridflow", "naive"] = Field(
+        "hybridflow",
+        description="actor.strategy=megatron: how training shards become generation shards: hybridflow (all-gather "
+        "inside micro-DP groups, no redundant copy) or naive (gather the whole model, keep the training shard)",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        return value if value == "auto" else _registered_name(value, rollout_names(), "rollout.name")
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warm-up to a constant LR, and global grad-norm clipping."""
+
+    lr: float = Field(1e-6, gt=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up, then constant")
+    grad_clip: float = Field(1.0, gt=0.0, description="max global grad norm")
+
+
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
+
+
+class PolicyLossConfig(_Section):
+    """Which policy loss the actor minimises (verl's ``actor.policy_loss``)."""
+
+    loss_mode: str = Field(
+        "vanilla",
+        description="a registered policy loss (algorithms.losses.register_policy_loss): vanilla (PPO clip "
+        "with clip-higher and dual-clip), gspo (sequence-level ratio; its paper uses loss_agg_mode "
+        "seq-mean-token-mean and clip ranges ~3e-4/4e-4), cispo (clipped importance weight, held constant), "
+        "clip_cov, kl_cov (Cui et al. 2025: high-covariance tokens lose their gradient / get a KL penalty)",
+    )
+    clip_cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="clip_cov: share of tokens detached")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: lower bound of the covariance of a detachable token")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: upper bound of the covariance of a detachable token")
+    kl_cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="kl_cov: share of tokens KL-penalised")
+    ppo_kl_coef: float = Field(1.0, ge=0.0, description="kl_cov: coefficient of the |log ratio| penalty")
+
+    @field_validator("loss_mode")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from hybridflow.engine.algorithms.losses import policy_loss_modes
+
+        return _registered_name(value, policy_loss_modes(), "actor.policy_loss.loss_mode")
+
+
+def _registered_backend(value: str, key: str) -> str:
+    return _registered_name(value, backend_names(), key)
+
+
+class ActorConfig(_Section):
+    """The PPO policy update: training backend, mini/micro-batches, clipping (clip-higher, dual-clip), loss
+    aggregation, KL loss."""
+
+    strategy: str = Field(
+        "ddp",
+        description="a registered training backend (engine.extensions.register_backend): ddp: a Hugging Face "
+        "model replicated on every rank, gradients all-reduced; fsdp: the same model "
+        "sharded over the ranks with FSDP2 (weights, gradients and optimizer states 1/ranks each); megatron: "
+        "megatron-core GPTModel with tensor (actor.tp) and pipeline (actor.pp) parallelism, generating through the "
+        "3D-HybridEngine",
+    )
+    tp: int = Field(1, ge=1, description="actor.strategy=megatron or fsdp: tensor-parallel size")
+    pp: int = Field(1, ge=1, description="actor.strategy=megatron: pipeline-parallel size (stages)")
+
+    @field_validator("strategy")
+    @classmethod
+    def _registered_strategy(cls, value: str) -> str:
+        return _registered_backend(value, "actor.strategy")
+
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = Field(8, gt=0, description="prompts per optimizer step (times rollout.n sequences)")
+    ppo_micro_batch_size: int = Field(8, gt=0, description="sequences per forward/backward")
+    log_prob_micro_batch_size: int = Field(16, gt=0, description="sequences per forward when computing log-probs")
+    ppo_epochs: int = Field(1, gt=0)
+    shuffle: bool = True
+    clip_ratio_low: float = Field(0.2, ge=0.0)
+    clip_ratio_high: float = Field(0.2, ge=0.0)
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip lower bound for negative advantages")
+    loss_agg_mode: LossAggMode = "token-mean"
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0.0)
+    kl_loss_type: KLType = "low_var_kl"
+    tis_cap: float | None = Field(
+        None,
+        gt=0.0,
+        description="truncated importance sampling of the rollout engine's drift: weight each token's policy loss by "
+        "min(pi_actor / pi_rollout, tis_cap) (2.0 is usual); None: off. Needs rollout.name=vllm",
+    )
+    share_prompts: bool = Field(
+        True,
+        description="compute a prompt once for its n samples in the old_log_prob, ref and update passes (rows "
+        "packed without padding, each prompt followed by its samples' responses; equal to full rows up to float32 "
+        "rounding); false: every row packed with its own prompt. Megatron keeps padded full rows",
+    )
+    recompute_log_prob: bool = Field(
+        False,
+        description="run the old_log_prob stage even when the update is on-policy (one optimizer step per iteration: "
+        "actor.ppo_epochs 1 and actor.ppo_mini_batch_size = data.train_batch_size, and no "
+        "algorithm.use_kl_in_reward), where the old log-probs equal the update's own forward, detached, and the "
+        "stage is skipped",
+    )
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether the log-prob passes and the update compute a repeated prompt once: ``share_prompts`` with ddp
+        or fsdp (megatron keeps full rows)."""
+        return self.share_prompts and training_backend(self.strategy).packs_rows
+
+
+class RefConfig(_Section):
+    """The frozen reference policy (log-probs for the KL term)."""
+
+    log_prob_micro_batch_size: int = Field(16, gt=0)
+
+
+class CriticConfig(_Section):
+    """The value model and its clipped value-loss update (PPO with GAE only)."""
+
+    model_path: str | None = Field(None, description="None: initialise from model.path")
+    strategy: str = Field(
+        "ddp",
+        description="a registered training backend, as actor.strategy; megatron needs actor.strategy=megatron and "
+        "placement.colocate (the critic shares the actor's processes and layout)",
+    )
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_mini_batch_size: int = Field(8, gt=0)
+    ppo_micro_batch_size: int = Field(8, gt=0)
+    forward_micro_batch_size: int = Field(16, gt=0)
+    ppo_epochs: int = Field(1, gt=0)
+    shuffle: bool = True
+    cliprange_value: float = Field(0.5, gt=0.0)
+    loss_agg_mode: LossAggMode = "token-mean"
+    share_prompts: bool = Field(True, description="as actor.share_prompts, for the values and the critic update")
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether the value passes compute a repeated prompt once (``share_prompts``, not megatron)."""
+        return self.share_prompts and training_backend(self.strategy).packs_rows
+
+    @field_validator("strategy")
+    @classmethod
+    def _registered_strategy(cls, value: str) -> str:
+        return _registered_backend(value, "critic.strategy")
+
+
+class KLControlConfig(_Section):
+    """The in-reward KL coefficient: fixed, or adaptive toward target_kl (Ziegler et al. 2019)."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0.0)
+    target_kl: float = Field(0.1, gt=0.0)
+    horizon: int = Field(10000, gt=0)
+
+
+class FilterGroupsConfig(_Section):
+    """DAPO's dynamic sampling (Yu et al. 2025, §3.2, verl's ``algorithm.filter_groups``): groups whose responses all
+    score the same give GRPO no gradient, so they are dropped and more prompts are drawn (``data.gen_batch_size`` at
+    a time) until ``data.train_batch_size`` prompts remain."""
+
+    enable: bool = False
+    metric: str = Field(
+        "acc",
+        description="what must differ within a group: seq_reward (the function's score), seq_final_reward (the "
+        "training reward: function, reward model, overlong penalty) or a key the score function reports (acc)",
+    )
+    max_num_gen_batches: int = Field(
+        0, ge=0, description="draws per iteration before the run stops as too easy or too hard (0: no limit)"
+    )
+
+
+class AlgorithmConfig(_Section):
+    """Advantage estimator, the KL-in-reward penalty, dynamic sampling."""
+
+    adv_estimator: str = Field(
+        "grpo",
+        description="a registered advantage estimator (algorithms.estimators.register_adv_est): gae (needs the "
+        "critic), grpo (norm_adv_by_std_in_grpo false: Dr. GRPO), rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline, opo, remax (baseline: the greedy response's score)",
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: KLType = "kl"
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    cost_limit: float | None = Field(
+        None,
+        description="Safe-RLHF (Dai et al. 2023): the episode cost d the policy must stay under; with a cost source "
+        "(reward.cost_function or reward_model.cost_path) it adds a cost critic and the PPO-Lagrangian objective "
+        "(None: off)",
+    )
+    lambda_init: float = Field(1.0, gt=0.0, description="Safe-RLHF: the Lagrange multiplier's first value")
+    lambda_lr: float = Field(
+        0.1, gt=0.0, description="Safe-RLHF: log(lambda) += lambda_lr x (mean episode cost - cost_limit) x lambda"
+    )
+    lambda_max: float | None = Field(None, gt=0.0, description="Safe-RLHF: the multiplier's ceiling (None: none)")
+    episode_cost_window: int = Field(
+        128, gt=0, description="Safe-RLHF: the last responses whose mean cost steps lambda (128 as Safe-RLHF's code)"
+    )
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from hybridflow.engine.algorithms.estimators import adv_estimators
+
+        return _registered_name(value, adv_estimators(), "algorithm.adv_estimator")
+
+
+class OverlongBufferConfig(_Section):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a training-reward penalty growing linearly over the
+    last ``len`` tokens before ``rollout.response_length``, to ``-penalty`` at the limit (verl's
+    ``overlong_buffer``)."""
+
+    enable: bool = False
+    len: int = Field(16, gt=0, description="tokens of the buffer before rollout.response_length")
+    penalty: float = Field(1.0, ge=0.0, description="the penalty at rollout.response_length (verl's penalty_factor)")
+
+
+class RewardConfig(_Section):
+    """The score function; by default chosen by each prompt's data_source. Validation always scores with it."""
+
+    custom_function: str | None = Field(None, description="'module:function' or 'path.py:function'")
+    cost_function: str | None = Field(
+        None,
+        description="Safe-RLHF's cost signal, with the custom function's signature and forms ('module:function' or "
+        "'path.py:function'); needs algorithm.cost_limit",
+    )
+    function_coef: float = Field(
+        1.0,
+        ge=0.0,
+        description="weight of the function score in the training reward (0 with reward_model.enable: the RM alone)",
+    )
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+
+
+class RewardModelConfig(_Section):
+    """A model-based reward (verl's ``reward_model`` section): a one-label sequence classifier scores each
+    (prompt, response) after generation (stage ``rm_score``). The training reward is ``reward_model.coef`` x RM
+    score + ``reward.function_coef`` x function score; validation keeps the function's exact-answer score."""
+
+    enable: bool = False
+    path: str | None = Field(None, description="local Hugging Face folder (AutoModelForSequenceClassification)")
+    micro_batch_size: int = Field(8, gt=0, description="sequences per forward")
+    max_length: int = Field(1024, gt=0, description="tokens the RM reads; longer texts lose the prompt's start")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: a whole copy per rank; fsdp: sharded at rest, gathered while it scores"
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
+    coef: float = Field(1.0, description="weight of the RM score in the training reward")
+    cost_path: str | None = Field(
+        None,
+        description="Safe-RLHF's cost model: a one-label sequence classifier whose score is the response's cost, "
+        "scored in the rm_score stage with this section's settings (needs algorithm.cost_limit; enable not needed)",
+    )
+
+    @model_validator(mode="after")
+    def _path_when_enabled(self) -> RewardModelConfig:
+        if self.enable and not self.path:
+            raise ValueError(
+                "reward_model.enable is true but reward_model.path is not set: give the RM's folder "
+                "(-o reward_model.path=DIR, e.g. one written by hf rm train)"
+            )
+        return self
+
+
+TrackerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
+"""The values of ``trainer.logger`` (verl's names; ``jsonl`` is verl's ``file``)."""
+
+
+class _RunTrainer(_Section):
+    """What every kind of run's ``trainer`` section has: seed, device, threads, output folders, trackers."""
+
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    experiment_name: str = "hybridflow"
+    output_dir: str = "outputs"
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 = torch's default")
+    checkpoint_dir: str | None = Field(
+        None,
+        description="where checkpoints go; hf run / hf rm train: <checkpoint_dir>/<run_id> (None: <run "
+        "folder>/checkpoints); the single-process trainer: <checkpoint_dir> (None: "
+        "<output_dir>/<experiment_name>/checkpoints)",
+    )
+    logger: list[TrackerName] = Field(
+        default_factory=lambda: ["console", "jsonl"],
+        description="where metrics go besides the run store: console (one line per iteration), jsonl "
+        "(<run folder>/metrics.jsonl), tensorboard (<run folder>/tensorboard), wandb (offline without a login), "
+        "mlflow (trainer.mlflow_tracking_uri)",
+    )
+    project_name: str = Field("hybridflow", description="the wandb project and the MLflow experiment")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (sqlite:///..., file:..., http://host:5000); None: $MLFLOW_TRACKING_URI, "
+        "else sqlite:///<output_dir>/mlflow.db",
+    )
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_logger_is_a_list(cls, value: Any) -> Any:
+        """``trainer.logger: wandb`` means ``[wandb]``; repeated names count once."""
+        value = [value] if isinstance(value, str) else value
+        return list(dict.fromkeys(value)) if isinstance(value, list) else value
+
+
+class TrainerConfig(_RunTrainer):
+    """Iterations, seed, device, validation and checkpoint frequency, output folders, trackers."""
+
+    total_iterations: int = Field(1, ge=0)
+    test_freq: int = Field(0, ge=0, description="validate every K iterations (0 = only before and after)")
+    val_before_train: bool = True
+    save_freq: int = Field(0, ge=0, description="save a checkpoint every K iterations (0 = only at the end of fit)")
+    resume_from: str | None = Field(
+        None,
+        description="a global_step_<N> checkpoint folder to start from (hf run: a new run continuing it), or 'auto' "
+        "(hf run: the run's own newest usable checkpoint, as hf resume always does; the single-process trainer: the "
+        "latest in checkpoint_dir, if any)",
+    )
+    log_val_generations: int = Field(
+        0, ge=0, description="keep N (prompt, response, score, ground truth) samples of every validation"
+    )
+    log_train_generations: int = Field(0, ge=0, description="keep N samples of every iteration's rollout")
+
+
+class SlurmConfig(_Section):
+    """Slurm resources of every worker group's job (``placement.executor: slurm``), passed to sbatch by submitit.
+
+    Ranks are Slurm tasks: ``placement.nodes`` x ``placement.tasks_per_node`` of them, one per device.
+    """
+
+    partition: str | None = Field(None, description="sbatch --partition; None: the cluster's default")
+    account: str | None = Field(None, description="sbatch --account")
+    qos: str | None = Field(None, description="sbatch --qos")
+    time_min: int = Field(24 * 60, ge=1, description="the job's time limit (minutes)")
+    cpus_per_task: int = Field(1, ge=1, description="CPU cores per rank")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node (one per rank on GPU clusters); 0 on CPU")
+    mem_gb: float | None = Field(None, gt=0, description="memory per node (GiB); None: the cluster's default")
+    signal_delay_s: int = Field(
+        120, ge=0, description="SIGUSR2 this long before the time limit: the run checkpoints and stops"
+    )
+    sbatch: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra #SBATCH options, e.g. {constraint: a100, exclusive: true}",
+    )
+    setup: list[str] = Field(default_factory=list, description="shell lines run before the workers (module load ...)")
+    interface: str | None = Field(
+        None,
+        description="network interface the controller's channel and the ranks' gloo/NCCL traffic use (e.g. ib0); "
+        "None: the address of the host name (controller) and the route to the controller (ranks)",
+    )
+
+
+ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
+"""The roles of an RLHF run: the models (actor, its rollout, the frozen ref, critic, reward model) and ``reward``, the
+score function (a CPU function; it lives with the rollout unless a pool names it)."""
+
+
+class PoolConfig(_Section):
+    """One resource pool (HybridFlow paper, section 4: a set of devices the roles placed on it share): one worker
+    group of ``nodes`` x ``tasks_per_node`` ranks, one per device, hosting `roles`. Roles in one pool are colocated:
+    they share the group's processes and run one after another. Roles in different pools run at the same time
+    where the iteration allows (``placement.concurrent``)."""
+
+    roles: list[str] = Field(min_length=1, description="roles whose models live in this pool (see ROLES)")
+    nodes: int | None = Field(None, ge=1, description="nodes of this pool's group; None: placement.nodes")
+    tasks_per_node: int | None = Field(None, ge=1, description="ranks per node; None: placement.tasks_per_node")
+    slurm: dict[str, Any] = Field(
+        default_factory=dict,
+        description="placement.slurm keys this pool's job sets differently, e.g. {gpus_per_node: 4, partition: big}",
+    )
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A resolved resource pool: the worker group `name` of ``nodes`` x ``tasks_per_node`` ranks, the roles of the
+    run it hosts, and the Slurm resources of its job."""
+
+    name: str
+    roles: tuple[str, ...]
+    nodes: int
+    tasks_per_node: int
+    slurm: SlurmConfig
+
+    @property
+    def world_size(self) -> int:
+        """Ranks: nodes x tasks_per_node."""
+        return self.nodes * self.tasks_per_node
+
+
+class PlacementConfig(_Section):
+    """Where the roles run: on resource pools, each one worker group (one Slurm job, or local processes).
+
+    ``pools`` names the pools and partitions the roles into them, any way that keeps actor and rollout together
+    (the rollout generates with the actor's weights). Without ``pools``, ``colocate`` picks one of two layouts:
+    true (the HybridFlow default): every role in one pool ``actor_rollout_ref`` of ``nodes`` x ``tasks_per_node``
+    ranks; false: the critic (``critic_nodes`` x ``critic_tasks_per_node`` ranks) and the reward model each in a
+    pool of its own (named after the role). Every rank of a pool is one data-parallel replica of its models (or a
+    shard, for fsdp and megatron).
+    """
+
+    colocate: bool = True
+    pools: dict[str, PoolConfig] | None = Field(
+        None,
+        description="named resource pools: {name: {roles: [...], nodes, tasks_per_node, slurm: {...}}}; every role "
+        "of the run in exactly one pool; None: the layout placement.colocate picks",
+    )
+    concurrent: bool = Field(
+        True, description="stages of roles in different pools run at the same time; false: one after another"
+    )
+    executor: Literal["local", "slurm"] = Field("local", description="local processes, or one Slurm job per pool")
+    nodes: int = Field(1, ge=1, description="nodes per pool (local executor: 1)")
+    tasks_per_node: int = Field(1, ge=1, description="ranks per node: data-parallel replicas, one per device")
+    critic_nodes: int | None = Field(None, ge=1, description="colocate=false: the critic pool's nodes; None: nodes")
+    critic_tasks_per_node: int | None = Field(None, ge=1, description="its ranks per node; None: tasks_per_node")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed; auto: nccl on GPUs")
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    auto: bool = Field(
+        False,
+        description="plan the pools and strategies at hf run (hf plan's search) over placement.nodes x "
+        "placement.tasks_per_node devices of placement.hardware; `placement: auto` is short for {auto: true}",
+    )
+    hardware: str | None = Field(
+        None, description="placement.auto: the hardware profile (a100-80gb, h100-80gb, h200, or hf plan --calibrate's)"
+    )
+    plan: str | None = Field(None, description="the placement plan (hf plans list) this placement came from")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="a rank silent this long is reported dead")
+    call_timeout_s: float | None = Field(None, gt=0, description="limit for one stage call (a stuck rank); None: none")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_world_size(cls, values: Any) -> Any:
+        """Configs recorded before nodes x tasks_per_node (``world_size: 1``, ``slurm: {}``) still load;
+        ``placement: auto`` is ``{auto: true}``."""
+        if values == "auto":
+            return {"auto": True}
+        if isinstance(values, dict) and "world_size" in values:
+            values = dict(values)
+            values.setdefault("tasks_per_node", values.pop("world_size"))
+        return values
+
+    @model_validator(mode="after")
+    def _pools_or_shorthand(self) -> PlacementConfig:
+        if self.pools is not None:
+            shorthand = [k for k in ("critic_nodes", "critic_tasks_per_node") if getattr(self, k) is not None]
+            shorthand += ["colocate"] if not self.colocate else []
+            if shorthand:
+                raise ValueError(
+                    f"placement.pools replaces placement.{', placement.'.join(shorthand)}: give the critic's ranks "
+                    "in its pool (placement.pools.<name>.nodes / tasks_per_node) and remove those keys"
+                )
+            for name, pool in self.pools.items():
+                unknown = sorted(set(pool.roles) - set(ROLES))
+                if unknown:
+                    raise ValueError(
+                        f"placement.pools.{name}.roles: unknown role(s) {', '.join(map(repr, unknown))}; "
+                        f"roles are {', '.join(ROLES)}"
+                    )
+                for key in pool.slurm:
+                    if key not in SlurmConfig.model_fields:
+                        raise ValueError(
+                            f"placement.pools.{name}.slurm.{key}: unknown key; "
+                            f"allowed: {', '.join(SlurmConfig.model_fields)}"
+                        )
+                try:
+                    SlurmConfig.model_validate({**self.slurm.model_dump(), **pool.slurm})
+                except ValidationError as e:
+                    raise ValueError(f"placement.pools.{name}.slurm: {_format_errors(e)}") from None
+            owners: dict[str, list[str]] = {}
+            for name, pool in self.pools.items():
+                for role in pool.roles:
+                    owners.setdefault(role, []).append(name)
+            doubled = {role: names for role, names in owners.items() if len(names) > 1}
+            if doubled:
+                role, names = next(iter(doubled.items()))
+                raise ValueError(
+                    f"placement.pools: role {role!r} is in pools {' and '.join(names)}; put each role in one pool"
+                )
+        for name, pool in self.pool_configs().items():
+            if self.executor == "local" and pool.nodes > 1:
+                key = "critic_nodes" if name == "critic" and self.critic_nodes else "nodes"
+                key = f"pools.{name}.nodes" if self.pools is not None and self.pools[name].nodes else key
+                raise ValueError(
+                    f"placement.{key} > 1 needs placement.executor: slurm (local groups run on this machine)"
+                )
+        return self
+
+    def pool_configs(self) -> dict[str, Pool]:
+        """Every configured pool with its ranks and Slurm resources resolved, hosting all the roles it names
+        (`HybridFlowConfig.pools` keeps only the roles a run uses). Without ``pools``: the ``colocate`` layout
+        over every role."""
+        if self.pools is None:
+            if self.colocate:
+                return {"actor_rollout_ref": self.pool("actor_rollout_ref", ROLES)}
+            split = ("critic", "reward_model")
+            layout = {"actor_rollout_ref": self.pool("actor_rollout_ref", [r for r in ROLES if r not in split])}
+            layout["critic"] = self.pool("critic", ["critic"], self.critic_nodes, self.critic_tasks_per_node)
+            layout["reward_model"] = self.pool("reward_model", ["reward_model"])
+            return layout
+        return {
+            name: self.pool(name, pool.roles, pool.nodes, pool.tasks_per_node, pool.slurm)
+            for name, pool in self.pools.items()
+        }
+
+    def pool(
+        self,
+        name: str,
+        roles: Any,
+        nodes: int | None = None,
+        tasks_per_node: int | None = None,
+        slurm: dict[str, Any] | None = None,
+    ) -> Pool:
+        merged = SlurmConfig.model_validate({**self.slurm.model_dump(), **(slurm or {})})
+        return Pool(name, tuple(roles), nodes or self.nodes, tasks_per_node or self.tasks_per_node, merged)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of a pool that does not set its own: nodes x tasks_per_node."""
+        return self.nodes * self.tasks_per_node

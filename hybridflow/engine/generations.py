@@ -1,0 +1,47 @@
+"""Sample generations as text: what the model wrote, for the run store, the trackers and the Prefect UI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridflow.engine.protocol import DataProto
+
+GENERATION_KEYS = ["prompts", "responses", "response_mask", "attention_mask", "token_level_scores"]
+"""The tensor columns `decode_generations` reads (plus ``data_source`` and ``reward_model`` when present)."""
+
+
+def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[str, Any]]:
+    """Decode each row of a scored rollout into one sample.
+
+    Args:
+        data: rows with ``prompts`` int64 [B, P] (left-padded), ``responses`` int64 [B, T], ``response_mask``
+            [B, T], ``attention_mask`` [B, P + T], ``token_level_scores`` float [B, T]; optional non-tensor
+            ``data_source`` and ``reward_model`` (``{"ground_truth": ...}``).
+        tokenizer: the actor's tokenizer (special tokens are skipped).
+        step: the iteration the samples belong to (0: the validation before training).
+
+    Returns:
+        one dict per row: ``step``, ``data_source``, ``prompt``, ``response`` (text), ``score`` (the row's summed
+        ``token_level_scores``, float), ``ground_truth`` (str, "" when absent).
+    """
+    batch, extra = data.batch, data.non_tensor_batch
+    prompt_len = batch["prompts"].shape[1]
+    prompt_mask = batch["attention_mask"][:, :prompt_len].bool()
+    response_mask = batch["response_mask"].bool()
+    scores = batch["token_level_scores"].sum(-1).tolist()
+    samples = []
+    for i in range(len(data)):
+        truth = extra["reward_model"][i].get("ground_truth", "") if "reward_model" in extra else ""
+        samples.append(
+            {
+                "step": step,
+                "data_source": str(extra["data_source"][i]) if "data_source" in extra else "",
+                "prompt": tokenizer.decode(batch["prompts"][i][prompt_mask[i]].tolist(), skip_special_tokens=True),
+                "response": tokenizer.decode(
+                    batch["responses"][i][response_mask[i]].tolist(), skip_special_tokens=True
+                ),
+                "score": float(scores[i]),
+                "ground_truth": "" if truth is None else str(truth),
+            }
+        )
+    return samples

@@ -1,0 +1,242 @@
+"""One RLHF iteration, written once, run by both the Prefect flow and the single-process trainer.
+
+`run_iteration` is the iteration in the order of the HybridFlow paper's PPO listing (generate, score, log-probs,
+values, advantages, updates, weight sync), with the algorithm as configuration: which stages run (PPO's critic,
+ReMax's greedy generation, DAPO's repeated draws, a rollout with weights of its own) and which estimator computes
+the advantages. It never touches data or models itself: each stage is a `Call` that a `Stages` runs.
+
+- The flow (`hybridflow.flows.rlhf.StageRunner`) runs each call as a Prefect task on the worker group that hosts
+  its role, with data handles; calls of one batch run at the same time where their roles live in different pools.
+- The single-process trainer (`hybridflow.engine.trainer.LocalStages`) calls the same worker methods in its own
+  process, on `DataProto` batches.
+
+A batch here is whatever the `Stages` passes around: anything with ``union`` (new columns, same rows), ``take``
+(rows) and a ``concat`` classmethod (`DataProto`, `hybridflow.slurm.handles.DataHandle`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
+from hybridflow.engine.config import HybridFlowConfig
+from hybridflow.engine.dynamic_sampling import DrawCount
+from hybridflow.engine.extensions import rollout_spec
+from hybridflow.engine.metrics import Timer, batch_metrics
+from hybridflow.engine.protocol import DataProto
+
+
+@dataclass(frozen=True)
+class StageMethod:
+    """What a stage calls: a method of `hybridflow.engine.worker.RLHFWorker` on the ranks of the role's pool.
+
+    Attributes:
+        method: the worker method.
+        doc: what the stage computes (the Prefect task's description).
+        takes_batch: the first argument of a `Call` is the batch (else the method takes none).
+        names: keyword names of a `Call`'s arguments after the batch (``generate``'s random ``stream``).
+        fixed: keyword arguments every call passes (ReMax's greedy generation).
+        columns: the batch columns the method reads; a data handle sends only these (None: every column).
+        metrics: the method returns metrics per rank, which the flow averages over the data-parallel ranks.
+    """
+
+    method: str
+    doc: str
+    takes_batch: bool = True
+    names: tuple[str, ...] = ()
+    fixed: dict[str, Any] = field(default_factory=dict)
+    columns: tuple[str, ...] | None = None
+    metrics: bool = False
+
+    def bind(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A `Call`'s `args` as the method's positional and keyword arguments."""
+        head = 1 if self.takes_batch else 0
+        return args[:head], {**dict(zip(self.names, args[head:], strict=False)), **self.fixed}
+
+
+STAGE_METHODS: dict[str, StageMethod] = {
+    "generate": StageMethod(
+        "generate_sequences",
+        "Rollout: prompts [B] -> B*n sequences (responses, response_mask, ...), sampled from the random stream "
+        "`stream` (another for each draw of one iteration).",
+        names=("stream",),
+    ),
+    "generate_greedy": StageMethod(
+        "generate_sequences",
+        "ReMax's baseline rollout: one greedy response per prompt [B] -> B rows, each keeping its prompt's uid "
+        "(verl times it as gen_max).",
+        fixed={"n": 1, "temperature": 0.0, "stream": "greedy"},
+    ),
+    "rm_score": StageMethod(
+        "compute_rm_score",
+        "The reward model's rm_scores [B, T] (its score on each row's last response token), and Safe-RLHF's cost "
+        "model's token_level_costs [B, T].",
+        columns=("responses", "response_mask", "raw_prompt"),
+    ),
+    "reward": StageMethod(
+        "compute_reward",
+        "Score the responses: token_level_scores (+ reward_extra/*; Safe-RLHF's token_level_costs).",
+        columns=("responses", "response_mask", "data_source", "reward_model", "extra_info"),
+    ),
+    "old_log_prob": StageMethod("compute_log_prob", "old_log_probs and entropys under the actor that generated."),
+    "ref_log_prob": StageMethod("compute_ref_log_prob", "ref_log_prob under the frozen reference policy."),
+    "values": StageMethod(
+        "compute_values", "Critic values for each response token (and Safe-RLHF's cost critic's cost_values), [B, T]."
+    ),
+    "update_critic": StageMethod("update_critic", "Critic update; critic/* metrics averaged over ranks.", metrics=True),
+    "update_actor": StageMethod(
+        "update_actor", "Actor (PPO) update; actor/* metrics averaged over ranks.", metrics=True
+    ),
+    "weight_sync": StageMethod(
+        "sync_rollout_weights",
+        "Load the updated actor weights into the rollout engine (vLLM); returns its check.",
+        takes_batch=False,
+        metrics=True,
+    ),
+}
+"""The one table of the stages a `Call` names and the worker method each calls: the flow's tasks
+(`hybridflow.tasks.stages`) and the single-process trainer (`hybridflow.engine.trainer.LocalStages`) both call
+through it."""
+
+STAGES = tuple(STAGE_METHODS)
+"""The stages a `Call` names."""
+
+TIMING = {"generate": "gen", "generate_greedy": "gen_max", "ref_log_prob": "ref", "advantage": "adv"}
+"""A stage's name in ``timing_s/<name>`` where it differs from the stage's (verl's names)."""
+
+
+@dataclass
+class Call:
+    """One stage call: `stage` (one of `STAGES`) on the ranks that host `role`, with `args`; skipped unless `when`."""
+
+    stage: str
+    role: str
+    args: tuple[Any, ...] = ()
+    when: bool = True
+
+
+class Stages(Protocol):
+    """What runs an iteration's stages (see the module docstring)."""
+
+    def __call__(self, *calls: Call) -> list[Any]:
+        """Run `calls`, none of which needs another's result. Returns their results in order, None where skipped."""
+        ...
+
+    def next_prompts(self, step: int) -> Any:
+        """The next ``data.train_batch_size`` prompts, ``meta_info["global_steps"]`` = `step`."""
+        ...
+
+    def filter_groups(self, scored: Any, step: int) -> list[int]:
+        """DAPO: the rows of the scored draw whose group's metric varies (`dynamic_sampling.kept_rows`)."""
+        ...
+
+    def advantage(self, batch: Any, greedy: Any | None, step: int) -> tuple[Any, dict[str, float]]:
+        """``token_level_rewards``, ``advantages``, ``returns`` (`hybridflow.engine.advantage.advantage_stage`) as a
+        batch of the same rows, and the stage's metrics."""
+        ...
+
+    def view(self, batch: Any) -> DataProto:
+        """The batch's columns the iteration's metrics need (`hybridflow.engine.metrics.batch_metrics`), loaded."""
+        ...
+
+
+@dataclass
+class Iteration:
+    """What `run_iteration` leaves: its metrics, the trained batch, ReMax's scored greedy batch (None without), and
+    every prompt batch and draw it made (the flow deletes their files)."""
+
+    metrics: dict[str, float]
+    batch: Any
+    greedy: Any | None
+    drawn: list[Any] = field(default_factory=list)
+
+
+def run_iteration(cfg: HybridFlowConfig, stages: Stages, step: int, timer: Timer) -> Iteration:
+    """The iteration after `step` iterations (its batch's ``global_steps`` is `step`), timed in `timer`.
+
+    Returns:
+        Its metrics (field-standard names: ``actor/*``, ``critic/*``, ``timing_s/*``, ``perf/*``,
+        ``training/global_step`` = step + 1, ...) and its batches.
+
+    Raises:
+        hybridflow.engine.dynamic_sampling.DynamicSamplingError: DAPO's draw limit was reached before enough varied
+            groups (nothing applied); whatever a stage raises (the flow's `Preempted` before the first update).
+    """
+    roles = cfg.roles()
+    remax, dapo = uses_greedy_baseline(cfg.algorithm.adv_estimator), cfg.algorithm.filter_groups.enable
+    scored_by_rm = "reward_model" in roles
+    drawn: list[Any] = []
+    with timer("step"):
+        batch = stages.next_prompts(step)
+        drawn.append(batch)
+        rollout, greedy = stages(
+            Call("generate", "rollout", (batch,)),
+            Call("generate_greedy", "rollout", (batch,), when=remax),  # ReMax's baseline responses
+        )
+        if dapo:  # dynamic sampling: scored first, then only the varied groups of as many draws as needed
+            rollout, draws = _dynamic_sampling(cfg, stages, rollout, step, drawn)
+        *scored, greedy_rm, greedy_score = stages(
+            Call("rm_score", "reward_model", (rollout,), when=scored_by_rm and not dapo),
+            Call("reward", "reward", (rollout,), when=not dapo),
+            Call("old_log_prob", "actor", (rollout,), when=not cfg.skips_old_log_prob()),
+            Call("ref_log_prob", "ref", (rollout,), when="ref" in roles),
+            Call("values", "critic", (rollout,), when="critic" in roles),
+            Call("rm_score", "reward_model", (greedy,), when=remax and scored_by_rm),
+            Call("reward", "reward", (greedy,), when=remax),
+        )
+        rollout = _joined(rollout, scored)
+        greedy = _joined(greedy, [greedy_rm, greedy_score])
+        advantages, metrics = stages.advantage(rollout, greedy, step)
+        if dapo:
+            metrics["train/num_gen_batches"] = draws
+        rollout = rollout.union(advantages)
+        for updated in stages(
+            Call("update_critic", "critic", (rollout,), when="critic" in roles),
+            Call("update_actor", "actor", (rollout,)),
+        ):
+            metrics.update(updated or {})
+        if rollout_spec(cfg.rollout.name).syncs_weights:  # a rollout with weights of its own (vLLM)
+            [synced] = stages(Call("weight_sync", "rollout"))
+            metrics.update(synced)
+    metrics.update(timer.metrics())
+    metrics.update(batch_metrics(stages.view(rollout), cfg.rollout.response_length, timer.seconds))
+    metrics["training/global_step"] = step + 1
+    return Iteration(metrics, rollout, greedy, drawn)
+
+
+def _joined(batch: Any, parts: list[Any]) -> Any:
+    """`batch` with the columns of every part that ran (None: skipped)."""
+    for part in parts:
+        batch = batch if part is None else batch.union(part)
+    return batch
+
+
+def _dynamic_sampling(
+    cfg: HybridFlowConfig, stages: Stages, rollout: Any, step: int, drawn: list[Any]
+) -> tuple[Any, int]:
+    """DAPO's dynamic sampling (`hybridflow.engine.dynamic_sampling`): score `rollout` (the first draw), keep its
+    varied groups, and draw ``data.gen_batch_size`` more prompts (each draw its own random stream) until
+    ``data.train_batch_size`` prompts are kept. Returns the scored batch of the first ``train_batch_size`` kept
+    groups and the number of draws; appends every draw to `drawn`.
+
+    Raises:
+        DynamicSamplingError: ``algorithm.filter_groups.max_num_gen_batches`` draws kept too few prompts.
+    """
+    count, kept = DrawCount(cfg), []
+    scored_by_rm = "reward_model" in cfg.roles()
+    while True:
+        rollout = _joined(
+            rollout,
+            stages(
+                Call("rm_score", "reward_model", (rollout,), when=scored_by_rm), Call("reward", "reward", (rollout,))
+            ),
+        )
+        drawn.append(rollout)
+        rows = stages.filter_groups(rollout, step)
+        kept.append(rollout.take(rows))
+        if count.add(len(rows)):
+            return type(rollout).concat(kept).take(range(count.rows())), count.draws
+        batch = stages.next_prompts(step)
+        drawn.append(batch)
+        [rollout] = stages(Call("generate", "rollout", (batch, f"train-{count.draws}")))

@@ -1,0 +1,153 @@
+"""Batch metrics under the names the field greps for (``critic/score/mean``, ``response_length/mean``, ...)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.torch_ops import masked_mean
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    values = values.float()
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
+
+
+def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, float]:
+    """Score, reward, advantage, return, value and length statistics of a trained-on batch.
+
+    Args:
+        data: a batch after the advantage stage (``token_level_scores``, ``token_level_rewards``,
+            ``advantages``, ``returns``, ``response_mask``, ``attention_mask``; ``values`` if a critic ran; any
+            ``reward_extra/<key>`` [B] column: the extra keys of a custom reward's dict, averaged into
+            ``reward_extra/<key>/mean``; ``rm_scores`` [B, T] when a reward model scored the batch:
+            ``critic/rm_score/*``). ``critic/score/*`` is the function's score, ``critic/rewards/*`` what was
+            trained on (the scores combined, minus the in-reward KL penalty).
+        response_limit: ``rollout.response_length``, for ``response_length/clip_ratio`` (share of responses cut
+            at the limit).
+
+    Returns:
+        metric name -> float. Lengths are in tokens.
+    """
+    batch = data.batch
+    mask = batch["response_mask"].bool()
+    response_len = mask.sum(-1)
+    prompt_len = batch["attention_mask"].sum(-1) - response_len
+    metrics = {
+        **_stats("critic/score", batch["token_level_scores"].sum(-1)),
+        **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
+        **_stats("critic/advantages", batch["advantages"][mask]),
+        **_stats("critic/returns", batch["returns"][mask]),
+        **_stats("response_length", response_len),
+        "response_length/clip_ratio": float((response_len >= response_limit).float().mean()),
+        **_stats("prompt_length", prompt_len),
+    }
+    if "rm_scores" in batch:
+        metrics.update(_stats("critic/rm_score", batch["rm_scores"].sum(-1)))
+    for key in batch.keys():  # noqa: SIM118 (a TensorDict iterates its values): the custom reward's extra keys
+        if key.startswith("reward_extra/"):
+            metrics[f"{key}/mean"] = float(batch[key].double().mean())
+    if "values" in batch:
+        metrics.update(_stats("critic/values", batch["values"][mask]))
+        error = (batch["returns"] - batch["values"])[mask]
+        metrics["critic/vf_explained_var"] = float(1.0 - error.var() / (batch["returns"][mask].var() + 1e-8))
+    return metrics
+
+
+def batch_metrics(data: DataProto, response_limit: int, seconds: dict[str, float]) -> dict[str, float]:
+    """`compute_data_metrics` of the trained batch plus its throughput: ``perf/total_num_tokens`` (prompt and
+    response tokens), ``perf/throughput`` (those tokens per second of the iteration, ``seconds["step"]``) and
+    ``perf/gen_throughput`` (response tokens per second of generation, ``seconds["gen"]``)."""
+    metrics = compute_data_metrics(data, response_limit)
+    total = float(data.batch["attention_mask"].sum())
+    metrics["perf/total_num_tokens"] = total
+    metrics["perf/throughput"] = total / seconds["step"]
+    metrics["perf/gen_throughput"] = float(data.batch["response_mask"].sum()) / seconds["gen"]
+    return metrics
+
+
+class ValidationTally:
+    """The validation metrics over scored held-out batches: ``val/<data_source>/score`` (the mean score) and
+    ``val/<data_source>/acc`` (the mean of the score function's ``acc`` when it reports one, else of the score)."""
+
+    def __init__(self) -> None:
+        self.per_source: dict[str, dict[str, list[float]]] = {}
+
+    def add(self, scored: DataProto) -> None:
+        """Count a scored batch: ``token_level_scores`` [B, T], ``reward_extra/acc`` [B] float64 if reported, and the
+        ``data_source`` column."""
+        score = scored.batch["token_level_scores"].sum(-1).tolist()
+        acc_key = "reward_extra/acc"
+        acc = scored.batch[acc_key].tolist() if acc_key in scored.batch else score
+        for source, s, a in zip(scored.non_tensor_batch["data_source"], score, acc, strict=True):
+            bucket = self.per_source.setdefault(source, {"score": [], "acc": []})
+            bucket["score"].append(s)
+            bucket["acc"].append(a)
+
+    def metrics(self) -> dict[str, float]:
+        """The means, per data source."""
+        return {
+            f"val/{source}/{name}": float(np.mean(values))
+            for source, bucket in self.per_source.items()
+            for name, values in bucket.items()
+        }
+
+
+class Span(NamedTuple):
+    """One timed stage: its name, the pool (worker group) it ran on (None: the controller), and its start and end
+    (seconds since the epoch)."""
+
+    name: str
+    pool: str | None
+    start: float
+    end: float
+
+
+class Timer:
+    """Accumulates wall-clock seconds per stage: ``with timer("gen"): ...`` -> ``timing_s/gen``, and keeps every
+    timed `Span` (the iteration's timeline). Thread-safe: stages running at the same time time themselves from
+    their own threads."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def __call__(self, name: str, pool: str | None = None) -> Iterator[None]:
+        start_wall, start = time.time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+                self.spans.append(Span(name, pool, start_wall, start_wall + elapsed))
+
+    def metrics(self) -> dict[str, float]:
+        """Seconds per stage so far, keyed ``"timing_s/<name>"`` (stages timed twice add up); first-timed order."""
+        with self._lock:
+            return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def rollout_mismatch(data: DataProto) -> dict[str, float]:
+    """How far the rollout engine's log-probs drift from the actor's on the sampled tokens (same weights, other
+    kernels): ``rollout/log_prob_diff_mean`` (mean |actor - engine|) and ``rollout/kl`` (mean of engine - actor,
+    the k1 estimate of KL(engine || actor)), over response tokens."""
+    mask = data.batch["response_mask"]
+    diff = data.batch["rollout_log_probs"] - data.batch["old_log_probs"]
+    return {
+        "rollout/log_prob_diff_mean": float(masked_mean(diff.abs(), mask)),
+        "rollout/kl": float(masked_mean(diff, mask)),
+    }

@@ -1,0 +1,302 @@
+"""Loading Hugging Face models, and the forward passes RLHF needs: response log-probs, entropy, values.
+
+Sequences are laid out as in verl: ``input_ids`` [B, P+T] = left-padded prompt (P tokens) followed by the
+right-padded response (T tokens); ``attention_mask`` and ``position_ids`` [B, P+T] cover both. The logit that
+predicts response token t sits at position P-1+t of a row. The passes here do not run that layout as it is: each
+micro-batch is packed (`hybridflow.engine.packing.pack_rows`: real tokens only, a prompt once for its samples) and
+the LM head runs only at the positions that predict a response token (``logits_to_keep`` as indices).
+
+Memory: log-probs and entropy are computed one micro-batch at a time, so at most (the micro-batch's response
+tokens) x vocab logits exist at once (fp32, or bf16 under autocast, upcast 1,024 rows at a time).
+
+Precision: a model that is trained (actor, critic) keeps fp32 master weights (``load_model(..., trainable=True)``,
+`load_critic`), so small Adam updates are not rounded away. With a bf16 compute dtype (``model.dtype: bfloat16``, or
+``auto`` on CUDA) its forwards run under ``torch.autocast(dtype=torch.bfloat16)``: bf16 matmuls, fp32 weights and
+gradients. Frozen models (the reference policy) may be stored in bf16 (``trainable=False``). With fp32 compute
+(the CPU default) nothing is cast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from hybridflow.engine.packing import PACKED_ATTENTION, PackedRows, pack_rows
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.torch_ops import logprobs_and_entropy
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """'auto' -> cuda if available else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but torch sees no CUDA device; use trainer.device=cpu or auto")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for ``model.dtype``: 'auto' -> bfloat16 on CUDA, float32 on CPU (bf16 on CPU is slow).
+
+    Trained models keep fp32 weights whatever this returns (see the module docstring); it selects the autocast
+    dtype of their forwards and the storage dtype of frozen models.
+
+    Raises:
+        AttributeError: `dtype` is not a torch dtype name.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def load_tokenizer(path: str | Path):
+    """Tokenizer from a local folder, padding on the left (generation needs it); pad falls back to eos."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def autocast(device: torch.device | str, compute_dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """The context a forward runs in: ``torch.autocast`` for a 16-bit `compute_dtype`, else no cast at all.
+
+    Args:
+        device: the model's device (its type picks CUDA or CPU autocast; both support bfloat16).
+        compute_dtype: ``torch.bfloat16`` / ``torch.float16`` -> autocast in it; None or ``torch.float32`` -> none.
+    """
+    if compute_dtype is None or compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=compute_dtype)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _config_without_dropout(path: str | Path, **overrides) -> PretrainedConfig:
+    """The model's config with every float attribute whose name contains "dropout" set to 0.0 (sub-configs too).
+
+    Dropout written into the config (``attention_dropout``, ``hidden_dropout``, ...) is often applied functionally
+    (``F.dropout(p=config.attention_dropout, training=self.training)``), so zeroing ``nn.Dropout`` modules after
+    loading misses it. Keyword `overrides` are set on the config as well (e.g. ``num_labels=1``).
+    """
+    config = AutoConfig.from_pretrained(path)
+    _zero_dropout(config)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _zero_dropout(config: PretrainedConfig) -> None:
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            _zero_dropout(value)
+        elif isinstance(value, float) and "dropout" in name.lower():
+            setattr(config, name, 0.0)
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trainable: bool = True,
+):
+    """Any Hugging Face causal LM from a local folder (no hub access), with all dropout off.
+
+    The model comes back in eval mode (``from_pretrained``'s default); the actor and critic switch to train mode
+    for their updates, which changes nothing else since every dropout probability is 0.
+
+    Args:
+        path: the folder (config.json and weights).
+        dtype: the compute dtype. A frozen model (``trainable=False``: reference policy, rollout-only copy) is
+            stored in it; a trained one always keeps fp32 weights and gets bf16 compute from `autocast` instead.
+        device: where to put it.
+        trainable: whether an optimizer will update the weights (then they stay fp32).
+
+    Returns:
+        The model; every config dropout probability is 0 and every ``nn.Dropout`` has p = 0.
+    """
+    weights_dtype = torch.float32 if trainable else dtype
+    config = _config_without_dropout(path)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=weights_dtype).to(device)
+    _disable_dropout(model)
+    return _attend_per_group(model)
+
+
+def load_critic(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    trainable: bool = True,
+):
+    """Critic: the LM backbone with a one-label token-classification head (value per token), dropout off.
+
+    The head (``score``) is new and zero-initialised, so the first value estimates are 0 everywhere;
+    the backbone comes from the causal-LM checkpoint at `path`. Saved with ``save_pretrained``, it reloads with
+    ``AutoModelForTokenClassification``. `dtype` and `trainable` mean what they mean for `load_model` (the critic
+    is trained, so its weights are fp32 unless ``trainable=False``).
+    """
+    weights_dtype = torch.float32 if trainable else dtype
+    config = _config_without_dropout(path, num_labels=1)
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=weights_dtype).to(device)
+    head = model.score if hasattr(model, "score") else model.classifier
+    torch.nn.init.zeros_(head.weight)
+    if getattr(head, "bias", None) is not None:
+        torch.nn.init.zeros_(head.bias)
+    _disable_dropout(model)
+    return _attend_per_group(model)
+
+
+def _attend_per_group(model: PreTrainedModel) -> PreTrainedModel:
+    """Switch a model on sdpa attention to `hybridflow.engine.packing.packed_sdpa` (sdpa per prompt group of a
+    packed sequence, plain sdpa otherwise); models on another implementation keep it."""
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(PACKED_ATTENTION)
+    return model
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def response_logits(
+    model: PreTrainedModel,
+    packed: PackedRows,
+    temperature: float = 1.0,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The logits that predict each real response token of `packed` (`pack_rows`), divided by `temperature`.
+
+    One forward over the packed sequence; the LM head runs only at the K predicting positions (``logits_to_keep``
+    as indices), so no [b, L, V] tensor and no padding or prompt position reaches it.
+
+    Args:
+        temperature: the rollout's sampling temperature, as the PPO ratio requires.
+        compute_dtype: run the forward under `autocast` in this dtype (None / float32: as stored).
+
+    Returns:
+        float [K, V]: in the model's dtype, or `compute_dtype` under autocast.
+    """
+    with autocast(_model_device(model), compute_dtype):
+        out = model(**_packed_inputs(model, packed), logits_to_keep=packed.predict, use_cache=False)
+    logits = out.logits[0]
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    return logits
+
+
+def _packed_inputs(model: torch.nn.Module, packed: PackedRows) -> dict:
+    """The forward's keyword arguments for `packed`: its ids, positions and mask (additive float for eager
+    attention, which adds the mask to the scores; boolean for sdpa), and its group spans (`packed_sdpa`)."""
+    mask = packed.attention_mask
+    config = getattr(model, "module", model).config  # DDP wraps the model
+    if config._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+    return {
+        "input_ids": packed.input_ids,
+        "position_ids": packed.position_ids,
+        "attention_mask": mask,
+        "packed_spans": packed.spans,
+    }
+
+
+def response_log_probs(
+    model: PreTrainedModel,
+    micro: DataProto,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    entropy_grad: bool = True,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each response token under `model` (differentiable), and optionally the entropy
+    (differentiable unless `entropy_grad` is false: a metric, which then keeps no [K, V] softmax for backward).
+
+    The rows are packed (`pack_rows`: no padding, a repeated prompt once unless `share_prompts` is false) and the
+    LM head runs at response positions only (`response_logits`); the forward runs in `compute_dtype`, the softmax
+    math in fp32, one log-softmax per chunk of rows for both (`torch_ops.logprobs_and_entropy`).
+
+    Returns:
+        (log_probs float32 [b, T], entropy float32 [b, T] or None), 0 where ``attention_mask`` marks no response
+        token.
+    """
+    packed = pack_rows(micro, share_prompts)
+    logits = response_logits(model, packed, temperature, compute_dtype)
+    targets = micro.batch["responses"][packed.rows, packed.cols]
+    log_probs, entropy = logprobs_and_entropy(logits, targets, calculate_entropy, entropy_grad)
+    return packed.scatter(log_probs), (packed.scatter(entropy) if entropy is not None else None)
+
+
+@torch.no_grad()
+def compute_log_probs(
+    model: PreTrainedModel,
+    data: DataProto,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs` over a whole batch, one micro-batch of `micro_batch_size` sequences at a time.
+
+    Returns:
+        (log_probs float32 [B, T], entropy float32 [B, T] or None) on the model's device.
+    """
+    log_probs, entropies = [], []
+    for micro in data.split(micro_batch_size):
+        lp, ent = response_log_probs(
+            model, micro, temperature, calculate_entropy, compute_dtype, share_prompts=share_prompts
+        )
+        log_probs.append(lp)
+        if ent is not None:
+            entropies.append(ent)
+    return torch.cat(log_probs), (torch.cat(entropies) if calculate_entropy else None)
+
+
+def response_values(
+    critic: PreTrainedModel,
+    micro: DataProto,
+    compute_dtype: torch.dtype | None = None,
+    share_prompts: bool = True,
+) -> torch.Tensor:
+    """Critic values V(s_t) for each response position (differentiable).
+
+    The value for response token t is read at the position that predicts it (P-1+t in the padded row), i.e. the
+    state before the token is chosen, as in GAE (Schulman et al. 2016, eq. 16). The rows are packed as for
+    `response_log_probs` (`pack_rows`: no padding, a repeated prompt once unless `share_prompts` is false); the
+    forward runs under `autocast` in `compute_dtype` (None / float32: as stored).
+
+    Returns:
+        float32 [b, T], 0 where ``attention_mask`` marks no response token.
+    """
+    packed = pack_rows(micro, share_prompts)
+    with autocast(_model_device(critic), compute_dtype):
+        out = critic(**_packed_inputs(critic, packed), use_cache=False)
+    return packed.scatter(out.logits[0, packed.predict, 0].float())
+
+
+@torch.no_grad()
+def compute_values(
+    critic: PreTrainedModel,
+    data: DataProto,
+    micro_batch_size: int,
+    compute_dtype: torch.dtype | None = None,
+    share_prompts: bool = True,
+) -> torch.Tensor:
+    """`response_values` over a whole batch in micro-batches (forwards in `compute_dtype`). Returns float32 [B, T]."""
+    return torch.cat(
+        [response_values(critic, micro, compute_dtype, share_prompts) for micro in data.split(micro_batch_size)]
+    )

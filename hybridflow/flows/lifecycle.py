@@ -1,0 +1,316 @@
+"""The run's lifecycle, shared by the RLHF flow (`hybridflow.flows.rlhf`) and the reward-model flow
+(`hybridflow.flows.rm`): launching the worker groups of the run's pools and ending them, the run's folders,
+checkpoints (written, verified, chosen for a resume), recording how a run stopped, and the progress events the CLI
+listens to.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect.exceptions import TerminationSignal
+from prefect.runtime import flow_run
+
+from hybridflow.engine.checkpoint import CheckpointError, verify_checkpoint
+from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig
+from hybridflow.engine.extensions import training_backend
+from hybridflow.flows.lease import RunLease
+from hybridflow.flows.reporting import FlowLogs, RunReport
+from hybridflow.flows.store.run_store import LeaseLostError, RunStore
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, slurm_parameters
+from hybridflow.tasks import stages
+
+logger = logging.getLogger(__name__)
+
+WORKER_CLS = "hybridflow.engine.worker:RLHFWorker"
+
+
+INTERRUPT_GRACE_S = 3.0
+"""Seconds a worker group gets to exit after Ctrl-C / SIGTERM before its job is cancelled and its ranks killed."""
+
+
+# Progress listeners: callables (event, data) the CLI registers for its live display. Events: "flow" (run_id,
+# ui_url), "fallback" (message: a checkpoint failed verification), "resumed" (step, path), "start" (run_id, total,
+# start_step), "stage" (name, step), "iteration" (step, metrics), "validation" (metrics), "preempted" (message).
+listeners: list[Callable[[str, dict[str, Any]], None]] = []
+
+
+def notify(event: str, **data: Any) -> None:
+    """Send a progress event (see `listeners`) to every listener."""
+    for listener in listeners:
+        listener(event, data)
+
+
+def enter_stage(name: str, iteration: int, step: int) -> None:
+    """Announce stage `name`; its Prefect task run is named ``<task>-<iteration>``."""
+    notify("stage", name=name, step=step)
+    stages.ITERATION.set(iteration)
+
+
+def flow_run_ui_url() -> str | None:
+    """Link to this flow run in the Prefect UI (served by the API's server), or None outside a server."""
+    api = os.environ.get("PREFECT_API_URL")
+    if not api or not flow_run.id:
+        return None
+    return f"{api.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run.id}"
+
+
+def run_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:
+    """``<trainer.output_dir>/<trainer.experiment_name>/<run_id>``: logs, batches, checkpoints of one run."""
+    return Path(cfg.trainer.output_dir).resolve() / cfg.trainer.experiment_name / run_id
+
+
+def checkpoint_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:
+    """Where the run's ``global_step_<N>`` checkpoints go: ``<trainer.checkpoint_dir>/<run_id>`` when
+    ``trainer.checkpoint_dir`` is set (e.g. a larger file system; one folder per run, so runs never mix), else
+    ``<run folder>/checkpoints``."""
+    if cfg.trainer.checkpoint_dir:
+        return Path(cfg.trainer.checkpoint_dir).resolve() / run_id
+    return run_dir_of(cfg, run_id) / "checkpoints"
+
+
+def group_spec(cfg: HybridFlowConfig | RMTrainingConfig, pool: Pool, worker_cls: str = WORKER_CLS) -> GroupSpec:
+    """The `GroupSpec` of the worker group of resource pool `pool` (its ranks serving `worker_cls`; its Slurm job
+    with the pool's resources), with the ``placement`` section's executor, backend and limits."""
+    placement = cfg.placement
+    backend = placement.backend
+    if backend == "auto":  # NCCL when the workers train on GPUs (trainer.device cuda, or auto with GPUs there)
+        if cfg.trainer.device == "cpu":
+            on_gpus = False
+        elif placement.executor == "slurm":
+            on_gpus = cfg.trainer.device == "cuda" or pool.slurm.gpus_per_node > 0
+        else:
+            on_gpus = _local_cuda(cfg)
+        backend = "nccl" if on_gpus else "gloo"
+    slurm = pool.slurm
+    return GroupSpec(
+        name=pool.name,
+        worker_cls=worker_cls,
+        nodes=pool.nodes,
+        tasks_per_node=pool.tasks_per_node,
+        executor=placement.executor,
+        slurm=slurm_parameters(**slurm.model_dump(exclude={"time_min", "interface"})),
+        timeout_min=slurm.time_min,
+        backend=backend,
+        heartbeat_timeout_s=placement.heartbeat_timeout_s,
+        call_timeout_s=placement.call_timeout_s,
+        interface=slurm.interface,
+    )
+
+
+def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig, role: str) -> dict[str, Any] | None:
+    """How `role`'s model is split over its pool's ranks, for the run store (``placements.parallel``): the
+    strategy of the trained and scoring models (actor, critic, reward model; a reward model in training: ddp)
+    and, for the actor, its training layout and, with ``megatron``, the generation layout, the resharding mode
+    and the rank groups (`HybridLayout.describe`); None for ref and the score function (whole on every rank)."""
+    if isinstance(cfg, RMTrainingConfig):
+        return {"strategy": "ddp"}
+    if role == "critic":
+        return {"strategy": cfg.critic.strategy}
+    if role == "reward_model":
+        return {"strategy": cfg.reward_model.strategy}
+    if role not in ("actor", "rollout"):
+        return None
+    world = cfg.pool_of("actor").world_size
+    return {"strategy": cfg.actor.strategy, **training_backend(cfg.actor.strategy).layout_record(cfg, world)}
+
+
+def _local_cuda(cfg: HybridFlowConfig) -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class Workers:
+    """The run's worker groups, and which group serves each role."""
+
+    groups: dict[str, WorkerGroup] = field(default_factory=dict)
+    by_role: dict[str, WorkerGroup] = field(default_factory=dict)
+
+    def __getitem__(self, role: str) -> WorkerGroup:
+        return self.by_role[role]
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Shut every group down (each gets `timeout_s` seconds to exit before its job is cancelled); one that fails
+        to stop does not keep the others running."""
+        for name, group in self.groups.items():
+            try:
+                group.shutdown(timeout_s)
+            except Exception:  # log it and go on to the next group's job
+                logger.exception("shutting down worker group %s (job %s) failed", name, group.job_id)
+
+
+def launch_workers(
+    cfg: HybridFlowConfig | RMTrainingConfig,
+    run_id: str,
+    store: RunStore,
+    run_dir: Path,
+    pools: dict[str, Pool] | None = None,
+    worker_cls: str = WORKER_CLS,
+) -> Workers:
+    """Start one worker group per resource pool of `pools` (default: the run's, `HybridFlowConfig.pools`), each a
+    submitit job of ranks serving `worker_cls` with ``(config, roles)``, load their models, and record the
+    placement (pool, ranks, strategy, Slurm job) in the store. Every pool's job is submitted before any is waited
+    for, so on Slurm no group sits allocated while another waits in the queue. If anything fails, the groups
+    already started are shut down."""
+    # A new secret for every controller session: a message captured from an earlier session (whose nonces this
+    # controller never saw) cannot be replayed to this one.
+    secret = run_dir / "secret"
+    secret.unlink(missing_ok=True)
+    create_secret(secret)
+    workers = Workers()
+    pools = pools or cfg.pools()
+    try:
+        for name, pool in pools.items():
+            workers.groups[name] = WorkerGroup(
+                group_spec(cfg, pool, worker_cls),
+                run_dir=run_dir,
+                data_dir=run_dir / "data",
+                secret_path=secret,
+                worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": list(pool.roles)},
+                wait=False,
+            )
+            workers.by_role.update({role: workers.groups[name] for role in pool.roles})
+        for group in workers.groups.values():
+            group.wait_ready()
+        for name, group in workers.groups.items():
+            group.init_model()
+            rows = [
+                {"role": role, **group.placement, "parallel": parallel_record(cfg, role)} for role in pools[name].roles
+            ]
+            store.record_placement(run_id, rows)
+    except BaseException:
+        workers.shutdown()
+        raise
+    return workers
+
+
+def end_session(
+    lease: RunLease,
+    workers: Workers | None,
+    report: RunReport | None,
+    logs: FlowLogs | None,
+    interrupted: bool,
+    completed: bool,
+) -> None:
+    """A controller session's last steps, each done even if one before it fails: shut the worker groups down (a
+    group stopped by the user gets `INTERRUPT_GRACE_S` seconds: a rank busy in a stage is not waited for), close
+    the trackers (`completed`: the run finished), stop forwarding logs, release the run's lease."""
+    try:
+        if workers is not None:
+            workers.shutdown(timeout_s=INTERRUPT_GRACE_S if interrupted else 30.0)
+    finally:
+        try:
+            if report is not None:
+                report.close(ok=completed)
+            if logs is not None:
+                logs.__exit__(None, None, None)
+        finally:
+            lease.release()
+
+
+def record_stop(store: RunStore, run_id: str, lease: RunLease, error: BaseException) -> bool:
+    """Record why a controller session ends early: ``interrupted`` for Ctrl-C or SIGTERM (resumable from the last
+    checkpoint), ``failed`` with the traceback's tail otherwise; nothing when another controller took the run over
+    (`LeaseLostError`, or the lease is lost). Returns whether the run was interrupted by the user."""
+    if isinstance(error, LeaseLostError) or lease.lost:
+        return False
+    if isinstance(error, KeyboardInterrupt | TerminationSignal):
+        stopped = "SIGTERM" if isinstance(error, TerminationSignal) else "an interrupt (Ctrl-C)"
+        store.set_status(run_id, "interrupted", error=f"stopped by {stopped}; continue with hf resume {run_id}")
+        return True
+    store.set_status(run_id, "failed", error="".join(traceback.format_exception(error))[-4000:])
+    return False
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` (and its parents) and make it its owner's only (0700); returns it."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def save_checkpoint(
+    store: RunStore,
+    run_id: str,
+    cfg: HybridFlowConfig,
+    lease: RunLease,
+    workers: Workers,
+    step: int,
+    state: dict[str, Any],
+) -> None:
+    """Write and record the checkpoint of `step`. A ``global_step_<step>`` folder already on disk is replaced only
+    when the store does not list it as a usable checkpoint (left by a crash before it was recorded, or marked bad
+    or superseded); a usable recorded one is never overwritten.
+
+    Raises:
+        LeaseLostError: another controller took the run over.
+        RuntimeError: the store lists a usable checkpoint of `step` already.
+    """
+    lease.check()
+    recorded = {c.step: c for c in store.checkpoints(run_id)}.get(step)
+    if recorded is not None and recorded.complete and recorded.bad_reason is None:
+        raise RuntimeError(
+            f"run {run_id} already has a usable checkpoint of iteration {step} on record ({recorded.path}); "
+            "refusing to overwrite it"
+        )
+    enter_stage("checkpoint", step, step)
+    ckpt = stages.checkpoint(list(workers.groups.values()), str(checkpoint_dir_of(cfg, run_id)), step, state)
+    store.add_checkpoint(run_id, step, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
+
+
+def usable_checkpoint(store: RunStore, run_id: str, exact_step: int | None = None) -> Path | None:
+    """The newest recorded, complete checkpoint of the run that verifies: its folder exists, every file matches
+    ``manifest.json`` (sha256) and the manifest's sha256 is the one the store recorded. Each one that fails is
+    marked bad in the store with the reason, and a warning names it and the fallback. None when none is usable
+    (the run starts over, with a warning if there were checkpoints).
+
+    With `exact_step`, only that step's checkpoint is considered.
+
+    Raises:
+        CheckpointError, FileNotFoundError: `exact_step` has no usable recorded checkpoint, or it does not verify.
+    """
+    candidates = [c for c in store.checkpoints(run_id) if c.complete and c.bad_reason is None]
+    if exact_step is not None:
+        candidates = [c for c in candidates if c.step == exact_step]
+        if not candidates:
+            steps = ", ".join(f"global_step_{c.step}" for c in store.checkpoints(run_id) if c.bad_reason is None)
+            raise CheckpointError(
+                f"run {run_id} has no usable checkpoint global_step_{exact_step}; usable: {steps or 'none'} "
+                f"(hf runs show {run_id})"
+            )
+    for ckpt in reversed(candidates):
+        try:
+            info = verify_checkpoint(ckpt.path)
+            if info.sha256 != ckpt.sha256:
+                raise CheckpointError(
+                    f"checkpoint {ckpt.path}: its manifest's sha256 {info.sha256[:16]}... is not the "
+                    f"{ckpt.sha256[:16]}... recorded when it was written (edited since)"
+                )
+        except (CheckpointError, FileNotFoundError) as e:  # FileNotFoundError: the folder is gone
+            store.mark_checkpoint_bad(run_id, ckpt.step, str(e))
+            if exact_step is not None:
+                raise
+            older = [c for c in candidates if c.step < ckpt.step]
+            fallback = f"global_step_{older[-1].step}" if older else "the start (no older checkpoint)"
+            message = f"checkpoint global_step_{ckpt.step} is unusable ({e}); marked bad, falling back to {fallback}"
+            logger.warning("run %s: %s", run_id, message)
+            notify("fallback", message=message)
+            continue
+        return Path(ckpt.path)
+    return None
+
+
+def supersede_after(store: RunStore, run_id: str, step: int) -> None:
+    """Mark the run's checkpoints after `step` superseded (``hf resume --from global_step_<step>``)."""
+    for ckpt in store.checkpoints(run_id):
+        if ckpt.step > step and ckpt.bad_reason is None:
+            store.mark_checkpoint_bad(run_id, ckpt.step, f"superseded: the run was resumed from global_step_{step}")

@@ -1,0 +1,331 @@
+"""Checks of a run's inputs before any work starts: `hf run` and `hf resume` call `check_run_inputs` before they
+record a run or start a worker, so a mistake costs seconds and leaves nothing behind.
+
+What is checked, each failure an `InputError` naming the config key and the fix:
+
+- ``model.path`` / ``critic.model_path``: an embedded model (prepared), or a local folder holding a Hugging Face
+  ``config.json`` and a tokenizer; a hub id (``org/name``) is refused: no model hub is reached from here.
+- ``data.*``: every file exists and has verl's columns; the reasoning-gym generator exists; prompts fit
+  ``data.max_prompt_length``; there are at least ``data.train_batch_size`` of them; every ``data_source`` has a
+  reward (built in, or ``reward.custom_function``); with ``data.audit_labels`` (default), every label of a source
+  that has an audit (`hybridflow.engine.audit`: exact arithmetic) is the value of its question.
+- ``reward_model.path`` (when ``reward_model.enable``) and Safe-RLHF's ``reward_model.cost_path``: a one-label
+  ``*ForSequenceClassification`` folder whose tokenizer pads (pad or EOS token), and ``reward_model.max_length``
+  longer than the shortest training prompt rendered in its chat template (weights are not loaded here; the worker
+  loads them before iteration 1).
+- ``reward.custom_function`` (and ``reward.cost_function``): imports and names a function taking ``(data_source,
+  solution_str, ground_truth, extra_info)``.
+- ``placement.executor: slurm``: Slurm's commands answer; every pool's partition exists and has the nodes it asks.
+- ``trainer.output_dir`` (and ``trainer.checkpoint_dir`` when set): can be created and written.
+- ``trainer.resume_from``: a checkpoint folder whose files match its ``manifest.json``.
+- ``trainer.logger``: the library of every tracker named (tensorboard, wandb, mlflow) is installed; an MLflow
+  tracking server (``http(s)://`` URI) answers.
+
+Batch-size divisibility and the parallel layout are checked by the config itself (`HybridFlowConfig`).
+The prompt sets built here are cached in the process, so the flow that follows does not build them again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridflow.engine.audit import audit_rows
+from hybridflow.engine.config import DataConfig, HybridFlowConfig, Pool, PreferenceDataConfig, RMTrainingConfig
+from hybridflow.engine.data import PromptDataset, build_prompt_rows, train_sampler
+from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
+from hybridflow.engine.models import load_tokenizer
+from hybridflow.engine.reward.preference import load_preference_rows, split_held_out
+from hybridflow.engine.reward.reward_model import RewardModelError, check_reward_model, rendered_prompt_length
+from hybridflow.engine.reward.rewards import check_builtin_source, load_reward_function
+from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
+from hybridflow.slurm import cluster
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class InputError(ValueError):
+    """A run input cannot work; the message names the config key, the problem and the fix."""
+
+
+@dataclass
+class PromptSets:
+    """The tokenizer and the tokenized prompt sets of a config (validation may be None: no held-out prompts)."""
+
+    tokenizer: Any
+    train: PromptDataset
+    val: PromptDataset | None
+
+
+def check_run_inputs(cfg: HybridFlowConfig) -> None:
+    """Check everything a run needs that the config alone cannot tell (see the module docstring).
+
+    Raises:
+        InputError: the first problem found, naming the key and the fix.
+    """
+    _check_trackers(cfg.trainer)
+    model_folder("model.path", cfg.model.path)
+    if cfg.critic.model_path:
+        model_folder("critic.model_path", cfg.critic.model_path)
+    rm = cfg.reward_model
+    scorers = {"reward_model.path": rm.path if rm.enable else None, "reward_model.cost_path": rm.cost_path}
+    scorers = {key: _check_reward_model(path, key) for key, path in scorers.items() if path}
+    functions = {"reward.custom_function": cfg.reward.custom_function, "reward.cost_function": cfg.reward.cost_function}
+    for key, spec in functions.items():
+        if spec:
+            try:
+                load_reward_function(spec, key)
+            except (ValueError, ImportError, AttributeError, TypeError, FileNotFoundError) as e:
+                raise InputError(str(e)) from None
+    prompts = prompt_sets(cfg)
+    try:
+        train_sampler(prompts.train, cfg)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    for rm_tokenizer in scorers.values():
+        _check_reward_model_length(rm.max_length, prompts.train, rm_tokenizer)
+    if cfg.data.audit_labels:
+        _check_labels(prompts)
+    if not cfg.reward.custom_function:
+        rows = prompts.train.rows + (prompts.val.rows if prompts.val else [])
+        for source in sorted({row["data_source"] for row in rows}):
+            try:
+                check_builtin_source(source)
+            except ValueError as e:
+                raise InputError(f"data: {e}") from None
+    if cfg.placement.executor == "slurm":
+        _check_slurm(cfg.pools(), "placement.pools." if cfg.placement.pools else "placement.")
+    _check_writable("trainer.output_dir", Path(cfg.trainer.output_dir))
+    if cfg.trainer.checkpoint_dir:
+        _check_writable("trainer.checkpoint_dir", Path(cfg.trainer.checkpoint_dir))
+    if cfg.trainer.resume_from not in (None, "auto"):
+        _check_resume_from(cfg.trainer.resume_from, cfg.safe_rlhf())
+
+
+def _check_labels(prompts: PromptSets) -> None:
+    """Refuse prompts whose labels fail their audit (`hybridflow.engine.audit`), naming the first failures and the
+    fix."""
+    for name, dataset in (("training", prompts.train), ("validation", prompts.val)):
+        if dataset is None:
+            continue
+        result = audit_rows(dataset.rows)
+        if result.failures:
+            shown = "; ".join(f"{question} {problem}" for _, _, question, problem in result.failures[:3])
+            raise InputError(
+                f"data: {len(result.failures)} of {result.audited} {name} labels are not the value of their question "
+                f"(e.g. {shown}). Fix the data (`hf data check CONFIG` lists every failure; with reasoning-gym's "
+                'basic_arithmetic and allow_parentheses: false, drop "/" from data.reasoning_gym.config.operators: '
+                "reasoning-gym 0.1.25 mislabels its divisions), or set data.audit_labels=false to train on them anyway"
+            )
+
+
+def _check_reward_model(path: str, key: str = "reward_model.path") -> Any:
+    """The RM's tokenizer, after `check_reward_model` accepted its folder (`key`: ``reward_model.path``, or Safe-RLHF's
+    cost model, ``reward_model.cost_path``)."""
+    folder = model_folder(key, path)
+    try:
+        return check_reward_model(folder, key)[1]
+    except RewardModelError as e:
+        raise InputError(str(e)) from None
+
+
+def _check_reward_model_length(max_length: int, train: PromptDataset, rm_tokenizer: Any) -> None:
+    """Refuse a ``reward_model.max_length`` that cannot hold even the shortest training prompt (in the RM's chat
+    template, before any response): the RM would never see a whole prompt."""
+    shortest = min(rendered_prompt_length(row["prompt"], rm_tokenizer) for row in train.rows)
+    if max_length <= shortest:
+        raise InputError(
+            f"reward_model.max_length={max_length} tokens is not longer than the shortest training prompt "
+            f"({shortest} tokens in the reward model's chat template): the RM would score no prompt whole; raise "
+            f"reward_model.max_length above {shortest} plus the response (rollout.response_length)"
+        )
+
+
+def _check_trackers(trainer: Any) -> None:
+    """Every tracker of ``trainer.logger`` has its library; an MLflow tracking server answers."""
+    if missing := missing_libraries(trainer.logger):
+        raise InputError(
+            f"trainer.logger names {', '.join(missing)}, whose library is not installed: pip install "
+            f"'hybridflow[trackers]' (or remove {', '.join(missing)} from trainer.logger)"
+        )
+    if "mlflow" in trainer.logger:
+        _check_mlflow_server(mlflow_tracking_uri(trainer.mlflow_tracking_uri, trainer.output_dir))
+
+
+def model_folder(key: str, value: str) -> Path:
+    """The local folder of a model setting (an embedded model's prepared folder, or the path itself).
+
+    Raises:
+        InputError: for a hub id, a missing or unprepared model, or a folder without a usable tokenizer.
+    """
+    folder = Path(value).expanduser()
+    if value not in EMBEDDED_MODELS and not folder.exists() and _HUB_ID.match(value):
+        raise InputError(
+            f"{key}: {value!r} looks like a model hub id, and there is no model hub here: download it elsewhere "
+            f"(e.g. `hf download {value} --local-dir DIR` on a machine with internet), copy the folder here and "
+            f"set {key}=DIR; or use an embedded model: {', '.join(sorted(EMBEDDED_MODELS))}"
+        )
+    try:
+        folder = resolve_model_path(value)
+        load_tokenizer(folder)
+    except FileNotFoundError as e:
+        raise InputError(str(e).replace("model.path", key)) from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"{key}: the folder {folder} has no tokenizer transformers can load ({e})") from None
+    return folder
+
+
+def prompt_sets(cfg: HybridFlowConfig) -> PromptSets:
+    """The config's tokenizer and tokenized train / validation prompts, built once per process and config.
+
+    Raises:
+        InputError: a prompt file is missing or malformed, the reasoning-gym generator or its settings are
+            unknown, or every prompt is longer than ``data.max_prompt_length``.
+    """
+    return _prompt_sets(str(resolve_model_path(cfg.model.path)), cfg.data.model_dump_json())
+
+
+@functools.lru_cache(maxsize=2)
+def _prompt_sets(model_folder: str, data_json: str) -> PromptSets:
+    data = DataConfig.model_validate(json.loads(data_json))
+    tokenizer = load_tokenizer(model_folder)
+    try:
+        train_rows, val_rows = build_prompt_rows(data)
+        train = PromptDataset(train_rows, tokenizer, data.max_prompt_length)
+        val = PromptDataset(val_rows, tokenizer, data.max_prompt_length) if val_rows else None
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    return PromptSets(tokenizer, train, val)
+
+
+@dataclass
+class PreferenceSets:
+    """The tokenizer and the preference pairs of a reward-model training config (held-out pairs may be empty)."""
+
+    tokenizer: Any
+    train: list[dict[str, Any]]
+    val: list[dict[str, Any]]
+
+
+def preference_sets(cfg: RMTrainingConfig) -> PreferenceSets:
+    """The pairs of ``data.train_files`` (less the held-out ``data.val_fraction`` when no ``data.val_files``) and
+    of ``data.val_files``, read once per process and config.
+
+    Raises:
+        InputError: a file is missing or malformed, or there are fewer training pairs than ``data.train_batch_size``.
+    """
+    return _preference_sets(str(resolve_model_path(cfg.model.path)), cfg.data.model_dump_json())
+
+
+@functools.lru_cache(maxsize=2)
+def _preference_sets(model_folder: str, data_json: str) -> PreferenceSets:
+    data = PreferenceDataConfig.model_validate(json.loads(data_json))
+    try:
+        train = [row for path in data.train_files for row in load_preference_rows(path)]
+        val = [row for path in data.val_files for row in load_preference_rows(path)]
+    except (ValueError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    if not data.val_files:
+        train, val = split_held_out(train, data.val_fraction, data.seed)
+    if len(train) < data.train_batch_size:
+        raise InputError(
+            f"data.train_files hold {len(train)} training pairs, fewer than one data.train_batch_size "
+            f"({data.train_batch_size}): add pairs or lower data.train_batch_size"
+        )
+    return PreferenceSets(load_tokenizer(model_folder), train, val)
+
+
+def check_rm_inputs(cfg: RMTrainingConfig) -> None:
+    """What ``hf rm train`` needs that the config alone cannot tell: ``model.path`` (a local folder with a
+    tokenizer), the preference files (`preference_sets`), the trackers, the Slurm partition, ``trainer.output_dir``.
+
+    Raises:
+        InputError: the first problem found, naming the key and the fix.
+    """
+    _check_trackers(cfg.trainer)
+    model_folder("model.path", cfg.model.path)
+    preference_sets(cfg)
+    if cfg.placement.executor == "slurm":
+        _check_slurm({"reward_model": cfg.placement.pool("reward_model", ["reward_model"])}, "placement.")
+    _check_writable("trainer.output_dir", Path(cfg.trainer.output_dir))
+
+
+def _check_slurm(pools: dict[str, Pool], prefix: str) -> None:
+    """Slurm answers, and each pool's partition (``placement.slurm.partition``, or the pool's own) exists and has
+    at least the pool's nodes. `prefix`: where a pool's keys live (``placement.pools.`` + its name, or
+    ``placement.`` for the layouts of ``placement.colocate``)."""
+    try:
+        found = cluster.partitions()
+    except cluster.SlurmCommandError as e:
+        raise InputError(
+            f"placement.executor=slurm, but Slurm does not answer here: {e}. Run hf on a Slurm login node, or set "
+            "placement.executor=local"
+        ) from None
+    nodes = {name.rstrip("*"): count for name, count in found.items()}
+    default = next((name.rstrip("*") for name in found if name.endswith("*")), None)
+    for name, pool in pools.items():
+        keys = f"{prefix}{name}." if prefix == "placement.pools." else prefix
+        partition = pool.slurm.partition
+        if partition is not None and partition not in nodes:
+            raise InputError(
+                f"{keys}slurm.partition: no partition {partition!r} on this cluster (partitions: "
+                f"{', '.join(nodes) or 'none'}); set one of them, or leave it unset for the cluster's default"
+            )
+        partition = partition or default
+        if partition is not None and pool.nodes > nodes[partition]:
+            raise InputError(
+                f"{keys}nodes: pool {name} asks for {pool.nodes} nodes, and partition {partition!r} has "
+                f"{nodes[partition]}; lower {keys}nodes (raise tasks_per_node instead), or pick a larger partition "
+                f"with {keys}slurm.partition"
+            )
+
+
+def _check_mlflow_server(uri: str) -> None:
+    """An ``http(s)://`` MLflow tracking server must answer its health check (5 s); local stores need nothing."""
+    import urllib.error
+    import urllib.request
+
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=5):
+            pass
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise InputError(
+            f"trainer.logger has mlflow, but the MLflow tracking server {uri} does not answer ({reason}); start it, "
+            "fix trainer.mlflow_tracking_uri (or $MLFLOW_TRACKING_URI), or remove mlflow from trainer.logger"
+        ) from None
+
+
+def _check_resume_from(value: str, cost_critic: bool = False) -> None:
+    """The checkpoint verifies; a Safe-RLHF run's (`cost_critic`) holds a cost critic to continue."""
+    from hybridflow.engine.checkpoint import CheckpointError, verify_checkpoint
+
+    try:
+        verify_checkpoint(value)
+    except (CheckpointError, OSError) as e:
+        raise InputError(
+            f"trainer.resume_from={value}: not a usable checkpoint ({e}); give a global_step_<N> folder written by "
+            "HybridFlow (its manifest.json lists every file), or remove the key to start from model.path"
+        ) from None
+    if cost_critic and not (Path(value) / "cost_critic").is_dir():
+        raise InputError(
+            f"trainer.resume_from={value}: the checkpoint has no cost_critic/ (a run without Safe-RLHF wrote it), and "
+            "algorithm.cost_limit needs one to continue: resume a Safe-RLHF run's checkpoint, or remove "
+            "trainer.resume_from (or algorithm.cost_limit)"
+        )
+
+
+def _check_writable(key: str, folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise InputError(f"{key}: cannot write to {folder.resolve()} ({e.strerror}); set a writable folder") from None

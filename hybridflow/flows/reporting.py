@@ -1,0 +1,226 @@
+"""What a run shows to the people watching it: the run store, the experiment trackers and the Prefect UI.
+
+- `RunReport`: every step's metrics and sample generations go to the run store and to the trackers of
+  ``trainer.logger`` (`hybridflow.engine.tracking`), and a Markdown artifact of the step (key metrics; at validation,
+  a few generations) to the flow run in the Prefect UI.
+- `flow_run_name` / `flow_run_tags`: the flow run is named ``<experiment>/<run_id>`` and tagged with the experiment,
+  algorithm, model and executor, so the UI's run list reads like ``hf runs list``.
+- `FlowLogs`: the controller's ``hybridflow`` log lines and the worker ranks' log lines (tailed from their submitit
+  log files after every stage) go to the flow run's logs in the UI.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prefect.context import TagsContext
+
+from hybridflow.engine.config import HybridFlowConfig
+from hybridflow.engine.generations import decode_generations
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.tracking import Tracking, markdown_table, mlflow_tracking_uri
+from hybridflow.flows.store.run_store import RunStore
+
+logger = logging.getLogger(__name__)
+worker_logger = logging.getLogger("hybridflow.workers")
+
+ARTIFACT_METRICS = (
+    "critic/score/mean",
+    "critic/rm_score/mean",
+    "critic/rewards/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/entropy",
+    "critic/vf_loss",
+    "response_length/mean",
+    "perf/throughput",
+    "timing_s/step",
+)
+"""The metrics a step's Prefect artifact shows (those present), then every ``val/*`` and ``reward_extra/*`` one."""
+ARTIFACT_SAMPLES = 3
+"""Generations shown in a validation step's artifact (the run store keeps all of ``trainer.log_val_generations``)."""
+
+
+def flow_run_name(cfg: HybridFlowConfig, run_id: str) -> str:
+    """``<trainer.experiment_name>/<run_id>``: the flow run's name in the Prefect UI."""
+    return f"{cfg.trainer.experiment_name}/{run_id}"
+
+
+def flow_run_tags(cfg: HybridFlowConfig) -> list[str]:
+    """The flow run's tags: ``experiment:<name>``, ``algorithm:<adv_estimator>``, ``model:<folder name>``,
+    ``executor:<local|slurm>``, ``actor:<strategy>``."""
+    return [
+        f"experiment:{cfg.trainer.experiment_name}",
+        f"algorithm:{cfg.algorithm.adv_estimator}",
+        f"model:{Path(cfg.model.path).name}",
+        f"executor:{cfg.placement.executor}",
+        f"actor:{cfg.actor.strategy}",
+    ]
+
+
+def untagged_task_runs() -> TagsContext:
+    """A context in which task runs inherit none of the flow run's tags. Prefect asks the server for tag
+    concurrency slots (``tag:<tag>`` limits) before every tagged task run starts; measured on SmolLM2 PPO that took
+    up to 2 s before some stages, several times an iteration, for limits nobody set."""
+    return TagsContext(current_tags=set())
+
+
+class RunReport:
+    """The run's records of each step, to the store, the trackers and the Prefect UI.
+
+    Args:
+        store: the run store.
+        run_id: the run.
+        cfg: its config (``trainer.logger``, ``project_name``, ``mlflow_tracking_uri``, ``output_dir``).
+        run_dir: the run folder (``jsonl``, ``tensorboard``, ``wandb`` files go there).
+        tokenizer: the actor's tokenizer, to decode generations.
+
+    Raises:
+        ImportError: a tracker's library is missing (named, with the pip command).
+    """
+
+    def __init__(self, store: RunStore, run_id: str, cfg: HybridFlowConfig, run_dir: Path, tokenizer: Any) -> None:
+        self.store, self.run_id, self.tokenizer = store, run_id, tokenizer
+        trainer = cfg.trainer
+        output_dir = Path(trainer.output_dir).resolve()
+        self.tracking = Tracking(
+            [b for b in trainer.logger if b != "console"],
+            run_dir,
+            project_name=trainer.project_name,
+            experiment_name=trainer.experiment_name,
+            run_id=run_id,
+            config=cfg.model_dump(mode="json"),
+            mlflow_uri=mlflow_tracking_uri(trainer.mlflow_tracking_uri, output_dir),
+            mlflow_artifacts=output_dir / "mlartifacts",
+        )
+
+    def step(
+        self,
+        step: int,
+        metrics: Mapping[str, float],
+        train: DataProto | None = None,
+        val: DataProto | None = None,
+        timeline: Sequence[Sequence[Any]] = (),
+    ) -> None:
+        """Record step `step`: its metrics, its stage `timeline` (`hybridflow.engine.metrics.Span` s, in the
+        store's ``stage_times``), and the generations in `train` / `val` (scored rollout rows; see
+        `decode_generations`), in the store and the trackers; then its Prefect artifact."""
+        self.store.record_metrics(self.run_id, step, metrics)
+        if timeline:
+            self.store.record_stage_times(self.run_id, step, timeline)
+        self.tracking.log(metrics, step)
+        shown: list[dict[str, Any]] = []
+        for kind, data in (("train", train), ("val", val)):
+            if data is None or len(data) == 0:
+                continue
+            samples = decode_generations(data, self.tokenizer, step)
+            self.store.record_samples(self.run_id, step, kind, samples)
+            self.tracking.log_generations(samples, step, kind)
+            if kind == "val":
+                shown = samples[:ARTIFACT_SAMPLES]
+        _artifact(self.run_id, step, metrics, shown)
+
+    def close(self, ok: bool) -> None:
+        """Close the trackers (`ok`: the run completed)."""
+        self.tracking.finish(ok)
+
+
+def _artifact(run_id: str, step: int, metrics: Mapping[str, float], samples: Sequence[Mapping[str, Any]]) -> None:
+    """A Markdown artifact of step `step` on the current flow run (nothing outside a flow run)."""
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return
+    names = [n for n in ARTIFACT_METRICS if n in metrics]
+    names += sorted(n for n in metrics if n.startswith(("val/", "reward_extra/")))
+    title = "validation before training" if step == 0 else f"iteration {step}"
+    lines = [f"## {run_id}: {title}", "", "| metric | value |", "|---|---|"]
+    lines += [f"| {n} | {metrics[n]:.4g} |" for n in names if metrics[n] is not None]
+    if samples:
+        lines += ["", f"### validation generations (first {len(samples)})", "", markdown_table(samples, limit=300)]
+    create_markdown_artifact(markdown="\n".join(lines), description=f"{run_id} {title}")
+
+
+class FlowLogs:
+    """Send the controller's and the workers' log lines to the current Prefect flow run's logs.
+
+    While open, the ``hybridflow`` logger (level INFO) has a Prefect API handler stamped with the flow run's id (so
+    lines from any thread arrive); `pump` forwards the lines the worker ranks appended to their submitit logs
+    (``<run folder>/submitit/<group>/*_log.err``/``.out``) since the last call, as ``hybridflow.workers`` records
+    ``[<group> <file>] <line>`` (at most `max_lines` per call; the rest is counted). Files that exist when it opens
+    (an earlier session's) are skipped. Outside a flow run it does nothing.
+    """
+
+    def __init__(self, run_dir: Path, max_lines: int = 300) -> None:
+        self.log_root, self.max_lines = run_dir / "submitit", max_lines
+        self.offsets: dict[Path, int] = {p: p.stat().st_size for p in self._files()}
+        self.handler: logging.Handler | None = None
+        self.level = logging.NOTSET
+
+    def _files(self) -> list[Path]:
+        return sorted(p for pattern in ("*/*_log.err", "*/*_log.out") for p in self.log_root.glob(pattern))
+
+    def __enter__(self) -> FlowLogs:
+        from prefect.context import FlowRunContext
+        from prefect.logging.handlers import APILogHandler
+
+        context = FlowRunContext.get()
+        if context is None or context.flow_run is None:
+            return self
+        flow_run_id = context.flow_run.id
+
+        class _Stamped(APILogHandler):
+            def emit(self, record: logging.LogRecord) -> None:
+                record.flow_run_id = flow_run_id  # any thread's record belongs to this flow run
+                super().emit(record)
+
+        self.handler = _Stamped(level=logging.INFO)
+        self.handler.setFormatter(logging.Formatter("%(message)s"))  # the UI shows the logger name beside it
+        root = logging.getLogger("hybridflow")
+        self.level = root.level
+        if root.getEffectiveLevel() > logging.INFO:
+            root.setLevel(logging.INFO)
+        root.addHandler(self.handler)
+        return self
+
+    def pump(self) -> None:
+        """Forward the worker log lines written since the last call."""
+        if self.handler is None:
+            return
+        sent = dropped = 0
+        for path in self._files():
+            start = self.offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    chunk = f.read()
+            except OSError:
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next call
+            self.offsets[path] = start + len(complete)
+            source = f"{path.parent.name} {path.name.removesuffix('.err').removesuffix('.out')}"
+            for line in complete.decode(errors="replace").splitlines():
+                if not line.strip():
+                    continue
+                if sent < self.max_lines:
+                    worker_logger.info("[%s] %s", source, line)
+                    sent += 1
+                else:
+                    dropped += 1
+        if dropped:
+            worker_logger.info("... %d more worker log lines (see %s)", dropped, self.log_root)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handler is None:
+            return
+        self.pump()
+        root = logging.getLogger("hybridflow")
+        root.removeHandler(self.handler)
+        root.setLevel(self.level)
+        self.handler.flush()
+        self.handler = None

@@ -1,0 +1,432 @@
+"""The RLHF flow: one Prefect flow run per `hf run` / `hf resume`, one iteration per loop turn.
+
+The loop body names the stages in order, as in the HybridFlow paper's PPO listing; the algorithm only decides
+which stages run (PPO's critic, ReMax's greedy generation, DAPO's repeated draws). The controller holds data
+handles and metrics, never bulk tensors; the worker groups are launched on first use and kept for the whole run.
+Every iteration's metrics, the placement and every checkpoint go to the run store, so `hf resume RUN_ID` continues
+from the last complete checkpoint.
+
+Slurm's warnings (SIGUSR2 before a worker job's time limit, SIGTERM on preemption) stop the run cleanly at the next
+stage boundary: before an update stage has run, nothing of the iteration has touched the weights, so the state the
+iteration started from is checkpointed (if no checkpoint has it yet); once an update has run, the iteration is
+finished and checkpointed. The run is then recorded ``interrupted`` and `hf resume` continues it exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, tags
+from prefect.futures import PrefectFuture, wait
+from prefect.runtime import flow_run
+
+from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, reward_shaping
+from hybridflow.engine.algorithms.kl import KLController
+from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier
+from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
+from hybridflow.engine.config import HybridFlowConfig
+from hybridflow.engine.data import PromptSampler, collate_prompts, train_sampler
+from hybridflow.engine.generations import GENERATION_KEYS
+from hybridflow.engine.iteration import Call, run_iteration
+from hybridflow.engine.metrics import Span, Timer
+from hybridflow.engine.protocol import DataProto
+from hybridflow.flows.lease import RunLease
+from hybridflow.flows.lifecycle import (
+    Workers,
+    end_session,
+    enter_stage,
+    flow_run_ui_url,
+    launch_workers,
+    notify,
+    private_dir,
+    record_stop,
+    run_dir_of,
+    save_checkpoint,
+    supersede_after,
+    usable_checkpoint,
+)
+from hybridflow.flows.preflight import prompt_sets
+from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags, untagged_task_runs
+from hybridflow.flows.store.run_store import RunStore
+from hybridflow.slurm.handles import DataHandle
+from hybridflow.tasks import stages
+
+logger = logging.getLogger(__name__)
+
+
+class Preempted(Exception):
+    """Slurm warned a worker group (time limit or preemption) before this iteration's first update stage."""
+
+
+@dataclass
+class PreemptionWatch:
+    """Stage-boundary check for Slurm's warning signals, reported by the ranks in their heartbeats."""
+
+    workers: Workers
+    updated: bool = False  # an update stage of the current iteration has started
+
+    def signals(self) -> list[str]:
+        """``"<group> rank <r>: SIGUSR2"`` for every rank that reported a warning signal."""
+        found = []
+        for group in self.workers.groups.values():
+            group.poll()
+            found += [f"{group.spec.name} rank {r}: {', '.join(s)}" for r, s in sorted(group.warning_signals.items())]
+        return found
+
+    def before_stage(self, name: str) -> None:
+        """Raise `Preempted` before a stage if warned and no update of this iteration has run."""
+        if not self.updated and (found := self.signals()):
+            raise Preempted("; ".join(found))
+        self.updated |= name.startswith("update_")
+
+
+@dataclass
+class StageRunner:
+    """The flow's `hybridflow.engine.iteration.Stages`: runs the stages of the iteration after `step` as Prefect
+    tasks (`stages.ITERATION_TASKS`) on the run's worker groups, with data handles: each batch of
+    independent stage calls at once where their roles live in different pools (``placement.concurrent``), after
+    the preemption check, then forwards the workers' log lines to the flow's logs. The controller's stages
+    (advantage, DAPO's filter) run here on the columns they need."""
+
+    cfg: HybridFlowConfig
+    workers: Workers
+    prompts: Prompts
+    data_dir: Path
+    step: int
+    kl_ctrl: KLController | None = None
+    lagrangian: LagrangeMultiplier | None = None
+    watch: PreemptionWatch | None = None
+    logs: FlowLogs | None = None
+
+    def __call__(self, *calls: Call) -> list[Any]:
+        """Run `calls`, none of which needs another's result: those on one worker group one after another in the
+        order given, those on different groups at the same time, submitted as Prefect task futures that this
+        waits on (all in order when ``placement.concurrent`` is false). Returns their results in the order of
+        `calls`, None for a skipped one.
+
+        Raises:
+            Preempted: Slurm warned the workers before this iteration's first update (no call has started).
+            Exception: the first failed call's error, raised once every call of the batch has ended (no worker
+                group is left in the middle of a call).
+        """
+        run = [c for c in calls if c.when]
+        for c in run:
+            if self.watch is not None:
+                self.watch.before_stage(c.stage)
+        enter_stage(" + ".join(c.stage for c in run), self.step + 1, self.step)
+        try:
+            results = self._run(run)
+        finally:
+            if self.logs is not None:
+                self.logs.pump()
+        done = dict(zip(map(id, run), results, strict=True))
+        return [done.get(id(c)) for c in calls]
+
+    def _run(self, calls: list[Call]) -> list[Any]:
+        groups = [self.workers[c.role] for c in calls]
+        tasks = [stages.ITERATION_TASKS[c.stage] for c in calls]
+        if not self.cfg.placement.concurrent or len({id(g) for g in groups}) < 2:
+            return [task(g, *c.args) for task, c, g in zip(tasks, calls, groups, strict=True)]
+        futures: list[PrefectFuture] = []
+        last: dict[int, PrefectFuture] = {}  # each group's previous call: a group serves one call at a time
+        for task, c, g in zip(tasks, calls, groups, strict=True):
+            before = last.get(id(g))
+            last[id(g)] = task.submit(g, *c.args, wait_for=[before] if before is not None else None)
+            futures.append(last[id(g)])
+        wait(futures)
+        return [f.result() for f in futures]
+
+    def next_prompts(self, step: int) -> DataHandle:
+        """The sampler's next batch, written to the run's data folder."""
+        batch = DataHandle.put(self.prompts.sampler.next_batch(), self.data_dir, "prompts")
+        return batch.with_meta(global_steps=step)
+
+    def filter_groups(self, scored: DataHandle, step: int) -> list[int]:
+        """DAPO's filter (`hybridflow.tasks.stages.filter_groups`), in the controller."""
+        enter_stage("filter_groups", step + 1, step)
+        return stages.filter_groups(scored, self.cfg.algorithm.filter_groups.metric, reward_shaping(self.cfg))
+
+    def advantage(self, batch: DataHandle, greedy: DataHandle | None, step: int) -> tuple[DataHandle, dict]:
+        """The advantage stage (`hybridflow.tasks.stages.advantage`), in the controller."""
+        enter_stage("advantage", step + 1, step)
+        shaping = reward_shaping(self.cfg)
+        algorithm = self.cfg.algorithm
+        return stages.advantage(batch, algorithm, self.kl_ctrl, self.data_dir, shaping, greedy, self.lagrangian)
+
+    def view(self, batch: DataHandle) -> DataProto:
+        """The columns `hybridflow.engine.metrics.batch_metrics` reads, loaded."""
+        keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask"]
+        keys += ["attention_mask", *_present(batch, "values", "rm_scores")]
+        keys += [k for k in batch.keys if k.startswith("reward_extra/")]
+        return batch.select(keys).load()
+
+
+@dataclass
+class Prompts:
+    """Controller-side prompt data: the train sampler (its cursor is checkpointed) and validation batches."""
+
+    sampler: PromptSampler
+    val_batches: list[DataHandle] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, cfg: HybridFlowConfig, data_dir: Path) -> Prompts:
+        sets = prompt_sets(cfg)  # cached per process: under hf run, built by its pre-flight check
+        sampler = train_sampler(sets.train, cfg)
+        val_batches = []
+        if sets.val is not None:
+            size = cfg.data.val_batch_size
+            for start in range(0, len(sets.val), size):
+                items = [sets.val[i] for i in range(start, min(start + size, len(sets.val)))]
+                val_batches.append(DataHandle.put(collate_prompts(items, sets.tokenizer), data_dir, "val"))
+        return cls(sampler, val_batches)
+
+
+def run_flow(run_id: str, db_url: str | None = None, resume_from_step: int | None = None) -> dict[str, float]:
+    """`rlhf_flow` as ``hf run`` / ``hf resume`` start it: the flow run named ``<experiment>/<run_id>`` and tagged
+    with the experiment, algorithm, model and executor (`orchestration.reporting`). Same arguments, returns and
+    errors as `rlhf_flow`."""
+    cfg = HybridFlowConfig.model_validate(RunStore(db_url).get_run(run_id).config)
+    with tags(*flow_run_tags(cfg)):
+        named = rlhf_flow.with_options(flow_run_name=flow_run_name(cfg, run_id))
+        return named(run_id=run_id, db_url=db_url, resume_from_step=resume_from_step)
+
+
+@flow(name="hybridflow-rlhf")
+def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | None = None) -> dict[str, float]:
+    """Train the run `run_id` recorded in the run store, from its newest usable checkpoint if any.
+
+    The controller first takes the run's lease (`orchestration.lease`): a run another live controller trains is
+    refused, one whose controller crashed is taken over. The run's folder is private (0700, files 0600).
+
+    Args:
+        run_id: a run created with `RunStore.create_run` (``hf run`` does this).
+        db_url: the store; None reads ``$HYBRIDFLOW_DB_URL`` or the default SQLite file (keeps passwords out of
+            the flow's recorded parameters).
+        resume_from_step: resume from the checkpoint of this step (``hf resume --from global_step_N``) instead of
+            the newest usable one; the run's later checkpoints are marked superseded. 0 starts over.
+
+    Returns:
+        the last iteration's metrics.
+
+    Raises:
+        LeaseHeldError: another controller is training the run (nothing of the run is touched).
+        LeaseLostError: another controller took the run over while this one ran (this one stops writing).
+        CheckpointError: the checkpoint asked for with `resume_from_step` is missing or corrupt.
+    """
+    with untagged_task_runs():  # the tags name the flow run only (see untagged_task_runs)
+        return _train_run(run_id, db_url, resume_from_step)
+
+
+def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) -> dict[str, float]:
+    store = RunStore(db_url)
+    cfg = HybridFlowConfig.model_validate(store.get_run(run_id).config)
+    lease = RunLease(store, run_id).acquire()
+    umask = os.umask(0o077)  # the run's files are its owner's only: weights, optimizer state, pickled job files
+    workers = report = None
+    interrupted = False
+    completed = False
+    logs = None
+    try:
+        run_dir = private_dir(run_dir_of(cfg, run_id))
+        logs = FlowLogs(run_dir).__enter__()
+        data_dir = run_dir / "data"
+        shutil.rmtree(data_dir, ignore_errors=True)  # batch files of an earlier session: no handle to them survives
+        data_dir.mkdir()
+        if flow_run.id:
+            store.set_flow_run_id(run_id, str(flow_run.id))
+        store.set_status(run_id, "running")
+        notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
+        prompts = Prompts.build(cfg, data_dir)
+        report = RunReport(store, run_id, cfg, run_dir, prompt_sets(cfg).tokenizer)
+        kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
+        lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without algorithm.cost_limit)
+        workers = launch_workers(cfg, run_id, store, run_dir)
+        logs.pump()
+        start = _resume(store, run_id, cfg, workers, prompts, kl_ctrl, lagrangian, resume_from_step)
+        trainer = cfg.trainer
+        notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
+        groups = ", ".join(f"{n} ({g.spec.world_size} ranks, job {g.job_id})" for n, g in workers.groups.items())
+        logger.info(
+            "run %s: iterations %d to %d; worker groups %s", run_id, start + 1, trainer.total_iterations, groups
+        )
+        if cfg.skips_old_log_prob():
+            logger.info(
+                "stage old_log_prob skipped: the update is on-policy (one optimizer step per iteration), so its old "
+                "log-probs are its own forward's, detached (actor.recompute_log_prob=true runs the stage)"
+            )
+        metrics: dict[str, float] = {}
+        if start == 0 and trainer.val_before_train and prompts.val_batches:
+            enter_stage("validate", 0, 0)
+            val, kept = _validate(cfg, workers, prompts, 0)
+            report.step(0, val, val=kept)
+            notify("validation", metrics=val)
+        for step in range(start, trainer.total_iterations):
+            lease.check()
+            state_before = _trainer_state(step, prompts, kl_ctrl, lagrangian)
+            store.start_iteration(run_id, step + 1)
+            try:
+                metrics, train_kept, timeline = _iteration(
+                    cfg, workers, prompts, kl_ctrl, step, data_dir, logs, lagrangian
+                )
+            except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
+                latest = store.latest_checkpoint(run_id)
+                if step > 0 and (latest is None or latest.step < step):
+                    save_checkpoint(store, run_id, cfg, lease, workers, step, state_before)
+                return _stop_preempted(store, run_id, step, str(warned), metrics)
+            last = step + 1 == trainer.total_iterations
+            warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
+            due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
+            val_kept = None
+            if prompts.val_batches and due and not warned:
+                enter_stage("validate", step + 1, step + 1)
+                val, val_kept = _validate(cfg, workers, prompts, step + 1)
+                metrics.update(val)
+                logs.pump()
+            report.step(step + 1, metrics, train=train_kept, val=val_kept, timeline=timeline)
+            # The checkpoint comes last: once it is recorded, everything of this iteration is on record, and a crash
+            # before that redoes the iteration from the previous checkpoint (metrics are upserted).
+            warned = warned or PreemptionWatch(workers).signals()
+            if last or warned or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
+                state = _trainer_state(step + 1, prompts, kl_ctrl, lagrangian)
+                save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state)
+            store.end_iteration(run_id, step + 1)
+            notify("iteration", step=step + 1, metrics=metrics)
+            logger.info(
+                "iteration %d done in %.1f s: critic/score/mean=%.4g",
+                step + 1,
+                metrics["timing_s/step"],
+                metrics["critic/score/mean"],
+            )
+            if warned and not last:
+                return _stop_preempted(store, run_id, step + 1, "; ".join(warned), metrics)
+        store.set_status(run_id, "completed")
+        completed = True
+        return metrics
+    except BaseException as e:
+        interrupted = record_stop(store, run_id, lease, e)
+        raise
+    finally:
+        os.umask(umask)
+        end_session(lease, workers, report, logs, interrupted, completed)
+
+
+def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl, lagrangian=None) -> dict[str, Any]:
+    """What a checkpoint after `steps_done` iterations needs besides the weights: the data cursor, the KL coef,
+    Safe-RLHF's Lagrange multiplier."""
+    return {
+        "global_steps": steps_done,
+        "sampler": prompts.sampler.state_dict(),
+        "kl_ctrl_value": kl_ctrl.value if kl_ctrl is not None else None,
+        "lagrange_multiplier": lagrangian.state_dict() if lagrangian is not None else None,
+    }
+
+
+def _stop_preempted(
+    store: RunStore, run_id: str, steps_done: int, signals: str, metrics: dict[str, float]
+) -> dict[str, float]:
+    message = f"stopped after iteration {steps_done} on Slurm's warning ({signals}); continue with hf resume {run_id}"
+    logger.warning(message)
+    store.set_status(run_id, "interrupted", error=message)
+    notify("preempted", message=message)
+    return metrics
+
+
+def _validate(cfg: HybridFlowConfig, workers: Workers, prompts: Prompts, step: int) -> tuple[dict[str, float], Any]:
+    """The validation after iteration `step` (0: before training): its ``val/*`` metrics and the first
+    ``trainer.log_val_generations`` scored rows (None when 0)."""
+    return stages.validate(
+        workers["rollout"],
+        workers["reward"],
+        prompts.val_batches,
+        cfg.rollout.val_temperature,
+        step,
+        keep=cfg.trainer.log_val_generations,
+    )
+
+
+def _iteration(
+    cfg: HybridFlowConfig,
+    workers: Workers,
+    prompts: Prompts,
+    kl_ctrl,
+    step: int,
+    data_dir: Path,
+    logs: FlowLogs | None = None,
+    lagrangian: LagrangeMultiplier | None = None,
+) -> tuple[dict[str, float], Any, list[Span]]:
+    """One iteration (`hybridflow.engine.iteration.run_iteration`, the one the single-process trainer runs too), its
+    stages as tasks on the worker groups (`StageRunner`). Returns its metrics (field-standard names), the first
+    ``trainer.log_train_generations`` scored rollout rows (a `DataProto`; None when 0), and its timeline (every
+    stage's span).
+
+    Raises:
+        Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
+        DynamicSamplingError: DAPO's draw limit was reached before enough varied groups (nothing applied).
+    """
+    timer = Timer()
+    token = stages.TIMER.set(timer)
+    runner = StageRunner(cfg, workers, prompts, data_dir, step, kl_ctrl, lagrangian, PreemptionWatch(workers), logs)
+    try:
+        done = run_iteration(cfg, runner, step, timer)
+    finally:
+        stages.TIMER.reset(token)
+    keep = cfg.trainer.log_train_generations
+    kept = None
+    if keep:  # before the batch files go: the first rows as scored, for the sample generations
+        columns = [*GENERATION_KEYS, *_present(done.batch, "data_source", "reward_model")]
+        kept = done.batch.select(columns).load(slice(0, keep))
+    for handle in (done.batch, done.greedy, *done.drawn):  # this iteration's batch files: no stage reads them again
+        if handle is not None:
+            handle.delete()
+    return done.metrics, kept, timer.spans
+
+
+def _present(handle: DataHandle, *keys: str) -> list[str]:
+    return [k for k in keys if k in handle.keys]
+
+
+def _resume(
+    store: RunStore,
+    run_id: str,
+    cfg: HybridFlowConfig,
+    workers: Workers,
+    prompts: Prompts,
+    kl_ctrl,
+    lagrangian: LagrangeMultiplier | None = None,
+    from_step: int | None = None,
+) -> int:
+    """Load the checkpoint the run continues from and return the iterations it holds (0: from the start).
+
+    That is the newest recorded checkpoint that verifies (`usable_checkpoint`): one that is missing, corrupt, or
+    whose manifest differs from the sha256 the store recorded is marked bad in the store, and the one before it is
+    tried (a warning says which and why). With `from_step`, the checkpoint of that step is used (and must verify);
+    later ones are marked superseded. A run with no usable checkpoint of its own starts from
+    ``trainer.resume_from`` when that names a checkpoint folder (a new run continuing another run's checkpoint).
+    """
+    if from_step is not None:
+        supersede_after(store, run_id, from_step)
+        path = None if from_step == 0 else usable_checkpoint(store, run_id, exact_step=from_step)
+    else:
+        path = usable_checkpoint(store, run_id)
+        resume_from = cfg.trainer.resume_from
+        if path is None and resume_from not in (None, "auto"):  # none of its own (usable): where it began
+            path = Path(resume_from)
+            verify_checkpoint(path)
+    if path is None:
+        return 0
+    for group in workers.groups.values():
+        group.load_checkpoint(str(path))
+    state = read_trainer_state(path)
+    prompts.sampler.load_state_dict(state["sampler"])
+    if kl_ctrl is not None and state.get("kl_ctrl_value") is not None:
+        kl_ctrl.value = state["kl_ctrl_value"]
+    if lagrangian is not None and state.get("lagrange_multiplier") is not None:
+        lagrangian.load_state_dict(state["lagrange_multiplier"])
+    logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], path)
+    notify("resumed", step=int(state["global_steps"]), path=str(path))
+    return int(state["global_steps"])

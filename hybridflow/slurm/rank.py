@@ -1,0 +1,303 @@
+"""The worker process: one rank of a worker group, launched by submitit (locally or as a Slurm task).
+
+`serve` runs in every task of the group's job: it joins torch.distributed (gloo on CPU, NCCL on GPU) with the
+group's other ranks, builds the worker class, says hello to the controller (its rank, pid, host and the methods
+it serves), then executes calls until told to shut down. A background thread sends heartbeats on a second socket,
+so the controller can tell a dead or stopped rank from a slow one.
+
+Slurm's warning signals (SIGUSR2 ``signal_delay_s`` before the time limit, SIGTERM on preemption or ``scancel``) do
+not stop a rank: it records the signal and reports it in its heartbeats, and the controller checkpoints at the next
+stage boundary and stops the run (``hf resume`` continues it). SIGKILL follows SIGTERM after Slurm's ``KillWait``.
+
+Arguments and results are JSON; a batch argument arrives as a `DataHandle` (the rank reads its rows itself), and a
+batch result is written as a part file in the run's data folder and returned as its description.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import submitit
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from hybridflow.engine.imports import load_object
+from hybridflow.engine.transfer import TransferProtocol, registered_methods
+from hybridflow.slurm import network
+from hybridflow.slurm.channel import Signer, WorkerConnection, read_secret
+from hybridflow.slurm.dispatch import rank_result, rank_share
+from hybridflow.slurm.handles import DataHandle, write_part
+
+logger = logging.getLogger(__name__)
+
+HANDLE_KEY = "__handle__"
+RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank waits to learn where rank 0's rendezvous store listens
+STORE_TIMEOUT = timedelta(minutes=5)  # torch.distributed's store operations (every rank's join included)
+
+
+@dataclass
+class Bootstrap:
+    """What a worker process needs to start (pickled by submitit into the job; plain values only)."""
+
+    group: str
+    worker_cls: str  # "package.module:Class" or "path/to/file.py:Class"
+    worker_kwargs: dict[str, Any]
+    controller_address: str
+    secret_path: str
+    data_dir: str
+    heartbeat_interval_s: float = 1.0
+    orphan_grace_s: float = 10.0
+    backend: str = "gloo"
+    env: dict[str, str] = field(default_factory=dict)
+    interface: str | None = "lo"  # where the group's sockets listen: "lo" (local groups), a NIC name, or None
+
+
+def decode_args(obj: Any) -> Any:
+    """JSON -> Python, turning ``{"__handle__": {...}}`` into `DataHandle` objects (recursively)."""
+    if isinstance(obj, dict):
+        if set(obj) == {HANDLE_KEY}:
+            return DataHandle.from_json(obj[HANDLE_KEY])
+        return {k: decode_args(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_args(v) for v in obj]
+    return obj
+
+
+def encode_args(obj: Any) -> Any:
+    """Python -> JSON, turning `DataHandle` objects into ``{"__handle__": {...}}`` (recursively)."""
+    if isinstance(obj, DataHandle):
+        return {HANDLE_KEY: obj.to_json()}
+    if isinstance(obj, dict):
+        return {k: encode_args(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [encode_args(v) for v in obj]
+    return obj
+
+
+class _SignalNotice:
+    """The warning signals this rank received (set by the signal handler, read by the heartbeat thread)."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+
+    def install(self) -> None:
+        """Replace submitit's handlers (which requeue or raise inside the running call) with recording ones."""
+        for sig in (signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if name not in self.received:  # first: a failing log write below must not lose the signal
+            self.received.append(name)
+        logger.warning("received %s: the controller will checkpoint at the next stage boundary", name)
+
+
+def _heartbeats(
+    address: str,
+    identity: str,
+    signer: Signer,
+    interval: float,
+    stop: threading.Event,
+    orphan_grace_s: float,
+    notice: _SignalNotice,
+) -> None:
+    """Beat every `interval` seconds (with the warning signals received so far); exit the process if the
+    controller's connection stays lost for `orphan_grace_s` (the controller died: nobody will call or shut down
+    this rank)."""
+    conn = WorkerConnection(address, identity, signer)
+    monitor = conn.monitor()
+    lost_since: float | None = None
+    try:
+        while not stop.wait(interval):
+            conn.send({"type": "heartbeat", "signals": list(notice.received)})
+            while monitor.poll(0):
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    lost_since = lost_since or time.monotonic()
+                elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                    lost_since = None
+            if lost_since is not None and time.monotonic() - lost_since > orphan_grace_s:
+                logger.error("%s lost its controller for %.0f s; exiting", identity, orphan_grace_s)
+                os._exit(3)
+    finally:
+        conn.close()
+
+
+def _init_distributed(
+    backend: str, interface: str | None, controller_host: str, conn: WorkerConnection
+) -> tuple[int, int, str]:
+    """Join the group's torch.distributed world and pick this rank's GPU on GPU nodes. Returns (rank, world size,
+    job id).
+
+    Rank 0 serves the rendezvous store on a port the operating system picks free at bind time and tells the
+    controller where (a ``rendezvous`` message on `conn`); the other ranks ask the controller for that address. A
+    port fixed in advance (submitit's, drawn from the job id) can already be held by any other socket on the node.
+
+    Nothing listens on every interface (`hybridflow.slurm.network`): the store is bound to the address the other
+    ranks connect to (127.0.0.1 for a local group; on Slurm the address of rank 0's node name, or its route to the
+    controller where that name resolves to loopback on a multi-node job), and gloo's and NCCL's connections use
+    `interface` (``lo`` locally; on Slurm ``placement.slurm.interface``, else the interface on the route to the
+    controller).
+
+    Raises:
+        RuntimeError: if the controller does not say where rank 0's store is within `RENDEZVOUS_TIMEOUT_S`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    env = submitit.JobEnvironment()
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    if env.num_tasks > 1:
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)  # inherited from the controller's environment (e.g. set by vLLM there)
+        if interface == network.LOOPBACK:
+            address, nic = "127.0.0.1", network.LOOPBACK
+        else:
+            address = socket.gethostbyname(env.hostnames[0])
+            if address.startswith("127.") and env.num_nodes > 1:
+                address = network.route_address(controller_host)
+            nic = interface or network.interface_of(network.route_address(controller_host))
+        if nic:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", nic)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
+        if env.global_rank == 0:
+            listen_fd, port = _listen(address, env.num_tasks)
+            conn.send({"type": "rendezvous", "address": address, "port": port})
+        else:
+            listen_fd = None
+            address, port = _ask_rendezvous(conn)
+        store = dist.TCPStore(
+            address, port, env.num_tasks, env.global_rank == 0, timeout=STORE_TIMEOUT, master_listen_fd=listen_fd
+        )
+        dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.num_tasks)
+    return env.global_rank, env.num_tasks, str(env.job_id)
+
+
+def _listen(address: str, world_size: int) -> tuple[int, int]:
+    """A listening socket bound to `address` only (torch's own store server would listen on every interface) on a
+    free port. Returns (its file descriptor, which the store's server then owns; the port)."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind((address, 0))
+    server.listen(max(128, world_size))
+    port = server.getsockname()[1]
+    return server.detach(), port
+
+
+def _ask_rendezvous(conn: WorkerConnection) -> tuple[str, int]:
+    """Rank 0's store address from the controller, as (host address, port). Raises RuntimeError after
+    `RENDEZVOUS_TIMEOUT_S` seconds without it."""
+    conn.send({"type": "rendezvous"})
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        message = conn.recv(remaining)
+        if message is not None and message.get("type") == "rendezvous":
+            return str(message["address"]), int(message["port"])
+    raise RuntimeError(
+        f"{conn.identity}: the controller did not say where rank 0's rendezvous store is within "
+        f"{RENDEZVOUS_TIMEOUT_S:.0f} s"
+    )
+
+
+def serve(boot: Bootstrap) -> None:
+    """Run one rank until the controller sends ``shutdown`` (the function each submitit task executes)."""
+    os.umask(0o077)  # checkpoint parts, batch files and logs: the run owner's only
+    os.environ.update(boot.env)
+    # INFO lines to the rank's log file (submitit's *_log.err), which the controller forwards to the flow's logs
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    notice = _SignalNotice()
+    notice.install()
+    controller_host = boot.controller_address.removeprefix("tcp://").rsplit(":", 1)[0]
+    rank = submitit.JobEnvironment().global_rank
+    signer = Signer(read_secret(boot.secret_path))
+    identity = f"{boot.group}/rank-{rank}"
+    stop = threading.Event()
+    beat = threading.Thread(
+        target=_heartbeats,
+        args=(
+            boot.controller_address,
+            f"{identity}/hb",
+            signer,
+            boot.heartbeat_interval_s,
+            stop,
+            boot.orphan_grace_s,
+            notice,
+        ),
+        daemon=True,
+    )
+    beat.start()
+    conn = WorkerConnection(boot.controller_address, identity, signer)
+    try:
+        rank, world_size, job_id = _init_distributed(boot.backend, boot.interface, controller_host, conn)
+        cls = load_object(boot.worker_cls, f"worker class of group {boot.group!r}")
+        methods = registered_methods(cls)
+        worker = cls(rank=rank, world_size=world_size, data_dir=boot.data_dir, **boot.worker_kwargs)
+        conn.send(
+            {
+                "type": "hello",
+                "rank": rank,
+                "world_size": world_size,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "node": os.environ.get("SLURMD_NODENAME", ""),  # Slurm's name for the node (empty when local)
+                "job_id": job_id,
+                "methods": {name: protocol.mode.value for name, protocol in methods.items()},
+            }
+        )
+        _loop(conn, worker, methods, boot, rank, world_size)
+    except Exception:
+        conn.send({"type": "fatal", "rank": rank, "traceback": traceback.format_exc()})
+        raise
+    finally:
+        stop.set()
+        conn.close()
+        _shutdown_distributed()
+
+
+def _loop(
+    conn: WorkerConnection,
+    worker: Any,
+    methods: dict[str, TransferProtocol],
+    boot: Bootstrap,
+    rank: int,
+    world_size: int,
+) -> None:
+    while True:
+        message = conn.recv()
+        if message is None or message.get("type") == "shutdown":
+            return
+        if message.get("type") != "call":
+            continue
+        call_id, name = message["id"], message["method"]
+        try:
+            if name not in methods:
+                raise AttributeError(
+                    f"{type(worker).__name__}.{name} is not a registered method; registered: {sorted(methods)}"
+                )
+            args, kwargs = decode_args(message["args"]), decode_args(message["kwargs"])
+            args, dp_rank, collect = rank_share(methods[name], worker, rank, world_size, args)
+            started = time.perf_counter()
+            result = getattr(worker, name)(*args, **kwargs)
+            logger.info("rank %d: %s done in %.2f s", rank, name, time.perf_counter() - started)
+            result = rank_result(
+                result, dp_rank, collect, lambda out, stage=name: write_part(out, boot.data_dir, stage, rank)
+            )
+            conn.send({"type": "result", "id": call_id, "rank": rank, "result": encode_args(result)})
+        except Exception:
+            conn.send({"type": "error", "id": call_id, "rank": rank, "traceback": traceback.format_exc()})
+
+
+def _shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

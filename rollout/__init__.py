@@ -1,1 +1,0 @@
-"""Rollouts (the registry: hf, vllm): sampling responses from the actor's weights."""

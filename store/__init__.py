@@ -1,1 +1,0 @@
-"""The SQL run store (SQLAlchemy, Alembic migrations): runs, metrics, checkpoints, placements, plans."""

@@ -88,6 +88,7 @@ def package_root(tree: Path, scratch: Path) -> Path:
         return tree
     root = scratch / "pythonpath"
     (root / "hybridflow").mkdir(parents=True)
+    (root / "hybridflow" / "__init__.py").touch()  # a regular package: found before an installed checkout's
     for folder in tree.iterdir():
         if (folder / "__init__.py").is_file() and folder.name not in ("tests", "benchmarks"):
             (root / "hybridflow" / folder.name).symlink_to(folder)

@@ -31,7 +31,6 @@ from hybridflow.engine.imports import load_object
 if TYPE_CHECKING:  # the config imports this module: no torch at import
     import torch
 
-    from hybridflow.engine.config import HybridFlowConfig
     from hybridflow.engine.protocol import DataProto
 
 
@@ -151,13 +150,14 @@ def rollout_spec(name: str) -> RolloutSpec:
 
 
 def build_rollout(
-    cfg: HybridFlowConfig,
+    cfg: Any,
     weights: WeightSource,
     tokenizer: Any,
     model_path: str | Path,
     compute_dtype: torch.dtype | None = None,
 ) -> Rollout:
-    """The rollout ``rollout.name`` names, generating from `weights`, seeded with ``trainer.seed``.
+    """The rollout ``rollout.name`` names, generating from `weights`, seeded with ``trainer.seed`` (`cfg`: the run's
+    `hybridflow.engine.config.HybridFlowConfig`, which imports this module, so it is not named in the signature).
 
     Raises:
         ValueError: an unregistered ``rollout.name``; ImportError: its engine is not installed (message says how).

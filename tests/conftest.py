@@ -67,7 +67,7 @@ def start_dev_cluster(timeout_s: float = SLURM_START_TIMEOUT_S) -> str | None:
     import subprocess
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "runtime" / "dev_cluster.sh"
+    script = Path(__file__).resolve().parent.parent / "hybridflow" / "slurm" / "dev_cluster.sh"
     try:
         done = subprocess.run(["bash", str(script), "start"], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:

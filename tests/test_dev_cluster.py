@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import start_dev_cluster
 
-SCRIPT = Path(__file__).resolve().parent.parent / "runtime" / "dev_cluster.sh"
+SCRIPT = Path(__file__).resolve().parent.parent / "hybridflow" / "slurm" / "dev_cluster.sh"
 
 
 def _daemons() -> set[str]:

@@ -19,7 +19,7 @@ NODE=$(hostname -s)
 CONF_DIR=/etc/slurm
 DB_PASS_FILE=$DIR/dbpass
 MARKER="# written by hybridflow hybridflow/slurm/dev_cluster.sh"
-OLD_MARKER="# written by hybridflow slurm/dev_cluster.sh"  # the script's path before the folders by concept
+OLD_MARKERS=("# written by hybridflow runtime/dev_cluster.sh" "# written by hybridflow slurm/dev_cluster.sh")  # its earlier paths
 
 running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
@@ -169,7 +169,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 EOF
 )
 for f in "$CONF_DIR/slurm.conf" "$CONF_DIR/slurmdbd.conf"; do
-  if [ -s "$f" ] && [ "$(head -n 1 "$f")" != "$MARKER" ] && [ "$(head -n 1 "$f")" != "$OLD_MARKER" ]; then
+  if [ -s "$f" ] && [ "$(head -n 1 "$f")" != "$MARKER" ] && [ "$(head -n 1 "$f")" != "${OLD_MARKERS[0]}" ] \
+    && [ "$(head -n 1 "$f")" != "${OLD_MARKERS[1]}" ]; then
     echo "error: $f exists and was not written by this script (a real cluster's?); not replacing it" >&2
     exit 1
   fi

@@ -4,7 +4,8 @@ Each variant trains the tiny random model three ways (module-scoped, shared by t
 A runs 3 iterations uninterrupted with ``save_freq=2``; B1 runs 1 iteration (saved at the end of fit); B2 is a new
 trainer that resumes from B1's checkpoint and runs iterations 2 and 3. The variants cover GRPO with the KL loss,
 entropy bonus, LR warm-up and *sampled* validation (resumed with ``resume_from=auto``), and PPO with GAE, a critic
-and an adaptive in-reward KL coefficient (resumed from an explicit folder).
+and an adaptive in-reward KL coefficient (resumed from an explicit folder), and multi-turn agent trajectories with
+DAPO's dynamic sampling.
 """
 
 import hashlib
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from tiny_runs import tiny_run_config
+from tiny_runs import agent_overrides, tiny_run_config
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
 from hybridflow.engine.checkpoint import (
@@ -54,6 +55,18 @@ VARIANTS = {
         ],
         "path",
     ),
+    # multi-turn agent trajectories (tool turns between the model's, issue 31) with DAPO's dynamic sampling
+    "agent": (
+        "grpo",
+        lambda root: [
+            *agent_overrides(root),
+            "actor.use_kl_loss=true",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=seq_reward",
+            "data.gen_batch_size=2",
+        ],
+        "auto",
+    ),
 }
 # Timings (and the throughputs derived from them) are the only metrics allowed to differ between runs.
 VOLATILE = ("timing_s/", "perf/throughput", "perf/gen_throughput", "perf/mfu")  # wall-clock figures
@@ -71,6 +84,7 @@ def _quiet(record):
 def runs(request, tmp_path_factory, tiny_model_dir):
     estimator, extra, resume_mode = VARIANTS[request.param]
     a_root = tmp_path_factory.mktemp(f"{estimator}_a")
+    extra = extra(tmp_path_factory.mktemp("agent")) if callable(extra) else extra
     trainer_a = SingleProcessTrainer(
         _config(a_root, tiny_model_dir, estimator, [*extra, "trainer.total_iterations=3", "trainer.save_freq=2"])
     )
@@ -85,6 +99,7 @@ def runs(request, tmp_path_factory, tiny_model_dir):
     trainer_b2 = SingleProcessTrainer(_config(b_root, tiny_model_dir, estimator, b2_extra))
     records_b2 = trainer_b2.fit(log=_quiet)
     return SimpleNamespace(
+        variant=request.param,
         estimator=estimator,
         a=trainer_a,
         records_a=records_a,
@@ -123,6 +138,9 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
         must_have += ["critic/vf_loss", "critic/grad_norm", "critic/lr", "actor/reward_kl_penalty_coeff"]
     else:
         must_have.append("actor/kl_loss")
+    if runs.variant == "agent":  # the trajectories really were multi-turn, and DAPO drew more prompts
+        must_have += ["num_turns/mean", "tool_calls/echo/mean", "response_length/tool_tokens/mean"]
+        assert all(r["num_turns/min"] > 2 for r in runs.records_b2)
     for record_b in runs.records_b2:
         record_a = by_step_a[record_b["step"]]
         expected, got = _deterministic(record_a), _deterministic(record_b)

@@ -90,3 +90,54 @@ def tiny_run_config(root: Path, model_dir: Path, estimator: str, extra: list[str
             *extra,
         ],
     )
+
+
+AGENT = '''
+from hybridflow.engine.agent.loop import AgentLoop, AgentLoopOutput
+
+
+def echo(text: str) -> str:
+    """Say `text` back.
+
+    Args:
+        text: what to say
+    """
+    return f"echo:{text}"
+
+
+class ShortTurns(AgentLoop):
+    """Turns of at most 4 tokens, each followed by an echo tool turn while the budget lasts: the random tiny model
+    never writes a tool call or stops, so this loop makes its trajectories multi-turn."""
+
+    async def run(self, sampling_params, **row):
+        out = AgentLoopOutput(self.prompt_ids(row))
+        budget = sampling_params.max_tokens
+        while True:
+            turn = await self.engine.generate(out.prompt_ids + out.response_ids, min(4, budget - len(out.response_ids)))
+            out.add_model_turn(turn)
+            if turn.stopped or len(out.response_ids) >= budget:
+                break
+            answer = self.context.tools.call("echo", {"text": self.context.tokenizer.decode(turn.ids)[-3:]})
+            out.tool_calls["echo"] += 1
+            ids = self.context.chat_format.tool_turn_ids([answer.text])
+            if len(out.response_ids) + len(ids) >= budget:
+                break
+            out.add_tool_turns(ids, 1)
+        return out
+'''
+
+
+def agent_overrides(root: Path) -> list[str]:
+    """Config overrides for multi-turn rollouts on the tiny model: the `ShortTurns` loop and its echo tool, written
+    into `root` and named by path, as a user's own loop and tools would be."""
+    agent_file = Path(root) / "my_agent.py"
+    agent_file.write_text(AGENT)
+    tools = Path(root) / "tools.yaml"
+    tools.write_text(f"tools:\n  - function: {agent_file}:echo\n")
+    return [
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config_path={tools}",
+        f"rollout.multi_turn.default_agent_loop={agent_file}:ShortTurns",
+        "rollout.response_length=64",
+        "data.max_prompt_length=512",
+    ]

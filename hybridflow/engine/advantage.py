@@ -22,7 +22,7 @@ from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier, lagrangi
 from hybridflow.engine.config import AlgorithmConfig, HybridFlowConfig, OverlongBufferConfig
 from hybridflow.engine.guards import check_finite
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.torch_ops import masked_mean, masked_whiten
+from hybridflow.engine.torch_ops import last_positions, masked_mean, masked_whiten
 
 
 def overlong_reward(response_lengths: torch.Tensor, max_length: int, buffer_len: int, penalty: float) -> torch.Tensor:
@@ -142,9 +142,8 @@ def overlong_shaped(
     ``reward_extra/overlong/mean`` (the share of responses penalised), verl's DAPO names."""
     lengths = (response_mask != 0).sum(-1)
     penalty = overlong_reward(lengths, max_length, overlong.len, overlong.penalty).to(rewards.dtype)
-    last = (lengths - 1).clamp(min=0)  # an empty response: position 0, as the score
-    shaped = rewards.clone()
-    shaped[torch.arange(len(rewards), device=rewards.device), last] += penalty
+    shaped = rewards.clone()  # on the last response token, where the score sits (position 0 for an empty response)
+    shaped[torch.arange(len(rewards), device=rewards.device), last_positions(response_mask)] += penalty
     metrics = {
         "reward_extra/overlong_reward/mean": float(penalty.mean()),
         "reward_extra/overlong/mean": float((penalty < 0).float().mean()),

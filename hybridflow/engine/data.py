@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.engine.agent.chat_format import render_prompt
 from hybridflow.engine.config import DataConfig, HybridFlowConfig
 from hybridflow.engine.protocol import DataProto
 
@@ -308,6 +309,7 @@ class PromptDataset:
         tokenizer: Any,
         max_prompt_length: int,
         apply_chat_template: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if not rows:
             raise ValueError("PromptDataset got no rows; check data.train_files / data.val_files")
@@ -316,6 +318,7 @@ class PromptDataset:
         self.tokenizer = tokenizer
         self.max_prompt_length = int(max_prompt_length)
         self.apply_chat_template = apply_chat_template
+        self.tools = tools
         self.rows: list[dict[str, Any]] = []
         self.input_ids: list[list[int]] = []
         lengths = []
@@ -342,7 +345,7 @@ class PromptDataset:
             )
 
     def _encode(self, prompt: list[dict[str, str]]) -> list[int]:
-        return encode_prompt(prompt, self.tokenizer, self.apply_chat_template)
+        return encode_prompt(prompt, self.tokenizer, self.apply_chat_template, self.tools)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -360,10 +363,17 @@ class PromptDataset:
         return {**self.rows[i], "input_ids": list(self.input_ids[i]), "index": i}
 
 
-def encode_prompt(prompt: list[dict[str, str]], tokenizer: Any, apply_chat_template: bool = True) -> list[int]:
-    """A chat prompt's token ids as the rollout sees them (see `PromptDataset` for the two tokenizations)."""
+def encode_prompt(
+    prompt: list[dict[str, str]],
+    tokenizer: Any,
+    apply_chat_template: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """A chat prompt's token ids as the rollout sees them (see `PromptDataset` for the two tokenizations); `tools`
+    (OpenAI function schemas, with ``rollout.multi_turn``) are offered in the prompt
+    (`hybridflow.engine.agent.chat_format.render_prompt`)."""
     if apply_chat_template:
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        text = render_prompt(prompt, tokenizer, tools)
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode("\n".join(m["content"] for m in prompt)))
 
@@ -412,6 +422,8 @@ def collate_prompts(items: Sequence[dict[str, Any]], tokenizer: Any, width: int 
         "raw_prompt": [item["prompt"] for item in items],
         "index": [int(item["index"]) for item in items],
     }
+    if any("agent_name" in item for item in items):  # the agent loop of each row (rollout.multi_turn)
+        non_tensors["agent_name"] = [item.get("agent_name") for item in items]
     return DataProto.from_dict(
         {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors
     )

@@ -96,7 +96,7 @@ class RolloutSpec:
     Attributes:
         build: ``build(cfg, weights, tokenizer, model_path, compute_dtype) -> Rollout``, or its import path.
         syncs_weights: the rollout keeps weights of its own, loaded by `Rollout.update_weights` after each update.
-        reports_log_probs: it returns ``rollout_log_probs`` (needed by ``actor.tis_cap``).
+        reports_log_probs: it returns ``rollout_log_probs`` (needed by ``actor.tis_cap``; agent loops always do).
         tensor_parallel: it can generate tensor-parallel over ``rollout.gen_tp`` ranks of the 3D-HybridEngine.
     """
 
@@ -159,11 +159,19 @@ def build_rollout(
     """The rollout ``rollout.name`` names, generating from `weights`, seeded with ``trainer.seed`` (`cfg`: the run's
     `hybridflow.engine.config.HybridFlowConfig`, which imports this module, so it is not named in the signature).
 
+    With ``rollout.multi_turn.enable`` the rollout runs agent loops on that engine
+    (`hybridflow.engine.agent.rollout.AgentLoopRollout`).
+
     Raises:
-        ValueError: an unregistered ``rollout.name``; ImportError: its engine is not installed (message says how).
+        ValueError: an unregistered ``rollout.name``; ImportError: its engine is not installed (message says how);
+            the errors of `hybridflow.engine.agent.rollout.AgentLoopRollout` (tools, chat template).
     """
     build = _load(rollout_spec(cfg.rollout.name).build, "rollout.name")
-    return build(cfg, weights, tokenizer, model_path, compute_dtype)
+    rollout = build(cfg, weights, tokenizer, model_path, compute_dtype)
+    if cfg.rollout.multi_turn.enable:
+        agent_rollout = load_object("hybridflow.engine.agent.rollout:AgentLoopRollout", "rollout.multi_turn.enable")
+        rollout = agent_rollout(rollout, cfg, tokenizer)
+    return rollout
 
 
 # ---------------------------------------------------------------------------------------------------- backends

@@ -90,6 +90,7 @@ def update_mfu(
         data: ``input_ids``, ``attention_mask`` [B, P+T], ``responses``, ``response_mask`` [B, T].
     """
     from hybridflow.engine.packing import prompt_groups
+
     responses = data.batch["response_mask"].sum(-1).tolist()
     prompts = [total - r for total, r in zip(data.batch["attention_mask"].sum(-1).tolist(), responses, strict=True)]
     groups, first = [], 0

@@ -10,6 +10,29 @@ GENERATION_KEYS = ["prompts", "responses", "response_mask", "attention_mask", "t
 """The tensor columns `decode_generations` reads (plus ``data_source`` and ``reward_model`` when present)."""
 
 
+TOOL_OPEN, TOOL_CLOSE = "\n[tool turn]", "[/tool turn]\n"
+"""What `decode_generations` writes around the tool and template tokens of an agent trajectory."""
+
+
+def _conversation(tokenizer: Any, ids: Any, trained: Any, real: Any) -> str:
+    """A response as text: the model's runs of tokens decoded without special tokens, each run of tool and template
+    tokens (real but not trained on) decoded with them and marked."""
+    pieces, start = [], 0
+    kinds = [(bool(t), bool(r)) for t, r in zip(trained.tolist(), real.tolist(), strict=True)]
+    while start < len(kinds):
+        end = start
+        while end < len(kinds) and kinds[end] == kinds[start]:
+            end += 1
+        model_tokens, in_trajectory = kinds[start]
+        run = ids[start:end].tolist()
+        if model_tokens:
+            pieces.append(tokenizer.decode(run, skip_special_tokens=True))
+        elif in_trajectory:
+            pieces.append(TOOL_OPEN + tokenizer.decode(run, skip_special_tokens=False) + TOOL_CLOSE)
+        start = end
+    return "".join(pieces)
+
+
 def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[str, Any]]:
     """Decode each row of a scored rollout into one sample.
 
@@ -21,13 +44,16 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
         step: the iteration the samples belong to (0: the validation before training).
 
     Returns:
-        one dict per row: ``step``, ``data_source``, ``prompt``, ``response`` (text), ``score`` (the row's summed
+        one dict per row: ``step``, ``data_source``, ``prompt``, ``response`` (text; an agent trajectory's tool
+        turns, the tokens ``response_mask`` leaves out, are shown with their template markers between
+        `TOOL_OPEN` and `TOOL_CLOSE`), ``score`` (the row's summed
         ``token_level_scores``, float), ``ground_truth`` (str, "" when absent).
     """
     batch, extra = data.batch, data.non_tensor_batch
     prompt_len = batch["prompts"].shape[1]
     prompt_mask = batch["attention_mask"][:, :prompt_len].bool()
     response_mask = batch["response_mask"].bool()
+    real = batch["attention_mask"][:, prompt_len:].bool()
     scores = batch["token_level_scores"].sum(-1).tolist()
     samples = []
     for i in range(len(data)):
@@ -37,9 +63,7 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
                 "step": step,
                 "data_source": str(extra["data_source"][i]) if "data_source" in extra else "",
                 "prompt": tokenizer.decode(batch["prompts"][i][prompt_mask[i]].tolist(), skip_special_tokens=True),
-                "response": tokenizer.decode(
-                    batch["responses"][i][response_mask[i]].tolist(), skip_special_tokens=True
-                ),
+                "response": _conversation(tokenizer, batch["responses"][i], response_mask[i], real[i]),
                 "score": float(scores[i]),
                 "ground_truth": "" if truth is None else str(truth),
             }

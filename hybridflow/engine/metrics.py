@@ -38,21 +38,26 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
             at the limit).
 
     Returns:
-        metric name -> float. Lengths are in tokens.
+        metric name -> float. Lengths are in tokens: ``response_length/*`` counts the model's own tokens
+        (``response_mask``); with agent loops, `agent_metrics` adds the tool tokens' counts.
     """
     batch = data.batch
     mask = batch["response_mask"].bool()
     response_len = mask.sum(-1)
-    prompt_len = batch["attention_mask"].sum(-1) - response_len
+    width = mask.shape[1]
+    trajectory_len = batch["attention_mask"][:, -width:].sum(-1)  # with an agent's tool tokens
+    prompt_len = batch["attention_mask"][:, :-width].sum(-1)
     metrics = {
         **_stats("critic/score", batch["token_level_scores"].sum(-1)),
         **_stats("critic/rewards", batch["token_level_rewards"].sum(-1)),
         **_stats("critic/advantages", batch["advantages"][mask]),
         **_stats("critic/returns", batch["returns"][mask]),
         **_stats("response_length", response_len),
-        "response_length/clip_ratio": float((response_len >= response_limit).float().mean()),
+        "response_length/clip_ratio": float((trajectory_len >= response_limit).float().mean()),
         **_stats("prompt_length", prompt_len),
     }
+    if "agent/num_turns" in batch:
+        metrics.update(agent_metrics(data))
     if "rm_scores" in batch:
         metrics.update(_stats("critic/rm_score", batch["rm_scores"].sum(-1)))
     for key in batch.keys():  # noqa: SIM118 (a TensorDict iterates its values): the custom reward's extra keys
@@ -62,6 +67,34 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
         metrics.update(_stats("critic/values", batch["values"][mask]))
         error = (batch["returns"] - batch["values"])[mask]
         metrics["critic/vf_explained_var"] = float(1.0 - error.var() / (batch["returns"][mask].var() + 1e-8))
+    return metrics
+
+
+def agent_metrics(data: DataProto) -> dict[str, float]:
+    """The metrics of agent-loop rollouts (`hybridflow.engine.agent.rollout`), in verl's names where it has them.
+
+    Reads ``agent/num_turns`` int [B], ``agent/tool_calls/<tool>`` and ``agent/tool_errors/<tool>`` int [B],
+    ``response_mask`` and ``attention_mask``. Returns ``num_turns/{min,max,mean}`` (turns per trajectory: prompt,
+    assistant and tool turns), ``tool_calls/<tool>/mean`` (calls per trajectory), ``tool_calls/<tool>/error_rate``
+    (errors / calls, 0 without calls), ``response_length/with_tools/mean`` and ``response_length/tool_tokens/mean``
+    (tokens per trajectory, of which tool and template tokens).
+    """
+    batch = data.batch
+    width = batch["response_mask"].shape[1]
+    trajectory = batch["attention_mask"][:, -width:].sum(-1).float()
+    tool_tokens = trajectory - batch["response_mask"].sum(-1).float()
+    metrics = {
+        **_stats("num_turns", batch["agent/num_turns"]),
+        "response_length/with_tools/mean": float(trajectory.mean()),
+        "response_length/tool_tokens/mean": float(tool_tokens.mean()),
+    }
+    for key in sorted(batch.keys()):
+        if key.startswith("agent/tool_calls/"):
+            tool = key.removeprefix("agent/tool_calls/")
+            calls = batch[key].float()
+            errors = batch[f"agent/tool_errors/{tool}"].float()
+            metrics[f"tool_calls/{tool}/mean"] = float(calls.mean())
+            metrics[f"tool_calls/{tool}/error_rate"] = float(errors.sum() / calls.sum()) if calls.sum() else 0.0
     return metrics
 
 

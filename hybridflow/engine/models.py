@@ -230,8 +230,8 @@ def response_log_probs(
     math in fp32, one log-softmax per chunk of rows for both (`torch_ops.logprobs_and_entropy`).
 
     Returns:
-        (log_probs float32 [b, T], entropy float32 [b, T] or None), 0 where ``attention_mask`` marks no response
-        token.
+        (log_probs float32 [b, T], entropy float32 [b, T] or None), 0 where ``response_mask`` is 0 (padding, and
+        the tool tokens of agent trajectories: never computed).
     """
     packed = pack_rows(micro, share_prompts)
     logits = response_logits(model, packed, temperature, compute_dtype)
@@ -280,7 +280,7 @@ def response_values(
     forward runs under `autocast` in `compute_dtype` (None / float32: as stored).
 
     Returns:
-        float32 [b, T], 0 where ``attention_mask`` marks no response token.
+        float32 [b, T], 0 where ``response_mask`` is 0.
     """
     packed = pack_rows(micro, share_prompts)
     with autocast(_model_device(critic), compute_dtype):

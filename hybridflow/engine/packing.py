@@ -51,10 +51,11 @@ class PackedRows:
         input_ids, position_ids: int64 [1, L]; L = prompt tokens (once per group) + response tokens (real ones).
         attention_mask: bool [1, 1, L, L], True where a query (dim 2) may attend a key (dim 3); L^2 bytes (a
             micro-batch of 16k tokens: 256 MB), whatever the attention kernel then reads of it.
-        predict: int64 [K], K = the micro-batch's real response tokens (the response part of ``attention_mask``,
-            which a rollout batch sets to ``response_mask``; row-major): the
-            position of the packed sequence whose output predicts each (a prompt's last token predicts the first
-            response token, response token t - 1 predicts token t).
+        predict: int64 [K], K = the micro-batch's trained response tokens (``response_mask``, else the response
+            part of ``attention_mask``; row-major): the position of the packed sequence whose output predicts each
+            (a prompt's last token predicts the first response token, response token t - 1 predicts token t). The
+            tool and template tokens of an agent trajectory (``attention_mask`` 1, ``response_mask`` 0) are in the
+            sequence as context, and no output is computed for them.
         rows, cols: int64 [K]: where each predicted token sits in the padded [b, T] layout.
         spans: [start, end) of each prompt group in the L positions (`packed_sdpa`).
         shape: (b, T).
@@ -80,13 +81,16 @@ def pack_rows(micro: DataProto, share_prompts: bool = True) -> PackedRows:
 
     Args:
         micro: ``input_ids``, ``attention_mask``, ``position_ids`` [b, P+T] (prompts left-padded, responses
-            right-padded), ``responses`` [b, T]; a token is real where ``attention_mask`` is 1.
+            right-padded), ``responses`` [b, T], optionally ``response_mask`` [b, T]; a token is real where
+            ``attention_mask`` is 1, and predicted where ``response_mask`` is (every real response token without
+            one).
         share_prompts: False: every row keeps its own copy of its prompt.
     """
     batch = micro.batch
     t = response_length(micro)
     ids, mask, positions = batch["input_ids"], batch["attention_mask"].bool(), batch["position_ids"]
     p = ids.shape[1] - t
+    trained_mask = (batch["response_mask"] if "response_mask" in batch else mask[:, p:]).bool()
     b = len(micro)
     counts = prompt_groups(micro).tolist() if share_prompts else [1] * b
     tokens, places, group_of, sample_of, predict, rows, cols = [], [], [], [], [], [], []
@@ -110,9 +114,10 @@ def pack_rows(micro: DataProto, share_prompts: bool = True) -> PackedRows:
             sample_of.append(torch.full((size,), r))
             previous = torch.arange(length - 1, length + size - 1)  # token k is predicted at position k - 1 ...
             previous[:1] = last_prompt  # ... and token 0 at the prompt's last
-            predict.append(previous)
-            rows.append(torch.full((size,), r))
-            cols.append(torch.nonzero(keep).flatten().cpu())
+            trained = trained_mask[r][keep].cpu()  # tool tokens of an agent trajectory are context, not predicted
+            predict.append(previous[trained])
+            rows.append(torch.full((int(trained.sum()),), r))
+            cols.append(torch.nonzero(keep).flatten().cpu()[trained])
             length += size
         row += count
         spans.append((start, length))

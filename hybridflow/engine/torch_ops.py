@@ -74,6 +74,16 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
     return kept.sum() if dim is None else kept.sum(dim=dim)
 
 
+def last_positions(mask: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the index of the last nonzero entry of each row of `mask` [B, T] (0 for an all-zero row).
+
+    The last response token of a row whose mask has gaps (an agent trajectory: tool tokens are 0 between the model's
+    turns) is not ``mask.sum(-1) - 1``; this is.
+    """
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask != 0, positions, 0).amax(dim=-1)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``values`` over the entries where ``mask`` is non-zero (mask-weighted mean for fractional masks).
 

@@ -26,6 +26,7 @@ from hybridflow.engine.advantage import (
     build_lagrangian,
     reward_shaping,
 )
+from hybridflow.engine.agent.rollout import prompt_tools
 from hybridflow.engine.checkpoint import (
     CheckpointInfo,
     latest_checkpoint,
@@ -71,8 +72,9 @@ class SingleProcessTrainer:
         self.lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without a cost limit)
 
         train_rows, val_rows = build_prompt_rows(cfg.data)
-        self.train_dataset = PromptDataset(train_rows, self.tokenizer, cfg.data.max_prompt_length)
-        self.val_dataset = PromptDataset(val_rows, self.tokenizer, cfg.data.max_prompt_length) if val_rows else None
+        length, tools = cfg.data.max_prompt_length, prompt_tools(cfg)
+        self.train_dataset = PromptDataset(train_rows, self.tokenizer, length, tools=tools)
+        self.val_dataset = PromptDataset(val_rows, self.tokenizer, length, tools=tools) if val_rows else None
         self.sampler = train_sampler(self.train_dataset, cfg)
         self.global_steps = 0
         self.checkpoints: list[CheckpointInfo] = []  # saved by this trainer, in order

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridflow.engine.agent.rollout import check_agent_rows, prompt_tools
 from hybridflow.engine.audit import audit_rows
 from hybridflow.engine.config import DataConfig, HybridFlowConfig, Pool, PreferenceDataConfig, RMTrainingConfig
 from hybridflow.engine.data import PromptDataset, build_prompt_rows, train_sampler
@@ -91,6 +92,12 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         _check_reward_model_length(rm.max_length, prompts.train, rm_tokenizer)
     if cfg.data.audit_labels:
         _check_labels(prompts)
+    if cfg.rollout.multi_turn.enable:
+        rows = prompts.train.rows + (prompts.val.rows if prompts.val else [])
+        try:
+            check_agent_rows(cfg, rows, prompts.tokenizer, [prompts.tokenizer.eos_token_id])
+        except ValueError as e:
+            raise InputError(str(e)) from None
     if not cfg.reward.custom_function:
         rows = prompts.train.rows + (prompts.val.rows if prompts.val else [])
         for source in sorted({row["data_source"] for row in rows}):
@@ -187,17 +194,22 @@ def prompt_sets(cfg: HybridFlowConfig) -> PromptSets:
         InputError: a prompt file is missing or malformed, the reasoning-gym generator or its settings are
             unknown, or every prompt is longer than ``data.max_prompt_length``.
     """
-    return _prompt_sets(str(resolve_model_path(cfg.model.path)), cfg.data.model_dump_json())
+    try:
+        tools = prompt_tools(cfg)
+    except (ValueError, ImportError, AttributeError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    return _prompt_sets(str(resolve_model_path(cfg.model.path)), cfg.data.model_dump_json(), json.dumps(tools))
 
 
 @functools.lru_cache(maxsize=2)
-def _prompt_sets(model_folder: str, data_json: str) -> PromptSets:
+def _prompt_sets(model_folder: str, data_json: str, tools_json: str = "null") -> PromptSets:
     data = DataConfig.model_validate(json.loads(data_json))
+    tools = json.loads(tools_json)
     tokenizer = load_tokenizer(model_folder)
     try:
         train_rows, val_rows = build_prompt_rows(data)
-        train = PromptDataset(train_rows, tokenizer, data.max_prompt_length)
-        val = PromptDataset(val_rows, tokenizer, data.max_prompt_length) if val_rows else None
+        train = PromptDataset(train_rows, tokenizer, data.max_prompt_length, tools=tools)
+        val = PromptDataset(val_rows, tokenizer, data.max_prompt_length, tools=tools) if val_rows else None
     except (ValueError, FileNotFoundError) as e:
         raise InputError(str(e)) from None
     return PromptSets(tokenizer, train, val)

@@ -162,7 +162,7 @@ class StageRunner:
         """The columns `hybridflow.engine.metrics.batch_metrics` reads, loaded."""
         keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask"]
         keys += ["attention_mask", *_present(batch, "values", "rm_scores")]
-        keys += [k for k in batch.keys if k.startswith("reward_extra/")]
+        keys += [k for k in batch.keys if k.startswith(("reward_extra/", "agent/"))]
         return batch.select(keys).load()
 
 

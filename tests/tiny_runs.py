@@ -4,6 +4,9 @@ The tiny random model never answers arithmetic right, so a reward that varies ac
 characters) is needed for non-zero advantages; it is written to a file and loaded as ``path.py:function``.
 """
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from hybridflow.engine.config import HybridFlowConfig, load_config
@@ -141,3 +144,19 @@ def agent_overrides(root: Path) -> list[str]:
         "rollout.response_length=64",
         "data.max_prompt_length=512",
     ]
+
+
+HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
+
+
+def hf_cli(prefect_api: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``hf ARGS --prefect-api URL`` as a separate process, its output captured."""
+    return subprocess.run([HF, *args, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=timeout)
+
+
+def metrics_by_step(store, run_id: str) -> dict[int, dict[str, float]]:
+    """A run's metrics from the store: step -> {name: value}."""
+    out: dict[int, dict[str, float]] = {}
+    for p in store.metrics(run_id):
+        out.setdefault(p.step, {})[p.name] = p.value
+    return out

@@ -36,12 +36,14 @@ app = typer.Typer(help="HybridFlow: RLHF (PPO, GRPO, RLOO) with a single control
 models_app = typer.Typer(help="Embedded models (no model hub needed).", no_args_is_help=True)
 server_app = typer.Typer(help="The local Prefect server (UI and flow-run history).", no_args_is_help=True)
 rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_args_is_help=True)
+sft_app = typer.Typer(help="Supervised fine-tuning: train a policy on conversations.", no_args_is_help=True)
 plans_app = typer.Typer(help="Placement plans from the run store (hf plan, placement.auto).", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 app.add_typer(models_app, name="models")
 app.add_typer(plans_app, name="plans")
 app.add_typer(rm_app, name="rm")
 app.add_typer(runs_app, name="runs")
+app.add_typer(sft_app, name="sft")
 app.add_typer(server_app, name="server")
 
 
@@ -134,8 +136,8 @@ def resume(
     if controller_state(record) == "live":
         console.print(str(LeaseHeldError(record)), markup=False, style="red")
         raise typer.Exit(2)
-    if record.kind == "rm":
-        _resume_rm(store, record, list(override or []), from_checkpoint, prefect_api)
+    if record.kind in _SUPERVISED:
+        _resume_supervised(store, record, list(override or []), from_checkpoint, prefect_api)
         return
     try:
         cfg = resume_config(record.config, list(override or []))
@@ -175,17 +177,21 @@ def resume(
     _train(store, run_id, resume_from_step=from_step)
 
 
-def _resume_rm(store, record, overrides: list[str], from_checkpoint: str | None, prefect_api: str | None) -> None:
-    """`hf resume` of a reward-model training run: from its newest usable checkpoint, for ``trainer.total_epochs``
+_SUPERVISED = {"rm": "RMTrainingConfig", "sft": "SFTTrainingConfig"}
+"""The run kinds that train on a fixed set of rows (`hybridflow.flows.supervised`), and their config classes."""
+
+
+def _resume_supervised(store, record, overrides: list[str], from_checkpoint: str | None, prefect_api) -> None:
+    """`hf resume` of a reward-model or SFT run: from its newest usable checkpoint, for ``trainer.total_epochs``
     (``-o trainer.total_epochs=N`` trains a finished one on)."""
-    from hybridflow.engine.config import ConfigError, RMTrainingConfig, resume_config
+    from hybridflow.engine import config as configs
 
     if from_checkpoint is not None:
-        console.print("[red]--from: a reward-model run resumes from its newest usable checkpoint only[/red]")
+        console.print(f"[red]--from: a run of kind {record.kind} resumes from its newest usable checkpoint only[/red]")
         raise typer.Exit(2)
     try:
-        cfg = resume_config(record.config, overrides, RMTrainingConfig)
-    except ConfigError as e:
+        cfg = configs.resume_config(record.config, overrides, getattr(configs, _SUPERVISED[record.kind]))
+    except configs.ConfigError as e:
         console.print(f"[red]{record.id}: {e}[/red]")
         raise typer.Exit(2) from None
     if record.status == "completed" and cfg.model_dump(mode="json") == record.config:
@@ -220,14 +226,15 @@ def _checkpoint_step(store, run_id: str, name: str) -> int:
 
 
 def _check_inputs(cfg) -> None:
-    """The pre-flight check (`hybridflow.flows.preflight`) of an RL or a reward-model training config; on a
-    problem: its message, exit 2."""
-    from hybridflow.engine.config import RMTrainingConfig
-    from hybridflow.flows.preflight import InputError, check_rm_inputs, check_run_inputs
+    """The pre-flight check (`hybridflow.flows.preflight`) of an RL, reward-model or SFT config; on a problem: its
+    message, exit 2."""
+    from hybridflow.engine.config import RMTrainingConfig, SFTTrainingConfig
+    from hybridflow.flows.preflight import InputError, check_rm_inputs, check_run_inputs, check_sft_inputs
 
+    check = {RMTrainingConfig: check_rm_inputs, SFTTrainingConfig: check_sft_inputs}.get(type(cfg), check_run_inputs)
     try:
         with console.status("checking the model, data and reward function..."):
-            (check_rm_inputs if isinstance(cfg, RMTrainingConfig) else check_run_inputs)(cfg)
+            check(cfg)
     except InputError as e:
         console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from None
@@ -245,17 +252,21 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
-    """Run the run's flow (``hybridflow-rlhf``, or ``hybridflow-rm`` for a run of kind ``rm``) with the live
-    display; exit 1 (failed), 2 (another controller), 3 (stopped on Slurm's warning), 130/143 (interrupted)."""
+    """Run the run's flow (``hybridflow-rlhf``; ``hybridflow-rm`` / ``hybridflow-sft`` for a run of kind ``rm`` /
+    ``sft``) with the live display; exit 1 (failed), 2 (another controller), 3 (stopped on Slurm's warning),
+    130/143 (interrupted)."""
     from hybridflow.cli.progress import LiveProgress
-    from hybridflow.flows import lifecycle, rlhf, rm
+    from hybridflow.flows import lifecycle, rlhf, rm, sft
     from hybridflow.flows.store.run_store import LeaseHeldError, LeaseLostError
 
     with LiveProgress(console) as progress:
         lifecycle.listeners.append(progress.on_event)
         try:
-            if store.get_run(run_id).kind == "rm":
+            kind = store.get_run(run_id).kind
+            if kind == "rm":
                 rm.run_rm_flow(run_id=run_id)
+            elif kind == "sft":
+                sft.run_sft_flow(run_id=run_id)
             else:
                 rlhf.run_flow(run_id=run_id, resume_from_step=resume_from_step)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the flow has recorded the run as interrupted
@@ -571,13 +582,43 @@ def rm_train(
 
     cfg = _load_config(config, override, executor, RMTrainingConfig)
     _check_inputs(cfg)
+    folder = _train_new(cfg, "rm", "reward_model", db, prefect_api, "reward-model run")
+    console.print(f"reward model: {folder} (use it with -o reward_model.path={folder})")
+
+
+def _train_new(cfg, kind: str, result: str, db: str | None, prefect_api: str | None, what: str) -> Path:
+    """Record a new run of `kind` with `cfg` (checked) and train it (`_train`); returns its result folder."""
     store = _store(db)
     _connect_prefect(prefect_api)
-    run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name, kind="rm")
-    console.print(f"reward-model run [bold]{run_id}[/bold] recorded in {store.url}")
+    run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name, kind=kind)
+    console.print(f"{what} [bold]{run_id}[/bold] recorded in {store.url}")
     _train(store, run_id)
-    folder = Path(cfg.trainer.output_dir).resolve() / cfg.trainer.experiment_name / run_id / "reward_model"
-    console.print(f"reward model: {folder} (use it with -o reward_model.path={folder})")
+    return Path(cfg.trainer.output_dir).resolve() / cfg.trainer.experiment_name / run_id / result
+
+
+# ---------------------------------------------------------------------------------------------------- sft
+@sft_app.command("train")
+def sft_train(
+    config: Annotated[Path, typer.Argument(help="YAML SFT config", exists=True, dir_okay=False)],
+    override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
+    executor: Annotated[
+        str | None, typer.Option(help="where the worker group runs: local or slurm (-o placement.executor=...)")
+    ] = None,
+    db: DbOption = None,
+    prefect_api: PrefectOption = None,
+) -> None:
+    """Fine-tune a policy on conversations, the loss on its assistant turns (Prefect flow ``hybridflow-sft`` on a
+    worker group), recorded in the run store as a run of kind ``sft``; the result is a Hugging Face folder that
+    ``model.path`` of an RL run loads: ``<output_dir>/<experiment_name>/<run_id>/model``."""
+    from hybridflow.engine.config import SFTTrainingConfig
+    from hybridflow.flows.preflight import conversation_sets
+
+    cfg = _load_config(config, override, executor, SFTTrainingConfig)
+    _check_inputs(cfg)
+    sets = conversation_sets(cfg)
+    console.print(f"{len(sets.train)} training and {len(sets.val)} held-out conversations {sets.counts}")
+    folder = _train_new(cfg, "sft", "model", db, prefect_api, "SFT run")
+    console.print(f"model: {folder} (start an RL run from it with -o model.path={folder})")
 
 
 # ---------------------------------------------------------------------------------------------------- models

@@ -14,49 +14,59 @@ arithmetic (`arithmetic_audit`) for ``reasoning_gym/basic_arithmetic``, ``reason
 from __future__ import annotations
 
 import ast
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from simpleeval import InvalidExpression, SimpleEval
+
 Audit = Callable[[dict[str, Any]], "str | None"]
 
 # A run of arithmetic characters holding at least one digit: "Calculate 4 / 1." -> " 4 / 1."
 _EXPRESSION_RE = re.compile(r"[-+*/()\d\s.]*\d[-+*/()\d\s.]*")
-_OPERATORS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__}
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+"""+ - * / and signs: no powers (``9**9**9`` would not finish), no comparisons, no names, no calls."""
 
 
 def exact_value(expression: str) -> Fraction:
     """The exact value of an arithmetic expression of numbers, ``+ - * /``, unary signs and parentheses.
 
-    Evaluated with Python's precedence on `fractions.Fraction` (no floats, no floor division): ``"7 / 2"`` is 7/2.
+    Evaluated by `simpleeval` (no ``eval``) with Python's precedence, every number literal an exact
+    `fractions.Fraction` (no floats, no floor division): ``"7 / 2"`` is 7/2, ``"0.1 + 0.2"`` is 3/10. The calculator
+    tool of agent rollouts (`hybridflow.engine.agent.calculator`) computes with it too.
 
     Raises:
         ZeroDivisionError: the expression divides by zero (named).
         ValueError: the text is not such an expression (e.g. it holds a name, ``**`` or ``//``).
     """
+    evaluator = SimpleEval(operators=_OPERATORS, functions={}, names={})
+    evaluator.nodes[ast.Constant] = _exact_number
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"not an arithmetic expression: {expression!r}") from e
+        value = evaluator.eval(expression.strip())
+    except ZeroDivisionError:
+        raise ZeroDivisionError(f"division by zero in {expression.strip()!r}") from None
+    except (SyntaxError, InvalidExpression, ValueError, TypeError) as e:
+        raise ValueError(f"not an arithmetic expression: {expression!r} ({e})") from None
+    if not isinstance(value, Fraction):
+        raise ValueError(f"not an arithmetic expression: {expression!r} (its value is {value!r})")
+    return value
 
-    def value(node: ast.AST) -> Fraction:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
-            return Fraction(str(node.value))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
-            inner = value(node.operand)
-            return -inner if isinstance(node.op, ast.USub) else inner
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-            left, right = value(node.left), value(node.right)
-            if right == 0:
-                raise ZeroDivisionError(f"division by zero in {expression.strip()!r}")
-            return left / right
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
-        raise ValueError(f"not an arithmetic expression: {expression!r} ({type(node).__name__} is not allowed)")
 
-    return value(tree.body)
+def _exact_number(node: ast.Constant) -> Fraction:
+    """A number literal as an exact fraction (``0.1`` is 1/10); any other constant is refused."""
+    if isinstance(node.value, bool) or not isinstance(node.value, int | float):
+        raise ValueError(f"{node.value!r} is not a number")
+    return Fraction(str(node.value))
 
 
 def question_expression(text: str) -> str:

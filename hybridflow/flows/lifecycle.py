@@ -18,7 +18,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from hybridflow.engine.checkpoint import CheckpointError, verify_checkpoint
-from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig
+from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig, SFTTrainingConfig
 from hybridflow.engine.extensions import training_backend
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.reporting import FlowLogs, RunReport
@@ -76,7 +76,9 @@ def checkpoint_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:
     return run_dir_of(cfg, run_id) / "checkpoints"
 
 
-def group_spec(cfg: HybridFlowConfig | RMTrainingConfig, pool: Pool, worker_cls: str = WORKER_CLS) -> GroupSpec:
+def group_spec(
+    cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig, pool: Pool, worker_cls: str = WORKER_CLS
+) -> GroupSpec:
     """The `GroupSpec` of the worker group of resource pool `pool` (its ranks serving `worker_cls`; its Slurm job
     with the pool's resources), with the ``placement`` section's executor, backend and limits."""
     placement = cfg.placement
@@ -105,12 +107,12 @@ def group_spec(cfg: HybridFlowConfig | RMTrainingConfig, pool: Pool, worker_cls:
     )
 
 
-def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig, role: str) -> dict[str, Any] | None:
+def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig, role: str) -> dict[str, Any] | None:
     """How `role`'s model is split over its pool's ranks, for the run store (``placements.parallel``): the
     strategy of the trained and scoring models (actor, critic, reward model; a reward model in training: ddp)
     and, for the actor, its training layout and, with ``megatron``, the generation layout, the resharding mode
     and the rank groups (`HybridLayout.describe`); None for ref and the score function (whole on every rank)."""
-    if isinstance(cfg, RMTrainingConfig):
+    if not isinstance(cfg, HybridFlowConfig):  # a reward-model or SFT run: one ddp group
         return {"strategy": "ddp"}
     if role == "critic":
         return {"strategy": cfg.critic.strategy}
@@ -149,7 +151,7 @@ class Workers:
 
 
 def launch_workers(
-    cfg: HybridFlowConfig | RMTrainingConfig,
+    cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig,
     run_id: str,
     store: RunStore,
     run_dir: Path,

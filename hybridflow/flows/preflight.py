@@ -35,15 +35,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridflow.engine.agent.rollout import check_agent_rows, prompt_tools
+from hybridflow.engine.agent.chat_format import ChatFormat
+from hybridflow.engine.agent.demonstrations import build_demonstrations
+from hybridflow.engine.agent.rollout import check_agent_rows, prompt_tools, run_tools
 from hybridflow.engine.audit import audit_rows
-from hybridflow.engine.config import DataConfig, HybridFlowConfig, Pool, PreferenceDataConfig, RMTrainingConfig
+from hybridflow.engine.config import (
+    DataConfig,
+    HybridFlowConfig,
+    Pool,
+    PreferenceDataConfig,
+    RMTrainingConfig,
+    SFTDataConfig,
+    SFTTrainingConfig,
+    load_config,
+)
 from hybridflow.engine.data import PromptDataset, build_prompt_rows, train_sampler
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
+from hybridflow.engine.epochs import split_held_out
 from hybridflow.engine.models import load_tokenizer
-from hybridflow.engine.reward.preference import load_preference_rows, split_held_out
+from hybridflow.engine.reward.preference import load_preference_rows
 from hybridflow.engine.reward.reward_model import RewardModelError, check_reward_model, rendered_prompt_length
 from hybridflow.engine.reward.rewards import check_builtin_source, load_reward_function
+from hybridflow.engine.sft.conversations import load_conversations, tokenize_conversation
 from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
 from hybridflow.slurm import cluster
 
@@ -259,12 +272,85 @@ def check_rm_inputs(cfg: RMTrainingConfig) -> None:
     Raises:
         InputError: the first problem found, naming the key and the fix.
     """
+    _check_one_group_run(cfg, preference_sets, "reward_model")
+
+
+def _check_one_group_run(cfg: RMTrainingConfig | SFTTrainingConfig, load_sets: Any, role: str) -> None:
+    """The checks of a one-group run: trackers, ``model.path``, its rows (`load_sets`), the Slurm partition of its
+    group (hosting `role`), ``trainer.output_dir``."""
     _check_trackers(cfg.trainer)
     model_folder("model.path", cfg.model.path)
-    preference_sets(cfg)
+    load_sets(cfg)
     if cfg.placement.executor == "slurm":
-        _check_slurm({"reward_model": cfg.placement.pool("reward_model", ["reward_model"])}, "placement.")
+        _check_slurm({role: cfg.placement.pool(role, [role])}, "placement.")
     _check_writable("trainer.output_dir", Path(cfg.trainer.output_dir))
+
+
+@dataclass
+class ConversationSets:
+    """The tokenizer and the tokenized conversations of an SFT config (`tokenize_conversation`: ``(ids, loss_mask)``
+    per conversation), with how many were made, dropped for length, or left out of the demonstrations."""
+
+    tokenizer: Any
+    train: list[tuple[list[int], list[int]]]
+    val: list[tuple[list[int], list[int]]]
+    counts: dict[str, int]
+
+
+def conversation_sets(cfg: SFTTrainingConfig) -> ConversationSets:
+    """The conversations of ``data.train_files`` and of ``data.demonstrations`` (made from its RL config's training
+    prompts and tools), less the held-out ``data.val_fraction`` when no ``data.val_files``, tokenized; read once per
+    process and config.
+
+    Raises:
+        InputError: a file or the RL config is missing or malformed, every conversation is longer than
+            ``data.max_length``, or there are fewer training conversations than ``data.train_batch_size``.
+    """
+    return _conversation_sets(str(resolve_model_path(cfg.model.path)), cfg.data.model_dump_json())
+
+
+@functools.lru_cache(maxsize=2)
+def _conversation_sets(model_folder: str, data_json: str) -> ConversationSets:
+    data = SFTDataConfig.model_validate(json.loads(data_json))
+    tokenizer = load_tokenizer(model_folder)
+    counts: dict[str, int] = {}
+    try:
+        train = [c for path in data.train_files for c in load_conversations(path)]
+        val = [c for path in data.val_files for c in load_conversations(path)]
+        if data.demonstrations is not None:
+            rl = load_config(Path(data.demonstrations.rl_config))
+            rl_train, _ = build_prompt_rows(rl.data)  # the RL run's validation prompts stay unseen
+            rl_train = rl_train[: data.demonstrations.size]
+            made, counts = build_demonstrations(rl_train, data.demonstrations.builder, run_tools(rl))
+            train += made
+        chat_format = ChatFormat(tokenizer, [tokenizer.eos_token_id])
+        if not data.val_files:
+            train, val = split_held_out(train, data.val_fraction, data.seed)
+        tokenized = {
+            name: [tokenize_conversation(c, tokenizer, chat_format, tokenizer.eos_token_id) for c in rows]
+            for name, rows in (("train", train), ("val", val))
+        }
+    except (ValueError, FileNotFoundError, ImportError, AttributeError) as e:
+        raise InputError(f"data: {e}") from None
+    kept = {name: [r for r in rows if len(r[0]) <= data.max_length] for name, rows in tokenized.items()}
+    counts["too_long"] = sum(len(tokenized[n]) - len(kept[n]) for n in kept)
+    if len(kept["train"]) < data.train_batch_size:
+        raise InputError(
+            f"{len(kept['train'])} training conversations of at most data.max_length={data.max_length} tokens "
+            f"({counts['too_long']} longer ones dropped), fewer than one data.train_batch_size "
+            f"({data.train_batch_size}): add conversations, raise data.max_length or lower data.train_batch_size"
+        )
+    return ConversationSets(tokenizer, kept["train"], kept["val"], counts)
+
+
+def check_sft_inputs(cfg: SFTTrainingConfig) -> None:
+    """What ``hf sft train`` needs that the config alone cannot tell: ``model.path``, the conversations
+    (`conversation_sets`), the trackers, the Slurm partition, ``trainer.output_dir``.
+
+    Raises:
+        InputError: the first problem found, naming the key and the fix.
+    """
+    _check_one_group_run(cfg, conversation_sets, "actor")
 
 
 def _check_slurm(pools: dict[str, Pool], prefix: str) -> None:

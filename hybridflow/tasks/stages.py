@@ -205,3 +205,25 @@ def evaluate_reward_model(group: WorkerGroup, batches: list[DataHandle]) -> dict
         handle.delete()
     both = DataProto.concat(scored).batch
     return {f"val/rm/{k}": v for k, v in pair_scores(both["chosen_scores"], both["rejected_scores"]).items()}
+
+
+@_stage("update_sft")
+def update_sft(group: WorkerGroup, conversations: DataHandle) -> dict[str, float]:
+    """One optimizer step of supervised fine-tuning on a step's conversations; ``train/loss`` the token-mean over
+    all ranks' learned tokens (each rank's mean weighted by its tokens), ``train/grad_norm`` and ``train/lr``."""
+    per_rank = group.update_sft(conversations)
+    tokens = sum(m["train/tokens"] for m in per_rank)
+    loss = sum(m["train/loss"] * m["train/tokens"] for m in per_rank) / max(tokens, 1.0)
+    return {**_mean_metrics(per_rank), "train/loss": loss, "train/tokens": tokens}
+
+
+@_stage("evaluate_sft")
+def evaluate_sft(group: WorkerGroup, batches: list[DataHandle]) -> dict[str, float]:
+    """The held-out conversations' token-mean loss, ``val/loss``, over their learned tokens."""
+    total = tokens = 0.0
+    for batch in batches:
+        handle = group.compute_nll(batch)
+        scored = handle.load().batch
+        handle.delete()
+        total, tokens = total + float(scored["nll_sum"].sum()), tokens + float(scored["tokens"].sum())
+    return {"val/loss": total / max(tokens, 1.0)}

@@ -94,14 +94,18 @@ class ChatFormat:
 
     def tool_turn_ids(self, contents: list[str]) -> list[int]:
         """The ids that follow an assistant turn's end token when tools answer with `contents` (one tool message
-        each, in order), through the next assistant turn's generation prompt. int ids, never empty.
+        each, in order), through the next assistant turn's generation prompt. int ids, never empty (`turn_ids`)."""
+        return self.turn_ids([{"role": "tool", "content": content} for content in contents])
+
+    def turn_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """The ids that follow an assistant turn's end token when `messages` (tool or user messages) come next,
+        through the next assistant turn's generation prompt.
 
         Raises:
             ValueError: the rendering no longer starts with the reference prefix (a template that depends on the
                 message contents; the message says so).
         """
-        messages = [*_REFERENCE, *({"role": "tool", "content": content} for content in contents)]
-        ids = self._ids(messages, generation_prompt=True)
+        ids = self._ids([*_REFERENCE, *messages], generation_prompt=True)
         if ids[: len(self.prefix)] != self.prefix:
-            raise ValueError("the chat template rendered earlier turns differently for these tool messages")
+            raise ValueError("the chat template rendered earlier turns differently for these messages")
         return ids[len(self.prefix) :]

@@ -149,7 +149,10 @@ def sync_gradients(module: torch.nn.Module, sync: bool) -> contextlib.AbstractCo
 
 
 def micro_batch_weights(
-    micros: Sequence[DataProto], loss_agg_mode: str, group: dist.ProcessGroup | None = None
+    micros: Sequence[DataProto],
+    loss_agg_mode: str,
+    group: dist.ProcessGroup | None = None,
+    mask_key: str = "response_mask",
 ) -> list[float]:
     """Weights that turn per-micro-batch losses into the loss of their whole (global) mini-batch.
 
@@ -176,6 +179,7 @@ def micro_batch_weights(
         loss_agg_mode: one of `torch_ops.AGG_LOSS_MODES` (``actor.loss_agg_mode`` / ``critic.loss_agg_mode``).
         group: the data-parallel group (default: torch.distributed's default group, as `dp_world`; megatron passes
             its data-parallel group).
+        mask_key: the column that marks the trained tokens (SFT: ``loss_mask``).
 
     Returns:
         One float per micro-batch; with one rank they sum to 1 (or all 0, see above; ``token-sum``: each is 1).
@@ -189,11 +193,11 @@ def micro_batch_weights(
     if loss_agg_mode == "token-sum":
         return [float(world)] * len(micros)  # times the ranks: DDP averages the ranks' gradients
     if loss_agg_mode == "token-mean":
-        counts = [float((m.batch["response_mask"] != 0).sum()) for m in micros]
+        counts = [float((m.batch[mask_key] != 0).sum()) for m in micros]
     elif loss_agg_mode == "seq-mean-token-sum-norm":
         counts = [float(len(m)) for m in micros]
     else:
-        counts = [float((m.batch["response_mask"] != 0).any(dim=-1).sum()) for m in micros]
+        counts = [float((m.batch[mask_key] != 0).any(dim=-1).sum()) for m in micros]
     total = sum(counts)
     if world > 1:
         on_gpu = dist.get_backend() == "nccl"  # NCCL reduces CUDA tensors only

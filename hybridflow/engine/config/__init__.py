@@ -13,7 +13,13 @@ sections), `loading` (YAML, overrides, resume); the names other modules use are 
 from __future__ import annotations
 
 from hybridflow.engine.config.loading import ConfigError, apply_overrides, load_config, resume_config, validate_config
-from hybridflow.engine.config.run import HybridFlowConfig, PreferenceDataConfig, RMTrainingConfig
+from hybridflow.engine.config.run import (
+    HybridFlowConfig,
+    PreferenceDataConfig,
+    RMTrainingConfig,
+    SFTDataConfig,
+    SFTTrainingConfig,
+)
 from hybridflow.engine.config.sections import (
     ROLES,
     ActorConfig,
@@ -41,6 +47,8 @@ __all__ = [
     "Pool",
     "PreferenceDataConfig",
     "RMTrainingConfig",
+    "SFTDataConfig",
+    "SFTTrainingConfig",
     "ROLES",
     "RewardModelConfig",
     "RolloutConfig",

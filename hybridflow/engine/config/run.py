@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
@@ -334,31 +334,98 @@ class RMTrainerConfig(_RunTrainer):
     save_freq: int = Field(0, ge=0, description="also checkpoint every K steps (always: at each epoch's end)")
 
 
-class RMTrainingConfig(_Section):
+class _OneGroupRun(_Section):
+    """A run of one data-parallel worker group (``hf rm train``, ``hf sft train``): no pools, and each step's batch
+    split evenly over the group's ranks. `COMMAND` names the command in the errors, `ROWS` what a batch counts."""
+
+    COMMAND: ClassVar[str] = ""
+    ROWS: ClassVar[str] = ""
+
+    @model_validator(mode="after")
+    def _one_pool(self) -> _OneGroupRun:
+        if self.placement.pools is not None:
+            raise ValueError(
+                f"{self.COMMAND} runs one data-parallel worker group: remove placement.pools and give its ranks with "
+                "placement.nodes x tasks_per_node"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _batch_splits_over_ranks(self) -> _OneGroupRun:
+        ranks, batch = self.placement.world_size, self.data.train_batch_size
+        if batch % ranks:
+            raise ValueError(
+                f"data.train_batch_size ({batch} {self.ROWS}) must be a multiple of the group's {ranks} data-parallel "
+                "ranks (placement.nodes x tasks_per_node): every rank takes the same share of each step"
+            )
+        return self
+
+
+class RMTrainingConfig(_OneGroupRun):
     """A reward-model training run (``hf rm train``): a sequence classifier with one label, initialised from
     ``model.path`` (a causal LM gets a new score head), trained with the Bradley-Terry loss on preference pairs."""
 
+    COMMAND: ClassVar[str] = "hf rm train"
+    ROWS: ClassVar[str] = "pairs"
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: PreferenceDataConfig
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     trainer: RMTrainerConfig = Field(default_factory=RMTrainerConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
-    @model_validator(mode="after")
-    def _one_pool(self) -> RMTrainingConfig:
-        if self.placement.pools is not None:
-            raise ValueError(
-                "hf rm train runs one data-parallel worker group: remove placement.pools and give its ranks with "
-                "placement.nodes x tasks_per_node"
-            )
-        return self
+
+class DemonstrationsConfig(_Section):
+    """Tool-use demonstrations made from an RL config's training prompts and tools
+    (`hybridflow.engine.agent.demonstrations`): the SFT warm-up sees the prompts, the tools offered in them and the
+    token layout its RL run will use; the RL run's validation prompts stay unseen."""
+
+    rl_config: str = Field(description="the RL run's YAML config (its data section and rollout.multi_turn tools)")
+    builder: str = Field("calculator", description="calculator or letter_counting: what call each row demonstrates")
+    size: int | None = Field(None, gt=0, description="demonstrations from the first N training prompts (None: all)")
+
+
+class SFTDataConfig(_Files):
+    """Conversations for supervised fine-tuning: files with one conversation per row (verl's multi-turn SFT layout:
+    ``messages``, a list of {role, content}, and optionally ``tools``, OpenAI function schemas), and/or generated
+    tool-use demonstrations. The loss is on the assistant turns only."""
+
+    train_files: list[str] = Field(default_factory=list, description="parquet/jsonl conversations (path or list)")
+    val_files: list[str] = Field(default_factory=list, description="held-out conversations (path or list)")
+    demonstrations: DemonstrationsConfig | None = None
+    val_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="held out of the training conversations without val_files"
+    )
+    max_length: int = Field(512, gt=0, description="tokens per conversation; longer ones are dropped")
+    train_batch_size: int = Field(16, gt=0, description="conversations per optimizer step")
+    micro_batch_size: int = Field(4, gt=0, description="conversations per forward/backward")
+    val_batch_size: int = Field(32, gt=0, description="conversations per evaluation call")
+    shuffle: bool = True
+    seed: int = 0
 
     @model_validator(mode="after")
-    def _pairs_split_over_ranks(self) -> RMTrainingConfig:
-        ranks, batch = self.placement.world_size, self.data.train_batch_size
-        if batch % ranks:
-            raise ValueError(
-                f"data.train_batch_size ({batch} pairs) must be a multiple of the group's {ranks} data-parallel "
-                "ranks (placement.nodes x tasks_per_node): every rank takes the same share of each step"
-            )
+    def _a_source(self) -> SFTDataConfig:
+        if not self.train_files and self.demonstrations is None:
+            raise ValueError("set data.train_files (conversations) or data.demonstrations (tool-use demonstrations)")
         return self
+
+
+class SFTTrainerConfig(_RunTrainer):
+    """Epochs, evaluation, checkpoints and outputs of a supervised fine-tuning run (``hf sft train``)."""
+
+    experiment_name: str = "sft"
+    total_epochs: int = Field(1, ge=0, description="passes over the training conversations")
+    val_before_train: bool = Field(True, description="evaluate the initial model (step 0)")
+    save_freq: int = Field(0, ge=0, description="also checkpoint every K steps (always: at each epoch's end)")
+
+
+class SFTTrainingConfig(_OneGroupRun):
+    """A supervised fine-tuning run (``hf sft train``, the SFT of SFT -> RM -> RL): the causal LM ``model.path``
+    trained with the token-mean cross-entropy of its assistant turns."""
+
+    COMMAND: ClassVar[str] = "hf sft train"
+    ROWS: ClassVar[str] = "conversations"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: SFTDataConfig
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
+    trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)

@@ -88,7 +88,7 @@ class RunRow(Base):
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(8), server_default="rl")  # CHECK on PostgreSQL only: see 0006
+    kind: Mapped[str] = mapped_column(String(8), server_default="rl")  # CHECK on PostgreSQL only: see 0006, 0010
     experiment_name: Mapped[str] = mapped_column(String(_NAME_MAX))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     status: Mapped[str] = mapped_column(String(16))

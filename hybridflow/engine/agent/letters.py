@@ -1,0 +1,16 @@
+"""The built-in letter-counting tool: a task a language model is bad at in its head, because its tokens hide the
+letters of a word (reasoning-gym's ``letter_counting``), and a one-line function is exact at."""
+
+from __future__ import annotations
+
+
+def count_letter(text: str, letter: str) -> str:
+    """Count how many times a letter appears in a text, ignoring case.
+
+    Args:
+        text: the text to search
+        letter: the letter to count, one character
+    """
+    if len(letter) != 1 or not letter.isalpha():
+        raise ValueError(f"letter must be one letter, got {letter!r}")
+    return str(text.lower().count(letter.lower()))

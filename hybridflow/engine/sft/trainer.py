@@ -1,0 +1,150 @@
+"""Supervised fine-tuning on the ranks of a worker group (worker class of ``hf sft train``).
+
+The loss is the token-mean cross-entropy of the tokens whose ``loss_mask`` is 1 (the assistant turns), over the
+whole step's tokens: each micro-batch's mean is weighted by its share of the step's tokens, counted over every rank
+(`hybridflow.engine.backends.training.micro_batch_weights`), so every token weighs the same however the step is
+split. AdamW with the ``optim`` section's warm-up and clipping (the actor's optimizer); ``ddp`` over the ranks.
+
+This module never imports Prefect or submitit; ``hybridflow.flows.sft`` drives it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow.engine.backends.training import (
+    build_optimizer,
+    data_parallel,
+    micro_batch_weights,
+    optimizer_step,
+    sync_gradients,
+)
+from hybridflow.engine.checkpoint import load_role, save_role
+from hybridflow.engine.config import SFTTrainingConfig
+from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.models import autocast, load_model, load_tokenizer, pick_device, pick_dtype
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.torch_ops import logprobs_from_logits
+from hybridflow.engine.transfer import Dispatch, register
+
+ROLE = "actor"
+"""The checkpoint folder of the model being fine-tuned: the policy an RL run starts from."""
+
+
+class _TokenNLL(torch.nn.Module):
+    """Per-token negative log-likelihood of a batch, float32 [b, L] (0 at position 0 and where ``loss_mask`` is 0),
+    as a module of its own so that DDP's forward arms its gradient all-reduce."""
+
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None):
+        super().__init__()
+        self.model, self.compute_dtype = model, compute_dtype
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        with autocast(input_ids.device, self.compute_dtype):
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        nll = -logprobs_from_logits(logits[:, :-1].float(), input_ids[:, 1:])  # token t from the positions before it
+        return torch.nn.functional.pad(nll * loss_mask[:, 1:], (1, 0))
+
+
+class SFTTrainer:
+    """One rank of a supervised fine-tuning group.
+
+    Args:
+        rank, world_size, data_dir: set by the worker group.
+        config: the run's `SFTTrainingConfig` as a dict (validated again here).
+        roles: ``["actor"]``, its one role.
+
+    Raises:
+        ValueError: another role.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, data_dir: str, config: dict[str, Any], roles: list[str] | None = None
+    ):
+        if roles not in (None, [ROLE]):
+            raise ValueError(f"an SFT rank hosts the role {ROLE} only, not {roles}")
+        self.rank, self.world_size, self.data_dir = rank, world_size, data_dir
+        self.config = SFTTrainingConfig.model_validate(config)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        """Load ``model.path`` (fp32 weights, ``model.dtype`` compute), wrap it for data parallelism, build the
+        optimizer. Returns its parameter count."""
+        cfg = self.config
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        device = pick_device(cfg.trainer.device)
+        path = resolve_model_path(cfg.model.path)
+        torch.manual_seed(cfg.trainer.seed)
+        self.model = load_model(path, torch.float32, device, trainable=True)
+        self.tokenizer = load_tokenizer(path)
+        self.nll = _TokenNLL(self.model, pick_dtype(cfg.model.dtype, device))
+        self.train_module, _ = data_parallel(self.nll, "ddp")
+        self.optimizer, self.lr_scheduler = build_optimizer(self.model, cfg.optim)
+        return {"actor_params": sum(p.numel() for p in self.model.parameters())}
+
+    def _micro_tensors(self, micro: DataProto) -> tuple[torch.Tensor, ...]:
+        device = next(self.model.parameters()).device
+        return tuple(micro.batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_sft(self, data: DataProto) -> dict[str, float]:
+        """One optimizer step on this rank's share of a step's conversations (``input_ids``, ``attention_mask``,
+        ``loss_mask`` int64 [b, L]).
+
+        Returns:
+            ``train/loss`` (token-mean over this rank's learned tokens), ``train/tokens`` (their count),
+            ``train/grad_norm`` (before clipping), ``train/lr``.
+
+        Raises:
+            NonFiniteError: the gradient norm is NaN or infinite (nothing stepped).
+        """
+        micros = data.split(self.config.data.micro_batch_size)
+        weights = micro_batch_weights(micros, "token-mean", mask_key="loss_mask")
+        total, tokens = 0.0, 0.0
+        for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
+            input_ids, attention_mask, loss_mask = self._micro_tensors(micro)
+            count = float(loss_mask[:, 1:].sum())
+            with sync_gradients(self.train_module, i == len(micros) - 1):
+                nll = self.train_module(input_ids, attention_mask, loss_mask)
+                (nll.sum() / max(count, 1.0) * weight).backward()
+            total, tokens = total + float(nll.detach().sum()), tokens + count
+        step = optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.config.optim.grad_clip, "sft")
+        return {
+            "train/loss": total / max(tokens, 1.0),
+            "train/tokens": tokens,
+            "train/grad_norm": step["grad_norm"],
+            "train/lr": step["lr"],
+        }
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    @torch.no_grad()
+    def compute_nll(self, data: DataProto) -> DataProto:
+        """``nll_sum`` and ``tokens`` float32 [B]: each conversation's summed loss over its learned tokens, and their
+        count (eval mode, no gradient), for the held-out token-mean loss."""
+        self.model.eval()
+        sums, counts = [], []
+        try:  # the unwrapped module: evaluation runs no collective
+            for micro in data.split(self.config.data.micro_batch_size):
+                input_ids, attention_mask, loss_mask = self._micro_tensors(micro)
+                sums.append(self.nll(input_ids, attention_mask, loss_mask).sum(-1).cpu())
+                counts.append(loss_mask[:, 1:].sum(-1).float().cpu())
+        finally:
+            self.model.train()
+        return DataProto.from_dict({"nll_sum": torch.cat(sums), "tokens": torch.cat(counts)})
+
+    @register(Dispatch.RANK_ZERO)
+    def save_checkpoint_part(self, staging: str) -> list[str]:
+        """Write the model (Hugging Face layout, with its tokenizer: ``model.path`` of an RL run loads it) and its
+        optimizer state into a checkpoint's ``actor/``. The replicas are identical: rank 0 writes."""
+        if self.rank != 0:
+            return []
+        save_role(staging, ROLE, self.model, self.optimizer, self.lr_scheduler, self.tokenizer)
+        return [ROLE]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore weights, optimizer and scheduler states from a checkpoint's ``actor/`` on every rank."""
+        load_role(path, ROLE, self.model, self.optimizer, self.lr_scheduler)

@@ -163,9 +163,12 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tiny_model_dir):
 @register_tool_parser("every_turn")
 def every_turn(text: str) -> ParsedTurn:
     """The test's format: every turn calls `echo` with the turn's last characters; a turn of a length divisible by 3
-    also holds a malformed call."""
+    also holds a malformed call, one of a length divisible by 4 a call of a tool that does not exist."""
     errors = ["Error: a malformed call"] if len(text) % 3 == 0 else []
-    return ParsedTurn([ToolCall("echo", {"text": text[-5:]})], errors)
+    calls = [ToolCall("echo", {"text": text[-5:]})]
+    if len(text) % 4 == 0:  # a tool the run does not have, named by the model (here: no name at all)
+        calls.append(ToolCall("", {}))
+    return ParsedTurn(calls, errors)
 
 
 TOOL_FILE = '''
@@ -328,7 +331,10 @@ def test_multi_turn_rows_train_only_on_the_model_tokens(tiny, tiny_model_dir, to
     assert (
         int(out.batch["agent/tool_calls/echo"][[0, 1, 4, 5]].min()) >= 1
     )  # (a row whose answers did not fit: 2 turns)
-    assert set(out.batch.keys()) >= {"agent/tool_calls/malformed_call", "agent/tool_errors/echo", "rollout_log_probs"}
+    keys = set(out.batch.keys())  # noqa: SIM118 (a TensorDict iterates its values)
+    counted = {k.removeprefix("agent/tool_calls/") for k in keys if k.startswith("agent/tool_calls/")}
+    assert counted == {"echo", "malformed_call", "unknown_tool"}  # the run's names only, never the model's
+    assert {"agent/tool_errors/echo", "rollout_log_probs"} <= keys
 
     # the actor's recomputed log-probs equal the engine's (fp32 both: within 2e-5), and none is computed on a tool
     # or template token: the LM head runs at the response_mask positions only
@@ -362,7 +368,8 @@ def test_multi_turn_rows_train_only_on_the_model_tokens(tiny, tiny_model_dir, to
     assert metrics["response_length/with_tools/mean"] > metrics["response_length/mean"]
     assert metrics["response_length/tool_tokens/mean"] == pytest.approx(float((gaps.sum(-1)).float().mean()))
     samples = decode_generations(scored, tokenizer, step=1)
-    assert TOOL_OPEN in samples[0]["response"] and "echo:" in samples[0]["response"]
+    with_tools = [i for i in range(len(samples)) if gaps[i].any()]
+    assert all(TOOL_OPEN in samples[i]["response"] and "echo:" in samples[i]["response"] for i in with_tools)
     assert TOOL_OPEN not in samples[2]["response"]
 
 
@@ -454,3 +461,30 @@ def test_scores_sit_on_the_last_model_token():
     assert last_positions(GAPPED).tolist() == [7, 4, 6, 6]
     placed = place_on_last_token(torch.tensor([1.0, 2.0, 3.0, 4.0]), GAPPED)
     assert placed.sum(-1).tolist() == [1.0, 2.0, 3.0, 4.0] and placed[0, 7] == 1.0 and placed[1, 4] == 2.0
+
+
+# ---------------------------------------------------------------------------------------------------- the flow
+
+
+def test_multi_turn_grpo_in_the_flow_on_two_fsdp_ranks(prefect_api, tmp_path, tiny_model_dir):
+    """The Prefect flow with its worker group of 2 processes (FSDP actor, each rank running the agent loops of its
+    share of the rows): the iterations record the agent metrics, and the samples in the store show the tool turns."""
+    from tiny_runs import agent_overrides, metrics_by_step, tiny_run_config
+
+    from hybridflow.flows.rlhf import rlhf_flow
+    from hybridflow.flows.store.run_store import RunStore
+
+    extra = [*agent_overrides(tmp_path), "trainer.total_iterations=2", "placement.tasks_per_node=2"]
+    extra += ["actor.strategy=fsdp", "trainer.log_train_generations=2", "trainer.num_threads=1"]
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    run_id = store.create_run(cfg.model_dump(mode="json"), "agent")
+    rlhf_flow(run_id=run_id, db_url=store.url)
+    assert store.get_run(run_id).status == "completed"
+    metrics = metrics_by_step(store, run_id)
+    for step in (1, 2):
+        assert metrics[step]["num_turns/min"] > 2 and metrics[step]["tool_calls/echo/mean"] >= 1
+        assert metrics[step]["response_length/tool_tokens/mean"] > 0
+        assert abs(metrics[step]["rollout/log_prob_diff_mean"]) < 1e-3  # the engine's log-probs are the actor's
+    samples = store.samples(run_id)
+    assert any(TOOL_OPEN in s.response and "echo:" in s.response for s in samples if s.kind == "train")

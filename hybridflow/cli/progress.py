@@ -15,6 +15,9 @@ LIVE_METRICS = (
     "perf/throughput",
     "rm/loss",
     "rm/acc",
+    "train/loss",
+    "val/loss",
+    "num_turns/mean",
 )
 """Printed per iteration (those present), then every ``val/*/acc``."""
 

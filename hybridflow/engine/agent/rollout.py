@@ -14,8 +14,9 @@ T = ``rollout.response_length``, ``input_ids``, ``attention_mask``, ``position_i
 [B, T]) where a response is the whole trajectory after the prompt: ``attention_mask`` is 1 on every real token
 (model, tool and template ids), ``response_mask`` only on the model's own ids, so no loss, KL or entropy is computed
 on tool tokens. Plus ``rollout_log_probs`` float32 [B, T] (the engine's, 0 on tool tokens), ``agent/num_turns``
-int64 [B], and ``agent/tool_calls/<tool>`` and ``agent/tool_errors/<tool>`` int64 [B] for every tool of the run
-(and ``malformed_call``); the loop's ``extra`` reaches the score function as ``extra_info["agent"]``.
+int64 [B], and ``agent/tool_calls/<tool>`` and ``agent/tool_errors/<tool>`` int64 [B] for every tool of the run,
+``malformed_call`` and ``unknown_tool`` (a name the run has no tool of: counted there, never as a column of its
+own); the loop's ``extra`` reaches the score function as ``extra_info["agent"]``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest
 
 MALFORMED = "malformed_call"
 """The tool name under which unreadable tool calls are counted (``agent/tool_calls/malformed_call``)."""
+UNKNOWN = "unknown_tool"
+"""The tool name under which calls of tools the run does not have are counted: the model picks names, the metrics'
+names must not come from it."""
 
 
 def run_tools(cfg: HybridFlowConfig) -> ToolBox:
@@ -136,7 +140,7 @@ class AgentLoopRollout:
         self.tools = run_tools(cfg)
         self.parser = tool_parser(multi_turn.format)
         self.chat_format = ChatFormat(tokenizer, list(engine.eos_token_ids)) if self.tools.tools else None
-        self.tool_names = [tool.name for tool in self.tools.tools] + [MALFORMED]
+        self.tool_names = [tool.name for tool in self.tools.tools] + [MALFORMED, UNKNOWN]
 
     def update_weights(self) -> dict[str, float]:
         """The engine's (`hybridflow.engine.extensions.Rollout.update_weights`)."""
@@ -235,12 +239,9 @@ class AgentLoopRollout:
             real[i, :t] = 1
             log_probs[i, :t] = torch.tensor(out.response_logprobs, dtype=torch.float32)
             columns["agent/num_turns"][i] = out.num_turns
-            for name in set(out.tool_calls) | set(out.tool_errors):
-                for kind, counts in (("tool_calls", out.tool_calls), ("tool_errors", out.tool_errors)):
-                    key = f"agent/{kind}/{name}"
-                    if key not in columns:  # a loop's own tool name
-                        columns[key] = torch.zeros(b, dtype=torch.long)
-                    columns[key][i] = counts[name]
+            for kind, counts in (("tool_calls", out.tool_calls), ("tool_errors", out.tool_errors)):
+                for name, count in counts.items():  # every rank has the same columns: the run's names only
+                    columns[f"agent/{kind}/{name if name in self.tool_names else UNKNOWN}"][i] += count
             if out.extra:
                 extra_infos[i] = {**(extra_infos[i] or {}), "agent": out.extra}
         tensors = {

@@ -86,6 +86,15 @@ def test_calculator_is_exact_and_safe():
             calculator(bad)
 
 
+def test_count_letter_counts_any_character_ignoring_case():
+    from hybridflow.engine.agent.letters import count_letter
+
+    assert count_letter("Hundred thousand names and then Mr Fritz", "h") == "3"
+    assert count_letter("room 11, floor 1", "1") == "3"  # reasoning-gym asks for digits too
+    with pytest.raises(ValueError, match="one character"):
+        count_letter("abc", "ab")
+
+
 def test_a_failing_tool_answers_a_bounded_error_and_the_call_returns():
     box = ToolBox([tool_from_function(f, timeout_s=0.5) for f in (echo, fails, hangs, floods)], max_response_chars=100)
     assert box.call("echo", {"text": "hi"}).text == "echo:hi" and box.call("echo", {"text": "hi"}).error is None

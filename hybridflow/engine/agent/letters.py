@@ -5,12 +5,12 @@ from __future__ import annotations
 
 
 def count_letter(text: str, letter: str) -> str:
-    """Count how many times a letter appears in a text, ignoring case.
+    """Count how many times a letter (or any one character) appears in a text, ignoring case.
 
     Args:
         text: the text to search
-        letter: the letter to count, one character
+        letter: the character to count
     """
-    if len(letter) != 1 or not letter.isalpha():
-        raise ValueError(f"letter must be one letter, got {letter!r}")
+    if len(letter) != 1:
+        raise ValueError(f"letter must be one character, got {letter!r}")
     return str(text.lower().count(letter.lower()))

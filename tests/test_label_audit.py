@@ -139,3 +139,12 @@ def test_hf_run_refuses_false_labels_before_any_work(tmp_path, tiny_model_dir):
     assert "training labels are not the value of their question" in out
     assert "hf data check CONFIG" in out and "data.audit_labels=false" in out
     assert RunStore(db).list_runs() == [] and not (tmp_path / "out").exists()
+
+
+def test_letter_counting_audit_recounts_the_quoted_text():
+    from hybridflow.engine.audit import letter_counting_audit
+
+    question = 'How many times does the letter "h" appear in the text: "Hundred thousand names and then Mr Fritz"?'
+    assert letter_counting_audit(_row(question, "3", "reasoning_gym/letter_counting")) is None
+    assert "appears 3 times" in letter_counting_audit(_row(question, "2", "reasoning_gym/letter_counting"))
+    assert "no letter" in letter_counting_audit(_row("Count something.", "1", "reasoning_gym/letter_counting"))

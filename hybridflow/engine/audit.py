@@ -8,7 +8,8 @@ An audit recomputes the label from the prompt text alone, never from the generat
 An audit is a function ``(row) -> problem | None`` (the row in verl's layout, see `hybridflow.engine.data`) registered
 for a ``data_source`` in `AUDITS`; `audit_rows` runs the registered ones over a list of rows. Built in: exact
 arithmetic (`arithmetic_audit`) for ``reasoning_gym/basic_arithmetic``, ``reasoning_gym/chain_sum`` and
-``arithmetic`` (the data_source to give your own arithmetic rows so that ``hf data check`` audits them).
+``arithmetic`` (the data_source to give your own arithmetic rows so that ``hf data check`` audits them), and letter
+counts (`letter_counting_audit`) for ``reasoning_gym/letter_counting``.
 """
 
 from __future__ import annotations
@@ -118,10 +119,35 @@ def arithmetic_audit(row: dict[str, Any]) -> str | None:
     return None
 
 
+_LETTER_QUESTION_RE = re.compile(r'the letter "(.)" appear in the text: "(.*)"', re.DOTALL)
+
+
+def letter_counting_audit(row: dict[str, Any]) -> str | None:
+    """Check that ``reward_model.ground_truth`` is how often the question's letter appears in the question's quoted
+    text, ignoring case (reasoning-gym ``letter_counting``: 'How many times does the letter "h" appear in the text:
+    "..."?').
+
+    Returns:
+        None when it is; else the problem in words (the letter, the count and the label, or that the question has
+        no letter and text).
+    """
+    question = row["prompt"][-1]["content"]
+    label = row["reward_model"].get("ground_truth")
+    found = _LETTER_QUESTION_RE.search(question)
+    if found is None:
+        return f"no letter and quoted text in {question[:80]!r}; label {label!r}"
+    letter, text = found.groups()
+    count = text.lower().count(letter.lower())
+    if str(label).strip() != str(count):
+        return f"{letter!r} appears {count} times in {text[:60]!r}, labelled {label!r}"
+    return None
+
+
 AUDITS: dict[str, Audit] = {
     "reasoning_gym/basic_arithmetic": arithmetic_audit,
     "reasoning_gym/chain_sum": arithmetic_audit,
     "arithmetic": arithmetic_audit,
+    "reasoning_gym/letter_counting": letter_counting_audit,
 }
 
 

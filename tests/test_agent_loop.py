@@ -475,21 +475,44 @@ def test_scores_sit_on_the_last_model_token():
 # ---------------------------------------------------------------------------------------------------- the flow
 
 
-def test_multi_turn_grpo_in_the_flow_on_two_fsdp_ranks(prefect_api, tmp_path, tiny_model_dir):
-    """The Prefect flow with its worker group of 2 processes (FSDP actor, each rank running the agent loops of its
-    share of the rows): the iterations record the agent metrics, and the samples in the store show the tool turns."""
+AGENT_LAYOUTS = {
+    "fsdp-2-local": ["actor.strategy=fsdp", "placement.tasks_per_node=2"],
+    "fsdp-2-slurm": ["actor.strategy=fsdp", "placement.tasks_per_node=2", "placement.executor=slurm"],
+    "megatron-tp2-pp2-gen-tp2": [
+        "actor.strategy=megatron",
+        "actor.tp=2",
+        "actor.pp=2",
+        "rollout.gen_tp=2",
+        "placement.tasks_per_node=4",
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", list(AGENT_LAYOUTS))
+def test_multi_turn_grpo_in_the_flow(layout, request, prefect_api, tmp_path, tiny_model_dir):
+    """The Prefect flow with its worker group (each rank running the agent loops of its share of the rows): 2 FSDP
+    processes, locally and as a Slurm job, and 4 megatron processes (tp2 x pp2, generating at tp2 through the
+    3D-HybridEngine, the two ranks of a generation TP group running the same loops in lockstep). The iterations
+    record the agent metrics, the engine's log-probs are the actor's, and the samples in the store show the tool
+    turns."""
     from tiny_runs import agent_overrides, metrics_by_step, tiny_run_config
 
     from hybridflow.flows.rlhf import rlhf_flow
     from hybridflow.flows.store.run_store import RunStore
 
-    extra = [*agent_overrides(tmp_path), "trainer.total_iterations=2", "placement.tasks_per_node=2"]
-    extra += ["actor.strategy=fsdp", "trainer.log_train_generations=2", "trainer.num_threads=1"]
+    slurm = "slurm" in layout
+    if slurm:
+        request.getfixturevalue("slurm_cluster")
+    extra = [*agent_overrides(tmp_path), "trainer.total_iterations=2", *AGENT_LAYOUTS[layout]]
+    extra += ["trainer.log_train_generations=2", "trainer.num_threads=1"]
     cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     run_id = store.create_run(cfg.model_dump(mode="json"), "agent")
     rlhf_flow(run_id=run_id, db_url=store.url)
     assert store.get_run(run_id).status == "completed"
+    placed = store.placements(run_id)[0]
+    assert placed.executor == ("slurm" if slurm else "local") and bool(placed.slurm_job_id) == slurm
+    assert placed.ranks == list(range(4 if "megatron" in layout else 2))
     metrics = metrics_by_step(store, run_id)
     for step in (1, 2):
         assert metrics[step]["num_turns/min"] > 2 and metrics[step]["tool_calls/echo/mean"] >= 1

@@ -15,6 +15,23 @@ def test_shares_cover_every_row_once_even_with_more_ranks_than_rows(tmp_path):
     assert list(shares[0].batch.keys()) == ["x"]  # an empty share still has the columns
 
 
+def test_an_empty_share_with_fewer_columns_is_left_out(tmp_path):
+    """3 validation rows over 4 ranks: the rank with none writes no score-function extras (they are known only from
+    results). The handle takes the columns of the parts that have rows; parts with rows that disagree still fail."""
+    from hybridflow.slurm.handles import write_part
+
+    def part(rank: int, rows: int, extra: bool) -> dict:
+        cols = {"token_level_scores": torch.full((rows, 2), float(rank))}
+        if extra:
+            cols["reward_extra/acc"] = torch.full((rows,), float(rank), dtype=torch.float64)
+        return write_part(DataProto.from_dict(cols), tmp_path, "reward", rank)
+
+    handle = DataHandle.from_parts([part(0, 0, False), part(1, 1, True), part(2, 1, True), part(3, 1, True)])
+    assert handle.length == 3 and handle.load().batch["reward_extra/acc"].tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"different columns.*rows per part: \[1, 1\]"):
+        DataHandle.from_parts([part(0, 1, False), part(1, 1, True)])
+
+
 def test_union_select_and_delete(tmp_path):
     a = DataHandle.put(DataProto.from_dict({"x": torch.arange(4)}), tmp_path, "a")
     b = DataHandle.put(DataProto.from_dict({"y": torch.arange(4) * 2}), tmp_path, "b")

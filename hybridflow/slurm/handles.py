@@ -71,15 +71,19 @@ class DataHandle:
         """Assemble the handle of a data-parallel result from each DP group's part description.
 
         Args:
-            parts: in DP-rank order, each ``{"path", "length", "keys"}`` as returned by `write_part`.
+            parts: in DP-rank order, each ``{"path", "length", "keys"}`` as returned by `write_part`. Empty parts
+                (a rank given no rows when a batch has fewer rows than DP ranks) are left out: a worker method may
+                write fewer columns for no rows (a score function's extras, known only from its results).
 
         Raises:
-            ValueError: if the parts do not hold the same columns.
+            ValueError: if the non-empty parts do not hold the same columns.
         """
-        keys = [tuple(p["keys"]) for p in parts]
+        filled = [p for p in parts if int(p["length"])] or list(parts[:1])
+        keys = [tuple(p["keys"]) for p in filled]
         if any(k != keys[0] for k in keys):
-            raise ValueError(f"parts of one result hold different columns: {keys}")
-        group = ColumnGroup(keys[0], tuple(Part(p["path"], int(p["length"])) for p in parts))
+            lengths = [int(p["length"]) for p in filled]
+            raise ValueError(f"parts of one result hold different columns: {keys} (rows per part: {lengths})")
+        group = ColumnGroup(keys[0], tuple(Part(p["path"], int(p["length"])) for p in filled))
         return cls(group.length, (group,), dict(meta_info or {}))
 
     # ------------------------------------------------------------------ combining

@@ -383,3 +383,23 @@ def test_a_safe_rlhf_critic_pays_for_its_cost_critic_on_the_same_devices():
     assert (scored.scorers, Workload.from_config(_ppo(*rm[:2])).scorers) == (2, 1)
     two, one = (estimate("reward_model", shape, ddp, w, A100, 8) for w in (scored, plain))
     assert two.stage_s["rm_score"] == pytest.approx(2 * one.stage_s["rm_score"] - A100.stage_overhead_s)
+
+
+def test_a_lora_actor_pays_for_its_adapter_and_its_reference_for_nothing():
+    """``model.lora_rank``: the actor holds its frozen weights (fp32, no gradients or Adam states) and the adapter's
+    16 bytes per parameter; its update skips the frozen weights' gradients and syncs only the adapter's; the reference
+    (the actor's model with the adapter off) holds nothing and is planned only in the actor's pool."""
+    shape, ddp = PRESETS["llama-7b"], Strategy("ddp", dp=8)
+    lora = replace(PAPER, lora_rank=16)
+    assert Workload.from_config(_ppo("model.lora_rank=16")).lora_rank == 16
+    adapter = shape.lora_params(16)
+    assert adapter == 16 * 32 * (2 * 8192 + 2 * 8192 + 3 * (4096 + 11008))  # r x (in + out), 7 projections, 32 layers
+    full, adapted = (estimate("actor", shape, ddp, w, A100, 8) for w in (PAPER, lora))
+    assert adapted.static_bytes == pytest.approx(4 * shape.params() + 16 * adapter)
+    assert adapted.stage_s["update_actor"] < 0.75 * full.stage_s["update_actor"]
+    assert adapted.stage_s["gen"] == full.stage_s["gen"]
+    assert estimate("ref", shape, ddp, lora, A100, 8).static_bytes == 0
+    models = {"actor": shape, "critic": shape, "ref": shape}
+    result = Planner(models, lora, A100, nodes=4, gpus_per_node=8, space="all").search()
+    assert result.placements == 2  # {actor, ref, critic} and {actor, ref} + {critic}
+    assert all("ref" in c.placement[0] for c in result.candidates)

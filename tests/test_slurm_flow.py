@@ -122,8 +122,10 @@ def test_hf_run_on_slurm_with_four_pools_then_resume_repeats_an_iteration_exactl
         "critic": ("critic", [0]),
         "reward_model": ("rm", [0]),
     }
-    assert placed["actor"].parallel == {"strategy": "ddp", "train": {"pp": 1, "tp": 1, "dp": 2}}
-    assert placed["critic"].parallel == placed["reward_model"].parallel == {"strategy": "ddp"}
+    layout = {r: {k: v for k, v in (p.parallel or {}).items() if not k.endswith("params")} for r, p in placed.items()}
+    assert layout["actor"] == {"strategy": "ddp", "train": {"pp": 1, "tp": 1, "dp": 2}}
+    assert layout["critic"] == layout["reward_model"] == {"strategy": "ddp"}
+    assert placed["actor"].parallel["params"] == placed["actor"].parallel["trainable_params"] > 0  # no adapter
     jobs = {name: placed[role].slurm_job_id for name, role in [("actor_rollout", "actor"), ("ref", "ref"),
             ("critic", "critic"), ("rm", "reward_model")]}  # fmt: skip
     assert len(set(jobs.values())) == 4 and all(jobs.values())

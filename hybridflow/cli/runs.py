@@ -36,15 +36,20 @@ def runs_list(db: DbOption = None, limit: int = 50) -> None:
 
 def _parallel_summary(parallel: dict | None) -> str:
     """``megatron p1-t2-d2 -> gen p1-t1 x4 (hybridflow)`` from a placement's ``parallel`` record (``fsdp`` for a
-    model with a strategy and no layout on record); '' when absent."""
+    model with a strategy and no layout on record), then ``; trains N of M parameters`` when not every parameter
+    trains (LoRA); '' when absent."""
     if not parallel:
         return ""
     if "train" not in parallel:
-        return str(parallel.get("strategy", ""))
-    train, gen = parallel.get("train", {}), parallel.get("generate", {})
-    text = f"{parallel.get('strategy', '?')} p{train.get('pp')}-t{train.get('tp')}-d{train.get('dp')}"
-    if gen:
-        text += f" -> gen p{gen.get('pp')}-t{gen.get('tp')} x{gen.get('replicas')} ({parallel.get('reshard')})"
+        text = str(parallel.get("strategy", ""))
+    else:
+        train, gen = parallel.get("train", {}), parallel.get("generate", {})
+        text = f"{parallel.get('strategy', '?')} p{train.get('pp')}-t{train.get('tp')}-d{train.get('dp')}"
+        if gen:
+            text += f" -> gen p{gen.get('pp')}-t{gen.get('tp')} x{gen.get('replicas')} ({parallel.get('reshard')})"
+    params, trainable = parallel.get("params"), parallel.get("trainable_params")
+    if params and trainable is not None and trainable != params:  # a LoRA adapter: what trains, of what
+        text += f"; trains {trainable:,} of {params:,} parameters"
     return text
 
 
@@ -87,6 +92,8 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
         "actor/entropy",
         "response_length/mean",
         "timing_s/step",
+        "rollout/weight_sync_bytes",  # a rollout with weights of its own (vLLM): bytes per sync (LoRA: the adapter's)
+        "timing_s/weight_sync",
     ]
     points = store.metrics(run_id)
     recorded = {p.name for p in points}

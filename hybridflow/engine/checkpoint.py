@@ -5,6 +5,9 @@ Layout of one checkpoint, ``<checkpoint_dir>/global_step_<N>/`` (N = completed i
     actor/                  the policy in Hugging Face layout (``save_pretrained``: config.json, *.safetensors)
                             plus its tokenizer, so ``AutoModelForCausalLM.from_pretrained(actor/)`` loads it
     actor/optim.pt          {"optimizer": state_dict, "lr_scheduler": state_dict} (no weights: those are in actor/)
+                            (a LoRA actor, ``model.lora_rank`` > 0: its adapter only, as PEFT writes it,
+                            adapter_config.json + adapter_model.safetensors, for ``PeftModel.from_pretrained``; its
+                            optimizer state covers the adapter alone)
     critic/                 the same for the value model when there is one (AutoModelForTokenClassification layout)
     cost_critic/            the same for Safe-RLHF's cost critic
     trainer_state.json      {"global_steps", "sampler", "kl_ctrl_value", "lagrange_multiplier", "format_version"}
@@ -518,7 +521,7 @@ def role_states(actor=None, critic=None, cost_critic=None) -> dict[str, Any]:
         if trained is not None:
             out.update(
                 {
-                    f"{role}_model": trained.model,
+                    f"{role}_model": getattr(trained, "lora", None) or trained.model,
                     f"{role}_optimizer": trained.optimizer,
                     f"{role}_scheduler": trained.lr_scheduler,
                 }
@@ -618,7 +621,12 @@ def load_role(path: str | Path, role: str, model, optimizer, scheduler) -> None:
 def _load_role(folder: Path, model, optimizer, scheduler) -> None:
     from hybridflow.engine.sharded_state import is_sharded
 
-    if is_sharded(model):
+    if hasattr(model, "load_role"):  # a LoRA adapter (`hybridflow.engine.backends.lora.LoraAdapter`) restores itself
+        try:
+            model.load_role(folder, optimizer, scheduler)
+        except (FileNotFoundError, ValueError) as e:
+            raise CheckpointError(str(e)) from None
+    elif is_sharded(model):
         _load_sharded(folder, model, optimizer, scheduler)
     else:
         _load_weights(folder, model)

@@ -29,6 +29,13 @@ class ModelShape:
         attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
         return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
+    def lora_params(self, rank: int) -> int:
+        """Parameters of a rank-`rank` LoRA adapter on every linear layer of the blocks (PEFT's ``all-linear``):
+        ``r x (in + out)`` per projection (A: r x in, B: out x r; Hu et al. 2021, section 4.1)."""
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = 2 * (self.hidden + q_out) + 2 * (self.hidden + kv_out) + 3 * (self.hidden + self.intermediate)
+        return rank * per_layer * self.layers
+
     def params(self, head: str = "lm") -> int:
         """Parameter count with a language-model head (``lm``: actor, ref) or a scalar head (``value``: critic,
         reward model)."""

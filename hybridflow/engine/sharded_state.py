@@ -47,9 +47,15 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     by_name = get_optimizer_state_dict(model, optimizer, options=_FULL)
     if not by_name:  # with cpu_offload only rank 0 receives the full state
         return {}
-    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    index = {name: i for i, name in enumerate(_trained_names(model))}
     groups = [{**g, "params": [index[n] for n in g["params"]]} for g in by_name["param_groups"]]
     return {"state": {index[n]: s for n, s in by_name["state"].items()}, "param_groups": groups}
+
+
+def _trained_names(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters an optimizer over ``requires_grad`` parameters holds, in its index order (all of
+    them for a fully trained model; the adapter's for LoRA)."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
 def load_full_state(
@@ -57,16 +63,20 @@ def load_full_state(
     optimizer: torch.optim.Optimizer | None,
     weights: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any] | None,
+    strict: bool = True,
 ) -> None:
     """Scatter full `weights` (and an index-keyed `optimizer_state`, as `full_optimizer_state` writes it) into the
     sharded model and optimizer. Every rank passes the same full values.
 
+    Args:
+        strict: `weights` must name every parameter; False: those it names (a LoRA adapter's).
+
     Raises:
         RuntimeError: the weights do not fit the model (missing or unexpected names, wrong shapes)."""
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
     if optimizer is None or optimizer_state is None:
         return
-    names = [name for name, _ in model.named_parameters()]
+    names = _trained_names(model)
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]
     by_name = {"state": {names[i]: s for i, s in optimizer_state["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

@@ -35,6 +35,7 @@ from hybridflow.engine.transfer import Dispatch, register
 
 if TYPE_CHECKING:
     from hybridflow.engine.backends.hybrid_actor import HybridActorRollout
+    from hybridflow.engine.backends.lora import LoraReference
     from hybridflow.engine.backends.megatron_critic import MegatronCritic
 
 
@@ -45,7 +46,7 @@ class Roles:
     tokenizer: Any
     actor: Actor | HybridActorRollout | None = None
     rollout: Rollout | None = None
-    ref: RefPolicy | None = None
+    ref: RefPolicy | LoraReference | None = None
     critic: Critic | MegatronCritic | None = None
     cost_critic: Critic | None = None  # Safe-RLHF: a second value model in the critic's processes
     reward_fn: RewardManager | None = None
@@ -86,7 +87,11 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
         if "rollout" in roles:  # (megatron's generation model computes in its shards' dtype: no autocast)
             dtype = compute_dtype if backend.hf_model else None
             out.rollout = build_rollout(cfg, weights, out.tokenizer, model_path, dtype)
-    if "ref" in roles:
+    if "ref" in roles and cfg.model.lora:  # the actor's model with its adapter off is the base model: no copy
+        from hybridflow.engine.backends.lora import LoraReference
+
+        out.ref = LoraReference(out.actor, cfg.ref.log_prob_micro_batch_size)
+    elif "ref" in roles:
         ref_model = load_model(model_path, compute_dtype, device, trainable=False)
         out.ref = RefPolicy(
             ref_model,
@@ -151,7 +156,7 @@ class RLHFWorker:
         self.roles = set(roles)
         self.actor: Actor | None = None
         self.rollout: Rollout | None = None
-        self.ref: RefPolicy | None = None
+        self.ref: RefPolicy | LoraReference | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
         self.reward_fn: RewardManager | None = None
@@ -189,7 +194,8 @@ class RLHFWorker:
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
-        """Load the models of this rank's roles. Returns their parameter counts (for the run record)."""
+        """Load the models of this rank's roles. Returns their parameter counts (for the run record):
+        ``<role>_params`` and ``<role>_trainable_params`` (a LoRA actor's adapter; elements)."""
         roles = build_roles(self.config, self.roles)
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
@@ -198,9 +204,12 @@ class RLHFWorker:
         self.critics, self.scorers = roles.critics(), roles.scorers()
         info = {}
         for role, trained in self._trained():
-            count = None if role == "cost_critic" else self._backend(role).parameter_count(role, trained)
-            if count is not None:
-                info[f"{role}_params"] = count
+            if role == "cost_critic":
+                continue
+            backend = self._backend(role)
+            counts = {"params": backend.parameter_count(role, trained)}
+            counts["trainable_params"] = backend.trainable_count(role, trained)
+            info.update({f"{role}_{key}": n for key, n in counts.items() if n is not None})
         if self.reward_model is not None:
             info["reward_model_params"] = sum(p.numel() for p in self.reward_model.model.parameters())
         return info

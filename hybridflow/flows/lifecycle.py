@@ -124,6 +124,15 @@ def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig
     return {"strategy": cfg.actor.strategy, **training_backend(cfg.actor.strategy).layout_record(cfg, world)}
 
 
+def _with_counts(parallel: dict[str, Any] | None, role: str, counts: dict[str, Any]) -> dict[str, Any] | None:
+    """`parallel` with `role`'s parameter counts from its worker's ``init_model``: ``params`` (all of the model's,
+    a LoRA adapter's included) and ``trainable_params`` (what its optimizer updates), where the rank could tell."""
+    found = {key: counts[f"{role}_{key}"] for key in ("params", "trainable_params") if f"{role}_{key}" in counts}
+    if not found:
+        return parallel
+    return {**(parallel or {}), **found}
+
+
 def _local_cuda(cfg: HybridFlowConfig) -> bool:
     import torch
 
@@ -184,9 +193,10 @@ def launch_workers(
         for group in workers.groups.values():
             group.wait_ready()
         for name, group in workers.groups.items():
-            group.init_model()
+            counts = group.init_model()[0]  # rank 0's parameter counts of its roles
             rows = [
-                {"role": role, **group.placement, "parallel": parallel_record(cfg, role)} for role in pools[name].roles
+                {"role": role, **group.placement, "parallel": _with_counts(parallel_record(cfg, role), role, counts)}
+                for role in pools[name].roles
             ]
             store.record_placement(run_id, rows)
     except BaseException:

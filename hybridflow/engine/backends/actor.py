@@ -118,6 +118,9 @@ class Actor:
         seed: seeds the mini-batch shuffling (with the iteration number from ``meta_info["global_steps"]``).
         compute_dtype: dtype of the forwards (``torch.bfloat16``: under autocast, weights and gradients stay as
             loaded, fp32 with ``load_model(..., trainable=True)``); None or float32: no autocast.
+        lora: the `hybridflow.engine.backends.lora.LoraAdapter` injected into `model` (``model.lora_rank`` > 0):
+            only its parameters require gradients, so the optimizer and the gradient sync cover the adapter alone,
+            and checkpoints save it instead of the weights; None: every weight is trained.
 
     Under torch.distributed (a worker group of D ranks) the model is wrapped in DDP or sharded with FSDP2 here
     (``actor.strategy``; with ``actor.tp`` FSDP2 runs over D / tp data-parallel replicas of tp tensor-parallel
@@ -126,9 +129,16 @@ class Actor:
     """
 
     def __init__(
-        self, model, config: ActorConfig, rollout_n: int, seed: int = 0, compute_dtype: torch.dtype | None = None
+        self,
+        model,
+        config: ActorConfig,
+        rollout_n: int,
+        seed: int = 0,
+        compute_dtype: torch.dtype | None = None,
+        lora=None,
     ):
         self.model = model
+        self.lora = lora  # the LoRA adapter injected into `model` (`hybridflow.engine.backends.lora`), or None
         self.config = config
         self.seed = seed
         self.compute_dtype = compute_dtype

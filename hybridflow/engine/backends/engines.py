@@ -98,17 +98,28 @@ class TrainingBackend:
         """The parameter count of `role`'s model for the run record; None where this rank cannot tell."""
         return sum(p.numel() for p in trained.model.parameters())
 
+    def trainable_count(self, role: str, trained: Any) -> int | None:
+        """The parameters the optimizer of `role` updates (a LoRA actor: its adapter's); None where this rank
+        cannot tell."""
+        lora = getattr(trained, "lora", None)
+        if lora is not None:
+            return lora.trainable_parameters()
+        return self.parameter_count(role, trained)
+
     def save(self, staging: str | Path, role: str, trained: Any, tokenizer, rank: int) -> list[str]:
         """Write `role` into a checkpoint's staging folder; every rank calls it. Returns the roles written (rank 0)."""
         from hybridflow.engine.checkpoint import save_role
         from hybridflow.engine.sharded_state import full_model_state, full_optimizer_state, is_sharded
 
+        lora = getattr(trained, "lora", None)  # a LoRA actor saves its adapter (`hybridflow.engine.backends.lora`)
         full_state = None
         if is_sharded(trained.model):  # FSDP: gather full tensors, a collective of every rank
-            full_state = full_model_state(trained.model), full_optimizer_state(trained.model, trained.optimizer)
+            weights = lora.state() if lora is not None else full_model_state(trained.model)
+            full_state = weights, full_optimizer_state(trained.model, trained.optimizer)
         if rank != 0:
             return []
-        save_role(staging, role, trained.model, trained.optimizer, trained.lr_scheduler, tokenizer, full_state)
+        model = lora if lora is not None else trained.model
+        save_role(staging, role, model, trained.optimizer, trained.lr_scheduler, tokenizer, full_state)
         return [role]
 
     def load(self, path: str | Path, role: str, trained: Any) -> dict[str, Any]:
@@ -171,8 +182,13 @@ class HFBackend(TrainingBackend):
         from hybridflow.engine.models import load_model
 
         policy = load_model(model_path, compute_dtype, device, trainable=True)
-        actor = Actor(policy, cfg.actor, cfg.rollout.n, cfg.trainer.seed, compute_dtype=compute_dtype)
-        return actor, GatheredWeights(policy) if self.sharded else ModelWeights(policy)
+        lora = None
+        if cfg.model.lora:  # the adapter goes in before DDP/FSDP wrap the model (only it will train)
+            from hybridflow.engine.backends.lora import LoraAdapter
+
+            lora = LoraAdapter(policy, cfg.model, cfg.trainer.seed)
+        actor = Actor(policy, cfg.actor, cfg.rollout.n, cfg.trainer.seed, compute_dtype=compute_dtype, lora=lora)
+        return actor, GatheredWeights(policy, lora) if self.sharded else ModelWeights(policy, lora)
 
     def build_critic(self, cfg, actor, critic_path, device, compute_dtype, name="critic", columns=_VALUE_COLUMNS):
         from hybridflow.engine.backends.critic import Critic

@@ -13,9 +13,10 @@ import torch
 class ModelWeights:
     """The `WeightSource` of a model that holds its full weights (``ddp``, a single process): the model itself."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, lora=None):
         self.model = model
         self.generation_config = model.generation_config
+        self.lora = lora  # the model's LoRA adapter (`hybridflow.engine.backends.lora.LoraAdapter`), or None
 
     @property
     def device(self) -> torch.device:

@@ -111,6 +111,7 @@ class HybridFlowConfig(_Section):
                 "algorithm.filter_groups.enable or remove data.gen_batch_size"
             )
         self._check_safe_rlhf()
+        self._check_lora()
         if uses_greedy_baseline(estimator) and self.rollout.temperature == 0:
             raise ValueError(
                 f"algorithm.adv_estimator={estimator} subtracts the greedy response's score, and rollout.temperature=0 "
@@ -153,6 +154,27 @@ class HybridFlowConfig(_Section):
             raise ValueError(
                 "algorithm.cost_limit (Safe-RLHF): the cost critic is built for ddp and fsdp critics: set "
                 "critic.strategy to ddp or fsdp"
+            )
+
+    def _check_lora(self) -> None:
+        """``model.lora_rank`` > 0: a Hugging Face actor (ddp, fsdp), with the reference policy in the actor's
+        processes (it is the actor's model with the adapter disabled)."""
+        if not self.model.lora:
+            return
+        if not training_backend(self.actor.strategy).hf_model:
+            raise ValueError(
+                f"model.lora_rank > 0 trains a PEFT adapter on a Hugging Face model, and actor.strategy="
+                f"{self.actor.strategy} trains a model of its own: set actor.strategy=ddp or fsdp, or model.lora_rank=0"
+            )
+        if self.actor.tp > 1:
+            raise ValueError(
+                "actor.tp > 1 splits the actor's linear layers, and the PEFT adapter on them is not split: set "
+                "actor.tp=1 with model.lora_rank > 0"
+            )
+        if "ref" in self.roles() and self.pool_of("ref").name != self.pool_of("actor").name:
+            raise ValueError(
+                f"with model.lora_rank > 0 the reference policy is the actor's model with its adapter disabled: put "
+                f"ref in the actor's pool (placement.pools.{self.pool_of('actor').name}.roles)"
             )
 
     def safe_rlhf(self) -> bool:

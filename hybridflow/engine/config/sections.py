@@ -42,6 +42,30 @@ class ModelConfig(_Section):
 
     path: str = Field("tiny", description="local Hugging Face folder, or an embedded model: 'smollm2', 'tiny'")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
+    lora_rank: int = Field(0, ge=0, description="LoRA rank r of the actor's adapter (PEFT); 0: train every weight")
+    lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator: the update is (alpha / r) B A")
+    target_modules: str | list[str] = Field(
+        "all-linear", description="modules given an adapter: all-linear (every linear but the output head) or names"
+    )
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    lora_adapter_path: str | None = Field(None, description="a saved adapter folder to start from (PEFT layout)")
+    lora_merge: bool = Field(
+        False, description="sync merged full weights to a vLLM rollout instead of the adapter alone"
+    )
+
+    @model_validator(mode="after")
+    def _lora_keys_need_a_rank(self) -> ModelConfig:
+        if self.lora_rank == 0 and (self.lora_adapter_path or self.lora_merge):
+            raise ValueError(
+                "model.lora_adapter_path and model.lora_merge are LoRA settings: set model.lora_rank > 0 (the "
+                "adapter's rank, e.g. 16)"
+            )
+        return self
+
+    @property
+    def lora(self) -> bool:
+        """Whether the actor trains a LoRA adapter instead of every weight."""
+        return self.lora_rank > 0
 
 
 class ReasoningGymConfig(_Section):

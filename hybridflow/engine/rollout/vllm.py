@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +39,9 @@ INSTALL_HINT = (
     "`pip uninstall -y torchvision torchaudio torchcodec`, whose CUDA builds it drags in break transformers), on "
     "GPU `pip install vllm`; or use rollout.name=hf"
 )
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks a vLLM engine can be sized for (``max_lora_rank``): the smallest one >= ``model.lora_rank``."""
 
 if TYPE_CHECKING:
     from hybridflow.engine.extensions import WeightSource
@@ -80,11 +87,15 @@ class VLLMRollout:
         config: RolloutConfig,
         max_prompt_length: int,
         seed: int = 0,
+        lora_merge: bool = False,
     ):
         from hybridflow.engine.backends.weights import ModelWeights
 
         vllm = import_vllm()
         self.weights = ModelWeights(weights) if isinstance(weights, torch.nn.Module) else weights
+        self.lora = getattr(self.weights, "lora", None)
+        self.lora_merge = lora_merge
+        self._lora_request = None  # the adapter version the engine samples with (None: the base weights)
         self.tokenizer = tokenizer
         self.config = config
         self.seed = int(seed)
@@ -98,6 +109,11 @@ class VLLMRollout:
             # sampled after a partial prefill, and torch's CPU generators have no offset to rewind (RuntimeError
             # "CPU Generator does not use offset" once a batch's prompts exceed one step's token budget).
             options.update(kv_cache_memory_bytes=int(config.vllm_kv_cache_gb * 2**30), enable_chunked_prefill=False)
+        if self.lora is not None and not lora_merge:  # adapter-only sync: the engine serves base + adapter
+            rank = self.lora.rank
+            options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
+            self._lora_dir = Path(tempfile.mkdtemp(prefix="hybridflow-lora-"))  # private (0700)
+            weakref.finalize(self, shutil.rmtree, self._lora_dir, ignore_errors=True)
         self.llm = vllm.LLM(
             model=str(model_path),
             dtype=config.vllm_dtype,
@@ -108,6 +124,8 @@ class VLLMRollout:
             **options,
         )
         self._vllm = vllm
+        if self.lora is not None:  # an adapter that starts trained (model.lora_adapter_path) reaches the engine now
+            self.update_weights()
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -124,25 +142,54 @@ class VLLMRollout:
         """
         from torch.distributed.tensor import DTensor
 
+        if self.lora is not None and not self.lora_merge:
+            return self._sync_adapter()
         with self.weights.generation_model() as model:
-            state = model.state_dict()
-            streamed = sum(t.numel() * t.element_size() for t in state.values())
-            # a tensor-parallel actor: each tensor is all-gathered as it is streamed (every rank syncs, in one order)
-            full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state.items())
+            state = None
+            if self.lora is not None:  # model.lora_merge: W + (alpha / r) B A per adapted layer, base names
+                full = self.lora.merged_weights()
+            else:  # a tensor-parallel actor: each tensor is all-gathered as streamed (every rank syncs, in one order)
+                state = model.state_dict().items()
+                full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state)
+            counted = _Counted(full)
             self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
             try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full})
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counted)})
                 diff = self._probe(model)
             finally:
                 self.sleep()
-            del state, full, model  # a generation model lent by the 3D-HybridEngine must not outlive the context
+            streamed = counted.bytes
+            del full, counted, model, state  # a model lent by the 3D-HybridEngine must not outlive the context
+        return {"rollout/weight_sync_bytes": float(streamed), "rollout/weight_probe_diff": diff}
+
+    def _sync_adapter(self) -> dict[str, float]:
+        """Adapter-only sync: the actor's LoRA adapter (every rank gathers it) is written under this engine's
+        private folder as a new version, with a new adapter id, and served from then on (`LoRARequest`); the
+        previous version is removed from the engine and the disk. The base weights never move."""
+        lora_request = self._vllm.lora.request.LoRARequest
+        with self.weights.generation_model() as model:
+            state = self.lora.state()
+            version = (self._lora_request.lora_int_id + 1) if self._lora_request is not None else 1
+            folder = self._lora_dir / f"v{version}"
+            streamed = self.lora.save(folder, state)
+            previous, self._lora_request = self._lora_request, lora_request(f"actor-v{version}", version, str(folder))
+            self.wake()
+            try:
+                diff = self._probe(model)
+            finally:
+                self.sleep()
+            del state, model
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
         return {"rollout/weight_sync_bytes": float(streamed), "rollout/weight_probe_diff": diff}
 
     def _probe(self, model: torch.nn.Module) -> float:
         """One greedy token on a fixed prompt in the engine, scored by the actor. Returns |log-prob difference|."""
         prompt = self.tokenizer("The answer is", add_special_tokens=False)["input_ids"] or [self.eos_token_ids[0]]
         params = self._vllm.SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, detokenize=False)
-        out = self.llm.generate([self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt)]
+        out = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
         token = out[0].outputs[0].token_ids[0]
         engine_logprob = out[0].outputs[0].logprobs[0][token].logprob
         was_training = model.training
@@ -197,7 +244,7 @@ class VLLMRollout:
         def serve(requests: list[TokenRequest]) -> list[TokenOutput]:
             prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
             params = [self._sampling_params(temperature, r.max_tokens, r.seed) for r in requests]
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
             answers = []
             for r, out in zip(requests, outputs, strict=True):
                 sample = out.outputs[0]
@@ -226,7 +273,7 @@ class VLLMRollout:
             requests.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=ids))
             seed = sampling_seed(self.seed, global_steps, stream, row_offset * n + i)
             params.append(self._sampling_params(temperature, self.config.response_length, seed))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
         length = self.config.response_length
         responses = torch.full((len(batch), length), self.tokenizer.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(len(batch), length, dtype=torch.float32)
@@ -245,6 +292,26 @@ class VLLMRollout:
         return out
 
 
+class _Counted:
+    """(name, tensor) pairs passed through, their bytes added up in ``bytes`` as they go."""
+
+    def __init__(self, pairs: Iterator[tuple[str, torch.Tensor]]):
+        self.pairs, self.bytes = pairs, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.pairs:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
 def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, compute_dtype) -> VLLMRollout:
     """``rollout.name: vllm`` (registered in `hybridflow.engine.extensions`): `VLLMRollout` synced from `weights`."""
-    return VLLMRollout(weights, tokenizer, str(model_path), cfg.rollout, cfg.data.max_prompt_length, cfg.trainer.seed)
+    return VLLMRollout(
+        weights,
+        tokenizer,
+        str(model_path),
+        cfg.rollout,
+        cfg.data.max_prompt_length,
+        cfg.trainer.seed,
+        lora_merge=cfg.model.lora_merge,
+    )

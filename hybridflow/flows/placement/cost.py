@@ -49,6 +49,7 @@ class Workload:
     critic_shares_prompts: bool = True  # critic.shares_prompts
     cost_critic: bool = False  # Safe-RLHF: a cost critic beside the critic, on its devices, the same work again
     scorers: int = 1  # sequence classifiers of the rm_score stage: the reward model, Safe-RLHF's cost model
+    lora_rank: int = 0  # model.lora_rank: the actor trains an adapter on its frozen weights; ref is the actor's model
 
     @property
     def seq_length(self) -> int:
@@ -112,6 +113,7 @@ class Workload:
             infer_micro_batch=cfg.actor.log_prob_micro_batch_size,
             gen_micro_batch=cfg.rollout.micro_batch_size,
             old_log_prob=not cfg.skips_old_log_prob(),
+            lora_rank=cfg.model.lora_rank,
         )
 
 
@@ -238,25 +240,30 @@ def estimate(
         width = shape.vocab if head == "lm" else 1
         return micro_batch * seq * (width * LOGIT_BYTES + 8 * shape.hidden * w) / t
 
+    lora = role == "actor" and workload.lora_rank > 0
+    trained = shape.lora_params(workload.lora_rank) if lora else params  # what gets gradients and Adam states
     if role in ("actor", "critic"):
-        static = params * TRAINED_BYTES_PER_PARAM / model_shards
+        # LoRA: the frozen weights stay fp32 as loaded, with no gradients or optimizer states
+        frozen_bytes = params * 4 if lora else 0
+        static = (frozen_bytes + trained * TRAINED_BYTES_PER_PARAM) / model_shards
         epochs = workload.actor_epochs if role == "actor" else workload.critic_epochs
         steps = workload.actor_steps if role == "actor" else workload.critic_steps
         micro = workload.train_micro_batch if role == "actor" else workload.critic_micro_batch
         flops, tokens = pass_work(micro)
         replica_tokens = tokens / d
         micro_batches = max(1, math.ceil(workload.sequences / d / micro / max(1, steps // epochs)))
-        compute = 3 * epochs * (flops / (devices * hw.flops * hw.train_efficiency) + layer_tokens_s(tokens))
+        passes = 2 if lora else 3  # forward, input gradients, weight gradients (none for frozen weights)
+        compute = passes * epochs * (flops / (devices * hw.flops * hw.train_efficiency) + layer_tokens_s(tokens))
         compute *= 1 + (p - 1) / micro_batches
         comm = 4 * epochs * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
         if s.kind == "fsdp":
             gathers = epochs * math.ceil(workload.sequences / d / micro)
             comm += gathers * 2 * _all_gather_s(params * w, d, spans, hw) + steps * _all_gather_s(
-                params * 4, d, spans, hw
+                trained * 4, d, spans, hw
             )
         else:
-            comm += steps * _all_reduce_s(params / (t * p) * 4, d, spans, hw)
-        optimizer = steps * 2 * static / hw.memory_bandwidth
+            comm += steps * _all_reduce_s(trained / (t * p) * 4, d, spans, hw)
+        optimizer = steps * 2 * trained * TRAINED_BYTES_PER_PARAM / model_shards / hw.memory_bandwidth
         update = "update_actor" if role == "actor" else "update_critic"
         stage_s[update] = compute + comm + optimizer + hw.stage_overhead_s
         activations = micro * seq * shape.hidden * shape.layers * 34 * (w / 2) / t
@@ -266,7 +273,8 @@ def estimate(
             stage_s[infer] = forward_s(workload.infer_micro_batch)
             transient[infer] = logits_bytes(workload.infer_micro_batch)
     else:
-        static = params * w / model_shards
+        # LoRA's reference is the actor's model with the adapter off: no weights of its own (it shares the pool)
+        static = 0.0 if role == "ref" and workload.lora_rank > 0 else params * w / model_shards
         stage = "ref" if role == "ref" else "rm_score"
         stage_s[stage] = forward_s(workload.infer_micro_batch)
         gathered = params * w * (1 - 1 / d) if s.kind == "fsdp" else 0.0  # fsdp scores with whole weights

@@ -240,6 +240,8 @@ class Planner:
         result = PlanResult([], [], self.models, self.workload, self.hw, self.nodes, self.gpus_per_node, self.space)
         for partition in set_partitions(list(self.models)):
             placement = tuple(sorted(partition, key=lambda block: MODELS.index(block[0])))  # the actor's pool first
+            if self.workload.lora_rank and "ref" in self.models and "ref" not in placement[0]:
+                continue  # LoRA: the reference is the actor's model (adapter off), in the actor's processes
             result.placements += 1
             minima = [self.min_devices(models) for models in placement]
             if None in minima:

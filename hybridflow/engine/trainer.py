@@ -144,7 +144,7 @@ class SingleProcessTrainer:
         info = save_checkpoint(
             self.checkpoint_dir,
             self.global_steps,
-            actor_model=self.actor.lora or self.actor.model,  # a LoRA actor saves its adapter
+            actor_model=getattr(self.actor, "lora", None) or self.actor.model,  # a LoRA actor saves its adapter
             actor_optimizer=self.actor.optimizer,
             actor_scheduler=self.actor.lr_scheduler,
             tokenizer=self.tokenizer,

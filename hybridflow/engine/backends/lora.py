@@ -164,11 +164,11 @@ class LoraAdapter:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint's actor/ holds no LoRA adapter")
         saved = load_file(path, device="cpu")
-        own = self.state()
-        if set(saved) != set(own):
+        own = set(self._file_names())  # the names alone: no tensor gathered
+        if set(saved) != own:
             raise ValueError(
                 f"the adapter in {folder} does not fit model.lora_rank / model.target_modules: "
-                f"{len(set(own) - set(saved))} tensors missing, {len(set(saved) - set(own))} unexpected"
+                f"{len(own - set(saved))} tensors missing, {len(set(saved) - own)} unexpected"
             )
         from hybridflow.engine.sharded_state import is_sharded, load_full_state
 

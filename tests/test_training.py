@@ -26,7 +26,7 @@ from hybridflow.engine.backends.training import (
 from hybridflow.engine.config import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
 from hybridflow.engine.guards import NonFiniteError
 from hybridflow.engine.models import load_critic, load_model, load_tokenizer, response_log_probs
-from hybridflow.engine.packing import pack_rows, prompt_groups
+from hybridflow.engine.packing import _batch_groups, grouped_attention, pack_rows, prompt_groups
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import HFRollout
 
@@ -173,6 +173,52 @@ def padded_log_probs(model, micro: DataProto) -> torch.Tensor:
     )
     logits = out.logits[:, -T - 1 : -1].float()
     return torch.log_softmax(logits, -1).gather(-1, micro.batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def test_grouped_attention_equals_attention_group_by_group():
+    """`grouped_attention` (all prompt groups in one padded batch; `packed_sdpa` takes it on CPU in bf16 for short
+    groups) gives each group's attention over its own block: outputs and the gradients of q, k, v equal torch's
+    sdpa run group by group, in float32 within 1e-5, with groups of 1 to 37 tokens (padding up to 36 positions
+    that must contribute nothing), grouped KV heads (9 query heads over 3) and a packed mask that is not plain
+    causal (a second sample's tokens skip the first's). A padded key left visible or a position scattered to the
+    wrong place moves outputs by 1e-1."""
+    torch.manual_seed(0)
+    sizes = [37, 1, 20, 29]
+    spans, start = [], 0
+    for size in sizes:
+        spans.append((start, start + size))
+        start += size
+    mask = torch.zeros(start, start, dtype=torch.bool)
+    for a, b in spans:
+        mask[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    a, b = spans[0]
+    mask[a + 25 : b, a + 12 : a + 25] = False  # the second response of group 0 does not see the first
+    q = torch.randn(1, 9, start, 16, requires_grad=True)
+    k = torch.randn(1, 3, start, 16, requires_grad=True)
+    v = torch.randn(1, 3, start, 16, requires_grad=True)
+    grad = torch.randn(1, start, 9, 16)
+    reference = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask[a:b, a:b], enable_gqa=True
+            ).transpose(1, 2)
+            for a, b in spans
+        ],
+        dim=1,
+    )
+    out = grouped_attention(q, k, v, mask[None, None], spans)
+    assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    got, want = torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(reference, (q, k, v), grad)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, atol=1e-5, rtol=1e-5)
+    # packed_sdpa batches short bf16 groups on CPU; fp32, long groups (scores over GROUPED_SCORES_BYTES), dropout and
+    # sliding windows keep the memory-lean flash kernel group by group
+    bf16 = torch.bfloat16
+    assert _batch_groups(q, bf16, spans, {"dropout": 0.0, "scaling": 0.25, "position_ids": None})
+    assert not _batch_groups(q, torch.float32, spans, {})
+    assert not _batch_groups(q, bf16, [(0, 2048)] * 8, {})
+    assert not _batch_groups(q, bf16, spans, {"dropout": 0.1})
+    assert not _batch_groups(q, bf16, spans, {"sliding_window": 16})
 
 
 @pytest.mark.parametrize(("n", "micro_batch_size"), [(1, 4), (2, 3), (8, 32), (8, 5)])

@@ -8,8 +8,10 @@ what it sees in its own padded row (HybridFlow issue 18: FLOP-lean iterations).
 
 Attention over the packed sequence is block-diagonal by prompt group. `packed_sdpa`, registered with Hugging Face's
 attention interface as ``PACKED_ATTENTION`` (the models `hybridflow.engine.models.load_model` loads use it), runs
-torch's scaled-dot-product attention on each group's block alone, so its cost grows with each group's length
-squared, not the micro-batch's; without group spans (generation, any other caller) it is Hugging Face's sdpa.
+attention on each group's block alone, so its cost grows with each group's length squared, not the micro-batch's:
+on CPU in bf16, short groups all at once (`grouped_attention`: three batched products, as torch's flash backward
+costs ~9x its forward on them), otherwise torch's scaled-dot-product attention group by group; without group spans
+(generation, any other caller) it is Hugging Face's sdpa.
 """
 
 from __future__ import annotations
@@ -179,6 +181,11 @@ def packed_sdpa(
     """
     if packed_spans is None or len(packed_spans) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    if _batch_groups(query, dtype, packed_spans, kwargs):  # q, k, v in the dtype autocast gives sdpa
+        q, k, v = (x.to(dtype) for x in (query, key, value))
+        return grouped_attention(q, k, v, attention_mask, packed_spans, kwargs.get("scaling")), None
     outputs = [
         sdpa_attention_forward(
             module,
@@ -191,6 +198,85 @@ def packed_sdpa(
         for start, end in packed_spans
     ]
     return torch.cat(outputs, dim=1), None
+
+
+GROUPED_SCORES_BYTES = 32 * 2**20
+"""Largest fp32 score tensor (groups x heads x longest group^2 x 4 bytes) `grouped_attention` materialises per layer:
+above it (long responses) `packed_sdpa` runs the memory-lean flash kernel group by group instead."""
+
+
+ATTENTION_OPTIONS = ("sliding_window", "softcap", "s_aux", "position_bias", "cache", "head_mask")
+"""Attention keywords of Hugging Face models that `grouped_attention` does not implement: set, `packed_sdpa` runs
+Hugging Face's sdpa group by group."""
+
+
+def _batch_groups(query: torch.Tensor, dtype: torch.dtype, spans: list[tuple[int, int]], kwargs: dict) -> bool:
+    """Whether `packed_sdpa` takes `grouped_attention`, for `query` computed in `dtype` (autocast's, which a
+    trained model's fp32 rotary embedding leaves q and k in): on CPU in bf16 or fp16 (where torch's flash backward costs
+    ~9x its forward on short groups: 8 groups of ~120 tokens, SmolLM2's heads, forward + backward 17.9 ms per layer
+    group by group, 12.0 ms grouped; in float32 11.4 against 15.2, so float32 keeps the loop), no dropout or other
+    attention options, and the scores within `GROUPED_SCORES_BYTES`."""
+    longest = max(end - start for start, end in spans)
+    plain = not kwargs.get("dropout") and all(kwargs.get(name) is None for name in ATTENTION_OPTIONS)
+    scores = len(spans) * query.shape[1] * longest**2 * 4
+    reduced = dtype in (torch.bfloat16, torch.float16)  # in float32 the flash loop measured faster
+    return query.device.type == "cpu" and reduced and plain and scores <= GROUPED_SCORES_BYTES
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    spans: list[tuple[int, int]],
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention of each prompt group over its own block, all groups in one batch of three products.
+
+    Each group is padded to the longest group's length G by repeating its last position (a real token, so no query
+    row is fully masked and nothing is NaN); padded keys are masked out and padded queries' outputs dropped, so
+    they contribute exactly zero to every output and gradient. Scores and softmax in float32 (as torch's flash
+    kernel keeps them), probabilities cast back to the values' dtype for the last product. Grouped KV heads are
+    broadcast, not copied.
+
+    Args:
+        query: [1, heads, L, head_dim]; key, value: [1, kv_heads, L, head_dim]; any float dtype.
+        attention_mask: bool [1, 1, L, L] (`PackedRows.attention_mask`).
+        spans: [start, end) of each group, contiguous from 0 to L (`PackedRows.spans`).
+        scaling: the scores' factor; None: head_dim ** -0.5.
+
+    Returns:
+        [1, L, heads, head_dim] in `value`'s dtype (Hugging Face's attention output layout).
+    """
+    with torch.autocast(query.device.type, enabled=False):  # float32 scores whatever the autocast dtype
+        return _grouped_attention(query, key, value, attention_mask, spans, scaling)
+
+
+def _grouped_attention(query, key, value, attention_mask, spans, scaling):
+    heads, length, dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads = key.shape[1]
+    device = query.device
+    starts = torch.tensor([start for start, _ in spans], device=device)
+    sizes = torch.tensor([end - start for start, end in spans], device=device)
+    longest = int(sizes.max())
+    offsets = torch.arange(longest, device=device)
+    real = offsets[None, :] < sizes[:, None]  # [groups, G]
+    index = starts[:, None] + torch.minimum(offsets[None, :], sizes[:, None] - 1)  # padding -> the group's last token
+    flat = index.reshape(-1)
+    groups = len(spans)
+
+    def gather(x: torch.Tensor, n_heads: int) -> torch.Tensor:  # [1, n, L, d] -> [groups, n, G, d]
+        return x[0][:, flat].reshape(n_heads, groups, longest, dim).transpose(0, 1)
+
+    q = gather(query, heads).reshape(groups, kv_heads, heads // kv_heads, longest, dim)
+    k, v = gather(key, kv_heads).unsqueeze(2), gather(value, kv_heads).unsqueeze(2)
+    visible = attention_mask[0, 0][index[:, :, None], index[:, None, :]] & real[:, None, :]  # [groups, G, G]
+    scale = dim**-0.5 if scaling is None else scaling
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)  # [groups, kv, r, G, d]
+    out = out.reshape(groups, heads, longest, dim).transpose(1, 2).reshape(groups * longest, heads, dim)
+    return out[real.reshape(-1)].reshape(1, length, heads, dim)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)

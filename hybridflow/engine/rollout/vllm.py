@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +158,7 @@ class VLLMRollout:
             if self.lora is not None:  # model.lora_merge: W + (alpha / r) B A per adapted layer, base names
                 full = self.lora.merged_weights()
             else:  # a tensor-parallel actor: each tensor is all-gathered as streamed (every rank syncs, in one order)
-                state = _distinct(model.state_dict().items())
+                state = model.state_dict().items()
                 full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state)
             counted = _Counted(full)
             self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
@@ -299,19 +299,6 @@ class VLLMRollout:
         out = DataProto.from_dict(tensors, dict(batch.non_tensor_batch), dict(prompts.meta_info))
         out.meta_info["temperature"] = temperature
         return out
-
-
-def _distinct(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs, each storage once: a tied tensor (SmolLM2's ``lm_head.weight``, the input embedding's
-    storage) is streamed under its first name only, as the engine, built from the same config, ties it too and
-    skips the second name (113 MB of SmolLM2's 651 MB in fp32)."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    for name, tensor in pairs:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
-        if key not in seen:
-            seen.add(key)
-            yield name, tensor
 
 
 class _Counted:

@@ -66,11 +66,13 @@ def memory_bandwidth(threads: int, gib: float = 1.0) -> float:
 
 
 def run_ours(config: str, iterations: int, overrides: list[str]) -> dict[str, list[float]]:
-    """``hf run`` of `config` in a fresh store; every metric of iterations 2..N (the first warms caches up)."""
+    """``hf run`` of `config` in a fresh store, without validation, checkpoints or trackers; every metric of
+    iterations 2..N (the first warms caches up)."""
     tmp = Path(tempfile.mkdtemp(prefix="long-response-"))
     db = f"sqlite:///{tmp / 'runs.db'}"
     command = [HF, "run", config, "--db", db]
-    for item in [f"trainer.total_iterations={iterations}", f"trainer.output_dir={tmp / 'out'}", *overrides]:
+    plain = ["trainer.test_freq=0", "trainer.val_before_train=false", "trainer.save_freq=0", "trainer.logger=[console]"]
+    for item in [f"trainer.total_iterations={iterations}", f"trainer.output_dir={tmp / 'out'}", *plain, *overrides]:
         command += ["-o", item]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     store = RunStore(db)
@@ -169,6 +171,14 @@ def main() -> None:
         f"\ngeneration tokens/s (medians): engine alone {median(engine):.0f}, our rollout around it "
         f"{median(rollout):.0f} (engine alone / rollout {median(engine) / median(rollout):.2f}), the flow's gen stage "
         f"{flow:.0f} (engine alone / gen stage {median(engine) / flow:.2f})"
+    )
+    # the engine alone serves the untrained weights, the flow's later iterations trained ones that may answer shorter:
+    # per-step and prefill costs then weigh more per token, so seconds per batch of like lengths compare too
+    per_batch = median([b["engine"]["seconds"] for b in alone])
+    alone_length = median([b["engine"]["tokens"] for b in alone]) / sequences
+    print(
+        f"seconds per batch: engine alone {per_batch:.2f} ({alone_length:.1f} response tokens per sequence), "
+        f"the flow's gen stage {median(ours['timing_s/gen']):.2f} ({response:.1f})"
     )
     for mode, steps in trl.items():
         seconds = median([s["seconds"] for s in steps])

@@ -211,11 +211,11 @@ Hugging Face's sdpa group by group."""
 
 
 def _batch_groups(query: torch.Tensor, dtype: torch.dtype, spans: list[tuple[int, int]], kwargs: dict) -> bool:
-    """Whether `packed_sdpa` takes `grouped_attention`, for `query` computed in `dtype` (autocast's, which a
-    trained model's fp32 rotary embedding leaves q and k in): on CPU in bf16 or fp16 (where torch's flash backward costs
-    ~9x its forward on short groups: 8 groups of ~120 tokens, SmolLM2's heads, forward + backward 17.9 ms per layer
-    group by group, 12.0 ms grouped; in float32 11.4 against 15.2, so float32 keeps the loop), no dropout or other
-    attention options, and the scores within `GROUPED_SCORES_BYTES`."""
+    """Whether `packed_sdpa` takes `grouped_attention` for attention computed in `dtype` (autocast's when it is on:
+    a trained model's fp32 rotary embedding hands q and k over in fp32, and sdpa would cast them): on CPU in bf16 or
+    fp16 (where torch's flash backward costs ~9x its forward on short groups: 8 groups of ~120 tokens, SmolLM2's
+    heads, forward + backward 17.9 ms per layer group by group, 12.0 ms grouped; in float32 11.4 against 15.2, so
+    float32 keeps the loop), no dropout or other attention options, and the scores within `GROUPED_SCORES_BYTES`."""
     longest = max(end - start for start, end in spans)
     plain = not kwargs.get("dropout") and all(kwargs.get(name) is None for name in ATTENTION_OPTIONS)
     scores = len(spans) * query.shape[1] * longest**2 * 4

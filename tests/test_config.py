@@ -221,9 +221,9 @@ def test_pools_partition_the_roles_with_their_own_ranks_and_slurm_resources():
         ({"ref": None}, r"placement.pools: role 'ref' is in no pool; add it to the roles of one pool"),
         ({"ref": {"roles": []}}, r"placement.pools.ref.roles: List should have at least 1 item"),
         ({"ref": {"roles": ["ref"], "tasks_per_node": 0}}, r"placement.pools.ref.tasks_per_node: .*greater than or"),
-        (
+        (  # apart only with an engine fed published weights (tests/test_rollout_pool.py)
             {"actor_rollout": {"roles": ["actor"]}, "gen": {"roles": ["rollout"]}},
-            r"actor \(pool actor_rollout\) and rollout \(pool gen\) must share a pool: .*\.pools\.actor_rollout",
+            r"rollout \(pool gen\) apart from actor \(pool actor_rollout\) needs .*rollout.name=vllm \(got 'hf'\)",
         ),
         (
             {"rm": {"roles": ["reward_model"]}},
@@ -236,7 +236,7 @@ def test_pools_partition_the_roles_with_their_own_ranks_and_slurm_resources():
 def test_bad_pools_are_refused_naming_the_key(change, message):
     pools = {**POOLS, **change}
     with pytest.raises(ConfigError, match=message):
-        _pools({name: pool for name, pool in pools.items() if pool is not None})
+        _pools({name: pool for name, pool in pools.items() if pool is not None}, "rollout.name=hf")
 
 
 def test_pools_replace_the_colocate_shorthand_and_are_not_for_reward_model_training():

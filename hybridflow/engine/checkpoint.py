@@ -50,6 +50,7 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 RNG_STATE = "rng.pt"
 OPTIM_STATE = "optim.pt"
+AHEAD_FILE = "rollout_ahead.safetensors"  # trainer.mode one_step_off: the next iteration's batch, generated already
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _STEP_DIR = re.compile(r"global_step_(\d+)")

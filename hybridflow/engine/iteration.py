@@ -1,9 +1,10 @@
 """One RLHF iteration, written once, run by both the Prefect flow and the single-process trainer.
 
 `run_iteration` is the iteration in the order of the HybridFlow paper's PPO listing (generate, score, log-probs,
-values, advantages, updates, weight sync), with the algorithm as configuration: which stages run (PPO's critic,
-ReMax's greedy generation, DAPO's repeated draws, a rollout with weights of its own) and which estimator computes
-the advantages. It never touches data or models itself: each stage is a `Call` that a `Stages` runs.
+values, advantages, updates, weight sync: published by the actor's pool first when the rollout has a pool of its
+own), with the algorithm as configuration: which stages run (PPO's critic, ReMax's greedy generation, DAPO's repeated
+draws, a rollout with weights of its own) and which estimator computes the advantages. It never touches data or
+models itself: each stage is a `Call` that a `Stages` runs.
 
 - The flow (`hybridflow.flows.rlhf.StageRunner`) runs each call as a Prefect task on the worker group that hosts
   its role, with data handles; calls of one batch run at the same time where their roles live in different pools.
@@ -23,7 +24,7 @@ from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.dynamic_sampling import DrawCount
 from hybridflow.engine.extensions import rollout_spec
-from hybridflow.engine.metrics import Timer, batch_metrics
+from hybridflow.engine.metrics import Timer, batch_metrics, busy_fractions, staleness_metrics
 from hybridflow.engine.protocol import DataProto
 
 
@@ -88,10 +89,19 @@ STAGE_METHODS: dict[str, StageMethod] = {
     "update_actor": StageMethod(
         "update_actor", "Actor (PPO) update; actor/* metrics averaged over ranks.", metrics=True
     ),
+    "publish_weights": StageMethod(
+        "publish_weights",
+        "For a rollout pool of its own: the actor's pool writes its updated weights where the rollout pool reads "
+        "them (shared memory on one node); returns the file's handle.",
+        takes_batch=False,
+        names=("version",),
+    ),
     "weight_sync": StageMethod(
         "sync_rollout_weights",
-        "Load the updated actor weights into the rollout engine (vLLM); returns its check.",
+        "Load the updated actor weights into the rollout engine (vLLM): in the actor's processes, or from the file "
+        "the actor's pool published; returns its check.",
         takes_batch=False,
+        names=("published", "version"),
         metrics=True,
     ),
 }
@@ -140,24 +150,51 @@ class Stages(Protocol):
         """The batch's columns the iteration's metrics need (`hybridflow.engine.metrics.batch_metrics`), loaded."""
         ...
 
+    def submit(self, call: Call) -> Any:
+        """Start `call` and return at once (one_step_off's generation ahead); `result` gives its result."""
+        ...
+
+    def result(self, pending: Any) -> Any:
+        """The result of a `submit`ted call, once it has ended (a result already in hand as it is)."""
+        ...
+
+
+@dataclass
+class Ahead:
+    """``trainer.mode: one_step_off``: the next iteration's batch, generated while this one trains: its prompts
+    (None when restored from a checkpoint) and its generation, pending (`Stages.submit`) or done (a batch)."""
+
+    prompts: Any | None
+    rollout: Any
+
 
 @dataclass
 class Iteration:
-    """What `run_iteration` leaves: its metrics, the trained batch, ReMax's scored greedy batch (None without), and
-    every prompt batch and draw it made (the flow deletes their files)."""
+    """What `run_iteration` leaves: its metrics, the trained batch, ReMax's scored greedy batch (None without),
+    every prompt batch and draw it made (the flow deletes their files), and the next iteration's batch generated
+    ahead (``one_step_off``; None otherwise and after the last iteration)."""
 
     metrics: dict[str, float]
     batch: Any
     greedy: Any | None
     drawn: list[Any] = field(default_factory=list)
+    ahead: Ahead | None = None
 
 
-def run_iteration(cfg: HybridFlowConfig, stages: Stages, step: int, timer: Timer) -> Iteration:
+def run_iteration(
+    cfg: HybridFlowConfig, stages: Stages, step: int, timer: Timer, ahead: Ahead | None = None
+) -> Iteration:
     """The iteration after `step` iterations (its batch's ``global_steps`` is `step`), timed in `timer`.
+
+    With ``trainer.mode: one_step_off`` the batch it trains was generated `ahead`, during the previous iteration,
+    by the weights before that iteration's update (staleness 1, corrected by ``actor.tis_cap``; the first iteration
+    and the first after a resume without one generate their own), and it starts the next iteration's generation on
+    the rollout's pool before its own training stages, waiting for it before the weight sync (the engine serves one
+    call at a time): verl's one-step-off-policy pipeline.
 
     Returns:
         Its metrics (field-standard names: ``actor/*``, ``critic/*``, ``timing_s/*``, ``perf/*``,
-        ``training/global_step`` = step + 1, ...) and its batches.
+        ``off_policy/staleness_*``, ``training/global_step`` = step + 1, ...), its batches and the next one's ahead.
 
     Raises:
         hybridflow.engine.dynamic_sampling.DynamicSamplingError: DAPO's draw limit was reached before enough varied
@@ -168,12 +205,19 @@ def run_iteration(cfg: HybridFlowConfig, stages: Stages, step: int, timer: Timer
     scored_by_rm = "reward_model" in roles
     drawn: list[Any] = []
     with timer("step"):
-        batch = stages.next_prompts(step)
+        if ahead is None:
+            batch = stages.next_prompts(step)
+            rollout, greedy = stages(
+                Call("generate", "rollout", (batch,)),
+                Call("generate_greedy", "rollout", (batch,), when=remax),  # ReMax's baseline responses
+            )
+        else:  # generated during the previous iteration (one_step_off)
+            batch, rollout, greedy = ahead.prompts, stages.result(ahead.rollout), None
         drawn.append(batch)
-        rollout, greedy = stages(
-            Call("generate", "rollout", (batch,)),
-            Call("generate_greedy", "rollout", (batch,), when=remax),  # ReMax's baseline responses
-        )
+        following = None  # one_step_off: the next batch, generated on the rollout's pool while this one trains
+        if cfg.trainer.mode == "one_step_off" and step + 1 < cfg.trainer.total_iterations:
+            prompts = stages.next_prompts(step + 1)
+            following = Ahead(prompts, stages.submit(Call("generate", "rollout", (prompts,))))
         if dapo:  # dynamic sampling: scored first, then only the varied groups of as many draws as needed
             rollout, draws = _dynamic_sampling(cfg, stages, rollout, step, drawn)
         *scored, greedy_rm, greedy_score = stages(
@@ -196,13 +240,20 @@ def run_iteration(cfg: HybridFlowConfig, stages: Stages, step: int, timer: Timer
             Call("update_actor", "actor", (rollout,)),
         ):
             metrics.update(updated or {})
+        if following is not None:  # the engine finishes the next batch before it takes new weights
+            following = Ahead(following.prompts, stages.result(following.rollout))
         if rollout_spec(cfg.rollout.name).syncs_weights:  # a rollout with weights of its own (vLLM)
-            [synced] = stages(Call("weight_sync", "rollout"))
+            apart = cfg.rollout_apart()  # in a pool of its own: the actor's pool publishes the weights first
+            [published] = stages(Call("publish_weights", "actor", (step + 1,), when=apart))
+            [synced] = stages(Call("weight_sync", "rollout", (published, step + 1)))
             metrics.update(synced)
     metrics.update(timer.metrics())
-    metrics.update(batch_metrics(stages.view(rollout), cfg.rollout.response_length, timer.seconds))
+    view = stages.view(rollout)
+    metrics.update(batch_metrics(view, cfg.rollout.response_length, timer.seconds))
+    metrics.update(staleness_metrics(view, step))
+    metrics.update(busy_fractions(timer.spans, timer.seconds["step"]))
     metrics["training/global_step"] = step + 1
-    return Iteration(metrics, rollout, greedy, drawn)
+    return Iteration(metrics, rollout, greedy, drawn, following)
 
 
 def _joined(batch: Any, parts: list[Any]) -> Any:

@@ -101,12 +101,14 @@ def agent_metrics(data: DataProto) -> dict[str, float]:
 def batch_metrics(data: DataProto, response_limit: int, seconds: dict[str, float]) -> dict[str, float]:
     """`compute_data_metrics` of the trained batch plus its throughput: ``perf/total_num_tokens`` (prompt and
     response tokens), ``perf/throughput`` (those tokens per second of the iteration, ``seconds["step"]``) and
-    ``perf/gen_throughput`` (response tokens per second of generation, ``seconds["gen"]``)."""
+    ``perf/gen_throughput`` (response tokens per second of generation, ``seconds["gen"]``; one_step_off times the
+    next batch's generation there, of about as many tokens; none in an iteration that generated nothing)."""
     metrics = compute_data_metrics(data, response_limit)
     total = float(data.batch["attention_mask"].sum())
     metrics["perf/total_num_tokens"] = total
     metrics["perf/throughput"] = total / seconds["step"]
-    metrics["perf/gen_throughput"] = float(data.batch["response_mask"].sum()) / seconds["gen"]
+    if seconds.get("gen"):
+        metrics["perf/gen_throughput"] = float(data.batch["response_mask"].sum()) / seconds["gen"]
     return metrics
 
 
@@ -172,6 +174,29 @@ class Timer:
         """Seconds per stage so far, keyed ``"timing_s/<name>"`` (stages timed twice add up); first-timed order."""
         with self._lock:
             return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def staleness_metrics(data: DataProto, version: int) -> dict[str, float]:
+    """How many actor updates old the trained rows' generating weights are, the actor being at `version` (its
+    updates so far): ``off_policy/staleness_mean`` and ``off_policy/staleness_max`` over the rows' recorded
+    ``rollout_version`` int64 [B] (none without that column)."""
+    if "rollout_version" not in data.batch:
+        return {}
+    lag = (version - data.batch["rollout_version"]).double()
+    return {"off_policy/staleness_mean": float(lag.mean()), "off_policy/staleness_max": float(lag.max())}
+
+
+def busy_fractions(spans: list[Span], seconds: float) -> dict[str, float]:
+    """Each pool's share of the iteration's `seconds` spent in a stage call (its spans merged where they overlap):
+    ``perf/busy/<pool>``; the controller's own stages (pool None) are left out."""
+    out = {}
+    for pool in sorted({s.pool for s in spans if s.pool is not None}):
+        busy, end = 0.0, float("-inf")
+        for span in sorted((s for s in spans if s.pool == pool), key=lambda s: s.start):
+            busy += max(0.0, span.end - max(span.start, end))
+            end = max(end, span.end)
+        out[f"perf/busy/{pool}"] = busy / seconds if seconds > 0 else 0.0
+    return out
 
 
 def rollout_mismatch(data: DataProto) -> dict[str, float]:

@@ -59,6 +59,11 @@ class SingleProcessTrainer:
     """
 
     def __init__(self, config: HybridFlowConfig):
+        if config.trainer.mode != "sync":
+            raise ValueError(
+                f"trainer.mode={config.trainer.mode} overlaps generation and training on two pools: run it with "
+                "hf run (the Prefect flow); the single-process trainer runs trainer.mode=sync"
+            )
         self.config = cfg = config
         torch.manual_seed(cfg.trainer.seed)
         self.worker = RLHFWorker(0, 1, "", cfg.model_dump(mode="json"), sorted(cfg.roles()))
@@ -171,6 +176,7 @@ class SingleProcessTrainer:
         """
         state = load_checkpoint(path, **role_states(self.actor, self.critic, self.cost_critic))
         self.global_steps = int(state["global_steps"])
+        self.worker.version = self.worker.rollout_version = self.global_steps  # the rows' recorded weight version
         self.sampler.load_state_dict(state["sampler"])
         kl_value = state.get("kl_ctrl_value")
         if self.kl_ctrl is not None:
@@ -305,3 +311,11 @@ class LocalStages:
 
     def view(self, batch: DataProto) -> DataProto:
         return batch
+
+    def submit(self, call: Call) -> Any:
+        """Run `call` now (one process: nothing to overlap with); `result` hands its result back."""
+        [out] = self(call)
+        return out
+
+    def result(self, pending: Any) -> Any:
+        return pending

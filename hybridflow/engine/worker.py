@@ -14,23 +14,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hybridflow.engine.backends.actor import Actor, RefPolicy
 from hybridflow.engine.backends.critic import Critic
 from hybridflow.engine.backends.engines import TrainingBackend
-from hybridflow.engine.checkpoint import load_checkpoint
+from hybridflow.engine.checkpoint import load_checkpoint, read_trainer_state
 from hybridflow.engine.config import ROLES, HybridFlowConfig
 from hybridflow.engine.embedded_models import resolve_model_path
-from hybridflow.engine.extensions import Rollout, awake, build_rollout, training_backend
+from hybridflow.engine.extensions import Rollout, WeightSource, awake, build_rollout, rollout_spec, training_backend
 from hybridflow.engine.flops import update_mfu
 from hybridflow.engine.models import load_model, load_tokenizer, pick_device, pick_dtype
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward.reward_model import RewardModel
 from hybridflow.engine.reward.rewards import RewardManager, load_reward_function
+from hybridflow.engine.rollout.hf import eos_token_ids
+from hybridflow.engine.rollout.published import probe_prompt, publish, weights_folder
 from hybridflow.engine.transfer import Dispatch, register
 
 if TYPE_CHECKING:
@@ -45,6 +49,7 @@ class Roles:
 
     tokenizer: Any
     actor: Actor | HybridActorRollout | None = None
+    weights: WeightSource | None = None  # where the actor's current full weights are read (its rollout's source)
     rollout: Rollout | None = None
     ref: RefPolicy | LoraReference | None = None
     critic: Critic | MegatronCritic | None = None
@@ -83,10 +88,12 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     out = Roles(tokenizer=load_tokenizer(model_path))
     if "actor" in roles:  # the rollout generates with the actor's weights (gathered, resharded: its backend's)
         backend = training_backend(cfg.actor.strategy)
-        out.actor, weights = backend.build_actor(cfg, model_path, out.tokenizer, device, compute_dtype)
+        out.actor, out.weights = backend.build_actor(cfg, model_path, out.tokenizer, device, compute_dtype)
         if "rollout" in roles:  # (megatron's generation model computes in its shards' dtype: no autocast)
             dtype = compute_dtype if backend.hf_model else None
-            out.rollout = build_rollout(cfg, weights, out.tokenizer, model_path, dtype)
+            out.rollout = build_rollout(cfg, out.weights, out.tokenizer, model_path, dtype)
+    elif "rollout" in roles:  # a pool of its own (vllm): its weights arrive published by the actor's pool
+        out.rollout = build_rollout(cfg, None, out.tokenizer, model_path, None)
     if "ref" in roles and cfg.model.lora:  # the actor's model with its adapter off is the base model: no copy
         from hybridflow.engine.backends.lora import LoraReference
 
@@ -139,23 +146,25 @@ class RLHFWorker:
     Args:
         rank, world_size, data_dir: set by the worker group.
         config: the run's configuration as a dict (validated again here).
-        roles: the roles this group hosts (subset of `ROLES`); ``rollout`` requires ``actor`` (they share weights).
+        roles: the roles this group hosts (subset of `ROLES`); ``rollout`` without ``actor`` only for a rollout
+            that loads published weights (``rollout.name: vllm``; the config checks it, `HybridFlowConfig`).
 
     Raises:
-        ValueError: unknown role, or rollout without actor.
+        ValueError: unknown role.
     """
 
     def __init__(self, rank: int, world_size: int, data_dir: str, config: dict[str, Any], roles: list[str]):
         unknown = sorted(set(roles) - set(ROLES))
         if unknown:
             raise ValueError(f"unknown roles {unknown}; roles are {list(ROLES)}")
-        if "rollout" in roles and "actor" not in roles:
-            raise ValueError("the rollout role generates with the actor's weights: place it with the actor")
         self.rank, self.world_size, self.data_dir = rank, world_size, data_dir
         self.config = HybridFlowConfig.model_validate(config)
         self.roles = set(roles)
         self.actor: Actor | None = None
+        self.weights: WeightSource | None = None
         self.rollout: Rollout | None = None
+        self.version = 0  # the actor's weight version: the updates applied (= the global step)
+        self.rollout_version = 0  # the version the rollout's engine serves (stamped on each generated row)
         self.ref: RefPolicy | LoraReference | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
@@ -179,6 +188,8 @@ class RLHFWorker:
             if not self._backend("critic").hosted_by_actor:
                 return None
             mesh = "train"
+        if mesh == "generate" and "actor" not in self.roles:  # a rollout pool of its own: engines side by side
+            return None
         return self.config.actor_layout(self.world_size).mesh_coords(self.rank, mesh)
 
     def _trained(self) -> list[tuple[str, Any]]:
@@ -198,6 +209,7 @@ class RLHFWorker:
         ``<role>_params`` and ``<role>_trainable_params`` (a LoRA actor's adapter; elements)."""
         roles = build_roles(self.config, self.roles)
         self.tokenizer, self.actor, self.rollout = roles.tokenizer, roles.actor, roles.rollout
+        self.weights = roles.weights
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
         self.reward_model = roles.reward_model
@@ -218,18 +230,49 @@ class RLHFWorker:
     def generate_sequences(
         self, prompts: DataProto, n: int | None = None, temperature: float | None = None, stream: str = "train"
     ) -> DataProto:
-        """Rollout: sample responses (see `HFRollout.generate_sequences`; `stream` separates random streams)."""
+        """Rollout: sample responses (see `HFRollout.generate_sequences`; `stream` separates random streams), each
+        row stamped with ``rollout_version`` int64 [B*n]: the actor weight version (its updates) that generated it."""
         self._need("rollout")
         with awake(self.rollout):  # vLLM on GPU: its KV cache exists only while generating
-            return self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
+            out = self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
+        # a rollout that generates from the actor's own weights serves the actor's version
+        version = self.rollout_version if rollout_spec(self.config.rollout.name).syncs_weights else self.version
+        return out.union(DataProto.from_dict({"rollout_version": torch.full((len(out),), version, dtype=torch.int64)}))
+
+    @register(Dispatch.RANK_ZERO)
+    def publish_weights(self, version: int) -> dict[str, Any]:
+        """For a rollout pool of its own: write the actor's current weights in the engine's dtype where the rollout
+        pool reads them (`hybridflow.engine.rollout.published.publish`; shared memory on one node). Every rank takes
+        part (an FSDP actor is gathered); rank 0 writes. Returns ``{"path", "version", "bytes"}``."""
+        self._need("actor")
+        cfg = self.config
+        prompt = probe_prompt(self.tokenizer, eos_token_ids(self.tokenizer, self.weights.generation_config))
+        dtype = getattr(torch, cfg.rollout.vllm_dtype)
+        with self.weights.generation_model() as model:
+            if self.rank != 0:
+                return {}
+            folder = weights_folder(self.data_dir, local=cfg.placement.executor == "local")
+            return publish(model, prompt, folder, version, dtype)
 
     @register(Dispatch.ONE_TO_ALL)
-    def sync_rollout_weights(self) -> dict[str, float]:
+    def sync_rollout_weights(self, published: dict[str, Any] | None = None, version: int = 0) -> dict[str, float]:
         """Load the actor's updated weights into a rollout that keeps its own (``rollout.name: vllm``; the ``hf``
-        rollout generates from the actor's and needs nothing). Returns the rollout's check (`Rollout.update_weights`);
-        the caller times the stage (``timing_s/weight_sync``)."""
+        rollout generates from the actor's and needs nothing): in the actor's processes from its model
+        (`Rollout.update_weights`), in a rollout pool of its own from the file the actor's pool `published`
+        (`VLLMRollout.load_published`), which is removed once every rank has loaded it. Returns the rollout's
+        check; the caller times the stage (``timing_s/weight_sync``). `version`: the weights' (the actor updates
+        they hold), stamped on the rows the rollout generates from now on."""
         self._need("rollout")
-        return self.rollout.update_weights()
+        if published is None:
+            metrics = self.rollout.update_weights()
+        else:
+            metrics = self.rollout.load_published(published["path"])
+            if dist.is_initialized():
+                dist.barrier()
+            if self.rank == 0:
+                Path(published["path"]).unlink(missing_ok=True)
+        self.rollout_version = version
+        return metrics
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto, costs: bool = True) -> DataProto:
@@ -282,6 +325,7 @@ class RLHFWorker:
         started = time.perf_counter()
         metrics = self.actor.update_policy(data)
         seconds = time.perf_counter() - started
+        self.version += 1
         cfg = self.config
         device = pick_device(cfg.trainer.device)
         dtype = pick_dtype(cfg.model.dtype, device)
@@ -317,5 +361,7 @@ class RLHFWorker:
         for role, trained in self._trained():
             states.update(self._backend(role).load(path, role, trained))
         load_checkpoint(path, verify=False, restore_rng=False, **states)
-        if self.rollout is not None:  # a rollout with weights of its own serves the restored actor
-            self.rollout.update_weights()
+        self.version = int(read_trainer_state(path)["global_steps"])
+        if self.rollout is not None and self.actor is not None:  # a rollout with weights of its own serves the
+            self.rollout.update_weights()  # restored actor (a pool of its own gets them published: the flow)
+            self.rollout_version = self.version

@@ -24,6 +24,7 @@ from hybridflow.flows.lease import RunLease
 from hybridflow.flows.reporting import FlowLogs, RunReport
 from hybridflow.flows.store.run_store import LeaseLostError, RunStore
 from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, slurm_parameters
 from hybridflow.tasks import stages
 
@@ -111,7 +112,8 @@ def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig
     """How `role`'s model is split over its pool's ranks, for the run store (``placements.parallel``): the
     strategy of the trained and scoring models (actor, critic, reward model; a reward model in training: ddp)
     and, for the actor, its training layout and, with ``megatron``, the generation layout, the resharding mode
-    and the rank groups (`HybridLayout.describe`); None for ref and the score function (whole on every rank)."""
+    and the rank groups (`HybridLayout.describe`); for a rollout in a pool of its own, its engine and replicas;
+    None for ref and the score function (whole on every rank)."""
     if not isinstance(cfg, HybridFlowConfig):  # a reward-model or SFT run: one ddp group
         return {"strategy": "ddp"}
     if role == "critic":
@@ -120,6 +122,8 @@ def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig
         return {"strategy": cfg.reward_model.strategy}
     if role not in ("actor", "rollout"):
         return None
+    if role == "rollout" and cfg.rollout_apart():  # engines of its own pool, one per rank, fed published weights
+        return {"engine": cfg.rollout.name, "dp": cfg.pool_of("rollout").world_size}
     world = cfg.pool_of("actor").world_size
     return {"strategy": cfg.actor.strategy, **training_backend(cfg.actor.strategy).layout_record(cfg, world)}
 
@@ -258,8 +262,10 @@ def save_checkpoint(
     workers: Workers,
     step: int,
     state: dict[str, Any],
+    ahead: DataHandle | None = None,
 ) -> None:
-    """Write and record the checkpoint of `step`. A ``global_step_<step>`` folder already on disk is replaced only
+    """Write and record the checkpoint of `step` (with `ahead`, the batch one_step_off generated for the next
+    iteration). A ``global_step_<step>`` folder already on disk is replaced only
     when the store does not list it as a usable checkpoint (left by a crash before it was recorded, or marked bad
     or superseded); a usable recorded one is never overwritten.
 
@@ -275,7 +281,8 @@ def save_checkpoint(
             "refusing to overwrite it"
         )
     enter_stage("checkpoint", step, step)
-    ckpt = stages.checkpoint(list(workers.groups.values()), str(checkpoint_dir_of(cfg, run_id)), step, state)
+    groups = list(workers.groups.values())
+    ckpt = stages.checkpoint(groups, str(checkpoint_dir_of(cfg, run_id)), step, state, ahead)
     store.add_checkpoint(run_id, step, ckpt["path"], ckpt["bytes"], ckpt["sha256"], complete=True)
 
 

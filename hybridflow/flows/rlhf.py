@@ -28,11 +28,12 @@ from prefect.runtime import flow_run
 from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, reward_shaping
 from hybridflow.engine.algorithms.kl import KLController
 from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier
-from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
+from hybridflow.engine.checkpoint import AHEAD_FILE, read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.data import PromptSampler, collate_prompts, train_sampler
+from hybridflow.engine.extensions import rollout_spec
 from hybridflow.engine.generations import GENERATION_KEYS
-from hybridflow.engine.iteration import Call, run_iteration
+from hybridflow.engine.iteration import Ahead, Call, run_iteration
 from hybridflow.engine.metrics import Span, Timer
 from hybridflow.engine.protocol import DataProto
 from hybridflow.flows.lease import RunLease
@@ -141,6 +142,16 @@ class StageRunner:
         wait(futures)
         return [f.result() for f in futures]
 
+    def submit(self, call: Call) -> PrefectFuture:
+        """Start `call` as a Prefect task future and return at once (one_step_off's generation ahead, on the
+        rollout's pool while the actor's trains); `result` waits for it."""
+        enter_stage(call.stage, self.step + 2, self.step)
+        return stages.ITERATION_TASKS[call.stage].submit(self.workers[call.role], *call.args)
+
+    def result(self, pending: Any) -> Any:
+        """The result of a `submit`ted call once it has ended (its error raised); a result in hand as it is."""
+        return pending.result() if isinstance(pending, PrefectFuture) else pending
+
     def next_prompts(self, step: int) -> DataHandle:
         """The sampler's next batch, written to the run's data folder."""
         batch = DataHandle.put(self.prompts.sampler.next_batch(), self.data_dir, "prompts")
@@ -161,7 +172,7 @@ class StageRunner:
     def view(self, batch: DataHandle) -> DataProto:
         """The columns `hybridflow.engine.metrics.batch_metrics` reads, loaded."""
         keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask"]
-        keys += ["attention_mask", *_present(batch, "values", "rm_scores")]
+        keys += ["attention_mask", *_present(batch, "values", "rm_scores", "rollout_version")]
         keys += [k for k in batch.keys if k.startswith(("reward_extra/", "agent/"))]
         return batch.select(keys).load()
 
@@ -247,7 +258,7 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without algorithm.cost_limit)
         workers = launch_workers(cfg, run_id, store, run_dir)
         logs.pump()
-        start = _resume(store, run_id, cfg, workers, prompts, kl_ctrl, lagrangian, resume_from_step)
+        start, ahead = _resume(store, run_id, cfg, workers, prompts, data_dir, kl_ctrl, lagrangian, resume_from_step)
         trainer = cfg.trainer
         notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
         groups = ", ".join(f"{n} ({g.spec.world_size} ranks, job {g.job_id})" for n, g in workers.groups.items())
@@ -270,14 +281,15 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
             state_before = _trainer_state(step, prompts, kl_ctrl, lagrangian)
             store.start_iteration(run_id, step + 1)
             try:
-                metrics, train_kept, timeline = _iteration(
-                    cfg, workers, prompts, kl_ctrl, step, data_dir, logs, lagrangian
+                metrics, train_kept, timeline, following = _iteration(
+                    cfg, workers, prompts, kl_ctrl, step, data_dir, logs, lagrangian, ahead
                 )
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
-                    save_checkpoint(store, run_id, cfg, lease, workers, step, state_before)
+                    save_checkpoint(store, run_id, cfg, lease, workers, step, state_before, _ready(ahead))
                 return _stop_preempted(store, run_id, step, str(warned), metrics)
+            ahead = following
             last = step + 1 == trainer.total_iterations
             warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
             due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
@@ -293,7 +305,7 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
             warned = warned or PreemptionWatch(workers).signals()
             if last or warned or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
                 state = _trainer_state(step + 1, prompts, kl_ctrl, lagrangian)
-                save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state)
+                save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state, _ready(ahead))
             store.end_iteration(run_id, step + 1)
             notify("iteration", step=step + 1, metrics=metrics)
             logger.info(
@@ -313,6 +325,11 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
     finally:
         os.umask(umask)
         end_session(lease, workers, report, logs, interrupted, completed)
+
+
+def _ready(ahead: Ahead | None) -> DataHandle | None:
+    """The generated batch of `ahead` for a checkpoint (it is done by the time the iteration ends or stops)."""
+    return None if ahead is None else ahead.rollout
 
 
 def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl, lagrangian=None) -> dict[str, Any]:
@@ -358,11 +375,12 @@ def _iteration(
     data_dir: Path,
     logs: FlowLogs | None = None,
     lagrangian: LagrangeMultiplier | None = None,
-) -> tuple[dict[str, float], Any, list[Span]]:
+    ahead: Ahead | None = None,
+) -> tuple[dict[str, float], Any, list[Span], Ahead | None]:
     """One iteration (`hybridflow.engine.iteration.run_iteration`, the one the single-process trainer runs too), its
-    stages as tasks on the worker groups (`StageRunner`). Returns its metrics (field-standard names), the first
-    ``trainer.log_train_generations`` scored rollout rows (a `DataProto`; None when 0), and its timeline (every
-    stage's span).
+    stages as tasks on the worker groups (`StageRunner`), training the batch generated `ahead` if any. Returns its
+    metrics (field-standard names), the first ``trainer.log_train_generations`` scored rollout rows (a `DataProto`;
+    None when 0), its timeline (every stage's span) and the next iteration's batch generated ahead (one_step_off).
 
     Raises:
         Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
@@ -372,7 +390,7 @@ def _iteration(
     token = stages.TIMER.set(timer)
     runner = StageRunner(cfg, workers, prompts, data_dir, step, kl_ctrl, lagrangian, PreemptionWatch(workers), logs)
     try:
-        done = run_iteration(cfg, runner, step, timer)
+        done = run_iteration(cfg, runner, step, timer, ahead)
     finally:
         stages.TIMER.reset(token)
     keep = cfg.trainer.log_train_generations
@@ -383,7 +401,7 @@ def _iteration(
     for handle in (done.batch, done.greedy, *done.drawn):  # this iteration's batch files: no stage reads them again
         if handle is not None:
             handle.delete()
-    return done.metrics, kept, timer.spans
+    return done.metrics, kept, timer.spans, done.ahead
 
 
 def _present(handle: DataHandle, *keys: str) -> list[str]:
@@ -396,11 +414,13 @@ def _resume(
     cfg: HybridFlowConfig,
     workers: Workers,
     prompts: Prompts,
+    data_dir: Path,
     kl_ctrl,
     lagrangian: LagrangeMultiplier | None = None,
     from_step: int | None = None,
-) -> int:
-    """Load the checkpoint the run continues from and return the iterations it holds (0: from the start).
+) -> tuple[int, Ahead | None]:
+    """Load the checkpoint the run continues from; return the iterations it holds (0: from the start) and the
+    batch it holds generated ahead for the next iteration (one_step_off; None without), as a handle in `data_dir`.
 
     That is the newest recorded checkpoint that verifies (`usable_checkpoint`): one that is missing, corrupt, or
     whose manifest differs from the sha256 the store recorded is marked bad in the store, and the one before it is
@@ -418,15 +438,21 @@ def _resume(
             path = Path(resume_from)
             verify_checkpoint(path)
     if path is None:
-        return 0
+        return 0, None
     for group in workers.groups.values():
         group.load_checkpoint(str(path))
     state = read_trainer_state(path)
+    if cfg.rollout_apart() and rollout_spec(cfg.rollout.name).syncs_weights:  # its engines serve the restored actor
+        published = workers["actor"].publish_weights(int(state["global_steps"]))
+        workers["rollout"].sync_rollout_weights(published, int(state["global_steps"]))
     prompts.sampler.load_state_dict(state["sampler"])
     if kl_ctrl is not None and state.get("kl_ctrl_value") is not None:
         kl_ctrl.value = state["kl_ctrl_value"]
     if lagrangian is not None and state.get("lagrange_multiplier") is not None:
         lagrangian.load_state_dict(state["lagrange_multiplier"])
+    ahead = None
+    if (path / AHEAD_FILE).is_file():  # generated before the checkpoint by the weights before its last update
+        ahead = Ahead(None, DataHandle.put(DataProto.load(path / AHEAD_FILE), data_dir, "ahead"))
     logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], path)
     notify("resumed", step=int(state["global_steps"]), path=str(path))
-    return int(state["global_steps"])
+    return int(state["global_steps"]), ahead

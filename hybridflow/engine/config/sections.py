@@ -498,6 +498,12 @@ class TrainerConfig(_RunTrainer):
     """Iterations, seed, device, validation and checkpoint frequency, output folders, trackers."""
 
     total_iterations: int = Field(1, ge=0)
+    mode: Literal["sync", "one_step_off"] = Field(
+        "sync",
+        description="sync: each iteration generates, then trains; one_step_off (verl's one-step-off-policy): the "
+        "rollout pool generates the next iteration's batch while the actor trains on this one (staleness 1, "
+        "corrected by actor.tis_cap, 2.0 unless set); needs the rollout in a pool of its own (placement.pools)",
+    )
     test_freq: int = Field(0, ge=0, description="validate every K iterations (0 = only before and after)")
     val_before_train: bool = True
     save_freq: int = Field(0, ge=0, description="save a checkpoint every K iterations (0 = only at the end of fit)")

@@ -36,6 +36,7 @@ import torch
 from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import assemble_rollout, eos_token_ids, expand_prompts, sampling_seed
+from hybridflow.engine.rollout.published import actor_probe_log_probs, probe_prompt, published_tensors
 from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest, cut_at_eos
 
 INSTALL_HINT = (
@@ -66,8 +67,8 @@ class VLLMRollout:
 
     Args:
         weights: the actor's model, or the `hybridflow.engine.extensions.WeightSource` that lends it (an FSDP or
-        megatron
-            actor's): the source of `update_weights`, never modified here.
+            megatron actor's): the source of `update_weights`, never modified here; None for an engine in a pool
+            of its own, whose weights arrive published by the actor's pool (`load_published`).
         tokenizer: its tokenizer (pad id, eos ids).
         model_path: the folder the actor was loaded from (the engine's initial weights and config).
         config: the ``rollout`` section.
@@ -76,6 +77,7 @@ class VLLMRollout:
         seed: the run's seed (``trainer.seed``).
         lora_merge: with a LoRA adapter on the weight source (its ``lora``): sync merged weights instead of the
             adapter (``model.lora_merge``).
+        device: the engine's device when `weights` is None (else the weights'); None: CPU.
 
     The engine runs in ``rollout.vllm_dtype`` (bf16 by default, as rollout engines usually do): it samples from a
     slightly different distribution than the fp32 actor; ``rollout/log_prob_diff_mean`` and ``rollout/kl`` show
@@ -94,6 +96,7 @@ class VLLMRollout:
         max_prompt_length: int,
         seed: int = 0,
         lora_merge: bool = False,
+        device: torch.device | None = None,
     ):
         from hybridflow.engine.backends.weights import ModelWeights
 
@@ -105,8 +108,12 @@ class VLLMRollout:
         self.tokenizer = tokenizer
         self.config = config
         self.seed = int(seed)
-        self.eos_token_ids = eos_token_ids(tokenizer, self.weights.generation_config)
-        self.on_gpu = self.weights.device.type == "cuda"
+        if self.weights is not None:
+            generation_config, device = self.weights.generation_config, self.weights.device
+        else:  # an engine of its own pool: weights arrive published (`load_published`)
+            generation_config = _generation_config(model_path)
+        self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
+        self.on_gpu = device is not None and device.type == "cuda"
         options: dict[str, Any] = {}
         if self.on_gpu:
             options.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
@@ -164,7 +171,7 @@ class VLLMRollout:
             self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
             try:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counted)})
-                diff = self._probe(model)
+                diff = self._probe(actor_probe_log_probs(model, self._probe_prompt()))
             finally:
                 self.sleep()
             streamed = counted.bytes
@@ -184,7 +191,7 @@ class VLLMRollout:
             previous, self._lora_request = self._lora_request, lora_request(f"actor-v{version}", version, str(folder))
             self.wake()
             try:
-                diff = self._probe(model)
+                diff = self._probe(actor_probe_log_probs(model, self._probe_prompt()))
             finally:
                 self.sleep()
             del state, model
@@ -193,32 +200,54 @@ class VLLMRollout:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         return {"rollout/weight_sync_bytes": float(streamed), "rollout/weight_probe_diff": diff}
 
-    def _probe(self, model: torch.nn.Module) -> float:
-        """One greedy token on a fixed prompt in the engine, scored by the actor. Returns |log-prob difference|."""
-        prompt = self.tokenizer("The answer is", add_special_tokens=False)["input_ids"] or [self.eos_token_ids[0]]
+    @torch.no_grad()
+    def load_published(self, path: str) -> dict[str, float]:
+        """Load weights the actor's pool published (`hybridflow.engine.rollout.published.publish`: a safetensors
+        file in the engine's dtype, memory-mapped and streamed one tensor at a time) and probe them against the
+        actor's log-probabilities published beside them.
+
+        Returns:
+            ``rollout/weight_sync_bytes`` (bytes streamed) and ``rollout/weight_probe_diff``, as `update_weights`.
+
+        Raises:
+            FileNotFoundError: no file at `path`.
+            RuntimeError: the probe disagrees (the engine does not serve the published weights).
+        """
+        pairs, actor_log_probs = published_tensors(path)
+        counted = _Counted(pairs)
+        self.wake()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counted)})
+            diff = self._probe(actor_log_probs)
+        finally:
+            self.sleep()
+        return {"rollout/weight_sync_bytes": float(counted.bytes), "rollout/weight_probe_diff": diff}
+
+    def _probe(self, actor_log_probs: torch.Tensor) -> float:
+        """One greedy token on `probe_prompt` in the engine, checked against the actor's log-probabilities float32
+        [V] of that prompt's next token (`actor_probe_log_probs`). Returns |log-prob difference| of that token.
+
+        Raises:
+            RuntimeError: the engine's greedy token is not (near-)greedy for the actor."""
         params = self._vllm.SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, detokenize=False)
-        prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=prompt)]
+        prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=self._probe_prompt())]
         out = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
         token = out[0].outputs[0].token_ids[0]
         engine_logprob = out[0].outputs[0].logprobs[0][token].logprob
-        was_training = model.training
-        model.eval()
-        try:
-            logits = model(torch.tensor([prompt], device=next(model.parameters()).device)).logits[0, -1]
-        finally:
-            model.train(was_training)
-        actor_logprobs = torch.log_softmax(logits.float(), dim=-1)
         # the engine's greedy token must be (near-)greedy for the actor: exactly in fp32; in bf16 within 1 nat, as
         # the engine's bf16 weights move logits by ~0.1 and two near-tied tokens swap (a GSPO run on SmolLM2 failed
         # its 16th sync at 0.124 against a 0.1 bound); weights that are not the actor's miss by several nats
         tolerance = 1e-4 if self.config.vllm_dtype == "float32" else 1.0
-        gap = float(actor_logprobs.max() - actor_logprobs[token])
+        gap = float(actor_log_probs.max() - actor_log_probs[token])
         if gap > tolerance:
             raise RuntimeError(
                 f"weight sync check failed: the engine's greedy token {token} is {gap:.3g} nats below the actor's "
-                f"{int(actor_logprobs.argmax())}; the engine does not serve the actor's weights"
+                f"{int(actor_log_probs.argmax())}; the engine does not serve the actor's weights"
             )
-        return abs(float(actor_logprobs[token]) - engine_logprob)
+        return abs(float(actor_log_probs[token]) - engine_logprob)
+
+    def _probe_prompt(self) -> list[int]:
+        return probe_prompt(self.tokenizer, self.eos_token_ids)
 
     def sleep(self) -> None:
         """Free the engine's KV cache (and weights) on GPU while the actor trains; a no-op on CPU."""
@@ -314,7 +343,10 @@ class _Counted:
 
 
 def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, compute_dtype) -> VLLMRollout:
-    """``rollout.name: vllm`` (registered in `hybridflow.engine.extensions`): `VLLMRollout` synced from `weights`."""
+    """``rollout.name: vllm`` (registered in `hybridflow.engine.extensions`): `VLLMRollout` synced from `weights`
+    (None: a pool of its own, on ``trainer.device``, loaded from published weights)."""
+    from hybridflow.engine.models import pick_device
+
     return VLLMRollout(
         weights,
         tokenizer,
@@ -323,4 +355,15 @@ def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, c
         cfg.data.max_prompt_length,
         cfg.trainer.seed,
         lora_merge=cfg.model.lora_merge,
+        device=pick_device(cfg.trainer.device) if weights is None else None,
     )
+
+
+def _generation_config(model_path: str):
+    """The model folder's ``generation_config.json`` (its eos ids), or None where it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        return None

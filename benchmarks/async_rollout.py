@@ -1,0 +1,128 @@
+"""Benchmark: the rollout overlapped with training (``trainer.mode: one_step_off``) against the synchronous loop.
+
+Runs ``hf run CONFIG`` (default the main job, `examples/grpo_smollm2.yaml`) once per mode and seed, one after
+another, each in a fresh store, with validation before and after training:
+
+- ``sync``: the config as it is (every role in one pool: generate, then train, on the same cores);
+- ``sync-apart``: the rollout in a pool of its own (`placement.pools`: ``train`` = actor, ref, reward; ``generate`` =
+  rollout), still one stage after another: what the separate pool and the published weight sync cost;
+- ``one_step_off``: the same pools, the next batch generated while the actor trains (staleness 1, truncated IS).
+
+Prints per run the median over iterations 2..N of seconds per iteration, samples (sequences) per second, the
+``gen``, ``update_actor`` and weight-sync (``publish_weights`` + ``weight_sync``) seconds, each pool's busy share of
+the iteration (``perf/busy/<pool>``), and the held-out accuracy before and after; then each mode's medians over the
+seeds.
+
+    .venv/bin/python benchmarks/async_rollout.py [--config CONFIG] [--iterations 20] [--seeds 0 1 2]
+        [--modes sync sync-apart one_step_off] [-o key=value ...]
+"""
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hybridflow.flows.store.run_store import RunStore
+
+ROOT = Path(__file__).resolve().parent.parent
+HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
+APART = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
+MODES = {
+    "sync": [],
+    "sync-apart": [f"placement.pools={json.dumps(APART)}"],
+    "one_step_off": [f"placement.pools={json.dumps(APART)}", "trainer.mode=one_step_off"],
+}
+
+
+def run(config: str, iterations: int, seed: int, overrides: list[str]) -> dict[int, dict[str, float]]:
+    """Every metric of an ``hf run`` of `config` by step (0: the validation before training)."""
+    tmp = Path(tempfile.mkdtemp(prefix="async-rollout-"))
+    db = f"sqlite:///{tmp / 'runs.db'}"
+    command = [HF, "run", config, "--db", db]
+    plain = ["trainer.test_freq=0", "trainer.save_freq=0", "trainer.logger=[console]", f"trainer.seed={seed}"]
+    for item in [f"trainer.total_iterations={iterations}", f"trainer.output_dir={tmp / 'out'}", *plain, *overrides]:
+        command += ["-o", item]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    store = RunStore(db)
+    by_step: dict[int, dict[str, float]] = {}
+    for point in store.metrics(store.list_runs()[0].id):
+        by_step.setdefault(point.step, {})[point.name] = point.value
+    shutil.rmtree(tmp, ignore_errors=True)
+    return by_step
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summary(metrics: dict[int, dict[str, float]], samples: int) -> dict[str, float]:
+    """The medians over iterations 2..N and the held-out accuracy before and after."""
+    steps = [m for step, m in sorted(metrics.items()) if step >= 2]
+
+    def med(name: str) -> float:
+        return median([m[name] for m in steps if name in m])
+
+    acc = sorted(k for k in metrics[0] if k.startswith("val/") and k.endswith("/acc"))
+    last = max(metrics)
+    sync_s = med("timing_s/weight_sync") + (
+        med("timing_s/publish_weights") if "timing_s/publish_weights" in steps[0] else 0.0
+    )
+    return {
+        "s_per_it": med("timing_s/step"),
+        "samples_per_s": samples / med("timing_s/step"),
+        "gen": med("timing_s/gen"),
+        "update_actor": med("timing_s/update_actor"),
+        "weight_sync": sync_s,
+        "busy": {k.removeprefix("perf/busy/"): med(k) for k in steps[0] if k.startswith("perf/busy/")},
+        "staleness": med("off_policy/staleness_mean"),
+        "acc_before": metrics[0][acc[0]] if acc else float("nan"),
+        "acc_after": metrics[last][acc[0]] if acc else float("nan"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(ROOT / "examples" / "grpo_smollm2.yaml"))
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("-o", "--override", action="append", default=[])
+    args = parser.parse_args()
+    from hybridflow.engine.config import load_config
+
+    cfg = load_config(args.config, args.override)
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    results: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    print(f"{args.config}, {args.iterations} iterations, {samples} sequences per iteration; medians of iterations 2..N")
+    print(
+        f"{'mode':>13} {'seed':>4} {'s/it':>6} {'samples/s':>9} {'gen':>6} {'update':>6} {'sync':>6} "
+        f"{'stale':>5} {'acc before -> after':>20}  busy share per pool"
+    )
+    for seed in args.seeds:
+        for mode in args.modes:  # alternating, so a slow spell of the machine hits every mode
+            s = summary(run(args.config, args.iterations, seed, [*MODES[mode], *args.override]), samples)
+            results[mode].append(s)
+            busy = ", ".join(f"{pool} {share:.0%}" for pool, share in s["busy"].items())
+            print(
+                f"{mode:>13} {seed:>4} {s['s_per_it']:>6.2f} {s['samples_per_s']:>9.2f} {s['gen']:>6.2f} "
+                f"{s['update_actor']:>6.2f} {s['weight_sync']:>6.2f} {s['staleness']:>5.1f} "
+                f"{s['acc_before']:>9.3f} -> {s['acc_after']:.3f}  {busy}",
+                flush=True,
+            )
+    print("\nmedians over seeds:")
+    base = median([s["samples_per_s"] for s in results.get("sync", [])])
+    for mode, runs in results.items():
+        rate = median([s["samples_per_s"] for s in runs])
+        accs = ", ".join(f"{s['acc_after']:.3f}" for s in runs)
+        print(
+            f"{mode:>13}: {median([s['s_per_it'] for s in runs]):.2f} s/it, {rate:.2f} samples/s "
+            f"({rate / base:.2f}x sync), held-out accuracy after training {accs}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""A rollout pool of its own (``placement.pools`` with the rollout apart from the actor): its vLLM engines get the
+actor's weights published by the actor's pool after every update (shared memory), sample what the colocated engine
+samples, and serve the restored actor after a resume."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridflow.engine.config import ConfigError, load_config
+from hybridflow.engine.tiny import build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+APART = {"train": {"roles": ["actor", "ref"]}, "generate": {"roles": ["rollout", "reward"]}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (["rollout.name=hf"], r"rollout \(pool generate\) apart from actor \(pool train\) needs .*rollout.name=vllm"),
+        (["rollout.name=vllm", "actor.strategy=megatron"], r"actor.strategy=megatron generates in the actor's"),
+        (["rollout.name=vllm", "model.lora_rank=8"], r"a LoRA actor \(model.lora_rank\) syncs its rollout in process"),
+    ],
+)
+def test_a_rollout_pool_apart_needs_an_engine_fed_by_a_hugging_face_actor(extra, error):
+    with pytest.raises(ConfigError, match=error):
+        load_config(ROOT / "examples" / "grpo_tiny.yaml", [f"placement.pools={json.dumps(APART)}", *extra])
+    apart = load_config(
+        ROOT / "examples" / "grpo_tiny.yaml", [f"placement.pools={json.dumps(APART)}", "rollout.name=vllm"]
+    )
+    assert apart.rollout_apart() and apart.pool_of("reward").name == "generate"
+    assert not load_config(ROOT / "examples" / "grpo_tiny.yaml", ["rollout.name=vllm"]).rollout_apart()
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+
+
+def _run(store, tmp_path: Path, name: str, extra: list[str], resume_from_step: int | None = None, run_id=None):
+    """Train (or, with `run_id`, resume) a 3-iteration GRPO run of the tiny vLLM-compatible model; returns the run
+    id and its metrics by step."""
+    from tiny_runs import write_reward
+
+    from hybridflow.flows.rlhf import rlhf_flow
+
+    if run_id is None:
+        cfg = load_config(
+            ROOT / "examples" / "grpo_tiny.yaml",
+            [
+                f"model.path={build_tiny_model(tmp_path / 'tiny32', hidden_size=64, head_dim=32)}",
+                "rollout.name=vllm",
+                "rollout.vllm_kv_cache_gb=0.25",
+                "rollout.vllm_dtype=float32",  # the probe's tight bound (bf16 is the same path, half the bytes)
+                "trainer.total_iterations=3",
+                "trainer.save_freq=1",
+                "actor.optim.lr=1e-3",
+                f"trainer.output_dir={tmp_path / name}",
+                f"reward.custom_function={write_reward(tmp_path)}",
+                *extra,
+            ],
+        )
+        run_id = store.create_run(cfg.model_dump(mode="json"), name)
+    rlhf_flow(run_id=run_id, db_url=store.url, resume_from_step=resume_from_step)
+    assert store.get_run(run_id).status == "completed"
+    metrics: dict[int, dict[str, float]] = {}
+    for point in store.metrics(run_id):
+        metrics.setdefault(point.step, {})[point.name] = point.value
+    return run_id, metrics
+
+
+SAMPLED = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
+
+
+@needs_vllm
+def test_a_rollout_pool_apart_samples_what_the_colocated_engine_samples_and_resumes(prefect_api, tmp_path):
+    from hybridflow.engine.rollout.published import weights_folder
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    _, together = _run(store, tmp_path, "together", [])
+    run_id, apart = _run(store, tmp_path, "apart", [f"placement.pools={json.dumps(APART)}"])
+    for step in (1, 2, 3):
+        # the same tokens sampled from the same seeds: the published weights are the actor's, to the bit
+        assert {k: apart[step][k] for k in SAMPLED} == {k: together[step][k] for k in SAMPLED}
+        assert apart[step]["rollout/weight_probe_diff"] < 1e-4
+        assert apart[step]["rollout/weight_sync_bytes"] == together[step]["rollout/weight_sync_bytes"]
+        assert apart[step]["timing_s/publish_weights"] > 0
+        assert "timing_s/publish_weights" not in together[step]
+    placements = {p.role: p for p in store.placements(run_id)}
+    assert (placements["rollout"].group_name, placements["actor"].group_name) == ("generate", "train")
+    assert placements["rollout"].parallel == {"engine": "vllm", "dp": 1}
+    data_dir = tmp_path / "apart" / "grpo_tiny" / run_id / "data"
+    assert not list(weights_folder(data_dir, local=True).glob("*.safetensors"))  # loaded, then removed
+
+    # resumed after iteration 1: the rollout pool's engine must serve the restored actor, not its last weights
+    _, resumed = _run(store, tmp_path, "apart", [], resume_from_step=1, run_id=run_id)
+    for step in (2, 3):
+        assert {k: resumed[step][k] for k in SAMPLED} == {k: apart[step][k] for k in SAMPLED}
+
+
+OFF = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
+
+
+def test_one_step_off_needs_the_rollout_alone_in_its_pool_and_corrects_by_default():
+    path = ROOT / "examples" / "grpo_tiny.yaml"
+    base = ["rollout.name=vllm", "trainer.mode=one_step_off"]
+    with pytest.raises(ConfigError, match=r"needs|put rollout in a pool of its own"):
+        load_config(path, base)
+    with pytest.raises(ConfigError, match=r"move reward out of placement.pools.generate"):
+        load_config(path, [*base, f"placement.pools={json.dumps(APART)}"])
+    with pytest.raises(ConfigError, match=r"algorithm.filter_groups.enable draws more"):
+        load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "algorithm.filter_groups.enable=true"])
+    off = load_config(path, [*base, f"placement.pools={json.dumps(OFF)}"])
+    assert off.actor.tis_cap == 2.0 and not off.skips_old_log_prob()  # decoupled: proximal log-probs, IS to behaviour
+    assert load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "actor.tis_cap=null"]).actor.tis_cap is None
+
+
+@needs_vllm
+def test_one_step_off_trains_each_batch_one_version_late_overlapped_and_resumes_its_buffer(prefect_api, tmp_path):
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    extra = [f"placement.pools={json.dumps(OFF)}", "trainer.mode=one_step_off"]
+    run_id, off = _run(store, tmp_path, "off", extra)
+    # the first iteration generates its own batch; each later one trains the batch generated during the update before
+    assert (off[1]["off_policy/staleness_mean"], off[1]["off_policy/staleness_max"]) == (0.0, 0.0)
+    for step in (2, 3):
+        assert (off[step]["off_policy/staleness_mean"], off[step]["off_policy/staleness_max"]) == (1.0, 1.0)
+        assert off[step]["actor/tis_weight_mean"] > 0  # the truncated IS correction is on by default
+        assert "timing_s/old_log_prob" in off[step]  # the proximal policy's log-probs, recomputed
+    assert "timing_s/gen" not in off[3]  # nothing left to generate ahead after the last iteration
+    # the next batch's generation (generate pool) starts before this iteration's first stage on the train pool ends:
+    # it runs beside training (on the tiny model it may end first: it takes ~0.1 s)
+    spans = [s for s in store.stage_times(run_id) if s.step in (1, 2)]
+    for step in (1, 2):
+        gen = max((s for s in spans if s.step == step and s.stage == "gen"), key=lambda s: s.started_at)  # ahead
+        train = [s for s in spans if s.step == step and s.pool == "train"]
+        assert gen.started_at < min(t.ended_at for t in train)
+    assert 0 < off[2]["perf/busy/generate"] < 1 and 0 < off[2]["perf/busy/train"] <= 1
+
+    # resumed after iteration 1: the batch generated ahead comes from the checkpoint, so iterations 2-3 repeat exactly
+    _, resumed = _run(store, tmp_path, "off", [], resume_from_step=1, run_id=run_id)
+    for step in (2, 3):
+        assert {k: resumed[step][k] for k in SAMPLED} == {k: off[step][k] for k in SAMPLED}
+        assert resumed[step]["off_policy/staleness_max"] == 1.0

@@ -3,10 +3,15 @@
 Runs ``hf run CONFIG`` (default the main job, `examples/grpo_smollm2.yaml`) once per mode and seed, one after
 another, each in a fresh store, with validation before and after training:
 
-- ``sync``: the config as it is (every role in one pool: generate, then train, on the same cores);
-- ``sync-apart``: the rollout in a pool of its own (`placement.pools`: ``train`` = actor, ref, reward; ``generate`` =
-  rollout), still one stage after another: what the separate pool and the published weight sync cost;
-- ``one_step_off``: the same pools, the next batch generated while the actor trains (staleness 1, truncated IS).
+- ``sync``: the config as it is (every role in one pool: generate, then train, on all the cores);
+- ``sync-1thread``: the same on one thread (``trainer.num_threads=1``): each stage's time on one core;
+- ``sync-apart`` (not by default): the rollout in a pool of its own (`placement.pools`: ``train`` = actor, ref,
+  reward; ``generate`` = rollout), still one stage after another: what the separate pool and the published weight
+  sync cost;
+- ``one_step_off``: those pools with one thread each (``placement.pools.<name>.num_threads: 1``: a core each on
+  two), the next batch generated while the actor trains (staleness 1, truncated IS);
+- ``one_step_off-shared`` (not by default): the same with every process on torch's default threads (all cores):
+  the two pools then oversubscribe the cores.
 
 Prints per run the median over iterations 2..N of seconds per iteration, samples (sequences) per second, the
 ``gen``, ``update_actor`` and weight-sync (``publish_weights`` + ``weight_sync``) seconds, each pool's busy share of
@@ -14,7 +19,7 @@ the iteration (``perf/busy/<pool>``), and the held-out accuracy before and after
 seeds.
 
     .venv/bin/python benchmarks/async_rollout.py [--config CONFIG] [--iterations 20] [--seeds 0 1 2]
-        [--modes sync sync-apart one_step_off] [-o key=value ...]
+        [--modes sync sync-1thread sync-apart one_step_off one_step_off-shared] [-o key=value ...]
 """
 
 import argparse
@@ -31,11 +36,15 @@ from hybridflow.flows.store.run_store import RunStore
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
 APART = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
+SPLIT = {name: {**pool, "num_threads": 1} for name, pool in APART.items()}  # a core each, on two
 MODES = {
     "sync": [],
+    "sync-1thread": ["trainer.num_threads=1"],
     "sync-apart": [f"placement.pools={json.dumps(APART)}"],
-    "one_step_off": [f"placement.pools={json.dumps(APART)}", "trainer.mode=one_step_off"],
+    "one_step_off": [f"placement.pools={json.dumps(SPLIT)}", "trainer.mode=one_step_off"],
+    "one_step_off-shared": [f"placement.pools={json.dumps(APART)}", "trainer.mode=one_step_off"],
 }
+DEFAULT_MODES = ["sync", "sync-1thread", "one_step_off"]
 
 
 def run(config: str, iterations: int, seed: int, overrides: list[str]) -> dict[int, dict[str, float]]:
@@ -43,7 +52,8 @@ def run(config: str, iterations: int, seed: int, overrides: list[str]) -> dict[i
     tmp = Path(tempfile.mkdtemp(prefix="async-rollout-"))
     db = f"sqlite:///{tmp / 'runs.db'}"
     command = [HF, "run", config, "--db", db]
-    plain = ["trainer.test_freq=0", "trainer.save_freq=0", "trainer.logger=[console]", f"trainer.seed={seed}"]
+    plain = ["trainer.test_freq=0", "trainer.val_before_train=true", "trainer.save_freq=0", "trainer.logger=[console]"]
+    plain.append(f"trainer.seed={seed}")
     for item in [f"trainer.total_iterations={iterations}", f"trainer.output_dir={tmp / 'out'}", *plain, *overrides]:
         command += ["-o", item]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -89,7 +99,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "examples" / "grpo_smollm2.yaml"))
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
     parser.add_argument("-o", "--override", action="append", default=[])
     args = parser.parse_args()
     from hybridflow.engine.config import load_config

@@ -4,14 +4,20 @@ samples, and serve the restored actor after a resume."""
 
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hybridflow.engine.config import ConfigError, load_config
 from hybridflow.engine.tiny import build_tiny_model
+from hybridflow.engine.worker import process_threads
 
 ROOT = Path(__file__).resolve().parent.parent
+HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
 APART = {"train": {"roles": ["actor", "ref"]}, "generate": {"roles": ["rollout", "reward"]}}
 
 
@@ -89,8 +95,11 @@ def test_a_rollout_pool_apart_samples_what_the_colocated_engine_samples_and_resu
     placements = {p.role: p for p in store.placements(run_id)}
     assert (placements["rollout"].group_name, placements["actor"].group_name) == ("generate", "train")
     assert placements["rollout"].parallel == {"engine": "vllm", "dp": 1}
+    wide = {**os.environ, "COLUMNS": "250"}
+    shown = subprocess.run([HF, "runs", "show", run_id, "--db", store.url], capture_output=True, text=True, env=wide)
+    assert "vllm x1 (published weights)" in shown.stdout, shown.stdout
     data_dir = tmp_path / "apart" / "grpo_tiny" / run_id / "data"
-    assert not list(weights_folder(data_dir, local=True).glob("*.safetensors"))  # loaded, then removed
+    assert not weights_folder(data_dir, local=True).exists()  # each file loaded, then removed with its folder
 
     # resumed after iteration 1: the rollout pool's engine must serve the restored actor, not its last weights
     _, resumed = _run(store, tmp_path, "apart", [], resume_from_step=1, run_id=run_id)
@@ -111,6 +120,11 @@ def test_one_step_off_needs_the_rollout_alone_in_its_pool_and_corrects_by_defaul
     with pytest.raises(ConfigError, match=r"algorithm.filter_groups.enable draws more"):
         load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "algorithm.filter_groups.enable=true"])
     off = load_config(path, [*base, f"placement.pools={json.dumps(OFF)}"])
+    assert process_threads(off, ["rollout"]) == 0  # torch's default unless the pool or the trainer sets them
+    split = {name: {**pool, "num_threads": 1} for name, pool in OFF.items()}  # a core each
+    one_each = load_config(path, [*base, f"placement.pools={json.dumps(split)}", "trainer.num_threads=2"])
+    assert process_threads(one_each, ["rollout"]) == process_threads(one_each, ["actor", "ref", "reward"]) == 1
+    assert process_threads(one_each, one_each.roles()) == 2  # every role in one process: the trainer's
     assert off.actor.tis_cap == 2.0 and not off.skips_old_log_prob()  # decoupled: proximal log-probs, IS to behaviour
     assert load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "actor.tis_cap=null"]).actor.tis_cap is None
 

@@ -189,8 +189,8 @@ def run_iteration(
     With ``trainer.mode: one_step_off`` the batch it trains was generated `ahead`, during the previous iteration,
     by the weights before that iteration's update (staleness 1, corrected by ``actor.tis_cap``; the first iteration
     and the first after a resume without one generate their own), and it starts the next iteration's generation on
-    the rollout's pool before its own training stages, waiting for it before the weight sync (the engine serves one
-    call at a time): verl's one-step-off-policy pipeline.
+    the rollout's pool before its own training stages, waiting for it after the actor's pool has published the new
+    weights and before the engine loads them (it serves one call at a time): verl's one-step-off-policy pipeline.
 
     Returns:
         Its metrics (field-standard names: ``actor/*``, ``critic/*``, ``timing_s/*``, ``perf/*``,
@@ -240,11 +240,12 @@ def run_iteration(
             Call("update_actor", "actor", (rollout,)),
         ):
             metrics.update(updated or {})
+        syncs = rollout_spec(cfg.rollout.name).syncs_weights  # a rollout with weights of its own (vLLM)
+        # in a pool of its own, the actor's pool publishes the new weights first (while the next batch may generate)
+        [published] = stages(Call("publish_weights", "actor", (step + 1,), when=syncs and cfg.rollout_apart()))
         if following is not None:  # the engine finishes the next batch before it takes new weights
             following = Ahead(following.prompts, stages.result(following.rollout))
-        if rollout_spec(cfg.rollout.name).syncs_weights:  # a rollout with weights of its own (vLLM)
-            apart = cfg.rollout_apart()  # in a pool of its own: the actor's pool publishes the weights first
-            [published] = stages(Call("publish_weights", "actor", (step + 1,), when=apart))
+        if syncs:
             [synced] = stages(Call("weight_sync", "rollout", (published, step + 1)))
             metrics.update(synced)
     metrics.update(timer.metrics())

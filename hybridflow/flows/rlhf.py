@@ -103,6 +103,7 @@ class StageRunner:
     lagrangian: LagrangeMultiplier | None = None
     watch: PreemptionWatch | None = None
     logs: FlowLogs | None = None
+    pending: list[PrefectFuture] = field(default_factory=list)  # submitted calls (`submit`)
 
     def __call__(self, *calls: Call) -> list[Any]:
         """Run `calls`, none of which needs another's result: those on one worker group one after another in the
@@ -144,9 +145,16 @@ class StageRunner:
 
     def submit(self, call: Call) -> PrefectFuture:
         """Start `call` as a Prefect task future and return at once (one_step_off's generation ahead, on the
-        rollout's pool while the actor's trains); `result` waits for it."""
+        rollout's pool while the actor's trains); `result` waits for it, `settle` for every one submitted."""
         enter_stage(call.stage, self.step + 2, self.step)
-        return stages.ITERATION_TASKS[call.stage].submit(self.workers[call.role], *call.args)
+        future = stages.ITERATION_TASKS[call.stage].submit(self.workers[call.role], *call.args)
+        self.pending.append(future)
+        return future
+
+    def settle(self) -> None:
+        """Wait until every submitted call has ended (its error, if any, is left to `result`): a stopped or failed
+        iteration leaves no pool in the middle of a call when the checkpoint or the shutdown calls it."""
+        wait(self.pending)
 
     def result(self, pending: Any) -> Any:
         """The result of a `submit`ted call once it has ended (its error raised); a result in hand as it is."""
@@ -392,6 +400,7 @@ def _iteration(
     try:
         done = run_iteration(cfg, runner, step, timer, ahead)
     finally:
+        runner.settle()
         stages.TIMER.reset(token)
     keep = cfg.trainer.log_train_generations
     kept = None

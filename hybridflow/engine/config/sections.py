@@ -4,7 +4,7 @@ registered choices (`hybridflow.engine.extensions`, the estimator and loss regis
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -565,6 +565,12 @@ class PoolConfig(_Section):
         default_factory=dict,
         description="placement.slurm keys this pool's job sets differently, e.g. {gpus_per_node: 4, partition: big}",
     )
+    num_threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads of this pool's ranks (a vLLM engine on CPU computes with them too); "
+        "0: trainer.num_threads. Pools that run at the same time on one CPU share its cores: split them",
+    )
 
 
 @dataclass(frozen=True)
@@ -577,6 +583,7 @@ class Pool:
     nodes: int
     tasks_per_node: int
     slurm: SlurmConfig
+    num_threads: int = 0  # torch threads of its ranks; 0: trainer.num_threads
 
     @property
     def world_size(self) -> int:
@@ -694,7 +701,9 @@ class PlacementConfig(_Section):
             layout["reward_model"] = self.pool("reward_model", ["reward_model"])
             return layout
         return {
-            name: self.pool(name, pool.roles, pool.nodes, pool.tasks_per_node, pool.slurm)
+            name: replace(
+                self.pool(name, pool.roles, pool.nodes, pool.tasks_per_node, pool.slurm), num_threads=pool.num_threads
+            )
             for name, pool in self.pools.items()
         }
 

@@ -11,6 +11,7 @@ a temporary name and renamed, so a reader never sees half of one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterator
@@ -48,15 +49,21 @@ def actor_probe_log_probs(model: torch.nn.Module, prompt: list[int]) -> torch.Te
 
 def weights_folder(run_data_dir: str | Path, local: bool) -> Path:
     """Where a run's published weights go: shared memory when every pool runs on this node (`local`: the local
-    executor) and ``/dev/shm`` exists, else the run's data folder (shared by the nodes of a Slurm run). Private
-    (0700) and named after the run's data folder, so two runs never share one."""
+    executor) and ``/dev/shm`` exists, else the run's data folder (shared by the nodes of a Slurm run). Named after
+    the run's data folder, so two runs never share one; `publish` creates it private (0700), and the rollout's
+    rank 0 removes it with the file it loaded."""
     if local and Path("/dev/shm").is_dir():
         digest = hashlib.sha256(str(Path(run_data_dir).resolve()).encode()).hexdigest()[:16]
-        folder = Path("/dev/shm") / f"hybridflow-weights-{digest}"
-    else:
-        folder = Path(run_data_dir) / "weights"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    return folder
+        return Path("/dev/shm") / f"hybridflow-weights-{digest}"
+    return Path(run_data_dir) / "weights"
+
+
+def remove_published(path: str | Path) -> None:
+    """Remove a published file once every rollout rank has loaded it, and its folder once empty."""
+    path = Path(path)
+    path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: a newer version is there already
+        path.parent.rmdir()
 
 
 def publish(model: torch.nn.Module, prompt: list[int], folder: Path, version: int, dtype: torch.dtype) -> dict:
@@ -81,6 +88,7 @@ def publish(model: torch.nn.Module, prompt: list[int], folder: Path, version: in
         tensors[name] = full.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     tensors[PROBE_KEY] = actor_probe_log_probs(model, prompt)
+    folder.mkdir(mode=0o700, exist_ok=True)
     path = folder / f"actor-v{version}.safetensors"
     partial = folder / f".actor-v{version}.safetensors.partial"
     save_file(tensors, str(partial), metadata={"version": str(version)})

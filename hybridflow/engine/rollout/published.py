@@ -104,13 +104,12 @@ def published_tensors(path: str | Path) -> tuple[Iterator[tuple[str, torch.Tenso
     log-probs float32 [V].
 
     Raises:
-        FileNotFoundError: no such file (the names the file and that the actor pool publishes it).
+        FileNotFoundError: no such file (the message names it and the stage that writes it).
     """
     if not Path(path).is_file():
         raise FileNotFoundError(f"published weights {path} not found: the actor pool writes them (publish_weights)")
     handle = safe_open(str(path), framework="pt")
     probe = handle.get_tensor(PROBE_KEY)
-
     names = [name for name in handle.keys() if name != PROBE_KEY]  # noqa: SIM118 (safe_open is not iterable)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""vLLM rollout: a vLLM engine inside the actor worker's process, colocated with training (``rollout.name: vllm``).
+"""vLLM rollout: a vLLM engine inside the actor worker's process, colocated with training (``rollout.name: vllm``),
+or in a rollout pool of its own, fed the weights the actor's pool publishes (`VLLMRollout.load_published`).
 
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its weights are updated from the trainer's
 in-memory parameters after every actor update: `VLLMRollout.update_weights` streams ``model.state_dict()`` into the

@@ -135,10 +135,9 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
 def process_threads(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> int:
     """The torch threads for a process hosting `roles`: its pool's ``num_threads`` when they are one pool's and it
     sets them, else ``trainer.num_threads`` (0: torch's default)."""
-    pools = {cfg.pool_of(role).name: cfg.pool_of(role) for role in roles if role in cfg.roles()}
-    if len(pools) == 1 and next(iter(pools.values())).num_threads:
-        return next(iter(pools.values())).num_threads
-    return cfg.trainer.num_threads
+    names = {cfg.pool_of(role).name for role in roles if role in cfg.roles()}
+    own = cfg.pools()[names.pop()].num_threads if len(names) == 1 else 0
+    return own or cfg.trainer.num_threads
 
 
 def _joined(parts: list[DataProto]) -> DataProto:

@@ -168,16 +168,9 @@ class VLLMRollout:
             else:  # a tensor-parallel actor: each tensor is all-gathered as streamed (every rank syncs, in one order)
                 state = model.state_dict().items()
                 full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state)
-            counted = _Counted(full)
-            self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
-            try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counted)})
-                diff = self._probe(actor_probe_log_probs(model, self._probe_prompt()))
-            finally:
-                self.sleep()
-            streamed = counted.bytes
-            del full, counted, model, state  # a model lent by the 3D-HybridEngine must not outlive the context
-        return {"rollout/weight_sync_bytes": float(streamed), "rollout/weight_probe_diff": diff}
+            metrics = self._reload(full, actor_probe_log_probs(model, self._probe_prompt()))
+            del full, model, state  # a model lent by the 3D-HybridEngine must not outlive the context
+        return metrics
 
     def _sync_adapter(self) -> dict[str, float]:
         """Adapter-only sync: the actor's LoRA adapter (every rank gathers it) is written under this engine's
@@ -214,9 +207,13 @@ class VLLMRollout:
             FileNotFoundError: no file at `path`.
             RuntimeError: the probe disagrees (the engine does not serve the published weights).
         """
-        pairs, actor_log_probs = published_tensors(path)
+        return self._reload(*published_tensors(path))
+
+    def _reload(self, pairs: Iterator[tuple[str, torch.Tensor]], actor_log_probs: torch.Tensor) -> dict[str, float]:
+        """Stream (name, tensor) `pairs` into the engine (vLLM's in-place reload), then `_probe` it against the
+        actor's probe log-probs float32 [V]. Returns the bytes streamed and the probe's difference."""
         counted = _Counted(pairs)
-        self.wake()
+        self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counted)})
             diff = self._probe(actor_log_probs)

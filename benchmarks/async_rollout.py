@@ -1,4 +1,5 @@
-"""Benchmark: the rollout overlapped with training (``trainer.mode: one_step_off``) against the synchronous loop.
+"""Benchmark: the rollout overlapped with training (``trainer.mode: one_step_off | async``) against the synchronous
+loop.
 
 Runs ``hf run CONFIG`` (default the main job, `examples/grpo_smollm2.yaml`) once per mode and seed, one after
 another, each in a fresh store, with validation before and after training:
@@ -11,7 +12,12 @@ another, each in a fresh store, with validation before and after training:
 - ``one_step_off``: those pools with one thread each (``placement.pools.<name>.num_threads: 1``: a core each on
   two), the next batch generated while the actor trains (staleness 1, truncated IS);
 - ``one_step_off-shared`` (not by default): the same with every process on torch's default threads (all cores):
-  the two pools then oversubscribe the cores.
+  the two pools then oversubscribe the cores;
+- ``async``: the pools of ``one_step_off``, ``trainer.mode: async`` with ``rollout.max_staleness: 2`` (generation
+  up to two batches ahead);
+- ``async-push2``: the same with a weight push every second update (``trainer.weight_sync_every: 2``);
+- ``async-push2-train2``: the same with the training pool on two threads, the generation pool on one (the cores
+  shared by three threads, most of them training's).
 
 Prints per run the median over iterations 2..N of seconds per iteration, samples (sequences) per second, the
 ``gen``, ``update_actor`` and weight-sync (``publish_weights`` + ``weight_sync``) seconds, each pool's busy share of
@@ -19,7 +25,8 @@ the iteration (``perf/busy/<pool>``), and the held-out accuracy before and after
 seeds.
 
     .venv/bin/python benchmarks/async_rollout.py [--config CONFIG] [--iterations 20] [--seeds 0 1 2]
-        [--modes sync sync-1thread sync-apart one_step_off one_step_off-shared] [-o key=value ...]
+        [--modes sync sync-1thread sync-apart one_step_off one_step_off-shared async async-push2
+        async-push2-train2] [-o key=value ...]
 """
 
 import argparse
@@ -37,12 +44,17 @@ ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
 APART = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
 SPLIT = {name: {**pool, "num_threads": 1} for name, pool in APART.items()}  # a core each, on two
+LEAN = {"train": {**APART["train"], "num_threads": 2}, "generate": {**APART["generate"], "num_threads": 1}}
+ASYNC = ["trainer.mode=async", "rollout.max_staleness=2"]
 MODES = {
     "sync": [],
     "sync-1thread": ["trainer.num_threads=1"],
     "sync-apart": [f"placement.pools={json.dumps(APART)}"],
     "one_step_off": [f"placement.pools={json.dumps(SPLIT)}", "trainer.mode=one_step_off"],
     "one_step_off-shared": [f"placement.pools={json.dumps(APART)}", "trainer.mode=one_step_off"],
+    "async": [f"placement.pools={json.dumps(SPLIT)}", *ASYNC],
+    "async-push2": [f"placement.pools={json.dumps(SPLIT)}", *ASYNC, "trainer.weight_sync_every=2"],
+    "async-push2-train2": [f"placement.pools={json.dumps(LEAN)}", *ASYNC, "trainer.weight_sync_every=2"],
 }
 DEFAULT_MODES = ["sync", "sync-1thread", "one_step_off"]
 
@@ -109,7 +121,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     print(f"{args.config}, {args.iterations} iterations, {samples} sequences per iteration; medians of iterations 2..N")
     print(
-        f"{'mode':>13} {'seed':>4} {'s/it':>6} {'samples/s':>9} {'gen':>6} {'update':>6} {'sync':>6} "
+        f"{'mode':>18} {'seed':>4} {'s/it':>6} {'samples/s':>9} {'gen':>6} {'update':>6} {'sync':>6} "
         f"{'stale':>5} {'acc before -> after':>20}  busy share per pool"
     )
     for seed in args.seeds:
@@ -118,7 +130,7 @@ def main() -> None:
             results[mode].append(s)
             busy = ", ".join(f"{pool} {share:.0%}" for pool, share in s["busy"].items())
             print(
-                f"{mode:>13} {seed:>4} {s['s_per_it']:>6.2f} {s['samples_per_s']:>9.2f} {s['gen']:>6.2f} "
+                f"{mode:>18} {seed:>4} {s['s_per_it']:>6.2f} {s['samples_per_s']:>9.2f} {s['gen']:>6.2f} "
                 f"{s['update_actor']:>6.2f} {s['weight_sync']:>6.2f} {s['staleness']:>5.1f} "
                 f"{s['acc_before']:>9.3f} -> {s['acc_after']:.3f}  {busy}",
                 flush=True,
@@ -129,7 +141,7 @@ def main() -> None:
         rate = median([s["samples_per_s"] for s in runs])
         accs = ", ".join(f"{s['acc_after']:.3f}" for s in runs)
         print(
-            f"{mode:>13}: {median([s['s_per_it'] for s in runs]):.2f} s/it, {rate:.2f} samples/s "
+            f"{mode:>18}: {median([s['s_per_it'] for s in runs]):.2f} s/it, {rate:.2f} samples/s "
             f"({rate / base:.2f}x sync), held-out accuracy after training {accs}"
         )
 

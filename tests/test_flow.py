@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_runs import write_cost, write_reward
+from tiny_runs import wait_inside_iteration, write_cost, write_reward
 
 from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import load_config
@@ -218,20 +218,6 @@ def _start_hf_run(
     return proc, RunStore(db), db
 
 
-def _wait_inside_iteration(proc: subprocess.Popen, store: RunStore, step: int) -> str:
-    """Wait until the run of `proc` is inside iteration `step` (started, not ended); returns the run id."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        runs = store.list_runs()
-        if runs:
-            started = {i.step: i for i in store.iterations(runs[0].id)}
-            if step in started and started[step].ended_at is None:
-                return runs[0].id
-        assert proc.poll() is None, proc.stdout.read().decode()
-        time.sleep(0.02)
-    raise AssertionError(f"hf run never reached iteration {step}")
-
-
 def _hf(prefect_api, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([HF, *args, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=300)
 
@@ -263,7 +249,7 @@ def _alive(pid: int) -> bool:
 def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tmp_path, tiny_model_dir, reference):
     # the run through the CLI, killed with SIGKILL in the middle of iteration 3
     proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, RESUMED)
-    run_id = _wait_inside_iteration(proc, store, 3)
+    run_id = wait_inside_iteration(proc, store, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert store.get_run(run_id).status == "running"  # killed hard: nothing could record the end
@@ -297,7 +283,7 @@ def test_sigterm_records_interrupted_and_resume_extends_the_run(
 
     two = [*RESUMED, "trainer.total_iterations=2"]
     proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, two)
-    run_id = _wait_inside_iteration(proc, store, 2)
+    run_id = wait_inside_iteration(proc, store, 2)
     workers = _descendants(proc.pid)
     assert workers, "hf run has no worker processes"
     sent = time.monotonic()
@@ -383,12 +369,12 @@ def test_one_controller_per_run_and_resume_past_bad_checkpoints(prefect_api, tmp
     uninterrupted run; `hf resume --from global_step_2` replays iterations 3-4 the same again. The run folder is
     0700 with files 0600, the SQLite store 0600."""
     proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, RESUMED)
-    run_id = _wait_inside_iteration(proc, store, 2)
+    run_id = wait_inside_iteration(proc, store, 2)
     second = _hf(prefect_api, "resume", run_id, "--db", db)
     assert second.returncode == 2, second.stdout + second.stderr
     refusal = " ".join(second.stdout.split())
     assert f"run {run_id} is being trained by another controller" in refusal and f"pid {proc.pid}" in refusal
-    _wait_inside_iteration(proc, store, 4)
+    wait_inside_iteration(proc, store, 4)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     listed = subprocess.run([HF, "runs", "list", "--db", db], capture_output=True, text=True, timeout=60)
@@ -673,7 +659,7 @@ def test_four_pool_run_killed_mid_iteration_resumes_bit_identically(prefect_api,
     extra, reference_store, reference_id = four_models
     pooled = [*extra, *POOLED, "placement.concurrent=false"]
     proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, pooled, "ppo_tiny.yaml")
-    run_id = _wait_inside_iteration(proc, store, 3)
+    run_id = wait_inside_iteration(proc, store, 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert store.latest_checkpoint(run_id).step == 2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_runs import write_reward
+from tiny_runs import wait_inside_iteration, write_reward
 
 from hybridflow.engine.config import load_config
 from hybridflow.flows.store.run_store import RunStore
@@ -45,20 +45,6 @@ def _hf(*args: str, log: Path) -> subprocess.Popen:
     # output to a file: the Slurm-side processes never hold a pipe of the test open
     with log.open("ab") as out:
         return subprocess.Popen([HF, *args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-
-
-def _wait_for_iteration(store: RunStore, proc: subprocess.Popen, log: Path, step: int, timeout_s: float = 300) -> str:
-    """Wait until the (only) run of `store` has started iteration `step`; returns the run id."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        runs = store.list_runs()
-        if runs:
-            started = {i.step: i for i in store.iterations(runs[0].id)}
-            if step in started and started[step].ended_at is None:
-                return runs[0].id
-        assert proc.poll() is None, log.read_text()
-        time.sleep(0.05)
-    raise AssertionError(f"iteration {step} never started:\n{log.read_text()}")
 
 
 def _current_job(store: RunStore, run_id: str) -> str:
@@ -182,7 +168,7 @@ def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
     # 1. SIGUSR2 (what Slurm sends signal_delay_s before the time limit) during iteration 2: the run checkpoints at
     #    the next stage boundary and stops, resumable.
     proc = _hf("run", str(config), "--executor", "slurm", *common, log=log)
-    run_id = _wait_for_iteration(store, proc, log, 2)
+    run_id = wait_inside_iteration(proc, store, 2, log=log, timeout_s=300)
     subprocess.run(["scancel", "--signal=USR2", _current_job(store, run_id)], check=True)
     assert proc.wait(timeout=300) == 3, log.read_text()
     run = store.get_run(run_id)

@@ -7,9 +7,25 @@ characters) is needed for non-zero advantages; it is written to a file and loade
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hybridflow.engine.config import HybridFlowConfig, load_config
+
+
+def wait_inside_iteration(proc: subprocess.Popen, store, step: int, log: Path | None = None, timeout_s=240) -> str:
+    """Wait until the run of `proc` (``hf run``, the only run in `store`) is inside iteration `step` (started,
+    not ended); returns the run id. Its output (for a failure's message) is its stdout pipe, or the file `log`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = store.list_runs()
+        if runs:
+            started = {i.step: i for i in store.iterations(runs[0].id)}
+            if step in started and started[step].ended_at is None:
+                return runs[0].id
+        assert proc.poll() is None, log.read_text() if log is not None else proc.stdout.read().decode()
+        time.sleep(0.05)
+    raise AssertionError(f"hf run never reached iteration {step}")
 
 
 def write_reward_model(folder: Path, tokenizer, seed: int = 0) -> Path:

@@ -38,8 +38,9 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
 
     Args:
         data: rows with ``prompts`` int64 [B, P] (left-padded), ``responses`` int64 [B, T], ``response_mask``
-            [B, T], ``attention_mask`` [B, P + T], ``token_level_scores`` float [B, T]; optional non-tensor
-            ``data_source`` and ``reward_model`` (``{"ground_truth": ...}``).
+            [B, T], ``attention_mask`` [B, P + T], ``token_level_scores`` float [B, T]; optional
+            ``rollout_version`` int64 [B] and non-tensor ``uid``, ``data_source`` and ``reward_model``
+            (``{"ground_truth": ...}``).
         tokenizer: the actor's tokenizer (special tokens are skipped).
         step: the iteration the samples belong to (0: the validation before training).
 
@@ -47,7 +48,8 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
         one dict per row: ``step``, ``data_source``, ``prompt``, ``response`` (text; an agent trajectory's tool
         turns, the tokens ``response_mask`` leaves out, are shown with their template markers between
         `TOOL_OPEN` and `TOOL_CLOSE`), ``score`` (the row's summed
-        ``token_level_scores``, float), ``ground_truth`` (str, "" when absent).
+        ``token_level_scores``, float), ``ground_truth`` (str, "" when absent), ``uid`` (the prompt's id, str) and
+        ``rollout_version`` (int: the actor updates in the weights that generated it); None without the column.
     """
     batch, extra = data.batch, data.non_tensor_batch
     prompt_len = batch["prompts"].shape[1]
@@ -55,6 +57,7 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
     response_mask = batch["response_mask"].bool()
     real = batch["attention_mask"][:, prompt_len:].bool()
     scores = batch["token_level_scores"].sum(-1).tolist()
+    versions = batch["rollout_version"].tolist() if "rollout_version" in batch else [None] * len(data)
     samples = []
     for i in range(len(data)):
         truth = extra["reward_model"][i].get("ground_truth", "") if "reward_model" in extra else ""
@@ -66,6 +69,8 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
                 "response": _conversation(tokenizer, batch["responses"][i], response_mask[i], real[i]),
                 "score": float(scores[i]),
                 "ground_truth": "" if truth is None else str(truth),
+                "uid": str(extra["uid"][i]) if "uid" in extra else None,
+                "rollout_version": versions[i],
             }
         )
     return samples

@@ -312,8 +312,9 @@ class LocalStages:
     def view(self, batch: DataProto) -> DataProto:
         return batch
 
-    def submit(self, call: Call) -> Any:
-        """Run `call` now (one process: nothing to overlap with); `result` hands its result back."""
+    def submit(self, call: Call, after: Any | None = None) -> Any:
+        """Run `call` now (one process: nothing to overlap with, `after` has ended); `result` hands its result
+        back."""
         [out] = self(call)
         return out
 

@@ -262,10 +262,10 @@ def save_checkpoint(
     workers: Workers,
     step: int,
     state: dict[str, Any],
-    ahead: DataHandle | None = None,
+    ahead: dict[int, DataHandle] | None = None,
 ) -> None:
-    """Write and record the checkpoint of `step` (with `ahead`, the batch one_step_off generated for the next
-    iteration). A ``global_step_<step>`` folder already on disk is replaced only
+    """Write and record the checkpoint of `step` (with `ahead`, the batches the overlapped modes generated for the
+    iterations after it, by iteration). A ``global_step_<step>`` folder already on disk is replaced only
     when the store does not list it as a usable checkpoint (left by a crash before it was recorded, or marked bad
     or superseded); a usable recorded one is never overwritten.
 

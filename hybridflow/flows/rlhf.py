@@ -28,12 +28,12 @@ from prefect.runtime import flow_run
 from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, reward_shaping
 from hybridflow.engine.algorithms.kl import KLController
 from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier
-from hybridflow.engine.checkpoint import AHEAD_FILE, read_trainer_state, verify_checkpoint
+from hybridflow.engine.checkpoint import AHEAD_DIR, read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.data import PromptSampler, collate_prompts, train_sampler
 from hybridflow.engine.extensions import rollout_spec
 from hybridflow.engine.generations import GENERATION_KEYS
-from hybridflow.engine.iteration import Ahead, Call, run_iteration
+from hybridflow.engine.iteration import Ahead, Call, RolloutQueue, last_push, run_iteration
 from hybridflow.engine.metrics import Span, Timer
 from hybridflow.engine.protocol import DataProto
 from hybridflow.flows.lease import RunLease
@@ -103,7 +103,6 @@ class StageRunner:
     lagrangian: LagrangeMultiplier | None = None
     watch: PreemptionWatch | None = None
     logs: FlowLogs | None = None
-    pending: list[PrefectFuture] = field(default_factory=list)  # submitted calls (`submit`)
 
     def __call__(self, *calls: Call) -> list[Any]:
         """Run `calls`, none of which needs another's result: those on one worker group one after another in the
@@ -143,18 +142,15 @@ class StageRunner:
         wait(futures)
         return [f.result() for f in futures]
 
-    def submit(self, call: Call) -> PrefectFuture:
-        """Start `call` as a Prefect task future and return at once (one_step_off's generation ahead, on the
-        rollout's pool while the actor's trains); `result` waits for it, `settle` for every one submitted."""
-        enter_stage(call.stage, self.step + 2, self.step)
-        future = stages.ITERATION_TASKS[call.stage].submit(self.workers[call.role], *call.args)
-        self.pending.append(future)
-        return future
-
-    def settle(self) -> None:
-        """Wait until every submitted call has ended (its error, if any, is left to `result`): a stopped or failed
-        iteration leaves no pool in the middle of a call when the checkpoint or the shutdown calls it."""
-        wait(self.pending)
+    def submit(self, call: Call, after: PrefectFuture | None = None) -> PrefectFuture:
+        """Start `call` as a Prefect task future once `after` has ended (Prefect's ``wait_for``) and return at once:
+        the overlapped modes' generations ahead and weight pushes, queued in order on the rollout's pool while the
+        actor's trains; `result` waits for it."""
+        batch = call.args[0] if call.args and isinstance(call.args[0], DataHandle) else None
+        steps = batch.meta_info.get("global_steps", self.step) if batch is not None else self.step
+        enter_stage(call.stage, steps + 1, self.step)  # a generation ahead is named after the iteration it is for
+        task = stages.ITERATION_TASKS[call.stage]
+        return task.submit(self.workers[call.role], *call.args, wait_for=[after] if after is not None else None)
 
     def result(self, pending: Any) -> Any:
         """The result of a `submit`ted call once it has ended (its error raised); a result in hand as it is."""
@@ -266,7 +262,7 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without algorithm.cost_limit)
         workers = launch_workers(cfg, run_id, store, run_dir)
         logs.pump()
-        start, ahead = _resume(store, run_id, cfg, workers, prompts, data_dir, kl_ctrl, lagrangian, resume_from_step)
+        start, queue = _resume(store, run_id, cfg, workers, prompts, data_dir, kl_ctrl, lagrangian, resume_from_step)
         trainer = cfg.trainer
         notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
         groups = ", ".join(f"{n} ({g.spec.world_size} ranks, job {g.job_id})" for n, g in workers.groups.items())
@@ -287,22 +283,24 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         for step in range(start, trainer.total_iterations):
             lease.check()
             state_before = _trainer_state(step, prompts, kl_ctrl, lagrangian)
+            queued_before = len(queue.ahead) if queue is not None else 0  # drawn before state_before's sampler cursor
             store.start_iteration(run_id, step + 1)
             try:
-                metrics, train_kept, timeline, following = _iteration(
-                    cfg, workers, prompts, kl_ctrl, step, data_dir, logs, lagrangian, ahead
+                metrics, train_kept, timeline = _iteration(
+                    cfg, workers, prompts, kl_ctrl, step, data_dir, logs, lagrangian, queue
                 )
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
-                    save_checkpoint(store, run_id, cfg, lease, workers, step, state_before, _ready(ahead))
+                    ahead = _ready(queue, queued_before)
+                    save_checkpoint(store, run_id, cfg, lease, workers, step, state_before, ahead)
                 return _stop_preempted(store, run_id, step, str(warned), metrics)
-            ahead = following
             last = step + 1 == trainer.total_iterations
             warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
             due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
             val_kept = None
             if prompts.val_batches and due and not warned:
+                _settle(queue)  # the rollout's engine idle, with the weights pushed after this update
                 enter_stage("validate", step + 1, step + 1)
                 val, val_kept = _validate(cfg, workers, prompts, step + 1)
                 metrics.update(val)
@@ -313,7 +311,7 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
             warned = warned or PreemptionWatch(workers).signals()
             if last or warned or (trainer.save_freq and (step + 1) % trainer.save_freq == 0):
                 state = _trainer_state(step + 1, prompts, kl_ctrl, lagrangian)
-                save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state, _ready(ahead))
+                save_checkpoint(store, run_id, cfg, lease, workers, step + 1, state, _ready(queue))
             store.end_iteration(run_id, step + 1)
             notify("iteration", step=step + 1, metrics=metrics)
             logger.info(
@@ -335,9 +333,22 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         end_session(lease, workers, report, logs, interrupted, completed)
 
 
-def _ready(ahead: Ahead | None) -> DataHandle | None:
-    """The generated batch of `ahead` for a checkpoint (it is done by the time the iteration ends or stops)."""
-    return None if ahead is None else ahead.rollout
+def _settle(queue: RolloutQueue | None) -> None:
+    """Wait until every call queued on the rollout's pool has ended (an error is left to whoever reads the
+    result): no pool is in the middle of a call when a validation, a checkpoint or the shutdown calls it."""
+    if queue is not None:
+        pending = [a.rollout for a in queue.ahead] + [s for a in queue.ahead for s in a.syncs] + queue.syncs
+        wait([p for p in pending if isinstance(p, PrefectFuture)])
+
+
+def _ready(queue: RolloutQueue | None, first: int | None = None) -> dict[int, DataHandle]:
+    """The batches generated ahead for a checkpoint, by the iteration each is for, once generated (their errors
+    raised): the queue's first `first` (those admitted before a stopped iteration's sampler state), else all."""
+    if queue is None:
+        return {}
+    _settle(queue)
+    ahead = list(queue.ahead)[:first] if first is not None else queue.ahead
+    return {a.step: a.rollout.result() if isinstance(a.rollout, PrefectFuture) else a.rollout for a in ahead}
 
 
 def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl, lagrangian=None) -> dict[str, Any]:
@@ -383,12 +394,13 @@ def _iteration(
     data_dir: Path,
     logs: FlowLogs | None = None,
     lagrangian: LagrangeMultiplier | None = None,
-    ahead: Ahead | None = None,
-) -> tuple[dict[str, float], Any, list[Span], Ahead | None]:
+    queue: RolloutQueue | None = None,
+) -> tuple[dict[str, float], Any, list[Span]]:
     """One iteration (`hybridflow.engine.iteration.run_iteration`, the one the single-process trainer runs too), its
-    stages as tasks on the worker groups (`StageRunner`), training the batch generated `ahead` if any. Returns its
+    stages as tasks on the worker groups (`StageRunner`), with the overlapped modes' rollout `queue`. Returns its
     metrics (field-standard names), the first ``trainer.log_train_generations`` scored rollout rows (a `DataProto`;
-    None when 0), its timeline (every stage's span) and the next iteration's batch generated ahead (one_step_off).
+    None when 0) and its timeline (every stage's span). A failed or stopped iteration waits for the rollout's
+    pool to end its calls before it raises.
 
     Raises:
         Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
@@ -398,19 +410,21 @@ def _iteration(
     token = stages.TIMER.set(timer)
     runner = StageRunner(cfg, workers, prompts, data_dir, step, kl_ctrl, lagrangian, PreemptionWatch(workers), logs)
     try:
-        done = run_iteration(cfg, runner, step, timer, ahead)
+        done = run_iteration(cfg, runner, step, timer, queue)
+    except BaseException:
+        _settle(queue)
+        raise
     finally:
-        runner.settle()
         stages.TIMER.reset(token)
     keep = cfg.trainer.log_train_generations
     kept = None
     if keep:  # before the batch files go: the first rows as scored, for the sample generations
-        columns = [*GENERATION_KEYS, *_present(done.batch, "data_source", "reward_model")]
+        columns = [*GENERATION_KEYS, *_present(done.batch, "data_source", "reward_model", "uid", "rollout_version")]
         kept = done.batch.select(columns).load(slice(0, keep))
     for handle in (done.batch, done.greedy, *done.drawn):  # this iteration's batch files: no stage reads them again
         if handle is not None:
             handle.delete()
-    return done.metrics, kept, timer.spans, done.ahead
+    return done.metrics, kept, timer.spans
 
 
 def _present(handle: DataHandle, *keys: str) -> list[str]:
@@ -427,9 +441,10 @@ def _resume(
     kl_ctrl,
     lagrangian: LagrangeMultiplier | None = None,
     from_step: int | None = None,
-) -> tuple[int, Ahead | None]:
-    """Load the checkpoint the run continues from; return the iterations it holds (0: from the start) and the
-    batch it holds generated ahead for the next iteration (one_step_off; None without), as a handle in `data_dir`.
+) -> tuple[int, RolloutQueue | None]:
+    """Load the checkpoint the run continues from; return the iterations it holds (0: from the start) and, in the
+    overlapped modes, the rollout queue: the batches it holds generated ahead (as handles in `data_dir`), its
+    engine serving the restored actor (None: ``trainer.mode: sync``).
 
     That is the newest recorded checkpoint that verifies (`usable_checkpoint`): one that is missing, corrupt, or
     whose manifest differs from the sha256 the store recorded is marked bad in the store, and the one before it is
@@ -446,8 +461,9 @@ def _resume(
         if path is None and resume_from not in (None, "auto"):  # none of its own (usable): where it began
             path = Path(resume_from)
             verify_checkpoint(path)
+    overlapped = cfg.trainer.mode != "sync"
     if path is None:
-        return 0, None
+        return 0, RolloutQueue() if overlapped else None
     for group in workers.groups.values():
         group.load_checkpoint(str(path))
     state = read_trainer_state(path)
@@ -459,9 +475,13 @@ def _resume(
         kl_ctrl.value = state["kl_ctrl_value"]
     if lagrangian is not None and state.get("lagrange_multiplier") is not None:
         lagrangian.load_state_dict(state["lagrange_multiplier"])
-    ahead = None
-    if (path / AHEAD_FILE).is_file():  # generated before the checkpoint by the weights before its last update
-        ahead = Ahead(None, DataHandle.put(DataProto.load(path / AHEAD_FILE), data_dir, "ahead"))
-    logger.info("run %s resumes after iteration %d from %s", run_id, state["global_steps"], path)
-    notify("resumed", step=int(state["global_steps"]), path=str(path))
-    return int(state["global_steps"]), ahead
+    start = int(state["global_steps"])
+    queue = RolloutQueue(engine_version=last_push(cfg, start)) if overlapped else None
+    for file in sorted((path / AHEAD_DIR).glob("*.safetensors"), key=lambda f: int(f.stem)):
+        # generated before the checkpoint by the weights each row records: trained as they are, never again
+        ahead = DataHandle.put(DataProto.load(file), data_dir, "ahead").with_meta(global_steps=int(file.stem))
+        if queue is not None:
+            queue.ahead.append(Ahead(int(file.stem), None, ahead))
+    logger.info("run %s resumes after iteration %d from %s", run_id, start, path)
+    notify("resumed", step=start, path=str(path))
+    return start, queue

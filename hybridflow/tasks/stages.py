@@ -25,7 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from hybridflow.engine.advantage import ADVANTAGE_INPUTS, advantage_stage
 from hybridflow.engine.algorithms.kl import KLController
 from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier
-from hybridflow.engine.checkpoint import AHEAD_FILE, begin_checkpoint, finish_checkpoint
+from hybridflow.engine.checkpoint import AHEAD_DIR, begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
 from hybridflow.engine.dynamic_sampling import kept_rows, metric_columns
 from hybridflow.engine.generations import GENERATION_KEYS
@@ -134,12 +134,12 @@ def checkpoint(
     checkpoint_dir: str,
     step: int,
     trainer_state: dict[str, Any],
-    ahead: DataHandle | None = None,
+    ahead: dict[int, DataHandle] | None = None,
 ) -> dict:
     """Write the checkpoint of iteration `step` atomically: every group writes the roles it hosts into one staging
-    folder, then the controller adds the batch generated `ahead` for the next iteration (one_step_off:
-    `AHEAD_FILE`, so a resume trains it, neither lost nor generated twice), the trainer state and the manifest, and
-    renames it.
+    folder, then the controller adds the batches generated `ahead`, by the iteration each is for (the overlapped
+    modes: ``<AHEAD_DIR>/<iteration>.safetensors``, so a resume trains each, neither lost nor generated twice), the
+    trainer state and the manifest, and renames it.
 
     A ``global_step_<step>`` folder already there was written just before a crash and never recorded in the run
     store (the store, not the folder, lists complete checkpoints): it is replaced.
@@ -154,8 +154,10 @@ def checkpoint(
     try:
         for group in groups:
             group.save_checkpoint_part(str(staging))
-        if ahead is not None:
-            ahead.load().save(staging / AHEAD_FILE)
+        if ahead:
+            (staging / AHEAD_DIR).mkdir()
+            for iteration, batch in ahead.items():
+                batch.load().save(staging / AHEAD_DIR / f"{iteration}.safetensors")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -15,6 +15,7 @@ from __future__ import annotations
 from hybridflow.engine.config.loading import ConfigError, apply_overrides, load_config, resume_config, validate_config
 from hybridflow.engine.config.run import (
     HybridFlowConfig,
+    OffPolicyWarning,
     PreferenceDataConfig,
     RMTrainingConfig,
     SFTDataConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "CriticConfig",
     "DataConfig",
     "HybridFlowConfig",
+    "OffPolicyWarning",
     "OptimConfig",
     "OverlongBufferConfig",
     "PolicyLossConfig",

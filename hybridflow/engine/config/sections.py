@@ -182,6 +182,13 @@ class RolloutConfig(_Section):
     )
     gen_pp: int = Field(1, ge=1, description="pipeline stages of generation (p_g); only 1 is implemented")
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="trainer.mode=async: the most actor updates a trained batch's generating weights may lag behind "
+        "(0 = the synchronous loop's samples); the controller admits a generation only while the bound can hold, "
+        "nothing is dropped. sync is 0, one_step_off 1",
+    )
     reshard: Literal["hybridflow", "naive"] = Field(
         "hybridflow",
         description="actor.strategy=megatron: how training shards become generation shards: hybridflow (all-gather "
@@ -498,11 +505,19 @@ class TrainerConfig(_RunTrainer):
     """Iterations, seed, device, validation and checkpoint frequency, output folders, trackers."""
 
     total_iterations: int = Field(1, ge=0)
-    mode: Literal["sync", "one_step_off"] = Field(
+    mode: Literal["sync", "one_step_off", "async"] = Field(
         "sync",
         description="sync: each iteration generates, then trains; one_step_off (verl's one-step-off-policy): the "
         "rollout pool generates the next iteration's batch while the actor trains on this one (staleness 1, "
-        "corrected by actor.tis_cap, 2.0 unless set); needs the rollout in a pool of its own (placement.pools)",
+        "corrected by actor.tis_cap, 2.0 unless set); async: the rollout pool generates as far ahead as "
+        "rollout.max_staleness allows, taking new weights every trainer.weight_sync_every updates; the overlapped "
+        "modes need the rollout in a pool of its own (placement.pools)",
+    )
+    weight_sync_every: int = Field(
+        1,
+        ge=1,
+        description="trainer.mode=async: actor updates per weight push to the rollout pool (at most "
+        "rollout.max_staleness + 1; the last update always pushes)",
     )
     test_freq: int = Field(0, ge=0, description="validate every K iterations (0 = only before and after)")
     val_before_train: bool = True

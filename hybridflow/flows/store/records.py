@@ -112,7 +112,9 @@ class Checkpoint(_Record):
 @dataclass(frozen=True, slots=True)
 class Sample(_Record):
     """One sample generation: the prompt and response text, its score (None: NaN or ±inf) and ground truth, at
-    iteration ``step`` (``kind`` train) or the validation after it (``kind`` val; step 0: before training)."""
+    iteration ``step`` (``kind`` train) or the validation after it (``kind`` val; step 0: before training);
+    ``uid``: its prompt's id in the run (``<epoch>-<position>``, shared by the prompt's responses) and
+    ``rollout_version``: the actor updates in the weights that generated it (None: not recorded)."""
 
     run_id: str
     step: int
@@ -123,6 +125,8 @@ class Sample(_Record):
     response: str
     score: float | None
     ground_truth: str
+    uid: str | None = None
+    rollout_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -550,7 +550,8 @@ class RunStore:
         iteration replaces its samples), in one transaction.
 
         Each sample is a mapping with ``prompt``, ``response`` (str), ``score`` (a number; NaN/±inf stored as NULL)
-        and optionally ``data_source`` and ``ground_truth`` (str; "" when absent). Raises ValueError for a bad step,
+        and optionally ``data_source`` and ``ground_truth`` (str; "" when absent), ``uid`` (str: the prompt's id)
+        and ``rollout_version`` (int: the actor updates in the generating weights). Raises ValueError for a bad step,
         a `kind` not in `SAMPLE_KINDS`, or a sample missing a key or with a non-numeric score (nothing is recorded),
         and UnknownRunError for an unknown run.
         """
@@ -573,6 +574,8 @@ class RunStore:
                     response=str(sample["response"]),
                     score=_metric_value(step, f"sample {idx} score", sample["score"]),
                     ground_truth=str(sample.get("ground_truth") or ""),
+                    uid=sample.get("uid"),
+                    rollout_version=sample.get("rollout_version"),
                 )
             )
         with self._writing() as session:
@@ -781,7 +784,19 @@ class RunStore:
             self._require_run(session, run_id)
             rows = session.scalars(query.order_by(SampleRow.step, SampleRow.kind, SampleRow.idx))
             return [
-                Sample(r.run_id, r.step, r.kind, r.idx, r.data_source, r.prompt, r.response, r.score, r.ground_truth)
+                Sample(
+                    r.run_id,
+                    r.step,
+                    r.kind,
+                    r.idx,
+                    r.data_source,
+                    r.prompt,
+                    r.response,
+                    r.score,
+                    r.ground_truth,
+                    r.uid,
+                    r.rollout_version,
+                )
                 for r in rows
             ]
 

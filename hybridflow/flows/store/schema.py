@@ -204,6 +204,8 @@ class SampleRow(Base):
     response: Mapped[str] = mapped_column(Text)
     score: Mapped[float | None] = mapped_column(Double)
     ground_truth: Mapped[str] = mapped_column(Text)
+    uid: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the prompt's id: <epoch>-<position>
+    rollout_version: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the generating weights' updates
 
 
 class StageTimeRow(Base):

@@ -414,13 +414,18 @@ class WorkerGroup:
 
     def poll(self) -> None:
         """Handle the messages that arrived while no call was running (heartbeats with warning signals; results
-        of an abandoned call are dropped)."""
-        with self._lock:
+        of an abandoned call are dropped). Returns at once while a call runs (a generation ahead, in another
+        thread): that call's own receive loop handles them."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
             if self._closed:
                 return
             while (got := self._endpoint.recv(0)) is not None:
                 if got[1].get("type") in ("heartbeat", "hello", "fatal", "rendezvous"):
                     self._handle_side_message(got[1])
+        finally:
+            self._lock.release()
 
     def _check_job_alive(self, during: str) -> str:
         """Raise if the job has ended, or (Slurm) if one of its nodes is down or drained. Returns the Slurm job's

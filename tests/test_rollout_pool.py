@@ -197,6 +197,25 @@ def test_async_at_staleness_0_samples_what_sync_samples(prefect_api, tmp_path):
         assert zero[step]["rollout/weight_probe_diff"] < 1e-4  # each push's check read in its own iteration
 
 
+@needs_vllm
+def test_async_ppo_trains_its_critic_beside_the_actor(prefect_api, tmp_path):
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    pools = {
+        "train": {"roles": ["actor", "ref", "reward"]},
+        "critic": {"roles": ["critic"]},
+        **{"generate": OFF["generate"]},
+    }
+    extra = [f"placement.pools={json.dumps(pools)}", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2"]
+    _, ppo = _run(store, tmp_path, "ppo", [*extra, "trainer.mode=async", "rollout.max_staleness=2"])
+    assert [ppo[step]["off_policy/staleness_max"] for step in (1, 2, 3)] == [0.0, 1.0, 2.0]
+    for step in (1, 2, 3):  # the critic's values and update on the stale batch, the actor corrected
+        assert (
+            "critic/vf_loss" in ppo[step] and "timing_s/values" in ppo[step] and ppo[step]["actor/tis_weight_mean"] > 0
+        )
+
+
 ASYNC = ["trainer.mode=async", "rollout.max_staleness=2", "trainer.weight_sync_every=2", "trainer.total_iterations=6"]
 
 

@@ -113,6 +113,26 @@ def test_a_rollout_pool_apart_samples_what_the_colocated_engine_samples_and_resu
 OFF = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
 
 
+def test_a_published_version_waits_for_its_load_behind_newer_ones(tmp_path):
+    """Async: the push of version 2 may come before the rollout's pool has loaded version 1 (its load is queued
+    behind generations). Version 1's file must still be there; loading version 2 removes both and the folder."""
+    import torch
+
+    from hybridflow.engine.models import load_model
+    from hybridflow.engine.rollout.published import publish, remove_published
+
+    model = load_model(str(build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32)))
+    folder = tmp_path / "weights"
+    first = publish(model, [1, 2, 3], folder, 1, torch.bfloat16)
+    second = publish(model, [1, 2, 3], folder, 2, torch.bfloat16)
+    assert Path(first["path"]).is_file() and Path(second["path"]).is_file()
+    remove_published(first["path"])  # the load of version 1, in its turn
+    assert not Path(first["path"]).exists() and Path(second["path"]).is_file()
+    publish(model, [1, 2, 3], folder, 3, torch.bfloat16)
+    remove_published(folder / "actor-v3.safetensors")  # a load of version 3 clears every earlier one
+    assert not folder.exists()
+
+
 def test_one_step_off_needs_the_rollout_alone_in_its_pool_and_corrects_by_default():
     path = ROOT / "examples" / "grpo_tiny.yaml"
     base = ["rollout.name=vllm", "trainer.mode=one_step_off"]

@@ -59,17 +59,27 @@ def weights_folder(run_data_dir: str | Path, local: bool) -> Path:
 
 
 def remove_published(path: str | Path) -> None:
-    """Remove a published file once every rollout rank has loaded it, and its folder once empty."""
+    """Remove a published file once every rollout rank has loaded it, with every earlier version in its folder
+    (loads run in version order: none of them is loaded again), and the folder once empty."""
     path = Path(path)
-    path.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):  # not empty: a newer version is there already
+    loaded = _version(path)
+    for file in path.parent.glob("actor-v*.safetensors"):
+        if _version(file) <= loaded:
+            file.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: a newer version waits for its load
         path.parent.rmdir()
+
+
+def _version(path: Path) -> int:
+    """The version in a published file's name, ``actor-v<version>.safetensors``."""
+    return int(path.name.removeprefix("actor-v").removesuffix(".safetensors"))
 
 
 def publish(model: torch.nn.Module, prompt: list[int], folder: Path, version: int, dtype: torch.dtype) -> dict:
     """Write `model`'s full state dict in `dtype` (every name, a tied tensor under each of its names: an engine's
     reload restores a tied tensor it is not sent) and its probe log-probs as ``<folder>/actor-v<version>.safetensors``,
-    atomically; earlier versions in `folder` are removed.
+    atomically. Earlier versions stay until the rollout loads this one or a later one (`remove_published`): in the
+    overlapped modes a load queued behind generations may still be waiting for its file.
 
     Args:
         model: the actor's Hugging Face model holding full weights (an FSDP actor's gathered for the call).
@@ -93,9 +103,6 @@ def publish(model: torch.nn.Module, prompt: list[int], folder: Path, version: in
     partial = folder / f".actor-v{version}.safetensors.partial"
     save_file(tensors, str(partial), metadata={"version": str(version)})
     os.replace(partial, path)
-    for old in folder.glob("actor-v*.safetensors"):
-        if old != path:
-            old.unlink(missing_ok=True)
     return {"path": str(path), "version": version, "bytes": weight_bytes}
 
 

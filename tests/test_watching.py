@@ -205,16 +205,42 @@ def test_version_is_hybridflows():
 
 
 def _prefect(flow_run_id: str):
+    """The flow run, its task runs, logs (oldest first) and artifacts, each read with a server-side filter on the
+    flow run and paged: the server answers at most ``PREFECT_API_DEFAULT_LIMIT`` (200) rows a read, and the test
+    session's one server holds every run's rows."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.client.schemas.sorting import LogSort
+
+    async def paged(read, **kwargs):
+        rows, page = [], 200
+        while True:
+            got = await read(**kwargs, limit=page, offset=len(rows))
+            rows += got
+            if len(got) < page:
+                return rows
 
     async def read():
         async with get_client() as client:
             flow_run = await client.read_flow_run(flow_run_id)
-            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-            artifacts = await client.read_artifacts()
-            return flow_run, tasks, logs, [a for a in artifacts if str(a.flow_run_id) == flow_run_id]
+            tasks = await paged(client.read_task_runs, flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            logs = await paged(
+                client.read_logs,
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                sort=LogSort.TIMESTAMP_ASC,
+            )
+            artifacts = await paged(
+                client.read_artifacts,
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])),
+            )
+            return flow_run, tasks, logs, artifacts
 
     return asyncio.run(read())
 

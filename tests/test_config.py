@@ -102,9 +102,12 @@ def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
         load_config(None, [*MINIMAL, "placement.nodes=2"])
     earlier = load_config(None, [*MINIMAL, "placement.world_size=2"])  # configs recorded before nodes x tasks
     assert earlier.placement.tasks_per_node == 2 and earlier.placement.world_size == 2
-    with pytest.raises(ConfigError, match=r"actor.tis_cap .* rollout.name=vllm"):
-        load_config(None, [*MINIMAL, "actor.tis_cap=2.0"])
-    assert load_config(None, [*MINIMAL, "rollout.name=vllm", "actor.tis_cap=2.0"]).actor.tis_cap == 2.0
+    tis = "algorithm.rollout_correction.rollout_is=token"
+    with pytest.raises(ConfigError, match=r"rollout_correction.rollout_is corrects .* rollout.name=vllm"):
+        load_config(None, [*MINIMAL, tis])
+    assert load_config(None, [*MINIMAL, "rollout.name=vllm", tis]).algorithm.rollout_correction.rollout_is == "token"
+    with pytest.raises(ConfigError, match=r"rollout_correction.rollout_is: Input should be 'token' or 'sequence'"):
+        load_config(None, [*MINIMAL, "rollout.name=vllm", "algorithm.rollout_correction.rollout_is=geometric"])
     has_vllm = importlib.util.find_spec("vllm") is not None
     assert load_config(None, [*MINIMAL, "rollout.name=auto"]).rollout.name == ("vllm" if has_vllm else "hf")
     with pytest.raises(ConfigError, match=r"placement.slurm.gpus: unknown key"):

@@ -65,5 +65,11 @@ def test_take_and_concat_pick_rows_across_parts_without_copying(tmp_path):
     assert DataHandle.from_json(kept.to_json()).load().batch["x"].tolist() == [1, 2, 3, 4, 100, 105]
     with pytest.raises(ValueError, match="ascending"):
         first.take([2, 1])
-    with pytest.raises(ValueError, match="grouped unlike"):
+    with pytest.raises(ValueError, match=r"holds columns \['x'\], unlike \['x', 's'\]"):
         DataHandle.concat([first, first.select(["x"])])
+    # a batch restored in one file (a generation ahead, from a checkpoint) beside one written a file per stage
+    restored = DataHandle.put(DataProto.from_dict({"s": torch.tensor([7.0, 8.0]), "x": torch.tensor([7, 8])}), tmp_path)
+    mixed = DataHandle.concat([restored, second.take([0, 5])])
+    assert {g.keys for g in mixed.groups} == {("x",), ("s",)}  # apart in the fresh batch, so apart in both
+    assert mixed.load().batch["x"].tolist() == [7, 8, 100, 105]
+    assert mixed.load().batch["s"].tolist() == [7.0, 8.0, 100.0, 105.0]

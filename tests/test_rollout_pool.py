@@ -140,16 +140,20 @@ def test_one_step_off_needs_the_rollout_alone_in_its_pool_and_corrects_by_defaul
         load_config(path, base)
     with pytest.raises(ConfigError, match=r"move reward out of placement.pools.generate"):
         load_config(path, [*base, f"placement.pools={json.dumps(APART)}"])
-    with pytest.raises(ConfigError, match=r"algorithm.filter_groups.enable draws more"):
-        load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "algorithm.filter_groups.enable=true"])
+    with pytest.raises(ConfigError, match=r"ReMax's greedy baseline draws another per batch"):
+        load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "algorithm.adv_estimator=remax"])
     off = load_config(path, [*base, f"placement.pools={json.dumps(OFF)}"])
     assert process_threads(off, ["rollout"]) == 0  # torch's default unless the pool or the trainer sets them
     split = {name: {**pool, "num_threads": 1} for name, pool in OFF.items()}  # a core each
     one_each = load_config(path, [*base, f"placement.pools={json.dumps(split)}", "trainer.num_threads=2"])
     assert process_threads(one_each, ["rollout"]) == process_threads(one_each, ["actor", "ref", "reward"]) == 1
     assert process_threads(one_each, one_each.roles()) == 2  # every role in one process: the trainer's
-    assert off.actor.tis_cap == 2.0 and not off.skips_old_log_prob()  # decoupled: proximal log-probs, IS to behaviour
-    assert load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "actor.tis_cap=null"]).actor.tis_cap is None
+    correction = off.algorithm.rollout_correction
+    assert (correction.rollout_is, correction.rollout_is_threshold) == ("token", 2.0)  # decoupled PPO + TIS
+    assert not off.skips_old_log_prob()  # the proximal policy's log-probs, recomputed
+    off_null = [*base, f"placement.pools={json.dumps(OFF)}", "algorithm.rollout_correction.rollout_is=null"]
+    with pytest.warns(OffPolicyWarning):
+        assert load_config(path, off_null).algorithm.rollout_correction.rollout_is is None
 
 
 @needs_vllm
@@ -163,17 +167,18 @@ def test_one_step_off_trains_each_batch_one_version_late_overlapped_and_resumes_
     assert (off[1]["off_policy/staleness_mean"], off[1]["off_policy/staleness_max"]) == (0.0, 0.0)
     for step in (2, 3):
         assert (off[step]["off_policy/staleness_mean"], off[step]["off_policy/staleness_max"]) == (1.0, 1.0)
-        assert off[step]["actor/tis_weight_mean"] > 0  # the truncated IS correction is on by default
+        assert off[step]["rollout_corr/rollout_is_mean"] > 0  # the truncated IS correction is on by default
         assert "timing_s/old_log_prob" in off[step]  # the proximal policy's log-probs, recomputed
     assert "timing_s/gen" not in off[3]  # nothing left to generate ahead after the last iteration
-    # the next batch's generation (generate pool) starts before this iteration's first stage on the train pool ends:
-    # it runs beside training (on the tiny model it may end first: it takes ~0.1 s)
-    spans = [s for s in store.stage_times(run_id) if s.step in (1, 2)]
-    for step in (1, 2):
-        gen = max((s for s in spans if s.step == step and s.stage == "gen"), key=lambda s: s.started_at)  # ahead
-        train = [s for s in spans if s.step == step and s.pool == "train"]
-        assert gen.started_at < min(t.ended_at for t in train)
-    assert 0 < off[2]["perf/busy/generate"] < 1 and 0 < off[2]["perf/busy/train"] <= 1
+    # the next batch's generation (generate pool) runs beside a stage on the train pool: the timeline records each
+    # call once, in the iteration it ended in (one generated ahead may end in the next)
+    spans = store.stage_times(run_id)
+    gens = [s for s in spans if s.stage == "gen"]
+    train = [s for s in spans if s.pool == "train"]
+    assert len(gens) == 3  # one generation per iteration, none lost
+    assert any(g.started_at < t.ended_at and t.started_at < g.ended_at for g in gens for t in train)
+    for step in (2, 3):  # the generation admitted at its start runs (or waits for its turn) inside its window
+        assert 0 < off[step]["perf/busy/generate"] < 1 and 0 < off[step]["perf/busy/train"] <= 1
 
     # resumed after iteration 1: the batch generated ahead comes from the checkpoint, so iterations 2-3 repeat exactly
     _, resumed = _run(store, tmp_path, "off", [], resume_from_step=1, run_id=run_id)
@@ -195,11 +200,16 @@ def test_async_bounds_its_staleness_by_configuration():
         load_config(path, ["rollout.name=vllm", "trainer.mode=async"])
     one_step = ["actor.ppo_mini_batch_size=4"]  # one optimizer step per iteration: on-policy skips old_log_prob
     on_policy = load_config(path, [*base, *one_step, "trainer.mode=async", "rollout.max_staleness=0"])
-    assert on_policy.max_staleness() == 0 and on_policy.actor.tis_cap is None and on_policy.skips_old_log_prob()
+    assert on_policy.max_staleness() == 0 and on_policy.skips_old_log_prob()
+    assert on_policy.algorithm.rollout_correction.rollout_is is None
     stale = load_config(path, [*base, *one_step, "trainer.mode=async", "rollout.max_staleness=3"])
-    assert stale.max_staleness() == 3 and stale.actor.tis_cap == 2.0 and not stale.skips_old_log_prob()
+    assert stale.max_staleness() == 3 and stale.algorithm.rollout_correction.rollout_is == "token"
+    assert not stale.skips_old_log_prob()
     with pytest.warns(OffPolicyWarning, match=r"up to 3 updates stale with the off-policy correction off"):
-        load_config(path, [*base, "trainer.mode=async", "rollout.max_staleness=3", "actor.tis_cap=null"])
+        load_config(
+            path,
+            [*base, "trainer.mode=async", "rollout.max_staleness=3", "algorithm.rollout_correction.rollout_is=null"],
+        )
 
 
 @needs_vllm
@@ -213,8 +223,33 @@ def test_async_at_staleness_0_samples_what_sync_samples(prefect_api, tmp_path):
     for step in (1, 2, 3):
         # each batch admitted only once the engine holds the weights it is trained with: the same tokens, to the bit
         assert {k: zero[step][k] for k in SAMPLED} == {k: sync[step][k] for k in SAMPLED}
-        assert zero[step]["off_policy/staleness_max"] == 0.0 and "actor/tis_weight_mean" not in zero[step]
+        assert zero[step]["off_policy/staleness_max"] == 0.0 and "rollout_corr/rollout_is_mean" not in zero[step]
         assert zero[step]["rollout/weight_probe_diff"] < 1e-4  # each push's check read in its own iteration
+
+
+@needs_vllm
+def test_async_dapo_draws_more_behind_the_admitted_generations_within_the_bound_and_resumes(prefect_api, tmp_path):
+    """DAPO's dynamic sampling at staleness 1: 2 prompts a draw for a batch of 4, so every iteration draws again
+    beyond the batch admitted ahead; those draws queue on the rollout's pool behind the admitted generations and
+    their rows too are at most 1 update stale. A run resumed after iteration 1 (its sampler past the prompts drawn
+    ahead) repeats iterations 2 and 3."""
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    dapo = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward", "data.gen_batch_size=2"]
+    extra = [f"placement.pools={json.dumps(OFF)}", "trainer.mode=async", *dapo, "trainer.log_train_generations=16"]
+    run_id, ahead = _run(store, tmp_path, "dapo", extra)
+    for step in (1, 2, 3):
+        assert ahead[step]["train/num_gen_batches"] >= 2 and ahead[step]["off_policy/staleness_max"] <= 1.0
+        assert ahead[step]["rollout_corr/rollout_is_mean"] > 0
+    assert max(ahead[step]["off_policy/staleness_max"] for step in (2, 3)) == 1.0  # generated ahead, and trained
+    lags = {s.step - 1 - s.rollout_version for s in store.samples(run_id, kind="train")}
+    assert lags <= {0, 1} and 1 in lags, lags  # row by row, on the recorded versions
+    _, resumed = _run(store, tmp_path, "dapo", [], resume_from_step=1, run_id=run_id)
+    for step in (2, 3):
+        assert {k: resumed[step][k] for k in (*SAMPLED, "train/num_gen_batches")} == {
+            k: ahead[step][k] for k in (*SAMPLED, "train/num_gen_batches")
+        }
 
 
 @needs_vllm
@@ -228,12 +263,18 @@ def test_async_ppo_trains_its_critic_beside_the_actor(prefect_api, tmp_path):
         **{"generate": OFF["generate"]},
     }
     extra = [f"placement.pools={json.dumps(pools)}", "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2"]
-    _, ppo = _run(store, tmp_path, "ppo", [*extra, "trainer.mode=async", "rollout.max_staleness=2"])
+    sequence_level = "algorithm.rollout_correction.rollout_is=sequence"
+    _, ppo = _run(store, tmp_path, "ppo", [*extra, "trainer.mode=async", "rollout.max_staleness=2", sequence_level])
     assert [ppo[step]["off_policy/staleness_max"] for step in (1, 2, 3)] == [0.0, 1.0, 2.0]
-    for step in (1, 2, 3):  # the critic's values and update on the stale batch, the actor corrected
+    for step in (1, 2, 3):  # the critic's values and update on the stale batch, the actor corrected per response
+        assert "critic/vf_loss" in ppo[step] and "timing_s/values" in ppo[step]
         assert (
-            "critic/vf_loss" in ppo[step] and "timing_s/values" in ppo[step] and ppo[step]["actor/tis_weight_mean"] > 0
+            ppo[step]["rollout_corr/rollout_is_mean"] > 0 and ppo[step]["rollout_corr/rollout_is_eff_sample_size"] > 0
         )
+    # a response's weight is the product of its tokens' ratios: at staleness 2 some pass the cap that few tokens do
+    assert (
+        ppo[3]["rollout_corr/rollout_is_ratio_fraction_high"] + ppo[3]["rollout_corr/rollout_is_ratio_fraction_low"] > 0
+    )
 
 
 ASYNC = ["trainer.mode=async", "rollout.max_staleness=2", "trainer.weight_sync_every=2", "trainer.total_iterations=6"]
@@ -256,7 +297,7 @@ def test_async_never_trains_a_batch_staler_than_its_bound_and_a_sigkill_loses_no
     run_id, ahead = _run(store, tmp_path, "ahead", extra)
     stale = {step: ahead[step]["off_policy/staleness_max"] for step in range(1, 7)}
     assert max(stale.values()) == 2.0 and min(stale.values()) == 0.0, stale  # the bound reached, never passed
-    assert all(ahead[step]["actor/tis_weight_mean"] > 0 for step in range(1, 7))
+    assert all(ahead[step]["rollout_corr/rollout_is_mean"] > 0 for step in range(1, 7))
     samples = store.samples(run_id, kind="train")
     lags = Counter(s.step - 1 - s.rollout_version for s in samples)  # iteration s trains at actor version s - 1
     assert set(lags) == {0, 1, 2}, lags  # checked row by row on the versions the store recorded

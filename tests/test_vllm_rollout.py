@@ -197,7 +197,7 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
             "rollout.vllm_dtype=float32",  # parity with the fp32 actor; bf16 (the default) is covered by the benchmark
             "trainer.total_iterations=2",
             "placement.tasks_per_node=2",
-            "actor.tis_cap=2.0",
+            "algorithm.rollout_correction.rollout_is=token",
             "actor.optim.lr=1e-3",
             f"trainer.output_dir={tmp_path / 'out'}",
             f"reward.custom_function={write_reward(tmp_path)}",
@@ -214,8 +214,8 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
         assert metrics[step]["timing_s/weight_sync"] > 0
         assert metrics[step]["rollout/weight_probe_diff"] < 1e-4  # the engine serves the updated actor
         assert metrics[step]["rollout/log_prob_diff_mean"] < 1e-3  # engine and actor agree on the samples
-        assert abs(metrics[step]["actor/tis_weight_mean"] - 1.0) < 1e-2  # so the TIS weights are ~1
-        assert metrics[step]["actor/tis_truncated_frac"] == 0.0
+        assert abs(metrics[step]["rollout_corr/rollout_is_mean"] - 1.0) < 1e-2  # so the TIS weights are ~1
+        assert metrics[step]["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
     assert metrics[2]["actor/ppo_kl"] != 0 or metrics[2]["actor/pg_loss"] != 0
     actor = next(p for p in store.placements(run_id) if p.role == "actor").parallel
     synced = {metrics[step]["rollout/weight_sync_bytes"] for step in (1, 2)}

@@ -230,7 +230,9 @@ def _prefect(flow_run_id: str):
     async def read():
         async with get_client() as client:
             flow_run = await client.read_flow_run(flow_run_id)
-            tasks = await paged(client.read_task_runs, flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            tasks = await paged(
+                client.read_task_runs, flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
             logs = await paged(
                 client.read_logs,
                 log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),

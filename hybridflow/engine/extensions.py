@@ -96,7 +96,8 @@ class RolloutSpec:
     Attributes:
         build: ``build(cfg, weights, tokenizer, model_path, compute_dtype) -> Rollout``, or its import path.
         syncs_weights: the rollout keeps weights of its own, loaded by `Rollout.update_weights` after each update.
-        reports_log_probs: it returns ``rollout_log_probs`` (needed by ``actor.tis_cap``; agent loops always do).
+        reports_log_probs: it returns ``rollout_log_probs`` (needed by ``algorithm.rollout_correction``; agent
+            loops always do).
         tensor_parallel: it can generate tensor-parallel over ``rollout.gen_tp`` ranks of the 3D-HybridEngine.
     """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -149,30 +150,66 @@ class Span(NamedTuple):
     end: float
 
 
+_TIMERS = threading.Lock()
+"""Guards every `Timer`: a stage that ends after its timer was handed over records in the one after it."""
+
+
 class Timer:
     """Accumulates wall-clock seconds per stage: ``with timer("gen"): ...`` -> ``timing_s/gen``, and keeps every
     timed `Span` (the iteration's timeline). Thread-safe: stages running at the same time time themselves from
-    their own threads."""
+    their own threads.
+
+    A stage still running when the iteration ends (a generation admitted ahead, ``trainer.mode: async``) is
+    recorded, when it ends, in the timer its iteration's was handed over to (`hand_over`): each span and its
+    seconds count once, in the iteration during which the stage ended; `open_spans` gives those running now.
+    """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.spans: list[Span] = []
-        self._lock = threading.Lock()
+        self._open: dict[int, tuple[str, str | None, float]] = {}  # running stages: name, pool, start
+        self._next: Timer | None = None
+        self._ids = itertools.count()
 
     @contextmanager
     def __call__(self, name: str, pool: str | None = None) -> Iterator[None]:
         start_wall, start = time.time(), time.perf_counter()
+        with _TIMERS:
+            key = next(self._ids)
+            self._live()._open[key] = (name, pool, start_wall)
         try:
             yield
         finally:
             elapsed = time.perf_counter() - start
-            with self._lock:
-                self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
-                self.spans.append(Span(name, pool, start_wall, start_wall + elapsed))
+            with _TIMERS:
+                timer = self._live()
+                timer._open.pop(key, None)
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + elapsed
+                timer.spans.append(Span(name, pool, start_wall, start_wall + elapsed))
+
+    def _live(self) -> Timer:
+        timer = self
+        while timer._next is not None:
+            timer = timer._next
+        return timer
+
+    def hand_over(self) -> Timer:
+        """End this timer's iteration: returns the next iteration's timer, where the stages running now will record
+        their spans and seconds when they end (this one keeps what it has)."""
+        with _TIMERS:
+            successor = Timer()
+            successor._open, successor._ids, self._open = self._open, self._ids, {}
+            self._next = successor
+        return successor
+
+    def open_spans(self, now: float) -> list[Span]:
+        """The stages running now, as spans from their start to `now` (seconds since the epoch)."""
+        with _TIMERS:
+            return [Span(name, pool, start, now) for name, pool, start in self._live()._open.values()]
 
     def metrics(self) -> dict[str, float]:
         """Seconds per stage so far, keyed ``"timing_s/<name>"`` (stages timed twice add up); first-timed order."""
-        with self._lock:
+        with _TIMERS:
             return {f"timing_s/{k}": v for k, v in self.seconds.items()}
 
 
@@ -186,16 +223,19 @@ def staleness_metrics(data: DataProto, version: int) -> dict[str, float]:
     return {"off_policy/staleness_mean": float(lag.mean()), "off_policy/staleness_max": float(lag.max())}
 
 
-def busy_fractions(spans: list[Span], seconds: float) -> dict[str, float]:
-    """Each pool's share of the iteration's `seconds` spent in a stage call (its spans merged where they overlap):
-    ``perf/busy/<pool>``; the controller's own stages (pool None) are left out."""
+def busy_fractions(spans: list[Span], window: tuple[float, float]) -> dict[str, float]:
+    """Each pool's share of the iteration's `window` (start, end; seconds since the epoch) spent in a stage call:
+    its spans clipped to the window and merged where they overlap (a generation admitted in an earlier iteration
+    counts from the window's start, one still running up to its end): ``perf/busy/<pool>``; the controller's own
+    stages (pool None) are left out."""
+    start, end = window
     out = {}
     for pool in sorted({s.pool for s in spans if s.pool is not None}):
-        busy, end = 0.0, float("-inf")
+        busy, covered = 0.0, start
         for span in sorted((s for s in spans if s.pool == pool), key=lambda s: s.start):
-            busy += max(0.0, span.end - max(span.start, end))
-            end = max(end, span.end)
-        out[f"perf/busy/{pool}"] = busy / seconds if seconds > 0 else 0.0
+            busy += max(0.0, min(span.end, end) - max(span.start, covered))
+            covered = max(covered, min(span.end, end))
+        out[f"perf/busy/{pool}"] = busy / (end - start) if end > start else 0.0
     return out
 
 

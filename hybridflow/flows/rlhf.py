@@ -399,14 +399,15 @@ def _iteration(
     """One iteration (`hybridflow.engine.iteration.run_iteration`, the one the single-process trainer runs too), its
     stages as tasks on the worker groups (`StageRunner`), with the overlapped modes' rollout `queue`. Returns its
     metrics (field-standard names), the first ``trainer.log_train_generations`` scored rollout rows (a `DataProto`;
-    None when 0) and its timeline (every stage's span). A failed or stopped iteration waits for the rollout's
-    pool to end its calls before it raises.
+    None when 0) and its timeline (the span of every stage that ended during it: a generation admitted ahead counts in
+    the iteration it ends in). A failed or stopped iteration waits for the rollout's pool to end its calls before it
+    raises.
 
     Raises:
         Preempted: Slurm warned the workers before the first update stage (nothing of the iteration applied).
         DynamicSamplingError: DAPO's draw limit was reached before enough varied groups (nothing applied).
     """
-    timer = Timer()
+    timer = queue.timer if queue is not None else Timer()
     token = stages.TIMER.set(timer)
     runner = StageRunner(cfg, workers, prompts, data_dir, step, kl_ctrl, lagrangian, PreemptionWatch(workers), logs)
     try:
@@ -416,6 +417,8 @@ def _iteration(
         raise
     finally:
         stages.TIMER.reset(token)
+        if queue is not None:  # generations and pushes still running record in the next iteration, when they end
+            queue.timer = timer.hand_over()
     keep = cfg.trainer.log_train_generations
     kept = None
     if keep:  # before the batch files go: the first rows as scored, for the sample generations

@@ -153,15 +153,24 @@ class DataHandle:
     def concat(cls, handles: Sequence[DataHandle]) -> DataHandle:
         """The rows of `handles` one after another (nothing is read or copied); the first one's ``meta_info``.
 
+        The handles may group their columns differently (a batch generated ahead and restored from a checkpoint is
+        one file; a fresh one is a file per stage): the result's groups are the columns that lie together in every
+        handle, each listing the parts of every handle in turn.
+
         Raises:
-            ValueError: the handles' columns are not grouped alike (they must come from the same stages).
+            ValueError: the handles do not hold the same columns.
         """
-        layout = [g.keys for g in handles[0].groups]
+        keys = handles[0].keys
         for h in handles[1:]:
-            if [g.keys for g in h.groups] != layout:
-                raise ValueError(f"concat: handle {h.id} holds columns {h.keys}, grouped unlike {handles[0].keys}")
+            if set(h.keys) != set(keys):
+                raise ValueError(f"concat: handle {h.id} holds columns {h.keys}, unlike {handles[0].keys}")
+        where = [{k: i for i, g in enumerate(h.groups) for k in g.keys} for h in handles]
+        together: dict[tuple[int, ...], list[str]] = {}  # each handle's group of a column -> the columns sharing them
+        for key in keys:
+            together.setdefault(tuple(w[key] for w in where), []).append(key)
         groups = tuple(
-            ColumnGroup(keys, tuple(p for h in handles for p in h.groups[i].parts)) for i, keys in enumerate(layout)
+            ColumnGroup(tuple(names), tuple(p for h, i in zip(handles, at, strict=True) for p in h.groups[i].parts))
+            for at, names in together.items()
         )
         return cls(sum(h.length for h in handles), groups, dict(handles[0].meta_info))
 

@@ -1,6 +1,6 @@
 """Losses: `agg_loss` (how a [B, T] loss matrix becomes a scalar), policy losses in a registry keyed by
 ``actor.policy_loss.loss_mode`` (``"vanilla"``: `compute_policy_loss`, PPO clip with clip-higher and dual-clip;
-``"gspo"``, ``"cispo"``, ``"clip_cov"``, ``"kl_cov"``), `truncated_is_weights` (the rollout engine's drift) and
+``"gspo"``, ``"cispo"``, ``"clip_cov"``, ``"kl_cov"``), `rollout_is_weights` (the off-policy correction) and
 `compute_value_loss` (clipped critic loss).
 
 Conventions. B is the number of sequences in the batch and T the padded response length in tokens. A mask is a
@@ -106,7 +106,7 @@ def compute_policy_loss(
         loss = max(-A * ratio, -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))
         loss = min(loss, -A * clip_ratio_c)          only where A < 0 (dual-clip)
 
-    then multiplied by `is_weights` when given (see `truncated_is_weights`) and aggregated with `agg_loss`.
+    then multiplied by `is_weights` when given (see `rollout_is_weights`) and aggregated with `agg_loss`.
 
     Args:
         old_log_prob: float [B, T], log-probs under the policy that generated the data.
@@ -369,30 +369,60 @@ def compute_policy_loss_kl_cov(
     return pg_loss, zero, ppo_kl, zero
 
 
-def truncated_is_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance-sampling weights ``min(exp(old_log_prob - rollout_log_prob), cap)`` per token.
+def rollout_is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str = "token",
+    threshold: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance-sampling weights of the rollout's behaviour policy against the actor's proximal policy,
+    and their statistics (verl's ``rollout_corr/*``).
 
-    Source: Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (TIS):
-    the rollout engine samples from pi_rollout, which its kernels and dtype make differ from the trainer's pi_old;
-    weighting each token's policy-gradient term by pi_old / pi_rollout, truncated at ``cap`` to bound the variance,
-    corrects the policy gradient for that mismatch.
+    Source: decoupled PPO (Hilton et al. 2022, eq. 3; AReaL, Fu et al. 2025, eq. 5): a batch sampled by pi_behav
+    (the rollout engine: its kernels and dtype, and in the overlapped modes weights some updates old) is trained
+    with PPO's clip around the proximal policy pi_old and each token's term weighted by pi_old / pi_behav; truncated
+    at C to bound the variance (TIS: Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You
+    Off-Policy RL Training").
 
     Args:
-        old_log_prob: float [B, T], the actor's log-probs of the sampled tokens before the update.
-        rollout_log_prob: float [B, T], the engine's log-probs of the same tokens (``rollout_log_probs``).
-        cap: C > 0 (``actor.tis_cap``; 2.0 in the paper).
+        old_log_prob: float [B, T], the actor's log-probs of the sampled tokens before the update (pi_old).
+        rollout_log_prob: float [B, T], the engine's log-probs of the same tokens (``rollout_log_probs``, pi_behav).
+        response_mask: [B, T], 1 on response tokens.
+        level: ``"token"``: w_t = pi_old(y_t) / pi_behav(y_t); ``"sequence"``: every token of a response gets the
+            product of its tokens' ratios (``algorithm.rollout_correction.rollout_is``).
+        threshold: C > 0 (``algorithm.rollout_correction.rollout_is_threshold``; 2.0 usual).
 
     Returns:
-        float32 [B, T] weights in (0, cap], without gradient (1 where both log-probs agree, e.g. padding).
+        ``(weights, stats)``: weights float32 [B, T] = min(w, C), without gradient; stats (0-dim tensors, over
+        response tokens, the weights before truncation): ``rollout_is_mean``, ``rollout_is_ratio_fraction_high``
+        (w > C), ``rollout_is_ratio_fraction_low`` (w < 1/C), ``rollout_is_eff_sample_size`` (1 / E[(w' / E[w'])^2]
+        with w' = w clamped to [1/C, C]: 1 when every weight is equal).
 
     Raises:
-        ValueError: ``cap <= 0`` or the shapes differ.
+        ValueError: ``threshold <= 0``, an unknown `level`, or the shapes differ.
     """
-    if not cap > 0:
-        raise ValueError(f"`actor.tis_cap` must be > 0 (2.0 is usual), got {cap}.")
-    check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob)
-    log_ratio = (old_log_prob.detach() - rollout_log_prob).float().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(log_ratio).clamp(max=cap)
+    if not threshold > 0:
+        raise ValueError(
+            f"algorithm.rollout_correction.rollout_is_threshold must be > 0 (2.0 is usual), got {threshold}"
+        )
+    if level not in ("token", "sequence"):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is must be token or sequence, got {level!r}")
+    check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
+    log_ratio = torch.where(response_mask != 0, (old_log_prob.detach() - rollout_log_prob).float(), 0.0)
+    if level == "sequence":
+        log_ratio = masked_sum(log_ratio, response_mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
+    raw = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    with torch.no_grad():
+        clamped = raw.clamp(1.0 / threshold, threshold)
+        spread = clamped / masked_mean(clamped, response_mask)
+        stats = {
+            "rollout_is_mean": masked_mean(raw, response_mask),
+            "rollout_is_ratio_fraction_high": masked_mean((raw > threshold).float(), response_mask),
+            "rollout_is_ratio_fraction_low": masked_mean((raw < 1.0 / threshold).float(), response_mask),
+            "rollout_is_eff_sample_size": 1.0 / masked_mean(spread.square(), response_mask),
+        }
+    return raw.clamp(max=threshold), stats
 
 
 def compute_value_loss(

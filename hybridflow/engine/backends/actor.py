@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.engine.algorithms.kl import kl_penalty
-from hybridflow.engine.algorithms.losses import get_policy_loss_fn, truncated_is_weights
+from hybridflow.engine.algorithms.losses import get_policy_loss_fn, rollout_is_weights
 from hybridflow.engine.backends.training import (
     MaskedMeans,
     MetricLog,
@@ -25,10 +25,10 @@ from hybridflow.engine.backends.training import (
     update_random_stream,
     update_steps,
 )
-from hybridflow.engine.config import ActorConfig
+from hybridflow.engine.config import ActorConfig, RolloutCorrectionConfig
 from hybridflow.engine.models import compute_log_probs, response_log_probs
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.torch_ops import agg_loss, masked_mean
+from hybridflow.engine.torch_ops import agg_loss
 
 UPDATE_KEYS = [
     "input_ids",
@@ -121,6 +121,8 @@ class Actor:
         lora: the `hybridflow.engine.backends.lora.LoraAdapter` injected into `model` (``model.lora_rank`` > 0):
             only its parameters require gradients, so the optimizer and the gradient sync cover the adapter alone,
             and checkpoints save it instead of the weights; None: every weight is trained.
+        rollout_correction: the ``algorithm.rollout_correction`` section (truncated importance sampling of the
+            rollout's log-probs against ``old_log_probs``, `rollout_is_weights`); None or ``rollout_is`` None: off.
 
     Under torch.distributed (a worker group of D ranks) the model is wrapped in DDP or sharded with FSDP2 here
     (``actor.strategy``; with ``actor.tp`` FSDP2 runs over D / tp data-parallel replicas of tp tensor-parallel
@@ -136,8 +138,10 @@ class Actor:
         seed: int = 0,
         compute_dtype: torch.dtype | None = None,
         lora=None,
+        rollout_correction: RolloutCorrectionConfig | None = None,
     ):
         self.model = model
+        self.correction = rollout_correction if rollout_correction and rollout_correction.rollout_is else None
         self.lora = lora  # the LoRA adapter injected into `model` (`hybridflow.engine.backends.lora`), or None
         self.config = config
         self.seed = seed
@@ -186,18 +190,18 @@ class Actor:
 
         Args:
             data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``,
-                ``rollout_log_probs`` [B, T] when ``actor.tis_cap`` is set). Without ``old_log_probs`` the update is
+                ``rollout_log_probs`` [B, T] with the rollout correction on). Without ``old_log_probs`` the update is
                 on-policy (HybridFlowConfig.skips_old_log_prob): one optimizer step, whose ratio's denominator is its
                 own forward's log-probs, detached.
 
         Returns:
             metrics averaged over micro-batches: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
-            ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), ``actor/tis_weight_mean``
-            and ``actor/tis_truncated_frac`` (with ``actor.tis_cap``), and per optimizer step ``actor/grad_norm``,
+            ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), ``rollout_corr/*`` (with the
+            rollout correction: `rollout_is_weights`' statistics), and per optimizer step ``actor/grad_norm``,
             ``actor/lr``; on-policy also the old_log_prob stage's token means (`_micro_step`).
 
         Raises:
-            KeyError: ``actor.tis_cap`` is set but the batch has no ``rollout_log_probs`` (an engine that reports
+            KeyError: the rollout correction is on and the batch has no ``rollout_log_probs`` (an engine that reports
                 none).
             ValueError: no ``old_log_probs`` and more than one optimizer step.
         """
@@ -205,12 +209,12 @@ class Actor:
         on_policy = "old_log_probs" not in data.keys
         keys = [k for k in UPDATE_KEYS if not (on_policy and k == "old_log_probs")]
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
-        if cfg.tis_cap is not None and "rollout_log_probs" not in data.keys:
+        if self.correction is not None and "rollout_log_probs" not in data.keys:
             raise KeyError(
-                "actor.tis_cap needs the rollout engine's log-probs (rollout_log_probs), which this batch lacks: "
-                "use rollout.name=vllm or remove actor.tis_cap"
+                "algorithm.rollout_correction.rollout_is needs the rollout engine's log-probs (rollout_log_probs), "
+                "which this batch lacks: use rollout.name=vllm or remove algorithm.rollout_correction.rollout_is"
             )
-        if "rollout_log_probs" in data.keys and (cfg.tis_cap is not None or on_policy):
+        if "rollout_log_probs" in data.keys and (self.correction is not None or on_policy):
             keys.append("rollout_log_probs")
         data = data.select(batch_keys=keys)
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
@@ -222,19 +226,26 @@ class Actor:
                 "old_log_prob stage first (actor.recompute_log_prob=true)"
             )
         self.model.train()
-        log = MetricLog()
+        log, corrections = MetricLog(), MetricLog()
         measured = MaskedMeans() if on_policy else None
         with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
             for micros, weights in steps:
                 for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                     with sync_gradients(self.train_module, sync=i == len(micros) - 1):
-                        self._micro_step(micro, temperature, loss_scale, log, measured)
+                        self._micro_step(micro, temperature, loss_scale, log, corrections, measured)
                 clip = cfg.optim.grad_clip
                 log.add(**optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, "actor", log))
-        return {**log.mean("actor"), **(measured.means() if measured is not None else {})}
+        metrics = {**log.mean("actor"), **corrections.mean("rollout_corr")}
+        return {**metrics, **(measured.means() if measured is not None else {})}
 
     def _micro_step(
-        self, micro: DataProto, temperature: float, loss_scale: float, log: MetricLog, measured: MaskedMeans | None
+        self,
+        micro: DataProto,
+        temperature: float,
+        loss_scale: float,
+        log: MetricLog,
+        corrections: MetricLog,
+        measured: MaskedMeans | None,
     ) -> None:
         """One micro-batch's forward and backward. With `measured` (an on-policy update: the batch has no
         ``old_log_probs``), the old log-probs are this forward's, detached (the weights have not moved yet: one
@@ -263,12 +274,15 @@ class Actor:
                 measured.add("rollout/log_prob_diff_mean", drift.abs(), mask)
                 measured.add("rollout/kl", drift, mask)
         is_weights = None
-        if cfg.tis_cap is not None:
-            is_weights = truncated_is_weights(old_log_prob, batch["rollout_log_probs"], cfg.tis_cap)
-            log.add(
-                tis_weight_mean=masked_mean(is_weights, mask),
-                tis_truncated_frac=masked_mean((is_weights >= cfg.tis_cap).float(), mask),
+        if self.correction is not None:
+            is_weights, stats = rollout_is_weights(
+                old_log_prob,
+                batch["rollout_log_probs"],
+                mask,
+                self.correction.rollout_is,
+                self.correction.rollout_is_threshold,
             )
+            corrections.add(**stats)
         loss, terms = actor_loss(cfg, old_log_prob, log_prob, batch, entropy if calculate_entropy else None, is_weights)
         (loss * loss_scale).backward()
         log.add(**terms)

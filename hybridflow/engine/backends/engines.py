@@ -187,7 +187,15 @@ class HFBackend(TrainingBackend):
             from hybridflow.engine.backends.lora import LoraAdapter
 
             lora = LoraAdapter(policy, cfg.model, cfg.trainer.seed)
-        actor = Actor(policy, cfg.actor, cfg.rollout.n, cfg.trainer.seed, compute_dtype=compute_dtype, lora=lora)
+        actor = Actor(
+            policy,
+            cfg.actor,
+            cfg.rollout.n,
+            cfg.trainer.seed,
+            compute_dtype=compute_dtype,
+            lora=lora,
+            rollout_correction=cfg.algorithm.rollout_correction,
+        )
         return actor, GatheredWeights(policy, lora) if self.sharded else ModelWeights(policy, lora)
 
     def build_critic(self, cfg, actor, critic_path, device, compute_dtype, name="critic", columns=_VALUE_COLUMNS):
@@ -227,10 +235,11 @@ class MegatronBackend(TrainingBackend):
                 f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of "
                 f"actor.tp x actor.pp = {actor.tp * actor.pp}"
             )
-        if actor.entropy_coeff != 0 or actor.tis_cap is not None:
+        if actor.entropy_coeff != 0 or cfg.algorithm.rollout_correction.rollout_is is not None:
             raise ValueError(
                 "actor.strategy=megatron does not compute the vocabulary-parallel entropy bonus or truncated "
-                "importance sampling yet: set actor.entropy_coeff=0 and leave actor.tis_cap unset"
+                "importance sampling yet: set actor.entropy_coeff=0 and leave algorithm.rollout_correction.rollout_is "
+                "unset"
             )
         if rollout.gen_pp != 1:
             raise ValueError("rollout.gen_pp > 1 (pipelined generation) is not implemented: set rollout.gen_pp=1")

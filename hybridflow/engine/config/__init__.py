@@ -33,6 +33,7 @@ from hybridflow.engine.config.sections import (
     Pool,
     RewardModelConfig,
     RolloutConfig,
+    RolloutCorrectionConfig,
 )
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "ROLES",
     "RewardModelConfig",
     "RolloutConfig",
+    "RolloutCorrectionConfig",
     "apply_overrides",
     "load_config",
     "resume_config",

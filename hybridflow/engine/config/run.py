@@ -76,11 +76,12 @@ class HybridFlowConfig(_Section):
         self._parallel_layout()
         self._divisible_by_ranks()
         reports_log_probs = rollout_spec(self.rollout.name).reports_log_probs or self.rollout.multi_turn.enable
-        if self.actor.tis_cap is not None and not reports_log_probs:
+        if self.algorithm.rollout_correction.rollout_is is not None and not reports_log_probs:
             raise ValueError(
-                f"actor.tis_cap corrects the drift between the rollout engine's and the actor's log-probs, and the "
-                f"{self.rollout.name} rollout reports none (it samples from the actor itself): set rollout.name=vllm "
-                "or rollout.multi_turn.enable, or remove actor.tis_cap"
+                "algorithm.rollout_correction.rollout_is corrects the gap between the rollout engine's and the "
+                f"actor's log-probs, and the {self.rollout.name} rollout reports none (it samples from the actor "
+                "itself): set rollout.name=vllm or rollout.multi_turn.enable, or remove "
+                "algorithm.rollout_correction.rollout_is"
             )
         overlong = self.reward.overlong_buffer
         if overlong.enable and overlong.len >= self.rollout.response_length:
@@ -292,9 +293,10 @@ class HybridFlowConfig(_Section):
 
     def _check_mode(self) -> None:
         """``trainer.mode: one_step_off | async`` need the rollout in a pool of its own (it generates while the actor
-        trains), one draw per iteration (no DAPO dynamic sampling, no ReMax greedy baseline yet), a weight push at
+        trains), no ReMax greedy baseline yet (DAPO's further draws wait behind those admitted), a weight push at
         least every ``rollout.max_staleness + 1`` updates (else no batch could be admitted within the bound), and
-        correct a lag with truncated importance sampling (``actor.tis_cap``: 2.0 unless set; null turns it off)."""
+        correct a lag with truncated importance sampling (``algorithm.rollout_correction.rollout_is``: token unless
+        set; null turns it off, with an `OffPolicyWarning`)."""
         mode, trainer = self.trainer.mode, self.trainer
         for key, value, default in (
             ("rollout.max_staleness", self.rollout.max_staleness, 1),
@@ -324,18 +326,20 @@ class HybridFlowConfig(_Section):
             )
         from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
 
-        if self.algorithm.filter_groups.enable or uses_greedy_baseline(self.algorithm.adv_estimator):
-            what = "algorithm.filter_groups.enable" if self.algorithm.filter_groups.enable else "ReMax's greedy draw"
+        if uses_greedy_baseline(self.algorithm.adv_estimator):
             raise ValueError(
-                f"trainer.mode={mode} generates one draw per iteration ahead; {what} draws more: use trainer.mode=sync"
+                f"trainer.mode={mode} generates one draw per iteration ahead; ReMax's greedy baseline draws another "
+                "per batch: use trainer.mode=sync"
             )
-        if "tis_cap" not in self.actor.model_fields_set and self.max_staleness() > 0:
-            self.actor.tis_cap = 2.0  # the off-policy correction is on by default (verl's rollout_is_threshold)
-        elif self.actor.tis_cap is None and self.max_staleness() > 0:
+        correction = self.algorithm.rollout_correction
+        if "rollout_is" not in correction.model_fields_set and self.max_staleness() > 0:
+            correction.rollout_is = "token"  # the off-policy correction is on by default
+        elif correction.rollout_is is None and self.max_staleness() > 0:
             warnings.warn(
                 f"trainer.mode={mode} trains batches up to {self.max_staleness()} updates stale with the off-policy "
-                "correction off (actor.tis_cap=null): its gradient is biased toward the weights that generated them; "
-                "remove actor.tis_cap=null to correct it",
+                "correction off (algorithm.rollout_correction.rollout_is=null): its gradient is biased toward the "
+                "weights that generated them; set algorithm.rollout_correction.rollout_is=token (or remove the "
+                "override) to correct it",
                 OffPolicyWarning,
                 stacklevel=2,
             )

@@ -278,12 +278,6 @@ class ActorConfig(_Section):
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0.0)
     kl_loss_type: KLType = "low_var_kl"
-    tis_cap: float | None = Field(
-        None,
-        gt=0.0,
-        description="truncated importance sampling of the rollout engine's drift: weight each token's policy loss by "
-        "min(pi_actor / pi_rollout, tis_cap) (2.0 is usual); None: off. Needs rollout.name=vllm",
-    )
     share_prompts: bool = Field(
         True,
         description="compute a prompt once for its n samples in the old_log_prob, ref and update passes (rows "
@@ -366,8 +360,28 @@ class FilterGroupsConfig(_Section):
     )
 
 
+class RolloutCorrectionConfig(_Section):
+    """Truncated importance sampling (TIS) of the gap between the policy that sampled a batch (the rollout engine:
+    its kernels and dtype, and in the overlapped modes weights up to ``rollout.max_staleness`` updates old) and the
+    actor's proximal policy (``old_log_prob``), verl's ``algorithm.rollout_correction`` keys. Each token's
+    policy-gradient term is weighted by ``min(w, rollout_is_threshold)``, w = pi_old / pi_rollout per token
+    (``token``) or their product over the response (``sequence``); decoupled PPO (Hilton et al. 2022, eq. 3; AReaL,
+    Fu et al. 2025, eq. 5) with TIS (Yao, Liu et al. 2025). Needs a rollout that reports its log-probs (vllm, agent
+    loops)."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None,
+        description="token: a weight per token (biased, low variance); sequence: one weight per response, the "
+        "product of its tokens' ratios (unbiased, high variance); None: off (the default in trainer.mode=sync; the "
+        "overlapped modes default to token, and None there warns)",
+    )
+    rollout_is_threshold: float = Field(
+        2.0, gt=0.0, description="the truncation cap C of the weights (2.0 as verl and the TIS paper)"
+    )
+
+
 class AlgorithmConfig(_Section):
-    """Advantage estimator, the KL-in-reward penalty, dynamic sampling."""
+    """Advantage estimator, the KL-in-reward penalty, dynamic sampling, the off-policy correction."""
 
     adv_estimator: str = Field(
         "grpo",
@@ -382,6 +396,7 @@ class AlgorithmConfig(_Section):
     kl_penalty: KLType = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
     cost_limit: float | None = Field(
         None,
         description="Safe-RLHF (Dai et al. 2023): the episode cost d the policy must stay under; with a cost source "
@@ -509,7 +524,8 @@ class TrainerConfig(_RunTrainer):
         "sync",
         description="sync: each iteration generates, then trains; one_step_off (verl's one-step-off-policy): the "
         "rollout pool generates the next iteration's batch while the actor trains on this one (staleness 1, "
-        "corrected by actor.tis_cap, 2.0 unless set); async: the rollout pool generates as far ahead as "
+        "corrected by algorithm.rollout_correction, token-level unless set); async: the rollout pool generates as "
+        "far ahead as "
         "rollout.max_staleness allows, taking new weights every trainer.weight_sync_every updates; the overlapped "
         "modes need the rollout in a pool of its own (placement.pools)",
     )

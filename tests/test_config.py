@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.engine.config import ConfigError, HybridFlowConfig, load_config
+from hybridflow.engine.config import ConfigError, HybridFlowConfig, load_config, validate_config
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 MINIMAL = ["data.reasoning_gym.name=basic_arithmetic"]
@@ -108,6 +108,17 @@ def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
     assert load_config(None, [*MINIMAL, "rollout.name=vllm", tis]).algorithm.rollout_correction.rollout_is == "token"
     with pytest.raises(ConfigError, match=r"rollout_correction.rollout_is: Input should be 'token' or 'sequence'"):
         load_config(None, [*MINIMAL, "rollout.name=vllm", "algorithm.rollout_correction.rollout_is=geometric"])
+    # a run recorded before algorithm.rollout_correction (actor.tis_cap) still loads, with the same correction
+    recorded = load_config(None, [*MINIMAL, "rollout.name=vllm"]).model_dump(mode="json")
+    capped = {**recorded, "actor": {**recorded["actor"], "tis_cap": 1.5}}
+    capped["algorithm"] = {k: v for k, v in recorded["algorithm"].items() if k != "rollout_correction"}
+    correction = validate_config(capped).algorithm.rollout_correction
+    assert (correction.rollout_is, correction.rollout_is_threshold) == ("token", 1.5)
+    off = validate_config({**capped, "actor": {**capped["actor"], "tis_cap": None}})
+    assert (
+        off.algorithm.rollout_correction.rollout_is is None
+        and "rollout_is" in off.algorithm.rollout_correction.model_fields_set
+    )
     has_vllm = importlib.util.find_spec("vllm") is not None
     assert load_config(None, [*MINIMAL, "rollout.name=auto"]).rollout.name == ("vllm" if has_vllm else "hf")
     with pytest.raises(ConfigError, match=r"placement.slurm.gpus: unknown key"):

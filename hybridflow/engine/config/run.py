@@ -58,6 +58,23 @@ class HybridFlowConfig(_Section):
             raise ValueError("no data section: set data.train_files (parquet/jsonl) or data.reasoning_gym.name")
         return values
 
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_tis_cap(cls, values: Any) -> Any:
+        """Configs recorded before ``algorithm.rollout_correction`` still load (``hf resume``, ``hf runs``): their
+        ``actor.tis_cap: C`` is ``rollout_is: token`` with ``rollout_is_threshold: C``, a null one ``rollout_is:
+        null`` (as recorded: no correction)."""
+        if not (isinstance(values, dict) and isinstance(values.get("actor"), dict) and "tis_cap" in values["actor"]):
+            return values
+        actor = dict(values["actor"])
+        cap = actor.pop("tis_cap")
+        algorithm = dict(values.get("algorithm") or {})
+        correction = dict(algorithm.get("rollout_correction") or {})
+        correction.setdefault("rollout_is", None if cap is None else "token")
+        if cap is not None:
+            correction.setdefault("rollout_is_threshold", cap)
+        return {**values, "actor": actor, "algorithm": {**algorithm, "rollout_correction": correction}}
+
     @model_validator(mode="after")
     def _batch_sizes(self) -> HybridFlowConfig:
         self._resolve_rollout()

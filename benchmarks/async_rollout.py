@@ -19,10 +19,11 @@ another, each in a fresh store, with validation before and after training:
 - ``async-push2-train2``: the same with the training pool on two threads, the generation pool on one (the cores
   shared by three threads, most of them training's).
 
-Prints per run the median over iterations 2..N of seconds per iteration, samples (sequences) per second, the
-``gen``, ``update_actor`` and weight-sync (``publish_weights`` + ``weight_sync``) seconds, each pool's busy share of
-the iteration (``perf/busy/<pool>``), and the held-out accuracy before and after; then each mode's medians over the
-seeds.
+Prints per run the mean over all N iterations of seconds per iteration (their total time / N: both modes generate
+and train N batches; the first iteration of an overlapped mode generates ahead, and a burst of generations ahead
+slows the iteration it runs beside), samples (sequences) per second, the ``gen``, ``update_actor`` and weight-sync
+(``publish_weights`` + ``weight_sync``) seconds per iteration, each pool's busy share of the training time
+(``perf/busy/<pool>``), and the held-out accuracy before and after; then each mode's medians over the seeds.
 
     .venv/bin/python benchmarks/async_rollout.py [--config CONFIG] [--iterations 20] [--seeds 0 1 2]
         [--modes sync sync-1thread sync-apart one_step_off one_step_off-shared async async-push2
@@ -82,25 +83,29 @@ def median(values: list[float]) -> float:
 
 
 def summary(metrics: dict[int, dict[str, float]], samples: int) -> dict[str, float]:
-    """The medians over iterations 2..N and the held-out accuracy before and after."""
-    steps = [m for step, m in sorted(metrics.items()) if step >= 2]
+    """Means over every iteration 1..N (each mode generates and trains N batches, whenever it does so: a burst of
+    generations ahead slows the iteration it overlaps, and a median over iterations would leave that out), each
+    pool's busy share of the whole training time, and the held-out accuracy before and after."""
+    steps = [m for step, m in sorted(metrics.items()) if step >= 1]
+    seconds = sum(m["timing_s/step"] for m in steps)
 
-    def med(name: str) -> float:
-        return median([m[name] for m in steps if name in m])
+    def mean(name: str) -> float:  # per iteration, over all N (0 where a stage did not run)
+        return sum(m.get(name, 0.0) for m in steps) / len(steps)
 
+    pools = sorted({k for m in steps for k in m if k.startswith("perf/busy/")})
     acc = sorted(k for k in metrics[0] if k.startswith("val/") and k.endswith("/acc"))
     last = max(metrics)
-    sync_s = med("timing_s/weight_sync") + (
-        med("timing_s/publish_weights") if "timing_s/publish_weights" in steps[0] else 0.0
-    )
     return {
-        "s_per_it": med("timing_s/step"),
-        "samples_per_s": samples / med("timing_s/step"),
-        "gen": med("timing_s/gen"),
-        "update_actor": med("timing_s/update_actor"),
-        "weight_sync": sync_s,
-        "busy": {k.removeprefix("perf/busy/"): med(k) for k in steps[0] if k.startswith("perf/busy/")},
-        "staleness": med("off_policy/staleness_mean"),
+        "s_per_it": seconds / len(steps),
+        "samples_per_s": samples * len(steps) / seconds,
+        "gen": mean("timing_s/gen"),
+        "update_actor": mean("timing_s/update_actor"),
+        "weight_sync": mean("timing_s/weight_sync") + mean("timing_s/publish_weights"),
+        "busy": {
+            k.removeprefix("perf/busy/"): sum(m.get(k, 0.0) * m["timing_s/step"] for m in steps) / seconds
+            for k in pools
+        },
+        "staleness": mean("off_policy/staleness_mean"),
         "acc_before": metrics[0][acc[0]] if acc else float("nan"),
         "acc_after": metrics[last][acc[0]] if acc else float("nan"),
     }
@@ -119,7 +124,7 @@ def main() -> None:
     cfg = load_config(args.config, args.override)
     samples = cfg.data.train_batch_size * cfg.rollout.n
     results: dict[str, list[dict]] = {mode: [] for mode in args.modes}
-    print(f"{args.config}, {args.iterations} iterations, {samples} sequences per iteration; medians of iterations 2..N")
+    print(f"{args.config}, {args.iterations} iterations, {samples} sequences per iteration; means over all iterations")
     print(
         f"{'mode':>18} {'seed':>4} {'s/it':>6} {'samples/s':>9} {'gen':>6} {'update':>6} {'sync':>6} "
         f"{'stale':>5} {'acc before -> after':>20}  busy share per pool"

@@ -156,6 +156,43 @@ def test_one_step_off_needs_the_rollout_alone_in_its_pool_and_corrects_by_defaul
         assert load_config(path, off_null).algorithm.rollout_correction.rollout_is is None
 
 
+def test_a_call_running_past_its_iteration_is_timed_once_in_the_next_and_busy_shares_clip_to_the_window():
+    """A generation admitted ahead starts in one iteration and ends in the next: while it runs it counts in its
+    first iteration's busy share up to that iteration's end, and once it ends its span and seconds land in the
+    second iteration's timer only (the first one's timeline was already recorded)."""
+    import threading
+    import time
+
+    from hybridflow.engine.metrics import Span, Timer, busy_fractions
+
+    first = Timer()
+    started, release = threading.Event(), threading.Event()
+
+    def generate() -> None:
+        with first("gen", "generate"):
+            started.set()
+            release.wait(10)
+
+    ahead = threading.Thread(target=generate)
+    ahead.start()
+    started.wait(10)
+    time.sleep(0.05)
+    now = time.time()
+    [running] = first.open_spans(now)
+    assert (running.name, running.pool, running.end) == ("gen", "generate", now)
+    window = (running.start - 1.0, now)  # the iteration began 1 s before the generation
+    shares = busy_fractions([*first.spans, running, Span("update_actor", "train", running.start - 1.0, now)], window)
+    assert shares["perf/busy/train"] == 1.0 and 0.0 < shares["perf/busy/generate"] < 1.0
+    second = first.hand_over()
+    release.set()
+    ahead.join(10)
+    assert first.spans == [] and "timing_s/gen" not in first.metrics()
+    assert [s.name for s in second.spans] == ["gen"] and second.metrics()["timing_s/gen"] > 0
+    assert second.open_spans(time.time()) == []
+    # a span from before the window counts only inside it
+    assert busy_fractions([Span("gen", "generate", 0.0, 15.0)], (10.0, 20.0)) == {"perf/busy/generate": 0.5}
+
+
 @needs_vllm
 def test_one_step_off_trains_each_batch_one_version_late_overlapped_and_resumes_its_buffer(prefect_api, tmp_path):
     from hybridflow.flows.store.run_store import RunStore

@@ -206,13 +206,13 @@ def test_one_step_off_trains_each_batch_one_version_late_overlapped_and_resumes_
         assert (off[step]["off_policy/staleness_mean"], off[step]["off_policy/staleness_max"]) == (1.0, 1.0)
         assert off[step]["rollout_corr/rollout_is_mean"] > 0  # the truncated IS correction is on by default
         assert "timing_s/old_log_prob" in off[step]  # the proximal policy's log-probs, recomputed
-    assert "timing_s/gen" not in off[3]  # nothing left to generate ahead after the last iteration
     # the next batch's generation (generate pool) runs beside a stage on the train pool: the timeline records each
     # call once, in the iteration it ended in (one generated ahead may end in the next)
     spans = store.stage_times(run_id)
     gens = [s for s in spans if s.stage == "gen"]
     train = [s for s in spans if s.pool == "train"]
-    assert len(gens) == 3  # one generation per iteration, none lost
+    # one generation per iteration, none lost, none ahead of the last (the one for iteration 3 may end in it)
+    assert len(gens) == 3
     assert any(g.started_at < t.ended_at and t.started_at < g.ended_at for g in gens for t in train)
     for step in (2, 3):  # the generation admitted at its start runs (or waits for its turn) inside its window
         assert 0 < off[step]["perf/busy/generate"] < 1 and 0 < off[step]["perf/busy/train"] <= 1

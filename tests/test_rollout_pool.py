@@ -97,10 +97,10 @@ def test_a_rollout_pool_apart_samples_what_the_colocated_engine_samples_and_resu
         assert "timing_s/publish_weights" not in together[step]
     placements = {p.role: p for p in store.placements(run_id)}
     assert (placements["rollout"].group_name, placements["actor"].group_name) == ("generate", "train")
-    assert placements["rollout"].parallel == {"engine": "vllm", "dp": 1}
+    assert placements["rollout"].parallel == {"engine": "vllm", "dp": 1, "weights": "file"}
     wide = {**os.environ, "COLUMNS": "250"}
     shown = subprocess.run([HF, "runs", "show", run_id, "--db", store.url], capture_output=True, text=True, env=wide)
-    assert "vllm x1 (published weights)" in shown.stdout, shown.stdout
+    assert "vllm x1, weights by a file" in shown.stdout, shown.stdout
     data_dir = tmp_path / "apart" / "grpo_tiny" / run_id / "data"
     assert not weights_folder(data_dir, local=True).exists()  # each file loaded, then removed with its folder
 
@@ -133,6 +133,72 @@ def test_a_published_version_waits_for_its_load_behind_newer_ones(tmp_path):
     assert not folder.exists()
 
 
+def _receive_pushes(address: dict, rank: int, folder: str) -> None:
+    """A rollout rank's end of the broadcast test, in a process of its own: reads two tensors of v1 and stops, then
+    all of v2 (saved to `folder`), then asks for v4 when v3 comes (its error saved)."""
+    from safetensors.torch import save_file
+
+    from hybridflow.engine.rollout.broadcast import WeightReceiver
+
+    receiver = WeightReceiver(address, rank)
+    weights, _ = receiver.receive(1)
+    for _, (_, tensor) in zip(range(2), weights, strict=False):
+        assert tensor.dtype.is_floating_point
+    weights.close()  # a reader that stops early
+    weights, probe = receiver.receive(2)
+    received = {name: tensor.clone() for name, tensor in weights}
+    save_file({**received, "probe": probe}, f"{folder}/rank{rank}.safetensors")
+    try:
+        receiver.receive(4)
+    except RuntimeError as error:
+        Path(folder, f"rank{rank}.error").write_text(str(error))
+
+
+def test_a_gloo_broadcast_carries_every_tensor_bit_exact_in_buckets_to_every_rollout_rank(tmp_path):
+    """``rollout.checkpoint_engine.backend: gloo``: pushes queued before the rollout's ranks join reach each of
+    them, in order, bit for bit in the engine's dtype, in buckets smaller than the largest tensor, and a rank that
+    stops reading a push early stays in step for the next; a push received out of order is refused."""
+    import multiprocessing
+
+    import torch
+    from safetensors.torch import load_file
+
+    from hybridflow.engine.models import load_model
+    from hybridflow.engine.rollout.broadcast import WeightSender
+    from hybridflow.engine.rollout.published import full_weights
+
+    model = load_model(str(build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32)))
+    largest = max(t.numel() for t in model.state_dict().values()) * 2
+    sender = WeightSender(receivers=2, bucket_bytes=largest // 2)
+    probe = torch.randn(50)
+    first = sender.send(full_weights(model), probe, 1, torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    second = sender.send(full_weights(model), probe * 2, 2, torch.bfloat16)
+    expected = {name: t.to(torch.bfloat16) for name, t in model.state_dict().items()}  # copies: bf16 from fp32
+    with torch.no_grad():  # the caller updates its model at once: a queued push holds its own copy
+        for p in model.parameters():
+            p.add_(1.0)
+    sender.send(full_weights(model), probe, 3, torch.bfloat16)
+    assert first["bytes"] == second["bytes"] == sum(t.numel() * 2 for t in expected.values())
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_receive_pushes, args=(first, r, str(tmp_path))) for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(120)
+        assert process.exitcode == 0
+    for rank in range(2):
+        received = load_file(tmp_path / f"rank{rank}.safetensors")
+        assert torch.equal(received.pop("probe"), probe * 2)
+        assert received.keys() == expected.keys()
+        for name, tensor in received.items():
+            assert torch.equal(tensor, expected[name]), name
+        error = (tmp_path / f"rank{rank}.error").read_text()
+        assert "received weights v3 where v4 was due" in error
+
+
 def test_one_step_off_needs_the_rollout_alone_in_its_pool_and_corrects_by_default():
     path = ROOT / "examples" / "grpo_tiny.yaml"
     base = ["rollout.name=vllm", "trainer.mode=one_step_off"]
@@ -142,6 +208,8 @@ def test_one_step_off_needs_the_rollout_alone_in_its_pool_and_corrects_by_defaul
         load_config(path, [*base, f"placement.pools={json.dumps(APART)}"])
     with pytest.raises(ConfigError, match=r"ReMax's greedy baseline draws another per batch"):
         load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "algorithm.adv_estimator=remax"])
+    with pytest.raises(ConfigError, match=r"backend=gloo carries weights to a rollout in a pool of its own"):
+        load_config(path, ["rollout.name=vllm", "rollout.checkpoint_engine.backend=gloo"])
     off = load_config(path, [*base, f"placement.pools={json.dumps(OFF)}"])
     assert process_threads(off, ["rollout"]) == 0  # torch's default unless the pool or the trainer sets them
     split = {name: {**pool, "num_threads": 1} for name, pool in OFF.items()}  # a core each
@@ -198,7 +266,12 @@ def test_one_step_off_trains_each_batch_one_version_late_overlapped_and_resumes_
     from hybridflow.flows.store.run_store import RunStore
 
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
-    extra = [f"placement.pools={json.dumps(OFF)}", "trainer.mode=one_step_off"]
+    # the weights go by gloo broadcast: the actor's rank 0 sends from a thread, the load waits behind a generation
+    extra = [
+        f"placement.pools={json.dumps(OFF)}",
+        "trainer.mode=one_step_off",
+        "rollout.checkpoint_engine.backend=gloo",
+    ]
     run_id, off = _run(store, tmp_path, "off", extra)
     # the first iteration generates its own batch; each later one trains the batch generated during the update before
     assert (off[1]["off_policy/staleness_mean"], off[1]["off_policy/staleness_max"]) == (0.0, 0.0)
@@ -216,6 +289,13 @@ def test_one_step_off_trains_each_batch_one_version_late_overlapped_and_resumes_
     assert any(g.started_at < t.ended_at and t.started_at < g.ended_at for g in gens for t in train)
     for step in (2, 3):  # the generation admitted at its start runs (or waits for its turn) inside its window
         assert 0 < off[step]["perf/busy/generate"] < 1 and 0 < off[step]["perf/busy/train"] <= 1
+    logs = tmp_path / "off" / "grpo_tiny" / run_id / "submitit"
+    sent = "".join(path.read_text() for path in (logs / "train").glob("*_log.err"))
+    received = "".join(path.read_text() for path in (logs / "generate").glob("*_log.err"))
+    for version in (1, 2, 3):
+        assert f"weights v{version} sent by gloo broadcast" in sent
+        assert f"rank 0: weights v{version} received by gloo broadcast" in received
+    assert off[version]["rollout/weight_probe_diff"] < 1e-4  # the engine serves the actor's weights
 
     # resumed after iteration 1: the batch generated ahead comes from the checkpoint, so iterations 2-3 repeat exactly
     _, resumed = _run(store, tmp_path, "off", [], resume_from_step=1, run_id=run_id)

@@ -36,12 +36,13 @@ def runs_list(db: DbOption = None, limit: int = 50) -> None:
 
 def _parallel_summary(parallel: dict | None) -> str:
     """``megatron p1-t2-d2 -> gen p1-t1 x4 (hybridflow)`` from a placement's ``parallel`` record (``fsdp`` for a
-    model with a strategy and no layout on record; ``vllm x2 (published weights)`` for a rollout pool of its own),
-    then ``; trains N of M parameters`` when not every parameter trains (LoRA); '' when absent."""
+    model with a strategy and no layout on record; ``vllm x2, weights by gloo broadcast`` for a rollout pool of its
+    own), then ``; trains N of M parameters`` when not every parameter trains (LoRA); '' when absent."""
     if not parallel:
         return ""
     if "engine" in parallel:  # a rollout in a pool of its own: its engines, fed published weights
-        text = f"{parallel['engine']} x{parallel.get('dp')} (published weights)"
+        sent = {"file": "a file", "gloo": "gloo broadcast"}.get(parallel.get("weights", "file"), parallel["weights"])
+        text = f"{parallel['engine']} x{parallel.get('dp')}, weights by {sent}"
     elif "train" not in parallel:
         text = str(parallel.get("strategy", ""))
     else:

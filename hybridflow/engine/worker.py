@@ -32,8 +32,17 @@ from hybridflow.engine.models import load_model, load_tokenizer, pick_device, pi
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward.reward_model import RewardModel
 from hybridflow.engine.reward.rewards import RewardManager, load_reward_function
+from hybridflow.engine.rollout.broadcast import WeightReceiver, WeightSender
 from hybridflow.engine.rollout.hf import eos_token_ids
-from hybridflow.engine.rollout.published import probe_prompt, publish, remove_published, weights_folder
+from hybridflow.engine.rollout.published import (
+    actor_probe_log_probs,
+    full_weights,
+    probe_prompt,
+    publish,
+    published_tensors,
+    remove_published,
+    weights_folder,
+)
 from hybridflow.engine.transfer import Dispatch, register
 
 if TYPE_CHECKING:
@@ -173,6 +182,7 @@ class RLHFWorker:
         self.rollout: Rollout | None = None
         self.version = 0  # the actor's weight version: the updates applied (= the global step)
         self.rollout_version = 0  # the version the rollout's engine serves (stamped on each generated row)
+        self.weight_link: WeightSender | WeightReceiver | None = None  # rollout.checkpoint_engine.backend=gloo
         self.ref: RefPolicy | LoraReference | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
@@ -249,36 +259,49 @@ class RLHFWorker:
 
     @register(Dispatch.RANK_ZERO)
     def publish_weights(self, version: int) -> dict[str, Any]:
-        """For a rollout pool of its own: write the actor's current weights in the engine's dtype where the rollout
-        pool reads them (`hybridflow.engine.rollout.published.publish`; shared memory on one node). Every rank takes
-        part (an FSDP actor is gathered); rank 0 writes. Returns ``{"path", "version", "bytes"}``."""
+        """For a rollout pool of its own: send the actor's current weights, in the engine's dtype, by
+        ``rollout.checkpoint_engine.backend``: ``file``: a safetensors file where the rollout pool reads it
+        (`hybridflow.engine.rollout.published.publish`; shared memory on one node); ``gloo``: a broadcast from this
+        pool's rank 0 to the rollout's ranks, queued on a thread (`hybridflow.engine.rollout.broadcast.WeightSender`).
+        Every rank takes part (an FSDP actor is gathered); rank 0 sends. Returns the handle the rollout loads with:
+        ``{"path", "version", "bytes"}`` or ``{"host", "port", "world", "version", "bytes"}``."""
         self._need("actor")
         cfg = self.config
         prompt = probe_prompt(self.tokenizer, eos_token_ids(self.tokenizer, self.weights.generation_config))
         dtype = getattr(torch, cfg.rollout.vllm_dtype)
+        engine = cfg.rollout.checkpoint_engine
         with self.weights.generation_model() as model:
             if self.rank != 0:
                 return {}
-            folder = weights_folder(self.data_dir, local=cfg.placement.executor == "local")
-            return publish(model, prompt, folder, version, dtype)
+            if engine.backend == "file":
+                folder = weights_folder(self.data_dir, local=cfg.placement.executor == "local")
+                return publish(model, prompt, folder, version, dtype)
+            if self.weight_link is None:
+                receivers = cfg.pool_of("rollout").world_size
+                self.weight_link = WeightSender(receivers, engine.update_weights_bucket_megabytes * 2**20)
+            return self.weight_link.send(full_weights(model), actor_probe_log_probs(model, prompt), version, dtype)
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self, published: dict[str, Any] | None = None, version: int = 0) -> dict[str, float]:
         """Load the actor's updated weights into a rollout that keeps its own (``rollout.name: vllm``; the ``hf``
         rollout generates from the actor's and needs nothing): in the actor's processes from its model
-        (`Rollout.update_weights`), in a rollout pool of its own from the file the actor's pool `published`
-        (`VLLMRollout.load_published`), which is removed once every rank has loaded it. Returns the rollout's
-        check; the caller times the stage (``timing_s/weight_sync``). `version`: the weights' (the actor updates
-        they hold), stamped on the rows the rollout generates from now on."""
+        (`Rollout.update_weights`), in a rollout pool of its own as the actor's pool `published` them: from the file
+        (removed once every rank has loaded it) or the broadcast (`publish_weights`). Returns the rollout's check;
+        the caller times the stage (``timing_s/weight_sync``). `version`: the weights' (the actor updates they
+        hold), stamped on the rows the rollout generates from now on."""
         self._need("rollout")
         if published is None:
             metrics = self.rollout.update_weights()
-        else:
-            metrics = self.rollout.load_published(published["path"])
+        elif "path" in published:
+            metrics = self.rollout.load_weights(*published_tensors(published["path"]))
             if dist.is_initialized():
                 dist.barrier()
             if self.rank == 0:
                 remove_published(published["path"])
+        else:
+            if self.weight_link is None:
+                self.weight_link = WeightReceiver(published, self.rank)
+            metrics = self.rollout.load_weights(*self.weight_link.receive(published["version"]))
         self.rollout_version = version
         return metrics
 

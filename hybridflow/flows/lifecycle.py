@@ -112,7 +112,8 @@ def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig
     """How `role`'s model is split over its pool's ranks, for the run store (``placements.parallel``): the
     strategy of the trained and scoring models (actor, critic, reward model; a reward model in training: ddp)
     and, for the actor, its training layout and, with ``megatron``, the generation layout, the resharding mode
-    and the rank groups (`HybridLayout.describe`); for a rollout in a pool of its own, its engine and replicas;
+    and the rank groups (`HybridLayout.describe`); for a rollout in a pool of its own, its engine, replicas and
+    how its weights arrive (``rollout.checkpoint_engine.backend``);
     None for ref and the score function (whole on every rank)."""
     if not isinstance(cfg, HybridFlowConfig):  # a reward-model or SFT run: one ddp group
         return {"strategy": "ddp"}
@@ -123,7 +124,11 @@ def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig
     if role not in ("actor", "rollout"):
         return None
     if role == "rollout" and cfg.rollout_apart():  # engines of its own pool, one per rank, fed published weights
-        return {"engine": cfg.rollout.name, "dp": cfg.pool_of("rollout").world_size}
+        return {
+            "engine": cfg.rollout.name,
+            "dp": cfg.pool_of("rollout").world_size,
+            "weights": cfg.rollout.checkpoint_engine.backend,
+        }
     world = cfg.pool_of("actor").world_size
     return {"strategy": cfg.actor.strategy, **training_backend(cfg.actor.strategy).layout_record(cfg, world)}
 

@@ -31,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from hybridflow.engine.imports import load_object
+from hybridflow.engine.rollout.broadcast import HOST_ADDRESS_ENV
 from hybridflow.engine.transfer import TransferProtocol, registered_methods
 from hybridflow.slurm import network
 from hybridflow.slurm.channel import Signer, WorkerConnection, read_secret
@@ -157,19 +158,25 @@ def _init_distributed(
     env = submitit.JobEnvironment()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    if interface == network.LOOPBACK:
+        address, nic = "127.0.0.1", network.LOOPBACK
+    else:
+        address = socket.gethostbyname(env.hostnames[0])
+        if address.startswith("127.") and env.num_nodes > 1:
+            address = network.route_address(controller_host)
+        nic = interface or network.interface_of(network.route_address(controller_host))
+    if nic:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", nic)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
+    # where this rank's own listeners (the weight broadcast's store) bind: its address on the NIC gloo uses
+    if interface == network.LOOPBACK:
+        os.environ[HOST_ADDRESS_ENV] = "127.0.0.1"
+    else:
+        own = network.interface_address(interface) if interface else network.route_address(controller_host)
+        os.environ[HOST_ADDRESS_ENV] = own
     if env.num_tasks > 1:
         for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)  # inherited from the controller's environment (e.g. set by vLLM there)
-        if interface == network.LOOPBACK:
-            address, nic = "127.0.0.1", network.LOOPBACK
-        else:
-            address = socket.gethostbyname(env.hostnames[0])
-            if address.startswith("127.") and env.num_nodes > 1:
-                address = network.route_address(controller_host)
-            nic = interface or network.interface_of(network.route_address(controller_host))
-        if nic:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", nic)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
         if env.global_rank == 0:
             listen_fd, port = _listen(address, env.num_tasks)
             conn.send({"type": "rendezvous", "address": address, "port": port})

@@ -89,6 +89,12 @@ class HybridFlowConfig(_Section):
                 f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
             )
         self._check_pools()
+        if self.rollout.checkpoint_engine.backend != "file" and not self.rollout_apart():
+            raise ValueError(
+                f"rollout.checkpoint_engine.backend={self.rollout.checkpoint_engine.backend} carries weights to a "
+                "rollout in a pool of its own, and this rollout shares the actor's (it syncs in process): put rollout "
+                "in a pool of its own (placement.pools) or remove rollout.checkpoint_engine.backend"
+            )
         self._check_mode()
         self._parallel_layout()
         self._divisible_by_ranks()

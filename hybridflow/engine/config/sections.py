@@ -153,6 +153,24 @@ class MultiTurnConfig(_Section):
         return self
 
 
+class CheckpointEngineConfig(_Section):
+    """How the actor's weights reach a rollout pool of its own after an update (verl's
+    ``rollout.checkpoint_engine``): ``file``: the actor's rank 0 writes one safetensors file (shared memory on one
+    node, the run's data folder across nodes) that every rollout rank reads; ``gloo``: the actor's rank 0
+    broadcasts them by torch.distributed (gloo) over a process group of itself and the rollout's ranks, in buckets,
+    from a thread (training goes on while a queued load waits), no file anywhere."""
+
+    backend: Literal["file", "gloo"] = Field(
+        "file",
+        description="file: a safetensors file the rollout's ranks read (shared memory on one node); gloo: a "
+        "torch.distributed broadcast from the actor's rank 0 to every rollout rank (across nodes with no shared "
+        "folder)",
+    )
+    update_weights_bucket_megabytes: int = Field(
+        512, gt=0, description="gloo: the most bytes (MiB) one broadcast carries; a larger tensor goes alone"
+    )
+
+
 class RolloutConfig(_Section):
     """Sampling: responses per prompt, temperature, top-p/top-k, response length (tokens)."""
 
@@ -189,6 +207,7 @@ class RolloutConfig(_Section):
         "(0 = the synchronous loop's samples); the controller admits a generation only while the bound can hold, "
         "nothing is dropped. sync is 0, one_step_off 1",
     )
+    checkpoint_engine: CheckpointEngineConfig = Field(default_factory=CheckpointEngineConfig)
     reshard: Literal["hybridflow", "naive"] = Field(
         "hybridflow",
         description="actor.strategy=megatron: how training shards become generation shards: hybridflow (all-gather "

@@ -4,9 +4,10 @@ from the actor).
 The actor's rank 0 writes the actor's full weights, cast to the engine's dtype, as one safetensors file (`publish`),
 with the actor's log-probabilities on a fixed probe prompt beside them; every rank of the rollout pool memory-maps
 that file and streams it into its engine (`published_tensors`), then checks the engine's greedy probe token against
-the published log-probabilities (`hybridflow.engine.rollout.vllm.VLLMRollout.load_published`). On one node the file
+the published log-probabilities (`hybridflow.engine.rollout.vllm.VLLMRollout.load_weights`). On one node the file
 lives in shared memory (``/dev/shm``: no disk), across nodes in the run's shared data folder. A file is written under
-a temporary name and renamed, so a reader never sees half of one.
+a temporary name and renamed, so a reader never sees half of one. This is ``rollout.checkpoint_engine.backend:
+file``; ``gloo`` sends the same weights and probe by a broadcast instead (`hybridflow.engine.rollout.broadcast`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ def _version(path: Path) -> int:
     return int(path.name.removeprefix("actor-v").removesuffix(".safetensors"))
 
 
+def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every entry of `model`'s state dict, whole (a DTensor's full tensor); a tied tensor under
+    each of its names (an engine's reload restores a tied tensor it is not sent)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def publish(model: torch.nn.Module, prompt: list[int], folder: Path, version: int, dtype: torch.dtype) -> dict:
     """Write `model`'s full state dict in `dtype` (every name, a tied tensor under each of its names: an engine's
     reload restores a tied tensor it is not sent) and its probe log-probs as ``<folder>/actor-v<version>.safetensors``,
@@ -90,12 +100,9 @@ def publish(model: torch.nn.Module, prompt: list[int], folder: Path, version: in
     Returns:
         ``{"path", "version", "bytes"}``: the file and the bytes of the weights in it.
     """
-    from torch.distributed.tensor import DTensor
-
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        tensors[name] = full.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+    tensors = {
+        name: full.detach().to(device="cpu", dtype=dtype, copy=True).contiguous() for name, full in full_weights(model)
+    }
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     tensors[PROBE_KEY] = actor_probe_log_probs(model, prompt)
     folder.mkdir(mode=0o700, exist_ok=True)

@@ -1,5 +1,5 @@
 """vLLM rollout: a vLLM engine inside the actor worker's process, colocated with training (``rollout.name: vllm``),
-or in a rollout pool of its own, fed the weights the actor's pool publishes (`VLLMRollout.load_published`).
+or in a rollout pool of its own, fed the weights the actor's pool publishes (`VLLMRollout.load_weights`).
 
 The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its weights are updated from the trainer's
 in-memory parameters after every actor update: `VLLMRollout.update_weights` streams ``model.state_dict()`` into the
@@ -37,7 +37,7 @@ import torch
 from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import assemble_rollout, eos_token_ids, expand_prompts, sampling_seed
-from hybridflow.engine.rollout.published import actor_probe_log_probs, probe_prompt, published_tensors
+from hybridflow.engine.rollout.published import actor_probe_log_probs, probe_prompt
 from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest, cut_at_eos
 
 INSTALL_HINT = (
@@ -69,7 +69,7 @@ class VLLMRollout:
     Args:
         weights: the actor's model, or the `hybridflow.engine.extensions.WeightSource` that lends it (an FSDP or
             megatron actor's): the source of `update_weights`, never modified here; None for an engine in a pool
-            of its own, whose weights arrive published by the actor's pool (`load_published`).
+            of its own, whose weights arrive published by the actor's pool (`load_weights`).
         tokenizer: its tokenizer (pad id, eos ids).
         model_path: the folder the actor was loaded from (the engine's initial weights and config).
         config: the ``rollout`` section.
@@ -111,7 +111,7 @@ class VLLMRollout:
         self.seed = int(seed)
         if self.weights is not None:
             generation_config, device = self.weights.generation_config, self.weights.device
-        else:  # an engine of its own pool: weights arrive published (`load_published`)
+        else:  # an engine of its own pool: weights arrive published (`load_weights`)
             generation_config = _generation_config(model_path)
         self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
         self.on_gpu = device is not None and device.type == "cuda"
@@ -168,7 +168,7 @@ class VLLMRollout:
             else:  # a tensor-parallel actor: each tensor is all-gathered as streamed (every rank syncs, in one order)
                 state = model.state_dict().items()
                 full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state)
-            metrics = self._reload(full, actor_probe_log_probs(model, self._probe_prompt()))
+            metrics = self.load_weights(full, actor_probe_log_probs(model, self._probe_prompt()))
             del full, model, state  # a model lent by the 3D-HybridEngine must not outlive the context
         return metrics
 
@@ -195,23 +195,21 @@ class VLLMRollout:
         return {"rollout/weight_sync_bytes": float(streamed), "rollout/weight_probe_diff": diff}
 
     @torch.no_grad()
-    def load_published(self, path: str) -> dict[str, float]:
-        """Load weights the actor's pool published (`hybridflow.engine.rollout.published.publish`: a safetensors
-        file in the engine's dtype, memory-mapped and streamed one tensor at a time) and probe them against the
-        actor's log-probabilities published beside them.
+    def load_weights(
+        self, pairs: Iterator[tuple[str, torch.Tensor]], actor_log_probs: torch.Tensor
+    ) -> dict[str, float]:
+        """Stream (name, tensor) `pairs` into the engine (vLLM's in-place reload), then `_probe` it against the
+        actor's probe log-probs float32 [V]: the actor's own weights (`update_weights`), or those the actor's pool
+        published for a rollout pool of its own, from a file
+        (`hybridflow.engine.rollout.published.published_tensors`) or a broadcast
+        (`hybridflow.engine.rollout.broadcast.WeightReceiver.receive`).
 
         Returns:
-            ``rollout/weight_sync_bytes`` (bytes streamed) and ``rollout/weight_probe_diff``, as `update_weights`.
+            ``rollout/weight_sync_bytes`` (bytes streamed) and ``rollout/weight_probe_diff`` (the probe's difference).
 
         Raises:
-            FileNotFoundError: no file at `path`.
-            RuntimeError: the probe disagrees (the engine does not serve the published weights).
+            RuntimeError: the probe disagrees (the engine does not serve the weights sent).
         """
-        return self._reload(*published_tensors(path))
-
-    def _reload(self, pairs: Iterator[tuple[str, torch.Tensor]], actor_log_probs: torch.Tensor) -> dict[str, float]:
-        """Stream (name, tensor) `pairs` into the engine (vLLM's in-place reload), then `_probe` it against the
-        actor's probe log-probs float32 [V]. Returns the bytes streamed and the probe's difference."""
         counted = _Counted(pairs)
         self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
         try:

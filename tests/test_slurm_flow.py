@@ -4,6 +4,7 @@ exact `hf resume --from`; then Slurm's
 time-limit warning (SIGUSR2) stopping a run at a stage boundary with a checkpoint, a killed rank failing it, and
 `hf resume` relaunching the groups each time until the run completes."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -140,6 +141,46 @@ def test_hf_run_on_slurm_with_four_pools_then_resume_repeats_an_iteration_exactl
     again = {(m.step, m.name): m.value for m in store.metrics(run.id)}
     for name in ["critic/score/mean", "critic/rm_score/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss"]:
         assert again[(2, name)] == pytest.approx(first[(2, name)], rel=1e-6, abs=1e-9), name
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(slurm_cluster, prefect_api, tmp_path):
+    """``rollout.checkpoint_engine.backend: gloo`` with the actor and the rollout in two Slurm jobs, one step off:
+    the actor's rank 0 serves the broadcast's rendezvous on its cluster address, the rollout's rank joins from its
+    own job, and every push (after each update) is sent, received and probed."""
+    from hybridflow.engine.tiny import build_tiny_model
+
+    pools = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
+    config = _config_file(
+        tmp_path,
+        build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32),
+        "grpo_tiny.yaml",
+        [
+            f"placement.pools={json.dumps(pools)}",
+            "rollout.name=vllm",
+            "rollout.vllm_kv_cache_gb=0.25",
+            "rollout.vllm_dtype=float32",
+            "rollout.checkpoint_engine.backend=gloo",
+            "trainer.mode=one_step_off",
+            "trainer.total_iterations=2",
+        ],
+    )
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    log = tmp_path / "run.log"
+    proc = _hf("run", str(config), "--executor", "slurm", "--db", db, "--prefect-api", prefect_api, log=log)
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    store = RunStore(db)
+    (run,) = store.list_runs()
+    assert run.status == "completed"
+    placed = {p.role: p for p in store.placements(run.id)}
+    assert placed["actor"].slurm_job_id != placed["rollout"].slurm_job_id  # two jobs
+    metrics = {(m.step, m.name): m.value for m in store.metrics(run.id)}
+    probes = [value for (_, name), value in metrics.items() if name == "rollout/weight_probe_diff"]
+    assert probes and max(probes) < 1e-4  # the engine serves the actor's weights
+    logs = tmp_path / "out" / "grpo_tiny" / run.id / "submitit"
+    received = "".join(path.read_text() for path in (logs / "generate").glob("*_log.err"))
+    for version in (1, 2):
+        assert f"rank 0: weights v{version} received by gloo broadcast" in received
 
 
 TOTAL = 20  # iterations of the time-limit test's run: many more than the warning needs to reach the controller

@@ -244,14 +244,19 @@ def test_verify_names_the_corrupted_file(runs, tmp_path):
         runs.a.load_checkpoint(folder)
 
 
-def test_failed_save_leaves_no_folder_and_rng_round_trips(runs, tmp_path):
-    trainer = runs.a
-    actor = dict(
+def _actor_parts(trainer) -> dict:
+    """`save_checkpoint`'s actor arguments from a trainer."""
+    return dict(
         actor_model=trainer.actor.model,
         actor_optimizer=trainer.actor.optimizer,
         actor_scheduler=trainer.actor.lr_scheduler,
         tokenizer=trainer.tokenizer,
     )
+
+
+def test_failed_save_leaves_no_folder_and_rng_round_trips(runs, tmp_path):
+    trainer = runs.a
+    actor = _actor_parts(trainer)
     # A failure after the actor is fully written (a critic that cannot save_pretrained): nothing is left behind.
     linear = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(linear.parameters(), lr=0.1)
@@ -280,6 +285,34 @@ def test_failed_save_leaves_no_folder_and_rng_round_trips(runs, tmp_path):
     for step in (8, 9):
         save_checkpoint(tmp_path, step, **actor, trainer_state={}, keep_last=2)
     assert [step for step, _ in list_checkpoints(tmp_path)] == [8, 9]
+
+
+def test_a_checkpoint_that_does_not_fit_its_disk_says_so_and_keeps_the_earlier_ones(runs, tmp_path):
+    """On a file system with room for one checkpoint (a tmpfs of 1.5 checkpoints), the second save fails before
+    it writes a byte, saying the disk is full, where, how much it needs and how much is free; the first stays
+    verifiable and the folder holds nothing else (torch's own message was "unexpected pos 284800 vs 284752")."""
+    import os
+    import subprocess
+
+    trainer = runs.a
+    actor = _actor_parts(trainer)
+    size = save_checkpoint(tmp_path / "sized", 1, **actor, trainer_state={}).bytes
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(disk)])
+    if mounted.returncode != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("mounting a tmpfs needs root")
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        first = save_checkpoint(disk, 1, **actor, trainer_state={"global_steps": 1})
+        with pytest.raises(CheckpointError, match=r"the disk is full: actor/ of checkpoint .* needs about") as failed:
+            save_checkpoint(disk, 2, **actor, trainer_state={"global_steps": 2})
+        assert f"free on {disk}" in str(failed.value) and "trainer.checkpoint_dir" in str(failed.value)
+        assert verify_checkpoint(first.path).sha256 == first.sha256
+        assert [p.name for p in disk.iterdir()] == ["global_step_1"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_fit_refuses_to_mix_with_another_runs_checkpoints(runs, tmp_path, tiny_model_dir):

@@ -83,6 +83,41 @@ def test_run_bad_key_names_it(tmp_path):
     assert "actor.ppo_epoch: unknown key" in result.stdout
 
 
+def test_brackets_in_a_message_are_printed_as_written(tmp_path):
+    """Text the CLI did not write (a path in an error, gloo's ``[/__w/pytorch/.../pair.cc:553]``) is printed as
+    is: rich markup would raise MarkupError on ``[/x]`` and swallow ``[bold]``."""
+    for path in ("/data/[/x]", "/data/[bold]x"):
+        result = _hf("run", "examples/grpo_tiny.yaml", "-o", f"model.path={path}")
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Traceback" not in result.stdout + result.stderr and "MarkupError" not in result.stderr
+        assert path in result.stdout
+
+
+def test_runs_show_gives_a_failed_runs_cause_not_the_last_line_of_its_log(tmp_path):
+    """A worker's failure is recorded with the tail of its log; `hf runs show` prints the error line (with its
+    brackets), not that tail's last line."""
+    from hybridflow.engine.config import load_config
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    run_id = store.create_run(load_config(ROOT / "examples" / "grpo_tiny.yaml").model_dump(mode="json"), "grpo_tiny")
+    store.set_status(
+        run_id,
+        "failed",
+        error='Traceback (most recent call last):\n  File "rlhf.py", line 1, in run\n'
+        "hybridflow.slurm.worker_group.WorkerGroupError: worker group 'actor_rollout_ref' (job 7, local): rank 0 "
+        "raised in compute_reward: ValueError: row 3 [/x] has no answer\n"
+        "--- last lines of /tmp/7_0_log.err ---\n  rank 0: generate_sequences done in 2.70 s\n",
+    )
+    shown = _hf("runs", "show", run_id, "--db", store.url)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert (
+        "WorkerGroupError: worker group 'actor_rollout_ref' (job 7, local): rank 0 raised in compute_reward: "
+        "ValueError: row 3 [/x] has no answer" in shown.stdout
+    )
+    assert "done in 2.70 s" not in shown.stdout
+
+
 def test_malformed_yaml_and_an_unreachable_store_get_one_line(tmp_path):
     """Malformed YAML names the file, line and column; an unreachable PostgreSQL store gets one line naming the URL
     and what to check; neither prints a traceback."""

@@ -49,6 +49,15 @@ def _cfg(tmp_path, tiny_model_dir, example="grpo_tiny.yaml", extra=()):
     )
 
 
+def _flow_run_state(flow_run_id: str) -> tuple[str, str]:
+    """A flow run's state type and message, from the Prefect server."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+    return state.type.value, state.message or ""
+
+
 def _task_names(flow_run_id: str) -> set[str]:
     import asyncio
 
@@ -254,11 +263,16 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tm
     proc.wait()
     assert store.get_run(run_id).status == "running"  # killed hard: nothing could record the end
     assert store.latest_checkpoint(run_id).step == 2
+    killed = store.get_run(run_id).prefect_flow_run_id
+    assert _flow_run_state(killed)[0] == "RUNNING"  # nothing could tell the server
 
     result = _hf(prefect_api, "resume", run_id, "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "resuming" in result.stdout and "from iteration 2" in result.stdout
     assert store.get_run(run_id).status == "completed"
+    # the controller that took over marked the dead one's flow run crashed, naming its own
+    state, message = _flow_run_state(killed)
+    assert state == "CRASHED" and store.get_run(run_id).prefect_flow_run_id in message, message
     resumed = _by_step(store, run_id)
     assert sorted(resumed) == [1, 2, 3, 4]
     # On CPU the resumed iterations are bit-identical (same weights, optimizer state, data cursor, and sampling
@@ -267,6 +281,19 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tm
         for name in COMPARED:
             assert resumed[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
     assert [c.step for c in store.checkpoints(run_id)] == [1, 2, 3, 4]
+
+
+def test_a_run_deleted_while_it_trains_stops_without_advising_a_resume(prefect_api, tmp_path, tiny_model_dir):
+    """`hf runs delete RUN --force` of a live run: its controller stops, and says the run is gone rather than
+    advising `hf resume` of a run that no longer exists."""
+    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, RESUMED)
+    run_id = wait_inside_iteration(proc, store, 2)
+    deleted = subprocess.run([HF, "runs", "delete", run_id, "--force", "--db", db], capture_output=True, text=True)
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode != 0, output
+    assert f"run {run_id} is no longer in the run store" in output, output
+    assert "hf resume" not in output, output
 
 
 def test_sigterm_records_interrupted_and_resume_extends_the_run(

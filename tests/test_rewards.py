@@ -12,6 +12,7 @@ from hybridflow.engine.guards import NonFiniteError
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward.rewards import (
     RewardManager,
+    ScoreFunctionError,
     default_compute_score,
     extract_answer,
     gsm8k_score,
@@ -258,7 +259,7 @@ def test_reward_manager_errors(tiny_tokenizer):
     without_truth = DataProto.from_dict(dict(batch.batch.items()), {"data_source": ["s", "s"]})
     with pytest.raises(KeyError, match="'reward_model'"):
         RewardManager(tiny_tokenizer)(without_truth)
-    with pytest.raises(ValueError, match="no built-in reward for data_source 's'"):
+    with pytest.raises(ScoreFunctionError, match="raised ValueError: no built-in reward for data_source 's'"):
         RewardManager(tiny_tokenizer)(batch)
 
 
@@ -279,6 +280,17 @@ def test_a_nan_score_stops_the_reward_stage(tiny_tokenizer, tmp_path):
         "the first is sample 1 (data_source b, response 'x = 7')"
     )
     assert "hf resume" in str(err.value)
+    raising = tmp_path / "raising.py"
+    raising.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return float(data_source) if '7' in solution_str else 1.0\n"
+    )
+    with pytest.raises(ScoreFunctionError) as err:
+        RewardManager(tiny_tokenizer, load_reward_function(f"{raising}:score"), name=f"{raising}:score")(batch)
+    assert str(err.value).startswith(  # the function, the sample and the original error, in one line
+        f"reward: the score function {raising}:score raised ValueError: could not convert string to float: 'b' on "
+        "sample 1 of 3 (data_source b, ground_truth '', response 'x = 7')"
+    )
     infinite = RewardManager(tiny_tokenizer, lambda d, s, g, e: {"score": float("inf")})
     with pytest.raises(NonFiniteError, match=r"returned inf for 3 of 3 samples; the first is sample 0 \(data_source a"):
         infinite(batch)

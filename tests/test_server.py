@@ -56,6 +56,10 @@ def test_each_home_gets_its_own_server(tmp_path, monkeypatch, capsys):
         b = server.start(port=port)  # the port is A's: B's own server on a free port
         started.append((home_b, b.pid))
         assert b.started and b.home == home_b and b.taken_port == port
+        assert b.describe() == (  # the pid is the new server's, not the port holder's
+            f"Prefect server of {home_b}: UI {b.ui_url} (started now, pid {b.pid}; port {port} is taken by something "
+            "this home did not start, so a free port)"
+        )
         assert b.port != port and b.pid != a.pid and server.healthy(b.api_url)
         assert json.loads(home_b.joinpath("prefect", "server.json").read_text()) == {"port": b.port, "pid": b.pid}
 

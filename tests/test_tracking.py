@@ -134,6 +134,31 @@ def test_a_resumed_run_continues_its_mlflow_and_wandb_runs(tmp_path, monkeypatch
     assert len(list((tmp_path / "run" / "wandb").glob("offline-run-*/run-run-2.wandb"))) == 2
 
 
+def test_a_resume_rewinds_jsonl_and_tensorboard_so_each_step_shows_once(tmp_path, monkeypatch):
+    """A run that logged steps 0-2 and resumes from its checkpoint of step 1 logs step 2 again: its jsonl files and
+    TensorBoard events keep the first session's steps 0-1 and the second session's 2-3, each step once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    first = Tracking(["jsonl", "tensorboard"], tmp_path / "run", "proj", "exp", "run-3", {}, first_step=0)
+    _log_all(first)  # steps 0, 1, 2 and step 2's generations
+    second = Tracking(["jsonl", "tensorboard"], tmp_path / "run", "proj", "exp", "run-3", {}, first_step=2)
+    again = {2: {"critic/score/mean": 0.875}, 3: {"critic/score/mean": 1.0}}
+    for step, metrics in again.items():
+        second.log(metrics, step)
+    second.log_generations(SAMPLES[:1], 2, "train")
+    second.finish()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 1, 2, 3]
+    assert lines[2] == {"step": 2, **again[2]}
+    generations = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert generations == [{"kind": "train", **SAMPLES[0]}]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    shown = [(e.step, e.value) for e in events.Scalars("critic/score/mean")]
+    assert shown == [(1, 0.5), (2, 0.875), (3, 1.0)]
+
+
 def test_markdown_table_escapes_cells_and_missing_libraries():
     table = markdown_table(SAMPLES, limit=4)
     assert table.splitlines()[0] == "| " + " | ".join(GENERATION_COLUMNS) + " |"

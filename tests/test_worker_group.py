@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -138,6 +139,21 @@ def test_dead_or_stopped_rank_fails_the_call_within_seconds(tmp_path, sig, expec
     finally:
         if sig == signal.SIGSTOP:
             os.kill(pid, signal.SIGCONT)
+        g.shutdown(timeout_s=10)
+
+
+def test_a_rank_killed_inside_a_collective_is_named_not_the_rank_that_lost_its_peer(tmp_path):
+    """Rank 1 SIGKILLed while both ranks all-reduce: rank 0 raises first (gloo: "Connection closed by peer"), and
+    the error names rank 1, its pid and the signal, from the group's own process bookkeeping."""
+    g = _group(tmp_path, name="collective", heartbeat_timeout_s=3.0)
+    try:
+        pid = g.pids[1]
+        threading.Timer(2.0, os.kill, (pid, signal.SIGKILL)).start()
+        with pytest.raises(WorkerGroupError) as err:
+            g.reduce_for(30)
+        message = str(err.value)
+        assert re.search(rf"rank 1 \(pid {pid}\) (was killed by SIGKILL|died) during reduce_for", message), message
+    finally:
         g.shutdown(timeout_s=10)
 
 

@@ -37,6 +37,15 @@ class ToyWorker:
         dist.all_reduce(t)
         return float(t)
 
+    @register(Dispatch.ONE_TO_ALL)
+    def reduce_for(self, seconds: float) -> int:
+        """All-reduce in a loop for `seconds` (a collective in flight, as in update_actor); returns the rounds."""
+        rounds, deadline = 0, time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            dist.all_reduce(torch.ones(1024))
+            rounds += 1
+        return rounds
+
     @register(Dispatch.DP_COMPUTE_PROTO)
     def double(self, data: DataProto, factor: int = 2, key: str = "x") -> DataProto:
         n = len(data)

@@ -4,13 +4,32 @@ the run store and a run in it with a one-line error."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
-console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)  # piped: no truncation
+# markup off: what the CLI prints holds text it did not write (error messages, paths, prompts and samples), whose
+# [...] rich would read as tags (gloo's "[/__w/pytorch/...]" raised MarkupError); styles go by `styled` and style=
+console = Console(soft_wrap=True, markup=False, width=None if sys.stdout.isatty() else 200)  # piped: no truncation
+
+
+_CAUSE = re.compile(r"^\s*((?:[\w.]+\.)?\w*(?:Error|Exception)): (.+)$")
+
+
+def error_cause(message: str) -> str | None:
+    """The last ``SomeError: text`` line of a (worker's) traceback inside an error message, or None."""
+    found = [m for line in message.splitlines() if (m := _CAUSE.match(line))]
+    return f"{found[-1].group(1).rsplit('.', 1)[-1]}: {found[-1].group(2)}" if found else None
+
+
+def styled(*parts: str | tuple[str, str]) -> Text:
+    """One line of plain text with styled parts, e.g. ``styled("run ", (run_id, "bold"), " recorded")``."""
+    return Text.assemble(*parts)
+
 
 DbOption = Annotated[
     str | None,
@@ -35,7 +54,7 @@ def _store(db: str | None):
     try:
         return RunStore(db)
     except (RunStoreError, ValueError) as e:
-        console.print(f"[red]{e}[/red]")
+        console.print(f"{e}", style="red")
         raise typer.Exit(2) from None
 
 
@@ -46,7 +65,7 @@ def _get_run(store, run_id: str):
     try:
         return store.get_run(run_id)
     except UnknownRunError as e:
-        console.print(f"[red]{e}[/red]")
+        console.print(f"{e}", style="red")
         raise typer.Exit(2) from None
 
 

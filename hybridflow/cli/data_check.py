@@ -8,18 +8,18 @@ held-out prompt is trained on, 2 when the config or its data cannot be read.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+from hybridflow.cli.common import console, styled
 
 data_app = typer.Typer(help="Prompt data: check a config's rows, labels and lengths.", no_args_is_help=True)
 SHOWN_FAILURES = 5
 BAR = 40
-console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 
 
 @data_app.command("check")
@@ -38,13 +38,13 @@ def data_check(
     try:
         cfg = load_config(config, list(override or []))
     except ConfigError as e:
-        console.print(str(e) if str(e).startswith(str(config)) else f"{config}: {e}", markup=False, style="red")
+        console.print(str(e) if str(e).startswith(str(config)) else f"{config}: {e}", style="red")
         raise typer.Exit(2) from None
     try:
         with console.status("building and tokenizing the prompts..."):
             report = data_report(cfg.data, load_tokenizer(str(resolve_model_path(cfg.model.path))))
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"{config}: {e}", markup=False, style="red")
+        console.print(f"{config}: {e}", style="red")
         raise typer.Exit(2) from None
     _render(report)
     if not report.ok:
@@ -60,12 +60,12 @@ def _render(report) -> None:
         sources = ", ".join(f"{s} ({n})" for s, n in split.sources.items())
         fails = len(split.audit.failures)
         summary.add_row(name, str(split.rows), str(split.distinct), sources, str(split.over_length),
-                        str(split.audit.audited), f"[red]{fails}[/red]" if fails else "0")  # fmt: skip
+                        str(split.audit.audited), Text(str(fails), style="red") if fails else "0")  # fmt: skip
     console.print(summary)
     console.print(f"validation prompts also in the training set: {report.shared}")
     for name, split in report.splits.items():
         for i, source, question, problem in split.audit.failures[:SHOWN_FAILURES]:
-            console.print(f"[red]{name} row {i}[/red] ({source}) {question}: {problem}", highlight=False)
+            console.print(styled((f"{name} row {i}", "red"), f" ({source}) {question}: {problem}"), highlight=False)
         more = len(split.audit.failures) - SHOWN_FAILURES
         if more > 0:
             console.print(f"... and {more} more {name} labels fail their audit")
@@ -75,7 +75,9 @@ def _render(report) -> None:
     for name, split in report.splits.items():
         for title, values in (("prompt tokens", split.prompt_tokens), ("label characters", split.label_chars)):
             median = int(sorted(values)[len(values) // 2])
-            console.print(f"[bold]{name}: {title}[/bold] (min {values.min()}, median {median}, max {values.max()})")
+            console.print(
+                styled((f"{name}: {title}", "bold"), f" (min {values.min()}, median {median}, max {values.max()})")
+            )
             bins = histogram(values)
             peak = max(count for _, _, count in bins)
             for low, high, count in bins:
@@ -83,6 +85,6 @@ def _render(report) -> None:
                 bar = "#" * max(1 if count else 0, round(BAR * count / peak))
                 console.print(f"  {label:>9} {bar:<{BAR}} {count}", highlight=False)
     for problem in report.problems:
-        console.print(f"[red]problem:[/red] {problem}")
+        console.print(styled(("problem:", "red"), f" {problem}"))
     if report.ok:
-        console.print("[green]data check passed[/green]")
+        console.print("data check passed", style="green")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import yaml
 from rich.table import Table
 
 from hybridflow.cli import server
-from hybridflow.cli.common import DbOption, PrefectOption, _get_run, _store, console
+from hybridflow.cli.common import DbOption, PrefectOption, _get_run, _store, console, error_cause, styled
 from hybridflow.cli.data_check import data_app
 from hybridflow.cli.runs import runs_app
 
@@ -55,7 +54,7 @@ def _connect_prefect(prefect_api: str | None) -> None:
         with console.status("starting the local Prefect server (first start ~20 s)..."):
             info = server.start()
     except RuntimeError as e:
-        console.print(f"[red]{e}[/red]\nor point to a running server with --prefect-api URL")
+        console.print(styled((str(e), "red"), "\nor point to a running server with --prefect-api URL"))
         raise typer.Exit(1) from None
     console.print(info.describe())
     server.use_server(info.api_url)
@@ -70,7 +69,7 @@ def _load_config(config: Path, override: list[str] | None, executor: str | None,
         return load_config(config, _overrides(override, executor), schema)
     except ConfigError as e:
         message = str(e) if str(e).startswith(str(config)) else f"{config}: {e}"
-        console.print(message, markup=False, style="red")
+        console.print(message, style="red")
         raise typer.Exit(2) from None
 
 
@@ -98,7 +97,7 @@ def run(
     _check_inputs(cfg)
     _connect_prefect(prefect_api)  # before the run is recorded: a server that cannot start leaves no stray run
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name, plan_id=cfg.placement.plan)
-    console.print(f"run [bold]{run_id}[/bold] recorded in {store.url}")
+    console.print(styled("run ", (run_id, "bold"), f" recorded in {store.url}"))
     _train(store, run_id)
 
 
@@ -134,7 +133,7 @@ def resume(
     store = _store(db)
     record = _get_run(store, run_id)
     if controller_state(record) == "live":
-        console.print(str(LeaseHeldError(record)), markup=False, style="red")
+        console.print(str(LeaseHeldError(record)), style="red")
         raise typer.Exit(2)
     if record.kind in _SUPERVISED:
         _resume_supervised(store, record, list(override or []), from_checkpoint, prefect_api)
@@ -142,7 +141,7 @@ def resume(
     try:
         cfg = resume_config(record.config, list(override or []))
     except ConfigError as e:
-        console.print(f"[red]{run_id}: {e}[/red]")
+        console.print(f"{run_id}: {e}", style="red")
         raise typer.Exit(2) from None
     from_step = None if from_checkpoint is None else _checkpoint_step(store, run_id, from_checkpoint)
     ckpt = store.latest_checkpoint(run_id)
@@ -151,8 +150,9 @@ def resume(
     done, total = (ckpt.step if ckpt else 0), cfg.trainer.total_iterations
     if total < done:
         console.print(
-            f"[red]{run_id}: trainer.total_iterations={total} is below the {done} iterations already done; "
-            "give a larger number[/red]"
+            f"{run_id}: trainer.total_iterations={total} is below the {done} iterations already done; "
+            "give a larger number",
+            style="red",
         )
         raise typer.Exit(2)
     if record.status == "completed" and total == done and from_step is None:
@@ -168,8 +168,9 @@ def resume(
     if controller_state(record) == "crashed":
         beat = f"{record.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if record.heartbeat_at else "never"
         console.print(
-            f"[yellow]run {run_id}: its controller (host {record.lease_host}, pid {record.lease_pid}) crashed; last "
-            f"heartbeat {beat}; taking over[/yellow]"
+            f"run {run_id}: its controller (host {record.lease_host}, pid {record.lease_pid}) crashed; last "
+            f"heartbeat {beat}; taking over",
+            style="yellow",
         )
     start = f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"
     console.print(f"resuming {run_id} from {start} to iteration {total}")
@@ -187,12 +188,14 @@ def _resume_supervised(store, record, overrides: list[str], from_checkpoint: str
     from hybridflow.engine import config as configs
 
     if from_checkpoint is not None:
-        console.print(f"[red]--from: a run of kind {record.kind} resumes from its newest usable checkpoint only[/red]")
+        console.print(
+            f"--from: a run of kind {record.kind} resumes from its newest usable checkpoint only", style="red"
+        )
         raise typer.Exit(2)
     try:
         cfg = configs.resume_config(record.config, overrides, getattr(configs, _SUPERVISED[record.kind]))
     except configs.ConfigError as e:
-        console.print(f"[red]{record.id}: {e}[/red]")
+        console.print(f"{record.id}: {e}", style="red")
         raise typer.Exit(2) from None
     if record.status == "completed" and cfg.model_dump(mode="json") == record.config:
         console.print(
@@ -216,11 +219,11 @@ def _checkpoint_step(store, run_id: str, name: str) -> int:
     usable = [c for c in store.checkpoints(run_id) if c.complete and c.bad_reason is None]
     names = ", ".join(f"global_step_{c.step}" for c in usable) or "none"
     if not text.isdigit():
-        console.print(f"[red]--from {name}: give a checkpoint as global_step_N; {run_id} has: {names}[/red]")
+        console.print(f"--from {name}: give a checkpoint as global_step_N; {run_id} has: {names}", style="red")
         raise typer.Exit(2)
     step = int(text)
     if step != 0 and step not in {c.step for c in usable}:
-        console.print(f"[red]--from {name}: {run_id} has no usable checkpoint of step {step}; usable: {names}[/red]")
+        console.print(f"--from {name}: {run_id} has no usable checkpoint of step {step}; usable: {names}", style="red")
         raise typer.Exit(2)
     return step
 
@@ -236,7 +239,7 @@ def _check_inputs(cfg) -> None:
         with console.status("checking the model, data and reward function..."):
             check(cfg)
     except InputError as e:
-        console.print(f"[red]{e}[/red]")
+        console.print(f"{e}", style="red")
         raise typer.Exit(2) from None
 
 
@@ -270,33 +273,38 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
             else:
                 rlhf.run_flow(run_id=run_id, resume_from_step=resume_from_step)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the flow has recorded the run as interrupted
-            console.print(f"[yellow]interrupted; continue with: hf resume {run_id}[/yellow]")
+            console.print(f"interrupted; continue with: hf resume {run_id}", style="yellow")
             raise typer.Exit(143 if isinstance(e, _Terminated) else 130) from None
         except (LeaseHeldError, LeaseLostError) as e:  # the run is another controller's: nothing was recorded
-            console.print(f"[red]{e}[/red]")
+            console.print(f"{e}", style="red")
             raise typer.Exit(2) from None
         except Exception as e:  # the flow has recorded the failure in the store
-            console.print(f"[red]run {run_id} failed: {type(e).__name__}: {e}[/red]")
-            if (cause := _cause(str(e))) is not None:
-                console.print(f"[red bold]cause: {cause}[/red bold]")
-            console.print(f"fix the cause, then continue with: hf resume {run_id}")
+            console.print(f"run {run_id} failed: {type(e).__name__}: {e}", style="red")
+            if (cause := error_cause(str(e))) is not None:
+                console.print(f"cause: {cause}", style="red bold")
+            if _recorded(store, run_id):
+                console.print(f"fix the cause, then continue with: hf resume {run_id}")
+            else:  # hf runs delete --force while it trained: nothing is left to resume
+                console.print(f"run {run_id} is no longer in the run store {store.url} (deleted while it trained)")
             raise typer.Exit(1) from None
         finally:
             lifecycle.listeners.remove(progress.on_event)
     record = store.get_run(run_id)
     if record.status == "interrupted":  # stopped on Slurm's time-limit or preemption warning, checkpointed
-        console.print(f"[yellow]{record.error}[/yellow]")
+        console.print(f"{record.error}", style="yellow")
         raise typer.Exit(3)
     console.print(f"run {run_id} completed; history: hf runs show {run_id}")
 
 
-_CAUSE = re.compile(r"^\s*((?:[\w.]+\.)?\w*(?:Error|Exception)): (.+)$")
+def _recorded(store, run_id: str) -> bool:
+    """Whether the run store still holds run `run_id` (False once ``hf runs delete`` removed it)."""
+    from hybridflow.flows.store.run_store import UnknownRunError
 
-
-def _cause(message: str) -> str | None:
-    """The last ``SomeError: text`` line of a (worker's) traceback inside an error message, or None."""
-    found = [m for line in message.splitlines() if (m := _CAUSE.match(line))]
-    return f"{found[-1].group(1).rsplit('.', 1)[-1]}: {found[-1].group(2)}" if found else None
+    try:
+        store.get_run(run_id)
+    except UnknownRunError:
+        return False
+    return True
 
 
 def _auto_place(config: Path, override, executor, cfg, store):
@@ -321,7 +329,7 @@ def _auto_place(config: Path, override, executor, cfg, store):
         tree = _config_tree(config, override, executor)
         planned = plan_config(cfg, tree, hw, placement.nodes, placement.tasks_per_node)
     except (UnknownHardware, PlanError, FileNotFoundError, ValueError) as e:
-        console.print(f"{config}: {e}", markup=False, style="red")
+        console.print(f"{config}: {e}", style="red")
         raise typer.Exit(2) from None
     if planned.chosen is None:
         console.print(f"{config}: placement.auto: none of the plans runs in this version", style="red")
@@ -329,9 +337,12 @@ def _auto_place(config: Path, override, executor, cfg, store):
     plan_id = planned.record(store, f"{config} (placement.auto)")
     chosen = planned.chosen
     console.print(
-        f"placement.auto: plan [bold]{plan_id}[/bold]: {placement_label(chosen)}"
-        f" on {' | '.join(map(str, chosen.devices))} devices, {chosen.seconds:.3g} s per iteration (estimated; "
-        f"hf plans show {plan_id})"
+        styled(
+            "placement.auto: plan ",
+            (plan_id, "bold"),
+            f": {placement_label(chosen)} on {' | '.join(map(str, chosen.devices))} devices, {chosen.seconds:.3g} s "
+            f"per iteration (estimated; hf plans show {plan_id})",
+        )
     )
     return validate_config(planned.tree)
 
@@ -380,7 +391,7 @@ def plan(
     from hybridflow.flows.placement.planner import PlanError
 
     def fail(message: str) -> None:
-        console.print(message, markup=False, style="red")
+        console.print(message, style="red")
         raise typer.Exit(2)
 
     cfg = _load_config(config, override, executor)
@@ -408,7 +419,7 @@ def plan(
         tmp = output.with_name(f".{output.name}.tmp")
         tmp.write_text(yaml.safe_dump(planned.tree, sort_keys=False))
         os.replace(tmp, output)
-        console.print(f"wrote {output}: run it with [bold]hf run {output}[/bold]")
+        console.print(styled(f"wrote {output}: run it with ", (f"hf run {output}", "bold")))
 
 
 def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], store, prefect_api):
@@ -438,7 +449,9 @@ def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], 
             ]
             cfg = _load_config(config, sized, executor)
             run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name)
-            console.print(f"calibration run [bold]{run_id}[/bold]: {prompts} prompts per iteration, {ranks} rank(s)")
+            console.print(
+                styled("calibration run ", (run_id, "bold"), f": {prompts} prompts per iteration, {ranks} rank(s)")
+            )
             _train(store, run_id)
             run_ids.append(run_id)
     with console.status("measuring this machine's device (matmul, copy, gloo all-reduce)..."):
@@ -453,7 +466,7 @@ def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], 
     )
     profile = fit_profile(base_profile, [Measured.from_store(store, r) for r in run_ids], name)
     path = save_profile(profile)
-    console.print(f"profile [bold]{name}[/bold] saved in {path}:")
+    console.print(styled("profile ", (name, "bold"), f" saved in {path}:"))
     console.print_json(profile.model_dump_json())
     return profile
 
@@ -519,7 +532,7 @@ def plans_show(
     try:
         plan = _store(db).get_plan(plan_id)
     except UnknownPlanError as e:
-        console.print(str(e), markup=False, style="red")
+        console.print(str(e), style="red")
         raise typer.Exit(2) from None
     if as_json:
         print(json.dumps(plan.to_dict(), indent=2))
@@ -591,7 +604,7 @@ def _train_new(cfg, kind: str, result: str, db: str | None, prefect_api: str | N
     store = _store(db)
     _connect_prefect(prefect_api)
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name, kind=kind)
-    console.print(f"{what} [bold]{run_id}[/bold] recorded in {store.url}")
+    console.print(styled(f"{what} ", (run_id, "bold"), f" recorded in {store.url}"))
     _train(store, run_id)
     return Path(cfg.trainer.output_dir).resolve() / cfg.trainer.experiment_name / run_id / result
 
@@ -634,7 +647,7 @@ def models_prepare(
         with console.status(f"preparing {name} (once; ~30 s for smollm2)..."):
             path = prepare_model(name, force=force)
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]{e}[/red]")
+        console.print(f"{e}", style="red")
         raise typer.Exit(2) from None
     print(path)
 

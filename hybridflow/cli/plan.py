@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from hybridflow.cli.common import styled
 from hybridflow.flows.placement.hardware import GB
 from hybridflow.flows.placement.planner import Candidate, PlanResult
 
@@ -71,9 +72,13 @@ def show_plan(
     w = result.workload
     models = ", ".join(f"{m} {s.name}" for m, s in result.models.items())
     console.print(
-        f"plan [bold]{plan_id}[/bold]: {result.placements} placements, {result.allocations} allocations, "
-        f"{len(result.candidates)} feasible plans in {search_s:.2f} s; models: {models}; {w.sequences} sequences of "
-        f"{w.prompt_length} + {w.response_length} tokens per iteration"
+        styled(
+            "plan ",
+            (plan_id, "bold"),
+            f": {result.placements} placements, {result.allocations} allocations, {len(result.candidates)} feasible "
+            f"plans in {search_s:.2f} s; models: {models}; {w.sequences} sequences of {w.prompt_length} + "
+            f"{w.response_length} tokens per iteration",
+        )
     )
     console.print(candidates_table(result, top))
     if result.rejected:

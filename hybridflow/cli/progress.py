@@ -51,7 +51,7 @@ class LiveProgress:
             self.console.print(f"Prefect flow run: {data['ui_url'] or '(no UI: no Prefect server)'}")
             self.progress.console.print("starting worker groups and loading models...")
         elif event == "fallback":  # a checkpoint failed verification: say which and what the run resumes from
-            self.console.print(f"[yellow]{data['message']}[/yellow]")
+            self.console.print(f"{data['message']}", style="yellow")
         elif event == "start":
             self.task = self.progress.add_task(
                 "run", total=data["total"], completed=data["start_step"], stage="", summary=""

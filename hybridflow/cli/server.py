@@ -68,10 +68,10 @@ class ServerInfo:
 
     def describe(self) -> str:
         """One line for the user: whose server it is, its UI and whether `start` started it just now."""
-        how = "started now" if self.started else "already running"
-        if self.taken_port is not None:
-            how += f" on a free port: {self.taken_port} is taken by something this home did not start"
-        return f"Prefect server of {self.home}: UI {self.ui_url} ({how}, pid {self.pid})"
+        how = f"{'started now' if self.started else 'already running'}, pid {self.pid}"
+        if self.taken_port is not None:  # the pid is the new server's, not the holder's of the taken port
+            how += f"; port {self.taken_port} is taken by something this home did not start, so a free port"
+        return f"Prefect server of {self.home}: UI {self.ui_url} ({how})"
 
 
 def _state_file() -> Path:

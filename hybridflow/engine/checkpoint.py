@@ -28,6 +28,7 @@ arbitrary objects.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -209,13 +210,50 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------- save
+def _tensor_bytes(tree: Any) -> int:
+    """Bytes of every tensor in a nested dict / list / tuple (a state dict, an optimizer state)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+def _no_space(folder: Path, need: int, free: int) -> CheckpointError:
+    """The error of a checkpoint that does not fit its disk: where, how much it needs, how much is free, the fix."""
+    root = folder.parent.parent
+    checkpoint = root / folder.parent.name.removeprefix(_TMP_PREFIX).rsplit("-", 1)[0]  # the staging folder's
+    return CheckpointError(
+        f"the disk is full: {folder.name}/ of checkpoint {checkpoint} needs about {need / 1e9:.3f} GB (weights and "
+        f"optimizer state) and {free / 1e9:.3f} GB is free on {root}; free space there or set "
+        "trainer.checkpoint_dir to a larger file system, then hf resume (the earlier checkpoints are intact)"
+    )
+
+
 def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None, full_state=None) -> None:
-    folder.mkdir()
+    """Write one role's folder; first check its tensors fit the free space (each writer checks its own part).
+
+    Raises:
+        CheckpointError: the disk cannot hold it, before writing, or when a write fails on a full disk (torch's
+            own message is "unexpected pos ...")."""
     weights, optimizer_state = full_state if full_state is not None else (None, optimizer.state_dict())
-    model.save_pretrained(folder, state_dict=weights)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    torch.save({"optimizer": optimizer_state, "lr_scheduler": scheduler.state_dict()}, folder / OPTIM_STATE)
+    need = _tensor_bytes(weights if weights is not None else model.state_dict()) + _tensor_bytes(optimizer_state)
+    free = shutil.disk_usage(folder.parent).free
+    if need > free:
+        raise _no_space(folder, need, free)
+    folder.mkdir()
+    try:
+        model.save_pretrained(folder, state_dict=weights)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        torch.save({"optimizer": optimizer_state, "lr_scheduler": scheduler.state_dict()}, folder / OPTIM_STATE)
+    except (OSError, RuntimeError) as error:
+        full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+        if full or shutil.disk_usage(folder.parent).free < 2**20:  # under 1 MiB left: the write ran out of space
+            raise _no_space(folder, need, free) from error
+        raise
 
 
 def save_checkpoint(

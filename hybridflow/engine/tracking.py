@@ -64,8 +64,11 @@ class _Jsonl:
     """``<log_dir>/metrics.jsonl`` (``{"step": N, <name>: value, ...}`` per line; NaN and ±inf as null) and
     ``generations.jsonl`` (one sample per line, with ``kind``: train or val)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, first_step: int | None) -> None:
         self.metrics, self.generations = log_dir / "metrics.jsonl", log_dir / "generations.jsonl"
+        if first_step is not None:
+            for path in (self.metrics, self.generations):
+                _rewind_jsonl(path, first_step)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         finite = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # NaN/inf: null, as in the store
@@ -80,14 +83,29 @@ class _Jsonl:
         pass
 
 
+def _rewind_jsonl(path: Path, first_step: int) -> None:
+    """Drop the lines of `path` (if it exists) whose ``step`` is `first_step` or later (a resumed run logs them
+    again), atomically: a temporary file renamed over it."""
+    if not path.exists():
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", -1) < first_step]
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text("".join(kept))
+    os.replace(partial, path)
+
+
 class _TensorBoard:
     """Event files under ``$TENSORBOARD_DIR`` (verl's variable) or ``<log_dir>/tensorboard``; generations as a
     Markdown table in the text plugin (tag ``<kind>/generations``)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, first_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(os.environ.get("TENSORBOARD_DIR") or str(log_dir / "tensorboard"))
+        folder = Path(os.environ.get("TENSORBOARD_DIR") or log_dir / "tensorboard")
+        resumed = first_step is not None and folder.is_dir() and any(folder.iterdir())
+        # purge_step: TensorBoard drops the events written before of that step and later
+        self.writer = SummaryWriter(str(folder), purge_step=first_step if resumed else None)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for name, value in metrics.items():
@@ -218,6 +236,9 @@ class Tracking:
         mlflow_uri: the MLflow tracking URI (`mlflow_tracking_uri`); None: the default for ``<log_dir>``.
         mlflow_artifacts: where a new MLflow experiment in a SQLite store keeps its artifacts (default
             ``<log_dir>/mlartifacts``).
+        first_step: the first step this session logs: a resumed run's jsonl files and TensorBoard events of that
+            step and later, logged before the resume, are dropped, so each step shows once (as in the run store);
+            None: nothing dropped. wandb and MLflow keep theirs (their APIs rewind no history offline).
 
     Raises:
         ImportError: a backend's library is not installed (``pip install 'hybridflow[trackers]'``).
@@ -233,6 +254,7 @@ class Tracking:
         config: Mapping[str, Any],
         mlflow_uri: str | None = None,
         mlflow_artifacts: str | os.PathLike[str] | None = None,
+        first_step: int | None = None,
     ) -> None:
         if missing := missing_libraries(backends):
             raise ImportError(
@@ -245,9 +267,9 @@ class Tracking:
         try:
             for name in backends:
                 if name == "jsonl":
-                    self.backends[name] = _Jsonl(log_dir)
+                    self.backends[name] = _Jsonl(log_dir, first_step)
                 elif name == "tensorboard":
-                    self.backends[name] = _TensorBoard(log_dir)
+                    self.backends[name] = _TensorBoard(log_dir, first_step)
                 elif name == "wandb":
                     self.backends[name] = _Wandb(log_dir, project_name, experiment_name, run_id, config)
                 elif name == "mlflow":

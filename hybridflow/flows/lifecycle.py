@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
@@ -61,6 +62,32 @@ def flow_run_ui_url() -> str | None:
     if not api or not flow_run.id:
         return None
     return f"{api.rstrip('/').removesuffix('/api')}/runs/flow-run/{flow_run.id}"
+
+
+def take_over_flow_run(store: RunStore, run_id: str) -> None:
+    """Record this flow run as the run's Prefect flow run. The one recorded before, still RUNNING (or PENDING) in
+    Prefect, belonged to a controller that died without a word (SIGKILL, a lost node: nothing could tell the
+    server, which would show it running forever); it is set Crashed, naming the flow run that took over. This
+    controller holds the run's lease, so that controller is gone. Prefect unreachable: a warning, never a failure
+    (reporting must not cost training)."""
+    if not flow_run.id:
+        return
+    previous = store.get_run(run_id).prefect_flow_run_id
+    store.set_flow_run_id(run_id, str(flow_run.id))
+    if not previous or previous == str(flow_run.id):
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    try:
+        with get_client(sync_client=True) as client:
+            old = client.read_flow_run(UUID(previous))
+            if old.state is not None and old.state.type in (StateType.RUNNING, StateType.PENDING):
+                message = f"its controller died; run {run_id} continues in flow run {flow_run.id}"
+                client.set_flow_run_state(UUID(previous), Crashed(message=message), force=True)
+    except Exception as error:  # noqa: BLE001 - the server's bookkeeping, not the run's
+        logger.warning("could not mark the earlier flow run %s of run %s crashed: %s", previous, run_id, error)
 
 
 def run_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:

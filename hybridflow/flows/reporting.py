@@ -78,12 +78,16 @@ class RunReport:
         cfg: its config (``trainer.logger``, ``project_name``, ``mlflow_tracking_uri``, ``output_dir``).
         run_dir: the run folder (``jsonl``, ``tensorboard``, ``wandb`` files go there).
         tokenizer: the actor's tokenizer, to decode generations.
+        first_step: the first step this session records (`hybridflow.engine.tracking.Tracking`'s: a resume's
+            trackers drop what they hold of it and later steps).
 
     Raises:
         ImportError: a tracker's library is missing (named, with the pip command).
     """
 
-    def __init__(self, store: RunStore, run_id: str, cfg: HybridFlowConfig, run_dir: Path, tokenizer: Any) -> None:
+    def __init__(
+        self, store: RunStore, run_id: str, cfg: HybridFlowConfig, run_dir: Path, tokenizer: Any, first_step: int
+    ) -> None:
         self.store, self.run_id, self.tokenizer = store, run_id, tokenizer
         trainer = cfg.trainer
         output_dir = Path(trainer.output_dir).resolve()
@@ -96,6 +100,7 @@ class RunReport:
             config=cfg.model_dump(mode="json"),
             mlflow_uri=mlflow_tracking_uri(trainer.mlflow_tracking_uri, output_dir),
             mlflow_artifacts=output_dir / "mlartifacts",
+            first_step=first_step,
         )
 
     def step(

@@ -23,7 +23,6 @@ from typing import Any
 
 from prefect import flow, tags
 from prefect.futures import PrefectFuture, wait
-from prefect.runtime import flow_run
 
 from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, reward_shaping
 from hybridflow.engine.algorithms.kl import KLController
@@ -49,6 +48,7 @@ from hybridflow.flows.lifecycle import (
     run_dir_of,
     save_checkpoint,
     supersede_after,
+    take_over_flow_run,
     usable_checkpoint,
 )
 from hybridflow.flows.preflight import prompt_sets
@@ -252,17 +252,17 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         data_dir = run_dir / "data"
         shutil.rmtree(data_dir, ignore_errors=True)  # batch files of an earlier session: no handle to them survives
         data_dir.mkdir()
-        if flow_run.id:
-            store.set_flow_run_id(run_id, str(flow_run.id))
+        take_over_flow_run(store, run_id)
         store.set_status(run_id, "running")
         notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
         prompts = Prompts.build(cfg, data_dir)
-        report = RunReport(store, run_id, cfg, run_dir, prompt_sets(cfg).tokenizer)
         kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
         lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without algorithm.cost_limit)
         workers = launch_workers(cfg, run_id, store, run_dir)
         logs.pump()
         start, queue = _resume(store, run_id, cfg, workers, prompts, data_dir, kl_ctrl, lagrangian, resume_from_step)
+        # a resume logs from the iteration after its checkpoint (from step 0, the validation before training, if none)
+        report = RunReport(store, run_id, cfg, run_dir, prompt_sets(cfg).tokenizer, start + 1 if start else 0)
         trainer = cfg.trainer
         notify("start", run_id=run_id, total=trainer.total_iterations, start_step=start)
         groups = ", ".join(f"{n} ({g.spec.world_size} ranks, job {g.job_id})" for n, g in workers.groups.items())

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect.runtime import flow_run
-
 from hybridflow.engine.checkpoint import OPTIM_STATE, read_trainer_state
 from hybridflow.engine.epochs import epoch_batches
 from hybridflow.engine.metrics import Timer
@@ -38,6 +36,7 @@ from hybridflow.flows.lifecycle import (
     record_stop,
     run_dir_of,
     save_checkpoint,
+    take_over_flow_run,
     usable_checkpoint,
 )
 from hybridflow.flows.reporting import FlowLogs, RunReport
@@ -105,8 +104,7 @@ def train_supervised(run_id: str, db_url: str | None, spec: SupervisedRun) -> di
         data_dir = run_dir / "data"
         shutil.rmtree(data_dir, ignore_errors=True)  # batch files of an earlier session
         data_dir.mkdir()
-        if flow_run.id:
-            store.set_flow_run_id(run_id, str(flow_run.id))
+        take_over_flow_run(store, run_id)
         store.set_status(run_id, "running")
         notify("flow", run_id=run_id, ui_url=flow_run_ui_url())
         sets = spec.load_sets(cfg)
@@ -117,12 +115,12 @@ def train_supervised(run_id: str, db_url: str | None, spec: SupervisedRun) -> di
             DataHandle.put(spec.collate(sets.val[i : i + size], sets, cfg), data_dir, "val")
             for i in range(0, len(sets.val), size)
         ]
-        report = RunReport(store, run_id, cfg, run_dir, sets.tokenizer)
         pools = {spec.role: cfg.placement.pool(spec.role, [spec.role])}
         workers = launch_workers(cfg, run_id, store, run_dir, pools, spec.worker_cls)
         group = workers[spec.role]
         logs.pump()
         start = _resume(store, run_id, workers, spec.role)
+        report = RunReport(store, run_id, cfg, run_dir, sets.tokenizer, start + 1 if start else 0)
         notify("start", run_id=run_id, total=total, start_step=start)
         logger.info("run %s: %s steps %d to %d (%d per epoch)", run_id, spec.kind, start + 1, total, per_epoch)
         metrics: dict[str, float] = {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -332,6 +333,8 @@ class WorkerGroup:
                     rank = int(message["rank"])
                     self._beat(rank)
                     if message["type"] == "error":
+                        if PEER_LOST.search(message["traceback"]):  # a collective lost a peer: which one died?
+                            self._name_the_lost_peer(method, rank, started)
                         raise self._error(f"rank {rank} raised in {method}:\n{message['traceback']}", [rank])
                     results[rank] = message["result"]
                     pending.discard(rank)
@@ -397,6 +400,24 @@ class WorkerGroup:
     def _beat(self, rank: int) -> None:
         if rank in self.ranks:
             self.ranks[rank].last_seen = time.monotonic()
+
+    def _name_the_lost_peer(self, method: str, rank: int, since: float) -> None:
+        """Rank `rank` raised in a collective because a peer is gone (`PEER_LOST`): the rank that noticed is
+        not the cause. Look for the dead rank with the group's own liveness checks (a local rank's process end:
+        at once; on Slurm: the job or a node, or the dead rank's silence) for up to ``heartbeat_timeout_s``,
+        reading the live ranks' heartbeats meanwhile, and raise naming it. Returns when none is found."""
+        others = set(range(self.spec.world_size)) - {rank}
+        deadline = time.monotonic() + self.spec.heartbeat_timeout_s + 1.0
+        while time.monotonic() < deadline:
+            self._check_job_alive(method)
+            self._check_heartbeats(method, others, since)
+            got = self._endpoint.recv(0.2)
+            if got is not None:
+                message = got[1]
+                if message.get("type") in ("result", "error") and str(message.get("rank", "")).isdigit():
+                    self._beat(int(message["rank"]))  # a live rank's answer to this call (it noticed too)
+                else:
+                    self._handle_side_message(message)
 
     def _check_heartbeats(self, method: str, pending: set[int], since: float) -> None:
         """Raise for a pending rank silent for ``heartbeat_timeout_s``, counting from `since` at the earliest (the
@@ -554,6 +575,14 @@ class WorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
+    r"NCCL communicator was aborted|NCCL error.*(unhandled system error|remote)",
+    re.IGNORECASE,
+)
+"""What a rank's error says when a collective lost a peer (gloo, NCCL): the cause is another rank."""
 
 
 def _local_process_end(pid: int) -> str | None:

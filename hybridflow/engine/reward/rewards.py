@@ -261,6 +261,11 @@ def _function_name(fn: Callable[..., Any]) -> str:
     return f"{module}.{name}" if module else name
 
 
+class ScoreFunctionError(RuntimeError):
+    """The score function (``reward.custom_function``, ``reward.cost_function``) raised on a sample; the message
+    names the function, the sample (its data_source, ground truth and response) and the original error."""
+
+
 class RewardManager:
     """Turns a batch of generated responses into token-level scores with a score function.
 
@@ -299,6 +304,7 @@ class RewardManager:
             ValueError: if ``responses`` and ``response_mask`` differ in shape.
             NonFiniteError: a score is NaN or ±inf (after every sample is scored: the message counts them and names
                 the score function and the first such sample, its data_source and the start of its response).
+            ScoreFunctionError: the score function raised (on the sample named, with the original error).
         """
         have = set(data.batch.keys()) if data.batch is not None else set()
         for key in ("responses", "response_mask"):
@@ -329,9 +335,14 @@ class RewardManager:
             if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
                 raise KeyError(f"reward_model of sample {i} has no 'ground_truth': {reward_model!r}")
             extra_info = extra_infos[i] if extra_infos is not None else None
-            result = self.compute_score(
-                str(data.non_tensor_batch["data_source"][i]), text, reward_model["ground_truth"], extra_info
-            )
+            source, truth = str(data.non_tensor_batch["data_source"][i]), reward_model["ground_truth"]
+            try:
+                result = self.compute_score(source, text, truth, extra_info)
+            except Exception as error:
+                raise ScoreFunctionError(
+                    f"reward: the score function {name} raised {type(error).__name__}: {error} on sample {i} of "
+                    f"{batch_size} (data_source {source}, ground_truth {truth!r}, response {text[:80]!r}); {FIX}"
+                ) from error
             value, as_dict = self._unpack(result, name)
             if not math.isfinite(value):
                 non_finite.append((i, value, text))

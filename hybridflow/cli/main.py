@@ -279,9 +279,11 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
             console.print(f"{e}", style="red")
             raise typer.Exit(2) from None
         except Exception as e:  # the flow has recorded the failure in the store
-            console.print(f"run {run_id} failed: {type(e).__name__}: {e}", style="red")
+            summary = (str(e).strip().splitlines() or [""])[0]  # the traceback and log tail: the flow run's logs
+            console.print(f"run {run_id} failed: {type(e).__name__}: {summary}", style="red")
             if (cause := error_cause(str(e))) is not None:
                 console.print(f"cause: {cause}", style="red bold")
+            console.print("the traceback and the workers' last log lines: the flow run's logs in the Prefect UI")
             if _recorded(store, run_id):
                 console.print(f"fix the cause, then continue with: hf resume {run_id}")
             else:  # hf runs delete --force while it trained: nothing is left to resume
@@ -692,12 +694,20 @@ def _forward_to_huggingface_hub(argv: list[str]) -> bool:
     return argv[0] == "models" and len(argv) > 1 and argv[1] not in {"prepare", "--help", "-h"}
 
 
+def _not_a_failed_run_record(record: logging.LogRecord) -> bool:
+    """Prefect's ERROR records of a failed task or flow run (each with the whole traceback, eight of them for one
+    failed stage) stay off the terminal: they are in the flow run's logs, and `hf run` prints the failure once, its
+    first line and its cause."""
+    return not (record.name in ("prefect.task_runs", "prefect.flow_runs") and record.levelno >= logging.ERROR)
+
+
 def main() -> None:
     """Entry point of ``hf`` and ``hybridflow``."""
     # Warnings and errors on the terminal; INFO lines (the controller's and the workers') go to the flow run's logs
     # in the Prefect UI only (hybridflow.flows.reporting.FlowLogs).
     terminal = logging.StreamHandler()
     terminal.setLevel(logging.WARNING)
+    terminal.addFilter(_not_a_failed_run_record)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", handlers=[terminal])
     os.umask(0o077)  # the run store, run folders, checkpoints and logs are readable by their owner only
     signal.signal(signal.SIGTERM, _raise_terminated)

@@ -339,8 +339,9 @@ class RewardManager:
             try:
                 result = self.compute_score(source, text, truth, extra_info)
             except Exception as error:
+                said = " ".join(str(error).split())  # one line: the CLI shows the cause's line
                 raise ScoreFunctionError(
-                    f"reward: the score function {name} raised {type(error).__name__}: {error} on sample {i} of "
+                    f"reward: the score function {name} raised {type(error).__name__}: {said} on sample {i} of "
                     f"{batch_size} (data_source {source}, ground_truth {truth!r}, response {text[:80]!r}); {FIX}"
                 ) from error
             value, as_dict = self._unpack(result, name)

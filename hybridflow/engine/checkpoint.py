@@ -239,7 +239,11 @@ def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None, f
         CheckpointError: the disk cannot hold it, before writing, or when a write fails on a full disk (torch's
             own message is "unexpected pos ...")."""
     weights, optimizer_state = full_state if full_state is not None else (None, optimizer.state_dict())
-    need = _tensor_bytes(weights if weights is not None else model.state_dict()) + _tensor_bytes(optimizer_state)
+    if weights is not None:
+        need = _tensor_bytes(weights)
+    else:  # a Hugging Face model; a LoRA adapter (no state_dict: small beside its optimizer state, counted below)
+        need = _tensor_bytes(model.state_dict()) if isinstance(model, torch.nn.Module) else 0
+    need += _tensor_bytes(optimizer_state)
     free = shutil.disk_usage(folder.parent).free
     if need > free:
         raise _no_space(folder, need, free)

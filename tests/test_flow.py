@@ -283,6 +283,50 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tm
     assert [c.step for c in store.checkpoints(run_id)] == [1, 2, 3, 4]
 
 
+def _rank_pids(run_id: str, group: str) -> list[int]:
+    """The pids of worker group `group`'s ranks of run `run_id` (local executor: submitit's processes)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in args and any(a.endswith(f"{run_id}/submitit/{group}".encode()) for a in args):
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_rank_killed_mid_run_is_recovered_inside_the_flow_with_the_uninterrupted_metrics(
+    prefect_api, tmp_path, tiny_model_dir, reference
+):
+    """SIGKILL of a rank inside iteration 3 of `hf run`: the flow puts the recovery on record, relaunches its worker
+    group and goes on from global_step_2, with no `hf resume`; the run completes with the uninterrupted run's
+    metrics, and `hf runs show` lists the recovery."""
+    recovering = [*RESUMED, "trainer.recovery_backoff_s=0"]
+    proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, recovering)
+    run_id = wait_inside_iteration(proc, store, 3)
+    [pid] = _rank_pids(run_id, "actor_rollout_ref")
+    os.kill(pid, signal.SIGKILL)
+    output = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 0, output
+    assert "recovering by itself (1 of 2, trainer.max_recoveries)" in output, output
+    assert store.get_run(run_id).status == "completed"
+    [recovery] = store.recoveries(run_id)
+    assert (recovery.step, recovery.group_name, recovery.ranks, recovery.resumed_from) == (
+        3,
+        "actor_rollout_ref",
+        [0],
+        2,
+    )
+    assert f"(pid {pid})" in recovery.cause and recovery.lost_s >= 0
+    recovered = _by_step(store, run_id)
+    for step in (1, 2, 3, 4):
+        for name in COMPARED:
+            assert recovered[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+    shown = subprocess.run([HF, "runs", "show", run_id, "--db", db], capture_output=True, text=True)
+    assert "recoveries" in shown.stdout and "global_step_2" in shown.stdout, shown.stdout
+
+
 def test_a_run_deleted_while_it_trains_stops_without_advising_a_resume(prefect_api, tmp_path, tiny_model_dir):
     """`hf runs delete RUN --force` of a live run: its controller stops, and says the run is gone rather than
     advising `hf resume` of a run that no longer exists."""
@@ -486,6 +530,7 @@ def test_nan_reward_stops_the_run_and_resume_continues_after_the_fix(prefect_api
     assert str(reward_file) in output and "sample" in output
     assert f"hf resume {run.id}" in output
     assert "Traceback" not in output, output  # the failure once, in two lines: Prefect's tracebacks are in its UI
+    assert store.recoveries(run.id) == []  # a rank that raised: no recovery, the cause needs a fix
     [ckpt] = store.checkpoints(run.id)
     assert ckpt.step == 1 and verify_checkpoint(ckpt.path).sha256 == ckpt.sha256
 

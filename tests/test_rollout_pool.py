@@ -403,7 +403,7 @@ def test_async_never_trains_a_batch_staler_than_its_bound_and_a_sigkill_loses_no
     actor's, and the rollout's pool runs ahead that far. The same run through ``hf run``, SIGKILLed inside
     iteration 4 (two batches generated ahead are in the checkpoint of iteration 3, others in flight), then ``hf
     resume``d, trains the same prompts in the same iterations as the uninterrupted run: each exactly once. So does
-    a run whose rollout rank is SIGKILLed inside iteration 4 (the run fails naming the pool), once resumed."""
+    a run whose rollout rank is SIGKILLed inside iteration 4: it recovers by itself inside its flow."""
     import yaml
     from tiny_runs import wait_inside_iteration
 
@@ -453,23 +453,38 @@ def test_async_never_trains_a_batch_staler_than_its_bound_and_a_sigkill_loses_no
         if point.step in (4, 5, 6) and point.name in SAMPLED:
             assert point.value == ahead[point.step][point.name], (point.step, point.name)
 
-    # a rollout rank SIGKILLed inside iteration 4: the run fails naming it; hf resume trains the same prompts again
+    # a rollout rank SIGKILLed inside iteration 4: the run recovers by itself inside its flow (the rollout's queue
+    # restored from global_step_3) and trains the same prompts, with the same metrics
     db = f"sqlite:///{tmp_path / 'rank.db'}"
     log = tmp_path / "rank.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([HF, "run", str(config_file), "--db", db, "--prefect-api", prefect_api], stdout=out)
-    failed = RunStore(db)
-    failed_id = wait_inside_iteration(proc, failed, 4, log=log)
-    [rank] = [p for p in Path("/proc").glob("[0-9]*") if _rollout_rank(p, failed_id)]
+        proc = subprocess.Popen(
+            [
+                HF,
+                "run",
+                str(config_file),
+                "-o",
+                "trainer.recovery_backoff_s=0",
+                "--db",
+                db,
+                "--prefect-api",
+                prefect_api,
+            ],
+            stdout=out,
+        )
+    healed = RunStore(db)
+    healed_id = wait_inside_iteration(proc, healed, 4, log=log)
+    [rank] = [p for p in Path("/proc").glob("[0-9]*") if _rollout_rank(p, healed_id)]
     os.kill(int(rank.name), signal.SIGKILL)
-    assert proc.wait(timeout=300) != 0
-    assert failed.get_run(failed_id).status == "failed" and "generate" in failed.get_run(failed_id).error
-    resumed = subprocess.run(
-        [HF, "resume", failed_id, "--db", db, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=600
-    )
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    again = {step: Counter(s.uid for s in failed.samples(failed_id, step, "train")) for step in range(1, 7)}
+    assert proc.wait(timeout=300) == 0, log.read_text()
+    assert healed.get_run(healed_id).status == "completed"
+    [recovery] = healed.recoveries(healed_id)
+    assert (recovery.group_name, recovery.resumed_from) == ("generate", 3) and "SIGKILL" in recovery.cause, recovery
+    again = {step: Counter(s.uid for s in healed.samples(healed_id, step, "train")) for step in range(1, 7)}
     assert again == trained
+    for point in healed.metrics(healed_id):
+        if point.step in (4, 5, 6) and point.name in SAMPLED:
+            assert point.value == ahead[point.step][point.name], (point.step, point.name)
 
 
 def _rollout_rank(proc: Path, run_id: str) -> bool:

@@ -1,8 +1,8 @@
 """`hf run --executor slurm` end to end on the real Slurm cluster: the tiny PPO run with all four models on four
 resource pools (a data-parallel actor pool of 2 ranks), its placement in the store and in `hf runs show`, and an
 exact `hf resume --from`; then Slurm's
-time-limit warning (SIGUSR2) stopping a run at a stage boundary with a checkpoint, a killed rank failing it, and
-`hf resume` relaunching the groups each time until the run completes."""
+time-limit warning (SIGUSR2) stopping a run at a stage boundary with a checkpoint, `hf resume` relaunching the groups,
+and a killed rank recovered inside the flow (new groups, from that checkpoint) until the run completes."""
 
 import importlib.util
 import json
@@ -186,7 +186,7 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
 TOTAL = 20  # iterations of the time-limit test's run: many more than the warning needs to reach the controller
 
 
-def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
+def test_time_limit_warning_checkpoints_and_a_killed_rank_is_recovered_inside_the_flow(
     slurm_cluster, prefect_api, tmp_path, tiny_model_dir
 ):
     config = _config_file(
@@ -220,7 +220,8 @@ def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
     # that iteration's start state (no update yet) or its end state
     assert 1 <= warned_at <= TOTAL // 2
 
-    # 2. Resume; kill -9 the new group's rank mid-iteration: the run is marked failed, naming group, rank and job.
+    # 2. Resume; kill -9 the new group's rank mid-iteration: the flow puts it on record, relaunches the groups (a
+    #    new Slurm job) and goes on from the warning's checkpoint to the end, with no hf resume.
     first_job = _current_job(store, run_id)
     proc = _hf("resume", run_id, *common, log=log)
     deadline = time.monotonic() + 300
@@ -228,17 +229,12 @@ def test_time_limit_warning_checkpoints_killed_rank_fails_and_resume_completes(
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
     os.kill(_rank_pid(job, rank=0), signal.SIGKILL)
-    assert proc.wait(timeout=120) == 1, log.read_text()
-    run = store.get_run(run_id)
-    assert run.status == "failed" and f"job {job}, slurm" in run.error and "rank 0" in run.error, run.error
-    assert "actor_rollout_ref" in run.error
-    assert store.latest_checkpoint(run_id).step == warned_at  # save_freq 0: nothing newer to resume from
-
-    # 3. Resume again: new groups (a new Slurm job), from the warning's checkpoint to the end.
-    proc = _hf("resume", run_id, *common, log=log)
     assert proc.wait(timeout=600) == 0, log.read_text()
     run = store.get_run(run_id)
     assert run.status == "completed"
+    [recovery] = store.recoveries(run_id)
+    assert recovery.group_name == "actor_rollout_ref" and f"job {job}, slurm" in recovery.cause, recovery
+    assert recovery.resumed_from == warned_at  # save_freq 0: nothing newer to go on from
     assert _current_job(store, run_id) not in (first_job, job, None)
     assert {m.step for m in store.metrics(run_id)} >= set(range(1, TOTAL + 1))
     assert [c.step for c in store.checkpoints(run_id)] == [warned_at, TOTAL]

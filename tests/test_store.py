@@ -41,7 +41,7 @@ from hybridflow.flows.store.run_store import (
     default_db_url,
 )
 
-TABLES = {"runs", "iterations", "metrics", "checkpoints", "placements", "samples", "stage_times"}
+TABLES = {"runs", "iterations", "metrics", "checkpoints", "placements", "samples", "stage_times", "recoveries"}
 SHA_A, SHA_B = "a" * 64, "0123456789abcdef" * 4
 PG_SESSION_OPTIONS = "?options=-c%20timezone%3DAsia%2FKolkata"  # UTC+05:30
 
@@ -99,7 +99,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0011"
+        assert head == "0012"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -396,6 +396,24 @@ def test_stage_times_round_trip_replace_and_cascade(store):
     assert _count(store, "stage_times") == 0
 
 
+def test_recoveries_round_trip_validate_and_cascade(store):
+    run_id = store.create_run({}, "exp")
+    assert store.recoveries(run_id) == []
+    store.record_recovery(run_id, 3, "actor_rollout_ref", [1], "rank 1 (pid 42) was killed by SIGKILL", 2, 12.5)
+    store.record_recovery(run_id, 5, "generate", [0], "the job ended", 4, 0.0)
+    first, second = store.recoveries(run_id)
+    assert (first.step, first.group_name, first.ranks, first.resumed_from, first.lost_s) == (
+        3, "actor_rollout_ref", [1], 2, 12.5
+    )  # fmt: skip
+    assert "SIGKILL" in first.cause and first.failed_at <= second.failed_at and second.group_name == "generate"
+    with pytest.raises(ValueError, match=r"lost_s must be seconds >= 0"):
+        store.record_recovery(run_id, 6, "generate", [0], "x", 4, -1.0)
+    with pytest.raises(UnknownRunError):
+        store.recoveries("run-nope")
+    store.delete_run(run_id)
+    assert _count(store, "recoveries") == 0
+
+
 def test_placement_plans_round_trip_and_runs_name_theirs(store):
     """A real search's plan (inputs, kept candidates, rejected placements, choice) reads back equal, newest first;
     a run records the plan its placement came from."""
@@ -448,7 +466,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0011"
+        assert store.current_revision() == "0012"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
         insert = (

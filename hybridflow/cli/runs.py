@@ -58,7 +58,7 @@ def _parallel_summary(parallel: dict | None) -> str:
 
 @runs_app.command("show")
 def runs_show(run_id: str, db: DbOption = None) -> None:
-    """A run's config, placement, metrics (a few key ones per iteration) and checkpoints."""
+    """A run's config, placement, metrics (a few key ones per iteration), checkpoints and recoveries."""
     store = _store(db)
     r = _get_run(store, run_id)
     console.print(
@@ -117,6 +117,13 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
         usable = "yes" if c.complete and c.bad_reason is None else f"no: {c.bad_reason or 'incomplete'}"
         ckpts.add_row(str(c.step), c.path, f"{c.bytes:,}", c.sha256[:16], usable)
     console.print(ckpts)
+    recoveries = store.recoveries(run_id)
+    if recoveries:
+        healed = Table("iteration", "group", "ranks", "cause", "went on from", "lost s", title="recoveries")
+        for rec in recoveries:
+            start = f"global_step_{rec.resumed_from}" if rec.resumed_from else "the start"
+            healed.add_row(str(rec.step), rec.group_name, str(rec.ranks), rec.cause, start, f"{rec.lost_s:.1f}")
+        console.print(healed)
     samples = store.samples(run_id)
     if samples:
         steps = sorted({s.step for s in samples})

@@ -26,7 +26,7 @@ from hybridflow.flows.reporting import FlowLogs, RunReport
 from hybridflow.flows.store.run_store import LeaseLostError, RunStore
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
-from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, slurm_parameters
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, WorkerGroupError, slurm_parameters
 from hybridflow.tasks import stages
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ INTERRUPT_GRACE_S = 3.0
 
 # Progress listeners: callables (event, data) the CLI registers for its live display. Events: "flow" (run_id,
 # ui_url), "fallback" (message: a checkpoint failed verification), "resumed" (step, path), "start" (run_id, total,
-# start_step), "stage" (name, step), "iteration" (step, metrics), "validation" (metrics), "preempted" (message).
+# start_step), "stage" (name, step), "iteration" (step, metrics), "validation" (metrics), "preempted" (message),
+# "recovery" (cause, attempt, limit, resumed_from: a worker group lost ranks, the flow relaunches it).
 listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
 
@@ -277,6 +278,45 @@ def record_stop(store: RunStore, run_id: str, lease: RunLease, error: BaseExcept
         return True
     store.set_status(run_id, "failed", error="".join(traceback.format_exception(error))[-4000:])
     return False
+
+
+def record_recovery(store: RunStore, run_id: str, error: WorkerGroupError, attempt: int, limit: int) -> None:
+    """A recovery inside the flow, put on record before the flow relaunches its groups: in the run store
+    (`RunStore.record_recovery`: the failed iteration, the group and ranks lost, the cause's first line, the
+    checkpoint the run goes on from and the seconds of training since it), as a Prefect event
+    (``hybridflow.run.recovered``, on the run and its flow run) and a warning in the flow run's logs, and to the
+    CLI (``recovery``)."""
+    from datetime import UTC, datetime
+
+    started = [i for i in store.iterations(run_id) if i.ended_at is None]
+    step = started[-1].step if started else 0
+    checkpoint = store.latest_checkpoint(run_id)
+    since = checkpoint.created_at if checkpoint is not None else (started[0].started_at if started else None)
+    lost_s = max(0.0, (datetime.now(UTC) - since).total_seconds()) if since is not None else 0.0
+    cause = str(error).strip().splitlines()[0]
+    resumed_from = checkpoint.step if checkpoint is not None else 0
+    store.record_recovery(run_id, step, error.group or "?", error.ranks, cause, resumed_from, lost_s)
+    logger.warning(
+        "run %s: %s; recovery %d of %d (trainer.max_recoveries): relaunching the worker groups, going on from %s",
+        run_id,
+        cause,
+        attempt,
+        limit,
+        f"global_step_{resumed_from}" if checkpoint is not None else "the start",
+    )
+    notify("recovery", cause=cause, attempt=attempt, limit=limit, resumed_from=resumed_from)
+    try:
+        from prefect.events import emit_event
+
+        related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
+        emit_event(
+            event="hybridflow.run.recovered",
+            resource={"prefect.resource.id": f"hybridflow.run.{run_id}", "prefect.resource.name": run_id},
+            related=related if flow_run.id else None,
+            payload={"cause": cause, "group": error.group, "ranks": error.ranks, "step": step, "lost_s": lost_s},
+        )
+    except Exception as failure:  # noqa: BLE001 - the server's bookkeeping, not the run's
+        logger.warning("could not emit the recovery event of run %s to Prefect: %s", run_id, failure)
 
 
 def private_dir(path: Path) -> Path:

@@ -12,9 +12,14 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 from prefect.context import TagsContext
 
@@ -102,6 +107,7 @@ class RunReport:
             mlflow_artifacts=output_dir / "mlartifacts",
             first_step=first_step,
         )
+        self.artifacts = ArtifactSender.for_this_flow_run()
 
     def step(
         self,
@@ -127,20 +133,20 @@ class RunReport:
             self.tracking.log_generations(samples, step, kind)
             if kind == "val":
                 shown = samples[:ARTIFACT_SAMPLES]
-        _artifact(self.run_id, step, metrics, shown)
+        if self.artifacts is not None:
+            self.artifacts.put(*_artifact(self.run_id, step, metrics, shown))
 
     def close(self, ok: bool) -> None:
-        """Close the trackers (`ok`: the run completed)."""
+        """Close the trackers (`ok`: the run completed) and send the artifacts still waiting (`ArtifactSender`)."""
         self.tracking.finish(ok)
+        if self.artifacts is not None:
+            self.artifacts.close()
 
 
-def _artifact(run_id: str, step: int, metrics: Mapping[str, float], samples: Sequence[Mapping[str, Any]]) -> None:
-    """A Markdown artifact of step `step` on the current flow run (nothing outside a flow run)."""
-    from prefect.artifacts import create_markdown_artifact
-    from prefect.context import FlowRunContext
-
-    if FlowRunContext.get() is None:
-        return
+def _artifact(
+    run_id: str, step: int, metrics: Mapping[str, float], samples: Sequence[Mapping[str, Any]]
+) -> tuple[str, str]:
+    """Step `step`'s Markdown artifact: (its Markdown, its description)."""
     names = [n for n in ARTIFACT_METRICS if n in metrics]
     names += sorted(n for n in metrics if n.startswith(("val/", "reward_extra/")))
     title = "validation before training" if step == 0 else f"iteration {step}"
@@ -148,7 +154,101 @@ def _artifact(run_id: str, step: int, metrics: Mapping[str, float], samples: Seq
     lines += [f"| {n} | {metrics[n]:.4g} |" for n in names if metrics[n] is not None]
     if samples:
         lines += ["", f"### validation generations (first {len(samples)})", "", markdown_table(samples, limit=300)]
-    create_markdown_artifact(markdown="\n".join(lines), description=f"{run_id} {title}")
+    return "\n".join(lines), f"{run_id} {title}"
+
+
+class ArtifactSender:
+    """A flow run's Markdown artifacts, sent to the Prefect server from a thread, in the order put. Reporting never
+    costs training work: a server that does not answer (stopped, restarting; the client's own retries take over a
+    minute) keeps them waiting in memory, retried with back-off (1 s doubling to 30 s), with one warning naming the
+    server; `close` gives them `FLUSH_S` more, then says how many were not sent (the run's metrics are in the run
+    store either way).
+
+    Args:
+        flow_run_id: the flow run they belong to.
+    """
+
+    FLUSH_S = 15.0
+
+    def __init__(self, flow_run_id: str) -> None:
+        self.flow_run_id = flow_run_id
+        self.pending: deque[tuple[str, str]] = deque()
+        self._wake = threading.Condition()
+        self._closing_at: float | None = None
+        self._thread = threading.Thread(target=self._send, name="hybridflow-artifacts", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def for_this_flow_run(cls) -> ArtifactSender | None:
+        """A sender for the current flow run; None outside one."""
+        from prefect.context import FlowRunContext
+
+        context = FlowRunContext.get()
+        return cls(str(context.flow_run.id)) if context is not None and context.flow_run is not None else None
+
+    def put(self, markdown: str, description: str) -> None:
+        """Queue one artifact; returns at once."""
+        with self._wake:
+            self.pending.append((markdown, description))
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Wait up to `FLUSH_S` for the queue to empty; warn about what is left."""
+        with self._wake:
+            self._closing_at = time.monotonic()
+            self._wake.notify()
+        self._thread.join(self.FLUSH_S + 1.0)
+        if self.pending:
+            logger.warning(
+                "%d Prefect artifact(s) of flow run %s not sent: the Prefect server at %s did not answer (the run's "
+                "metrics are in the run store: hf runs show)",
+                len(self.pending),
+                self.flow_run_id,
+                os.environ.get("PREFECT_API_URL", "?"),
+            )
+
+    def _send(self) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        delay, failing = 1.0, False
+        while True:
+            with self._wake:
+                while not self.pending and self._closing_at is None:
+                    self._wake.wait()
+                if not self.pending or self._past_flush():
+                    return
+                markdown, description = self.pending[0]
+            try:
+                with get_client(sync_client=True) as client:
+                    client.create_artifact(
+                        ArtifactCreate(
+                            type="markdown", data=markdown, description=description, flow_run_id=UUID(self.flow_run_id)
+                        )
+                    )
+            except Exception as error:  # noqa: BLE001 - any failure to report waits for the next try
+                if not failing:
+                    logger.warning(
+                        "the Prefect server at %s does not answer (%s: %s); the flow run's artifacts wait and are "
+                        "retried, training goes on",
+                        os.environ.get("PREFECT_API_URL", "?"),
+                        type(error).__name__,
+                        error,
+                    )
+                    failing = True
+                with self._wake:
+                    self._wake.wait(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            with self._wake:
+                self.pending.popleft()
+            if failing:
+                logger.warning("the Prefect server at %s answers again", os.environ.get("PREFECT_API_URL", "?"))
+            delay, failing = 1.0, False
+
+    def _past_flush(self) -> bool:
+        """Closing and `FLUSH_S` spent (call holding the lock)."""
+        return self._closing_at is not None and time.monotonic() - self._closing_at > self.FLUSH_S
 
 
 class FlowLogs:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from hybridflow.flows.lifecycle import (
     launch_workers,
     notify,
     private_dir,
+    record_recovery,
     record_stop,
     run_dir_of,
     save_checkpoint,
@@ -55,6 +57,7 @@ from hybridflow.flows.preflight import prompt_sets
 from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags, untagged_task_runs
 from hybridflow.flows.store.run_store import RunStore
 from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.worker_group import WorkerGroupError
 from hybridflow.tasks import stages
 
 logger = logging.getLogger(__name__)
@@ -238,8 +241,29 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
 
 
 def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) -> dict[str, float]:
+    """Train the run in controller sessions (`_session`): when a worker group loses ranks (`WorkerGroupError.lost`)
+    the run recovers by itself up to ``trainer.max_recoveries`` times, after ``trainer.recovery_backoff_s``
+    (doubling): on record (`record_recovery`), then a new session relaunches the groups and goes on from the newest
+    usable checkpoint, exactly as `hf resume` would. A rank that raised stops the run at once."""
     store = RunStore(db_url)
     cfg = HybridFlowConfig.model_validate(store.get_run(run_id).config)
+    trainer = cfg.trainer
+    recoveries = 0
+    while True:
+        try:
+            return _session(store, cfg, run_id, resume_from_step)
+        except WorkerGroupError as error:
+            if not error.lost or recoveries >= trainer.max_recoveries:
+                raise
+            recoveries += 1
+            record_recovery(store, run_id, error, recoveries, trainer.max_recoveries)
+            time.sleep(trainer.recovery_backoff_s * 2 ** (recoveries - 1))
+            resume_from_step = None  # the newest usable checkpoint
+
+
+def _session(store: RunStore, cfg: HybridFlowConfig, run_id: str, resume_from_step: int | None) -> dict[str, float]:
+    """One controller session: take the lease, launch the worker groups, restore, train to the end (or a stop),
+    release everything."""
     lease = RunLease(store, run_id).acquire()
     umask = os.umask(0o077)  # the run's files are its owner's only: weights, optimizer state, pickled job files
     workers = report = None

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,21 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerGroupError(RuntimeError):
-    """A worker group cannot complete a call: a rank died, stopped answering, or raised."""
+    """A worker group cannot complete a call: a rank died, stopped answering, or raised.
+
+    Attributes:
+        group: the group's name.
+        ranks: the ranks the error is about.
+        lost: True when ranks are gone (killed, unreachable, silent, their job or node ended): relaunching the
+            group and restoring a checkpoint can go on; False when a rank raised (its code, its input).
+    """
+
+    def __init__(self, message: str, group: str = "", ranks: Sequence[int] = (), lost: bool = False) -> None:
+        super().__init__(message)
+        self.group, self.ranks, self.lost = group, list(ranks), lost
+
+    def __reduce__(self) -> tuple[Any, ...]:  # a copy (pickled, deep-copied) keeps what the flow's recovery reads
+        return (type(self), (str(self), self.group, self.ranks, self.lost))
 
 
 @dataclass
@@ -311,7 +326,7 @@ class WorkerGroup:
                 self._last_slurm_poll = float("-inf")  # ask Slurm now, not at the next poll period
                 self._check_job_alive(during=method)  # names how it ended, when that is known already
                 raise self._error(
-                    f"rank {rank} is unreachable (its connection closed) when {method} was sent", [rank]
+                    f"rank {rank} is unreachable (its connection closed) when {method} was sent", [rank], lost=True
                 ) from None
         results = self._collect(call_id, method, set(per_rank), timeout_s)
         ordered = [decode_args(results[r]) for r in sorted(results)]
@@ -367,6 +382,7 @@ class WorkerGroup:
                     f"rank {rank} started again (pid {message['pid']} on {message['host']}): the job was requeued "
                     "or restarted and its state is lost",
                     [rank],
+                    lost=True,
                 )
             self.ranks[rank] = RankInfo(
                 rank, int(message["pid"]), str(message["host"]), time.monotonic(), str(message.get("node", ""))
@@ -430,7 +446,9 @@ class WorkerGroup:
             silent = now - max(info.last_seen, since)
             if silent > self.spec.heartbeat_timeout_s:
                 raise self._error(
-                    f"rank {rank} sent no heartbeat for {silent:.1f} s during {method} (dead, stopped or hung)", [rank]
+                    f"rank {rank} sent no heartbeat for {silent:.1f} s during {method} (dead, stopped or hung)",
+                    [rank],
+                    lost=True,
                 )
 
     def poll(self) -> None:
@@ -455,9 +473,9 @@ class WorkerGroup:
         if self.spec.executor == "local":
             for rank, info in sorted(self.ranks.items()):
                 if (ended := _local_process_end(info.pid)) is not None:
-                    raise self._error(f"rank {rank} (pid {info.pid}) {ended} during {during}", [rank])
+                    raise self._error(f"rank {rank} (pid {info.pid}) {ended} during {during}", [rank], lost=True)
             if self._job.done():
-                raise self._error(f"the job ended (state {self._job.state}) during {during}", everyone)
+                raise self._error(f"the job ended (state {self._job.state}) during {during}", everyone, lost=True)
             return ""
         now = time.monotonic()
         if now - self._last_slurm_poll < self.spec.slurm_poll_s:
@@ -470,7 +488,7 @@ class WorkerGroup:
             return self._slurm_state
         self._slurm_state = state
         if state not in cluster.ACTIVE_STATES and state != "UNKNOWN":
-            raise self._error(f"the Slurm job ended (state {state}) during {during}", everyone)
+            raise self._error(f"the Slurm job ended (state {state}) during {during}", everyone, lost=True)
         nodes = sorted({info.node for info in self.ranks.values() if info.node})
         with contextlib.suppress(cluster.SlurmCommandError):
             for node in cluster.node_states(nodes):
@@ -479,7 +497,9 @@ class WorkerGroup:
                     cancelled = self._cancel()
                     reason = f" (reason: {node.reason})" if node.reason else ""
                     outcome = "the job was cancelled" if cancelled else "cancelling the job failed (scancel it)"
-                    raise self._error(f"node {node.node} is {node.state}{reason} during {during}; {outcome}", on_node)
+                    raise self._error(
+                        f"node {node.node} is {node.state}{reason} during {during}; {outcome}", on_node, lost=True
+                    )
         return state
 
     def _cancel(self) -> bool:
@@ -488,7 +508,7 @@ class WorkerGroup:
         self._job.cancel(check=False)
         return True
 
-    def _error(self, what: str, ranks: list[int]) -> WorkerGroupError:
+    def _error(self, what: str, ranks: list[int], lost: bool = False) -> WorkerGroupError:
         where = []
         for rank in ranks:
             info = self.ranks.get(rank)
@@ -496,7 +516,10 @@ class WorkerGroup:
         logs = "".join(self._log_tail(r) for r in ranks[:1])
         return WorkerGroupError(
             f"worker group {self.spec.name!r} (job {self.job_id}, {self.spec.executor}): {what}; "
-            f"{', '.join(where)}{logs}"
+            f"{', '.join(where)}{logs}",
+            self.spec.name,
+            ranks,
+            lost,
         )
 
     def _log_tail(self, rank: int, lines: int = 15) -> str:

@@ -567,6 +567,16 @@ class TrainerConfig(_RunTrainer):
         0, ge=0, description="keep N (prompt, response, score, ground truth) samples of every validation"
     )
     log_train_generations: int = Field(0, ge=0, description="keep N samples of every iteration's rollout")
+    max_recoveries: int = Field(
+        2,
+        ge=0,
+        description="times a run recovers by itself when a worker group loses ranks (killed, silent, their node or "
+        "job gone): the flow relaunches its groups and goes on from the newest usable checkpoint, no hf resume; "
+        "0: the run fails at once. A rank that raises (its code, its data, a NaN guard) is never retried",
+    )
+    recovery_backoff_s: float = Field(
+        5.0, ge=0, description="seconds before the first relaunch; each next one waits twice as long"
+    )
 
 
 class SlurmConfig(_Section):

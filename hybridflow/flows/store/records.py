@@ -130,6 +130,22 @@ class Sample(_Record):
 
 
 @dataclass(frozen=True, slots=True)
+class Recovery(_Record):
+    """A recovery inside the flow: at iteration ``step`` worker group ``group_name`` lost ``ranks`` (``cause``: the
+    group's error line), the flow relaunched its groups and went on from the checkpoint of step ``resumed_from``;
+    ``lost_s``: seconds of training since that checkpoint, done again."""
+
+    run_id: str
+    step: int
+    group_name: str
+    ranks: list[int]
+    cause: str
+    failed_at: datetime
+    resumed_from: int
+    lost_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class StageTime(_Record):
     """One stage of iteration ``step``: its name (``gen``, ``ref``, ``update_actor``...), the pool (worker group)
     it ran on (None: the controller, e.g. ``adv``), when it started and ended."""

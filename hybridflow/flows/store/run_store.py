@@ -121,6 +121,7 @@ from hybridflow.flows.store.records import (
     MetricPoint,
     Placement,
     Plan,
+    Recovery,
     Run,
     Sample,
     StageTime,
@@ -137,6 +138,7 @@ from hybridflow.flows.store.schema import (
     MetricRow,
     PlacementRow,
     PlanRow,
+    RecoveryRow,
     RunRow,
     SampleRow,
     StageTimeRow,
@@ -160,6 +162,7 @@ __all__ = [
     "LeaseLostError",
     "MetricPoint",
     "Placement",
+    "Recovery",
     "Run",
     "RunStore",
     "RunStoreError",
@@ -584,6 +587,48 @@ class RunStore:
                 delete(SampleRow).where(SampleRow.run_id == run_id, SampleRow.kind == kind, SampleRow.step == step)
             )
             session.add_all(rows)
+
+    def record_recovery(
+        self,
+        run_id: str,
+        step: int,
+        group_name: str,
+        ranks: Sequence[int],
+        cause: str,
+        resumed_from: int,
+        lost_s: float,
+    ) -> None:
+        """Record a recovery inside the flow (`Recovery`), failed now. Raises ValueError for a bad step or a negative
+        `lost_s`, UnknownRunError for an unknown run."""
+        step, resumed_from = _step(step), _step(resumed_from)
+        if not math.isfinite(lost_s) or lost_s < 0:
+            raise ValueError(f"lost_s must be seconds >= 0, got {lost_s!r}")
+        with self._writing() as session:
+            self._require_run(session, run_id)
+            session.add(
+                RecoveryRow(
+                    run_id=run_id,
+                    step=step,
+                    group_name=_text(group_name, "group_name"),
+                    ranks=[int(r) for r in ranks],
+                    cause=str(cause),
+                    failed_at=_now(),
+                    resumed_from=resumed_from,
+                    lost_s=float(lost_s),
+                )
+            )
+
+    def recoveries(self, run_id: str) -> list[Recovery]:
+        """The run's recoveries inside the flow, oldest first. Raises UnknownRunError."""
+        with self._reading() as session:
+            self._require_run(session, run_id)
+            rows = session.scalars(
+                select(RecoveryRow).where(RecoveryRow.run_id == run_id).order_by(RecoveryRow.failed_at, RecoveryRow.id)
+            )
+            return [
+                Recovery(r.run_id, r.step, r.group_name, list(r.ranks), r.cause, r.failed_at, r.resumed_from, r.lost_s)
+                for r in rows
+            ]
 
     def record_stage_times(self, run_id: str, step: int, spans: Sequence[Sequence[Any]]) -> None:
         """Record the timeline of iteration `step`, replacing any recorded before for it (a redone iteration

@@ -226,6 +226,24 @@ class StageTimeRow(Base):
     ended_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class RecoveryRow(Base):
+    """One recovery of a run inside its flow (table ``recoveries``): a worker group lost a rank at iteration
+    ``step``, the flow relaunched the groups and went on from the checkpoint of step ``resumed_from``."""
+
+    __tablename__ = "recoveries"
+    __table_args__ = (Index(None, "run_id"), CheckConstraint("step >= 0", name="step_nonnegative"))
+
+    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = _run_fk()
+    step: Mapped[int] = mapped_column(Integer)  # the iteration that failed
+    group_name: Mapped[str] = mapped_column(String(_NAME_MAX))
+    ranks: Mapped[list[Any]] = mapped_column(JSON)
+    cause: Mapped[str] = mapped_column(Text)
+    failed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    resumed_from: Mapped[int] = mapped_column(Integer)  # the checkpoint's step (0: from the start)
+    lost_s: Mapped[float] = mapped_column(Double)  # training since that checkpoint, done again
+
+
 class PlanRow(Base):
     """One placement plan (table ``placement_plans``): the planner's inputs, its candidates, its choice."""
 

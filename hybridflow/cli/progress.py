@@ -52,13 +52,7 @@ class LiveProgress:
             self.progress.console.print("starting worker groups and loading models...")
         elif event == "fallback":  # a checkpoint failed verification: say which and what the run resumes from
             self.console.print(f"{data['message']}", style="yellow")
-        elif event == "recovery":  # a group lost ranks: the flow relaunches its groups (the next session's "start")
-            where = f"global_step_{data['resumed_from']}" if data["resumed_from"] else "the start"
-            self.console.print(
-                f"{data['cause']}\nrecovering by itself ({data['attempt']} of {data['limit']}, trainer.max_recoveries):"
-                f" relaunching the worker groups, going on from {where}",
-                style="yellow",
-            )
+        elif event == "recovery":  # the flow's warning says it; the next session starts its own progress
             if self.task is not None:
                 self.progress.remove_task(self.task)
                 self.task = None

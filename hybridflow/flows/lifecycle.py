@@ -297,7 +297,8 @@ def record_recovery(store: RunStore, run_id: str, error: WorkerGroupError, attem
     resumed_from = checkpoint.step if checkpoint is not None else 0
     store.record_recovery(run_id, step, error.group or "?", error.ranks, cause, resumed_from, lost_s)
     logger.warning(
-        "run %s: %s; recovery %d of %d (trainer.max_recoveries): relaunching the worker groups, going on from %s",
+        "run %s: %s\nrecovering by itself (%d of %d, trainer.max_recoveries): relaunching the worker groups, going "
+        "on from %s",
         run_id,
         cause,
         attempt,

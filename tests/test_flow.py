@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_runs import wait_inside_iteration, write_cost, write_reward
+from tiny_runs import rank_pids, wait_inside_iteration, write_cost, write_reward
 
 from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import load_config
@@ -283,19 +283,6 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tm
     assert [c.step for c in store.checkpoints(run_id)] == [1, 2, 3, 4]
 
 
-def _rank_pids(run_id: str, group: str) -> list[int]:
-    """The pids of worker group `group`'s ranks of run `run_id` (local executor: submitit's processes)."""
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"submitit.core._submit" in args and any(a.endswith(f"{run_id}/submitit/{group}".encode()) for a in args):
-            pids.append(int(proc.name))
-    return pids
-
-
 def test_a_rank_killed_mid_run_is_recovered_inside_the_flow_with_the_uninterrupted_metrics(
     prefect_api, tmp_path, tiny_model_dir, reference
 ):
@@ -305,7 +292,7 @@ def test_a_rank_killed_mid_run_is_recovered_inside_the_flow_with_the_uninterrupt
     recovering = [*RESUMED, "trainer.recovery_backoff_s=0"]
     proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, recovering)
     run_id = wait_inside_iteration(proc, store, 3)
-    [pid] = _rank_pids(run_id, "actor_rollout_ref")
+    [pid] = rank_pids(run_id, "actor_rollout_ref")
     os.kill(pid, signal.SIGKILL)
     output = proc.communicate(timeout=300)[0].decode()
     assert proc.returncode == 0, output

@@ -405,7 +405,7 @@ def test_async_never_trains_a_batch_staler_than_its_bound_and_a_sigkill_loses_no
     resume``d, trains the same prompts in the same iterations as the uninterrupted run: each exactly once. So does
     a run whose rollout rank is SIGKILLed inside iteration 4: it recovers by itself inside its flow."""
     import yaml
-    from tiny_runs import wait_inside_iteration
+    from tiny_runs import rank_pids, wait_inside_iteration
 
     from hybridflow.flows.store.run_store import RunStore
 
@@ -474,8 +474,8 @@ def test_async_never_trains_a_batch_staler_than_its_bound_and_a_sigkill_loses_no
         )
     healed = RunStore(db)
     healed_id = wait_inside_iteration(proc, healed, 4, log=log)
-    [rank] = [p for p in Path("/proc").glob("[0-9]*") if _rollout_rank(p, healed_id)]
-    os.kill(int(rank.name), signal.SIGKILL)
+    [rank] = rank_pids(healed_id, "generate")
+    os.kill(rank, signal.SIGKILL)
     assert proc.wait(timeout=300) == 0, log.read_text()
     assert healed.get_run(healed_id).status == "completed"
     [recovery] = healed.recoveries(healed_id)
@@ -485,12 +485,3 @@ def test_async_never_trains_a_batch_staler_than_its_bound_and_a_sigkill_loses_no
     for point in healed.metrics(healed_id):
         if point.step in (4, 5, 6) and point.name in SAMPLED:
             assert point.value == ahead[point.step][point.name], (point.step, point.name)
-
-
-def _rollout_rank(proc: Path, run_id: str) -> bool:
-    """Whether `proc` (a /proc entry) is a rank of run `run_id`'s rollout pool (``generate``)."""
-    try:
-        args = (proc / "cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return b"submitit.core._submit" in args and any(a.endswith(f"{run_id}/submitit/generate".encode()) for a in args)

@@ -28,6 +28,20 @@ def wait_inside_iteration(proc: subprocess.Popen, store, step: int, log: Path | 
     raise AssertionError(f"hf run never reached iteration {step}")
 
 
+def rank_pids(run_id: str, group: str) -> list[int]:
+    """The pids of worker group `group`'s ranks of run `run_id` (local executor: submitit's processes, found by
+    their command line in /proc)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in args and any(a.endswith(f"{run_id}/submitit/{group}".encode()) for a in args):
+            pids.append(int(proc.name))
+    return pids
+
+
 def write_reward_model(folder: Path, tokenizer, seed: int = 0) -> Path:
     """A random one-label Llama sequence classifier over `tokenizer`'s vocabulary, saved with it in `folder`."""
     import torch

@@ -49,7 +49,7 @@ def setup(tmp_path_factory):
     config = RolloutConfig(
         name="vllm", n=2, response_length=LENGTH, temperature=1.0, vllm_kv_cache_gb=0.25, vllm_dtype="float32"
     )
-    rollout = VLLMRollout(model, tokenizer, str(path), config, max_prompt_length=64, seed=0)
+    rollout = VLLMRollout(model, tokenizer, str(path), config, max_prompt_length=160, seed=0)  # a CPU cache block
     return model, tokenizer, config, rollout
 
 
@@ -85,6 +85,28 @@ def test_greedy_equals_hf_before_and_after_a_weight_update(setup):
     after = rollout.generate_sequences(_prompts(tokenizer), n=1, temperature=0.0).batch["responses"]
     assert not torch.equal(before, after)  # the engine served the old weights until the sync
     _assert_greedy_equal(model, tokenizer, config, rollout)
+
+
+def test_a_weight_update_drops_what_the_engine_cached_for_a_shared_prefix(setup):
+    """Prompts sharing a 140-token prefix (a system prompt, tool schemas): vLLM caches a prefix's keys and values by
+    its tokens, a block at a time (128 tokens on CPU, 16 on GPU), so an engine that kept them after an update
+    sampled from the old weights' cache."""
+    model, tokenizer, config, rollout = setup
+    generator = torch.Generator().manual_seed(5)
+    prefix = torch.randint(10, model.config.vocab_size, (1, 140), generator=generator).expand(4, -1)
+    ids = torch.cat([prefix, torch.randint(10, model.config.vocab_size, (4, 4), generator=generator)], dim=1)
+    prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, meta_info={})
+    rollout.generate_sequences(prompts, n=1, temperature=0.0)  # the prefix cached under the current weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05 * p.abs().mean())
+    rollout.update_weights()
+    engine = rollout.generate_sequences(prompts, n=1, temperature=0.0)
+    mask = engine.batch["response_mask"].bool()
+    actor, _ = compute_log_probs(model, engine, micro_batch_size=8, temperature=1.0)
+    assert (engine.batch["rollout_log_probs"][mask] - actor[mask]).abs().max() < 1e-3
+    hf = HFRollout(model, tokenizer, config).generate_sequences(prompts, n=1, temperature=0.0)
+    assert torch.equal(engine.batch["responses"], hf.batch["responses"])
 
 
 def test_sampling_is_seeded_per_sequence_and_log_probs_match_the_actor(setup):

@@ -60,7 +60,12 @@ def build_tiny_tokenizer(vocab_size: int = 384) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(
-    path: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, head_dim: int = 16
+    path: str | Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    head_dim: int = 16,
+    max_positions: int = 512,
 ) -> Path:
     """Write a random tiny `LlamaForCausalLM` (GQA, SwiGLU, tied embeddings) and its tokenizer to `path`.
 
@@ -72,6 +77,8 @@ def build_tiny_model(
         head_dim: width of each attention head (vLLM's CPU attention needs 32, 64, 80, ...); query heads =
             hidden_size / head_dim, key/value heads = half as many (GQA; at least 1).
         num_layers: number of decoder layers.
+        max_positions: the longest sequence (prompt + response, tokens) the model takes (``max_position_embeddings``;
+            vLLM refuses a longer ``max_model_len``).
 
     Returns:
         The folder, loadable with `hybridflow.engine.models.load_model` or `from_pretrained`.
@@ -86,7 +93,7 @@ def build_tiny_model(
         num_attention_heads=hidden_size // head_dim,
         num_key_value_heads=max(1, hidden_size // head_dim // 2),
         head_dim=head_dim,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -121,7 +121,8 @@ class AgentLoopRollout:
 
     Args:
         engine: the configured rollout (``hf`` or ``vllm``): anything with ``token_engine(temperature)``,
-            ``update_weights``, ``sleep``, ``wake`` and ``eos_token_ids``.
+            ``update_weights``, ``sleep``, ``wake`` and ``eos_token_ids`` (and ``load_weights`` in a rollout pool of
+            its own).
         cfg: the run's config (``rollout``, ``trainer.seed``).
         tokenizer: the actor's tokenizer.
 
@@ -145,6 +146,11 @@ class AgentLoopRollout:
     def update_weights(self) -> dict[str, float]:
         """The engine's (`hybridflow.engine.extensions.Rollout.update_weights`)."""
         return self.engine.update_weights()
+
+    def load_weights(self, pairs: Any, actor_log_probs: torch.Tensor) -> dict[str, float]:
+        """The engine's, in a rollout pool of its own (`hybridflow.engine.rollout.vllm.VLLMRollout.load_weights`):
+        the loops of the next batch run on the weights the actor's pool published."""
+        return self.engine.load_weights(pairs, actor_log_probs)
 
     def sleep(self) -> None:
         """The engine's."""

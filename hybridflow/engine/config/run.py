@@ -371,11 +371,11 @@ class HybridFlowConfig(_Section):
         """A rollout pool apart from the actor's needs an engine that loads published weights (vLLM), an actor
         holding a Hugging Face model (ddp, fsdp) and no LoRA adapter."""
         keep = f"or put rollout in placement.pools.{actor_pool}.roles"
-        if not rollout_spec(self.rollout.name).syncs_weights or self.rollout.multi_turn.enable:
+        if not rollout_spec(self.rollout.name).syncs_weights:
             raise ValueError(
                 f"placement.pools: rollout (pool {rollout_pool}) apart from actor (pool {actor_pool}) needs an engine "
                 f"with weights of its own, fed by the actor's pool: set rollout.name=vllm (got "
-                f"{self.rollout.name!r}{', with rollout.multi_turn' if self.rollout.multi_turn.enable else ''}), {keep}"
+                f"{self.rollout.name!r}), {keep}"
             )
         if not training_backend(self.actor.strategy).hf_model:
             raise ValueError(

@@ -214,6 +214,9 @@ class VLLMRollout:
         self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counted)})
+            # the prefix cache holds keys and values the old weights computed: a prompt sharing a cached prefix (a
+            # system prompt, the tool schemas) would be sampled from them, and its log-probs would be the old ones
+            self.llm.reset_prefix_cache()
             diff = self._probe(actor_log_probs)
         finally:
             self.sleep()

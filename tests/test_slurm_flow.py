@@ -1,8 +1,9 @@
 """`hf run --executor slurm` end to end on the real Slurm cluster: the tiny PPO run with all four models on four
 resource pools (a data-parallel actor pool of 2 ranks), its placement in the store and in `hf runs show`, and an
-exact `hf resume --from`; then Slurm's
-time-limit warning (SIGUSR2) stopping a run at a stage boundary with a checkpoint, `hf resume` relaunching the groups,
-and a killed rank recovered inside the flow (new groups, from that checkpoint) until the run completes."""
+exact `hf resume --from`; then a run longer than its Slurm time limit finishing across allocations (the warning
+SIGUSR2, a checkpoint at a stage boundary, new jobs), a killed rank recovered inside the flow (new groups, from the
+newest checkpoint), both with the metrics of the uninterrupted run, and with resubmitting off the warning stopping
+the run, resumable."""
 
 import importlib.util
 import json
@@ -183,61 +184,94 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
         assert f"rank 0: weights v{version} received by gloo broadcast" in received
 
 
-TOTAL = 20  # iterations of the time-limit test's run: many more than the warning needs to reach the controller
+TOTAL = 300  # iterations (0.2 s each): more than one 1-minute allocation trains (20-50 s of it, to its warning)
+COMPARED = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
 
 
-def test_time_limit_warning_checkpoints_and_a_killed_rank_is_recovered_inside_the_flow(
+def _compared(store: RunStore, run_id: str) -> dict[tuple[int, str], float]:
+    return {(m.step, m.name): m.value for m in store.metrics(run_id) if m.name in COMPARED}
+
+
+def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_killed_rank_is_recovered(
     slurm_cluster, prefect_api, tmp_path, tiny_model_dir
 ):
-    config = _config_file(
-        tmp_path,
-        tiny_model_dir,
-        "grpo_tiny.yaml",
-        [
-            f"trainer.total_iterations={TOTAL}",
-            "trainer.save_freq=0",
-            "trainer.val_before_train=false",
-            "data.reasoning_gym.val_size=0",
-            "rollout.response_length=32",
-        ],
-    )
+    """A run whose groups get 1-minute Slurm allocations: Slurm sends SIGUSR2 before each limit, the flow
+    checkpoints at the next stage boundary and resubmits its groups (new jobs). In the second allocation a rank is
+    SIGKILLed mid-iteration: the flow relaunches the group (a new job) from the warning's checkpoint. The run
+    finishes by itself with every metric equal to the same run in one allocation."""
+    overrides = [
+        f"trainer.total_iterations={TOTAL}",
+        "trainer.save_freq=0",
+        "trainer.val_before_train=false",
+        "data.reasoning_gym.val_size=0",
+        "rollout.response_length=32",
+    ]
+    config = _config_file(tmp_path, tiny_model_dir, "grpo_tiny.yaml", overrides)
+    common = ["--prefect-api", prefect_api]
+
+    def run(name: str, *extra: str) -> tuple[RunStore, subprocess.Popen, Path]:
+        db = f"sqlite:///{tmp_path / name}.db"
+        log = tmp_path / f"{name}.log"
+        proc = _hf("run", str(config), "--executor", "slurm", "--db", db, *extra, *common, log=log)
+        return RunStore(db), proc, log
+
+    store, proc, log = run("one")  # time_min=30: one allocation
+    started = time.monotonic()
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    print(f"one allocation: {time.monotonic() - started:.1f} s")
+    (whole,) = store.list_runs()
+    expected = _compared(store, whole.id)
+    assert {step for step, _ in expected} == set(range(1, TOTAL + 1))
+
+    # 1-minute allocations, SIGUSR2 5 s before each limit (Slurm sends it up to 30 s early)
+    store, proc, log = run("limited", "-o", "placement.slurm.time_min=1", "-o", "placement.slurm.signal_delay_s=5")
+    deadline = time.monotonic() + 300
+    while not (store.list_runs() and store.recoveries(run_id := store.list_runs()[0].id)):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    [warned] = store.recoveries(run_id)
+    first_job = store.placements(run_id)[0].slurm_job_id
+    wait_inside_iteration(proc, store, warned.resumed_from + 3, log=log, timeout_s=300)  # in the new allocation
+    job = _current_job(store, run_id)
+    os.kill(_rank_pid(job, rank=0), signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    assert store.get_run(run_id).status == "completed"
+    relaunches = store.recoveries(run_id)
+    killed = [r for r in relaunches if f"job {job}, slurm" in r.cause]
+    assert len(killed) == 1 and killed[0].group_name == "actor_rollout_ref", relaunches
+    assert killed[0].resumed_from == warned.resumed_from  # save_freq 0: the warning's checkpoint
+    resubmitted = [r for r in relaunches if r not in killed]
+    assert resubmitted and all("Slurm's warning" in r.cause and "SIGUSR2" in r.cause for r in resubmitted)
+    jobs = [p.slurm_job_id for p in store.placements(run_id)]
+    assert len(set(jobs)) == len(relaunches) + 1 and first_job != job  # an allocation each
+    assert [c.step for c in store.checkpoints(run_id)] == [*(r.resumed_from for r in resubmitted), TOTAL]
+    assert "resubmitting the worker groups" in log.read_text()
+    assert _compared(store, run_id) == expected
+
+
+def test_resubmitting_off_stops_on_the_warning_resumable(slurm_cluster, prefect_api, tmp_path, tiny_model_dir):
+    """``trainer.resubmit_on_preemption=false``: SIGUSR2 (what Slurm sends before the time limit) during iteration 2
+    stops the run at the next stage boundary with a checkpoint, ``interrupted``, exit code 3."""
+    overrides = [
+        f"trainer.total_iterations={TOTAL}",
+        "trainer.save_freq=0",
+        "trainer.val_before_train=false",
+        "data.reasoning_gym.val_size=0",
+        "trainer.resubmit_on_preemption=false",
+    ]
+    config = _config_file(tmp_path, tiny_model_dir, "grpo_tiny.yaml", overrides)
     db = f"sqlite:///{tmp_path / 'runs.db'}"
     store = RunStore(db)
     log = tmp_path / "run.log"
-    common = ["--db", db, "--prefect-api", prefect_api]
-
-    # 1. SIGUSR2 (what Slurm sends signal_delay_s before the time limit) during iteration 2: the run checkpoints at
-    #    the next stage boundary and stops, resumable.
-    proc = _hf("run", str(config), "--executor", "slurm", *common, log=log)
+    proc = _hf("run", str(config), "--executor", "slurm", "--db", db, "--prefect-api", prefect_api, log=log)
     run_id = wait_inside_iteration(proc, store, 2, log=log, timeout_s=300)
     subprocess.run(["scancel", "--signal=USR2", _current_job(store, run_id)], check=True)
     assert proc.wait(timeout=300) == 3, log.read_text()
     run = store.get_run(run_id)
-    assert run.status == "interrupted" and "SIGUSR2" in run.error, run.error
-    warned_at = store.latest_checkpoint(run_id).step
-    # the warning reaches the controller within a heartbeat (0.5 s) and a tiny iteration takes 0.2-1 s (its random
-    # model often ends a response early): it stops a few iterations after the second, well before the last, keeping
-    # that iteration's start state (no update yet) or its end state
-    assert 1 <= warned_at <= TOTAL // 2
-
-    # 2. Resume; kill -9 the new group's rank mid-iteration: the flow puts it on record, relaunches the groups (a
-    #    new Slurm job) and goes on from the warning's checkpoint to the end, with no hf resume.
-    first_job = _current_job(store, run_id)
-    proc = _hf("resume", run_id, *common, log=log)
-    deadline = time.monotonic() + 300
-    while (job := _current_job(store, run_id)) == first_job:  # the resumed run's groups are up (models loaded)
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
-    os.kill(_rank_pid(job, rank=0), signal.SIGKILL)
-    assert proc.wait(timeout=600) == 0, log.read_text()
-    run = store.get_run(run_id)
-    assert run.status == "completed"
-    [recovery] = store.recoveries(run_id)
-    assert recovery.group_name == "actor_rollout_ref" and f"job {job}, slurm" in recovery.cause, recovery
-    assert recovery.resumed_from == warned_at  # save_freq 0: nothing newer to go on from
-    assert _current_job(store, run_id) not in (first_job, job, None)
-    assert {m.step for m in store.metrics(run_id)} >= set(range(1, TOTAL + 1))
-    assert [c.step for c in store.checkpoints(run_id)] == [warned_at, TOTAL]
+    assert run.status == "interrupted" and "SIGUSR2" in run.error and f"hf resume {run_id}" in run.error, run.error
+    assert not store.recoveries(run_id)
+    # the warning reaches the controller within a heartbeat (0.5 s), a tiny iteration takes 0.2-1 s
+    assert 1 <= store.latest_checkpoint(run_id).step <= TOTAL // 2
 
 
 def test_a_plan_written_by_hf_plan_runs_on_slurm(slurm_cluster, prefect_api, tmp_path, tiny_model_dir):

@@ -41,7 +41,8 @@ INTERRUPT_GRACE_S = 3.0
 # Progress listeners: callables (event, data) the CLI registers for its live display. Events: "flow" (run_id,
 # ui_url), "fallback" (message: a checkpoint failed verification), "resumed" (step, path), "start" (run_id, total,
 # start_step), "stage" (name, step), "iteration" (step, metrics), "validation" (metrics), "preempted" (message),
-# "recovery" (cause, attempt, limit, resumed_from: a worker group lost ranks, the flow relaunches it).
+# "recovery" (cause, attempt, limit, resumed_from: a worker group lost ranks, or Slurm warned it (attempt 0), and
+# the flow relaunches the groups).
 listeners: list[Callable[[str, dict[str, Any]], None]] = []
 
 
@@ -286,16 +287,8 @@ def record_recovery(store: RunStore, run_id: str, error: WorkerGroupError, attem
     checkpoint the run goes on from and the seconds of training since it), as a Prefect event
     (``hybridflow.run.recovered``, on the run and its flow run) and a warning in the flow run's logs, and to the
     CLI (``recovery``)."""
-    from datetime import UTC, datetime
-
-    started = [i for i in store.iterations(run_id) if i.ended_at is None]
-    step = started[-1].step if started else 0
-    checkpoint = store.latest_checkpoint(run_id)
-    since = checkpoint.created_at if checkpoint is not None else (started[0].started_at if started else None)
-    lost_s = max(0.0, (datetime.now(UTC) - since).total_seconds()) if since is not None else 0.0
     cause = str(error).strip().splitlines()[0]
-    resumed_from = checkpoint.step if checkpoint is not None else 0
-    store.record_recovery(run_id, step, error.group or "?", error.ranks, cause, resumed_from, lost_s)
+    resumed_from = _record_relaunch(store, run_id, error.group or "?", error.ranks, cause, "hybridflow.run.recovered")
     logger.warning(
         "run %s: %s\nrecovering by itself (%d of %d, trainer.max_recoveries): relaunching the worker groups, going "
         "on from %s",
@@ -303,21 +296,54 @@ def record_recovery(store: RunStore, run_id: str, error: WorkerGroupError, attem
         cause,
         attempt,
         limit,
-        f"global_step_{resumed_from}" if checkpoint is not None else "the start",
+        f"global_step_{resumed_from}" if resumed_from else "the start",
     )
     notify("recovery", cause=cause, attempt=attempt, limit=limit, resumed_from=resumed_from)
+
+
+def record_resubmission(store: RunStore, run_id: str, warned: dict[str, list[int]], signals: str) -> None:
+    """Slurm warned the `warned` groups' ranks (``{group: ranks}``; `signals`: which signal each got) and the run
+    checkpointed: on record as a recovery (`record_recovery`'s places; cause ``Slurm's warning (...)``, event
+    ``hybridflow.run.resubmitted``) before the flow resubmits its groups (``trainer.resubmit_on_preemption``)."""
+    cause = f"Slurm's warning ({signals})"
+    ranks = sorted({r for group_ranks in warned.values() for r in group_ranks})
+    group = ", ".join(warned) or "?"
+    resumed_from = _record_relaunch(store, run_id, group, ranks, cause, "hybridflow.run.resubmitted")
+    logger.warning(
+        "run %s: %s\nresubmitting the worker groups (trainer.resubmit_on_preemption): new allocations, going on "
+        "from global_step_%d",
+        run_id,
+        cause,
+        resumed_from,
+    )
+    notify("recovery", cause=cause, attempt=0, limit=0, resumed_from=resumed_from)
+
+
+def _record_relaunch(store: RunStore, run_id: str, group: str, ranks: list[int], cause: str, event: str) -> int:
+    """Put a relaunch of the run's groups on record (the run store's recoveries, the Prefect `event`); returns the
+    checkpoint's step the run goes on from (0: the start)."""
+    from datetime import UTC, datetime
+
+    started = [i for i in store.iterations(run_id) if i.ended_at is None]
+    step = started[-1].step if started else 0
+    checkpoint = store.latest_checkpoint(run_id)
+    since = checkpoint.created_at if checkpoint is not None else (started[0].started_at if started else None)
+    lost_s = max(0.0, (datetime.now(UTC) - since).total_seconds()) if since is not None else 0.0
+    resumed_from = checkpoint.step if checkpoint is not None else 0
+    store.record_recovery(run_id, step, group, ranks, cause, resumed_from, lost_s)
     try:
         from prefect.events import emit_event
 
         related = [{"prefect.resource.id": f"prefect.flow-run.{flow_run.id}", "prefect.resource.role": "flow-run"}]
         emit_event(
-            event="hybridflow.run.recovered",
+            event=event,
             resource={"prefect.resource.id": f"hybridflow.run.{run_id}", "prefect.resource.name": run_id},
             related=related if flow_run.id else None,
-            payload={"cause": cause, "group": error.group, "ranks": error.ranks, "step": step, "lost_s": lost_s},
+            payload={"cause": cause, "group": group, "ranks": ranks, "step": step, "lost_s": lost_s},
         )
     except Exception as failure:  # noqa: BLE001 - the server's bookkeeping, not the run's
-        logger.warning("could not emit the recovery event of run %s to Prefect: %s", run_id, failure)
+        logger.warning("could not emit the %s event of run %s to Prefect: %s", event, run_id, failure)
+    return resumed_from
 
 
 def private_dir(path: Path) -> Path:

@@ -46,6 +46,7 @@ from hybridflow.flows.lifecycle import (
     notify,
     private_dir,
     record_recovery,
+    record_resubmission,
     record_stop,
     run_dir_of,
     save_checkpoint,
@@ -82,11 +83,27 @@ class PreemptionWatch:
             found += [f"{group.spec.name} rank {r}: {', '.join(s)}" for r, s in sorted(group.warning_signals.items())]
         return found
 
+    def warned(self) -> dict[str, list[int]]:
+        """The ranks of each group that reported a warning signal (after `signals`)."""
+        return {n: sorted(g.warning_signals) for n, g in self.workers.groups.items() if g.warning_signals}
+
     def before_stage(self, name: str) -> None:
         """Raise `Preempted` before a stage if warned and no update of this iteration has run."""
         if not self.updated and (found := self.signals()):
             raise Preempted("; ".join(found))
         self.updated |= name.startswith("update_")
+
+
+@dataclass
+class Warned:
+    """How a controller session ended on Slurm's warning: checkpointed after `steps_done` iterations, `trained` of
+    them in this session; `groups`: the warned ranks of each group, `signals` what they got."""
+
+    steps_done: int
+    trained: int
+    groups: dict[str, list[int]]
+    signals: str
+    metrics: dict[str, float]
 
 
 @dataclass
@@ -241,17 +258,22 @@ def rlhf_flow(run_id: str, db_url: str | None = None, resume_from_step: int | No
 
 
 def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) -> dict[str, float]:
-    """Train the run in controller sessions (`_session`): when a worker group loses ranks (`WorkerGroupError.lost`)
-    the run recovers by itself up to ``trainer.max_recoveries`` times, after ``trainer.recovery_backoff_s``
-    (doubling): on record (`record_recovery`), then a new session relaunches the groups and goes on from the newest
-    usable checkpoint, exactly as `hf resume` would. A rank that raised stops the run at once."""
+    """Train the run in controller sessions (`_session`), each relaunching the worker groups and going on from the
+    newest usable checkpoint, exactly as `hf resume` would:
+    - when a worker group loses ranks (`WorkerGroupError.lost`) the run recovers by itself up to
+      ``trainer.max_recoveries`` times, after ``trainer.recovery_backoff_s`` (doubling), on record
+      (`record_recovery`); a rank that raised stops the run at once;
+    - when Slurm warns (time limit, preemption) the session checkpoints and ends (`Warned`), and the run resubmits
+      its groups (``trainer.resubmit_on_preemption``, on record: `record_resubmission`): a run longer than the
+      partition's limit finishes across allocations. It stops, resumable, when two allocations in a row end before
+      an iteration (the limit leaves no time to train)."""
     store = RunStore(db_url)
     cfg = HybridFlowConfig.model_validate(store.get_run(run_id).config)
     trainer = cfg.trainer
-    recoveries = 0
+    recoveries = idle = 0
     while True:
         try:
-            return _session(store, cfg, run_id, resume_from_step)
+            ended = _session(store, cfg, run_id, resume_from_step)
         except WorkerGroupError as error:
             if not error.lost or recoveries >= trainer.max_recoveries:
                 raise
@@ -259,11 +281,21 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
             record_recovery(store, run_id, error, recoveries, trainer.max_recoveries)
             time.sleep(trainer.recovery_backoff_s * 2 ** (recoveries - 1))
             resume_from_step = None  # the newest usable checkpoint
+            continue
+        if not isinstance(ended, Warned):
+            return ended
+        idle = 0 if ended.trained else idle + 1
+        if not trainer.resubmit_on_preemption or idle >= 2:
+            return _stop_preempted(store, run_id, ended, idle >= 2)
+        record_resubmission(store, run_id, ended.groups, ended.signals)
+        resume_from_step = None
 
 
-def _session(store: RunStore, cfg: HybridFlowConfig, run_id: str, resume_from_step: int | None) -> dict[str, float]:
-    """One controller session: take the lease, launch the worker groups, restore, train to the end (or a stop),
-    release everything."""
+def _session(
+    store: RunStore, cfg: HybridFlowConfig, run_id: str, resume_from_step: int | None
+) -> dict[str, float] | Warned:
+    """One controller session: take the lease, launch the worker groups, restore, train to the end (its last
+    metrics) or to Slurm's warning (checkpointed: `Warned`), release everything."""
     lease = RunLease(store, run_id).acquire()
     umask = os.umask(0o077)  # the run's files are its owner's only: weights, optimizer state, pickled job files
     workers = report = None
@@ -318,7 +350,7 @@ def _session(store: RunStore, cfg: HybridFlowConfig, run_id: str, resume_from_st
                 if step > 0 and (latest is None or latest.step < step):
                     ahead = _ready(queue, queued_before)
                     save_checkpoint(store, run_id, cfg, lease, workers, step, state_before, ahead)
-                return _stop_preempted(store, run_id, step, str(warned), metrics)
+                return Warned(step, step - start, PreemptionWatch(workers).warned(), str(warned), metrics)
             last = step + 1 == trainer.total_iterations
             warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
             due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
@@ -345,7 +377,7 @@ def _session(store: RunStore, cfg: HybridFlowConfig, run_id: str, resume_from_st
                 metrics["critic/score/mean"],
             )
             if warned and not last:
-                return _stop_preempted(store, run_id, step + 1, "; ".join(warned), metrics)
+                return Warned(step + 1, step + 1 - start, PreemptionWatch(workers).warned(), "; ".join(warned), metrics)
         store.set_status(run_id, "completed")
         completed = True
         return metrics
@@ -386,14 +418,23 @@ def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl, lagrangian=None) 
     }
 
 
-def _stop_preempted(
-    store: RunStore, run_id: str, steps_done: int, signals: str, metrics: dict[str, float]
-) -> dict[str, float]:
-    message = f"stopped after iteration {steps_done} on Slurm's warning ({signals}); continue with hf resume {run_id}"
+def _stop_preempted(store: RunStore, run_id: str, warned: Warned, idle: bool) -> dict[str, float]:
+    """End the run `interrupted` (resumable) after Slurm's warning: resubmitting is off, or (`idle`) two allocations
+    in a row ended before an iteration."""
+    why = (
+        "two allocations in a row ended before an iteration: raise placement.slurm.time_min (or lower "
+        "placement.slurm.signal_delay_s), then "
+        if idle
+        else ""
+    )
+    message = (
+        f"stopped after iteration {warned.steps_done} on Slurm's warning ({warned.signals}); {why}continue with hf "
+        f"resume {run_id}"
+    )
     logger.warning(message)
     store.set_status(run_id, "interrupted", error=message)
     notify("preempted", message=message)
-    return metrics
+    return warned.metrics
 
 
 def _validate(cfg: HybridFlowConfig, workers: Workers, prompts: Prompts, step: int) -> tuple[dict[str, float], Any]:

@@ -577,6 +577,13 @@ class TrainerConfig(_RunTrainer):
     recovery_backoff_s: float = Field(
         5.0, ge=0, description="seconds before the first relaunch; each next one waits twice as long"
     )
+    resubmit_on_preemption: bool = Field(
+        True,
+        description="on Slurm's warning (SIGUSR2 placement.slurm.signal_delay_s before the time limit, SIGTERM on "
+        "preemption) the run checkpoints at the next stage boundary, resubmits its worker groups (new allocations) "
+        "and goes on, so a run longer than the partition's limit finishes by itself; it stops (resumable, hf "
+        "resume) when two allocations in a row end before an iteration. false: it stops at the first warning",
+    )
 
 
 class SlurmConfig(_Section):
@@ -593,7 +600,10 @@ class SlurmConfig(_Section):
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node (one per rank on GPU clusters); 0 on CPU")
     mem_gb: float | None = Field(None, gt=0, description="memory per node (GiB); None: the cluster's default")
     signal_delay_s: int = Field(
-        120, ge=0, description="SIGUSR2 this long before the time limit: the run checkpoints and stops"
+        120,
+        ge=0,
+        description="SIGUSR2 this long before the time limit: the run checkpoints and resubmits its groups "
+        "(trainer.resubmit_on_preemption)",
     )
     sbatch: dict[str, Any] = Field(
         default_factory=dict,

@@ -80,6 +80,19 @@ class PostgresServer:
         """A ``postgresql://`` URL for database ``dbname`` (the bare scheme, as a user would write it)."""
         return f"postgresql://{self.user}@{self.host}:{self.port}/{dbname}"
 
+    def stop(self) -> None:
+        """Stop the server (``pg_ctl stop -m fast``: clients disconnected), keeping its data for `start`."""
+        _run(
+            [str(self.bin_dir / "pg_ctl"), "-D", str(self.base / "data"), "-m", "fast", "-w", "stop"], self.base, "stop"
+        )
+
+    def start(self) -> None:
+        """Start the server `stop` stopped, on the same port with the same data."""
+        options = f"-h {self.host} -p {self.port} -k {self.base} {SERVER_SETTINGS}"
+        data, log = self.base / "data", self.base / "server.log"
+        start = [str(self.bin_dir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "30"]
+        _run([*start, "start"], self.base, "pg_ctl start")
+
     def create_database(self) -> str:
         """Create a new, empty database with a unique name and return its name."""
         name = f"test_{next(self._counter)}"

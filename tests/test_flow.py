@@ -314,6 +314,89 @@ def test_a_rank_killed_mid_run_is_recovered_inside_the_flow_with_the_uninterrupt
     assert "recoveries" in shown.stdout and "global_step_2" in shown.stdout, shown.stdout
 
 
+def test_the_local_prefect_server_killed_mid_run_is_restarted_and_the_run_completes(
+    tmp_path, tiny_model_dir, reference
+):
+    """`hf run` on its home's own Prefect server (no --prefect-api), the server SIGKILLed inside iteration 2: the
+    CLI restarts it on the same port with the same database, the run trains on meanwhile and completes with the
+    uninterrupted run's metrics, and the restarted server holds the flow run Completed, every task run Completed
+    (the events queued during the outage delivered) and every iteration's artifact."""
+    import httpx
+    import yaml
+
+    home = tmp_path / "home"
+    env = {**os.environ, "HYBRIDFLOW_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_model_dir, extra=RESUMED).model_dump(mode="json")))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    proc = subprocess.Popen(
+        [HF, "run", str(config_file), "--db", db], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    try:
+        store = RunStore(db)
+        run_id = wait_inside_iteration(proc, store, 2)
+        served = json.loads((home / "prefect" / "server.json").read_text())
+        os.kill(served["pid"], signal.SIGKILL)
+        output = proc.communicate(timeout=300)[0].decode()
+        assert proc.returncode == 0, output
+        assert f"the local Prefect server (pid {served['pid']}) ended: restarted it on port {served['port']}" in output
+        assert store.get_run(run_id).status == "completed"
+        finished = _by_step(store, run_id)
+        for step in (1, 2, 3, 4):
+            for name in COMPARED:
+                assert finished[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+        api = f"http://127.0.0.1:{served['port']}/api"
+        [flow_run] = [f for f in httpx.post(f"{api}/flow_runs/filter", json={}).json() if run_id in f["name"]]
+        assert flow_run["state_type"] == "COMPLETED", flow_run["state_type"]
+        of_run = {"flow_runs": {"id": {"any_": [flow_run["id"]]}}, "limit": 200}
+        task_runs = httpx.post(f"{api}/task_runs/filter", json=of_run).json()
+        assert task_runs and {t["state_type"] for t in task_runs} == {"COMPLETED"}
+        of_run = {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}
+        assert len(httpx.post(f"{api}/artifacts/filter", json=of_run).json()) >= 4  # one per iteration at least
+    finally:
+        proc.kill()
+        subprocess.run([HF, "server", "stop"], env=env, capture_output=True, timeout=60)
+
+
+def test_a_postgresql_store_stopped_for_30_s_mid_run_is_waited_for_and_the_run_completes(
+    prefect_api, tmp_path, tiny_model_dir, reference
+):
+    """`hf run` on a PostgreSQL store, the server stopped inside iteration 2 for 30 s: the controller waits at its
+    next store write (saying which service and how long it waits), goes on once the server is back, and the run
+    completes with the uninterrupted run's metrics: nothing lost, nothing written twice."""
+    import yaml
+    from postgres import postgres_server, unavailable_reason
+
+    if reason := unavailable_reason():
+        pytest.skip(reason)
+    with postgres_server() as server:
+        db = server.url(server.create_database())
+        config_file = tmp_path / "config.yaml"
+        config_file.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_model_dir, extra=RESUMED).model_dump(mode="json")))
+        command = [HF, "run", str(config_file), "--db", db, "--prefect-api", prefect_api]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        store = RunStore(db)
+        run_id = wait_inside_iteration(proc, store, 2)
+        store.close()
+        server.stop()
+        time.sleep(30)
+        assert proc.poll() is None, proc.communicate()[0].decode()  # waiting for the store, not failed
+        server.start()
+        output = proc.communicate(timeout=300)[0].decode()
+        assert proc.returncode == 0, output
+        assert "does not answer" in output and "the run waits" in output and "answers again" in output, output
+        store = RunStore(db)
+        assert store.get_run(run_id).status == "completed"
+        finished = _by_step(store, run_id)
+        assert sorted(finished) == [1, 2, 3, 4]
+        for step in (1, 2, 3, 4):
+            for name in COMPARED:
+                assert finished[step][name] == pytest.approx(reference[step][name], rel=1e-6, abs=1e-9), (step, name)
+        assert [c.step for c in store.checkpoints(run_id)] == [1, 2, 3, 4]
+        store.close()
+
+
 def test_a_run_deleted_while_it_trains_stops_without_advising_a_resume(prefect_api, tmp_path, tiny_model_dir):
     """`hf runs delete RUN --force` of a live run: its controller stops, and says the run is gone rather than
     advising `hf resume` of a run that no longer exists."""

@@ -14,6 +14,7 @@ huggingface_hub installs a command named ``hf`` too; every subcommand this CLI d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,7 +47,13 @@ app.add_typer(sft_app, name="sft")
 app.add_typer(server_app, name="server")
 
 
+_local_server: server.ServerInfo | None = None  # this home's server the CLI connected to (None: --prefect-api)
+
+
 def _connect_prefect(prefect_api: str | None) -> None:
+    """Point the process at the Prefect server `prefect_api`, else at this home's local server (started if need
+    be: its line is printed; exit 1 if it cannot start), which `_train` then keeps up (`server.ServerWatch`)."""
+    global _local_server
     if prefect_api:
         server.use_server(prefect_api)
         return
@@ -58,6 +65,7 @@ def _connect_prefect(prefect_api: str | None) -> None:
         raise typer.Exit(1) from None
     console.print(info.describe())
     server.use_server(info.api_url)
+    _local_server = info
 
 
 def _load_config(config: Path, override: list[str] | None, executor: str | None, schema=None):
@@ -262,7 +270,11 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
     from hybridflow.flows import lifecycle, rlhf, rm, sft
     from hybridflow.flows.store.run_store import LeaseHeldError, LeaseLostError
 
-    with LiveProgress(console) as progress:
+    def say(line: str) -> None:
+        console.print(line, style="yellow")
+
+    watch = server.ServerWatch(_local_server, say) if _local_server is not None else contextlib.nullcontext()
+    with LiveProgress(console) as progress, watch:
         lifecycle.listeners.append(progress.on_event)
         try:
             kind = store.get_run(run_id).kind
@@ -279,6 +291,13 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
             console.print(f"{e}", style="red")
             raise typer.Exit(2) from None
         except Exception as e:  # the flow has recorded the failure in the store
+            if _prefect_only(store, run_id, e):  # trained and on record: only the server missed the flow's end
+                console.print(
+                    f"run {run_id} completed; the Prefect server did not take the flow run's last state "
+                    f"({type(e).__name__}: {e}); history: hf runs show {run_id}",
+                    style="yellow",
+                )
+                return
             summary = (str(e).strip().splitlines() or [""])[0]  # the traceback and log tail: the flow run's logs
             console.print(f"run {run_id} failed: {type(e).__name__}: {summary}", style="red")
             if (cause := error_cause(str(e))) is not None:
@@ -296,6 +315,14 @@ def _train(store, run_id: str, resume_from_step: int | None = None) -> None:
         console.print(f"{record.error}", style="yellow")
         raise typer.Exit(3)
     console.print(f"run {run_id} completed; history: hf runs show {run_id}")
+
+
+def _prefect_only(store, run_id: str, error: Exception) -> bool:
+    """Whether `error`, raised by the flow of run `run_id`, is only the Prefect server not answering (a connection
+    error) after the run store recorded the run completed: the training is whole, the UI missed its end."""
+    import httpx
+
+    return isinstance(error, (httpx.TransportError, OSError)) and store.get_run(run_id).status == "completed"
 
 
 def _recorded(store, run_id: str) -> bool:

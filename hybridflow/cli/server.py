@@ -20,9 +20,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,6 +183,54 @@ def stop(timeout_s: float = 20.0) -> bool:
         time.sleep(0.2)
     os.killpg(pid, signal.SIGKILL)
     return True
+
+
+class ServerWatch:
+    """While a run trains, restart this home's Prefect server if its process ends (killed, crashed, the OOM killer):
+    on the same port, so the run's Prefect client (whose API URL is fixed) reconnects, and with the same database
+    under this home, so the flow run's history and state are kept. Checked every `interval_s` seconds; `say` gets
+    one line per restart (or per failed one). A server that is alive but slow to answer is left alone.
+
+    Use as a context manager around the run (a daemon thread)."""
+
+    def __init__(self, info: ServerInfo, say: Callable[[str], None], interval_s: float = 1.0):
+        self.info = info
+        self.say = say
+        self.interval_s = interval_s
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="prefect-server-watch", daemon=True)
+
+    def __enter__(self) -> ServerWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=START_TIMEOUT_S + 5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if _is_own_server(self.info.pid):
+                continue
+            began = time.monotonic()
+            try:
+                info = start(self.info.port)
+            except RuntimeError as e:
+                self.say(f"the local Prefect server (pid {self.info.pid}) ended and did not restart: {e}")
+                return
+            if info.port != self.info.port:  # the port was taken meanwhile: the run's client cannot follow
+                self.say(
+                    f"the local Prefect server (pid {self.info.pid}) ended and port {self.info.port} is taken: the "
+                    f"run goes on without the UI (a new server is on port {info.port})"
+                )
+                return
+            self.restarts += 1
+            self.say(
+                f"the local Prefect server (pid {self.info.pid}) ended: restarted it on port {info.port} (pid "
+                f"{info.pid}) in {time.monotonic() - began:.1f} s; the run went on meanwhile"
+            )
+            self.info = info
 
 
 def _is_prefect_server(pid: int) -> bool:

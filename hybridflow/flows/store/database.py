@@ -4,8 +4,10 @@ version a run records, Alembic's configuration, and engines (SQLite pragmas, pri
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import subprocess
+import time
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -22,6 +24,13 @@ from hybridflow.flows.store.constants import _WRITE_OPTION, MIGRATIONS_DIR, SQLI
 
 if TYPE_CHECKING:
     from alembic.config import Config
+
+logger = logging.getLogger(__name__)
+
+STORE_RETRY_ENV = "HYBRIDFLOW_STORE_RETRY_S"
+STORE_RETRY_S = 120.0
+"""Seconds a store server (PostgreSQL) that answered before may stay unreachable before its callers see the error
+(``$HYBRIDFLOW_STORE_RETRY_S`` sets it): a run waits out a restart or a network blip rather than dies."""
 
 
 # ----------------------------------------------------------------------------------------------- URLs and versions
@@ -160,4 +169,46 @@ def _create_engine(url: URL) -> Engine:
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+    engine = create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+    event.listen(engine, "do_connect", _OutageRetry(url))
+    return engine
+
+
+class _OutageRetry:
+    """The engine's ``do_connect``: once the server has answered, a connection refused or timed out is retried
+    (0.5 s, doubling to 5 s) for up to `STORE_RETRY_S` seconds, with one warning naming the server and one when it
+    answers again; every statement starts from a connection (``pool_pre_ping`` replaces those the outage broke), so
+    writes and reads wait for the server. A server that never answered fails at once: a wrong URL is said at once.
+    """
+
+    def __init__(self, url: URL) -> None:
+        self.where = url.render_as_string(hide_password=True)
+        self.answered = False
+
+    def __call__(self, dialect: Any, record: Any, cargs: tuple, cparams: dict) -> Any:
+        window = float(os.environ.get(STORE_RETRY_ENV, STORE_RETRY_S))
+        deadline = time.monotonic() + window
+        delay, waited = 0.5, False
+        while True:
+            try:
+                connection = dialect.connect(*cargs, **cparams)
+            except dialect.loaded_dbapi.OperationalError as e:
+                if not self.answered or time.monotonic() + delay > deadline:
+                    raise
+                if not waited:
+                    reason = (str(e).strip().splitlines() or [""])[0]
+                    logger.warning(
+                        "the run store %s does not answer (%s): the run waits, retrying for up to %.0f s (%s)",
+                        self.where,
+                        reason,
+                        window,
+                        STORE_RETRY_ENV,
+                    )
+                    waited = True
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+                continue
+            if waited:
+                logger.warning("the run store %s answers again", self.where)
+            self.answered = True
+            return connection

@@ -743,4 +743,25 @@ def main() -> None:
 
         huggingface_hub_main()
         return
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        _leave_an_unreachable_prefect_server(done.code)
+        raise
+
+
+def _leave_an_unreachable_prefect_server(code: int | str | None) -> None:
+    """Exit now with `code` when this command used a Prefect server that no longer answers: Prefect's exit hook
+    would otherwise try each event its flow runs queued (task-run states) against the dead server, ~7 s apiece, for
+    as long as an hour. The run's record is whole in the run store; only the server's view of it is cut short."""
+    api = os.environ.get("PREFECT_API_URL")
+    if "prefect" not in sys.modules or not api or server.healthy(api):
+        return
+    console.print(
+        f"the Prefect server at {api} does not answer: the flow run's events not yet sent to it are dropped (the "
+        "run's record is whole in the run store: hf runs show)",
+        style="yellow",
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)

@@ -265,9 +265,14 @@ def _port_free(port: int) -> bool:
 
 
 def use_server(api_url: str) -> None:
-    """Point this process's Prefect client at `api_url` (call before importing prefect). Prefect's INFO lines (and
+    """Point this process's Prefect client at `api_url` (call before importing prefect), retrying a failed call
+    twice (``PREFECT_CLIENT_MAX_RETRIES``, unless set). Prefect's INFO lines (and
     the controller's and workers' log lines, `orchestration.reporting.FlowLogs`) go to the flow run's logs in the
     UI, not to the terminal: its console handler shows warnings only, as the live display shows the progress."""
     os.environ.update(OFFLINE_ENV)
     os.environ["PREFECT_API_URL"] = api_url
+    # Prefect retries a call 5 times with doubling waits (~30 s a call): against a server that died mid-run, the
+    # flow's last calls would hold `hf run` minutes after its training ended. Training never waits for these
+    # calls (artifacts go from a thread, the run's record is the run store), so 2 retries are enough.
+    os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "2")
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")

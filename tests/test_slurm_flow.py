@@ -184,7 +184,7 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
         assert f"rank 0: weights v{version} received by gloo broadcast" in received
 
 
-TOTAL = 300  # iterations (0.2 s each): more than one 1-minute allocation trains (20-50 s of it, to its warning)
+TOTAL = 500  # iterations (0.09-0.17 s each): longer than the training a 1-minute allocation holds before its warning
 COMPARED = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
 
 
@@ -196,9 +196,11 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     slurm_cluster, prefect_api, tmp_path, tiny_model_dir
 ):
     """A run whose groups get 1-minute Slurm allocations: Slurm sends SIGUSR2 before each limit, the flow
-    checkpoints at the next stage boundary and resubmits its groups (new jobs). In the second allocation a rank is
-    SIGKILLed mid-iteration: the flow relaunches the group (a new job) from the warning's checkpoint. The run
-    finishes by itself with every metric equal to the same run in one allocation."""
+    checkpoints at the next stage boundary and resubmits its groups (new jobs). Then, mid-iteration: a rank
+    SIGKILLed (the group lost: relaunched from the newest checkpoint), the job scancelled (its SIGTERM read as
+    preemption's, checkpointed and resubmitted, or its end read first, the group lost), its node drained (the
+    group lost; the next job waits in the queue until the node is back). The run finishes by itself with every
+    metric equal to the same run in one allocation."""
     overrides = [
         f"trainer.total_iterations={TOTAL}",
         "trainer.save_freq=0",
@@ -223,30 +225,66 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     expected = _compared(store, whole.id)
     assert {step for step, _ in expected} == set(range(1, TOTAL + 1))
 
-    # 1-minute allocations, SIGUSR2 5 s before each limit (Slurm sends it up to 30 s early)
-    store, proc, log = run("limited", "-o", "placement.slurm.time_min=1", "-o", "placement.slurm.signal_delay_s=5")
+    # 1-minute allocations, SIGUSR2 10 s before each limit (measured: Slurm sends it 41-48 s after the job starts,
+    # its models loaded in ~8 s; the limit itself ends a job 64-78 s in); three lost groups, one spare recovery
+    limited = ["placement.slurm.time_min=1", "placement.slurm.signal_delay_s=10", "trainer.max_recoveries=4"]
+    store, proc, log = run("limited", *(a for o in [*limited, "trainer.recovery_backoff_s=1"] for a in ("-o", o)))
     deadline = time.monotonic() + 300
     while not (store.list_runs() and store.recoveries(run_id := store.list_runs()[0].id)):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     [warned] = store.recoveries(run_id)
-    first_job = store.placements(run_id)[0].slurm_job_id
-    wait_inside_iteration(proc, store, warned.resumed_from + 3, log=log, timeout_s=300)  # in the new allocation
-    job = _current_job(store, run_id)
-    os.kill(_rank_pid(job, rank=0), signal.SIGKILL)
+    node = subprocess.run(["hostname", "-s"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        # in the second allocation a rank SIGKILLed, in the third the job scancelled (SIGTERM, as on preemption), in
+        # the fourth its node drained (the next job waits in the queue until the node is back)
+        killed = _training_in_a_new_job(proc, store, run_id, store.placements(run_id)[0].slurm_job_id, log)
+        os.kill(_rank_pid(killed, rank=0), signal.SIGKILL)
+        cancelled = _training_in_a_new_job(proc, store, run_id, killed, log)
+        subprocess.run(["scancel", cancelled], check=True)
+        drained = _training_in_a_new_job(proc, store, run_id, cancelled, log)
+        before = len(store.recoveries(run_id))
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=test"], check=True)
+        while len(store.recoveries(run_id)) == before:  # the group saw the drain and cancelled its job
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        time.sleep(3)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
     assert proc.wait(timeout=600) == 0, log.read_text()
     assert store.get_run(run_id).status == "completed"
     relaunches = store.recoveries(run_id)
-    killed = [r for r in relaunches if f"job {job}, slurm" in r.cause]
-    assert len(killed) == 1 and killed[0].group_name == "actor_rollout_ref", relaunches
-    assert killed[0].resumed_from == warned.resumed_from  # save_freq 0: the warning's checkpoint
-    resubmitted = [r for r in relaunches if r not in killed]
-    assert resubmitted and all("Slurm's warning" in r.cause and "SIGUSR2" in r.cause for r in resubmitted)
+    [sigkill] = [r for r in relaunches if f"job {killed}, slurm" in r.cause]
+    [drain] = [r for r in relaunches if f"job {drained}, slurm" in r.cause]
+    assert "drain" in drain.cause and sigkill.group_name == "actor_rollout_ref", relaunches
+    assert sigkill.resumed_from == warned.resumed_from  # save_freq 0: the warning's checkpoint
+    resubmitted = [r for r in relaunches if "Slurm's warning" in r.cause]
+    assert any("SIGUSR2" in r.cause for r in resubmitted)
+    # scancel: SIGTERM, then the job ends; whichever the controller reads first (a warning, or the job's end)
+    cancel = [r for r in relaunches if f"job {cancelled}, slurm" in r.cause and "CANCELLED" in r.cause]
+    assert cancel or any("SIGTERM" in r.cause for r in resubmitted), relaunches
+    timed_out = [r for r in relaunches if "TIMEOUT" in r.cause]  # a limit that came before its warning was read
+    assert len(resubmitted) + len(timed_out) + len(cancel) + 2 == len(relaunches), relaunches
     jobs = [p.slurm_job_id for p in store.placements(run_id)]
-    assert len(set(jobs)) == len(relaunches) + 1 and first_job != job  # an allocation each
+    assert len(set(jobs)) == len(relaunches) + 1  # an allocation each
     assert [c.step for c in store.checkpoints(run_id)] == [*(r.resumed_from for r in resubmitted), TOTAL]
     assert "resubmitting the worker groups" in log.read_text()
     assert _compared(store, run_id) == expected
+
+
+def _training_in_a_new_job(proc: subprocess.Popen, store: RunStore, run_id: str, old_job: str, log: Path) -> str:
+    """Wait until the run's group runs in a job other than `old_job` and an iteration started there; its job id."""
+    from datetime import UTC, datetime
+
+    deadline = time.monotonic() + 300
+    while (job := _current_job(store, run_id)) in (old_job, None):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    seen = datetime.now(UTC)
+    while not any(i.ended_at is None and i.started_at > seen for i in store.iterations(run_id)):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    return job
 
 
 def test_resubmitting_off_stops_on_the_warning_resumable(slurm_cluster, prefect_api, tmp_path, tiny_model_dir):

@@ -177,7 +177,7 @@ def resume(
         beat = f"{record.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if record.heartbeat_at else "never"
         console.print(
             f"run {run_id}: its controller (host {record.lease_host}, pid {record.lease_pid}) crashed; last "
-            f"heartbeat {beat}; taking over",
+            f"heartbeat {beat}",
             style="yellow",
         )
     start = f"iteration {ckpt.step} ({ckpt.path})" if ckpt else "the start"

@@ -301,14 +301,18 @@ def record_recovery(store: RunStore, run_id: str, error: WorkerGroupError, attem
     notify("recovery", cause=cause, attempt=attempt, limit=limit, resumed_from=resumed_from)
 
 
-def record_resubmission(store: RunStore, run_id: str, warned: dict[str, list[int]], signals: str) -> None:
+def record_resubmission(
+    store: RunStore, run_id: str, steps_done: int, warned: dict[str, list[int]], signals: str
+) -> None:
     """Slurm warned the `warned` groups' ranks (``{group: ranks}``; `signals`: which signal each got) and the run
-    checkpointed: on record as a recovery (`record_recovery`'s places; cause ``Slurm's warning (...)``, event
-    ``hybridflow.run.resubmitted``) before the flow resubmits its groups (``trainer.resubmit_on_preemption``)."""
+    checkpointed after `steps_done` iterations: on record as a recovery of iteration ``steps_done + 1``
+    (`record_recovery`'s places; cause ``Slurm's warning (...)``, event ``hybridflow.run.resubmitted``) before the
+    flow resubmits its groups (``trainer.resubmit_on_preemption``)."""
     cause = f"Slurm's warning ({signals})"
     ranks = sorted({r for group_ranks in warned.values() for r in group_ranks})
     group = ", ".join(warned) or "?"
-    resumed_from = _record_relaunch(store, run_id, group, ranks, cause, "hybridflow.run.resubmitted")
+    event = "hybridflow.run.resubmitted"
+    resumed_from = _record_relaunch(store, run_id, group, ranks, cause, event, step=steps_done + 1)
     logger.warning(
         "run %s: %s\nresubmitting the worker groups (trainer.resubmit_on_preemption): new allocations, going on "
         "from global_step_%d",
@@ -319,13 +323,16 @@ def record_resubmission(store: RunStore, run_id: str, warned: dict[str, list[int
     notify("recovery", cause=cause, attempt=0, limit=0, resumed_from=resumed_from)
 
 
-def _record_relaunch(store: RunStore, run_id: str, group: str, ranks: list[int], cause: str, event: str) -> int:
-    """Put a relaunch of the run's groups on record (the run store's recoveries, the Prefect `event`); returns the
-    checkpoint's step the run goes on from (0: the start)."""
+def _record_relaunch(
+    store: RunStore, run_id: str, group: str, ranks: list[int], cause: str, event: str, step: int | None = None
+) -> int:
+    """Put a relaunch of the run's groups on record (the run store's recoveries, the Prefect `event`) for iteration
+    `step` (None: the one that was running); returns the checkpoint's step the run goes on from (0: the start)."""
     from datetime import UTC, datetime
 
     started = [i for i in store.iterations(run_id) if i.ended_at is None]
-    step = started[-1].step if started else 0
+    if step is None:
+        step = started[-1].step if started else 0
     checkpoint = store.latest_checkpoint(run_id)
     since = checkpoint.created_at if checkpoint is not None else (started[0].started_at if started else None)
     lost_s = max(0.0, (datetime.now(UTC) - since).total_seconds()) if since is not None else 0.0

@@ -287,7 +287,7 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         idle = 0 if ended.trained else idle + 1
         if not trainer.resubmit_on_preemption or idle >= 2:
             return _stop_preempted(store, run_id, ended, idle >= 2)
-        record_resubmission(store, run_id, ended.groups, ended.signals)
+        record_resubmission(store, run_id, ended.steps_done, ended.groups, ended.signals)
         resume_from_step = None
 
 

@@ -338,7 +338,8 @@ class WorkerGroup:
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         last_check = started
-        while pending:
+        self._check_job_alive(method)  # a call shorter than a check still sees a job or node gone (Slurm: polled
+        while pending:  # every slurm_poll_s)
             got = self._endpoint.recv(0.1)
             now = time.monotonic()
             if got is not None:

@@ -305,7 +305,7 @@ def test_a_rank_killed_mid_run_is_recovered_inside_the_flow_with_the_uninterrupt
         [0],
         2,
     )
-    assert f"(pid {pid})" in recovery.cause and recovery.lost_s >= 0
+    assert f"(pid {pid})" in recovery.cause and recovery.lost_s >= 0 and recovery.nodes == [os.uname().nodename]
     recovered = _by_step(store, run_id)
     for step in (1, 2, 3, 4):
         for name in COMPARED:

@@ -258,6 +258,7 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     [drain] = [r for r in relaunches if f"job {drained}, slurm" in r.cause]
     assert "drain" in drain.cause and sigkill.group_name == "actor_rollout_ref", relaunches
     assert sigkill.resumed_from == warned.resumed_from  # save_freq 0: the warning's checkpoint
+    assert {tuple(r.nodes) for r in relaunches} == {(node,)}  # where each lost or warned rank ran
     resubmitted = [r for r in relaunches if "Slurm's warning" in r.cause]
     assert any("SIGUSR2" in r.cause for r in resubmitted)
     # scancel: SIGTERM, then the job ends; whichever the controller reads first (a warning, or the job's end)

@@ -99,7 +99,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0012"
+        assert head == "0013"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -399,12 +399,14 @@ def test_stage_times_round_trip_replace_and_cascade(store):
 def test_recoveries_round_trip_validate_and_cascade(store):
     run_id = store.create_run({}, "exp")
     assert store.recoveries(run_id) == []
-    store.record_recovery(run_id, 3, "actor_rollout_ref", [1], "rank 1 (pid 42) was killed by SIGKILL", 2, 12.5)
+    killed = "rank 1 (pid 42) was killed by SIGKILL"
+    store.record_recovery(run_id, 3, "actor_rollout_ref", [1], killed, 2, 12.5, ["node-7"])
     store.record_recovery(run_id, 5, "generate", [0], "the job ended", 4, 0.0)
     first, second = store.recoveries(run_id)
-    assert (first.step, first.group_name, first.ranks, first.resumed_from, first.lost_s) == (
-        3, "actor_rollout_ref", [1], 2, 12.5
+    assert (first.step, first.group_name, first.ranks, first.resumed_from, first.lost_s, first.nodes) == (
+        3, "actor_rollout_ref", [1], 2, 12.5, ["node-7"]
     )  # fmt: skip
+    assert second.nodes == []
     assert "SIGKILL" in first.cause and first.failed_at <= second.failed_at and second.group_name == "generate"
     with pytest.raises(ValueError, match=r"lost_s must be seconds >= 0"):
         store.record_recovery(run_id, 6, "generate", [0], "x", 4, -1.0)
@@ -466,7 +468,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0012"
+        assert store.current_revision() == "0013"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
         insert = (

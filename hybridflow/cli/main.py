@@ -322,7 +322,8 @@ def _prefect_only(store, run_id: str, error: Exception) -> bool:
     error) after the run store recorded the run completed: the training is whole, the UI missed its end."""
     import httpx
 
-    return isinstance(error, (httpx.TransportError, OSError)) and store.get_run(run_id).status == "completed"
+    connection = isinstance(error, (httpx.TransportError, OSError))
+    return connection and _recorded(store, run_id) and store.get_run(run_id).status == "completed"
 
 
 def _recorded(store, run_id: str) -> bool:

@@ -119,10 +119,11 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     console.print(ckpts)
     recoveries = store.recoveries(run_id)
     if recoveries:
-        healed = Table("iteration", "group", "ranks", "cause", "went on from", "lost s", title="recoveries")
+        healed = Table("iteration", "group", "ranks", "nodes", "cause", "went on from", "lost s", title="recoveries")
         for rec in recoveries:
             start = f"global_step_{rec.resumed_from}" if rec.resumed_from else "the start"
-            healed.add_row(str(rec.step), rec.group_name, str(rec.ranks), rec.cause, start, f"{rec.lost_s:.1f}")
+            nodes = ", ".join(rec.nodes) or "?"
+            healed.add_row(str(rec.step), rec.group_name, str(rec.ranks), nodes, rec.cause, start, f"{rec.lost_s:.1f}")
         console.print(healed)
     samples = store.samples(run_id)
     if samples:

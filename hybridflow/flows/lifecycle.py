@@ -288,7 +288,8 @@ def record_recovery(store: RunStore, run_id: str, error: WorkerGroupError, attem
     (``hybridflow.run.recovered``, on the run and its flow run) and a warning in the flow run's logs, and to the
     CLI (``recovery``)."""
     cause = str(error).strip().splitlines()[0]
-    resumed_from = _record_relaunch(store, run_id, error.group or "?", error.ranks, cause, "hybridflow.run.recovered")
+    group, event = error.group or "?", "hybridflow.run.recovered"
+    resumed_from = _record_relaunch(store, run_id, group, error.ranks, error.nodes, cause, event)
     logger.warning(
         "run %s: %s\nrecovering by itself (%d of %d, trainer.max_recoveries): relaunching the worker groups, going "
         "on from %s",
@@ -302,9 +303,10 @@ def record_recovery(store: RunStore, run_id: str, error: WorkerGroupError, attem
 
 
 def record_resubmission(
-    store: RunStore, run_id: str, steps_done: int, warned: dict[str, list[int]], signals: str
+    store: RunStore, run_id: str, steps_done: int, warned: dict[str, list[int]], nodes: list[str], signals: str
 ) -> None:
-    """Slurm warned the `warned` groups' ranks (``{group: ranks}``; `signals`: which signal each got) and the run
+    """Slurm warned the `warned` groups' ranks (``{group: ranks}``, on `nodes`; `signals`: which signal each got) and
+    the run
     checkpointed after `steps_done` iterations: on record as a recovery of iteration ``steps_done + 1``
     (`record_recovery`'s places; cause ``Slurm's warning (...)``, event ``hybridflow.run.resubmitted``) before the
     flow resubmits its groups (``trainer.resubmit_on_preemption``)."""
@@ -312,7 +314,7 @@ def record_resubmission(
     ranks = sorted({r for group_ranks in warned.values() for r in group_ranks})
     group = ", ".join(warned) or "?"
     event = "hybridflow.run.resubmitted"
-    resumed_from = _record_relaunch(store, run_id, group, ranks, cause, event, step=steps_done + 1)
+    resumed_from = _record_relaunch(store, run_id, group, ranks, nodes, cause, event, step=steps_done + 1)
     logger.warning(
         "run %s: %s\nresubmitting the worker groups (trainer.resubmit_on_preemption): new allocations, going on "
         "from global_step_%d",
@@ -324,7 +326,14 @@ def record_resubmission(
 
 
 def _record_relaunch(
-    store: RunStore, run_id: str, group: str, ranks: list[int], cause: str, event: str, step: int | None = None
+    store: RunStore,
+    run_id: str,
+    group: str,
+    ranks: list[int],
+    nodes: list[str],
+    cause: str,
+    event: str,
+    step: int | None = None,
 ) -> int:
     """Put a relaunch of the run's groups on record (the run store's recoveries, the Prefect `event`) for iteration
     `step` (None: the one that was running); returns the checkpoint's step the run goes on from (0: the start)."""
@@ -337,7 +346,7 @@ def _record_relaunch(
     since = checkpoint.created_at if checkpoint is not None else (started[0].started_at if started else None)
     lost_s = max(0.0, (datetime.now(UTC) - since).total_seconds()) if since is not None else 0.0
     resumed_from = checkpoint.step if checkpoint is not None else 0
-    store.record_recovery(run_id, step, group, ranks, cause, resumed_from, lost_s)
+    store.record_recovery(run_id, step, group, ranks, cause, resumed_from, lost_s, nodes)
     try:
         from prefect.events import emit_event
 
@@ -346,7 +355,14 @@ def _record_relaunch(
             event=event,
             resource={"prefect.resource.id": f"hybridflow.run.{run_id}", "prefect.resource.name": run_id},
             related=related if flow_run.id else None,
-            payload={"cause": cause, "group": group, "ranks": ranks, "step": step, "lost_s": lost_s},
+            payload={
+                "cause": cause,
+                "group": group,
+                "ranks": ranks,
+                "nodes": nodes,
+                "step": step,
+                "lost_s": lost_s,
+            },  # fmt: skip
         )
     except Exception as failure:  # noqa: BLE001 - the server's bookkeeping, not the run's
         logger.warning("could not emit the %s event of run %s to Prefect: %s", event, run_id, failure)

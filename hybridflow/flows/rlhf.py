@@ -87,6 +87,11 @@ class PreemptionWatch:
         """The ranks of each group that reported a warning signal (after `signals`)."""
         return {n: sorted(g.warning_signals) for n, g in self.workers.groups.items() if g.warning_signals}
 
+    def warned_nodes(self) -> list[str]:
+        """Where the warned ranks run (`warned`), sorted and once each."""
+        groups = self.workers.groups
+        return sorted({node for n, ranks in self.warned().items() for node in groups[n].nodes_of(ranks)})
+
     def before_stage(self, name: str) -> None:
         """Raise `Preempted` before a stage if warned and no update of this iteration has run."""
         if not self.updated and (found := self.signals()):
@@ -97,11 +102,12 @@ class PreemptionWatch:
 @dataclass
 class Warned:
     """How a controller session ended on Slurm's warning: checkpointed after `steps_done` iterations, `trained` of
-    them in this session; `groups`: the warned ranks of each group, `signals` what they got."""
+    them in this session; `groups`: the warned ranks of each group, on `nodes`; `signals` what they got."""
 
     steps_done: int
     trained: int
     groups: dict[str, list[int]]
+    nodes: list[str]
     signals: str
     metrics: dict[str, float]
 
@@ -287,7 +293,7 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         idle = 0 if ended.trained else idle + 1
         if not trainer.resubmit_on_preemption or idle >= 2:
             return _stop_preempted(store, run_id, ended, idle >= 2)
-        record_resubmission(store, run_id, ended.steps_done, ended.groups, ended.signals)
+        record_resubmission(store, run_id, ended.steps_done, ended.groups, ended.nodes, ended.signals)
         resume_from_step = None
 
 
@@ -350,7 +356,8 @@ def _session(
                 if step > 0 and (latest is None or latest.step < step):
                     ahead = _ready(queue, queued_before)
                     save_checkpoint(store, run_id, cfg, lease, workers, step, state_before, ahead)
-                return Warned(step, step - start, PreemptionWatch(workers).warned(), str(warned), metrics)
+                watch = PreemptionWatch(workers)
+                return Warned(step, step - start, watch.warned(), watch.warned_nodes(), str(warned), metrics)
             last = step + 1 == trainer.total_iterations
             warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
             due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
@@ -377,7 +384,9 @@ def _session(
                 metrics["critic/score/mean"],
             )
             if warned and not last:
-                return Warned(step + 1, step + 1 - start, PreemptionWatch(workers).warned(), "; ".join(warned), metrics)
+                watch = PreemptionWatch(workers)
+                signals = "; ".join(warned)
+                return Warned(step + 1, step + 1 - start, watch.warned(), watch.warned_nodes(), signals, metrics)
         store.set_status(run_id, "completed")
         completed = True
         return metrics

@@ -61,14 +61,17 @@ class WorkerGroupError(RuntimeError):
         ranks: the ranks the error is about.
         lost: True when ranks are gone (killed, unreachable, silent, their job or node ended): relaunching the
             group and restoring a checkpoint can go on; False when a rank raised (its code, its input).
+        nodes: where those ranks ran (the Slurm node, else the host), as far as the group knows.
     """
 
-    def __init__(self, message: str, group: str = "", ranks: Sequence[int] = (), lost: bool = False) -> None:
+    def __init__(
+        self, message: str, group: str = "", ranks: Sequence[int] = (), lost: bool = False, nodes: Sequence[str] = ()
+    ) -> None:
         super().__init__(message)
-        self.group, self.ranks, self.lost = group, list(ranks), lost
+        self.group, self.ranks, self.lost, self.nodes = group, list(ranks), lost, list(nodes)
 
     def __reduce__(self) -> tuple[Any, ...]:  # a copy (pickled, deep-copied) keeps what the flow's recovery reads
-        return (type(self), (str(self), self.group, self.ranks, self.lost))
+        return (type(self), (str(self), self.group, self.ranks, self.lost, self.nodes))
 
 
 @dataclass
@@ -338,8 +341,9 @@ class WorkerGroup:
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
         last_check = started
-        self._check_job_alive(method)  # a call shorter than a check still sees a job or node gone (Slurm: polled
-        while pending:  # every slurm_poll_s)
+        # a call shorter than the checks below still sees its job or a node gone (Slurm polled every slurm_poll_s)
+        self._check_job_alive(method)
+        while pending:
             got = self._endpoint.recv(0.1)
             now = time.monotonic()
             if got is not None:
@@ -521,7 +525,12 @@ class WorkerGroup:
             self.spec.name,
             ranks,
             lost,
+            self.nodes_of(ranks),
         )
+
+    def nodes_of(self, ranks: Sequence[int]) -> list[str]:
+        """Where `ranks` run, sorted and once each: the Slurm node, else the host (ranks not heard from left out)."""
+        return sorted({info.node or info.host for r in ranks if (info := self.ranks.get(r)) is not None})
 
     def _log_tail(self, rank: int, lines: int = 15) -> str:
         paths = sorted(self.log_dir.glob(f"{self.job_id}_{rank}_log.err")) or sorted(self.log_dir.glob("*_log.err"))

@@ -114,11 +114,28 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"PRAGMA busy_timeout = {int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")  # persistent in the file; several processes read and write
+        _set_wal(cursor)
         cursor.execute("PRAGMA synchronous = NORMAL")  # safe with WAL: a crash loses at most the last commits
         cursor.execute("PRAGMA foreign_keys = ON")
     finally:
         cursor.close()
+
+
+def _set_wal(cursor: Any) -> None:
+    """``PRAGMA journal_mode = WAL`` (persistent in the file; several processes read and write). Two processes
+    opening a new file at once may both convert it, and SQLite answers the loser "database is locked" without
+    waiting its busy timeout: try again, for up to `SQLITE_BUSY_TIMEOUT_S`."""
+    import sqlite3
+
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_S
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _sqlite_on_begin(connection: Connection) -> None:
@@ -177,9 +194,9 @@ def _create_engine(url: URL) -> Engine:
 class _OutageRetry:
     """The engine's ``do_connect``: once the server has answered, a connection refused or timed out is retried
     (0.5 s, doubling to 5 s) for up to `STORE_RETRY_S` seconds, with one warning naming the server and one when it
-    answers again; every statement starts from a connection (``pool_pre_ping`` replaces those the outage broke), so
-    writes and reads wait for the server. A server that never answered fails at once: a wrong URL is said at once.
-    """
+    answers again. Each session checks a connection out of the pool first (``pool_pre_ping`` replaces one the
+    outage broke, through here), so writes and reads wait for the server. A server that never answered fails at
+    once: a wrong URL is said at once."""
 
     def __init__(self, url: URL) -> None:
         self.where = url.render_as_string(hide_password=True)

@@ -133,7 +133,8 @@ class Sample(_Record):
 class Recovery(_Record):
     """A recovery inside the flow: at iteration ``step`` worker group ``group_name`` lost ``ranks`` (``cause``: the
     group's error line), the flow relaunched its groups and went on from the checkpoint of step ``resumed_from``;
-    ``lost_s``: seconds of training since that checkpoint, done again."""
+    ``lost_s``: seconds of training since that checkpoint, done again; ``nodes``: where those ranks ran (the Slurm
+    node, else the host; empty when unknown)."""
 
     run_id: str
     step: int
@@ -143,6 +144,7 @@ class Recovery(_Record):
     failed_at: datetime
     resumed_from: int
     lost_s: float
+    nodes: list[str]
 
 
 @dataclass(frozen=True, slots=True)

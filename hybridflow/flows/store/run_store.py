@@ -597,6 +597,7 @@ class RunStore:
         cause: str,
         resumed_from: int,
         lost_s: float,
+        nodes: Sequence[str] = (),
     ) -> None:
         """Record a recovery inside the flow (`Recovery`), failed now. Raises ValueError for a bad step or a negative
         `lost_s`, UnknownRunError for an unknown run."""
@@ -611,6 +612,7 @@ class RunStore:
                     step=step,
                     group_name=_text(group_name, "group_name"),
                     ranks=[int(r) for r in ranks],
+                    nodes=[str(n) for n in nodes],
                     cause=str(cause),
                     failed_at=_now(),
                     resumed_from=resumed_from,
@@ -626,7 +628,17 @@ class RunStore:
                 select(RecoveryRow).where(RecoveryRow.run_id == run_id).order_by(RecoveryRow.failed_at, RecoveryRow.id)
             )
             return [
-                Recovery(r.run_id, r.step, r.group_name, list(r.ranks), r.cause, r.failed_at, r.resumed_from, r.lost_s)
+                Recovery(
+                    r.run_id,
+                    r.step,
+                    r.group_name,
+                    list(r.ranks),
+                    r.cause,
+                    r.failed_at,
+                    r.resumed_from,
+                    r.lost_s,
+                    list(r.nodes or []),
+                )  # fmt: skip
                 for r in rows
             ]
 

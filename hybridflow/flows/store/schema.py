@@ -238,6 +238,7 @@ class RecoveryRow(Base):
     step: Mapped[int] = mapped_column(Integer)  # the iteration that failed
     group_name: Mapped[str] = mapped_column(String(_NAME_MAX))
     ranks: Mapped[list[Any]] = mapped_column(JSON)
+    nodes: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)  # where those ranks ran (null: unknown)
     cause: Mapped[str] = mapped_column(Text)
     failed_at: Mapped[datetime] = mapped_column(UTCDateTime)
     resumed_from: Mapped[int] = mapped_column(Integer)  # the checkpoint's step (0: from the start)

@@ -83,14 +83,12 @@ class PreemptionWatch:
             found += [f"{group.spec.name} rank {r}: {', '.join(s)}" for r, s in sorted(group.warning_signals.items())]
         return found
 
-    def warned(self) -> dict[str, list[int]]:
-        """The ranks of each group that reported a warning signal (after `signals`)."""
-        return {n: sorted(g.warning_signals) for n, g in self.workers.groups.items() if g.warning_signals}
-
-    def warned_nodes(self) -> list[str]:
-        """Where the warned ranks run (`warned`), sorted and once each."""
+    def ended(self, steps_done: int, trained: int, signals: str, metrics: dict[str, float]) -> Warned:
+        """The session's end on the warning (`Warned`): the warned ranks of each group and where they run."""
         groups = self.workers.groups
-        return sorted({node for n, ranks in self.warned().items() for node in groups[n].nodes_of(ranks)})
+        warned = {n: sorted(g.warning_signals) for n, g in groups.items() if g.warning_signals}
+        nodes = sorted({node for n, ranks in warned.items() for node in groups[n].nodes_of(ranks)})
+        return Warned(steps_done, trained, warned, nodes, signals, metrics)
 
     def before_stage(self, name: str) -> None:
         """Raise `Preempted` before a stage if warned and no update of this iteration has run."""
@@ -356,8 +354,7 @@ def _session(
                 if step > 0 and (latest is None or latest.step < step):
                     ahead = _ready(queue, queued_before)
                     save_checkpoint(store, run_id, cfg, lease, workers, step, state_before, ahead)
-                watch = PreemptionWatch(workers)
-                return Warned(step, step - start, watch.warned(), watch.warned_nodes(), str(warned), metrics)
+                return PreemptionWatch(workers).ended(step, step - start, str(warned), metrics)
             last = step + 1 == trainer.total_iterations
             warned = PreemptionWatch(workers).signals()  # then the time left goes to the checkpoint, not validation
             due = last or (trainer.test_freq and (step + 1) % trainer.test_freq == 0)
@@ -384,9 +381,7 @@ def _session(
                 metrics["critic/score/mean"],
             )
             if warned and not last:
-                watch = PreemptionWatch(workers)
-                signals = "; ".join(warned)
-                return Warned(step + 1, step + 1 - start, watch.warned(), watch.warned_nodes(), signals, metrics)
+                return PreemptionWatch(workers).ended(step + 1, step + 1 - start, "; ".join(warned), metrics)
         store.set_status(run_id, "completed")
         completed = True
         return metrics

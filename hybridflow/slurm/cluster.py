@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED"}
+ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "REQUEUED", "RESIZING", "SUSPENDED", "SIGNALING"}
 """Job states in which the job may still run (or is running); any other state means it has ended (``COMPLETING``:
-ended, its processes being killed and cleaned up)."""
+ended, its processes being killed and cleaned up). ``SIGNALING``: a running job being sent a signal, e.g. the
+time-limit warning (``--signal``), seen for a moment; taken for an end it turned the warning into a lost group."""
 
 BAD_NODE_STATES = ("DOWN", "DRAIN", "FAIL")
 """Node state words (``sinfo -o %T``: ``down``, ``drained``, ``draining``, ``fail``, ``failing``) after which a

@@ -199,8 +199,8 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     checkpoints at the next stage boundary and resubmits its groups (new jobs). Then, mid-iteration: a rank
     SIGKILLed (the group lost: relaunched from the newest checkpoint), the job scancelled (its SIGTERM read as
     preemption's, checkpointed and resubmitted, or its end read first, the group lost), its node drained (the
-    group lost; the next job waits in the queue until the node is back). The run finishes by itself with every
-    metric equal to the same run in one allocation."""
+    group lost; the next job waits in the queue until the node is back, and says why). The run finishes by itself
+    with every metric equal to the same run in one allocation."""
     overrides = [
         f"trainer.total_iterations={TOTAL}",
         "trainer.save_freq=0",
@@ -248,7 +248,10 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
         while len(store.recoveries(run_id)) == before:  # the group saw the drain and cancelled its job
             assert proc.poll() is None, log.read_text()
             time.sleep(0.1)
-        time.sleep(3)
+        deadline = time.monotonic() + 120
+        while "waits in the queue" not in log.read_text():  # the relaunched group says why it does not start
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
     finally:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
     assert proc.wait(timeout=600) == 0, log.read_text()
@@ -270,6 +273,8 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     assert len(set(jobs)) == len(relaunches) + 1  # an allocation each
     assert [c.step for c in store.checkpoints(run_id)] == [*(r.resumed_from for r in resubmitted), TOTAL]
     assert "resubmitting the worker groups" in log.read_text()
+    [waiting] = [line for line in log.read_text().splitlines() if "waits in the queue" in line]
+    assert "reason: " in waiting and "partition (default)" in waiting, waiting
     assert _compared(store, run_id) == expected
 
 

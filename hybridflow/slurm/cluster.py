@@ -1,5 +1,6 @@
 """What the controller asks Slurm about a worker group's job: its state (``squeue`` while slurmctld lists it, then
-``sacct``, the accounting record), the state of its nodes (``sinfo``), and cancelling it (``scancel``).
+``sacct``, the accounting record), why it waits in the queue, the state of its nodes (``sinfo``), and cancelling it
+(``scancel``).
 
 The worker group polls these every few seconds while it waits on the job, so a cancelled job, a node that went
 down and a node an administrator (or a health check such as NHC, on a hardware fault) drained each turn into an
@@ -61,6 +62,16 @@ def job_state(job_id: str) -> str:
     out = _run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", str(job_id)])
     lines = [line.split()[0] for line in out.splitlines() if line.strip()]
     return lines[-1] if lines else (live or "UNKNOWN")  # "CANCELLED by 0" -> "CANCELLED"
+
+
+def pending_reason(job_id: str) -> str:
+    """Why a pending job waits, as ``squeue -o %r`` says it (``Priority``, ``Resources``, ``ReqNodeNotAvail,
+    UnavailableNodes:node3``, ``BeginTime``, ...); ``""`` when squeue does not list the job or gives no reason.
+
+    Raises:
+        SlurmCommandError: squeue fails (slurmctld unreachable)."""
+    out = _run(["squeue", "-h", "-o", "%r", "-j", str(job_id)]).strip()
+    return "" if out in ("", "None") else out
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,7 @@ class WorkerGroup:
         self._closed = False
         self._last_slurm_poll = 0.0
         self._slurm_state = ""
+        self._pending_reason = ""
         if wait:
             self.wait_ready()
 
@@ -492,6 +493,8 @@ class WorkerGroup:
             logger.warning("cannot poll Slurm job %s of group %s: %s", self.job_id, self.spec.name, e)
             return self._slurm_state
         self._slurm_state = state
+        if state == "PENDING":
+            self._say_why_pending()
         if state not in cluster.ACTIVE_STATES and state != "UNKNOWN":
             raise self._error(f"the Slurm job ended (state {state}) during {during}", everyone, lost=True)
         nodes = sorted({info.node for info in self.ranks.values() if info.node})
@@ -506,6 +509,27 @@ class WorkerGroup:
                         f"node {node.node} is {node.state}{reason} during {during}; {outcome}", on_node, lost=True
                     )
         return state
+
+    def _say_why_pending(self) -> None:
+        """Log why the job waits in the queue whenever Slurm's reason changes: a group relaunched after its node
+        was lost waits here until the partition has the nodes its placement asks for (``ReqNodeNotAvail``,
+        ``Resources``), which a user otherwise sees only as a run that stopped moving."""
+        try:
+            reason = cluster.pending_reason(self.job_id)
+        except cluster.SlurmCommandError:
+            return
+        if reason and reason != self._pending_reason:
+            logger.warning(
+                "group %s: Slurm job %s waits in the queue for %d node(s) x %d task(s) (reason: %s); it starts when "
+                "partition %s has them (sinfo shows its nodes)",
+                self.spec.name,
+                self.job_id,
+                self.spec.nodes,
+                self.spec.tasks_per_node,
+                reason,
+                self.spec.slurm.get("partition") or "(default)",
+            )
+        self._pending_reason = reason
 
     def _cancel(self) -> bool:
         if self.spec.executor == "slurm":

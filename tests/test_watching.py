@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from test_tracking import _wandb_records
@@ -161,6 +162,23 @@ def test_plot_is_a_real_picture(watched):
     assert pixels[..., :3].std() > 0.05  # not a blank canvas: axes, lines, text
     wrong = _hf(watched, "runs", "plot", run.id, "--name", "actor/no_such_metric", "--out", str(out))
     assert wrong.returncode == 2 and "no metric matches" in wrong.stdout and "critic/score/mean" in wrong.stdout
+    raw, smoothed = watched["root"] / "raw.png", watched["root"] / "smoothed.png"
+    for png, extra in ((raw, []), (smoothed, ["--smooth", "0.6"])):
+        done = _hf(watched, "runs", "plot", run.id, *extra, "--out", str(png), "--no-show")
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert not np.array_equal(matplotlib.image.imread(raw), matplotlib.image.imread(smoothed))  # other lines
+    too_much = _hf(watched, "runs", "plot", run.id, "--smooth", "1", "--out", str(smoothed))
+    assert too_much.returncode == 2 and "--smooth must be in [0, 1)" in too_much.stdout
+
+
+def test_smoothing_is_tensorboards_debiased_ema():
+    """TensorBoard's formula (its line chart's smoothing): EMA from 0, divided by 1 - w^k; the first point is its
+    own value, a constant series stays constant, weight 0 is the identity."""
+    from hybridflow.cli.plots import ema
+
+    assert ema([3.0, 5.0], 0.6) == pytest.approx([3.0, (0.6 * 0.4 * 3.0 + 0.4 * 5.0) / (1 - 0.36)], rel=1e-12)
+    assert ema([2.0] * 5, 0.9) == pytest.approx([2.0] * 5, rel=1e-12)
+    assert ema([1.0, 4.0, 2.0], 0.0) == [1.0, 4.0, 2.0]
 
 
 def test_plot_is_drawn_inline_in_an_image_terminal(watched):

@@ -43,6 +43,10 @@ PrefectOption = Annotated[
         "--prefect-api", help="use this Prefect API instead of starting a local server, e.g. http://host:4200/api"
     ),
 ]
+DryRunOption = Annotated[
+    bool,
+    typer.Option("--dry-run", help="check everything, print the resolved config and exit without recording a run"),
+]
 
 
 def _store(db: str | None):

@@ -1,6 +1,9 @@
 """The ``hf`` command (also installed as ``hybridflow``).
 
 - ``hf run CONFIG [-o key=value ...]``: record a run in the store and train it with the Prefect flow.
+- ``hf deploy``: serve the ``hybridflow-launch`` Prefect deployment here: runs started from the Prefect UI or API.
+- ``hf verl KEY=VALUE ...``: a verl command line (its Hydra overrides translated to ours), run as ``hf run`` runs.
+- ``hf config show RUN_ID|CONFIG [--as-verl]`` / ``hf config verl-keys``: a config, in our keys or verl's.
 - ``hf resume RUN_ID``: continue a run from its last complete checkpoint.
 - ``hf runs list | show RUN_ID | metrics RUN_ID --name NAME | samples RUN_ID | plot RUN_ID ...``: run history from
   the store: metrics, sample generations, plots.
@@ -28,7 +31,17 @@ import yaml
 from rich.table import Table
 
 from hybridflow.cli import server
-from hybridflow.cli.common import DbOption, PrefectOption, _get_run, _store, console, error_cause, styled
+from hybridflow.cli.common import (
+    DbOption,
+    DryRunOption,
+    PrefectOption,
+    _get_run,
+    _store,
+    console,
+    error_cause,
+    styled,
+)
+from hybridflow.cli.config_show import config_app
 from hybridflow.cli.data_check import data_app
 from hybridflow.cli.runs import runs_app
 
@@ -38,6 +51,7 @@ server_app = typer.Typer(help="The local Prefect server (UI and flow-run history
 rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_args_is_help=True)
 sft_app = typer.Typer(help="Supervised fine-tuning: train a policy on conversations.", no_args_is_help=True)
 plans_app = typer.Typer(help="Placement plans from the run store (hf plan, placement.auto).", no_args_is_help=True)
+app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
 app.add_typer(models_app, name="models")
 app.add_typer(plans_app, name="plans")
@@ -46,6 +60,11 @@ app.add_typer(runs_app, name="runs")
 app.add_typer(sft_app, name="sft")
 app.add_typer(server_app, name="server")
 
+
+ExecutorOption = Annotated[
+    str | None,
+    typer.Option(help="where the worker groups run: local or slurm (same as -o placement.executor=...)"),
+]
 
 _local_server: server.ServerInfo | None = None  # this home's server the CLI connected to (None: --prefect-api)
 
@@ -86,12 +105,10 @@ def _load_config(config: Path, override: list[str] | None, executor: str | None,
 def run(
     config: Annotated[Path, typer.Argument(help="YAML run configuration", exists=True, dir_okay=False)],
     override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
-    executor: Annotated[
-        str | None,
-        typer.Option(help="where the worker groups run: local or slurm (same as -o placement.executor=...)"),
-    ] = None,
+    executor: ExecutorOption = None,
     db: DbOption = None,
     prefect_api: PrefectOption = None,
+    dry_run: DryRunOption = False,
 ) -> None:
     """Record a run in the store and train it (Prefect flow, worker groups).
 
@@ -99,14 +116,118 @@ def run(
     files and their columns, the reward function, the Slurm partition, the output folder): a mistake prints one
     message naming the key and the fix, exits 2 and records no run."""
     cfg = _load_config(config, override, executor)
-    store = _store(db)
-    if cfg.placement.auto:
+    store = None if dry_run else _store(db)
+    if cfg.placement.auto and not dry_run:
         cfg = _auto_place(config, override, executor, cfg, store)
+    _record_and_train(cfg, store, prefect_api)
+
+
+def _record_and_train(cfg, store, prefect_api: str | None) -> None:
+    """Check the inputs, then (no `store`: a dry run) print the resolved config and stop, or record the run and
+    train it."""
     _check_inputs(cfg)
+    if store is None:
+        console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), markup=False, end="")
+        console.print("dry run: the config above is valid and its inputs are in place; no run recorded", style="dim")
+        return
     _connect_prefect(prefect_api)  # before the run is recorded: a server that cannot start leaves no stray run
     run_id = store.create_run(cfg.model_dump(mode="json"), cfg.trainer.experiment_name, plan_id=cfg.placement.plan)
     console.print(styled("run ", (run_id, "bold"), f" recorded in {store.url}"))
     _train(store, run_id)
+
+
+@app.command(context_settings={"ignore_unknown_options": True})
+def verl(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="verl's Hydra overrides, as given to python3 -m verl.trainer.main_ppo (key=value ...)"),
+    ] = None,
+    config_path: Annotated[
+        Path | None, typer.Option("--config-path", help="Hydra's: the folder of a verl config file")
+    ] = None,
+    config_name: Annotated[
+        str | None, typer.Option("--config-name", help="Hydra's: the verl config file's name (without .yaml)")
+    ] = None,
+    override: Annotated[
+        list[str] | None, typer.Option("-o", "--override", help="HybridFlow's own key.sub=value, after verl's keys")
+    ] = None,
+    executor: ExecutorOption = None,
+    db: DbOption = None,
+    prefect_api: PrefectOption = None,
+    dry_run: DryRunOption = False,
+) -> None:
+    """Run a verl command line: replace ``python3 -m verl.trainer.main_ppo`` by ``hf verl`` and keep its overrides.
+
+    Each verl key is translated to ours (docs/verl-keys.md, or hf config verl-keys); keys that only tune verl's
+    speed or memory are accepted and listed; any other key is refused, with the nearest supported one, before
+    anything runs. Keys not given take verl's defaults where those change what is computed (adv_estimator gae,
+    train_batch_size 1024, rollout.n 1, ...). The run is then recorded and trained as hf run does."""
+    from hybridflow.engine.config import ConfigError, load_config
+    from hybridflow.engine.config.verl import translate
+
+    config_file = None
+    if config_name:
+        name = config_name if config_name.endswith(".yaml") else f"{config_name}.yaml"
+        config_file = (config_path or Path(".")) / name
+        if not config_file.is_file():
+            console.print(f"--config-path/--config-name: {config_file} is not a file", style="red")
+            raise typer.Exit(2)
+    try:
+        translation = translate(list(overrides or []), config_file)
+        cfg = load_config(None, translation.overrides + _overrides(override, executor))
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        console.print(str(e), style="red", markup=False)
+        raise typer.Exit(2) from None
+    for key, why in translation.no_effect:
+        console.print(f"verl key {key}: no effect here ({why})", style="dim", markup=False)
+    if cfg.placement.auto:
+        console.print("hf verl does not plan placements: give trainer.n_gpus_per_node / nnodes", style="red")
+        raise typer.Exit(2)
+    _record_and_train(cfg, None if dry_run else _store(db), prefect_api)
+
+
+@app.command()
+def deploy(
+    name: Annotated[str, typer.Option(help="the deployment's name: hybridflow-launch/NAME")] = "hybridflow",
+    config: Annotated[
+        Path | None,
+        typer.Option(help="the config a run gets when the caller gives none (a schedule's runs)", dir_okay=False),
+    ] = None,
+    override: Annotated[
+        list[str] | None, typer.Option("-o", "--override", help="its overrides, key.sub=value (repeatable)")
+    ] = None,
+    cron: Annotated[str | None, typer.Option(help="also start a run on this cron schedule, e.g. '0 2 * * *'")] = None,
+    limit: Annotated[int, typer.Option(help="runs this host trains at once", min=1)] = 1,
+    db: DbOption = None,
+    prefect_api: PrefectOption = None,
+) -> None:
+    """Serve HybridFlow as a Prefect deployment on this host (the controller host: the login node on Slurm) until
+    Ctrl-C. A run started from the Prefect UI (Deployments), by ``prefect deployment run hybridflow-launch/NAME -p
+    config=FILE -p 'overrides=["rollout.n=8"]'``, through Prefect's API or on the --cron schedule is checked,
+    recorded in the run store and trained as hf run does: hf runs list shows it, hf resume continues it."""
+    if cron and config is None:
+        console.print("--cron needs --config: the file each scheduled run trains", style="red")
+        raise typer.Exit(2)
+    if config is not None:
+        _load_config(config, override, None)  # a default that cannot run is refused now, not at 2 a.m.
+    if db:
+        os.environ["HYBRIDFLOW_DB_URL"] = db  # the flow runs' store (their db_url parameter stays empty)
+    os.environ["HYBRIDFLOW_DEPLOY_DIR"] = os.getcwd()  # a run's relative config path is read from here
+    _connect_prefect(prefect_api)
+    from prefect.deployments.runner import EntrypointType  # after the server is chosen (server.use_server)
+
+    from hybridflow.flows.launch import launch_flow
+
+    defaults = {"config": str(config.resolve()), "overrides": list(override or [])} if config else None
+    launch_flow.serve(
+        name=name,
+        cron=cron,
+        parameters=defaults,
+        limit=limit,
+        tags=["hybridflow"],
+        description="Record and train a HybridFlow run (as hf run CONFIG -o KEY=VALUE ...)",
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
 
 
 @app.command()

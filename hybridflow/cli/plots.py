@@ -46,18 +46,37 @@ def resolve_names(patterns: Sequence[str], available: set[str], explicit: bool) 
     return names
 
 
-def plot_runs(series: Series, names: Sequence[str], out: Path) -> Path:
-    """Draw `names` (one panel each, step on x, one line per run, markers at each point) into the PNG `out`.
+def ema(values: Sequence[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing of a scalar series: an exponential moving average ``last = weight x last + (1 -
+    weight) x value`` started at 0, divided by ``1 - weight^k`` after k points (debiased, so the first points are
+    not pulled toward 0). `weight` in [0, 1): 0 returns the values; TensorBoard's slider default is 0.6.
 
     Raises:
-        ValueError: `names` is empty (nothing to draw).
+        ValueError: `weight` outside [0, 1)."""
+    if not 0 <= weight < 1:
+        raise ValueError(f"--smooth must be in [0, 1) (TensorBoard's slider), got {weight}")
+    out, last = [], 0.0
+    for k, value in enumerate(values, start=1):
+        last = weight * last + (1 - weight) * value
+        out.append(last / (1 - weight**k))
+    return out
+
+
+def plot_runs(series: Series, names: Sequence[str], out: Path, smooth: float = 0.0) -> Path:
+    """Draw `names` (one panel each, iteration on x with integer ticks, one line per run, markers at each point)
+    into the PNG `out`; with `smooth` > 0 each line is its `ema` and the raw points stay faded behind it.
+
+    Raises:
+        ValueError: `names` is empty (nothing to draw), or `smooth` outside [0, 1).
     """
     if not names:
         raise ValueError("nothing to plot: none of the metrics asked for was recorded")
+    ema([], smooth)  # the weight checked before any drawing
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     cols = min(3, len(names))
     rows = math.ceil(len(names) / cols)
@@ -65,11 +84,17 @@ def plot_runs(series: Series, names: Sequence[str], out: Path) -> Path:
     for ax, name in zip(axes.flat, names, strict=False):
         for run_id, metrics in series.items():
             points = [(s, v) for s, v in metrics.get(name, ()) if v is not None]
-            if points:
-                steps, values = zip(*points, strict=True)
+            if not points:
+                continue
+            steps, values = zip(*points, strict=True)
+            if smooth:
+                (raw,) = ax.plot(steps, values, marker="o", markersize=2, alpha=0.25)
+                ax.plot(steps, ema(values, smooth), color=raw.get_color(), label=run_id)
+            else:
                 ax.plot(steps, values, marker="o", markersize=3, label=run_id)
-        ax.set_title(name, fontsize=10)
+        ax.set_title(name + (f" (smoothed {smooth:g})" if smooth else ""), fontsize=10)
         ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(names) :]:
         ax.set_visible(False)

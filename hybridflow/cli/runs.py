@@ -1,4 +1,4 @@
-"""``hf runs ...``: run history from the run store: list, show, delete, metrics, samples, timeline, plot."""
+"""``hf runs ...``: run history from the run store: list, show, compare, delete, metrics, samples, timeline, plot."""
 
 from __future__ import annotations
 
@@ -56,18 +56,39 @@ def _parallel_summary(parallel: dict | None) -> str:
     return text
 
 
+SHOWN_METRICS = [
+    "critic/score/mean",
+    "critic/rm_score/mean",
+    "rm/loss",
+    "rm/acc",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "response_length/mean",
+    "timing_s/step",
+    "rollout/weight_sync_bytes",  # a rollout with weights of its own (vLLM): bytes per sync (LoRA: the adapter's)
+    "timing_s/weight_sync",
+]
+"""The metrics ``hf runs show`` and ``hf runs compare`` put in their tables (those a run recorded), with every
+validation accuracy (``val/*/acc``)."""
+
+LATEST = 10
+"""Iterations ``hf runs show`` lists (the newest); ``hf runs metrics`` has all."""
+
+
 @runs_app.command("show")
-def runs_show(run_id: str, db: DbOption = None) -> None:
-    """A run's config, placement, metrics (a few key ones per iteration), checkpoints and recoveries."""
+def runs_show(
+    run_id: str,
+    config: Annotated[bool, typer.Option("--config", help="also print the run's whole config (YAML)")] = False,
+    db: DbOption = None,
+) -> None:
+    """A run at a glance: status, what it trains, timings, placement, its latest metrics, checkpoints and
+    recoveries; its whole config with --config."""
     store = _store(db)
     r = _get_run(store, run_id)
-    console.print(
-        styled(
-            (r.id, "bold"),
-            f"  {r.experiment_name}  status={_status_text(r)}  code={r.code_version}  "
-            f"prefect flow run={r.prefect_flow_run_id}",
-        )
-    )
+    console.print(styled((r.id, "bold"), f"  {r.experiment_name}  status={_status_text(r)}  kind={r.kind}"))
+    console.print(_what_it_trains(r, store))
+    console.print(_timings(r, store))
     if r.lease_host is not None:
         beat = f"{r.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if r.heartbeat_at else "never"
         console.print(f"controller: host {r.lease_host}, pid {r.lease_pid}, last heartbeat {beat}")
@@ -75,7 +96,6 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
         console.print(error_cause(r.error) or r.error.strip().splitlines()[-1], style="red")
     if r.plan_id:
         console.print(f"placement from plan {r.plan_id} (hf plans show {r.plan_id})")
-    console.print(yaml.safe_dump(r.config, sort_keys=False).rstrip())
     placement = Table("role", "pool", "ranks", "executor", "slurm job", "hosts", "parallel", title="placement")
     for p in store.placements(run_id):
         placement.add_row(
@@ -88,29 +108,18 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
             _parallel_summary(p.parallel),
         )
     console.print(placement)
-    shown = [
-        "critic/score/mean",
-        "critic/rm_score/mean",
-        "rm/loss",
-        "rm/acc",
-        "actor/pg_loss",
-        "actor/ppo_kl",
-        "actor/entropy",
-        "response_length/mean",
-        "timing_s/step",
-        "rollout/weight_sync_bytes",  # a rollout with weights of its own (vLLM): bytes per sync (LoRA: the adapter's)
-        "timing_s/weight_sync",
-    ]
     points = store.metrics(run_id)
-    recorded = {p.name for p in points}
-    shown = [name for name in shown if name in recorded]
-    vals = sorted(name for name in recorded if name.startswith("val/") and name.endswith("/acc"))
-    table = Table("step", *shown, *vals, title="metrics (hf runs metrics RUN_ID --name NAME for any other)")
+    names = _table_metrics({p.name for p in points})
     by_step: dict[int, dict[str, float | None]] = {}
     for p in points:
         by_step.setdefault(p.step, {})[p.name] = p.value
-    for step, values in sorted(by_step.items()):
-        table.add_row(str(step), *[_fmt(values.get(name)) for name in [*shown, *vals]])
+    steps = sorted(by_step)
+    title = "metrics (hf runs metrics RUN_ID --name NAME for any other)"
+    if len(steps) > LATEST:
+        title = f"metrics of the last {LATEST} of {len(steps)} steps (all: hf runs metrics {run_id})"
+    table = Table("step", *names, title=title)
+    for step in steps[-LATEST:]:
+        table.add_row(str(step), *[_fmt(by_step[step].get(name)) for name in names])
     console.print(table)
     ckpts = Table("step", "path", "bytes", "sha256", "usable", title="checkpoints")
     for c in store.checkpoints(run_id):
@@ -129,6 +138,88 @@ def runs_show(run_id: str, db: DbOption = None) -> None:
     if samples:
         steps = sorted({s.step for s in samples})
         console.print(f"{len(samples)} sample generations at steps {steps[0]}..{steps[-1]}: hf runs samples {run_id}")
+    console.print(
+        f"code {r.code_version}; Prefect flow run {r.prefect_flow_run_id}; config: hf runs show {run_id} --config"
+    )
+    if config:
+        console.print(yaml.safe_dump(r.config, sort_keys=False).rstrip())
+
+
+def _table_metrics(recorded: set[str]) -> list[str]:
+    """`SHOWN_METRICS` a run recorded, then its validation accuracies."""
+    vals = sorted(name for name in recorded if name.startswith("val/") and name.endswith("/acc"))
+    return [name for name in SHOWN_METRICS if name in recorded] + vals
+
+
+def _what_it_trains(r, store) -> str:
+    """``grpo on smollm2 (actor fsdp), 3/5 iterations`` from a run's config and iterations."""
+    cfg = r.config
+    model = cfg.get("model", {}).get("path", "?")
+    done = len([i for i in store.iterations(r.id) if i.ended_at is not None])
+    if r.kind != "rl":
+        return f"{r.kind} training of {model}, {done} steps recorded"
+    algorithm = cfg.get("algorithm", {}).get("adv_estimator", "?")
+    strategy = cfg.get("actor", {}).get("strategy", "?")
+    total = cfg.get("trainer", {}).get("total_iterations", "?")
+    mode = cfg.get("trainer", {}).get("mode", "sync")
+    return f"{algorithm} on {model} (actor {strategy}, {mode}), {done}/{total} iterations"
+
+
+def _timings(r, store) -> str:
+    """Created / started / ended (UTC), the run's seconds and the median iteration's."""
+    import statistics
+
+    parts = [f"created {r.created_at:%Y-%m-%d %H:%M:%S}"]
+    if r.started_at:
+        parts.append(f"started {r.started_at:%H:%M:%S}")
+    if r.ended_at:
+        parts.append(f"ended {r.ended_at:%H:%M:%S}")
+    if r.duration_s is not None:
+        parts.append(f"{r.duration_s:.0f} s")
+    spans = [i.duration_s for i in store.iterations(r.id) if i.duration_s is not None]
+    if spans:
+        parts.append(f"median iteration {statistics.median(spans):.1f} s")
+    return "UTC: " + ", ".join(parts)
+
+
+@runs_app.command("compare")
+def runs_compare(
+    run_a: Annotated[str, typer.Argument(help="a run id")],
+    run_b: Annotated[str, typer.Argument(help="another run id")],
+    db: DbOption = None,
+) -> None:
+    """Two runs side by side: the config keys whose values differ, then each run's last value of the usual metrics
+    (and their last step)."""
+    from hybridflow.engine.config import dotted_leaves
+
+    store = _store(db)
+    a, b = _get_run(store, run_a), _get_run(store, run_b)
+    left, right = dotted_leaves(a.config), dotted_leaves(b.config)
+    differ = sorted(k for k in left.keys() | right.keys() if left.get(k) != right.get(k))
+    table = Table("config key", a.id, b.id, title=f"config: {len(differ)} keys differ")
+    for key in differ:
+        table.add_row(key, _cell(left.get(key, "(unset)")), _cell(right.get(key, "(unset)")))
+    console.print(table)
+    last_a, last_b = _last_values(store, a.id), _last_values(store, b.id)
+    metrics = Table("metric (last value)", a.id, b.id, title="metrics")
+    metrics.add_row("status", _status_text(a), _status_text(b))
+    metrics.add_row("last step", str(last_a.get("step", "")), str(last_b.get("step", "")))
+    for name in _table_metrics(set(last_a) | set(last_b)):
+        metrics.add_row(name, _fmt(last_a.get(name)), _fmt(last_b.get(name)))
+    console.print(metrics)
+
+
+def _cell(value) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _last_values(store, run_id: str) -> dict:
+    """Each metric's value at its last step, and ``step``: the run's last step."""
+    last: dict = {}
+    for p in sorted(store.metrics(run_id), key=lambda p: p.step):
+        last[p.name] = p.value
+        last["step"] = p.step
+    return last
 
 
 def _fmt(value: float | None) -> str:
@@ -290,6 +381,9 @@ def runs_plot(
     ] = None,
     out: Annotated[Path | None, typer.Option("--out", help="PNG to write (default: plot-<first run>.png)")] = None,
     show: Annotated[bool, typer.Option(help="also draw it in the terminal when it shows images")] = True,
+    smooth: Annotated[
+        float, typer.Option(help="TensorBoard's smoothing weight in [0, 1), e.g. 0.6: an EMA over the raw points")
+    ] = 0.0,
     db: DbOption = None,
 ) -> None:
     """Plot metrics of one or more runs against the iteration (one panel per metric, runs overlaid) into a PNG."""
@@ -306,7 +400,7 @@ def runs_plot(
     available = {n for metrics in series.values() for n in metrics}
     try:
         names = resolve_names(name or DEFAULT_METRICS, available, explicit=bool(name))
-        path = plot_runs(series, names, out or Path(f"plot-{run_ids[0]}.png"))
+        path = plot_runs(series, names, out or Path(f"plot-{run_ids[0]}.png"), smooth)
     except ValueError as e:
         console.print(f"{e}", style="red")
         raise typer.Exit(2) from None

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridflow.engine.config import dotted_leaves
+
 logger = logging.getLogger(__name__)
 
 GENERATION_COLUMNS = ("step", "data_source", "prompt", "response", "score", "ground_truth")
@@ -192,7 +194,7 @@ class _MLflow:
         else:
             tags = {"hybridflow.run_id": run_id, "mlflow.runName": run_id}
             self.run_id = self.client.create_run(experiment_id, tags=tags, run_name=run_id).info.run_id
-            params = [mlflow.entities.Param(k, str(v)[:6000]) for k, v in _leaves(config).items()]
+            params = [mlflow.entities.Param(k, str(v)[:6000]) for k, v in dotted_leaves(config).items()]
             for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 self.client.log_batch(self.run_id, params=params[start : start + 100])
 
@@ -210,16 +212,6 @@ class _MLflow:
 
     def finish(self, ok: bool = True) -> None:
         self.client.set_terminated(self.run_id, status="FINISHED" if ok else "FAILED")
-
-
-def _leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping) and value:
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 class Tracking:

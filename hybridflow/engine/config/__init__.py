@@ -12,7 +12,14 @@ sections), `loading` (YAML, overrides, resume); the names other modules use are 
 
 from __future__ import annotations
 
-from hybridflow.engine.config.loading import ConfigError, apply_overrides, load_config, resume_config, validate_config
+from hybridflow.engine.config.loading import (
+    ConfigError,
+    apply_overrides,
+    dotted_leaves,
+    load_config,
+    resume_config,
+    validate_config,
+)
 from hybridflow.engine.config.run import (
     HybridFlowConfig,
     OffPolicyWarning,
@@ -40,6 +47,7 @@ __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
     "ConfigError",
+    "dotted_leaves",
     "CriticConfig",
     "DataConfig",
     "HybridFlowConfig",

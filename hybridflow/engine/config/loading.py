@@ -138,10 +138,12 @@ which limits and whether at the same time its workers run. None of them changes 
 resumed run's iterations equal those of a run started with the new values."""
 
 
-def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+def dotted_leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": {}}`` -> ``{"a.b": 1, "c": {}}``: each value that is not a non-empty mapping, by its
+    dotted key (as overrides name it); ``{}`` -> ``{}``."""
     if isinstance(tree, dict) and tree:
-        return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
-    return {prefix.removesuffix("."): tree}
+        return {k: v for key, sub in tree.items() for k, v in dotted_leaves(sub, f"{prefix}{key}.").items()}
+    return {prefix.removesuffix("."): tree} if prefix else {}  # an empty tree has no leaves
 
 
 def resume_config(
@@ -155,7 +157,7 @@ def resume_config(
             keys are named, with the way out: a new run with ``hf run``)."""
     old = validate_config(stored, schema).model_dump(mode="json")
     new = validate_config(apply_overrides(stored, overrides, source="the run's recorded config"), schema)
-    before, after = _leaves(old), _leaves(new.model_dump(mode="json"))
+    before, after = dotted_leaves(old), dotted_leaves(new.model_dump(mode="json"))
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     refused = [
         k for k in changed if not any(fnmatch.fnmatchcase(k, f"{r}*" if r.endswith(".") else r) for r in RESUMABLE_KEYS)

@@ -37,7 +37,7 @@ class OffPolicyWarning(UserWarning):
 
 
 class HybridFlowConfig(_Section):
-    """The whole run configuration. See the README's configuration reference."""
+    """The whole run configuration (every key: docs/reference/config.md, generated from these models)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig

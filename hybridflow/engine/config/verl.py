@@ -1,0 +1,679 @@
+"""verl's config keys, both ways.
+
+A verl user's run is a shell script of Hydra overrides (``python3 -m verl.trainer.main_ppo
+algorithm.adv_estimator=grpo actor_rollout_ref.actor.optim.lr=1e-6 ...``) and, at times, a ``ppo_trainer.yaml``-style
+file. `translate` turns them into HybridFlow overrides, so the script runs with ``hf verl`` in place of the entry
+point; `to_verl` writes a HybridFlow config in verl's keys (``hf config show --as-verl``); `key_table` is the table
+of both (docs/verl-keys.md is generated from it).
+
+Every verl key is one of:
+- mapped (`VerlKey.ours` names our key or keys; `to_ours` / `to_verl` convert values where the two differ, e.g.
+  verl's ``top_k=-1`` is our ``top_k=0``);
+- accepted with no effect here (`VerlKey.ours` empty), for what only changes speed or memory in verl (FSDP offload,
+  padding removal, vLLM's engine knobs): each is said when the run starts, and a value that would change the
+  computation is refused (`VerlKey.accepts`);
+- refused: any key not in `VERL_KEYS`, with the nearest supported key named. Nothing is ignored silently.
+
+Unset keys take verl's defaults (`VERL_DEFAULTS`, from verl's ``ppo_trainer.yaml``) where verl's default changes
+what is computed and differs from ours (verl's ``adv_estimator`` is ``gae``, ours ``grpo``); where it only concerns
+placement, trackers or paths (``trainer.n_gpus_per_node: 8``, ``trainer.logger: [console, wandb]``), ours stands.
+Keys verl fills by interpolation from another key (``critic.ppo_mini_batch_size`` from the actor's) follow that key
+here too (`_INHERITED`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hybridflow.engine.config.loading import ConfigError, _yaml_problem, dotted_leaves, parse_overrides
+
+ARR = "actor_rollout_ref"
+
+UNSAID = object()
+"""What a `VerlKey.to_verl` returns for one of our values verl cannot say (``ddp``, ``trainer.device: auto``):
+`to_verl` leaves the key out."""
+
+
+@dataclass(frozen=True)
+class VerlKey:
+    """One verl key (a dotted name, or an `fnmatch` pattern for a family of no-effect keys such as
+    ``*.fsdp_config.*``) and what it is here.
+
+    Attributes:
+        verl: verl's key, as in its Hydra overrides.
+        ours: the HybridFlow keys it sets (one value each, from `to_ours`); empty: accepted with no effect here.
+        to_ours: verl's value -> the values of `ours` (a tuple, one per key); None: the same value.
+        to_verl: our values (a tuple, one per key of `ours`) -> verl's value; None: the first one as it is.
+        accepts: the verl values taken (others are refused); None: any.
+        note: what differs, or why the key has no effect here (shown in the table and when the run starts).
+        via: our key this one sets together with others (`translate` does it: ``trainer.total_epochs`` ->
+            ``trainer.total_iterations``); such a key is not "no effect".
+    """
+
+    verl: str
+    ours: tuple[str, ...] = ()
+    to_ours: Callable[[Any], tuple] | None = None
+    to_verl: Callable[[tuple], Any] | None = None
+    accepts: Callable[[Any], bool] | None = None
+    note: str = ""
+    via: str = ""
+
+    def convert(self, value: Any) -> dict[str, Any]:
+        """Our overrides for verl's `value` (empty for a no-effect key).
+
+        Raises:
+            ConfigError: `value` is one this key does not take here (the key, the value and why named)."""
+        if self.accepts is not None and not self.accepts(value):
+            raise ConfigError(f"verl key {self.verl}={value!r} is not supported here: {self.note}")
+        if not self.ours:
+            return {}
+        values = self.to_ours(value) if self.to_ours else (value,) * len(self.ours)
+        return dict(zip(self.ours, values, strict=True))
+
+
+def _same(verl: str, ours: str | None = None, note: str = "") -> VerlKey:
+    """A key whose value carries over unchanged (to ``ours``, or to verl's name without ``actor_rollout_ref.``)."""
+    return VerlKey(verl, (ours or verl.removeprefix(f"{ARR}."),), note=note)
+
+
+def _no_effect(verl: str, note: str, accepts: Callable[[Any], bool] | None = None) -> VerlKey:
+    return VerlKey(verl, (), accepts=accepts, note=note)
+
+
+def _strategy(verl: str, ours: str) -> VerlKey:
+    """A training strategy: verl's fsdp and fsdp2 are our fsdp; our ddp (no verl counterpart) shows as fsdp."""
+    return VerlKey(
+        verl,
+        (ours,),
+        to_ours=lambda v: ("fsdp" if v in ("fsdp", "fsdp2") else v,),
+        to_verl=lambda values: UNSAID if values[0] == "ddp" else values[0],
+        accepts=_only("fsdp", "fsdp2", "megatron"),
+        note="fsdp and fsdp2 are our fsdp (FSDP2); our ddp has no verl name (verl's fsdp is the same update, sharded)",
+    )
+
+
+def _only(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+def _unset(value: Any) -> bool:
+    return value in (None, "null", "", -1)
+
+
+def _minus_one_is_zero(value: Any) -> tuple:
+    return (0 if value is None or int(value) < 0 else int(value),)
+
+
+_SPEED = "speed and memory only (verl's FSDP/vLLM tuning); the computation here is the same without it"
+_PADDING = "HybridFlow's trainers never compute on padding tokens; the values are the same either way"
+_CHECKPOINTING = "memory only: activation checkpointing trades compute for memory; the values are the same"
+_DYNAMIC_BSZ = (
+    "micro-batches here hold a fixed number of sequences (*.ppo_micro_batch_size); the update is the same "
+    "weighted sum either way (loss_agg_mode), up to float rounding"
+)
+_MICRO_GLOBAL = (
+    "verl's deprecated global micro-batch size: give the per-GPU one (ppo_micro_batch_size_per_gpu / "
+    "log_prob_micro_batch_size_per_gpu), which is ours per rank"
+)
+
+VERL_KEYS: tuple[VerlKey, ...] = (
+    # ------------------------------------------------------------------ data
+    _same("data.train_files"),
+    _same("data.val_files"),
+    _same("data.max_prompt_length", note="longer prompts are dropped (verl's filter_overlong_prompts=True)"),
+    _same("data.max_response_length", "rollout.response_length"),
+    _same("data.train_batch_size"),
+    _same("data.gen_batch_size"),
+    VerlKey(
+        "data.val_batch_size",
+        ("data.val_batch_size",),
+        accepts=lambda v: v is None or int(v) > 0,
+        note="null (verl: the whole set in one batch) keeps ours (64 prompts per generate call)",
+    ),
+    _same("data.shuffle"),
+    _same("data.seed"),
+    _no_effect(
+        "data.filter_overlong_prompts",
+        "prompts longer than data.max_prompt_length are always dropped here (verl's true), never truncated",
+    ),
+    _no_effect("data.filter_overlong_prompts_workers", _SPEED),
+    _no_effect(
+        "data.truncation",
+        "prompts longer than data.max_prompt_length are dropped here before any batch, so none is truncated",
+    ),
+    _no_effect("data.prompt_key", "the prompt column is 'prompt' (verl's default)", _only("prompt")),
+    _no_effect("data.reward_fn_key", "the score function is chosen by 'data_source'", _only("data_source")),
+    _no_effect("data.return_raw_chat", "the chat messages always travel with the row (raw_prompt)"),
+    _no_effect("data.return_raw_input_ids", "no effect here"),
+    _no_effect("data.return_full_prompt", "no effect here"),
+    _no_effect("data.dataloader_num_workers", _SPEED),
+    _no_effect("data.validation_shuffle", "validation prompts are read in file order", _only(False)),
+    _no_effect("data.trust_remote_code", "no remote code is run", _only(False)),
+    _no_effect("data.use_shm", _SPEED),
+    _no_effect("data.tokenizer", "the tokenizer is the model's (model.path)", _unset),
+    # ------------------------------------------------------------------ model
+    _same(f"{ARR}.model.path", "model.path"),
+    _same(f"{ARR}.model.lora_rank", "model.lora_rank"),
+    _same(f"{ARR}.model.lora_alpha", "model.lora_alpha"),
+    _same(f"{ARR}.model.target_modules", "model.target_modules"),
+    _no_effect(f"{ARR}.model.use_remove_padding", _PADDING),
+    _no_effect(f"{ARR}.model.enable_gradient_checkpointing", _CHECKPOINTING),
+    _no_effect(f"{ARR}.model.enable_activation_offload", _SPEED),
+    _no_effect(f"{ARR}.model.use_fused_kernels", _SPEED),
+    _no_effect(f"{ARR}.model.use_liger", _SPEED),
+    _no_effect(f"{ARR}.model.use_shm", _SPEED),
+    _no_effect(f"{ARR}.model.trust_remote_code", "no remote code is run", _only(False)),
+    _no_effect(f"{ARR}.model.external_lib", "models load through transformers' Auto classes", _unset),
+    _no_effect(f"{ARR}.model.custom_chat_template", "the tokenizer's own chat template is used", _unset),
+    _no_effect(f"{ARR}.model.override_config", "the model's config.json is used as it is", lambda v: not v),
+    _no_effect(
+        f"{ARR}.model.override_config.*",
+        "only dropout 0 (ReMax's examples): the embedded models have none; a model's config.json is used as it is",
+        lambda v: v in (0, 0.0),
+    ),
+    _no_effect(f"{ARR}.hybrid_engine", "the actor and rollout share weights (3D-HybridEngine)", _only(True)),
+    _no_effect(f"{ARR}.nccl_timeout", "placement.call_timeout_s limits a stage call here"),
+    # ------------------------------------------------------------------ actor
+    _strategy(f"{ARR}.actor.strategy", "actor.strategy"),
+    _same(f"{ARR}.actor.optim.lr"),
+    _same(f"{ARR}.actor.optim.weight_decay"),
+    _same(f"{ARR}.actor.optim.betas"),
+    _same(f"{ARR}.actor.optim.clip_grad", "actor.optim.grad_clip"),
+    _same(f"{ARR}.actor.grad_clip", "actor.optim.grad_clip"),
+    VerlKey(
+        f"{ARR}.actor.optim.lr_warmup_steps",
+        ("actor.optim.warmup_steps",),
+        to_ours=_minus_one_is_zero,
+        note="-1 (verl: use lr_warmup_steps_ratio, 0 here) is 0",
+    ),
+    _no_effect(f"{ARR}.actor.optim.lr_warmup_steps_ratio", "only 0 (warm-up by steps: lr_warmup_steps)", _only(0, 0.0)),
+    _no_effect(f"{ARR}.actor.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
+    _no_effect(f"{ARR}.actor.optim.lr_scheduler_type", "linear warm-up, then constant", _only("constant")),
+    _no_effect(f"{ARR}.actor.optim.min_lr_ratio", "only with a cosine schedule, which is not implemented"),
+    _no_effect(f"{ARR}.actor.optim.num_cycles", "only with a cosine schedule, which is not implemented"),
+    _no_effect(f"{ARR}.actor.optim.total_training_steps", "set by the trainer (trainer.total_training_steps)"),
+    _same(f"{ARR}.actor.ppo_mini_batch_size", note="prompts per optimizer step, as in verl"),
+    _same(f"{ARR}.actor.ppo_micro_batch_size_per_gpu", "actor.ppo_micro_batch_size", "sequences per rank"),
+    _no_effect(f"{ARR}.actor.ppo_micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect(f"{ARR}.actor.use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect(f"{ARR}.actor.ppo_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _same(f"{ARR}.actor.ppo_epochs"),
+    _same(f"{ARR}.actor.shuffle"),
+    _same(f"{ARR}.actor.clip_ratio_low"),
+    _same(f"{ARR}.actor.clip_ratio_high"),
+    VerlKey(
+        f"{ARR}.actor.clip_ratio",
+        ("actor.clip_ratio_low", "actor.clip_ratio_high"),
+        to_ours=lambda v: (v, v),
+        note="both ends of the clip range (clip_ratio_low / clip_ratio_high set one each)",
+    ),
+    _same(f"{ARR}.actor.clip_ratio_c"),
+    _same(f"{ARR}.actor.loss_agg_mode"),
+    VerlKey(
+        f"{ARR}.actor.use_token_level_loss",
+        ("actor.loss_agg_mode",),
+        to_ours=lambda v: ("token-mean" if v else "seq-mean-token-mean",),
+        note="verl's older spelling: true is loss_agg_mode=token-mean, false seq-mean-token-mean",
+    ),
+    _same(f"{ARR}.actor.entropy_coeff"),
+    _same(f"{ARR}.actor.use_kl_loss"),
+    _same(f"{ARR}.actor.kl_loss_coef"),
+    _same(f"{ARR}.actor.kl_loss_type"),
+    _same(f"{ARR}.actor.policy_loss.loss_mode"),
+    _same(f"{ARR}.actor.policy_loss.clip_cov_ratio"),
+    _same(f"{ARR}.actor.policy_loss.clip_cov_lb"),
+    _same(f"{ARR}.actor.policy_loss.clip_cov_ub"),
+    _same(f"{ARR}.actor.policy_loss.kl_cov_ratio"),
+    _same(f"{ARR}.actor.policy_loss.ppo_kl_coef"),
+    _same(f"{ARR}.actor.megatron.tensor_model_parallel_size", "actor.tp"),
+    _same(f"{ARR}.actor.megatron.pipeline_model_parallel_size", "actor.pp"),
+    _no_effect(f"{ARR}.actor.ulysses_sequence_parallel_size", "no sequence parallelism here", _only(1)),
+    _no_effect(f"{ARR}.actor.use_torch_compile", _SPEED),
+    _no_effect(f"{ARR}.actor.entropy_from_logits_with_chunking", _SPEED),
+    _no_effect(f"{ARR}.actor.entropy_checkpointing", _CHECKPOINTING),
+    _no_effect(f"{ARR}.actor.use_fused_kernels", _SPEED),
+    _no_effect(f"{ARR}.actor.checkpoint.*", "checkpoints always hold the model, the optimizer and the trainer state"),
+    # ------------------------------------------------------------------ rollout
+    VerlKey(
+        f"{ARR}.rollout.name",
+        ("rollout.name",),
+        accepts=_only("vllm", "hf"),
+        note="vllm (an in-process engine) or hf (transformers generate); sglang is not available here: use vllm",
+    ),
+    _no_effect(f"{ARR}.rollout.mode", "generation is one call per batch here; agent loops: rollout.multi_turn"),
+    _same(f"{ARR}.rollout.n"),
+    _same(f"{ARR}.rollout.temperature"),
+    _same(f"{ARR}.rollout.top_p"),
+    VerlKey(
+        f"{ARR}.rollout.top_k",
+        ("rollout.top_k",),
+        to_ours=_minus_one_is_zero,
+        to_verl=lambda ours: -1 if ours[0] == 0 else ours[0],
+        note="verl's -1 (off) is our 0",
+    ),
+    _same(f"{ARR}.rollout.response_length", "rollout.response_length"),
+    _no_effect(f"{ARR}.rollout.prompt_length", "data.max_prompt_length bounds the prompts"),
+    _same(f"{ARR}.rollout.gpu_memory_utilization"),
+    _same(f"{ARR}.rollout.tensor_model_parallel_size", "rollout.gen_tp"),
+    _same(f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size", "sequences per rank"),
+    _no_effect(f"{ARR}.rollout.log_prob_micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect(f"{ARR}.rollout.log_prob_use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect(f"{ARR}.rollout.log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    VerlKey(
+        f"{ARR}.rollout.dtype",
+        ("rollout.vllm_dtype",),
+        accepts=_only("bfloat16", "float32"),
+        note="the vLLM engine's dtype (our rollout.vllm_dtype)",
+    ),
+    _no_effect(f"{ARR}.rollout.do_sample", "sampling; greedy is temperature=0", _only(True)),
+    _no_effect(f"{ARR}.rollout.ignore_eos", "generation stops at the end-of-sequence token", _only(False)),
+    _no_effect(f"{ARR}.rollout.enforce_eager", _SPEED),
+    _no_effect(f"{ARR}.rollout.free_cache_engine", _SPEED),
+    _no_effect(f"{ARR}.rollout.enable_chunked_prefill", _SPEED),
+    _no_effect(f"{ARR}.rollout.enable_prefix_caching", _SPEED),
+    _no_effect(f"{ARR}.rollout.max_num_batched_tokens", _SPEED),
+    _no_effect(f"{ARR}.rollout.max_num_seqs", _SPEED),
+    _no_effect(f"{ARR}.rollout.max_model_len", _SPEED),
+    _no_effect(f"{ARR}.rollout.load_format", _SPEED),
+    _no_effect(f"{ARR}.rollout.layered_summon", _SPEED),
+    _no_effect(f"{ARR}.rollout.disable_log_stats", _SPEED),
+    _no_effect(f"{ARR}.rollout.cudagraph_capture_sizes", _SPEED),
+    _no_effect(f"{ARR}.rollout.multi_stage_wake_up", _SPEED),
+    _no_effect(f"{ARR}.rollout.engine_kwargs.*", _SPEED),
+    _no_effect(f"{ARR}.rollout.calculate_log_probs", "the engine's log-probs are kept when a correction needs them"),
+    _same(
+        f"{ARR}.rollout.update_weights_bucket_megabytes", "rollout.checkpoint_engine.update_weights_bucket_megabytes"
+    ),
+    _same(f"{ARR}.rollout.val_kwargs.temperature", "rollout.val_temperature"),
+    _no_effect(f"{ARR}.rollout.val_kwargs.n", "one response per validation prompt", _only(1)),
+    _no_effect(f"{ARR}.rollout.val_kwargs.top_p", "validation samples with top_p 1", _only(1, 1.0)),
+    _no_effect(f"{ARR}.rollout.val_kwargs.top_k", "validation samples with top_k off", _only(-1, 0)),
+    _no_effect(
+        f"{ARR}.rollout.val_kwargs.do_sample",
+        "validation is greedy when rollout.val_kwargs.temperature is 0 (our rollout.val_temperature)",
+    ),
+    _same(f"{ARR}.rollout.multi_turn.enable"),
+    _same(f"{ARR}.rollout.multi_turn.max_assistant_turns"),
+    _same(f"{ARR}.rollout.multi_turn.max_user_turns"),
+    _same(f"{ARR}.rollout.multi_turn.max_tool_response_length"),
+    _same(f"{ARR}.rollout.multi_turn.tool_response_truncate_side"),
+    _same(f"{ARR}.rollout.multi_turn.tool_config_path"),
+    _same(f"{ARR}.rollout.multi_turn.format"),
+    # ------------------------------------------------------------------ ref
+    _same(f"{ARR}.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size", "sequences per rank"),
+    _no_effect(f"{ARR}.ref.log_prob_micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect(f"{ARR}.ref.log_prob_use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect(f"{ARR}.ref.log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _no_effect(f"{ARR}.ref.ulysses_sequence_parallel_size", "no sequence parallelism here", _only(1)),
+    _no_effect(f"{ARR}.ref.strategy", "the ref model lives with the actor, in its layout"),
+    _no_effect(f"{ARR}.ref.use_torch_compile", _SPEED),
+    _no_effect(f"{ARR}.ref.entropy_from_logits_with_chunking", _SPEED),
+    _no_effect(f"{ARR}.ref.megatron.*", "the ref model lives with the actor, in its layout"),
+    # ------------------------------------------------------------------ critic
+    _strategy("critic.strategy", "critic.strategy"),
+    _same("critic.model.path", "critic.model_path"),
+    _same("critic.optim.lr"),
+    _same("critic.optim.weight_decay"),
+    _same("critic.optim.betas"),
+    _same("critic.optim.clip_grad", "critic.optim.grad_clip"),
+    _same("critic.grad_clip", "critic.optim.grad_clip"),
+    VerlKey(
+        "critic.optim.lr_warmup_steps",
+        ("critic.optim.warmup_steps",),
+        to_ours=_minus_one_is_zero,
+        note="-1 (verl: use lr_warmup_steps_ratio, 0 here) is 0",
+    ),
+    _no_effect("critic.optim.lr_warmup_steps_ratio", "only 0 (warm-up by steps: lr_warmup_steps)", _only(0, 0.0)),
+    _no_effect("critic.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
+    _same("critic.ppo_mini_batch_size"),
+    _same("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size", "sequences per rank"),
+    _same("critic.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size", "sequences per rank"),
+    _no_effect("critic.ppo_micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect("critic.use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect("critic.ppo_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _no_effect("critic.forward_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _same("critic.ppo_epochs"),
+    _same("critic.shuffle"),
+    _same("critic.cliprange_value"),
+    _same("critic.loss_agg_mode"),
+    _no_effect("critic.model.use_remove_padding", _PADDING),
+    _no_effect("critic.model.enable_gradient_checkpointing", _CHECKPOINTING),
+    _no_effect("critic.model.tokenizer_path", "the critic reads the actor's tokens"),
+    _no_effect("critic.model.trust_remote_code", "no remote code is run", _only(False)),
+    _no_effect("critic.ulysses_sequence_parallel_size", "no sequence parallelism here", _only(1)),
+    _no_effect("critic.rollout_n", "follows actor_rollout_ref.rollout.n, as in verl"),
+    _no_effect("critic.checkpoint.*", "checkpoints always hold the model, the optimizer and the trainer state"),
+    # ------------------------------------------------------------------ reward
+    _same("reward_model.enable"),
+    _same("reward_model.model.path", "reward_model.path"),
+    _same("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size", "sequences per rank"),
+    _no_effect("reward_model.micro_batch_size", _MICRO_GLOBAL, _unset),
+    VerlKey(
+        "reward_model.max_length",
+        ("reward_model.max_length",),
+        accepts=lambda v: v is None or int(v) > 0,
+        note="null keeps ours (1024 tokens)",
+    ),
+    VerlKey(
+        "reward_model.strategy",
+        ("reward_model.strategy",),
+        to_ours=lambda v: ("fsdp",),
+        to_verl=lambda values: UNSAID if values[0] == "ddp" else values[0],
+        accepts=_only("fsdp", "fsdp2"),
+        note="fsdp and fsdp2 are our fsdp; our ddp has no verl name",
+    ),
+    _no_effect("reward_model.model.input_tokenizer", "the reward model reads the text with its own tokenizer"),
+    _no_effect("reward_model.model.use_remove_padding", _PADDING),
+    _no_effect("reward_model.model.trust_remote_code", "no remote code is run", _only(False)),
+    _no_effect("reward_model.use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect("reward_model.forward_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _no_effect("reward_model.launch_reward_fn_async", _SPEED),
+    _no_effect(
+        "reward_model.reward_manager",
+        "scores come from the score function (custom_reward_function or the data_source's); DAPO's overlong "
+        "penalty is reward_model.overlong_buffer",
+        _only("naive", "dapo"),
+    ),
+    _same("reward_model.overlong_buffer.enable", "reward.overlong_buffer.enable"),
+    _same("reward_model.overlong_buffer.len", "reward.overlong_buffer.len"),
+    _same("reward_model.overlong_buffer.penalty_factor", "reward.overlong_buffer.penalty"),
+    _no_effect("reward_model.overlong_buffer.log", "the penalty is always logged (reward/overlong_penalty)"),
+    _same("custom_reward_function.overlong_buffer.enable", "reward.overlong_buffer.enable", "DAPO's older spelling"),
+    _same("custom_reward_function.overlong_buffer.len", "reward.overlong_buffer.len", "DAPO's older spelling"),
+    _same(
+        "custom_reward_function.overlong_buffer.penalty_factor",
+        "reward.overlong_buffer.penalty",
+        "DAPO's older spelling",
+    ),
+    _no_effect("custom_reward_function.overlong_buffer.log", "the penalty is always logged"),
+    _same("custom_reward_function.path", "reward.custom_function", "with .name: reward.custom_function=path:name"),
+    VerlKey(
+        "custom_reward_function.name",
+        note="the function in custom_reward_function.path (default compute_score)",
+        via="reward.custom_function",
+    ),
+    # ------------------------------------------------------------------ algorithm
+    _same("algorithm.adv_estimator"),
+    _same("algorithm.gamma"),
+    _same("algorithm.lam"),
+    _same("algorithm.norm_adv_by_std_in_grpo"),
+    _same("algorithm.use_kl_in_reward"),
+    _same("algorithm.kl_penalty"),
+    _same("algorithm.kl_ctrl.type"),
+    _same("algorithm.kl_ctrl.kl_coef"),
+    _same("algorithm.kl_ctrl.target_kl"),
+    _same("algorithm.kl_ctrl.horizon"),
+    _same("algorithm.filter_groups.enable"),
+    _same("algorithm.filter_groups.metric"),
+    _same("algorithm.filter_groups.max_num_gen_batches"),
+    _no_effect("algorithm.use_pf_ppo", "PF-PPO is not implemented", _only(False)),
+    # ------------------------------------------------------------------ trainer
+    _same("trainer.total_training_steps", "trainer.total_iterations"),
+    VerlKey(
+        "trainer.total_epochs",
+        note="trainer.total_iterations = epochs x (training rows // data.train_batch_size), rows counted in "
+        "data.train_files (verl counts them after dropping over-long prompts); total_training_steps wins",
+        via="trainer.total_iterations",
+    ),
+    _same("trainer.n_gpus_per_node", "placement.tasks_per_node", "ranks per node"),
+    _same("trainer.nnodes", "placement.nodes"),
+    VerlKey("trainer.save_freq", ("trainer.save_freq",), to_ours=_minus_one_is_zero, note="-1 is 0 (at the end)"),
+    VerlKey(
+        "trainer.test_freq",
+        ("trainer.test_freq",),
+        to_ours=_minus_one_is_zero,
+        note="-1 is 0 (before and after training)",
+    ),
+    _same("trainer.val_before_train"),
+    _same("trainer.project_name"),
+    _same("trainer.experiment_name"),
+    VerlKey(
+        "trainer.logger",
+        ("trainer.logger",),
+        to_ours=lambda v: ([{"file": "jsonl"}.get(name, name) for name in ([v] if isinstance(v, str) else v)],),
+        to_verl=lambda ours: [{"jsonl": "file"}.get(name, name) for name in ours[0]],
+        note="verl's file is our jsonl",
+    ),
+    _same("trainer.log_val_generations"),
+    _same("trainer.default_local_dir", "trainer.checkpoint_dir"),
+    VerlKey(
+        "trainer.device",
+        ("trainer.device",),
+        to_verl=lambda values: UNSAID if values[0] == "auto" else values[0],
+        accepts=_only("cuda", "cpu"),
+        note="cuda or cpu (npu is not supported); our auto (cuda where there is one) has no verl name",
+    ),
+    _no_effect("trainer.critic_warmup", "the actor updates from the first iteration", _only(0)),
+    _no_effect("trainer.balance_batch", "rows are dealt to ranks in order; sequence balancing is speed only"),
+    _no_effect("trainer.resume_mode", "runs resume with hf resume RUN (exactly, from the newest usable checkpoint)"),
+    _no_effect("trainer.resume_from_path", "hf resume RUN --from global_step_N", _unset),
+    _no_effect("trainer.default_hdfs_dir", "checkpoints are local files (trainer.checkpoint_dir)", _unset),
+    _no_effect("trainer.del_local_ckpt_after_load", "checkpoints are kept"),
+    _no_effect("trainer.max_actor_ckpt_to_keep", "checkpoints are kept (hf runs delete removes a run's)"),
+    _no_effect("trainer.max_critic_ckpt_to_keep", "checkpoints are kept (hf runs delete removes a run's)"),
+    _no_effect("trainer.rollout_data_dir", "samples are in the run store: hf runs samples RUN"),
+    _no_effect("trainer.validation_data_dir", "samples are in the run store: hf runs samples RUN"),
+    _no_effect("trainer.val_only", "validation without training is not a run here", _only(False)),
+    _no_effect("trainer.esi_redundant_time", "Slurm's --signal warning: placement.slurm.signal_delay_s"),
+    _no_effect("trainer.ray_wait_register_center_timeout", "no Ray here"),
+    _no_effect("trainer.use_legacy_worker_impl", "one worker implementation here"),
+    # ------------------------------------------------------------------ families with no effect
+    _no_effect("*.fsdp_config.*", _SPEED),
+    _no_effect("*.profiler.*", "profiling: hf runs timeline RUN shows each stage's seconds"),
+    _no_effect("global_profiler.*", "profiling: hf runs timeline RUN shows each stage's seconds"),
+    _no_effect("ray_init.*", "no Ray here: worker groups are Slurm jobs or local processes"),
+    _no_effect("ray_kwargs.*", "no Ray here: worker groups are Slurm jobs or local processes"),
+)
+"""Every verl key ``hf verl`` takes (see the module docstring); generated into docs/verl-keys.md."""
+
+VERL_DEFAULTS: dict[str, Any] = {
+    "algorithm.adv_estimator": "gae",
+    "data.max_prompt_length": 512,
+    "data.max_response_length": 512,
+    "data.train_batch_size": 1024,
+    f"{ARR}.actor.strategy": "fsdp",
+    f"{ARR}.actor.ppo_mini_batch_size": 256,
+    f"{ARR}.actor.shuffle": False,
+    f"{ARR}.actor.policy_loss.ppo_kl_coef": 0.1,
+    f"{ARR}.rollout.n": 1,
+    "critic.strategy": "fsdp",
+    "trainer.total_epochs": 30,
+}
+"""verl's defaults (``verl/trainer/config/ppo_trainer.yaml``) that change what is computed and differ from ours."""
+
+_INHERITED = {
+    "critic.ppo_mini_batch_size": f"{ARR}.actor.ppo_mini_batch_size",
+    "critic.ppo_epochs": f"{ARR}.actor.ppo_epochs",
+    "critic.shuffle": f"{ARR}.actor.shuffle",
+    "critic.loss_agg_mode": f"{ARR}.actor.loss_agg_mode",
+    "critic.forward_micro_batch_size_per_gpu": "critic.ppo_micro_batch_size_per_gpu",
+}
+"""verl's interpolations (``critic.ppo_epochs: ${oc.select:actor_rollout_ref.actor.ppo_epochs,1}``): the key on
+the left takes the value of the one on the right unless it is set itself."""
+
+
+def find_key(verl_key: str) -> VerlKey:
+    """The `VerlKey` for `verl_key` (an exact entry first, then a pattern such as ``*.fsdp_config.*``).
+
+    Raises:
+        ConfigError: the key is not supported; the message names the nearest supported key, or says that the key
+            is one of HybridFlow's own (to pass with ``-o``)."""
+    for entry in VERL_KEYS:
+        if entry.verl == verl_key:
+            return entry
+    for entry in VERL_KEYS:
+        if "*" in entry.verl and fnmatch.fnmatchcase(verl_key, entry.verl):
+            return entry
+    exact = [e.verl for e in VERL_KEYS if "*" not in e.verl]
+    near = difflib.get_close_matches(verl_key, exact, n=1, cutoff=0.6)
+    if not near:  # a key under a known section: the closest by its last parts
+        tail = verl_key.rsplit(".", 1)[-1]
+        near = [k for k in exact if k.rsplit(".", 1)[-1] == tail][:1]
+    hint = f"the nearest supported key is {near[0]}" if near else "see docs/verl-keys.md for the keys taken"
+    ours = {o for e in VERL_KEYS for o in e.ours}
+    if verl_key in ours:
+        hint = f"{verl_key} is HybridFlow's own key: give it with -o {verl_key}=..."
+    raise ConfigError(f"verl key {verl_key} is not supported by hf verl: {hint}")
+
+
+def read_verl_file(path: str | Path) -> dict[str, Any]:
+    """The dotted keys and values of a verl config file (``ppo_trainer.yaml`` layout; Hydra's ``defaults`` list
+    and ``hydra`` section dropped: verl's defaults are `VERL_DEFAULTS` here). ``${a.b}`` values are resolved from
+    the file's own keys.
+
+    Raises:
+        ConfigError: the file is not YAML of sections, or a value interpolates something other than a key of the
+            file (``${oc.env:...}`` and the like: write the value)."""
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(e)}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of verl's sections (data, actor_rollout_ref, ...)")
+    tree.pop("defaults", None)
+    tree.pop("hydra", None)
+    flat = {k: v for k, v in dotted_leaves(tree).items() if not k.endswith("_target_")}  # Hydra's classes
+    for key, value in flat.items():
+        if isinstance(value, str) and "${" in value:
+            match = re.fullmatch(r"\$\{([\w.]+)\}", value.strip())
+            if not match or match.group(1) not in flat:
+                raise ConfigError(f"{path}: {key}: {value!r} interpolates what hf verl cannot resolve; write the value")
+            flat[key] = flat[match.group(1)]
+    return flat
+
+
+@dataclass(frozen=True)
+class Translation:
+    """What `translate` made of a verl command line.
+
+    Attributes:
+        overrides: HybridFlow ``key=value`` overrides (YAML values), in order: verl's defaults, then the user's keys.
+        no_effect: ``(verl key, why)`` for each key given that has no effect here (said when the run starts).
+    """
+
+    overrides: list[str]
+    no_effect: list[tuple[str, str]]
+
+
+def translate(overrides: list[str], config_file: str | Path | None = None) -> Translation:
+    """Translate verl's Hydra overrides (``["algorithm.adv_estimator=grpo", ...]``, values parsed as YAML) over an
+    optional verl config file into HybridFlow overrides, with verl's defaults (`VERL_DEFAULTS`) for the keys not
+    given and verl's interpolations (`_INHERITED`).
+
+    ``trainer.total_epochs`` (unless ``trainer.total_training_steps`` is given) becomes ``trainer.total_iterations``
+    = epochs x (rows of ``data.train_files`` // ``data.train_batch_size``), so the files are read for their row
+    count. ``custom_reward_function.path`` and ``.name`` become ``reward.custom_function=path:name``.
+
+    Raises:
+        ConfigError: listing every unsupported key (with the nearest supported one) or unsupported value, or a
+            malformed override; nothing is run."""
+    given = read_verl_file(config_file) if config_file else {}
+    given.update({k.lstrip("+"): v for k, v in parse_overrides(overrides).items()})
+    values = {**VERL_DEFAULTS, **given}
+    for key, source in _INHERITED.items():
+        if key not in values and source in values:
+            values[key] = values[source]
+    errors: list[str] = []
+    ours: dict[str, Any] = {}
+    no_effect: list[tuple[str, str]] = []
+    for key, value in values.items():
+        try:
+            entry = find_key(key)
+            ours.update(entry.convert(value))
+        except (ConfigError, TypeError, ValueError) as e:
+            errors.append(str(e) if isinstance(e, ConfigError) else f"verl key {key}={value!r}: {e}")
+            continue
+        if not entry.ours and not entry.via and key in given:
+            no_effect.append((key, entry.note))
+    if errors:
+        raise ConfigError("hf verl cannot run this command line:\n  " + "\n  ".join(errors))
+    if "custom_reward_function.path" in values:
+        name = values.get("custom_reward_function.name") or "compute_score"
+        ours["reward.custom_function"] = f"{values['custom_reward_function.path']}:{name}"
+    if "trainer.total_training_steps" not in given or given["trainer.total_training_steps"] is None:
+        ours["trainer.total_iterations"] = _epochs_to_iterations(values)
+    for key in ("data.val_batch_size", "reward_model.max_length"):
+        if ours.get(key) is None:
+            ours.pop(key, None)
+    return Translation([f"{key}={override_value(value)}" for key, value in ours.items()], no_effect)
+
+
+def _epochs_to_iterations(values: dict[str, Any]) -> int:
+    """``trainer.total_epochs`` x batches per epoch (verl's dataloader drops the last partial batch)."""
+    files = values.get("data.train_files") or []
+    files = [files] if isinstance(files, str) else files
+    if not files:
+        raise ConfigError(
+            "hf verl: trainer.total_epochs needs data.train_files to count the batches of an epoch; give "
+            "data.train_files or trainer.total_training_steps"
+        )
+    rows = sum(_row_count(Path(f).expanduser()) for f in files)
+    return int(values["trainer.total_epochs"]) * (rows // int(values["data.train_batch_size"]))
+
+
+def _row_count(path: Path) -> int:
+    """Rows of a prompt file: a parquet file's row count (its footer), a JSON-lines file's non-empty lines.
+
+    Raises:
+        ConfigError: the file is missing or of another kind (data.train_files named)."""
+    if not path.is_file():
+        raise ConfigError(f"data.train_files: {path} is not a file (trainer.total_epochs counts its rows)")
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if path.suffix.lower() in (".jsonl", ".json"):
+        with path.open() as lines:
+            return sum(1 for line in lines if line.strip())
+    raise ConfigError(f"data.train_files: {path} is not .parquet, .jsonl or .json")
+
+
+def to_verl(config: dict[str, Any]) -> dict[str, Any]:
+    """A HybridFlow config (``HybridFlowConfig.model_dump(mode="json")``) in verl's dotted keys: for each of our
+    keys, the first `VERL_KEYS` entry that sets it, our value converted by its `to_verl`; ``reward.custom_function``
+    split into ``custom_reward_function.path`` and ``.name``. Keys with no verl counterpart (``data.reasoning_gym``,
+    ``placement.pools``, ``trainer.mode``, ...) and values verl cannot say (`UNSAID`) are left out."""
+    flat = dotted_leaves(config)
+    out: dict[str, Any] = {}
+    seen: set[str] = set()
+    for entry in VERL_KEYS:
+        if not entry.ours or "*" in entry.verl or seen.issuperset(entry.ours):
+            continue
+        seen.update(entry.ours)
+        if entry.verl == "custom_reward_function.path" or not all(k in flat for k in entry.ours):
+            continue
+        ours = tuple(flat[k] for k in entry.ours)
+        value = entry.to_verl(ours) if entry.to_verl else ours[0]
+        if value is not UNSAID:
+            out[entry.verl] = value
+    function = flat.get("reward.custom_function")
+    if function:
+        path, _, name = function.rpartition(":")
+        out["custom_reward_function.path"], out["custom_reward_function.name"] = path, name
+    return out
+
+
+def override_value(value: Any) -> str:
+    """`value` as an override writes it (YAML flow style on one line: ``[a, b]``, ``null``, ``1.0e-06``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
+def key_table() -> str:
+    """The Markdown table of every verl key and what it is here (docs/verl-keys.md)."""
+    lines = [
+        "| verl key | HybridFlow key | notes |",
+        "| --- | --- | --- |",
+    ]
+    for entry in VERL_KEYS:
+        ours = ", ".join(f"`{k}`" for k in entry.ours) or (f"`{entry.via}`" if entry.via else "no effect")
+        lines.append(f"| `{entry.verl}` | {ours} | {entry.note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"

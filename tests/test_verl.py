@@ -1,0 +1,251 @@
+"""verl's command lines: ``hf verl`` runs a verl example script's overrides (the entry point swapped) and trains
+exactly what the equivalent native config trains; unsupported keys are refused before anything runs; ``hf config
+show --as-verl`` writes a config in verl's keys; docs/verl-keys.md is the code's table."""
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tiny_runs import write_reward
+
+from hybridflow.engine.config import ConfigError, load_config
+from hybridflow.engine.config.verl import VERL_KEYS, key_table, translate
+from hybridflow.engine.data import reasoning_gym_rows
+from hybridflow.flows.store.run_store import RunStore
+
+HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
+ROOT = Path(__file__).resolve().parents[1]
+COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/kl_loss"]
+ADDITION = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]}
+
+
+def _data(tmp_path: Path) -> tuple[Path, Path]:
+    """reasoning-gym addition in verl's layout (jsonl): 8 training rows, 4 validation rows."""
+    rows = reasoning_gym_rows("basic_arithmetic", 12, seed=0, config=ADDITION)
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows[8:]))
+    return train, val
+
+
+def _verl_grpo(tmp_path: Path, tiny_model_dir: Path) -> list[str]:
+    """verl's examples/grpo_trainer/run_qwen2-7b.sh, key for key, with the data, the model, the sizes (prompts,
+    tokens, GPUs) swapped for the tiny model on one CPU rank, the rollout on transformers and the logger on the
+    console."""
+    train, val = _data(tmp_path)
+    reward_path, _, reward_name = write_reward(tmp_path).rpartition(":")
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=128",
+        "data.max_response_length=16",
+        "data.filter_overlong_prompts=True",
+        "data.truncation='error'",
+        f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "actor_rollout_ref.actor.optim.lr=1e-4",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0",
+        "trainer.logger=['console']",
+        "trainer.project_name='verl_grpo_example_gsm8k'",
+        "trainer.experiment_name='qwen2_7b_function_rm'",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.save_freq=20",
+        "trainer.test_freq=5",
+        "trainer.total_epochs=1",
+        f"custom_reward_function.path={reward_path}",
+        f"custom_reward_function.name={reward_name}",
+    ]
+
+
+def _native(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """The same run written in HybridFlow's keys, verl's defaults spelled out where they differ from ours."""
+    tree = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {
+            "train_files": [str(tmp_path / "train.jsonl")],
+            "val_files": [str(tmp_path / "val.jsonl")],
+            "train_batch_size": 4,
+            "max_prompt_length": 128,
+        },
+        "rollout": {"name": "hf", "n": 4, "response_length": 16, "gen_tp": 1, "gpu_memory_utilization": 0.6},
+        "actor": {
+            "strategy": "fsdp",
+            "optim": {"lr": 1e-4},
+            "ppo_mini_batch_size": 2,
+            "ppo_micro_batch_size": 4,
+            "log_prob_micro_batch_size": 8,
+            "shuffle": False,
+            "use_kl_loss": True,
+            "kl_loss_coef": 0.001,
+            "kl_loss_type": "low_var_kl",
+            "entropy_coeff": 0,
+            "policy_loss": {"ppo_kl_coef": 0.1},
+        },
+        "ref": {"log_prob_micro_batch_size": 8},
+        "critic": {"strategy": "fsdp", "ppo_mini_batch_size": 2, "shuffle": False},
+        "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
+        "reward": {"custom_function": write_reward(tmp_path)},
+        "placement": {"nodes": 1, "tasks_per_node": 1},
+        "trainer": {
+            "total_iterations": 2,  # 1 epoch of 8 rows, 4 a batch
+            "logger": ["console"],
+            "project_name": "verl_grpo_example_gsm8k",
+            "experiment_name": "qwen2_7b_function_rm",
+            "save_freq": 20,
+            "test_freq": 5,
+            "num_threads": 1,
+            "output_dir": str(tmp_path / "out"),
+        },
+    }
+    path = tmp_path / "native.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _hf(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([HF, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ})
+
+
+def test_a_verl_grpo_script_runs_with_hf_verl_and_trains_what_the_native_config_trains(
+    prefect_api, tmp_path, tiny_model_dir
+):
+    """verl's GRPO example (run_qwen2-7b.sh) through ``hf verl``: recorded like hf run, every metric of its two
+    iterations equal, bit for bit, to those of the same run written in our keys; each key with no effect here is
+    named when the run starts."""
+    ours = ["-o", "trainer.num_threads=1", "-o", f"trainer.output_dir={tmp_path / 'out'}"]
+    verl_db, native_db = f"sqlite:///{tmp_path / 'verl.db'}", f"sqlite:///{tmp_path / 'native.db'}"
+    verl = _hf("verl", *_verl_grpo(tmp_path, tiny_model_dir), *ours, "--db", verl_db, "--prefect-api", prefect_api)
+    assert verl.returncode == 0, verl.stdout + verl.stderr
+    assert "verl key actor_rollout_ref.model.use_remove_padding: no effect here" in verl.stdout, verl.stdout
+    assert "verl key actor_rollout_ref.actor.fsdp_config.param_offload: no effect here" in verl.stdout
+    native = _hf("run", str(_native(tmp_path, tiny_model_dir)), "--db", native_db, "--prefect-api", prefect_api)
+    assert native.returncode == 0, native.stdout + native.stderr
+
+    def metrics(db: str) -> dict:
+        store = RunStore(db)
+        (run,) = store.list_runs()
+        assert run.status == "completed"
+        return {(m.step, m.name): m.value for m in store.metrics(run.id) if m.name in COMPARED}
+
+    from_verl, from_native = metrics(verl_db), metrics(native_db)
+    assert {step for step, _ in from_verl} == {1, 2}  # trainer.total_epochs=1: 8 rows // 4 a batch
+    assert from_verl == from_native
+    assert from_verl[(2, "actor/kl_loss")] != 0.0  # the run trained: the policy left the reference
+
+
+def test_unsupported_verl_keys_are_refused_with_the_nearest_one_before_anything_runs(tmp_path, tiny_model_dir):
+    """A misspelt key, an engine that is not here and a value that would change the computation: one message
+    names each (with the nearest supported key), exit 2, no run recorded; --dry-run prints the resolved config."""
+    db = tmp_path / "store.db"
+    command = _verl_grpo(tmp_path, tiny_model_dir)
+    bad = [
+        *command,
+        "actor_rollout_ref.actor.optim.lrr=1e-6",
+        "actor_rollout_ref.rollout.name=sglang",
+        "trainer.critic_warmup=3",
+    ]
+    refused = _hf("verl", *bad, "--db", f"sqlite:///{db}")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    out = refused.stdout
+    assert "actor_rollout_ref.actor.optim.lrr is not supported by hf verl: the nearest supported key is " in out
+    assert "actor_rollout_ref.actor.optim.lr\n" in out, out
+    assert "actor_rollout_ref.rollout.name='sglang' is not supported here" in out and "use vllm" in out, out
+    assert "trainer.critic_warmup=3 is not supported here" in out, out
+    assert not db.exists()
+    ours_key = _hf("verl", *command, "actor.optim.lr=1e-6")
+    assert ours_key.returncode == 2 and "HybridFlow's own key: give it with -o actor.optim.lr=" in ours_key.stdout
+
+    dry = _hf("verl", *command, "-o", "trainer.num_threads=1", "--dry-run", "--db", f"sqlite:///{db}")
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "dry run: the config above is valid" in dry.stdout
+    body = [line for line in dry.stdout.splitlines() if not line.startswith(("verl key ", "dry run:"))]
+    resolved = yaml.safe_load("\n".join(body))
+    assert resolved["algorithm"]["adv_estimator"] == "grpo" and resolved["rollout"]["top_k"] == 0
+    assert resolved["actor"]["shuffle"] is False and resolved["trainer"]["total_iterations"] == 2  # verl's defaults
+    assert resolved["reward"]["custom_function"] == write_reward(tmp_path)
+    assert not db.exists()
+
+
+def test_a_config_shown_as_verl_translates_back_to_itself(tmp_path, tiny_model_dir):
+    """``hf config show CONFIG --as-verl`` prints an hf verl command line; translated back, every key it names
+    has the config's value (a round trip through verl's spelling loses nothing it can say)."""
+    native = _native(tmp_path, tiny_model_dir)
+    _data(tmp_path)
+    shown = _hf("config", "show", str(native), "--as-verl")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    words = shlex.split(shown.stdout.replace("\\\n", " "))
+    assert words[:2] == ["hf", "verl"] and "actor_rollout_ref.actor.shuffle=false" in words, words
+    assert "actor_rollout_ref.rollout.top_k=-1" in words and "trainer.logger=[console]" in words, words
+    back = load_config(None, [*translate(words[2:]).overrides, "trainer.output_dir=" + str(tmp_path / "out")])
+    original = load_config(native)
+    for entry in VERL_KEYS:
+        for key in entry.ours:
+            if entry.verl in words[2:] or any(w.startswith(entry.verl + "=") for w in words[2:]):
+                assert _get(back, key) == _get(original, key), key
+
+
+def _get(cfg, dotted: str):
+    value = cfg.model_dump(mode="json")
+    for part in dotted.split("."):
+        value = value[part]
+    return value
+
+
+def test_the_docs_table_of_verl_keys_is_the_codes():
+    """docs/verl-keys.md is what hf config verl-keys prints (regenerate it with that command)."""
+    text = (ROOT / "docs" / "verl-keys.md").read_text()
+    assert key_table() in text, "docs/verl-keys.md is stale: hf config verl-keys > the table part of it"
+    assert len(key_table().splitlines()) == len(VERL_KEYS) + 2
+
+
+def test_a_verl_config_file_is_read_with_its_interpolations_and_overridden_by_the_command_line(tmp_path):
+    """A ``ppo_trainer.yaml``-style file (Hydra's defaults list and ``_target_`` classes dropped, ``${a.b}``
+    resolved from the file) under the command line's overrides; an interpolation of anything else is refused."""
+    train, _ = _data(tmp_path)
+    verl_file = tmp_path / "my_trainer.yaml"
+    verl_file.write_text(
+        yaml.safe_dump(
+            {
+                "defaults": ["ppo_trainer", "_self_"],
+                "data": {"train_files": str(train), "train_batch_size": 4, "max_prompt_length": 96},
+                "actor_rollout_ref": {
+                    "actor": {"optim": {"_target_": "verl.workers.config.FSDPOptimizerConfig", "lr": 3e-6}},
+                    "rollout": {"prompt_length": "${data.max_prompt_length}", "n": 2, "top_k": -1},
+                },
+                "trainer": {"total_epochs": 2},
+            }
+        )
+    )
+    overrides = dict(o.split("=", 1) for o in translate(["actor_rollout_ref.rollout.n=6"], verl_file).overrides)
+    assert overrides["actor.optim.lr"] == "3.0e-06" and overrides["rollout.top_k"] == "0"
+    assert overrides["rollout.n"] == "6" and overrides["data.max_prompt_length"] == "96"
+    assert overrides["trainer.total_iterations"] == "4"  # 2 epochs of 8 rows // 4
+    verl_file.write_text("data:\n  train_files: ${oc.env:HOME}/x.parquet\n")
+    with pytest.raises(ConfigError, match=r"data.train_files: .* interpolates what hf verl cannot resolve"):
+        translate([], verl_file)

@@ -63,6 +63,21 @@ def test_run_then_query_history(tmp_path, prefect_api):
     shown = _hf("runs", "show", run_id, "--db", db, env_extra=env)
     assert shown.returncode == 0 and "actor_rollout_ref" in shown.stdout and "global_step_1" in shown.stdout
     assert "ddp p1-t1-d1" in shown.stdout  # the placement's parallel layout
+    summary = shown.stdout.splitlines()[1]
+    assert summary.startswith("grpo on tiny (actor ddp, sync), 1/1 iterations"), shown.stdout  # summary first
+    assert "max_prompt_length" not in shown.stdout  # the config only with --config
+    with_config = _hf("runs", "show", run_id, "--config", "--db", db, env_extra=env).stdout
+    assert "max_prompt_length: 128" in with_config
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(db)
+    other = store.get_run(run_id).config
+    other["actor"]["optim"]["lr"] = 5.0e-5
+    other_id = store.create_run(other, "grpo_tiny")  # recorded, never trained
+    compared = _hf("runs", "compare", run_id, other_id, "--db", db, env_extra=env)
+    assert compared.returncode == 0, compared.stdout + compared.stderr
+    assert "config: 1 keys differ" in compared.stdout and "actor.optim.lr" in compared.stdout
+    assert "5e-05" in compared.stdout and "critic/score/mean" in compared.stdout
     exported = _hf("runs", "metrics", run_id, "--name", "actor/pg_loss", "--format", "json", "--db", db)
     points = json.loads(exported.stdout)
     assert [(p["step"], p["name"]) for p in points] == [(1, "actor/pg_loss")]

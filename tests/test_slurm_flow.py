@@ -273,8 +273,8 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     assert len(set(jobs)) == len(relaunches) + 1  # an allocation each
     assert [c.step for c in store.checkpoints(run_id)] == [*(r.resumed_from for r in resubmitted), TOTAL]
     assert "resubmitting the worker groups" in log.read_text()
-    [waiting] = [line for line in log.read_text().splitlines() if "waits in the queue" in line]
-    assert "reason: " in waiting and "partition (default)" in waiting, waiting
+    waiting = [line for line in log.read_text().splitlines() if "waits in the queue" in line]  # once per reason
+    assert waiting and all("reason: " in w and "partition (default)" in w for w in waiting), waiting
     assert _compared(store, run_id) == expected
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_runs import wait_inside_iteration, write_reward
+from tiny_runs import DENSE_REWARD, wait_inside_iteration, write_reward
 
 from hybridflow.engine.config import load_config
 from hybridflow.flows.store.run_store import RunStore
@@ -184,7 +184,23 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
         assert f"rank 0: weights v{version} received by gloo broadcast" in received
 
 
-TOTAL = 500  # iterations (0.09-0.17 s each): longer than the training a 1-minute allocation holds before its warning
+TOTAL = 80  # iterations (0.09-0.6 s each): more than run between a fault and its detection (Slurm polled every 2 s)
+
+
+def _held_reward(root: Path) -> str:
+    """`write_reward`'s dense reward, held (waiting, not computing) while the file ``root/hold`` exists: a run
+    stays inside an iteration until Slurm's warning comes, on a machine of any speed. Its ``custom_function``."""
+    path = root / "held_reward.py"
+    path.write_text(
+        f"import os\nimport time\n{DENSE_REWARD}\n\n"
+        "def held(data_source, solution_str, ground_truth, extra_info):\n"
+        f"    while os.path.exists({str(root / 'hold')!r}):\n"
+        "        time.sleep(0.05)\n"
+        "    return digit_share(data_source, solution_str, ground_truth, extra_info)\n"
+    )
+    return f"{path}:held"
+
+
 COMPARED = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
 
 
@@ -195,8 +211,9 @@ def _compared(store: RunStore, run_id: str) -> dict[tuple[int, str], float]:
 def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_killed_rank_is_recovered(
     slurm_cluster, prefect_api, tmp_path, tiny_model_dir
 ):
-    """A run whose groups get 1-minute Slurm allocations: Slurm sends SIGUSR2 before each limit, the flow
-    checkpoints at the next stage boundary and resubmits its groups (new jobs). Then, mid-iteration: a rank
+    """A run whose groups get 1-minute Slurm allocations: Slurm sends SIGUSR2 before the limit (the run held in
+    its reward stage until then), the flow checkpoints at the next stage boundary and resubmits its groups (new
+    jobs). Then, mid-iteration: a rank
     SIGKILLed (the group lost: relaunched from the newest checkpoint), the job scancelled (its SIGTERM read as
     preemption's, checkpointed and resubmitted, or its end read first, the group lost), its node drained (the
     group lost; the next job waits in the queue until the node is back, and says why). The run finishes by itself
@@ -207,9 +224,11 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
         "trainer.val_before_train=false",
         "data.reasoning_gym.val_size=0",
         "rollout.response_length=32",
+        f"reward.custom_function={_held_reward(tmp_path)}",
     ]
     config = _config_file(tmp_path, tiny_model_dir, "grpo_tiny.yaml", overrides)
     common = ["--prefect-api", prefect_api]
+    hold = tmp_path / "hold"
 
     def run(name: str, *extra: str) -> tuple[RunStore, subprocess.Popen, Path]:
         db = f"sqlite:///{tmp_path / name}.db"
@@ -225,12 +244,23 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     expected = _compared(store, whole.id)
     assert {step for step, _ in expected} == set(range(1, TOTAL + 1))
 
-    # 1-minute allocations, SIGUSR2 10 s before each limit (measured: Slurm sends it 41-48 s after the job starts,
-    # its models loaded in ~8 s; the limit itself ends a job 64-78 s in); three lost groups, one spare recovery
+    # 1-minute allocations, SIGUSR2 10 s before each limit (measured: Slurm sends it 41-48 s after the job starts;
+    # the limit itself ends a job 64-78 s in); three lost groups, one spare recovery. After two iterations the run is
+    # held in its reward stage until a rank logs the signal: a warning after trained iterations on any machine
     limited = ["placement.slurm.time_min=1", "placement.slurm.signal_delay_s=10", "trainer.max_recoveries=4"]
     store, proc, log = run("limited", *(a for o in [*limited, "trainer.recovery_backoff_s=1"] for a in ("-o", o)))
     deadline = time.monotonic() + 300
-    while not (store.list_runs() and store.recoveries(run_id := store.list_runs()[0].id)):
+    while not (store.list_runs() and max((i.step for i in store.iterations(store.list_runs()[0].id)), default=0) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    hold.touch()
+    try:
+        while not any("received SIGUSR2" in err.read_text() for err in (tmp_path / "out").rglob("*_log.err")):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+    finally:
+        hold.unlink()
+    while not store.recoveries(run_id := store.list_runs()[0].id):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.1)
     [warned] = store.recoveries(run_id)

@@ -13,7 +13,7 @@ import yaml
 from tiny_runs import write_reward
 
 from hybridflow.engine.config import load_config
-from hybridflow.engine.shapes import PRESETS, run_models
+from hybridflow.engine.shapes import PRESETS, ModelShape, run_models
 from hybridflow.flows.placement.cost import Strategy, Workload, estimate
 from hybridflow.flows.placement.hardware import BUILTIN, GB
 from hybridflow.flows.placement.planner import PlanError, Planner, set_partitions
@@ -111,11 +111,53 @@ def test_planning_1024_gpus_takes_seconds():
     assert result.placements == 15 and len(result.candidates) > 100
 
 
+SMOLLM2 = ModelShape("smollm2-135m", layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, vocab=49152,
+                     tied_embeddings=True)  # fmt: skip
+
+
+def test_every_plan_gives_each_replica_work_and_the_chosen_uses_the_fewest_devices_within_5_percent():
+    """A 135M model, 16 sequences per iteration (examples/ppo_smollm2.yaml) on 128 x 8 A100s: no plan has more
+    data-parallel or rollout replicas than sequences, nor a pipeline without a micro-batch per stage; every plan
+    fits in memory and the first ones validate as run configs; the chosen one uses the fewest devices of those
+    within 5 % of the fastest (a handful, not hundreds), and ``throughput-per-gpu`` ranks by device-seconds."""
+    from hybridflow.engine.config import validate_config
+    from hybridflow.flows.placement.render import apply_plan
+
+    cfg = load_config(ROOT / "examples" / "ppo_smollm2.yaml", ["placement.executor=slurm"])
+    models = {role: SMOLLM2 for role in ("actor", "critic", "ref") if role in cfg.roles()}
+    workload = Workload.from_config(cfg)
+    assert workload.sequences == 16
+    planner = Planner(models, workload, A100, nodes=128, gpus_per_node=8)
+    result = planner.search()
+    rows = {"actor": 16 // (workload.actor_steps // workload.actor_epochs), "critic": 16, "ref": 16}
+    for c in result.candidates:
+        assert max(c.peak_bytes) <= A100.capacity_bytes
+        for role, s in c.strategies.items():
+            assert s.dp <= rows[role] and rows[role] % s.dp == 0, (role, s)
+            assert s.pp == 1 or rows[role] / s.dp >= s.pp, (role, s)
+        gen = c.strategies["actor"]
+        assert gen.devices // (gen.gen_tp if gen.kind == "megatron" else 1) <= 16
+    tree = yaml.safe_load((ROOT / "examples" / "ppo_smollm2.yaml").read_text())
+    tree["placement"] = {"executor": "slurm"}
+    for c in result.candidates[:10]:
+        validate_config(apply_plan(tree, c, 8))
+    fastest = min(c.seconds for c in result.candidates)
+    near = [c for c in result.candidates if c.seconds <= 1.05 * fastest]
+    assert result.best.used == min(c.used for c in near) <= 16
+    assert result.best.seconds <= 1.05 * fastest
+    per_gpu = Planner(models, workload, A100, nodes=128, gpus_per_node=8, objective="throughput-per-gpu").search()
+    device_seconds = [c.seconds * c.used for c in per_gpu.candidates]
+    assert device_seconds == sorted(device_seconds) and per_gpu.best.used <= result.best.used
+    with pytest.raises(ValueError, match="objective must be one of"):
+        Planner(models, workload, A100, nodes=1, gpus_per_node=8, objective="cost")
+
+
 def _plan(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([HF, "plan", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_hf_plan_refuses_bad_input_naming_the_fix(tmp_path):
+    """Bad input is refused with the fix named (exit 2); ``--objective throughput-per-gpu`` ranks and records by it."""
     config = str(ROOT / "examples" / "ppo_tiny.yaml")
     unknown = _plan(config, "--gpus-per-node", "8", "--gpu", "v100")
     assert unknown.returncode == 2 and "no hardware profile named 'v100'" in unknown.stdout
@@ -126,6 +168,14 @@ def test_hf_plan_refuses_bad_input_naming_the_fix(tmp_path):
     assert small.returncode == 2 and "no placement fits 2 devices of 72.0 GB usable" in small.stdout, small.stdout
     preset = _plan(config, "--gpus-per-node", "2", "--gpu", "a100-80gb", "--model", "llama-9b")
     assert preset.returncode == 2 and "no model preset 'llama-9b'" in preset.stdout
+    objective = _plan(config, "--gpus-per-node", "2", "--gpu", "a100-80gb", "--objective", "cost")
+    assert objective.returncode == 2 and "use latency or throughput-per-gpu" in objective.stdout, objective.stdout
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    ranked = ["--objective", "throughput-per-gpu"]
+    per_gpu = _plan(config, "--gpus-per-node", "8", "--gpu", "a100-80gb", *ranked, "--db", db)
+    assert per_gpu.returncode == 0, per_gpu.stdout + per_gpu.stderr
+    assert "most sequences per second per device first" in " ".join(per_gpu.stdout.split())
+    assert RunStore(db).plans()[0].inputs["objective"] == "throughput-per-gpu"
 
 
 def test_a_plan_written_by_hf_plan_runs_through_hf_run(prefect_api, tmp_path, tiny_model_dir):
@@ -143,6 +193,7 @@ def test_a_plan_written_by_hf_plan_runs_through_hf_run(prefect_api, tmp_path, ti
     shown = _plan(str(config), "--gpus-per-node", "2", "--gpu", "a100-80gb", "--output", str(planned), "--db", db)
     assert shown.returncode == 0, shown.stdout + shown.stderr
     assert "5 placements" in shown.stdout and "chosen:" in shown.stdout
+    assert "of the cluster's 2 devices idle" in " ".join(shown.stdout.split())
     written = yaml.safe_load(planned.read_text())
     pools = written["placement"]["pools"]
     owner = {role: name for name, pool in pools.items() for role in pool["roles"]}
@@ -218,7 +269,8 @@ def test_hf_plan_calibrate_fits_a_profile_to_runs_it_makes_and_plans_with_it(pre
 
 def test_placement_auto_plans_at_hf_run_and_records_the_plan(prefect_api, tmp_path, tiny_model_dir):
     """`placement: auto` (with placement.hardware and the devices as placement.tasks_per_node) plans at `hf run`:
-    the run records the planned pools in its config and the plan's id; without hardware it is refused first."""
+    the run records the planned pools in its config and the plan's id; without hardware it is refused first; a dry
+    run prints the planned config and records neither plan nor run."""
     config = tmp_path / "auto.yaml"
     tree = yaml.safe_load((ROOT / "examples" / "ppo_tiny.yaml").read_text())
     tree["model"]["path"] = str(tiny_model_dir)
@@ -231,6 +283,11 @@ def test_placement_auto_plans_at_hf_run_and_records_the_plan(prefect_api, tmp_pa
     store = RunStore(db)
     assert store.list_runs() == []
     overrides = ["-o", "placement.hardware=h100-80gb", "-o", "placement.tasks_per_node=2"]
+    dry = subprocess.run([HF, "run", str(config), *overrides, "--dry-run", "--db", db], **QUIET)
+    printed = " ".join(dry.stdout.split())
+    assert dry.returncode == 0 and "placement.auto: the plan" in printed, dry.stdout[-3000:] + dry.stderr[-3000:]
+    assert "a dry run records no plan" in printed and "auto: false" in dry.stdout and "pools:" in dry.stdout
+    assert store.plans() == [] and store.list_runs() == []
     ran = subprocess.run([HF, "run", str(config), *overrides, "--db", db, "--prefect-api", prefect_api], **QUIET)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     [plan] = store.plans()

@@ -117,7 +117,7 @@ def run(
     message naming the key and the fix, exits 2 and records no run."""
     cfg = _load_config(config, override, executor)
     store = None if dry_run else _store(db)
-    if cfg.placement.auto and not dry_run:
+    if cfg.placement.auto:
         cfg = _auto_place(config, override, executor, cfg, store)
     _record_and_train(cfg, store, prefect_api)
 
@@ -460,8 +460,8 @@ def _recorded(store, run_id: str) -> bool:
 
 def _auto_place(config: Path, override, executor, cfg, store):
     """``placement.auto``: plan the run over placement.nodes x placement.tasks_per_node devices of
-    placement.hardware, record the plan, and return the config running it (what the run records: `hf resume`
-    continues on the same pools). A plan that cannot be made: its message, exit 2."""
+    placement.hardware, record the plan (not in a dry run: `store` None), and return the config running it (what the
+    run records: `hf resume` continues on the same pools). A plan that cannot be made: its message, exit 2."""
     from hybridflow.cli.plan import placement_label
     from hybridflow.engine.config import validate_config
     from hybridflow.flows.placement.auto import plan_config
@@ -485,16 +485,16 @@ def _auto_place(config: Path, override, executor, cfg, store):
     if planned.chosen is None:
         console.print(f"{config}: placement.auto: none of the plans runs in this version", style="red")
         raise typer.Exit(2)
-    plan_id = planned.record(store, f"{config} (placement.auto)")
     chosen = planned.chosen
-    console.print(
-        styled(
-            "placement.auto: plan ",
-            (plan_id, "bold"),
-            f": {placement_label(chosen)} on {' | '.join(map(str, chosen.devices))} devices, {chosen.seconds:.3g} s "
-            f"per iteration (estimated; hf plans show {plan_id})",
-        )
+    chose = (
+        f": {placement_label(chosen)} on {' | '.join(map(str, chosen.devices))} devices, {chosen.seconds:.3g} s "
+        "per iteration (estimated"
     )
+    if store is None:
+        console.print(f"placement.auto: the plan{chose}; a dry run records no plan)", markup=False)
+        return validate_config(planned.tree)
+    plan_id = planned.record(store, f"{config} (placement.auto)")
+    console.print(styled("placement.auto: plan ", (plan_id, "bold"), f"{chose}; hf plans show {plan_id})"))
     return validate_config(planned.tree)
 
 
@@ -517,6 +517,16 @@ def plan(
     ] = "runtime",
     top: Annotated[int, typer.Option(min=1, help="candidates shown")] = 10,
     output: Annotated[Path | None, typer.Option(help="write the config with the chosen plan here (YAML)")] = None,
+    objective: Annotated[
+        str,
+        typer.Option(
+            help="latency: the fewest devices among the plans within --tolerance of the fastest; throughput-per-gpu: "
+            "the most sequences per second per device used"
+        ),
+    ] = "latency",
+    tolerance: Annotated[
+        float, typer.Option(min=0.0, help="plans within this fraction of the fastest count as equally fast")
+    ] = 0.05,
     calibrate: Annotated[
         bool,
         typer.Option(
@@ -539,7 +549,7 @@ def plan(
     from hybridflow.cli.plan import show_plan
     from hybridflow.flows.placement.auto import plan_config
     from hybridflow.flows.placement.hardware import UnknownHardware, hardware_profile
-    from hybridflow.flows.placement.planner import PlanError
+    from hybridflow.flows.placement.planner import OBJECTIVES, PlanError
 
     def fail(message: str) -> None:
         console.print(message, style="red")
@@ -548,6 +558,8 @@ def plan(
     cfg = _load_config(config, override, executor)
     if strategies not in ("runtime", "all"):
         fail(f"--strategies {strategies!r}: use runtime or all")
+    if objective not in OBJECTIVES:
+        fail(f"--objective {objective!r}: use {' or '.join(OBJECTIVES)}")
     if cfg.placement.executor == "local" and nodes > 1:
         fail(
             f"--nodes {nodes} with placement.executor local: local groups run on this machine; pass --nodes 1, "
@@ -559,7 +571,9 @@ def plan(
     tree = _config_tree(config, override, executor)
     try:
         hw = hardware_profile(gpu, gpu_memory_gb)
-        planned = plan_config(cfg, tree, hw, nodes, gpus_per_node, strategies, model, prompt_length)
+        planned = plan_config(
+            cfg, tree, hw, nodes, gpus_per_node, strategies, model, prompt_length, objective, tolerance
+        )
     except (UnknownHardware, PlanError, KeyError, FileNotFoundError, ValueError) as e:
         fail(str(e.args[0] if type(e) is KeyError else e))
     plan_id = planned.record(store, str(config))

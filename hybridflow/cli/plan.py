@@ -24,11 +24,21 @@ def strategies_label(candidate: Candidate) -> str:
     return ", ".join(f"{model} {s.label()}" for model, s in candidate.strategies.items())
 
 
+def ranked_by(result: PlanResult) -> str:
+    """How the candidates are ordered, in words."""
+    if result.objective == "throughput-per-gpu":
+        return "most sequences per second per device first"
+    if result.tolerance:
+        return f"fewest devices first among those within {result.tolerance:.0%} of the fastest, then fastest first"
+    return "fastest first"
+
+
 def candidates_table(result: PlanResult, top: int) -> Table:
-    """The `top` fastest candidates: placement, devices per pool, strategies, seconds per iteration and per stage,
-    peak GB per device of each pool, and whether this version runs it."""
+    """The `top` candidates in the objective's order: placement, devices per pool, strategies, seconds per iteration
+    and per stage, peak GB per device of each pool, and whether this version runs it."""
     stages = result.stage_names
-    table = Table(title=f"plans for {result.nodes} x {result.gpus_per_node} {result.hardware.name}, fastest first")
+    title = f"plans for {result.nodes} x {result.gpus_per_node} {result.hardware.name}, {ranked_by(result)}"
+    table = Table(title=title)
     for column in ("#", "placement", "devices", "strategies", "s/iter", *[f"{s} s" for s in stages], "peak GB"):
         table.add_column(column, justify="right" if column not in ("placement", "strategies") else "left")
     table.add_column("runs here")
@@ -85,7 +95,9 @@ def show_plan(
         console.print(rejected_table(result))
     if chosen is not None:
         console.print(timeline_table(chosen))
+        idle = result.devices - chosen.used
         console.print(
             f"chosen: {placement_label(chosen)} on {' | '.join(map(str, chosen.devices))} devices, "
-            f"{_seconds(chosen.seconds)} s per iteration (estimated)"
+            f"{_seconds(chosen.seconds)} s per iteration (estimated); {idle} of the cluster's {result.devices} "
+            "devices idle"
         )

@@ -87,8 +87,9 @@ def runs_show(
     store = _store(db)
     r = _get_run(store, run_id)
     console.print(styled((r.id, "bold"), f"  {r.experiment_name}  status={_status_text(r)}  kind={r.kind}"))
-    console.print(_what_it_trains(r, store))
-    console.print(_timings(r, store))
+    iterations = store.iterations(r.id)
+    console.print(_what_it_trains(r, iterations))
+    console.print(_timings(r, iterations))
     if r.lease_host is not None:
         beat = f"{r.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if r.heartbeat_at else "never"
         console.print(f"controller: host {r.lease_host}, pid {r.lease_pid}, last heartbeat {beat}")
@@ -151,11 +152,11 @@ def _table_metrics(recorded: set[str]) -> list[str]:
     return [name for name in SHOWN_METRICS if name in recorded] + vals
 
 
-def _what_it_trains(r, store) -> str:
-    """``grpo on smollm2 (actor fsdp), 3/5 iterations`` from a run's config and iterations."""
+def _what_it_trains(r, iterations) -> str:
+    """``grpo on smollm2 (actor fsdp), 3/5 iterations`` from a run's config and its recorded `iterations`."""
     cfg = r.config
     model = cfg.get("model", {}).get("path", "?")
-    done = len([i for i in store.iterations(r.id) if i.ended_at is not None])
+    done = len([i for i in iterations if i.ended_at is not None])
     if r.kind != "rl":
         return f"{r.kind} training of {model}, {done} steps recorded"
     algorithm = cfg.get("algorithm", {}).get("adv_estimator", "?")
@@ -165,8 +166,8 @@ def _what_it_trains(r, store) -> str:
     return f"{algorithm} on {model} (actor {strategy}, {mode}), {done}/{total} iterations"
 
 
-def _timings(r, store) -> str:
-    """Created / started / ended (UTC), the run's seconds and the median iteration's."""
+def _timings(r, iterations) -> str:
+    """Created / started / ended (UTC), the run's seconds and the median of its recorded `iterations`' seconds."""
     import statistics
 
     parts = [f"created {r.created_at:%Y-%m-%d %H:%M:%S}"]
@@ -176,7 +177,7 @@ def _timings(r, store) -> str:
         parts.append(f"ended {r.ended_at:%H:%M:%S}")
     if r.duration_s is not None:
         parts.append(f"{r.duration_s:.0f} s")
-    spans = [i.duration_s for i in store.iterations(r.id) if i.duration_s is not None]
+    spans = [i.duration_s for i in iterations if i.duration_s is not None]
     if spans:
         parts.append(f"median iteration {statistics.median(spans):.1f} s")
     return "UTC: " + ", ".join(parts)

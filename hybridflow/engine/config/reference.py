@@ -50,14 +50,14 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 def _row(key: str, field: Any) -> str:
     kind = _type_name(field.annotation)
     if field.default is not PydanticUndefined:
-        default = json.dumps(field.default) if not isinstance(field.default, str) else field.default
+        default = json.dumps(field.default) if not isinstance(field.default, str) else field.default or '""'
     elif field.default_factory is not None:
         made = field.default_factory()
         default = json.dumps(made.model_dump(mode="json") if isinstance(made, BaseModel) else made)
     else:
         default = "(required)"
     text = (field.description or "").replace("|", "/").replace("\n", " ")
-    return f"| `{key}` | {kind} | `{default}` | {text} |".replace("``", "`\u200b`")
+    return f"| `{key}` | {kind} | `{default}` | {text} |"
 
 
 def _type_name(annotation: Any) -> str:

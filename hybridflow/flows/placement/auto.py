@@ -10,7 +10,15 @@ from typing import Any
 from hybridflow.engine.shapes import run_models
 from hybridflow.flows.placement.cost import Workload
 from hybridflow.flows.placement.hardware import HardwareProfile
-from hybridflow.flows.placement.planner import RUNTIME_KINDS, Candidate, Planner, PlanResult, StrategySpace
+from hybridflow.flows.placement.planner import (
+    RUNTIME_KINDS,
+    TOLERANCE,
+    Candidate,
+    Objective,
+    Planner,
+    PlanResult,
+    StrategySpace,
+)
 from hybridflow.flows.placement.render import apply_plan, plan_record
 
 
@@ -41,10 +49,12 @@ def plan_config(
     space: StrategySpace = "runtime",
     preset: str | None = None,
     prompt_length: int | None = None,
+    objective: Objective = "latency",
+    tolerance: float = TOLERANCE,
 ) -> PlannedRun:
     """Plan the run config `cfg` (validated; `tree` is the same as plain data) on `nodes` x `gpus_per_node` devices
-    of `hardware`. Candidates are tried fastest first: one whose strategies this version lacks, or whose config does
-    not validate (e.g. a data-parallel size that does not divide the mini-batch), is marked with the reason
+    of `hardware`. Candidates are tried in the `objective`'s order (`hybridflow.flows.placement.planner.rank`): one
+    whose strategies this version lacks, or whose config does not validate, is marked with the reason
     (``Candidate.not_runnable``) and the next is tried.
 
     Raises:
@@ -56,7 +66,7 @@ def plan_config(
     models = run_models(cfg, preset)
     planner = Planner(
         models, Workload.from_config(cfg, prompt_length), hardware, nodes, gpus_per_node, space,
-        cfg.placement.concurrent,
+        cfg.placement.concurrent, objective, tolerance,
     )  # fmt: skip
     started = time.perf_counter()
     result = planner.search()

@@ -3,8 +3,11 @@
 For every placement (a set partition of the run's models; the actor stands for actor and rollout, which share a
 pool), the minimum devices of each colocated set from memory, every allocation of the cluster's devices to the sets
 from those minima, each model's best parallel strategy on its allocation (`auto_parallel`, under the set's memory),
-and the iteration's latency from the dataflow simulation; the plan is the lowest latency. Per-set choices are cached
-by (set, devices), so a 1,024-device cluster plans in seconds."""
+and the iteration's latency from the dataflow simulation. Strategies are those a runtime can run with the work it has
+(`Planner.has_work`: no data-parallel replica or pipeline stage without sequences). The plan is the lowest latency,
+or (the default objective) the fewest devices among the plans within a tolerance of it: an operator does not give
+hundreds of devices to a model for 5 % of speed. Per-set choices are cached by (set, devices), so a 1,024-device
+cluster plans in seconds."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ from hybridflow.flows.placement.hardware import GB, HardwareProfile
 
 MODELS = ("actor", "critic", "ref", "reward_model")
 StrategySpace = Literal["runtime", "all"]
+Objective = Literal["latency", "throughput-per-gpu"]
+OBJECTIVES: tuple[Objective, ...] = ("latency", "throughput-per-gpu")
+TOLERANCE = 0.05  # plans within this fraction of the fastest count as equally fast (fewest devices wins)
 # what this runtime can run (hybridflow/engine/config.py): megatron only for the actor, ref a whole copy per rank, the
 # critic and
 # the reward model ddp or fsdp. "all" is the paper's space: every model in any 3D layout.
@@ -106,6 +112,11 @@ class Candidate:
     peak_bytes: tuple[float, ...]
     not_runnable: str | None = None  # why this runtime cannot run it (None: it can)
 
+    @property
+    def used(self) -> int:
+        """Devices the plan's pools take (the rest of the cluster stays idle)."""
+        return sum(self.devices)
+
 
 @dataclass
 class Rejected:
@@ -115,8 +126,8 @@ class Rejected:
 
 @dataclass
 class PlanResult:
-    """The search's outcome: every feasible candidate fastest first, the placements with no feasible allocation,
-    and the inputs."""
+    """The search's outcome: every feasible candidate in the objective's order (`rank`: the preferred first), the
+    placements with no feasible allocation, and the inputs."""
 
     candidates: list[Candidate]
     rejected: list[Rejected]
@@ -129,10 +140,17 @@ class PlanResult:
     placements: int = 0
     allocations: int = 0
     notes: list[str] = field(default_factory=list)
+    objective: Objective = "latency"
+    tolerance: float = TOLERANCE
 
     @property
     def best(self) -> Candidate:
+        """The preferred candidate (`rank`)."""
         return self.candidates[0]
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
 
     @property
     def stage_names(self) -> list[str]:
@@ -146,7 +164,9 @@ class Planner:
     Args:
         space: ``runtime`` plans only strategies this version runs; ``all`` the paper's space (3D for every model).
         concurrent: stages of different pools overlap (``placement.concurrent``).
-        max_devices: use at most this many devices per pool set (the local executor: one node)."""
+        objective: ``latency`` (the fewest devices among the plans within `tolerance` of the fastest) or
+            ``throughput-per-gpu`` (sequences per second per device used: the fewest device-seconds per iteration).
+        tolerance: the fraction of the fastest plan's seconds within which plans count as equally fast."""
 
     def __init__(
         self,
@@ -157,10 +177,15 @@ class Planner:
         gpus_per_node: int,
         space: StrategySpace = "runtime",
         concurrent: bool = True,
+        objective: Objective = "latency",
+        tolerance: float = TOLERANCE,
     ):
         unknown = sorted(set(models) - set(MODELS))
         if unknown or "actor" not in models:
             raise ValueError(f"models must include actor and be among {MODELS}; got {sorted(models)}")
+        if objective not in OBJECTIVES or tolerance < 0:
+            raise ValueError(f"objective must be one of {OBJECTIVES} and tolerance >= 0; got {objective}, {tolerance}")
+        self.objective, self.tolerance = objective, tolerance
         self.models = {m: models[m] for m in MODELS if m in models}
         self.workload, self.hw, self.space, self.concurrent = workload, hardware, space, concurrent
         self.nodes, self.gpus_per_node = nodes, gpus_per_node
@@ -173,16 +198,41 @@ class Planner:
     def _estimate_uncached(self, role: str, strategy: Strategy) -> ModelCost:
         return estimate(role, self.models[role], strategy, self.workload, self.hw, self.gpus_per_node)
 
+    def has_work(self, role: str, s: Strategy) -> bool:
+        """Whether every replica and pipeline stage of `role`'s model under `s` gets work, as the runtime splits it:
+        the actor's and critic's data-parallel ranks share each optimizer step's mini-batch (``runtime`` space: in
+        equal parts, `HybridFlowConfig._divisible_by_ranks`), the ref's and reward model's the iteration's sequences,
+        the rollout's replicas (devices / t_g) the generated ones; a pipeline of p stages needs p micro-batches per
+        step in flight (fewer leave stages with nothing to do: GPipe/1F1B's bubble, Narayanan et al. 2021,
+        section 2.2)."""
+        w = self.workload
+        if role in ("actor", "critic"):
+            steps, epochs = (w.actor_steps, w.actor_epochs) if role == "actor" else (w.critic_steps, w.critic_epochs)
+            rows = w.sequences // max(1, steps // max(1, epochs))  # sequences of one optimizer step
+            micro = w.train_micro_batch if role == "actor" else w.critic_micro_batch
+            if s.dp > rows or (self.space == "runtime" and rows % s.dp):
+                return False
+        else:
+            rows, micro = w.sequences, w.infer_micro_batch
+            if s.dp > rows:
+                return False
+        if s.pp > 1 and math.ceil(rows / s.dp / micro) < s.pp:
+            return False
+        replicas = s.devices // (s.gen_tp if s.kind == "megatron" else 1)
+        return role != "actor" or replicas <= (w.generated or w.sequences)
+
+    def _strategies(self, role: str, devices: int) -> list[Strategy]:
+        """`strategies` of `role` on `devices` that give every replica and stage work (`has_work`)."""
+        found = strategies(role, self.models[role], devices, self.gpus_per_node, self.space)
+        return [s for s in found if self.has_work(role, s)]
+
     def _choose_uncached(self, models: tuple[str, ...], devices: int) -> SetChoice | None:
         """The fastest strategies for a colocated set on `devices` whose peak fits a device (None: nothing fits).
         Each model tries its `PER_MODEL` fastest strategies and its smallest; the set's peak is the sum of what
         every model holds all iteration plus the largest transient need of any one stage (stages run in turn)."""
         options = []
         for role in models:
-            costed = [
-                (s, self._estimate(role, s))
-                for s in strategies(role, self.models[role], devices, self.gpus_per_node, self.space)
-            ]
+            costed = [(s, self._estimate(role, s)) for s in self._strategies(role, devices)]
             if not costed:
                 return None
             fastest = sorted(costed, key=lambda sc: sc[1].seconds)[:PER_MODEL]
@@ -216,21 +266,20 @@ class Planner:
         return set_peak(smallest)
 
     def min_devices(self, models: tuple[str, ...]) -> int | None:
-        """A_min: the fewest devices (among `pool_sizes`) on which the set fits; None if it fits on none."""
+        """A_min: the fewest devices (among `pool_sizes`) on which the set fits with work for every replica; None if
+        it fits on none."""
         for size in self.sizes:
             if size <= self.total and self._choose(models, size) is not None:
                 return size
         return None
 
     def allocations(self, minima: list[int]) -> Iterator[tuple[int, ...]]:
-        """Device counts for the sets, each at least its minimum, together at most the cluster: every size for all
-        sets but the last, which takes the largest size that fits in what is left."""
-        choices = [[s for s in self.sizes if s >= low] for low in minima[:-1]]
-        for head in itertools.product(*choices):
-            left = self.total - sum(head)
-            last = [s for s in self.sizes if minima[-1] <= s <= left]
-            if last:
-                yield (*head, last[-1])
+        """Device counts for the sets, each at least its minimum (among `pool_sizes`), together at most the cluster:
+        fewer than all devices too, since more devices may give a model no faster plan (or nothing to do)."""
+        choices = [[s for s in self.sizes if s >= low] for low in minima]
+        for sizes in itertools.product(*choices):
+            if sum(sizes) <= self.total:
+                yield sizes
 
     def search(self) -> PlanResult:
         """Run the search. Returns every feasible candidate, fastest first.
@@ -238,6 +287,7 @@ class Planner:
         Raises:
             PlanError: no placement fits, naming the memory the smallest layout needs per device."""
         result = PlanResult([], [], self.models, self.workload, self.hw, self.nodes, self.gpus_per_node, self.space)
+        result.objective, result.tolerance = self.objective, self.tolerance
         for partition in set_partitions(list(self.models)):
             placement = tuple(sorted(partition, key=lambda block: MODELS.index(block[0])))  # the actor's pool first
             if self.workload.lora_rank and "ref" in self.models and "ref" not in placement[0]:
@@ -271,7 +321,7 @@ class Planner:
                     result.candidates.append(candidate)
         if not result.candidates:
             raise PlanError(self._nothing_fits(result))
-        result.candidates.sort(key=lambda c: (c.seconds, len(c.placement)))
+        result.candidates = rank(result.candidates, self.objective, self.tolerance)
         return result
 
     def evaluate(self, placement: tuple[tuple[str, ...], ...], devices: tuple[int, ...]) -> Candidate | None:
@@ -340,6 +390,18 @@ class Planner:
             "actor.ppo_micro_batch_size)"
         )
         return "\n".join(lines)
+
+
+def rank(candidates: list[Candidate], objective: Objective, tolerance: float) -> list[Candidate]:
+    """`candidates` in the order of preference. ``latency``: those within `tolerance` of the fastest first, fewest
+    devices first among them (then faster), then the rest fastest first; ``throughput-per-gpu``: fewest device-seconds
+    per iteration first (the most sequences per second per device used), then faster."""
+    by_speed = sorted(candidates, key=lambda c: (c.seconds, c.used, len(c.placement)))
+    if objective == "throughput-per-gpu":
+        return sorted(by_speed, key=lambda c: c.seconds * c.used)
+    limit = by_speed[0].seconds * (1 + tolerance) if by_speed else 0.0
+    near = sorted((c for c in by_speed if c.seconds <= limit), key=lambda c: c.used)
+    return near + [c for c in by_speed if c.seconds > limit]
 
 
 def _durations(spans: dict[str, tuple[float, float]], stage_s: dict[str, float]) -> dict[str, float]:

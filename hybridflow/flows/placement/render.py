@@ -103,6 +103,8 @@ def plan_record(result: PlanResult, chosen: Candidate | None, search_s: float) -
         "space": result.space,
         "placements": result.placements,
         "allocations": result.allocations,
+        "objective": result.objective,
+        "tolerance": result.tolerance,
     }
     return {
         "inputs": inputs,
@@ -127,4 +129,6 @@ def result_from_record(inputs: dict[str, Any], candidates: list[Any], rejected: 
         space=inputs["space"],
     )
     result.placements, result.allocations = inputs["placements"], inputs["allocations"]
+    result.objective = inputs.get("objective", "latency")  # plans recorded before the objective: fastest first
+    result.tolerance = inputs.get("tolerance", 0.0)
     return result

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Literal
+from typing import Literal, get_args
 
 from hybridflow.engine.shapes import ModelShape
 from hybridflow.flows.placement.cost import ModelCost, Strategy, Workload, estimate
@@ -26,7 +26,7 @@ from hybridflow.flows.placement.hardware import GB, HardwareProfile
 MODELS = ("actor", "critic", "ref", "reward_model")
 StrategySpace = Literal["runtime", "all"]
 Objective = Literal["latency", "throughput-per-gpu"]
-OBJECTIVES: tuple[Objective, ...] = ("latency", "throughput-per-gpu")
+OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
 TOLERANCE = 0.05  # plans within this fraction of the fastest count as equally fast (fewest devices wins)
 # what this runtime can run (hybridflow/engine/config.py): megatron only for the actor, ref a whole copy per rank, the
 # critic and
@@ -150,6 +150,7 @@ class PlanResult:
 
     @property
     def devices(self) -> int:
+        """The cluster's devices (nodes x gpus_per_node), used or idle."""
         return self.nodes * self.gpus_per_node
 
     @property

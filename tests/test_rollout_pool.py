@@ -207,8 +207,6 @@ def test_one_step_off_needs_the_rollout_alone_in_its_pool_and_corrects_by_defaul
         load_config(path, base)
     with pytest.raises(ConfigError, match=r"move reward out of placement.pools.generate"):
         load_config(path, [*base, f"placement.pools={json.dumps(APART)}"])
-    with pytest.raises(ConfigError, match=r"ReMax's greedy baseline draws another per batch"):
-        load_config(path, [*base, f"placement.pools={json.dumps(OFF)}", "algorithm.adv_estimator=remax"])
     with pytest.raises(ConfigError, match=r"backend=gloo carries weights to a rollout in a pool of its own"):
         load_config(path, ["rollout.name=vllm", "rollout.checkpoint_engine.backend=gloo"])
     off = load_config(path, [*base, f"placement.pools={json.dumps(OFF)}"])
@@ -426,6 +424,33 @@ def test_agent_loops_generate_one_step_off_on_their_own_pool_and_resume_their_bu
         # the losses agree to float32 rounding (2e-8 relative measured; two uninterrupted runs agree to the bit)
         for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "rollout/log_prob_diff_mean"):
             assert resumed[step][k] == pytest.approx(ahead[step][k], rel=1e-5), (step, k)
+
+
+@needs_vllm
+def test_remax_one_step_off_takes_its_greedy_baseline_from_the_weights_of_its_batch_and_resumes_it(
+    prefect_api, tmp_path
+):
+    """ReMax one step off: each batch's greedy responses are generated ahead right behind it, on the same engine
+    and weights (no push between them), so its baseline is the behaviour policy's; a checkpoint holds both, and a
+    run resumed after iteration 1 repeats iterations 2 and 3 with the same baselines."""
+    from hybridflow.engine.checkpoint import AHEAD_DIR
+    from hybridflow.engine.protocol import DataProto
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    extra = [f"placement.pools={json.dumps(OFF)}", "trainer.mode=one_step_off", "algorithm.adv_estimator=remax"]
+    run_id, ahead = _run(store, tmp_path, "remax", extra)
+    assert [ahead[step]["off_policy/staleness_max"] for step in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        assert "critic/reward_baseline/mean" in ahead[step] and ahead[step]["rollout_corr/rollout_is_mean"] > 0
+    checkpoint = Path(next(c.path for c in store.checkpoints(run_id) if c.step == 1)) / AHEAD_DIR
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["1.greedy.safetensors", "1.safetensors"]  # iteration 2's
+    greedy, batch = (DataProto.load(checkpoint / name) for name in ("1.greedy.safetensors", "1.safetensors"))
+    assert set(greedy.batch["rollout_version"].tolist()) == set(batch.batch["rollout_version"].tolist()) == {0}
+    _, resumed = _run(store, tmp_path, "remax", [], resume_from_step=1, run_id=run_id)
+    for step in (2, 3):  # the baseline restored with its batch, not generated again by newer weights
+        exact = (*SAMPLED[:2], "critic/reward_baseline/mean")
+        assert {k: resumed[step][k] for k in exact} == {k: ahead[step][k] for k in exact}
 
 
 ASYNC = ["trainer.mode=async", "rollout.max_staleness=2", "trainer.weight_sync_every=2", "trainer.total_iterations=6"]

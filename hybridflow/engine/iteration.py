@@ -166,13 +166,15 @@ class Stages(Protocol):
 class Ahead:
     """A batch generated ahead (``trainer.mode: one_step_off | async``): the iteration it is for (its prompts'
     ``global_steps``), its prompts (None when restored from a checkpoint), its generation, pending
-    (`Stages.submit`) or done (a batch), and the weight pushes queued on the rollout's pool just before it, whose
-    checks (``rollout/weight_probe_*``) the iteration that trains it reports."""
+    (`Stages.submit`) or done (a batch), the weight pushes queued on the rollout's pool just before it, whose
+    checks (``rollout/weight_probe_*``) the iteration that trains it reports, and ReMax's greedy responses to the
+    same prompts from the same weights (None for the other estimators)."""
 
     step: int
     prompts: Any | None
     rollout: Any
     syncs: list[Any] = field(default_factory=list)
+    greedy: Any | None = None
 
 
 @dataclass
@@ -244,7 +246,7 @@ def run_iteration(
         else:
             admit(cfg, stages, queue, step)
             head = queue.ahead[0]
-            batch, rollout, greedy = head.prompts, stages.result(head.rollout), None
+            batch, rollout, greedy = head.prompts, stages.result(head.rollout), stages.result(head.greedy)
             for synced in head.syncs:  # queued before it: done
                 metrics.update(stages.result(synced))
         drawn.append(batch)
@@ -306,12 +308,17 @@ def admit(cfg: HybridFlowConfig, stages: Stages, queue: RolloutQueue, step: int)
     `RolloutQueue.engine_version`, is trained by an actor at version t, so it is admitted only while
     t - engine_version <= `HybridFlowConfig.max_staleness` (and t < ``trainer.total_iterations``): every
     trained row was generated at most that many updates before, and nothing generated is ever dropped. Each draws
-    its prompts in iteration order, so the sampler's sequence is the synchronous loop's."""
+    its prompts in iteration order, so the sampler's sequence is the synchronous loop's. ReMax's greedy baseline
+    is generated right behind its batch, by the same weights (no push can come between them)."""
+    remax = uses_greedy_baseline(cfg.algorithm.adv_estimator)
     t = queue.ahead[-1].step + 1 if queue.ahead else step
     while t < cfg.trainer.total_iterations and t - queue.engine_version <= cfg.max_staleness():
         prompts = stages.next_prompts(t)
-        queue.last = stages.submit(Call("generate", "rollout", (prompts,)), after=queue.last)
-        queue.ahead.append(Ahead(t, prompts, queue.last, queue.syncs))
+        rollout = queue.last = stages.submit(Call("generate", "rollout", (prompts,)), after=queue.last)
+        greedy = None
+        if remax:
+            greedy = queue.last = stages.submit(Call("generate_greedy", "rollout", (prompts,)), after=queue.last)
+        queue.ahead.append(Ahead(t, prompts, rollout, queue.syncs, greedy))
         queue.syncs = []
         t += 1
 

@@ -384,12 +384,12 @@ def save_checkpoint(
     workers: Workers,
     step: int,
     state: dict[str, Any],
-    ahead: dict[int, DataHandle] | None = None,
+    ahead: dict[str, DataHandle] | None = None,
 ) -> None:
     """Write and record the checkpoint of `step` (with `ahead`, the batches the overlapped modes generated for the
-    iterations after it, by iteration). A ``global_step_<step>`` folder already on disk is replaced only
-    when the store does not list it as a usable checkpoint (left by a crash before it was recorded, or marked bad
-    or superseded); a usable recorded one is never overwritten.
+    iterations after it, by file name: `hybridflow.tasks.stages.checkpoint`). A ``global_step_<step>`` folder
+    already on disk is replaced only when the store does not list it as a usable checkpoint (left by a crash before
+    it was recorded, or marked bad or superseded); a usable recorded one is never overwritten.
 
     Raises:
         LeaseLostError: another controller took the run over.

@@ -397,18 +397,23 @@ def _settle(queue: RolloutQueue | None) -> None:
     """Wait until every call queued on the rollout's pool has ended (an error is left to whoever reads the
     result): no pool is in the middle of a call when a validation, a checkpoint or the shutdown calls it."""
     if queue is not None:
-        pending = [a.rollout for a in queue.ahead] + [s for a in queue.ahead for s in a.syncs] + queue.syncs
+        pending = [p for a in queue.ahead for p in (a.rollout, a.greedy, *a.syncs)] + queue.syncs
         wait([p for p in pending if isinstance(p, PrefectFuture)])
 
 
-def _ready(queue: RolloutQueue | None, first: int | None = None) -> dict[int, DataHandle]:
-    """The batches generated ahead for a checkpoint, by the iteration each is for, once generated (their errors
-    raised): the queue's first `first` (those admitted before a stopped iteration's sampler state), else all."""
+def _ready(queue: RolloutQueue | None, first: int | None = None) -> dict[str, DataHandle]:
+    """The batches generated ahead for a checkpoint, once generated (their errors raised), by file name: the
+    iteration each is for (``"3"``), ReMax's greedy batch beside it (``"3.greedy"``). The queue's first `first`
+    (those admitted before a stopped iteration's sampler state), else all."""
     if queue is None:
         return {}
     _settle(queue)
-    ahead = list(queue.ahead)[:first] if first is not None else queue.ahead
-    return {a.step: a.rollout.result() if isinstance(a.rollout, PrefectFuture) else a.rollout for a in ahead}
+    ready = {}
+    for a in list(queue.ahead)[:first] if first is not None else queue.ahead:
+        ready[str(a.step)] = a.rollout.result() if isinstance(a.rollout, PrefectFuture) else a.rollout
+        if a.greedy is not None:
+            ready[f"{a.step}.greedy"] = a.greedy.result() if isinstance(a.greedy, PrefectFuture) else a.greedy
+    return ready
 
 
 def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl, lagrangian=None) -> dict[str, Any]:
@@ -549,11 +554,14 @@ def _resume(
         lagrangian.load_state_dict(state["lagrange_multiplier"])
     start = int(state["global_steps"])
     queue = RolloutQueue(engine_version=last_push(cfg, start)) if overlapped else None
-    for file in sorted((path / AHEAD_DIR).glob("*.safetensors"), key=lambda f: int(f.stem)):
+    ahead_dir = path / AHEAD_DIR
+    for step in sorted(int(f.stem) for f in ahead_dir.glob("*.safetensors") if f.stem.isdigit()):
         # generated before the checkpoint by the weights each row records: trained as they are, never again
-        ahead = DataHandle.put(DataProto.load(file), data_dir, "ahead").with_meta(global_steps=int(file.stem))
+        batch, greedy = (ahead_dir / f"{step}{kind}.safetensors" for kind in ("", ".greedy"))
+        ahead = DataHandle.put(DataProto.load(batch), data_dir, "ahead").with_meta(global_steps=step)
+        baseline = DataHandle.put(DataProto.load(greedy), data_dir, "ahead") if greedy.exists() else None
         if queue is not None:
-            queue.ahead.append(Ahead(int(file.stem), None, ahead))
+            queue.ahead.append(Ahead(step, None, ahead, greedy=baseline))
     logger.info("run %s resumes after iteration %d from %s", run_id, start, path)
     notify("resumed", step=start, path=str(path))
     return start, queue

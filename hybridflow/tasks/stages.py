@@ -134,12 +134,12 @@ def checkpoint(
     checkpoint_dir: str,
     step: int,
     trainer_state: dict[str, Any],
-    ahead: dict[int, DataHandle] | None = None,
+    ahead: dict[str, DataHandle] | None = None,
 ) -> dict:
     """Write the checkpoint of iteration `step` atomically: every group writes the roles it hosts into one staging
-    folder, then the controller adds the batches generated `ahead`, by the iteration each is for (the overlapped
-    modes: ``<AHEAD_DIR>/<iteration>.safetensors``, so a resume trains each, neither lost nor generated twice), the
-    trainer state and the manifest, and renames it.
+    folder, then the controller adds the batches generated `ahead`, by file name (the overlapped modes:
+    ``<AHEAD_DIR>/<iteration>.safetensors``, ReMax's greedy batch in ``<iteration>.greedy.safetensors``, so a
+    resume trains each, neither lost nor generated twice), the trainer state and the manifest, and renames it.
 
     A ``global_step_<step>`` folder already there was written just before a crash and never recorded in the run
     store (the store, not the folder, lists complete checkpoints): it is replaced.
@@ -156,8 +156,8 @@ def checkpoint(
             group.save_checkpoint_part(str(staging))
         if ahead:
             (staging / AHEAD_DIR).mkdir()
-            for iteration, batch in ahead.items():
-                batch.load().save(staging / AHEAD_DIR / f"{iteration}.safetensors")
+            for name, batch in ahead.items():
+                batch.load().save(staging / AHEAD_DIR / f"{name}.safetensors")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

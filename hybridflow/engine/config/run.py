@@ -316,10 +316,10 @@ class HybridFlowConfig(_Section):
 
     def _check_mode(self) -> None:
         """``trainer.mode: one_step_off | async`` need the rollout in a pool of its own (it generates while the actor
-        trains), no ReMax greedy baseline yet (DAPO's further draws wait behind those admitted), a weight push at
-        least every ``rollout.max_staleness + 1`` updates (else no batch could be admitted within the bound), and
-        correct a lag with truncated importance sampling (``algorithm.rollout_correction.rollout_is``: token unless
-        set; null turns it off, with an `OffPolicyWarning`)."""
+        trains), a weight push at least every ``rollout.max_staleness + 1`` updates (else no batch could be admitted
+        within the bound), and correct a lag with truncated importance sampling
+        (``algorithm.rollout_correction.rollout_is``: token unless set; null turns it off, with an
+        `OffPolicyWarning`). DAPO's further draws and ReMax's greedy baseline queue behind the admitted ones."""
         mode, trainer = self.trainer.mode, self.trainer
         for key, value, default in (
             ("rollout.max_staleness", self.rollout.max_staleness, 1),
@@ -346,13 +346,6 @@ class HybridFlowConfig(_Section):
                 f"trainer.mode={mode} keeps the rollout's pool generating while this iteration's other stages run: "
                 f"move {', '.join(shared)} out of placement.pools.{self.pool_of('rollout').name} (e.g. reward into "
                 f"placement.pools.{self.pool_of('actor').name}.roles)"
-            )
-        from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
-
-        if uses_greedy_baseline(self.algorithm.adv_estimator):
-            raise ValueError(
-                f"trainer.mode={mode} generates one draw per iteration ahead; ReMax's greedy baseline draws another "
-                "per batch: use trainer.mode=sync"
             )
         correction = self.algorithm.rollout_correction
         if "rollout_is" not in correction.model_fields_set and self.max_staleness() > 0:

@@ -159,3 +159,22 @@ def test_your_data_replaces_the_examples_source(tmp_path, tiny_model_dir, single
     path = _jsonl(tmp_path / "train.jsonl", [_row()] * 2)
     code, out = _run(tmp_path, tiny_model_dir, f"data.train_files={path if single_path else [path]}")
     assert code == 2 and "(2 prompts after filtering)" in out
+
+
+def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(tmp_path, tiny_model_dir):
+    """Warned where this CPU has no bf16 instructions (AVX512-BF16, AMX: torch emulates them, 23x slower here),
+    silent where it has them and for float32; a warning, not a refusal: bf16 still computes correctly."""
+    import warnings
+
+    from tiny_runs import tiny_run_config
+
+    from hybridflow.engine.models import cpu_has_native_bf16
+    from hybridflow.flows.preflight import SlowDtypeWarning, check_run_inputs
+
+    for dtype, warned in (("bfloat16", not cpu_has_native_bf16()), ("float32", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "grpo", [f"model.dtype={dtype}"]))
+        slow = [str(w.message) for w in caught if issubclass(w.category, SlowDtypeWarning)]
+        assert len(slow) == int(warned), (dtype, slow)
+        assert all("set model.dtype=float32" in message for message in slow)

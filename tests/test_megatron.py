@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from hybridflow.engine.backends.megatron_bridge import hf_to_mcore, mcore_to_hf, shard, unshard
+from hybridflow.engine.config import RolloutCorrectionConfig
 from hybridflow.engine.tiny import build_tiny_model
 
 if os.environ.get("CI") != "true":  # CI installs megatron-core: there the tests must run, never skip
@@ -160,6 +161,8 @@ def _policy_batch(model, generator):
     tensors = assemble_rollout(prompts, prompt_mask, responses, [1], 0, 5)
     tensors["old_log_probs"] = torch.randn(rows, 5, generator=generator) * 0.1 - 5.0
     tensors["advantages"] = torch.randn(rows, 5, generator=generator)
+    # the engine's: ratios exp(old - rollout) from 0.2 to 5, some past the truncation at 2
+    tensors["rollout_log_probs"] = tensors["old_log_probs"] + torch.randn(rows, 5, generator=generator) * 0.8
     return DataProto.from_dict(tensors, meta_info={"temperature": 0.7})
 
 
@@ -229,7 +232,7 @@ def _update_worker(rank: int, store: str, model_dir: str, results) -> None:
     data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
     data.meta_info["global_steps"] = 3
     for tp, pp, model in _layouts(hf_model):
-        actor = MegatronActor(model, _update_config(), rollout_n=2, seed=0)
+        actor = MegatronActor(model, _update_config(), rollout_n=2, seed=0, correction=_CORRECTION)
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         rows = len(data) // dp
         mine = data[dp_rank * rows : (dp_rank + 1) * rows]
@@ -243,6 +246,9 @@ def _update_worker(rank: int, store: str, model_dir: str, results) -> None:
             "rows": (dp_rank * rows, (dp_rank + 1) * rows),
         }
     dist.destroy_process_group()
+
+
+_CORRECTION = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
 
 
 def _update_config():
@@ -259,10 +265,10 @@ def _update_config():
 
 def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
     """On megatron with DP=2, TP=2 and PP=2: the response log-probs, then two AdamW steps of the PPO update
-    (token-weighted micro-batches, grad clipping), equal what the Hugging Face `Actor` gets on the same batch (lr 1e-2:
-    the weights move by up to 2e-2; Adam turns summation-order noise in near-zero gradients into element differences
-    of 1e-4 on one CPU and 2.4e-4 on another, hence an element tolerance of 1e-3 beside a tight check of the whole
-    update)."""
+    (token-weighted micro-batches, grad clipping, the rollout correction's truncated importance weights), equal what
+    the Hugging Face `Actor` gets on the same batch (lr 1e-2: the weights move by up to 2e-2; Adam turns
+    summation-order noise in near-zero gradients into element differences of 1e-4 on one CPU and 2.4e-4 on another,
+    hence an element tolerance of 1e-3 beside a tight check of the whole update)."""
     from hybridflow.engine.backends.actor import Actor
     from hybridflow.engine.backends.megatron_bridge import stage_names
 
@@ -271,7 +277,7 @@ def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
     before = hf_to_mcore({n: p.detach().clone() for n, p in hf_model.named_parameters()}, hf_model.config)
     data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
     data.meta_info["global_steps"] = 3
-    hf_actor = Actor(hf_model, _update_config(), rollout_n=2, seed=0)
+    hf_actor = Actor(hf_model, _update_config(), rollout_n=2, seed=0, rollout_correction=_CORRECTION)
     want_log_probs = hf_actor.compute_log_prob(data).batch["old_log_probs"]
     want_metrics = hf_actor.update_policy(data)
     want = hf_to_mcore({n: p.detach() for n, p in hf_model.named_parameters()}, hf_model.config)
@@ -305,3 +311,5 @@ def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
             assert result["old_log_probs"] is None
         got = result["metrics"]["actor/grad_norm"]
         assert got == pytest.approx(want_metrics["actor/grad_norm"], rel=1e-4), key
+        if result["stage"] == pp - 1:  # the truncated importance weights of the same tokens (on this rank's rows)
+            assert 0 < result["metrics"]["rollout_corr/rollout_is_ratio_fraction_high"] < 1, key

@@ -5,6 +5,7 @@ async``) within the staleness bound, its queue kept across a SIGKILL of the cont
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -29,7 +30,10 @@ APART = {"train": {"roles": ["actor", "ref"]}, "generate": {"roles": ["rollout",
     ("extra", "error"),
     [
         (["rollout.name=hf"], r"rollout \(pool generate\) apart from actor \(pool train\) needs .*rollout.name=vllm"),
-        (["rollout.name=vllm", "actor.strategy=megatron"], r"actor.strategy=megatron generates in the actor's"),
+        (
+            ["rollout.name=vllm", "actor.strategy=megatron", "actor.tp=2", "placement.pools.train.tasks_per_node=2"],
+            r"actor.strategy=megatron publishes .* \(generation tp 1; got 2\): set rollout.gen_tp=1",
+        ),
         (["rollout.name=vllm", "model.lora_rank=8"], r"a LoRA actor \(model.lora_rank\) syncs its rollout in process"),
     ],
 )
@@ -451,6 +455,32 @@ def test_remax_one_step_off_takes_its_greedy_baseline_from_the_weights_of_its_ba
     for step in (2, 3):  # the baseline restored with its batch, not generated again by newer weights
         exact = (*SAMPLED[:2], "critic/reward_baseline/mean")
         assert {k: resumed[step][k] for k in exact} == {k: ahead[step][k] for k in exact}
+
+
+@needs_vllm
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None and os.environ.get("CI") != "true",
+    reason="megatron-core is not installed (bash .ci/setup installs it)",
+)
+def test_a_megatron_actor_reshards_to_whole_weights_for_a_rollout_pool_of_its_own(prefect_api, tmp_path):
+    """The 3D-HybridEngine across pools: a megatron actor training in two pipeline stages on its pool's two ranks
+    reshards to its generation layout (tp 1: the whole model on each rank) and publishes from it; the rollout's
+    own vLLM engine loads each push one step off (its probe log-probs equal the actor's), and the update corrects
+    the lag with truncated importance sampling on the megatron loss."""
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    pools = {"train": {**OFF["train"], "tasks_per_node": 2}, "generate": OFF["generate"]}
+    megatron = ["actor.strategy=megatron", "actor.pp=2", "rollout.gen_tp=1", "trainer.mode=one_step_off"]
+    run_id, off = _run(store, tmp_path, "megatron", [f"placement.pools={json.dumps(pools)}", *megatron])
+    placed = {p.role: p.parallel for p in store.placements(run_id)}
+    assert placed["actor"]["train"] == {"pp": 2, "tp": 1, "dp": 1} and placed["actor"]["strategy"] == "megatron"
+    assert [off[step]["off_policy/staleness_max"] for step in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step in (1, 2, 3):
+        assert off[step]["rollout_corr/rollout_is_mean"] > 0 and math.isfinite(off[step]["actor/pg_loss"])
+    for step in (2, 3):  # the reshard of the push after the previous update, reported with this one
+        assert off[step]["hybrid_engine/received_mib"] > 0  # each rank gathered the other stage's layers
+    assert off[3]["rollout/weight_probe_diff"] < 1e-4  # the engine serves the weights the actor published
 
 
 ASYNC = ["trainer.mode=async", "rollout.max_staleness=2", "trainer.weight_sync_every=2", "trainer.total_iterations=6"]

@@ -219,7 +219,7 @@ class MegatronBackend(TrainingBackend):
     def check_layout(self, cfg, world):
         """megatron-core installed; the pool a multiple of tp x pp; generation without pipelines, tensor-parallel
         only where the rollout can (`hybridflow.engine.extensions.RolloutSpec.tensor_parallel`); gen_tp dividing tp;
-        no entropy bonus or truncated importance sampling yet."""
+        no entropy bonus yet."""
         import importlib.util
 
         from hybridflow.engine.extensions import rollout_spec
@@ -235,11 +235,10 @@ class MegatronBackend(TrainingBackend):
                 f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of "
                 f"actor.tp x actor.pp = {actor.tp * actor.pp}"
             )
-        if actor.entropy_coeff != 0 or cfg.algorithm.rollout_correction.rollout_is is not None:
+        if actor.entropy_coeff != 0:
             raise ValueError(
-                "actor.strategy=megatron does not compute the vocabulary-parallel entropy bonus or truncated "
-                "importance sampling yet: set actor.entropy_coeff=0 and leave algorithm.rollout_correction.rollout_is "
-                "unset"
+                "actor.strategy=megatron does not compute the vocabulary-parallel entropy bonus yet: set "
+                "actor.entropy_coeff=0"
             )
         if rollout.gen_pp != 1:
             raise ValueError("rollout.gen_pp > 1 (pipelined generation) is not implemented: set rollout.gen_pp=1")

@@ -97,7 +97,8 @@ class HybridActorRollout:
         self.model = build_gpt_model(self.hf_config).to(device)
         load_hf_weights(self.model, {n: p.detach() for n, p in hf_model.named_parameters()}, self.hf_config)
         del hf_model
-        self.actor = MegatronActor(self.model, cfg.actor, cfg.rollout.n, cfg.trainer.seed)
+        correction = cfg.algorithm.rollout_correction
+        self.actor = MegatronActor(self.model, cfg.actor, cfg.rollout.n, cfg.trainer.seed, correction)
         names = global_names(self.model, self.hf_config, self.coords.pp, layout.p)
         params = {names[local]: p for local, p in self.model.named_parameters() if names.get(local) in specs}
         regroup = functools.partial(generation_order, config=self.hf_config)

@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from hybridflow.engine.algorithms.losses import rollout_is_weights
 from hybridflow.engine.backends.actor import UPDATE_KEYS, actor_loss
 from hybridflow.engine.backends.training import (
     MetricLog,
@@ -98,7 +99,9 @@ def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool, he
     )
 
 
-def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], config: ActorConfig) -> dict[str, float]:
+def policy_gradient(
+    model, micros: list[DataProto], loss_scales: list[float], config: ActorConfig, correction=None
+) -> dict[str, float]:
     """Accumulate into ``.grad`` the gradient of ``sum_i loss_scales[i] * loss_i`` over the micro-batches of one
     mini-batch, where ``loss_i`` is micro-batch i's actor loss (`hybridflow.engine.backends.actor.actor_loss`: the
     policy
@@ -108,11 +111,15 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
         micros: equal-sized micro-batches with `hybridflow.engine.backends.actor.UPDATE_KEYS` (+ ``ref_log_prob``) and
             ``meta_info["temperature"]``.
         loss_scales: one weight per micro-batch (`hybridflow.engine.backends.training.micro_batch_weights`).
+        correction: ``algorithm.rollout_correction`` with ``rollout_is`` set: each token's loss weighted by the
+            truncated importance ratio of ``old_log_probs`` over the rollout engine's ``rollout_log_probs``
+            (`hybridflow.engine.algorithms.losses.rollout_is_weights`, as `Actor` does); None: off.
 
     Returns:
         ``actor/pg_loss``, ``actor/ppo_kl``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and, with the KL
-        loss, ``actor/kl_loss`` and ``actor/kl_coef``, averaged over micro-batches (last pipeline stage; empty
-        elsewhere), as `hybridflow.engine.backends.actor.Actor` names them.
+        loss, ``actor/kl_loss`` and ``actor/kl_coef``, with a correction ``rollout_corr/rollout_is_*``, averaged
+        over micro-batches (last pipeline stage; empty elsewhere), as `hybridflow.engine.backends.actor.Actor`
+        names them.
     """
     logged: list[dict[str, float]] = []  # per micro-batch, as computed (the schedule rescales what it returns)
 
@@ -120,16 +127,27 @@ def policy_gradient(model, micros: list[DataProto], loss_scales: list[float], co
         batch = micros[index].batch
         on_policy = "old_log_probs" not in batch  # one optimizer step: the old log-probs are this forward's
         old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
-        loss, terms = actor_loss(config, old_log_prob, log_prob, batch)  # (no entropy bonus on megatron yet)
+        is_weights, stats = None, {}
+        if correction is not None:
+            is_weights, stats = rollout_is_weights(
+                old_log_prob,
+                batch["rollout_log_probs"],
+                batch["response_mask"],
+                correction.rollout_is,
+                correction.rollout_is_threshold,
+            )
+        # (no entropy bonus on megatron yet)
+        loss, terms = actor_loss(config, old_log_prob, log_prob, batch, is_weights=is_weights)
+        terms = {f"actor/{k}": v for k, v in terms.items()} | {f"rollout_corr/{k}": v for k, v in stats.items()}
         logged.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in terms.items()})
         # the schedule divides each micro-batch's loss by their number: undo it, then weigh
-        return loss * loss_scales[index] * len(micros), {"pg_loss": terms["pg_loss"].detach()}
+        return loss * loss_scales[index] * len(micros), {"pg_loss": terms["actor/pg_loss"].detach()}
 
     run_schedule(model, micros, loss_func, forward_only=False)
     _sync_tied_embedding_grads(model)
     if not logged:
         return {}
-    return {f"actor/{k}": sum(m[k] for m in logged) / len(logged) for k in logged[0]}
+    return {k: sum(m[k] for m in logged) / len(logged) for k in logged[0]}
 
 
 def clip_grad_norm(model, max_norm: float) -> float:
@@ -205,8 +223,14 @@ class MegatronActor(MegatronRole):
     mini-batches
     of ``ppo_mini_batch_size x n / D`` sequences per data-parallel rank, each one AdamW step; micro-batch losses
     weighted by `micro_batch_weights` over megatron's data-parallel group; gradients averaged over it; the global
-    grad norm clipped to ``actor.optim.grad_clip``. Arguments as `MegatronRole` (``config``: the ``actor`` section).
+    grad norm clipped to ``actor.optim.grad_clip``. Arguments as `MegatronRole` (``config``: the ``actor`` section),
+    and ``correction``: ``algorithm.rollout_correction`` (truncated importance sampling when its ``rollout_is`` is
+    set; `policy_gradient`).
     """
+
+    def __init__(self, model, config, rollout_n: int, seed: int = 0, correction=None):
+        super().__init__(model, config, rollout_n, seed)
+        self.correction = correction if correction is not None and correction.rollout_is else None
 
     def compute_log_prob(self, data: DataProto) -> DataProto | None:
         """Log-probs of the responses under the current weights (``old_log_probs`` float32 [B, T]) in micro-batches
@@ -216,10 +240,12 @@ class MegatronActor(MegatronRole):
 
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on this data-parallel rank's rows; returns ``actor/pg_loss``, ``actor/ppo_kl`` (last stage),
-        ``actor/grad_norm`` and ``actor/lr``, averaged as `Actor.update_policy` does."""
+        ``actor/grad_norm``, ``actor/lr`` and with a correction ``rollout_corr/*`` (last stage), averaged as
+        `Actor.update_policy` does."""
         cfg = self.config
         keys = [k for k in UPDATE_KEYS if k in data.keys or k != "old_log_probs"]  # none: on-policy (`Actor`)
-        data = data.select(batch_keys=keys + (["ref_log_prob"] if cfg.use_kl_loss else []))
+        keys += ["ref_log_prob"] if cfg.use_kl_loss else []
+        data = data.select(batch_keys=keys + (["rollout_log_probs"] if self.correction else []))
         steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group))
         if "old_log_probs" not in keys and len(steps) != 1:
             raise ValueError(
@@ -227,15 +253,16 @@ class MegatronActor(MegatronRole):
                 f"takes {len(steps)}: run the old_log_prob stage first (actor.recompute_log_prob=true)"
             )
         self.model.train()
-        log = MetricLog()
+        log, corrections = MetricLog(), MetricLog()
         with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
             for micros, scales in steps:
-                gradient = policy_gradient(self.model, micros, scales, cfg)
-                log.add(**{k.removeprefix("actor/"): v for k, v in gradient.items()})
+                gradient = policy_gradient(self.model, micros, scales, cfg, self.correction)
+                for prefix, into in (("actor/", log), ("rollout_corr/", corrections)):
+                    into.add(**{k.removeprefix(prefix): v for k, v in gradient.items() if k.startswith(prefix)})
                 clip = cfg.optim.grad_clip
                 step = averaged_optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
                 log.add(**step)
-        return log.mean("actor")
+        return {**log.mean("actor"), **corrections.mean("rollout_corr")}
 
 
 def averaged_optimizer_step(

@@ -362,7 +362,8 @@ class HybridFlowConfig(_Section):
 
     def _check_rollout_apart(self, actor_pool: str, rollout_pool: str) -> None:
         """A rollout pool apart from the actor's needs an engine that loads published weights (vLLM), an actor
-        holding a Hugging Face model (ddp, fsdp) and no LoRA adapter."""
+        that can publish whole weights (ddp, fsdp; megatron generating at ``rollout.gen_tp: 1``, its
+        3D-HybridEngine resharding to whole replicas) and no LoRA adapter."""
         keep = f"or put rollout in placement.pools.{actor_pool}.roles"
         if not rollout_spec(self.rollout.name).syncs_weights:
             raise ValueError(
@@ -370,10 +371,12 @@ class HybridFlowConfig(_Section):
                 f"with weights of its own, fed by the actor's pool: set rollout.name=vllm (got "
                 f"{self.rollout.name!r}), {keep}"
             )
-        if not training_backend(self.actor.strategy).hf_model:
+        gen_tp = self.rollout.gen_tp or self.actor.tp
+        if not training_backend(self.actor.strategy).hf_model and gen_tp > 1:
             raise ValueError(
-                f"placement.pools: actor.strategy={self.actor.strategy} generates in the actor's processes "
-                f"(3D-HybridEngine): set actor.strategy=ddp|fsdp for a rollout pool of its own, {keep}"
+                f"placement.pools: actor.strategy={self.actor.strategy} publishes its weights for a rollout pool of "
+                f"its own from the 3D-HybridEngine's generation layout, where each rank must hold the whole model "
+                f"(generation tp 1; got {gen_tp}): set rollout.gen_tp=1, {keep}"
             )
         if self.model.lora:
             raise ValueError(

@@ -1,10 +1,11 @@
 """Benchmark: raw decoding speed of vLLM vs Hugging Face ``generate`` on SmolLM2-135M, every sequence decoded to the
 full length (``ignore_eos`` / ``min_new_tokens``), so neither engine gains from early stops: what the engines
 themselves do per token on this machine. Random 60-token prompts; sampled at temperature 1; vLLM bf16 (as
-``rollout.vllm_dtype``), HF fp32 weights (as the actor's ``model.dtype: auto`` on CPU). Prints tokens/s per
-repetition (the first is warm-up) for each batch size.
+``rollout.vllm_dtype``; ``--vllm-dtype float32`` on a CPU without bf16 instructions), HF fp32 weights (as the
+actor's ``model.dtype: auto`` on CPU). Prints tokens/s per repetition (the first is warm-up) for each batch size.
 
     .venv/bin/python benchmarks/decode_throughput.py [--batch 32 128] [--tokens 64] [--repeats 3]
+        [--vllm-dtype bfloat16|float32] [--vllm-only]
 """
 
 import argparse
@@ -16,13 +17,13 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def vllm_rates(path: str, batch: int, tokens: int, repeats: int) -> list[float]:
+def vllm_rates(path: str, batch: int, tokens: int, repeats: int, dtype: str = "bfloat16") -> list[float]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(
         model=path,
-        dtype="bfloat16",
+        dtype=dtype,
         enforce_eager=True,
         seed=0,
         max_model_len=256,
@@ -77,11 +78,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--vllm-only", action="store_true", help="skip HF generate")
     args = parser.parse_args()
     path = str(resolve_model_path("smollm2"))
-    print(f"{torch.get_num_threads()} torch threads; {args.tokens} new tokens per sequence")
+    print(f"{torch.get_num_threads()} torch threads; {args.tokens} new tokens per sequence; vLLM {args.vllm_dtype}")
     for batch in args.batch:
-        engine = vllm_rates(path, batch, args.tokens, args.repeats)
+        engine = vllm_rates(path, batch, args.tokens, args.repeats, args.vllm_dtype)
+        if args.vllm_only:
+            print(f"batch {batch:>4}: vLLM {' '.join(f'{r:.0f}' for r in engine)} tok/s")
+            continue
         hf = hf_rates(path, batch, args.tokens, args.repeats)
         print(
             f"batch {batch:>4}: vLLM {' '.join(f'{r:.0f}' for r in engine)} tok/s, "

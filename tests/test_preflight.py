@@ -162,8 +162,10 @@ def test_your_data_replaces_the_examples_source(tmp_path, tiny_model_dir, single
 
 
 def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(tmp_path, tiny_model_dir):
-    """Warned where this CPU has no bf16 instructions (AVX512-BF16, AMX: torch emulates them, 23x slower here),
-    silent where it has them and for float32; a warning, not a refusal: bf16 still computes correctly."""
+    """Warned where this CPU has no bf16 instructions (AVX512-BF16, AMX: torch and vLLM emulate them, 23x and 5x
+    slower here), for the actor's and vLLM's dtype each; silent where it has them and for float32; a warning, not a
+    refusal: bf16 still computes correctly."""
+    import importlib.util
     import warnings
 
     from tiny_runs import tiny_run_config
@@ -171,10 +173,16 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(tmp_path, tiny_model_
     from hybridflow.engine.models import cpu_has_native_bf16
     from hybridflow.flows.preflight import SlowDtypeWarning, check_run_inputs
 
-    for dtype, warned in (("bfloat16", not cpu_has_native_bf16()), ("float32", False)):
+    emulated = not cpu_has_native_bf16()
+    cases = [("model.dtype", "bfloat16", emulated), ("model.dtype", "float32", False)]
+    if importlib.util.find_spec("vllm") is not None:
+        cases += [("rollout.vllm_dtype", "bfloat16", emulated), ("rollout.vllm_dtype", "float32", False)]
+    for key, dtype, warned in cases:
+        other = "rollout.vllm_dtype" if key == "model.dtype" else "model.dtype"
+        overrides = [f"{key}={dtype}", f"{other}=float32", "rollout.name=vllm" if "vllm" in key else "rollout.name=hf"]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "grpo", [f"model.dtype={dtype}"]))
+            check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "grpo", overrides))
         slow = [str(w.message) for w in caught if issubclass(w.category, SlowDtypeWarning)]
-        assert len(slow) == int(warned), (dtype, slow)
-        assert all("set model.dtype=float32" in message for message in slow)
+        assert len(slow) == int(warned), (key, dtype, slow)
+        assert all(f"set {key}=float32" in message for message in slow)

@@ -62,7 +62,9 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 matmuls in hardware (AVX512-BF16 or AMX tiles, as torch's CPU kernels detect
     them). Without them torch emulates bf16 under autocast: a SmolLM2 forward and backward of 4 x 152 tokens took
-    151.8 s against 6.5 s in float32 on a 2-core AMD EPYC (AVX2 only; 2026-11-27); with AMX-BF16 bf16 is the faster."""
+    151.8 s against 6.5 s in float32 on a 2-core AMD EPYC (AVX2 only; 2026-11-27); with AMX-BF16 bf16 is the faster.
+    (``torch.cpu._is_avx512_bf16_supported`` / ``_is_amx_tile_supported``: torch's own CPUID checks, no public
+    equivalent in torch 2.13.)"""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

@@ -21,6 +21,9 @@ What is checked, each failure an `InputError` naming the config key and the fix:
 - ``trainer.logger``: the library of every tracker named (tensorboard, wandb, mlflow) is installed; an MLflow
   tracking server (``http(s)://`` URI) answers.
 
+One warning, not a refusal: ``model.dtype`` or ``rollout.vllm_dtype`` bfloat16 where the local CPU emulates bf16
+(`SlowDtypeWarning`, naming the key to set to float32).
+
 Batch-size divisibility and the parallel layout are checked by the config itself (`HybridFlowConfig`).
 The prompt sets built here are cached in the process, so the flow that follows does not build them again.
 """
@@ -69,7 +72,8 @@ class InputError(ValueError):
 
 
 class SlowDtypeWarning(UserWarning):
-    """``model.dtype: bfloat16`` on a CPU that emulates bf16 (`hybridflow.engine.models.cpu_has_native_bf16`)."""
+    """``model.dtype`` or ``rollout.vllm_dtype`` bfloat16 on a local CPU that emulates bf16
+    (`hybridflow.engine.models.cpu_has_native_bf16`)."""
 
 
 @dataclass

@@ -176,6 +176,12 @@ def _all_gather_s(nbytes: float, group: int, spans_nodes: bool, hw: HardwareProf
     return hw.collective_latency_s + (group - 1) / group * nbytes / _bandwidth(group, spans_nodes, hw)
 
 
+TRAIN_CALL_OVERHEADS = 4
+"""A forward and backward call through a layer costs this many forward calls' fixed overhead
+(`HardwareProfile.layer_call_overhead_s`): measured on an H100, 2.28 against 0.59 ms per layer of Llama 7B
+(`benchmarks/gpu_efficiency.py`; the backward pass launches about twice the forward's kernels, through autograd)."""
+
+
 def matmul_params(shape: ModelShape, head: str) -> int:
     """Weights a token's forward pass multiplies with: the blocks and the output head (not the embedding lookup)."""
     out = shape.vocab * shape.hidden if head == "lm" else shape.hidden
@@ -225,11 +231,17 @@ def estimate(
         """The per-token per-layer cost of one forward pass over `tokens` tokens, on one replica's share."""
         return tokens / d * (shape.layers / p) * hw.layer_token_overhead_s
 
+    def layer_calls_s(calls: int) -> float:
+        """The fixed cost of `calls` forward calls through one rank's layers (`HardwareProfile.layer_call_overhead_s`:
+        what makes a call of few tokens per device reach a small share of the peak)."""
+        return calls * (shape.layers / p) * hw.layer_call_overhead_s
+
     def forward_s(micro_batch: int) -> float:
         flops, tokens = pass_work(micro_batch)
         replica_tokens = tokens / d
-        compute = flops / (devices * hw.flops * hw.infer_efficiency) + layer_tokens_s(tokens)
         micro_batches = max(1, math.ceil(workload.sequences / d / micro_batch))
+        compute = flops / (devices * hw.flops * hw.infer_efficiency) + layer_tokens_s(tokens)
+        compute += layer_calls_s(micro_batches)
         bubble = 1 + (p - 1) / micro_batches
         comm = 2 * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
         if s.kind == "fsdp":
@@ -253,11 +265,13 @@ def estimate(
         replica_tokens = tokens / d
         micro_batches = max(1, math.ceil(workload.sequences / d / micro / max(1, steps // epochs)))
         passes = 2 if lora else 3  # forward, input gradients, weight gradients (none for frozen weights)
-        compute = passes * epochs * (flops / (devices * hw.flops * hw.train_efficiency) + layer_tokens_s(tokens))
+        calls = math.ceil(workload.sequences / d / micro)  # micro-batches of one epoch on one replica
+        per_pass = flops / (devices * hw.flops * hw.train_efficiency) + layer_tokens_s(tokens)
+        compute = epochs * (passes * per_pass + TRAIN_CALL_OVERHEADS * layer_calls_s(calls))
         compute *= 1 + (p - 1) / micro_batches
         comm = 4 * epochs * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
         if s.kind == "fsdp":
-            gathers = epochs * math.ceil(workload.sequences / d / micro)
+            gathers = epochs * calls
             comm += gathers * 2 * _all_gather_s(params * w, d, spans, hw) + steps * _all_gather_s(
                 trained * 4, d, spans, hw
             )

@@ -16,6 +16,20 @@ from hybridflow.engine.flops import DATASHEET_BF16_FLOPS
 
 GB = 1e9  # datasheets count memory and bandwidth in decimal gigabytes
 
+GPU_LAYER_CALL_OVERHEAD_S = 0.6e-3
+"""Fixed seconds per layer per forward call on a GPU, measured on an H100 80GB HBM3 (2026-11-27, torch 2.11,
+transformers 5.17, BF16, SDPA, eager: `benchmarks/gpu_efficiency.py`): forward time against FLOPs over calls of
+128-16,384 tokens is a line whose intercept is 0.59 ms per layer for all 32 blocks of Llama 7B (0.30-0.66 ms for 4
+blocks of the 7B, 13B and 70B widths), its slope 0.48-0.59 of the BF16 peak. So a call reaches half its best
+efficiency at 900 tokens (7B) to 160 tokens (70B width) per device: Hockney and Jesshope's n_1/2 ("Parallel
+Computers 2", 1988, section 1.3.3). The same eager host dispatch on an A100 is taken to cost the same."""
+
+
+H100_TRAIN_EFFICIENCY = 0.55
+"""Training MFU of an H100 on calls of thousands of tokens, measured with `GPU_LAYER_CALL_OVERHEAD_S` (the slope of
+time against FLOPs of forward + backward passes: 0.57 for all 32 blocks of Llama 7B, 0.48-0.57 for 4 blocks of the 7B
+to 70B widths); Hopper's H200 has the same tensor cores."""
+
 
 class HardwareProfile(BaseModel):
     """One device (a GPU, or a CPU core on a CPU-only machine) and the links between devices.
@@ -47,6 +61,13 @@ class HardwareProfile(BaseModel):
         description="seconds per token per layer of a forward pass beyond its matmuls (norms, activations, attention's "
         "softmax and their launches: what a small model pays over its FLOPs); a backward pass pays it twice more",
     )
+    layer_call_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="fixed seconds one layer of one forward call costs whatever its tokens (kernel launches, the "
+        "host's dispatch; a training call pays it 4 times: cost.TRAIN_CALL_OVERHEADS): why the achieved share of the "
+        "peak falls as the tokens per device per call shrink (Hockney's n_1/2)",
+    )
     host_cores: int = Field(
         0, ge=0, description="on a CPU machine, its cores (the devices are cores the controller shares); 0 on GPUs"
     )
@@ -72,8 +93,10 @@ BUILTIN: dict[str, HardwareProfile] = {
             memory_bandwidth=2039 * GB,
             intra_node_bandwidth=300 * GB,
             inter_node_bandwidth=25 * GB,
+            layer_call_overhead_s=GPU_LAYER_CALL_OVERHEAD_S,
             source="NVIDIA A100 datasheet (SXM4 80GB): BF16 312 TFLOPS dense, HBM2e 2,039 GB/s, NVLink 600 GB/s "
-            "(300 GB/s each way); DGX A100: 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU)",
+            "(300 GB/s each way); DGX A100: 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU). Layer call overhead: "
+            "GPU_LAYER_CALL_OVERHEAD_S, measured on an H100",
         ),
         HardwareProfile(
             name="h100-80gb",
@@ -82,8 +105,12 @@ BUILTIN: dict[str, HardwareProfile] = {
             memory_bandwidth=3350 * GB,
             intra_node_bandwidth=450 * GB,
             inter_node_bandwidth=50 * GB,
+            train_efficiency=H100_TRAIN_EFFICIENCY,
+            layer_call_overhead_s=GPU_LAYER_CALL_OVERHEAD_S,
             source="NVIDIA H100 datasheet (SXM5): BF16 989 TFLOPS dense, HBM3 3.35 TB/s, NVLink 900 GB/s (450 GB/s "
-            "each way); DGX H100: 8 x 400 Gb/s NDR InfiniBand (50 GB/s per GPU)",
+            "each way); DGX H100: 8 x 400 Gb/s NDR InfiniBand (50 GB/s per GPU). Training efficiency and layer call "
+            "overhead measured on an H100 (benchmarks/gpu_efficiency.py); there decoding's weight reads reached "
+            "0.48-0.78 of the HBM bandwidth (decode_efficiency 0.6)",
         ),
         HardwareProfile(
             name="h200",
@@ -92,6 +119,8 @@ BUILTIN: dict[str, HardwareProfile] = {
             memory_bandwidth=4800 * GB,
             intra_node_bandwidth=450 * GB,
             inter_node_bandwidth=50 * GB,
+            train_efficiency=H100_TRAIN_EFFICIENCY,
+            layer_call_overhead_s=GPU_LAYER_CALL_OVERHEAD_S,
             source="NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 989 TFLOPS dense, NVLink 900 GB/s; "
             "DGX H200: 8 x 400 Gb/s NDR InfiniBand (50 GB/s per GPU)",
         ),

@@ -58,15 +58,29 @@ def _flow_run_state(flow_run_id: str) -> tuple[str, str]:
     return state.type.value, state.message or ""
 
 
+def _subflows(flow_run_id: str) -> list:
+    """The flow run's subflow runs (one per iteration), from the Prefect server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        of_run = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+        return client.read_flow_runs(flow_run_filter=of_run)
+
+
 def _task_names(flow_run_id: str) -> set[str]:
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
     async def read():
         async with get_client() as client:
-            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            subflows = await client.read_flow_runs(  # the iterations (each one's stages are its task runs)
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+            )
+            ids = [flow_run_id, *(f.id for f in subflows)]
+            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
             flow = await client.read_flow_run(flow_run_id)
             return {r.name.rsplit("-", 1)[0] for r in runs}, flow.state.type.value
 
@@ -265,6 +279,8 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tm
     assert store.latest_checkpoint(run_id).step == 2
     killed = store.get_run(run_id).prefect_flow_run_id
     assert _flow_run_state(killed)[0] == "RUNNING"  # nothing could tell the server
+    [in_iteration_3] = [f for f in _subflows(killed) if f.name == "iteration 3"]
+    assert in_iteration_3.state.type.value == "RUNNING"
 
     result = _hf(prefect_api, "resume", run_id, "--db", db)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -273,6 +289,7 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tm
     # the controller that took over marked the dead one's flow run crashed, naming its own
     state, message = _flow_run_state(killed)
     assert state == "CRASHED" and store.get_run(run_id).prefect_flow_run_id in message, message
+    assert _flow_run_state(str(in_iteration_3.id))[0] == "CRASHED"  # and the iteration it was in
     resumed = _by_step(store, run_id)
     assert sorted(resumed) == [1, 2, 3, 4]
     # On CPU the resumed iterations are bit-identical (same weights, optimizer state, data cursor, and sampling
@@ -349,7 +366,14 @@ def test_the_local_prefect_server_killed_mid_run_is_restarted_and_the_run_comple
         api = f"http://127.0.0.1:{served['port']}/api"
         [flow_run] = [f for f in httpx.post(f"{api}/flow_runs/filter", json={}).json() if run_id in f["name"]]
         assert flow_run["state_type"] == "COMPLETED", flow_run["state_type"]
-        of_run = {"flow_runs": {"id": {"any_": [flow_run["id"]]}}, "limit": 200}
+        children = {"flow_runs": {"parent_flow_run_id": {"any_": [flow_run["id"]]}}}
+        subflows = httpx.post(f"{api}/flow_runs/filter", json=children).json()  # one per iteration
+        # iterations whose subflow could not start while the server was down ran without one; any whose end it
+        # missed is recorded once it answers again
+        names = {f["name"] for f in subflows}
+        assert "iteration 1" in names and names <= {f"iteration {step}" for step in (1, 2, 3, 4)}, names
+        assert {f["state_type"] for f in subflows} == {"COMPLETED"}
+        of_run = {"flow_runs": {"id": {"any_": [flow_run["id"], *(f["id"] for f in subflows)]}}, "limit": 200}
         task_runs = httpx.post(f"{api}/task_runs/filter", json=of_run).json()
         assert task_runs and {t["state_type"] for t in task_runs} == {"COMPLETED"}
         of_run = {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}}
@@ -817,3 +841,47 @@ def test_four_pool_run_killed_mid_iteration_resumes_bit_identically(prefect_api,
         assert len(spans) == 9 and all(a.ended_at <= b.started_at for a, b in itertools.pairwise(spans)), step
     placements = store.placements(run_id)
     assert {p.group_name for p in placements} == set(FOUR_POOLS) and len(placements) == 2 * 6  # both sessions
+
+
+def test_an_iteration_runs_once_and_ungrouped_where_prefect_does_not_answer_for_its_subflow(prefect_api):
+    """`IterationSubflows`: each iteration in a subflow of the run's flow run, named after it; where the Prefect
+    server does not answer when the subflow would start (here: the client pointed at a closed port), the iteration
+    runs anyway, once, without a subflow, and the next iterations skip the try for `retry_after_s`; an error of the
+    iteration itself is raised as it is (its subflow Failed), never run twice."""
+    import time
+
+    from prefect import flow
+    from prefect.context import FlowRunContext
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from hybridflow.flows.reporting import IterationSubflows
+
+    ran: list[int] = []
+
+    def iteration(n: int):
+        def body() -> str:
+            ran.append(n)
+            if n == 5:
+                raise KeyError("the iteration's own error")
+            return f"result {n}"
+
+        return body
+
+    @flow(name="subflow-test")
+    def parent() -> str:
+        subflows = IterationSubflows()
+        assert subflows.run(1, iteration(1)) == "result 1"
+        with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):  # nothing listens on port 9
+            assert subflows.run(2, iteration(2)) == "result 2"
+        assert subflows.paused_until > time.monotonic()
+        assert subflows.run(3, iteration(3)) == "result 3"  # paused: not tried
+        subflows.paused_until = 0.0
+        assert subflows.run(4, iteration(4)) == "result 4"
+        with pytest.raises(KeyError, match="own error"):
+            subflows.run(5, iteration(5))
+        return str(FlowRunContext.get().flow_run.id)
+
+    parent_id = parent()
+    assert ran == [1, 2, 3, 4, 5]  # each once
+    states = {f.name: f.state.type.value for f in _subflows(parent_id)}
+    assert states == {"iteration 1": "COMPLETED", "iteration 4": "COMPLETED", "iteration 5": "FAILED"}, states

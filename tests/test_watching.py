@@ -223,15 +223,16 @@ def test_version_is_hybridflows():
 
 
 def _prefect(flow_run_id: str):
-    """The flow run, its task runs, logs (oldest first) and artifacts, each read with a server-side filter on the
-    flow run and paged: the server answers at most ``PREFECT_API_DEFAULT_LIMIT`` (200) rows a read, and the test
-    session's one server holds every run's rows."""
+    """The flow run, its and its subflows' task runs, its logs (oldest first) and artifacts, and its subflows' ids
+    by name, each read with a server-side filter on the flow run and paged: the server answers at most
+    ``PREFECT_API_DEFAULT_LIMIT`` (200) rows a read, and the test session's one server holds every run's rows."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterFlowRunId,
         FlowRunFilter,
         FlowRunFilterId,
+        FlowRunFilterParentFlowRunId,
         LogFilter,
         LogFilterFlowRunId,
     )
@@ -248,9 +249,11 @@ def _prefect(flow_run_id: str):
     async def read():
         async with get_client() as client:
             flow_run = await client.read_flow_run(flow_run_id)
-            tasks = await paged(
-                client.read_task_runs, flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            subflows = await client.read_flow_runs(  # one per iteration, holding its stages' task runs
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
             )
+            ids = [flow_run_id, *(f.id for f in subflows)]
+            tasks = await paged(client.read_task_runs, flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)))
             logs = await paged(
                 client.read_logs,
                 log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
@@ -260,18 +263,29 @@ def _prefect(flow_run_id: str):
                 client.read_artifacts,
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])),
             )
-            return flow_run, tasks, logs, artifacts
+            return flow_run, tasks, logs, artifacts, {f.name: f.id for f in subflows}
 
     return asyncio.run(read())
 
 
 def test_prefect_shows_the_run(watched):
     run = watched["run"]
-    flow_run, tasks, logs, artifacts = _prefect(run.prefect_flow_run_id)
+    flow_run, tasks, logs, artifacts, subflows = _prefect(run.prefect_flow_run_id)
     assert flow_run.name == f"watch/{run.id}"
     assert {"experiment:watch", "algorithm:grpo", "executor:local", "actor:ddp"} <= set(flow_run.tags)
     names = {t.name for t in tasks}
     assert {"generate-1", "update_actor-1", "update_actor-2", "validate-0", "validate-2", "checkpoint-2"} <= names
+    # the timeline groups each iteration's stages under its subflow; validations and checkpoints stay on the run's
+    assert set(subflows) == {"iteration 1", "iteration 2"}
+    by_flow = {}
+    for t in tasks:
+        by_flow.setdefault(t.flow_run_id, set()).add(t.name)
+    for step in (1, 2):
+        inside = by_flow[subflows[f"iteration {step}"]]
+        assert {f"generate-{step}", f"update_actor-{step}", f"reward-{step}"} <= inside, inside
+        assert all(name.endswith(f"-{step}") for name in inside), inside
+    assert {"validate-0", "validate-2", "checkpoint-2"} <= by_flow[flow_run.id]
+    assert not any(name.startswith(("generate-", "update_actor-")) for name in by_flow[flow_run.id])
     lines = [log.message for log in logs]
     assert any("rank 0: update_actor done in" in line for line in lines), lines[:20]  # a worker's line
     assert any(line.startswith("[actor_rollout_ref ") for line in lines)

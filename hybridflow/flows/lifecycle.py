@@ -69,9 +69,9 @@ def flow_run_ui_url() -> str | None:
 def take_over_flow_run(store: RunStore, run_id: str) -> None:
     """Record this flow run as the run's Prefect flow run. The one recorded before, still RUNNING (or PENDING) in
     Prefect, belonged to a controller that died without a word (SIGKILL, a lost node: nothing could tell the
-    server, which would show it running forever); it is set Crashed, naming the flow run that took over. This
-    controller holds the run's lease, so that controller is gone. Prefect unreachable: a warning, never a failure
-    (reporting must not cost training)."""
+    server, which would show it running forever); it is set Crashed, naming the flow run that took over, and so is
+    the subflow of the iteration it was in. This controller holds the run's lease, so that controller is gone.
+    Prefect unreachable: a warning, never a failure (reporting must not cost training)."""
     if not flow_run.id:
         return
     previous = store.get_run(run_id).prefect_flow_run_id
@@ -79,15 +79,22 @@ def take_over_flow_run(store: RunStore, run_id: str) -> None:
     if not previous or previous == str(flow_run.id):
         return
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
+    live = (StateType.RUNNING, StateType.PENDING)
     try:
         with get_client(sync_client=True) as client:
             old = client.read_flow_run(UUID(previous))
-            if old.state is not None and old.state.type in (StateType.RUNNING, StateType.PENDING):
+            if old.state is not None and old.state.type in live:
                 message = f"its controller died; run {run_id} continues in flow run {flow_run.id}"
                 client.set_flow_run_state(UUID(previous), Crashed(message=message), force=True)
+                # the iteration it was in: its subflow
+                of_old = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[UUID(previous)]))
+                for sub in client.read_flow_runs(flow_run_filter=of_old):
+                    if sub.state is not None and sub.state.type in live:
+                        client.set_flow_run_state(sub.id, Crashed(message=message), force=True)
     except Exception as error:  # noqa: BLE001 - the server's bookkeeping, not the run's
         logger.warning("could not mark the earlier flow run %s of run %s crashed: %s", previous, run_id, error)
 

@@ -16,12 +16,16 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
-from prefect.context import TagsContext
+import httpx
+from prefect import flow
+from prefect.context import FlowRunContext, SettingsContext, TagsContext, get_settings_context
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.generations import decode_generations
@@ -329,3 +333,77 @@ class FlowLogs:
         root.setLevel(self.level)
         self.handler.flush()
         self.handler = None
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class IterationSubflows:
+    """Runs each iteration as the subflow ``iteration <N>`` of the current flow run: the Prefect UI's timeline groups
+    each iteration's stages under it ("iteration 12" > ``update_actor-12``).
+
+    Reporting never costs training: a subflow run is created and ended by calls to the Prefect server (task runs go
+    as buffered events), so where the server does not answer (it died, it restarts) the iteration runs anyway, once:
+    without its subflow if the subflow could not start, with its result kept if the subflow could not record its
+    end (that end is recorded later: `flush`); the next `retry_after_s` seconds of iterations then run without
+    subflows (each try waits out the client's retries)."""
+
+    retry_after_s: float = 10.0
+    paused_until: float = 0.0  # time.monotonic() before which iterations run without subflows
+    unrecorded: list[Any] = field(default_factory=list)  # ids of subflows whose end Prefect did not take
+    _settings: tuple[Any, Any] | None = None  # (the current Prefect settings, the same without heartbeats)
+
+    def run(self, iteration: int, body: Callable[[], T]) -> T:
+        """`body()` in the subflow of iteration `iteration` (no parameters, no result kept: the controller's objects
+        stay out of Prefect's records). An error raised by `body` is raised here as it is."""
+        if time.monotonic() < self.paused_until:
+            return body()
+        self.flush()
+        outcome: dict[str, Any] = {}
+
+        def iteration_stages() -> T:
+            outcome["id"] = FlowRunContext.get().flow_run.id
+            outcome["result"] = body()
+            return outcome["result"]
+
+        subflow = flow(iteration_stages, name="iteration", flow_run_name=f"iteration {iteration}", persist_result=False)
+        try:
+            with self._quiet_settings():
+                return subflow()
+        except (httpx.HTTPError, OSError) as error:
+            if "id" in outcome and "result" not in outcome:  # the iteration's own error
+                raise
+            self.paused_until = time.monotonic() + self.retry_after_s
+            if "result" in outcome:
+                logger.warning("iteration %d done; Prefect did not take its subflow's end: %s", iteration, error)
+                self.unrecorded.append(outcome["id"])
+                return outcome["result"]
+            logger.warning("Prefect does not answer (%s): iteration %d runs without its subflow", error, iteration)
+            return body()
+
+    def _quiet_settings(self) -> SettingsContext:
+        """The current Prefect settings without flow run heartbeats, for the subflow: the run's flow run sends
+        them, and stopping a subflow's heartbeat thread cost up to 1 s at its end. One settings object for all
+        subflows while the current settings stay the same (Prefect's clients are cached per settings)."""
+        current = get_settings_context()
+        if self._settings is None or self._settings[0] is not current.settings:
+            quiet = current.settings.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+            self._settings = (current.settings, quiet)
+        return SettingsContext(profile=current.profile, settings=self._settings[1])
+
+    def flush(self) -> None:
+        """Record Completed the subflows whose end Prefect did not take (best effort: kept for a later try)."""
+        if not self.unrecorded:
+            return
+        from prefect.client.orchestration import get_client
+        from prefect.states import Completed
+
+        try:
+            with get_client(sync_client=True) as client:
+                while self.unrecorded:
+                    done = Completed(message="its end was recorded after the Prefect server answered again")
+                    client.set_flow_run_state(self.unrecorded[0], done, force=True)
+                    self.unrecorded.pop(0)
+        except (httpx.HTTPError, OSError) as error:
+            logger.warning("Prefect does not answer (%s): %d subflows stay Running there", error, len(self.unrecorded))

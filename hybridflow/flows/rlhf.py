@@ -14,6 +14,7 @@ finished and checkpointed. The run is then recorded ``interrupted`` and `hf resu
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import shutil
@@ -23,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, tags
+from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, wait
+from prefect.utilities.callables import get_call_parameters
 
 from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, reward_shaping
 from hybridflow.engine.algorithms.kl import KLController
@@ -55,7 +58,14 @@ from hybridflow.flows.lifecycle import (
     usable_checkpoint,
 )
 from hybridflow.flows.preflight import prompt_sets
-from hybridflow.flows.reporting import FlowLogs, RunReport, flow_run_name, flow_run_tags, untagged_task_runs
+from hybridflow.flows.reporting import (
+    FlowLogs,
+    IterationSubflows,
+    RunReport,
+    flow_run_name,
+    flow_run_tags,
+    untagged_task_runs,
+)
 from hybridflow.flows.store.run_store import RunStore
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker_group import WorkerGroupError
@@ -127,6 +137,7 @@ class StageRunner:
     lagrangian: LagrangeMultiplier | None = None
     watch: PreemptionWatch | None = None
     logs: FlowLogs | None = None
+    run_flow: FlowRunContext | None = None  # the run's flow run (outside the iteration's subflow), for `submit`
 
     def __call__(self, *calls: Call) -> list[Any]:
         """Run `calls`, none of which needs another's result: those on one worker group one after another in the
@@ -169,12 +180,17 @@ class StageRunner:
     def submit(self, call: Call, after: PrefectFuture | None = None) -> PrefectFuture:
         """Start `call` as a Prefect task future once `after` has ended (Prefect's ``wait_for``) and return at once:
         the overlapped modes' generations ahead and weight pushes, queued in order on the rollout's pool while the
-        actor's trains; `result` waits for it."""
+        actor's trains; `result` waits for it. Such a call outlives its iteration, so it runs as a task of the run's
+        flow run (`run_flow`), not of the iteration's subflow: Prefect runs no task of a flow run that has ended,
+        and a subflow's task runner cancels what is left of its own at the end."""
         batch = call.args[0] if call.args and isinstance(call.args[0], DataHandle) else None
         steps = batch.meta_info.get("global_steps", self.step) if batch is not None else self.step
         enter_stage(call.stage, steps + 1, self.step)  # a generation ahead is named after the iteration it is for
         task = stages.ITERATION_TASKS[call.stage]
-        return task.submit(self.workers[call.role], *call.args, wait_for=[after] if after is not None else None)
+        args, wait_for = (self.workers[call.role], *call.args), [after] if after is not None else None
+        if self.run_flow is None:
+            return task.submit(*args, wait_for=wait_for)
+        return contextvars.copy_context().run(_submit_in, self.run_flow, task, args, wait_for)
 
     def result(self, pending: Any) -> Any:
         """The result of a `submit`ted call once it has ended (its error raised); a result in hand as it is."""
@@ -203,6 +219,12 @@ class StageRunner:
         keys += ["attention_mask", *_present(batch, "values", "rm_scores", "rollout_version")]
         keys += [k for k in batch.keys if k.startswith(("reward_extra/", "agent/"))]
         return batch.select(keys).load()
+
+
+def _submit_in(run_flow: FlowRunContext, task, args: tuple, wait_for: list | None) -> PrefectFuture:
+    """Submit `task` on `run_flow`'s task runner, as a task run of that flow run (called in a copied context)."""
+    FlowRunContext.__var__.set(run_flow)
+    return run_flow.task_runner.submit(task, get_call_parameters(task.fn, args, {}), wait_for)
 
 
 @dataclass
@@ -319,6 +341,8 @@ def _session(
         kl_ctrl = build_kl_controller(cfg.algorithm) if cfg.algorithm.use_kl_in_reward else None
         lagrangian = build_lagrangian(cfg.algorithm)  # Safe-RLHF's multiplier (None without algorithm.cost_limit)
         workers = launch_workers(cfg, run_id, store, run_dir)
+        run_flow = FlowRunContext.get()  # the iterations' subflows submit their overlapped calls to it
+        subflows = IterationSubflows()
         logs.pump()
         start, queue = _resume(store, run_id, cfg, workers, prompts, data_dir, kl_ctrl, lagrangian, resume_from_step)
         # a resume logs from the iteration after its checkpoint (from step 0, the validation before training, if none)
@@ -344,11 +368,13 @@ def _session(
             lease.check()
             state_before = _trainer_state(step, prompts, kl_ctrl, lagrangian)
             queued_before = len(queue.ahead) if queue is not None else 0  # drawn before state_before's sampler cursor
-            store.start_iteration(run_id, step + 1)
+
+            def started(step: int = step) -> tuple[dict[str, float], Any, list[Span]]:
+                store.start_iteration(run_id, step + 1)  # in its subflow: an iteration on record has its subflow run
+                return _iteration(cfg, workers, prompts, kl_ctrl, step, data_dir, logs, lagrangian, queue, run_flow)
+
             try:
-                metrics, train_kept, timeline = _iteration(
-                    cfg, workers, prompts, kl_ctrl, step, data_dir, logs, lagrangian, queue
-                )
+                metrics, train_kept, timeline = subflows.run(step + 1, started)
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
@@ -382,6 +408,7 @@ def _session(
             )
             if warned and not last:
                 return PreemptionWatch(workers).ended(step + 1, step + 1 - start, "; ".join(warned), metrics)
+        subflows.flush()
         store.set_status(run_id, "completed")
         completed = True
         return metrics
@@ -469,9 +496,11 @@ def _iteration(
     logs: FlowLogs | None = None,
     lagrangian: LagrangeMultiplier | None = None,
     queue: RolloutQueue | None = None,
+    run_flow: FlowRunContext | None = None,
 ) -> tuple[dict[str, float], Any, list[Span]]:
     """One iteration (`hybridflow.engine.iteration.run_iteration`, the one the single-process trainer runs too), its
-    stages as tasks on the worker groups (`StageRunner`), with the overlapped modes' rollout `queue`. Returns its
+    stages as tasks on the worker groups (`StageRunner`), with the overlapped modes' rollout `queue` (whose calls
+    run as tasks of `run_flow`, the run's flow run, when this runs in a subflow of it). Returns its
     metrics (field-standard names), the first ``trainer.log_train_generations`` scored rollout rows (a `DataProto`;
     None when 0) and its timeline (the span of every stage that ended during it: a generation admitted ahead counts in
     the iteration it ends in). A failed or stopped iteration waits for the rollout's pool to end its calls before it
@@ -483,7 +512,8 @@ def _iteration(
     """
     timer = queue.timer if queue is not None else Timer()
     token = stages.TIMER.set(timer)
-    runner = StageRunner(cfg, workers, prompts, data_dir, step, kl_ctrl, lagrangian, PreemptionWatch(workers), logs)
+    watch = PreemptionWatch(workers)
+    runner = StageRunner(cfg, workers, prompts, data_dir, step, kl_ctrl, lagrangian, watch, logs, run_flow)
     try:
         done = run_iteration(cfg, runner, step, timer, queue)
     except BaseException:

@@ -249,3 +249,39 @@ def test_a_verl_config_file_is_read_with_its_interpolations_and_overridden_by_th
     verl_file.write_text("data:\n  train_files: ${oc.env:HOME}/x.parquet\n")
     with pytest.raises(ConfigError, match=r"data.train_files: .* interpolates what hf verl cannot resolve"):
         translate([], verl_file)
+
+
+def test_verls_megatron_scripts_name_its_own_config_and_need_no_file(tmp_path, tiny_model_dir):
+    """verl's megatron scripts (examples/grpo_trainer/run_qwen2-7b_math_megatron.sh, ppo_trainer/
+    run_qwen2-7b_math_gsm8k_megatron.sh) start with ``--config-path=config --config-name='ppo_megatron_trainer.yaml'``,
+    a file of verl's own tree: hf verl takes the name for what that file sets (the actor's and critic's megatron
+    strategy) and refuses a name it does not know with the names it does."""
+    from hybridflow.engine.config.verl import VERL_CONFIG_NAMES
+
+    train, val = _data(tmp_path)
+    script = [
+        "algorithm.adv_estimator=gae", f"data.train_files={train}", f"data.val_files={val}", "data.train_batch_size=4",
+        f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4",
+    ]  # fmt: skip
+    cfg = load_config(None, translate(script, None, "ppo_megatron_trainer").overrides)
+    assert (cfg.actor.strategy, cfg.critic.strategy, cfg.actor.tp, cfg.actor.pp) == ("megatron", "megatron", 2, 2)
+    with pytest.raises(ConfigError, match="use actor.strategy=megatron"):  # verl's ppo_trainer.yaml: fsdp
+        load_config(None, translate(script).overrides)
+    for name in ("ppo_megatron_trainer.yaml", "ppo_megatron_trainer"):  # as verl's scripts write it
+        shown = subprocess.run(
+            [HF, "verl", "--dry-run", "--config-path=config", f"--config-name={name}", *script],
+            capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert "strategy: megatron" in shown.stdout, shown.stdout
+    refused = subprocess.run(
+        [HF, "verl", "--dry-run", "--config-path=config", "--config-name=ppo_nope", *script],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == 2
+    assert "config/ppo_nope.yaml is not a file, nor one of verl's own config files" in refused.stdout
+    assert all(name in refused.stdout for name in VERL_CONFIG_NAMES)

@@ -146,7 +146,12 @@ def verl(
         Path | None, typer.Option("--config-path", help="Hydra's: the folder of a verl config file")
     ] = None,
     config_name: Annotated[
-        str | None, typer.Option("--config-name", help="Hydra's: the verl config file's name (without .yaml)")
+        str | None,
+        typer.Option(
+            "--config-name",
+            help="Hydra's: the verl config file's name (.yaml optional); verl's own ppo_trainer and "
+            "ppo_megatron_trainer need no file",
+        ),
     ] = None,
     override: Annotated[
         list[str] | None, typer.Option("-o", "--override", help="HybridFlow's own key.sub=value, after verl's keys")
@@ -163,17 +168,24 @@ def verl(
     anything runs. Keys not given take verl's defaults where those change what is computed (adv_estimator gae,
     train_batch_size 1024, rollout.n 1, ...). The run is then recorded and trained as hf run does."""
     from hybridflow.engine.config import ConfigError, load_config
-    from hybridflow.engine.config.verl import translate
+    from hybridflow.engine.config.verl import VERL_CONFIG_NAMES, translate
 
-    config_file = None
+    config_file = verls_own = None
     if config_name:
         name = config_name if config_name.endswith(".yaml") else f"{config_name}.yaml"
         config_file = (config_path or Path(".")) / name
-        if not config_file.is_file():
-            console.print(f"--config-path/--config-name: {config_file} is not a file", style="red")
+        if not config_file.is_file() and name.removesuffix(".yaml") in VERL_CONFIG_NAMES:
+            config_file, verls_own = None, name.removesuffix(".yaml")  # verl's own, as its scripts name it
+        elif not config_file.is_file():
+            console.print(
+                f"--config-path/--config-name: {config_file} is not a file, nor one of verl's own config files "
+                f"({', '.join(VERL_CONFIG_NAMES)})",
+                style="red",
+                markup=False,
+            )
             raise typer.Exit(2)
     try:
-        translation = translate(list(overrides or []), config_file)
+        translation = translate(list(overrides or []), config_file, verls_own)
         cfg = load_config(None, translation.overrides + _overrides(override, executor))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         console.print(str(e), style="red", markup=False)

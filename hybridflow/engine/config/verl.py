@@ -489,6 +489,19 @@ VERL_DEFAULTS: dict[str, Any] = {
 }
 """verl's defaults (``verl/trainer/config/ppo_trainer.yaml``) that change what is computed and differ from ours."""
 
+VERL_CONFIG_NAMES: dict[str, dict[str, Any]] = {
+    "ppo_trainer": {},
+    "ppo_megatron_trainer": {
+        f"{ARR}.actor.strategy": "megatron",
+        f"{ARR}.ref.strategy": "megatron",
+        "critic.strategy": "megatron",
+    },
+}
+"""verl's own config files (``verl/trainer/config``), as its scripts name them (``--config-path=config
+--config-name='ppo_megatron_trainer.yaml'``): what each sets that changes what is computed, beyond `VERL_DEFAULTS`.
+``ppo_megatron_trainer.yaml`` sets the megatron strategy of the actor, ref, critic and reward model; the reward model
+scores with fsdp here (the same scores)."""
+
 _INHERITED = {
     "critic.ppo_mini_batch_size": f"{ARR}.actor.ppo_mini_batch_size",
     "critic.ppo_epochs": f"{ARR}.actor.ppo_epochs",
@@ -564,10 +577,13 @@ class Translation:
     no_effect: list[tuple[str, str]]
 
 
-def translate(overrides: list[str], config_file: str | Path | None = None) -> Translation:
+def translate(
+    overrides: list[str], config_file: str | Path | None = None, config_name: str | None = None
+) -> Translation:
     """Translate verl's Hydra overrides (``["algorithm.adv_estimator=grpo", ...]``, values parsed as YAML) over an
-    optional verl config file into HybridFlow overrides, with verl's defaults (`VERL_DEFAULTS`) for the keys not
-    given and verl's interpolations (`_INHERITED`).
+    optional verl config file (or one of verl's own, by `config_name`: `VERL_CONFIG_NAMES`) into HybridFlow
+    overrides, with verl's defaults (`VERL_DEFAULTS`) for the keys not given and verl's interpolations
+    (`_INHERITED`).
 
     ``trainer.total_epochs`` (unless ``trainer.total_training_steps`` is given) becomes ``trainer.total_iterations``
     = epochs x (rows of ``data.train_files`` // ``data.train_batch_size``), so the files are read for their row
@@ -576,7 +592,8 @@ def translate(overrides: list[str], config_file: str | Path | None = None) -> Tr
     Raises:
         ConfigError: listing every unsupported key (with the nearest supported one) or unsupported value, or a
             malformed override; nothing is run."""
-    given = read_verl_file(config_file) if config_file else {}
+    given = dict(VERL_CONFIG_NAMES[config_name]) if config_name else {}
+    given.update(read_verl_file(config_file) if config_file else {})
     given.update({k.lstrip("+"): v for k, v in parse_overrides(overrides).items()})
     values = {**VERL_DEFAULTS, **given}
     for key, source in _INHERITED.items():

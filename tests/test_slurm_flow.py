@@ -184,7 +184,7 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
         assert f"rank 0: weights v{version} received by gloo broadcast" in received
 
 
-TOTAL = 80  # iterations (0.09-0.6 s each): more than run between a fault and its detection (Slurm polled every 2 s)
+TOTAL = 48  # iterations (1.8 s each on Slurm here): more than run between a fault and its detection (polled every 2 s)
 
 
 def _held_reward(root: Path) -> str:
@@ -301,7 +301,9 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     assert len(resubmitted) + len(timed_out) + len(cancel) + 2 == len(relaunches), relaunches
     jobs = [p.slurm_job_id for p in store.placements(run_id)]
     assert len(set(jobs)) == len(relaunches) + 1  # an allocation each
-    assert [c.step for c in store.checkpoints(run_id)] == [*(r.resumed_from for r in resubmitted), TOTAL]
+    # each resubmission goes on from a checkpoint on record: the one its warning took, or, for a warning read before
+    # the iteration's first update (nothing of it applied), the one the iteration began from
+    assert [c.step for c in store.checkpoints(run_id)] == [*sorted({r.resumed_from for r in resubmitted}), TOTAL]
     assert "resubmitting the worker groups" in log.read_text()
     waiting = [line for line in log.read_text().splitlines() if "waits in the queue" in line]  # once per reason
     assert waiting and all("reason: " in w and "partition (default)" in w for w in waiting), waiting

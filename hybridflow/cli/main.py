@@ -174,8 +174,8 @@ def verl(
     if config_name:
         name = config_name if config_name.endswith(".yaml") else f"{config_name}.yaml"
         config_file = (config_path or Path(".")) / name
-        if not config_file.is_file() and name.removesuffix(".yaml") in VERL_CONFIG_NAMES:
-            config_file, verls_own = None, name.removesuffix(".yaml")  # verl's own, as its scripts name it
+        if not config_file.is_file() and (stem := name.removesuffix(".yaml")) in VERL_CONFIG_NAMES:
+            config_file, verls_own = None, stem  # verl's own, as its scripts name it
         elif not config_file.is_file():
             console.print(
                 f"--config-path/--config-name: {config_file} is not a file, nor one of verl's own config files "

@@ -184,7 +184,8 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
         assert f"rank 0: weights v{version} received by gloo broadcast" in received
 
 
-TOTAL = 48  # iterations (1.8 s each on Slurm here): more than run between a fault and its detection (polled every 2 s)
+TOTAL = 16  # iterations: more than the run reaches before its drained node holds it (each fault comes within an
+# iteration of its job's start, a kill or a drain goes back to the last checkpoint; Slurm is polled every 2 s)
 
 
 def _held_reward(root: Path) -> str:

@@ -44,6 +44,7 @@ from hybridflow.cli.common import (
 from hybridflow.cli.config_show import config_app
 from hybridflow.cli.data_check import data_app
 from hybridflow.cli.runs import runs_app
+from hybridflow.engine.fast_exit import exit_process
 
 app = typer.Typer(help="HybridFlow: RLHF (PPO, GRPO, RLOO) with a single controller.", no_args_is_help=True)
 models_app = typer.Typer(help="Embedded models (no model hub needed).", no_args_is_help=True)
@@ -895,7 +896,7 @@ def main() -> None:
         app()
     except SystemExit as done:
         _leave_an_unreachable_prefect_server(done.code)
-        raise
+        exit_process(done.code)  # without the 2-3 s teardown of torch's modules (hybridflow.engine.fast_exit)
 
 
 def _leave_an_unreachable_prefect_server(code: int | str | None) -> None:

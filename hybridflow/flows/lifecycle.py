@@ -10,6 +10,7 @@ import logging
 import os
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,8 +238,11 @@ def launch_workers(
             workers.by_role.update({role: workers.groups[name] for role in pool.roles})
         for group in workers.groups.values():
             group.wait_ready()
+        # every group loads its models at once (separate processes): a run of four pools waits for the slowest
+        with ThreadPoolExecutor(max_workers=len(workers.groups)) as pool_loads:
+            loads = {name: pool_loads.submit(group.init_model) for name, group in workers.groups.items()}
         for name, group in workers.groups.items():
-            counts = group.init_model()[0]  # rank 0's parameter counts of its roles
+            counts = loads[name].result()[0]  # rank 0's parameter counts of its roles
             rows = [
                 {"role": role, **group.placement, "parallel": _with_counts(parallel_record(cfg, role), role, counts)}
                 for role in pools[name].roles

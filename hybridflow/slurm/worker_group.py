@@ -605,8 +605,9 @@ class WorkerGroup:
             with contextlib.suppress(zmq.ZMQError):  # a dead rank cannot be told
                 self._endpoint.send(self._identity(rank), {"type": "shutdown"})
         deadline = time.monotonic() + timeout_s
+        poll_s = 0.05 if self.spec.executor == "local" else 0.5  # a process poll, or a query to Slurm
         while not self._ended() and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(poll_s)
         if not self._ended():
             self._kill()
         self._endpoint.close()

@@ -896,7 +896,7 @@ def main() -> None:
         app()
     except SystemExit as done:
         _leave_an_unreachable_prefect_server(done.code)
-        exit_process(done.code)  # without the 2-3 s teardown of torch's modules (hybridflow.engine.fast_exit)
+        exit_process(done.code)  # without the 2 s teardown of torch's modules (hybridflow.engine.fast_exit)
 
 
 def _leave_an_unreachable_prefect_server(code: int | str | None) -> None:

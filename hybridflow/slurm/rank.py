@@ -269,7 +269,7 @@ def serve(boot: Bootstrap) -> None:
         stop.set()
         conn.close()
         _shutdown_distributed()
-    # told to shut down, everything closed: end now rather than in the interpreter's 2-3 s teardown of torch's
+    # told to shut down, everything closed: end now rather than in the interpreter's 2 s teardown of torch's
     # modules, which the controller would wait for (no result is read back from a rank's job: it exits 0)
     exit_process(0)
 

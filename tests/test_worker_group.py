@@ -1,4 +1,4 @@
-"""Worker groups as real processes (submitit's LocalExecutor), real torch.distributed (gloo), real pyzmq."""
+"""Worker groups as real processes (forked by the local fork server), real torch.distributed (gloo), real pyzmq."""
 
 import os
 import re

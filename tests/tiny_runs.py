@@ -4,6 +4,7 @@ The tiny random model never answers arithmetic right, so a reward that varies ac
 characters) is needed for non-zero advantages; it is written to a file and loaded as ``path.py:function``.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -29,15 +30,15 @@ def wait_inside_iteration(proc: subprocess.Popen, store, step: int, log: Path | 
 
 
 def rank_pids(run_id: str, group: str) -> list[int]:
-    """The pids of worker group `group`'s ranks of run `run_id` (local executor: submitit's processes, found by
-    their command line in /proc)."""
+    """The pids of worker group `group`'s ranks of run `run_id` (local executor: the processes whose stderr is a
+    log file in the group's log folder ``<run>/submitit/<group>/``)."""
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
+            stderr = os.readlink(proc / "fd" / "2")
         except OSError:
             continue
-        if b"submitit.core._submit" in args and any(a.endswith(f"{run_id}/submitit/{group}".encode()) for a in args):
+        if f"/{run_id}/submitit/{group}/" in stderr and stderr.endswith("_log.err"):
             pids.append(int(proc.name))
     return pids
 

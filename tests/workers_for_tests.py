@@ -1,6 +1,7 @@
 """A small worker class for the worker-group tests (loaded by the worker processes as 'path.py:ToyWorker')."""
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,17 @@ class ToyWorker:
     @register(Dispatch.ONE_TO_ALL)
     def noop(self) -> None:
         return None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def process_view(self, variable: str) -> dict:
+        """What this rank's process sees of its start (the local fork server's tests); prints a line to stdout."""
+        print(f"rank {self.rank} says hello on stdout")
+        return {
+            "variable": os.environ.get(variable),
+            "cwd": os.getcwd(),
+            "parent": os.getppid(),
+            "engine_imported": "hybridflow.engine.worker" in sys.modules,  # this module never imports it
+        }
 
     @register(Dispatch.RANK_ZERO)
     def all_reduce(self, x: float) -> float:

@@ -126,6 +126,8 @@ def run(
 def _record_and_train(cfg, store, prefect_api: str | None) -> None:
     """Check the inputs, then (no `store`: a dry run) print the resolved config and stop, or record the run and
     train it."""
+    if store is not None:
+        _warm_local_ranks(cfg)
     _check_inputs(cfg)
     if store is None:
         console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), markup=False, end="")
@@ -303,6 +305,7 @@ def resume(
             f"hf resume {run_id} -o trainer.total_iterations=N"
         )
         raise typer.Exit(0)
+    _warm_local_ranks(cfg)
     _check_inputs(cfg)
     config = cfg.model_dump(mode="json")
     if config != record.config:
@@ -345,6 +348,7 @@ def _resume_supervised(store, record, overrides: list[str], from_checkpoint: str
             f"hf resume {record.id} -o trainer.total_epochs=N"
         )
         raise typer.Exit(0)
+    _warm_local_ranks(cfg)
     _check_inputs(cfg)
     if cfg.model_dump(mode="json") != record.config:
         store.update_config(record.id, cfg.model_dump(mode="json"))
@@ -383,6 +387,17 @@ def _check_inputs(cfg) -> None:
     except InputError as e:
         console.print(f"{e}", style="red")
         raise typer.Exit(2) from None
+
+
+def _warm_local_ranks(cfg) -> None:
+    """Start the fork server of local ranks (`hybridflow.slurm.local`) when `cfg`'s worker groups are local
+    processes: its ~10 s of imports run beside the controller's own start (the input checks, the Prefect server,
+    the flow) instead of before the first rank can serve. A command that stops before launching a group (a refused
+    input) ends the fork server with it."""
+    if cfg.placement.executor == "local":
+        from hybridflow.slurm.local import warm_up
+
+        warm_up()
 
 
 class _Terminated(KeyboardInterrupt):
@@ -609,6 +624,7 @@ def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], 
 
     if not run_ids:
         base = _load_config(config, override, executor)
+        _warm_local_ranks(base)
         _connect_prefect(prefect_api)
         batch = base.data.train_batch_size
         sizes = [(batch, 1), (2 * batch, 1)] + ([(2 * batch, 2)] if len(os.sched_getaffinity(0)) >= 2 else [])
@@ -772,6 +788,7 @@ def rm_train(
     from hybridflow.engine.config import RMTrainingConfig
 
     cfg = _load_config(config, override, executor, RMTrainingConfig)
+    _warm_local_ranks(cfg)
     _check_inputs(cfg)
     folder = _train_new(cfg, "rm", "reward_model", db, prefect_api, "reward-model run")
     console.print(f"reward model: {folder} (use it with -o reward_model.path={folder})")
@@ -805,6 +822,7 @@ def sft_train(
     from hybridflow.flows.preflight import conversation_sets
 
     cfg = _load_config(config, override, executor, SFTTrainingConfig)
+    _warm_local_ranks(cfg)
     _check_inputs(cfg)
     sets = conversation_sets(cfg)
     console.print(f"{len(sets.train)} training and {len(sets.val)} held-out conversations {sets.counts}")

@@ -259,7 +259,7 @@ class FlowLogs:
     """Send the controller's and the workers' log lines to the current Prefect flow run's logs.
 
     While open, the ``hybridflow`` logger (level INFO) has a Prefect API handler stamped with the flow run's id (so
-    lines from any thread arrive); `pump` forwards the lines the worker ranks appended to their submitit logs
+    lines from any thread arrive); `pump` forwards the lines the worker ranks appended to their log files
     (``<run folder>/submitit/<group>/*_log.err``/``.out``) since the last call, as ``hybridflow.workers`` records
     ``[<group> <file>] <line>`` (at most `max_lines` per call; the rest is counted). Files that exist when it opens
     (an earlier session's) are skipped. Outside a flow run it does nothing.

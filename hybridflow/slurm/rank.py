@@ -1,4 +1,5 @@
-"""The worker process: one rank of a worker group, launched by submitit (locally or as a Slurm task).
+"""The worker process: one rank of a worker group (a Slurm task launched by submitit, or a local process forked by
+`hybridflow.slurm.local`).
 
 `serve` runs in every task of the group's job: it joins torch.distributed (gloo on CPU, NCCL on GPU) with the
 group's other ranks, builds the worker class, says hello to the controller (its rank, pid, host and the methods
@@ -48,7 +49,7 @@ STORE_TIMEOUT = timedelta(minutes=5)  # torch.distributed's store operations (ev
 
 @dataclass
 class Bootstrap:
-    """What a worker process needs to start (pickled by submitit into the job; plain values only)."""
+    """What a worker process needs to start (pickled into the job or the forked process; plain values only)."""
 
     group: str
     worker_cls: str  # "package.module:Class" or "path/to/file.py:Class"
@@ -217,10 +218,10 @@ def _ask_rendezvous(conn: WorkerConnection) -> tuple[str, int]:
 
 
 def serve(boot: Bootstrap) -> None:
-    """Run one rank until the controller sends ``shutdown`` (the function each submitit task executes)."""
+    """Run one rank until the controller sends ``shutdown`` (the function each rank's process executes)."""
     os.umask(0o077)  # checkpoint parts, batch files and logs: the run owner's only
     os.environ.update(boot.env)
-    # INFO lines to the rank's log file (submitit's *_log.err), which the controller forwards to the flow's logs
+    # INFO lines to the rank's log file (<job>_<rank>_log.err), which the controller forwards to the flow's logs
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     notice = _SignalNotice()
     notice.install()

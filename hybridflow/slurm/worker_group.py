@@ -1,15 +1,14 @@
-"""Worker groups: N SPMD worker processes launched as one submitit job, persistent across iterations.
+"""Worker groups: N SPMD worker processes launched as one job, persistent across iterations.
 
-The controller (the Prefect flow's process) creates a `WorkerGroup` for a worker class; submitit starts one task
-per rank (`local`: submitit's LocalExecutor, processes on this machine; `slurm`: one Slurm job of ``nodes`` x
-``tasks_per_node`` tasks, submitted with sbatch). Ranks rendezvous for torch.distributed at rank 0's node (gloo on
-CPU, NCCL on GPU): rank 0 listens on a port free at that moment and the controller relays its address to the
-others. Every rank connects back to the controller over the authenticated channel (the controller
+The controller (the Prefect flow's process) creates a `WorkerGroup` for a worker class; one process per rank serves
+it (`local`: processes on this machine, forked by `hybridflow.slurm.local`'s fork server; `slurm`: one Slurm job of
+``nodes`` x ``tasks_per_node`` tasks, submitted with sbatch by submitit). Ranks rendezvous for torch.distributed at
+rank 0's node (gloo on CPU, NCCL on GPU): rank 0 listens on a port free at that moment and the controller relays its
+address to the others. Every rank connects back to the controller over the authenticated channel (the controller
 listens on 127.0.0.1 for local groups and on its cluster address for Slurm groups, never on every interface: see
-`hybridflow.slurm.network`), says hello, and then serves the class's
-registered methods. Calling ``group.method(...)`` (or ``group.call("method", ...)``)
-splits the arguments by the method's dispatch mode, runs it on the ranks, and gathers the results; batches go as
-`DataHandle`\\ s, never through the channel.
+`hybridflow.slurm.network`), says hello, and then serves the class's registered methods. Calling
+``group.method(...)`` (or ``group.call("method", ...)``) splits the arguments by the method's dispatch mode, runs it
+on the ranks, and gathers the results; batches go as `DataHandle`\\ s, never through the channel.
 
 A dead rank never hangs the caller: while it waits, the group watches every rank's heartbeat and the job; a rank
 that stops beating for ``heartbeat_timeout_s`` (killed, stopped) or exits raises `WorkerGroupError` naming the
@@ -27,9 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -48,6 +45,7 @@ from hybridflow.slurm import cluster, network
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, read_secret
 from hybridflow.slurm.dispatch import gather_results, split_arguments
 from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.local import LocalJob
 from hybridflow.slurm.rank import Bootstrap, decode_args, encode_args, serve
 
 logger = logging.getLogger(__name__)
@@ -245,24 +243,22 @@ class WorkerGroup:
             raise
 
     # ------------------------------------------------------------------ start
-    def _submit(self, boot: Bootstrap) -> submitit.Job:
+    def _submit(self, boot: Bootstrap) -> submitit.Job | LocalJob:
         spec = self.spec
         if spec.executor == "local":
             if spec.nodes != 1:
                 raise ValueError(f"group {spec.name!r}: the local executor runs one node, not {spec.nodes}")
-            executor = submitit.LocalExecutor(folder=self.log_dir)
-            executor.update_parameters(nodes=1, tasks_per_node=spec.tasks_per_node, timeout_min=spec.timeout_min)
-        elif spec.executor == "slurm":
-            executor = submitit.SlurmExecutor(folder=self.log_dir, python=sys.executable)
-            executor.update_parameters(
-                nodes=spec.nodes,
-                ntasks_per_node=spec.tasks_per_node,
-                time=spec.timeout_min,
-                job_name=f"hybridflow-{spec.name}",
-                **spec.slurm,
-            )
-        else:
+            return LocalJob(self.log_dir, spec.tasks_per_node, serve, boot)
+        if spec.executor != "slurm":
             raise ValueError(f"unknown executor {spec.executor!r} for group {spec.name!r}; use 'local' or 'slurm'")
+        executor = submitit.SlurmExecutor(folder=self.log_dir, python=sys.executable)
+        executor.update_parameters(
+            nodes=spec.nodes,
+            ntasks_per_node=spec.tasks_per_node,
+            time=spec.timeout_min,
+            job_name=f"hybridflow-{spec.name}",
+            **spec.slurm,
+        )
         return executor.submit(serve, boot)
 
     def _wait_for_hello(self) -> None:
@@ -476,12 +472,10 @@ class WorkerGroup:
         """Raise if the job has ended, or (Slurm) if one of its nodes is down or drained. Returns the Slurm job's
         state (``RUNNING``, ``PENDING``...; polled every ``slurm_poll_s``) or ``""`` for local groups."""
         everyone = sorted(range(self.spec.world_size))
-        if self.spec.executor == "local":
-            for rank, info in sorted(self.ranks.items()):
-                if (ended := _local_process_end(info.pid)) is not None:
-                    raise self._error(f"rank {rank} (pid {info.pid}) {ended} during {during}", [rank], lost=True)
-            if self._job.done():
-                raise self._error(f"the job ended (state {self._job.state}) during {during}", everyone, lost=True)
+        if isinstance(self._job, LocalJob):
+            for rank, pid in enumerate(self._job.pids):
+                if (ended := self._job.end_of(rank)) is not None:
+                    raise self._error(f"rank {rank} (pid {pid}) {ended} during {during}", [rank], lost=True)
             return ""
         now = time.monotonic()
         if now - self._last_slurm_poll < self.spec.slurm_poll_s:
@@ -532,10 +526,10 @@ class WorkerGroup:
         self._pending_reason = reason
 
     def _cancel(self) -> bool:
-        if self.spec.executor == "slurm":
-            return cluster.cancel(self.job_id)
-        self._job.cancel(check=False)
-        return True
+        if isinstance(self._job, LocalJob):
+            self._job.kill()
+            return True
+        return cluster.cancel(self.job_id)
 
     def _error(self, what: str, ranks: list[int], lost: bool = False) -> WorkerGroupError:
         where = []
@@ -613,15 +607,11 @@ class WorkerGroup:
         self._endpoint.close()
 
     def _kill(self) -> None:
-        """Cancel the job; kill a local group's ranks (submitit's local launcher ignores the first SIGTERM)."""
+        """Cancel the job (a local group's ranks: SIGKILL)."""
         self._cancel()
-        if self.spec.executor == "local":
-            for pid in self.pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
 
     def _ended(self) -> bool:
-        if self.spec.executor == "local":
+        if isinstance(self._job, LocalJob):
             return self._job.done()
         try:
             return cluster.job_state(self.job_id) not in cluster.ACTIVE_STATES
@@ -641,21 +631,3 @@ PEER_LOST = re.compile(
     re.IGNORECASE,
 )
 """What a rank's error says when a collective lost a peer (gloo, NCCL): the cause is another rank."""
-
-
-def _local_process_end(pid: int) -> str | None:
-    """How a local rank's process ended, or None while it runs: ``was killed by SIGKILL``, ``exited with status
-    1``, read from the kernel while the process is a zombie (its parent, submitit's local launcher, reaps it within
-    about a second); once reaped, a generic ``died`` message."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return "died (its process is gone without a Python error: killed by a signal such as SIGKILL or the OOM killer)"
-    except (OSError, IndexError):
-        return None  # no /proc here: the job state tells
-    if fields[0] != "Z":
-        return None
-    status = int(fields[49]) if len(fields) > 49 else 0  # /proc/<pid>/stat field 52: the waitpid(2) status
-    if status & 0x7F:
-        return f"was killed by {signal.Signals(status & 0x7F).name}"
-    return f"exited with status {status >> 8} without a Python error"

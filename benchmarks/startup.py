@@ -68,6 +68,7 @@ def main() -> None:
             for executor in ["local", "slurm"] if args.executor == "both" else [args.executor]:
                 firsts = []
                 for attempt in range(args.repeats):
+                    (ROOT / ".cache").mkdir(exist_ok=True)
                     with tempfile.TemporaryDirectory(dir=ROOT / ".cache") as tmp:
                         first, total = one_run(args.config, executor, info.api_url, Path(tmp), args.override)
                     firsts.append(first)

@@ -6,17 +6,20 @@ result loads as a reward model."""
 
 import json
 import math
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from tiny_runs import hf_cli, metrics_by_step, worker_group
+from tiny_runs import hf_cli, metrics_by_step, rank_pids, worker_group
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from hybridflow.engine.config import ConfigError, RMTrainingConfig, load_config
@@ -153,7 +156,9 @@ def test_dp2_update_equals_dp1(tmp_path, tiny_model_dir):
         torch.testing.assert_close(weights[2][name], tensor, rtol=0, atol=5e-5, msg=name)
 
 
-def test_hf_rm_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir):
+def test_hf_rm_train_raises_held_out_accuracy_resumes_exactly_and_recovers_a_killed_rank_by_itself(
+    prefect_api, tmp_path, tiny_model_dir
+):
     from hybridflow.flows.rm import rm_flow
 
     # the uninterrupted 2-epoch run, in process
@@ -184,9 +189,24 @@ def test_hf_rm_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, t
     folder = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / run.id / "reward_model"
     assert f"reward_model.path={folder.resolve()}" in " ".join(trained.stdout.split())
 
-    resumed = hf_cli(prefect_api, "resume", run.id, "--db", db, "-o", "trainer.total_epochs=2")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resuming" in resumed.stdout and "from step 8" in resumed.stdout
+    # hf resume for a second epoch, its rank SIGKILLed inside it: the flow recovers by itself (no second hf resume)
+    # from global_step_8, on record, and trains the uninterrupted run's steps
+    args = ["resume", run.id, "--db", db, "-o", "trainer.total_epochs=2", "-o", "trainer.recovery_backoff_s=0"]
+    resumed = subprocess.Popen(
+        [HF, *args, "--prefect-api", prefect_api], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    while not any(i.step >= 10 for i in store.iterations(run.id)):
+        assert resumed.poll() is None, resumed.stdout.read()
+        time.sleep(0.05)
+    [pid] = rank_pids(run.id, "reward_model")
+    os.kill(pid, signal.SIGKILL)
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output
+    assert "resuming" in output and "from step 8" in output
+    assert "recovering by itself (1 of 2, trainer.max_recoveries)" in output, output
+    [recovery] = store.recoveries(run.id)
+    assert recovery.group_name == "reward_model" and recovery.resumed_from == 8 and 10 <= recovery.step <= 16
+    assert f"(pid {pid}) was killed by SIGKILL" in recovery.cause
     metrics = metrics_by_step(store, run.id)
     assert sorted(metrics) == list(range(17)) and [c.step for c in store.checkpoints(run.id)] == [8, 16]
     for step in range(1, 17):  # the same run as the uninterrupted one, step for step

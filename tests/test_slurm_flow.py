@@ -217,8 +217,9 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     jobs). Then, mid-iteration: a rank
     SIGKILLed (the group lost: relaunched from the newest checkpoint), the job scancelled (its SIGTERM read as
     preemption's, checkpointed and resubmitted, or its end read first, the group lost), its node drained (the
-    group lost; the next job waits in the queue until the node is back, and says why). The run finishes by itself
-    with every metric equal to the same run in one allocation."""
+    group lost; the next job waits in the queue until the node is back, and says why), the job preempted by a job
+    of a higher-priority partition (SIGTERM, then cancelled after the partition's GraceTime). The run finishes by
+    itself with every metric equal to the same run in one allocation."""
     overrides = [
         f"trainer.total_iterations={TOTAL}",
         "trainer.save_freq=0",
@@ -285,9 +286,23 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
             time.sleep(0.2)
     finally:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=True)
+    # in the fifth, a job of the higher-priority partition "urgent" that needs the whole node: Slurm preempts the
+    # run's job (SIGTERM, cancelled GraceTime=20 s later), and the run's next job waits until the urgent one is done
+    preempted = _training_in_a_new_job(proc, store, run_id, drained, log)
+    before = len(store.recoveries(run_id))
+    urgent = subprocess.run(
+        ["sbatch", "--parsable", "-p", "urgent", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert proc.wait(timeout=600) == 0, log.read_text()
     assert store.get_run(run_id).status == "completed"
     relaunches = store.recoveries(run_id)
+    by_preemption = relaunches[before]  # read as Slurm's warning (checkpointed) or, if the job's end came first, lost
+    assert "SIGTERM" in by_preemption.cause or f"job {preempted}, slurm): the Slurm job ended" in by_preemption.cause
+    ran = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", urgent], capture_output=True, text=True)
+    assert ran.stdout.strip() == "COMPLETED", ran.stdout + ran.stderr  # it got the node the run's job held
     [sigkill] = [r for r in relaunches if f"job {killed}, slurm" in r.cause]
     [drain] = [r for r in relaunches if f"job {drained}, slurm" in r.cause]
     assert "drain" in drain.cause and sigkill.group_name == "actor_rollout_ref", relaunches
@@ -299,7 +314,8 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     cancel = [r for r in relaunches if f"job {cancelled}, slurm" in r.cause and "CANCELLED" in r.cause]
     assert cancel or any("SIGTERM" in r.cause for r in resubmitted), relaunches
     timed_out = [r for r in relaunches if "TIMEOUT" in r.cause]  # a limit that came before its warning was read
-    assert len(resubmitted) + len(timed_out) + len(cancel) + 2 == len(relaunches), relaunches
+    ended = [r for r in relaunches if f"job {preempted}, slurm): the Slurm job ended" in r.cause]  # preempted
+    assert len(resubmitted) + len(timed_out) + len(cancel) + len(ended) + 2 == len(relaunches), relaunches
     jobs = [p.slurm_job_id for p in store.placements(run_id)]
     assert len(set(jobs)) == len(relaunches) + 1  # an allocation each
     # each resubmission goes on from a checkpoint on record: the one its warning took, or, for a warning read before

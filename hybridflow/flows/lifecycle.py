@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -290,6 +291,28 @@ def record_stop(store: RunStore, run_id: str, lease: RunLease, error: BaseExcept
         return True
     store.set_status(run_id, "failed", error="".join(traceback.format_exception(error))[-4000:])
     return False
+
+
+def recover_or_raise(store: RunStore, run_id: str, error: WorkerGroupError, recoveries: int, trainer: Any) -> int:
+    """After a controller session of run `run_id` failed with `error`: raise it when relaunching cannot help (a
+    rank raised: its code, its data, a NaN guard; ``error.lost`` is false) or the run has already recovered
+    ``trainer.max_recoveries`` times; else put the recovery on record (`record_recovery`), wait
+    ``trainer.recovery_backoff_s`` (doubled for each earlier recovery) and return the recoveries so far: the caller
+    then relaunches its worker groups and goes on from the newest usable checkpoint.
+
+    Args:
+        recoveries: the recoveries of this run by this controller before this one.
+        trainer: the run config's ``trainer`` section (``max_recoveries``, ``recovery_backoff_s``).
+
+    Raises:
+        WorkerGroupError: `error`, when it is not recovered from.
+    """
+    if not error.lost or recoveries >= trainer.max_recoveries:
+        raise error
+    recoveries += 1
+    record_recovery(store, run_id, error, recoveries, trainer.max_recoveries)
+    time.sleep(trainer.recovery_backoff_s * 2 ** (recoveries - 1))
+    return recoveries
 
 
 def record_recovery(store: RunStore, run_id: str, error: WorkerGroupError, attempt: int, limit: int) -> None:

@@ -18,7 +18,6 @@ import contextvars
 import logging
 import os
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,9 +47,9 @@ from hybridflow.flows.lifecycle import (
     launch_workers,
     notify,
     private_dir,
-    record_recovery,
     record_resubmission,
     record_stop,
+    recover_or_raise,
     run_dir_of,
     save_checkpoint,
     supersede_after,
@@ -301,11 +300,7 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
         try:
             ended = _session(store, cfg, run_id, resume_from_step)
         except WorkerGroupError as error:
-            if not error.lost or recoveries >= trainer.max_recoveries:
-                raise
-            recoveries += 1
-            record_recovery(store, run_id, error, recoveries, trainer.max_recoveries)
-            time.sleep(trainer.recovery_backoff_s * 2 ** (recoveries - 1))
+            recoveries = recover_or_raise(store, run_id, error, recoveries, trainer)
             resume_from_step = None  # the newest usable checkpoint
             continue
         if not isinstance(ended, Warned):

@@ -34,6 +34,7 @@ from hybridflow.flows.lifecycle import (
     notify,
     private_dir,
     record_stop,
+    recover_or_raise,
     run_dir_of,
     save_checkpoint,
     take_over_flow_run,
@@ -42,7 +43,7 @@ from hybridflow.flows.lifecycle import (
 from hybridflow.flows.reporting import FlowLogs, RunReport
 from hybridflow.flows.store.run_store import RunStore
 from hybridflow.slurm.handles import DataHandle
-from hybridflow.slurm.worker_group import WorkerGroup
+from hybridflow.slurm.worker_group import WorkerGroup, WorkerGroupError
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,10 @@ def steps_per_epoch(cfg: Any, sets: Any) -> int:
 
 
 def train_supervised(run_id: str, db_url: str | None, spec: SupervisedRun) -> dict[str, float]:
-    """Train run `run_id` (of kind ``spec.kind``) from its newest usable checkpoint, if any (module docstring).
+    """Train run `run_id` (of kind ``spec.kind``) from its newest usable checkpoint, if any (module docstring), in
+    controller sessions: when its worker group loses ranks (killed, silent, its Slurm job or node gone) the run
+    recovers by itself, on record, up to ``trainer.max_recoveries`` times (`recover_or_raise`): the group is
+    relaunched and the run goes on from the newest usable checkpoint, as ``hf resume`` would.
 
     Returns:
         the last step's metrics.
@@ -91,9 +95,20 @@ def train_supervised(run_id: str, db_url: str | None, spec: SupervisedRun) -> di
     Raises:
         LeaseHeldError: another controller is training the run. LeaseLostError: another took it over meanwhile.
         NonFiniteError: a step's gradient norm is not finite (the run is recorded failed, resumable).
+        WorkerGroupError: a rank raised, or ranks were lost once more than ``trainer.max_recoveries`` allows.
     """
     store = RunStore(db_url)
     cfg = spec.config_cls.model_validate(store.get_run(run_id).config)
+    recoveries = 0
+    while True:
+        try:
+            return _session(store, cfg, run_id, spec)
+        except WorkerGroupError as error:
+            recoveries = recover_or_raise(store, run_id, error, recoveries, cfg.trainer)
+
+
+def _session(store: RunStore, cfg: Any, run_id: str, spec: SupervisedRun) -> dict[str, float]:
+    """One controller session: take the lease, launch the worker group, restore, train to the end, release."""
     lease = RunLease(store, run_id).acquire()
     umask = os.umask(0o077)
     workers = report = logs = None

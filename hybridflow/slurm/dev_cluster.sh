@@ -8,9 +8,11 @@
 #   HYBRIDFLOW_SLURM_CPUS  CPUs the node advertises (default 8; more than the machine has is allowed, so several
 #                          worker groups fit at once on a small machine: tasks then share cores)
 #
-# Needs root and Debian (apt-get installs the packages when they are missing). Cluster "hybridflow", partition
-# "debug", one node named after this host. It writes /etc/slurm/slurm.conf and slurmdbd.conf, and refuses to replace
-# ones it did not write (a real cluster's).
+# Needs root and Debian (apt-get installs the packages when they are missing). Cluster "hybridflow", one node named
+# after this host, in two partitions: "debug" (the default) and "urgent", whose jobs preempt debug's as a shared
+# cluster's higher-priority partition does (preempt/partition_prio: a debug job is sent SIGTERM, then cancelled
+# GraceTime=20 s later). It writes /etc/slurm/slurm.conf and slurmdbd.conf, and refuses to replace ones it did not
+# write (a real cluster's).
 set -euo pipefail
 DIR=${HYBRIDFLOW_SLURM_DIR:-/var/lib/hybridflow-slurm}
 CPUS=${HYBRIDFLOW_SLURM_CPUS:-8}
@@ -164,8 +166,11 @@ MinJobAge=300
 KillWait=2
 InactiveLimit=0
 Waittime=0
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 GraceTime=20
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 PreemptMode=OFF
 EOF
 )
 for f in "$CONF_DIR/slurm.conf" "$CONF_DIR/slurmdbd.conf"; do

@@ -125,6 +125,9 @@ RESUMABLE_KEYS = (
     "trainer.mlflow_tracking_uri",
     "trainer.log_val_generations",
     "trainer.log_train_generations",
+    "trainer.max_recoveries",
+    "trainer.recovery_backoff_s",
+    "trainer.resubmit_on_preemption",
     "placement.executor",
     "placement.slurm.",
     "placement.pools.*.slurm.",
@@ -132,10 +135,11 @@ RESUMABLE_KEYS = (
     "placement.heartbeat_timeout_s",
     "placement.call_timeout_s",
 )
-"""Keys (or prefixes, ending in '.'; ``*`` stands for a pool's name) that ``hf resume RUN_ID -o ...`` may change:
-how long the run goes, how often it validates and saves, where its metrics and samples are logged, and where, under
-which limits and whether at the same time its workers run. None of them changes what an iteration computes, so the
-resumed run's iterations equal those of a run started with the new values."""
+"""Keys (or prefixes, ending in '.'; ``*`` stands for a pool's name) that ``hf resume RUN_ID -o ...`` may change: how
+long the run goes, how often it validates and saves, where its metrics and samples are logged, how it recovers from
+lost workers and Slurm's warnings, and where, under which limits and whether at the same time its workers run. None
+of them changes what an iteration computes, so the resumed run's iterations equal those of a run started with the
+new values."""
 
 
 def dotted_leaves(tree: Any, prefix: str = "") -> dict[str, Any]:

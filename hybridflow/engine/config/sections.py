@@ -501,7 +501,7 @@ TrackerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]
 
 
 class _RunTrainer(_Section):
-    """What every kind of run's ``trainer`` section has: seed, device, threads, output folders, trackers."""
+    """What every kind of run's ``trainer`` section has: seed, device, threads, output folders, recovery, trackers."""
 
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -519,6 +519,16 @@ class _RunTrainer(_Section):
         description="where metrics go besides the run store: console (one line per iteration), jsonl "
         "(<run folder>/metrics.jsonl), tensorboard (<run folder>/tensorboard), wandb (offline without a login), "
         "mlflow (trainer.mlflow_tracking_uri)",
+    )
+    max_recoveries: int = Field(
+        2,
+        ge=0,
+        description="times a run recovers by itself when a worker group loses ranks (killed, silent, their node or "
+        "job gone): the flow relaunches its groups and goes on from the newest usable checkpoint, no hf resume; "
+        "0: the run fails at once. A rank that raises (its code, its data, a NaN guard) is never retried",
+    )
+    recovery_backoff_s: float = Field(
+        5.0, ge=0, description="seconds before the first relaunch; each next one waits twice as long"
     )
     project_name: str = Field("hybridflow", description="the wandb project and the MLflow experiment")
     mlflow_tracking_uri: str | None = Field(
@@ -567,16 +577,6 @@ class TrainerConfig(_RunTrainer):
         0, ge=0, description="keep N (prompt, response, score, ground truth) samples of every validation"
     )
     log_train_generations: int = Field(0, ge=0, description="keep N samples of every iteration's rollout")
-    max_recoveries: int = Field(
-        2,
-        ge=0,
-        description="times a run recovers by itself when a worker group loses ranks (killed, silent, their node or "
-        "job gone): the flow relaunches its groups and goes on from the newest usable checkpoint, no hf resume; "
-        "0: the run fails at once. A rank that raises (its code, its data, a NaN guard) is never retried",
-    )
-    recovery_backoff_s: float = Field(
-        5.0, ge=0, description="seconds before the first relaunch; each next one waits twice as long"
-    )
     resubmit_on_preemption: bool = Field(
         True,
         description="on Slurm's warning (SIGUSR2 placement.slurm.signal_delay_s before the time limit, SIGTERM on "

@@ -526,6 +526,8 @@ class WorkerGroup:
         self._pending_reason = reason
 
     def _cancel(self) -> bool:
+        """End the job: SIGKILL a local group's ranks (a rank reads SIGTERM as a warning), scancel a Slurm job.
+        Returns False when scancel failed."""
         if isinstance(self._job, LocalJob):
             self._job.kill()
             return True
@@ -583,7 +585,7 @@ class WorkerGroup:
             return
         self._closed = True
         if not self._lock.acquire(timeout=timeout_s):
-            self._kill()
+            self._cancel()
             if not self._lock.acquire(timeout=max(timeout_s, self.spec.heartbeat_timeout_s + 5)):
                 logger.warning("group %s: a call did not end after its job was cancelled", self.spec.name)
                 return
@@ -603,12 +605,8 @@ class WorkerGroup:
         while not self._ended() and time.monotonic() < deadline:
             time.sleep(poll_s)
         if not self._ended():
-            self._kill()
+            self._cancel()
         self._endpoint.close()
-
-    def _kill(self) -> None:
-        """Cancel the job (a local group's ranks: SIGKILL)."""
-        self._cancel()
 
     def _ended(self) -> bool:
         if isinstance(self._job, LocalJob):

@@ -462,6 +462,73 @@ def test_a_lora_actor_pays_for_its_adapter_and_its_reference_for_nothing():
     assert all("ref" in c.placement[0] for c in result.candidates)
 
 
+def test_colocated_models_leave_the_rollout_less_kv_cache_so_it_decodes_fewer_sequences_at_once():
+    """Colocation's memory cost: every model of a pool holds its weights (and the trained ones their gradients and
+    Adam states) all iteration, so the rollout's KV cache gets what is left. The planner cuts the rollout's batch to
+    that room (`cost.kv_room_batch`) instead of planning a batch that does not fit, charges the extra decoding steps
+    (each re-reads the weights), and writes the batch as ``rollout.micro_batch_size``. Llama 13B x 4 on 16 A100s,
+    the rollout allowed 1,024 sequences at once."""
+    from hybridflow.flows.placement.cost import kv_room_batch
+    from hybridflow.flows.placement.planner import set_peak
+
+    shape = PRESETS["llama-13b"]
+    wide = replace(PAPER, gen_micro_batch=1024)
+    planner = Planner(dict.fromkeys(("actor", "critic", "ref", "reward_model"), shape), wide, A100, 2, 8, space="all")
+    together = planner._choose(("actor", "critic", "ref", "reward_model"), 16)
+    actor = together.strategies["actor"]
+    held = sum(cost.static_bytes for cost in together.costs.values())
+    assert 0 < actor.gen_batch == kv_room_batch(A100.capacity_bytes - held, shape, actor, wide, A100)
+    assert together.peak_bytes <= A100.capacity_bytes
+    uncut = replace(actor, gen_batch=0)  # as many as the workload allows: more than the pool has room for
+    others = [cost for role, cost in together.costs.items() if role != "actor"]
+    assert set_peak([planner._estimate("actor", uncut), *others]) > A100.capacity_bytes
+    # the same actor layout alone on its devices: room for more sequences at once, fewer decoding steps
+    alone = kv_room_batch(
+        A100.capacity_bytes - planner._estimate("actor", uncut).static_bytes, shape, actor, wide, A100
+    )
+    assert alone > actor.gen_batch
+    more = replace(actor, gen_batch=alone)
+    assert planner._estimate("actor", more).stage_s["gen"] < together.costs["actor"].stage_s["gen"]
+    plan = planner.search().best
+    tree = yaml.safe_load((ROOT / "examples" / "ppo_tiny.yaml").read_text())
+    written = apply_plan(tree, plan, 8)["rollout"]
+    assert plan.placement == (("actor", "critic", "ref", "reward_model"),)  # colocated on 16: the batch is cut
+    assert written["micro_batch_size"] == plan.strategies["actor"].gen_batch > 0
+
+
+def test_pipeline_stages_on_two_nodes_hand_their_activations_over_the_network():
+    """A pipeline's point-to-point sends: each micro-batch's activations [micro, seq, hidden] / t per stage boundary
+    (and the flush's p - 1), over NVLink while the replica's stages share a node, over the network once they span
+    two: Llama 7B's ref, megatron tp8 pp2, 128 micro-batches of 8 sequences of 2,048 tokens."""
+    shape, s = PRESETS["llama-7b"], Strategy("megatron", tp=8, pp=2, dp=1, gen_tp=8)
+    one_node, two_nodes = (estimate("ref", shape, s, PAPER, A100, g).stage_s["ref"] for g in (16, 8))
+    nbytes = 8 * 2048 * shape.hidden * 2 / 8
+    sends = 128 + 1
+    link = sends * nbytes * (1 / A100.inter_node_bandwidth - 1 / A100.intra_node_bandwidth) / A100.comm_efficiency
+    assert two_nodes - one_node == pytest.approx(link)
+    flat = Strategy("megatron", tp=8, pp=1, dp=2, gen_tp=8)  # no pipeline: nothing sent between stages
+    assert len({estimate("ref", shape, flat, PAPER, A100, g).stage_s["ref"] for g in (16, 8)}) == 1
+
+
+def test_on_the_papers_network_split_overtakes_colocation_as_the_cluster_grows():
+    """The paper's placement finding, simulated (`benchmarks/paper_placements.py`): Llama 34B x 4 models, PPO with
+    4 optimizer steps, on its testbed's 200 Gb/s per machine: colocating every model is fastest on 32 GPUs, two pools
+    of 64 beat it on 128 (pipeline sends and gradient all-reduces over the network grow beside work that shrinks);
+    with DGX networking (8 x 200 Gb/s per machine) colocation still wins on 128."""
+    shape = PRESETS["llama-34b"]
+    models = dict.fromkeys(("actor", "critic", "ref", "reward_model"), shape)
+    work = replace(PAPER, actor_steps=4, critic_steps=4, gen_micro_batch=1024)
+    testbed = A100.model_copy(update={"inter_node_bandwidth": 200 / 8 * GB / 8})
+    small = Planner(models, work, testbed, 4, 8, space="all").search()
+    assert small.best.placement == (("actor", "critic", "ref", "reward_model"),)
+    large = Planner(models, work, testbed, 16, 8, space="all").search()
+    assert len(large.best.placement) == 2 and large.best.devices == (64, 64)
+    colocated = min(c.seconds for c in large.candidates if len(c.placement) == 1)
+    assert large.best.seconds < 0.98 * colocated
+    dgx = Planner(models, work, A100, 16, 8, space="all").search()
+    assert dgx.best.placement == (("actor", "critic", "ref", "reward_model"),)
+
+
 def test_the_h100_profile_predicts_measured_h100_passes_from_128_to_4096_tokens_per_call():
     """The cost model on the h100-80gb profile against forward and training passes of Llama 7B (all 32 blocks)
     measured on an H100 (`benchmarks/gpu_efficiency_h100.json`, written by `benchmarks/gpu_efficiency.py`): each

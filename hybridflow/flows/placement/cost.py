@@ -1,15 +1,17 @@
 """The cost model: seconds per stage and bytes per device of one model under one parallel strategy. Analytical, after
 the HybridFlow paper's simulator (section 6): FLOPs over achieved FLOP/s for compute-bound work (prefill, forward and
 backward passes), bytes over achieved bandwidth for memory-bound work (decoding: every step reads the weight shard
-and the KV cache) and for collectives (ring all-reduce moves 2(n-1)/n of the buffer), plus a pipeline bubble of
-(p-1)/m (GPipe/1F1B, m micro-batches), plus fixed costs the profile fits on the machine (per stage, per decoding
+and the KV cache) and for collectives (ring all-reduce moves 2(n-1)/n of the buffer) and a pipeline's sends between
+stages (over the network once a replica's stages span nodes), plus a pipeline bubble of (p-1)/m (GPipe/1F1B, m
+micro-batches), plus fixed costs the profile fits on the machine (per stage, per decoding
 step, and per token per layer of a forward pass: the work beyond the matmuls that small models pay). FLOPs: 2 per
 weight per token forward, 6 training (Kaplan et al. 2020, eq. 2.1), and causal attention's 2·s·h per layer per token
 forward. Memory: 16 bytes per trained parameter (fp32 master weights, gradients and two Adam moments; Rajbhandari et
 al. 2020, ZeRO section 3.1), activations 34·s·b·h bytes per layer in bf16 (Korthikanti et al. 2022, eq. 1 without the
 attention-score term, which flash attention does not store), the KV cache 2·layers·kv_heads·head_dim bytes per token,
 and the 3D-HybridEngine's generation shard M/t_g beside the training shard M/(t·p) (HybridFlow table 2: no redundant
-copy)."""
+copy). The rollout decodes as many sequences at once as its KV cache has room for beside what its pool holds
+(`kv_room_batch`: colocation's cost)."""
 
 from __future__ import annotations
 
@@ -120,23 +122,27 @@ class Workload:
 @dataclass(frozen=True)
 class Strategy:
     """A model's parallel strategy on its pool: ``ddp`` (a whole copy per rank), ``fsdp`` (sharded over the ranks),
-    ``megatron`` (tensor x pipeline x data parallel); for the actor also the generation tensor-parallel size t_g."""
+    ``megatron`` (tensor x pipeline x data parallel); for the actor also the generation tensor-parallel size t_g and
+    the rollout's batch: sequences a replica decodes at once (0: the workload's ``gen_micro_batch``; fewer where the
+    pool's memory leaves its KV cache no room for that many, `kv_room_batch`)."""
 
     kind: str
     tp: int = 1
     pp: int = 1
     dp: int = 1
     gen_tp: int = 1
+    gen_batch: int = 0
 
     @property
     def devices(self) -> int:
         return self.tp * self.pp * self.dp
 
     def label(self) -> str:
+        batch = f" gen-batch{self.gen_batch}" if self.gen_batch else ""
         if self.kind != "megatron":
-            return f"{self.kind} x{self.dp}"
+            return f"{self.kind} x{self.dp}{batch}"
         gen = f" gen-tp{self.gen_tp}" if self.gen_tp != self.tp else ""
-        return f"megatron tp{self.tp} pp{self.pp} dp{self.dp}{gen}"
+        return f"megatron tp{self.tp} pp{self.pp} dp{self.dp}{gen}{batch}"
 
 
 @dataclass
@@ -227,6 +233,19 @@ def estimate(
         copies, group = workload.packed_groups(shared, micro_batch)
         return copies * needed_flops(shape, [group], head), copies * (group[0] + sum(group[1]))
 
+    stage_link_crosses = t * p > gpus_per_node  # pipeline stages fill a node tp ranks at a time, then the next
+
+    def p2p_s(micro_batch: int, flushes: int, micro_batches: int) -> float:
+        """Pipeline point-to-point sends of one pass on the critical path: each of the m micro-batches and the
+        p - 1 of each flush's fill hand a micro-batch's activations [micro_batch, seq, hidden] to the next stage,
+        split over the t ranks of a stage (Megatron's scatter-gather; Narayanan et al. 2021, section 4.1), over
+        NVLink or, once a replica's stages span nodes, the network."""
+        if p == 1:
+            return 0.0
+        nbytes = micro_batch * seq * shape.hidden * w / t
+        one = hw.collective_latency_s + nbytes / _bandwidth(2, stage_link_crosses, hw)
+        return (micro_batches + flushes * (p - 1)) * one
+
     def layer_tokens_s(tokens: float) -> float:
         """The per-token per-layer cost of one forward pass over `tokens` tokens, on one replica's share."""
         return tokens / d * (shape.layers / p) * hw.layer_token_overhead_s
@@ -244,6 +263,7 @@ def estimate(
         compute += layer_calls_s(micro_batches)
         bubble = 1 + (p - 1) / micro_batches
         comm = 2 * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
+        comm += p2p_s(micro_batch, 1, micro_batches)
         if s.kind == "fsdp":
             comm += micro_batches * _all_gather_s(params * w, d, spans, hw)
         return compute * bubble + comm + hw.stage_overhead_s
@@ -270,6 +290,7 @@ def estimate(
         compute = epochs * (passes * per_pass + TRAIN_CALL_OVERHEADS * layer_calls_s(calls))
         compute *= 1 + (p - 1) / micro_batches
         comm = 4 * epochs * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
+        comm += 2 * epochs * p2p_s(micro, max(1, steps // epochs), calls)  # activations on, gradients back
         if s.kind == "fsdp":
             gathers = epochs * calls
             comm += gathers * 2 * _all_gather_s(params * w, d, spans, hw) + steps * _all_gather_s(
@@ -307,18 +328,46 @@ def estimate(
     return ModelCost(stage_s, static, transient)
 
 
+def generation_weights_bytes(shape: ModelShape, s: Strategy, hw: HardwareProfile) -> float:
+    """Bytes per device the rollout's weights take beyond the training shard while it generates: the 3D-HybridEngine's
+    generation shard M/t_g beside the training shard M/(t·p) (HybridFlow table 2: the training shard is reused, so
+    only the difference is new), or, for fsdp, the whole weights gathered from the shards."""
+    params = shape.params("lm") * hw.dtype_bytes
+    if s.kind == "megatron":
+        return params * (1 / s.gen_tp - 1 / (s.tp * s.pp)) if s.tp * s.pp > s.gen_tp else 0.0
+    return params * (1 - 1 / s.dp) if s.kind == "fsdp" else 0.0
+
+
+def kv_bytes_per_sequence(shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> float:
+    """KV-cache bytes per device one sequence of prompt + response tokens takes (its keys and values in every layer,
+    split over the generation's t_g ranks)."""
+    t_g = s.gen_tp if s.kind == "megatron" else 1
+    return workload.seq_length * shape.kv_bytes_per_token(hw.dtype_bytes) / t_g
+
+
+def kv_room_batch(room_bytes: float, shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> int:
+    """The most sequences a rollout replica can decode at once when `room_bytes` per device are left beside what its
+    pool holds all iteration (every colocated model's weights, gradients and optimizer state): that room less the
+    generation weights (`generation_weights_bytes`), over one sequence's KV cache (`kv_bytes_per_sequence`). What
+    colocation costs the rollout: the more the pool holds, the fewer sequences per wave and the more decoding steps
+    re-read the weights. 0: not one sequence fits."""
+    free = room_bytes - generation_weights_bytes(shape, s, hw)
+    return max(0, int(free // kv_bytes_per_sequence(shape, s, workload, hw)))
+
+
 def _generation(
     shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile, gpus_per_node: int
 ) -> tuple[float, float]:
     """Seconds and transient bytes per device of the rollout: reshard to the generation layout, then in each of
-    d_g = devices / t_g replicas prefill and decode its sequences in waves of ``gen_micro_batch`` (the KV cache holds
-    one wave); a decoding step reads the weight shard and the wave's KV cache, ``response_length`` steps per wave."""
+    d_g = devices / t_g replicas prefill and decode its sequences in waves of ``s.gen_batch`` (else the workload's
+    ``gen_micro_batch``; the KV cache holds one wave); a decoding step reads the weight shard and the wave's KV
+    cache, ``response_length`` steps per wave."""
     w = hw.dtype_bytes
     params = shape.params("lm")
     t_g = s.gen_tp if s.kind == "megatron" else 1
     replicas = s.devices // t_g
     sequences = math.ceil(workload.sequences / replicas)  # sequences one replica generates
-    wave = min(sequences, workload.gen_micro_batch)
+    wave = min(sequences, s.gen_batch or workload.gen_micro_batch)
     waves = math.ceil(sequences / wave)
     weights = matmul_params(shape, "lm") * w / t_g
     prompt = workload.mean_prompt  # the rollout prefills the prompts unpadded
@@ -336,11 +385,9 @@ def _generation(
     if s.kind == "megatron":  # HybridFlow table 2: (t·p - t_g·p_g) / (t_g·p_g·t·p) x M inside micro-DP groups
         tp = s.tp * s.pp
         reshard = (tp - t_g) / (t_g * tp) * params * w / _bandwidth(tp, False, hw) if tp > t_g else 0.0
-        extra_weights = params * w * (1 / t_g - 1 / tp)
     elif s.kind == "fsdp":  # the rollout generates with whole weights, gathered from the shards
         reshard = _all_gather_s(params * w, s.dp, s.devices > gpus_per_node, hw)
-        extra_weights = params * w * (1 - 1 / s.dp)
     else:
-        reshard, extra_weights = 0.0, 0.0
-    kv_cache = wave * workload.seq_length * shape.kv_bytes_per_token(w) / t_g
-    return reshard + prefill + decode + hw.stage_overhead_s, extra_weights + kv_cache
+        reshard = 0.0
+    kv_cache = wave * kv_bytes_per_sequence(shape, s, workload, hw)
+    return reshard + prefill + decode + hw.stage_overhead_s, generation_weights_bytes(shape, s, hw) + kv_cache

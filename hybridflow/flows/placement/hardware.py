@@ -96,7 +96,9 @@ BUILTIN: dict[str, HardwareProfile] = {
             layer_call_overhead_s=GPU_LAYER_CALL_OVERHEAD_S,
             source="NVIDIA A100 datasheet (SXM4 80GB): BF16 312 TFLOPS dense, HBM2e 2,039 GB/s, NVLink 600 GB/s "
             "(300 GB/s each way); DGX A100: 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU). Layer call overhead: "
-            "GPU_LAYER_CALL_OVERHEAD_S, measured on an H100",
+            "GPU_LAYER_CALL_OVERHEAD_S, measured on an H100. Training efficiency 0.4: assumed, below the 52 % of "
+            "the peak Megatron-LM reached training a 1T-parameter GPT on 3,072 A100s (Narayanan et al. 2021, "
+            "abstract), for RLHF's micro-batches of few sequences",
         ),
         HardwareProfile(
             name="h100-80gb",

@@ -14,12 +14,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Literal, get_args
 
 from hybridflow.engine.shapes import ModelShape
-from hybridflow.flows.placement.cost import ModelCost, Strategy, Workload, estimate
+from hybridflow.flows.placement.cost import ModelCost, Strategy, Workload, estimate, kv_room_batch
 from hybridflow.flows.placement.dataflow import iteration_stages, simulate
 from hybridflow.flows.placement.hardware import GB, HardwareProfile
 
@@ -242,6 +242,9 @@ class Planner:
         best: SetChoice | None = None
         best_s = math.inf
         for combo in itertools.product(*options):
+            combo = self._fit_rollout(models, combo)
+            if combo is None:
+                continue
             peak = set_peak([c for _, c in combo])
             seconds = sum(c.seconds for _, c in combo)
             if peak <= self.hw.capacity_bytes and seconds < best_s:
@@ -252,6 +255,28 @@ class Planner:
                     peak,
                 )
         return best
+
+    def _fit_rollout(
+        self, models: tuple[str, ...], combo: tuple[tuple[Strategy, ModelCost], ...]
+    ) -> tuple[tuple[Strategy, ModelCost], ...] | None:
+        """`combo` (a strategy and estimate per model of a colocated set) with the rollout's batch cut to what its
+        KV cache has room for beside everything the set holds all iteration (`cost.kv_room_batch`): colocated
+        models leave the rollout less memory, so it decodes fewer sequences at once and takes more steps. Unchanged
+        without the actor or where its batch fits; None where not one sequence does."""
+        if "actor" not in models:
+            return combo
+        index = models.index("actor")
+        s, _ = combo[index]
+        room = self.hw.capacity_bytes - sum(cost.static_bytes for _, cost in combo)
+        fits = kv_room_batch(room, self.models["actor"], s, self.workload, self.hw)
+        replicas = s.devices // (s.gen_tp if s.kind == "megatron" else 1)
+        per_replica = math.ceil((self.workload.generated or self.workload.sequences) / replicas)
+        if fits >= min(per_replica, s.gen_batch or self.workload.gen_micro_batch):
+            return combo
+        if fits < 1:
+            return None
+        s = replace(s, gen_batch=fits)
+        return (*combo[:index], (s, self._estimate("actor", s)), *combo[index + 1 :])
 
     def smallest_peak(self, models: tuple[str, ...], devices: int) -> float:
         """The least peak bytes per device of a set on `devices` (for messages)."""

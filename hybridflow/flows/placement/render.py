@@ -1,5 +1,6 @@
 """A plan as run configuration (the ``placement.pools`` section and the strategy keys ``actor.strategy``,
-``actor.tp``, ``actor.pp``, ``rollout.gen_tp``, ``critic.strategy``, ``reward_model.strategy``) and as the run
+``actor.tp``, ``actor.pp``, ``rollout.gen_tp``, ``rollout.micro_batch_size`` where memory cuts the rollout's batch,
+``critic.strategy``, ``reward_model.strategy``) and as the run
 store's record (plain JSON data: `plan_record`, `candidate_from_dict`)."""
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def apply_plan(tree: dict[str, Any], plan: Candidate, gpus_per_node: int) -> dic
         rollout["gen_tp"] = actor.gen_tp
     else:
         rollout.pop("gen_tp", None)
+    if actor.gen_batch:  # the KV cache has room for no more beside what the pool holds (planner._fit_rollout)
+        rollout["micro_batch_size"] = actor.gen_batch
     for model in ("critic", "reward_model"):
         if model in plan.strategies:
             out.setdefault(model, {})["strategy"] = plan.strategies[model].kind

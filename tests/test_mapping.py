@@ -496,6 +496,24 @@ def test_colocated_models_leave_the_rollout_less_kv_cache_so_it_decodes_fewer_se
     assert written["micro_batch_size"] == plan.strategies["actor"].gen_batch > 0
 
 
+def test_a_vllm_rollout_pays_for_its_own_weights_and_their_trips_to_host_memory_and_back():
+    """vLLM keeps a copy of the weights of its own, asleep in host memory while the models train (the weight sync
+    wakes it, each generation wakes it, ReMax's greedy one too): on a GPU the rollout's memory holds that copy
+    beside the training weights, and each wake and sleep moves it over the host link (the h100-80gb profile: 55 GB/s
+    each way, measured). Where the device is the host (host_bandwidth 0, CPU profiles) nothing moves."""
+    from hybridflow.flows.placement.cost import engine_swap_s
+
+    hf, vllm = (Workload.from_config(_ppo(f"rollout.name={name}")) for name in ("hf", "vllm"))
+    remax = Workload.from_config(_ppo("rollout.name=vllm", "algorithm.adv_estimator=remax"))
+    assert (hf.rollout_wakes, vllm.rollout_wakes, remax.rollout_wakes) == (0, 2, 3)
+    shape, ddp, h100 = PRESETS["llama-7b"], Strategy("ddp", dp=8), BUILTIN["h100-80gb"]
+    weights = shape.params() * 2
+    plain, engine = (estimate("actor", shape, ddp, w, h100, 8) for w in (hf, vllm))
+    assert engine.stage_s["gen"] - plain.stage_s["gen"] == pytest.approx(2 * 2 * weights / (55 * GB))
+    assert engine.transient_bytes["gen"] - plain.transient_bytes["gen"] == pytest.approx(weights)
+    assert engine_swap_s(shape, ddp, vllm, h100.model_copy(update={"host_bandwidth": 0.0})) == 0.0
+
+
 def test_pipeline_stages_on_two_nodes_hand_their_activations_over_the_network():
     """A pipeline's point-to-point sends: each micro-batch's activations [micro, seq, hidden] / t per stage boundary
     (and the flush's p - 1), over NVLink while the replica's stages share a node, over the network once they span

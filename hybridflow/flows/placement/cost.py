@@ -52,6 +52,9 @@ class Workload:
     cost_critic: bool = False  # Safe-RLHF: a cost critic beside the critic, on its devices, the same work again
     scorers: int = 1  # sequence classifiers of the rm_score stage: the reward model, Safe-RLHF's cost model
     lora_rank: int = 0  # model.lora_rank: the actor trains an adapter on its frozen weights; ref is the actor's model
+    rollout_wakes: int = (
+        0  # times an iteration the rollout's own engine (vLLM) wakes from sleep: its weights' round trips
+    )
 
     @property
     def seq_length(self) -> int:
@@ -116,6 +119,11 @@ class Workload:
             gen_micro_batch=cfg.rollout.micro_batch_size,
             old_log_prob=not cfg.skips_old_log_prob(),
             lora_rank=cfg.model.lora_rank,
+            # vLLM keeps its own weights, asleep in host memory while the models train: woken for the weight sync and
+            # for each generation (`hybridflow.engine.rollout.vllm`), ReMax's greedy one too
+            rollout_wakes=(2 + int(uses_greedy_baseline(cfg.algorithm.adv_estimator)))
+            if cfg.rollout.name == "vllm"
+            else 0,
         )
 
 
@@ -322,20 +330,36 @@ def estimate(
     if role == "actor":
         generated = replace(workload, sequences=workload.generated or workload.sequences)
         stage_s["gen"], transient["gen"] = _generation(shape, s, generated, hw, gpus_per_node)
+        stage_s["gen"] += engine_swap_s(shape, s, workload, hw)  # the weight sync's wake and the generations'
         if workload.greedy:
             greedy = replace(workload, sequences=workload.greedy)
             stage_s["gen_max"], transient["gen_max"] = _generation(shape, s, greedy, hw, gpus_per_node)
     return ModelCost(stage_s, static, transient)
 
 
-def generation_weights_bytes(shape: ModelShape, s: Strategy, hw: HardwareProfile) -> float:
-    """Bytes per device the rollout's weights take beyond the training shard while it generates: the 3D-HybridEngine's
-    generation shard M/t_g beside the training shard M/(t·p) (HybridFlow table 2: the training shard is reused, so
-    only the difference is new), or, for fsdp, the whole weights gathered from the shards."""
+def generation_weights_bytes(shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> float:
+    """Bytes per device the rollout's weights take beyond the training shard while it generates: a rollout engine's own
+    copy (vLLM: ``workload.rollout_wakes``, on a device with a host link), whole or its t_g-th; else the
+    3D-HybridEngine's generation shard M/t_g beside the training shard M/(t·p) (HybridFlow table 2: the training shard
+    is reused, so only the difference is new), or, for fsdp, the whole weights gathered from the shards."""
     params = shape.params("lm") * hw.dtype_bytes
+    t_g = s.gen_tp if s.kind == "megatron" else 1
+    if workload.rollout_wakes and hw.host_bandwidth:
+        return params / t_g
     if s.kind == "megatron":
         return params * (1 / s.gen_tp - 1 / (s.tp * s.pp)) if s.tp * s.pp > s.gen_tp else 0.0
     return params * (1 - 1 / s.dp) if s.kind == "fsdp" else 0.0
+
+
+def engine_swap_s(shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> float:
+    """Seconds an iteration a rollout engine with weights of its own spends putting them to sleep and waking them:
+    each of ``workload.rollout_wakes`` wakes copies its weight shard from pinned host memory to the device and the
+    sleep after it copies it back (vLLM's ``sleep(level=1)`` / ``wake_up``), over ``hw.host_bandwidth``. What sharing
+    a pool with training costs such a rollout; 0 where the device is the host (``host_bandwidth`` 0)."""
+    if not workload.rollout_wakes or not hw.host_bandwidth:
+        return 0.0
+    t_g = s.gen_tp if s.kind == "megatron" else 1
+    return workload.rollout_wakes * 2 * shape.params("lm") * hw.dtype_bytes / t_g / hw.host_bandwidth
 
 
 def kv_bytes_per_sequence(shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> float:
@@ -351,7 +375,7 @@ def kv_room_batch(room_bytes: float, shape: ModelShape, s: Strategy, workload: W
     generation weights (`generation_weights_bytes`), over one sequence's KV cache (`kv_bytes_per_sequence`). What
     colocation costs the rollout: the more the pool holds, the fewer sequences per wave and the more decoding steps
     re-read the weights. 0: not one sequence fits."""
-    free = room_bytes - generation_weights_bytes(shape, s, hw)
+    free = room_bytes - generation_weights_bytes(shape, s, workload, hw)
     return max(0, int(free // kv_bytes_per_sequence(shape, s, workload, hw)))
 
 
@@ -390,4 +414,5 @@ def _generation(
     else:
         reshard = 0.0
     kv_cache = wave * kv_bytes_per_sequence(shape, s, workload, hw)
-    return reshard + prefill + decode + hw.stage_overhead_s, generation_weights_bytes(shape, s, hw) + kv_cache
+    weights_bytes = generation_weights_bytes(shape, s, workload, hw)
+    return reshard + prefill + decode + hw.stage_overhead_s, weights_bytes + kv_cache

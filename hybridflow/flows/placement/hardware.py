@@ -31,6 +31,11 @@ time against FLOPs of forward + backward passes: 0.57 for all 32 blocks of Llama
 to 70B widths); Hopper's H200 has the same tensor cores."""
 
 
+H100_HOST_BANDWIDTH = 55 * GB
+"""Pinned host <-> H100 copies, measured each way on an H100 80GB HBM3's PCIe Gen5 link (55 GB/s of the 64 GB/s per
+direction the link carries; `benchmarks/gpu_efficiency.py`, 2026-11-27); the H200 has the same link."""
+
+
 class HardwareProfile(BaseModel):
     """One device (a GPU, or a CPU core on a CPU-only machine) and the links between devices.
 
@@ -44,6 +49,12 @@ class HardwareProfile(BaseModel):
     memory_bandwidth: float = Field(gt=0, description="device memory bandwidth, bytes/s")
     intra_node_bandwidth: float = Field(gt=0, description="bytes/s per device to a device of the same node, one way")
     inter_node_bandwidth: float = Field(gt=0, description="bytes/s per device to a device of another node, one way")
+    host_bandwidth: float = Field(
+        0.0,
+        ge=0,
+        description="bytes/s per device to pinned host memory, one way (what a sleeping rollout engine's weights "
+        "cross); 0: the device is the host, nothing moves",
+    )
     collective_latency_s: float = Field(1e-5, ge=0, description="fixed cost of one collective (all-reduce, ...)")
     train_efficiency: float = Field(0.4, gt=0, le=1, description="achieved / peak FLOP/s in training (MFU)")
     infer_efficiency: float = Field(0.5, gt=0, le=1, description="achieved / peak FLOP/s in a forward pass")
@@ -93,9 +104,11 @@ BUILTIN: dict[str, HardwareProfile] = {
             memory_bandwidth=2039 * GB,
             intra_node_bandwidth=300 * GB,
             inter_node_bandwidth=25 * GB,
+            host_bandwidth=32 * GB,
             layer_call_overhead_s=GPU_LAYER_CALL_OVERHEAD_S,
             source="NVIDIA A100 datasheet (SXM4 80GB): BF16 312 TFLOPS dense, HBM2e 2,039 GB/s, NVLink 600 GB/s "
-            "(300 GB/s each way); DGX A100: 8 x 200 Gb/s HDR InfiniBand (25 GB/s per GPU). Layer call overhead: "
+            "(300 GB/s each way), PCIe Gen4 x16 to the host (32 GB/s each way); DGX A100: 8 x 200 Gb/s HDR InfiniBand "
+            "(25 GB/s per GPU). Layer call overhead: "
             "GPU_LAYER_CALL_OVERHEAD_S, measured on an H100. Training efficiency 0.4: assumed, below the 52 % of "
             "the peak Megatron-LM reached training a 1T-parameter GPT on 3,072 A100s (Narayanan et al. 2021, "
             "abstract), for RLHF's micro-batches of few sequences",
@@ -107,6 +120,7 @@ BUILTIN: dict[str, HardwareProfile] = {
             memory_bandwidth=3350 * GB,
             intra_node_bandwidth=450 * GB,
             inter_node_bandwidth=50 * GB,
+            host_bandwidth=H100_HOST_BANDWIDTH,
             train_efficiency=H100_TRAIN_EFFICIENCY,
             layer_call_overhead_s=GPU_LAYER_CALL_OVERHEAD_S,
             source="NVIDIA H100 datasheet (SXM5): BF16 989 TFLOPS dense, HBM3 3.35 TB/s, NVLink 900 GB/s (450 GB/s "
@@ -121,6 +135,7 @@ BUILTIN: dict[str, HardwareProfile] = {
             memory_bandwidth=4800 * GB,
             intra_node_bandwidth=450 * GB,
             inter_node_bandwidth=50 * GB,
+            host_bandwidth=H100_HOST_BANDWIDTH,
             train_efficiency=H100_TRAIN_EFFICIENCY,
             layer_call_overhead_s=GPU_LAYER_CALL_OVERHEAD_S,
             source="NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 989 TFLOPS dense, NVLink 900 GB/s; "

@@ -145,6 +145,16 @@ class Strategy:
     def devices(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def generation_tp(self) -> int:
+        """t_g: the ranks one rollout replica's tensor-parallel group spans (1 but for megatron's `gen_tp`)."""
+        return self.gen_tp if self.kind == "megatron" else 1
+
+    @property
+    def rollout_replicas(self) -> int:
+        """d_g x d: rollout replicas generating at once (devices / t_g)."""
+        return self.devices // self.generation_tp
+
     def label(self) -> str:
         batch = f" gen-batch{self.gen_batch}" if self.gen_batch else ""
         if self.kind != "megatron":
@@ -343,7 +353,7 @@ def generation_weights_bytes(shape: ModelShape, s: Strategy, workload: Workload,
     3D-HybridEngine's generation shard M/t_g beside the training shard M/(t·p) (HybridFlow table 2: the training shard
     is reused, so only the difference is new), or, for fsdp, the whole weights gathered from the shards."""
     params = shape.params("lm") * hw.dtype_bytes
-    t_g = s.gen_tp if s.kind == "megatron" else 1
+    t_g = s.generation_tp
     if workload.rollout_wakes and hw.host_bandwidth:
         return params / t_g
     if s.kind == "megatron":
@@ -358,14 +368,14 @@ def engine_swap_s(shape: ModelShape, s: Strategy, workload: Workload, hw: Hardwa
     a pool with training costs such a rollout; 0 where the device is the host (``host_bandwidth`` 0)."""
     if not workload.rollout_wakes or not hw.host_bandwidth:
         return 0.0
-    t_g = s.gen_tp if s.kind == "megatron" else 1
+    t_g = s.generation_tp
     return workload.rollout_wakes * 2 * shape.params("lm") * hw.dtype_bytes / t_g / hw.host_bandwidth
 
 
 def kv_bytes_per_sequence(shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> float:
     """KV-cache bytes per device one sequence of prompt + response tokens takes (its keys and values in every layer,
     split over the generation's t_g ranks)."""
-    t_g = s.gen_tp if s.kind == "megatron" else 1
+    t_g = s.generation_tp
     return workload.seq_length * shape.kv_bytes_per_token(hw.dtype_bytes) / t_g
 
 
@@ -388,8 +398,8 @@ def _generation(
     cache, ``response_length`` steps per wave."""
     w = hw.dtype_bytes
     params = shape.params("lm")
-    t_g = s.gen_tp if s.kind == "megatron" else 1
-    replicas = s.devices // t_g
+    t_g = s.generation_tp
+    replicas = s.rollout_replicas
     sequences = math.ceil(workload.sequences / replicas)  # sequences one replica generates
     wave = min(sequences, s.gen_batch or workload.gen_micro_batch)
     waves = math.ceil(sequences / wave)

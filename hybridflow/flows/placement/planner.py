@@ -219,8 +219,7 @@ class Planner:
                 return False
         if s.pp > 1 and math.ceil(rows / s.dp / micro) < s.pp:
             return False
-        replicas = s.devices // (s.gen_tp if s.kind == "megatron" else 1)
-        return role != "actor" or replicas <= (w.generated or w.sequences)
+        return role != "actor" or s.rollout_replicas <= (w.generated or w.sequences)
 
     def _strategies(self, role: str, devices: int) -> list[Strategy]:
         """`strategies` of `role` on `devices` that give every replica and stage work (`has_work`)."""
@@ -269,8 +268,7 @@ class Planner:
         s, _ = combo[index]
         room = self.hw.capacity_bytes - sum(cost.static_bytes for _, cost in combo)
         fits = kv_room_batch(room, self.models["actor"], s, self.workload, self.hw)
-        replicas = s.devices // (s.gen_tp if s.kind == "megatron" else 1)
-        per_replica = math.ceil((self.workload.generated or self.workload.sequences) / replicas)
+        per_replica = math.ceil((self.workload.generated or self.workload.sequences) / s.rollout_replicas)
         if fits >= min(per_replica, s.gen_batch or self.workload.gen_micro_batch):
             return combo
         if fits < 1:

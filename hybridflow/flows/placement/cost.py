@@ -52,9 +52,7 @@ class Workload:
     cost_critic: bool = False  # Safe-RLHF: a cost critic beside the critic, on its devices, the same work again
     scorers: int = 1  # sequence classifiers of the rm_score stage: the reward model, Safe-RLHF's cost model
     lora_rank: int = 0  # model.lora_rank: the actor trains an adapter on its frozen weights; ref is the actor's model
-    rollout_wakes: int = (
-        0  # times an iteration the rollout's own engine (vLLM) wakes from sleep: its weights' round trips
-    )
+    rollout_wakes: int = 0  # wakes an iteration of a rollout engine with weights of its own (vLLM), asleep between
 
     @property
     def seq_length(self) -> int:
@@ -96,6 +94,9 @@ class Workload:
         from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
 
         prompts = cfg.data.train_batch_size
+        # vLLM keeps weights of its own, asleep in host memory while the models train, woken for the weight sync and
+        # for each generation (`hybridflow.engine.rollout.vllm`): the sampled one and ReMax's greedy one
+        generations = 1 + int(uses_greedy_baseline(cfg.algorithm.adv_estimator))
         return cls(
             sequences=prompts * cfg.rollout.n,
             generated=cfg.prompts_per_draw() * cfg.rollout.n,  # DAPO: one draw (more when groups are dropped)
@@ -119,11 +120,7 @@ class Workload:
             gen_micro_batch=cfg.rollout.micro_batch_size,
             old_log_prob=not cfg.skips_old_log_prob(),
             lora_rank=cfg.model.lora_rank,
-            # vLLM keeps its own weights, asleep in host memory while the models train: woken for the weight sync and
-            # for each generation (`hybridflow.engine.rollout.vllm`), ReMax's greedy one too
-            rollout_wakes=(2 + int(uses_greedy_baseline(cfg.algorithm.adv_estimator)))
-            if cfg.rollout.name == "vllm"
-            else 0,
+            rollout_wakes=generations + 1 if cfg.rollout.name == "vllm" else 0,
         )
 
 

@@ -344,15 +344,20 @@ def estimate(
     return ModelCost(stage_s, static, transient)
 
 
+def keeps_engine_weights(workload: Workload, hw: HardwareProfile) -> bool:
+    """Whether the rollout is an engine with weights of its own (vLLM: ``workload.rollout_wakes``) on a device with a
+    host link (``hw.host_bandwidth``): on a CPU the engine never sleeps and its weights are the host's."""
+    return bool(workload.rollout_wakes and hw.host_bandwidth)
+
+
 def generation_weights_bytes(shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> float:
     """Bytes per device the rollout's weights take beyond the training shard while it generates: a rollout engine's own
     copy (vLLM: ``workload.rollout_wakes``, on a device with a host link), whole or its t_g-th; else the
     3D-HybridEngine's generation shard M/t_g beside the training shard M/(t·p) (HybridFlow table 2: the training shard
     is reused, so only the difference is new), or, for fsdp, the whole weights gathered from the shards."""
     params = shape.params("lm") * hw.dtype_bytes
-    t_g = s.generation_tp
-    if workload.rollout_wakes and hw.host_bandwidth:
-        return params / t_g
+    if keeps_engine_weights(workload, hw):
+        return params / s.generation_tp
     if s.kind == "megatron":
         return params * (1 / s.gen_tp - 1 / (s.tp * s.pp)) if s.tp * s.pp > s.gen_tp else 0.0
     return params * (1 - 1 / s.dp) if s.kind == "fsdp" else 0.0
@@ -363,17 +368,15 @@ def engine_swap_s(shape: ModelShape, s: Strategy, workload: Workload, hw: Hardwa
     each of ``workload.rollout_wakes`` wakes copies its weight shard from pinned host memory to the device and the
     sleep after it copies it back (vLLM's ``sleep(level=1)`` / ``wake_up``), over ``hw.host_bandwidth``. What sharing
     a pool with training costs such a rollout; 0 where the device is the host (``host_bandwidth`` 0)."""
-    if not workload.rollout_wakes or not hw.host_bandwidth:
+    if not keeps_engine_weights(workload, hw):
         return 0.0
-    t_g = s.generation_tp
-    return workload.rollout_wakes * 2 * shape.params("lm") * hw.dtype_bytes / t_g / hw.host_bandwidth
+    return workload.rollout_wakes * 2 * shape.params("lm") * hw.dtype_bytes / s.generation_tp / hw.host_bandwidth
 
 
 def kv_bytes_per_sequence(shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> float:
     """KV-cache bytes per device one sequence of prompt + response tokens takes (its keys and values in every layer,
     split over the generation's t_g ranks)."""
-    t_g = s.generation_tp
-    return workload.seq_length * shape.kv_bytes_per_token(hw.dtype_bytes) / t_g
+    return workload.seq_length * shape.kv_bytes_per_token(hw.dtype_bytes) / s.generation_tp
 
 
 def kv_room_batch(room_bytes: float, shape: ModelShape, s: Strategy, workload: Workload, hw: HardwareProfile) -> int:

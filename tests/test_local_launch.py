@@ -1,4 +1,4 @@
-"""Local ranks forked by the fork server (`hybridflow.slurm.local`): what a rank sees, and that nothing outlives its
+"""Local ranks forked by the fork server (`hybridflow.slurm.forked`): what a rank sees, and that nothing outlives its
 controller. Real processes, real torch.distributed (gloo)."""
 
 import os
@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 from hybridflow.slurm.channel import create_secret
-from hybridflow.slurm.local import warm_up
+from hybridflow.slurm.forked import warm_up
 from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
 TOY = f"{Path(__file__).parent / 'workers_for_tests.py'}:ToyWorker"

@@ -8,7 +8,7 @@ import signal
 import pytest
 from typer.testing import CliRunner
 
-from hybridflow.cli import main, server
+from hybridflow.cli import main, server, training
 from hybridflow.slurm import network
 
 runner = CliRunner()
@@ -65,7 +65,7 @@ def test_each_home_gets_its_own_server(tmp_path, monkeypatch, capsys):
 
         again = server.start(port=port)  # `hf run` again in B: reuses B's server
         assert (again.port, again.pid, again.started) == (b.port, b.pid, False)
-        main._connect_prefect(None)
+        training.connect_prefect(None)
         out = capsys.readouterr().out
         assert f"Prefect server of {home_b}: UI {b.ui_url} (already running, pid {b.pid})" in out
         assert os.environ["PREFECT_API_URL"] == b.api_url

@@ -79,6 +79,25 @@ def test_groups_are_slurm_jobs_with_torch_distributed_inside(groups, slurm_clust
     assert "#SBATCH --comment=test-rollout" in script.read_text()  # extra sbatch options from config
 
 
+def test_a_nodes_ranks_are_forked_by_its_one_task_which_imported_the_engine_once(groups):
+    """One task per node (the node agent) holds the node's CPUs and forks its ranks from a fork server that imported
+    the engine: no rank imports it itself, each sees its own task's Slurm variables, and each writes its own log."""
+    rollout, _, _ = groups
+    views = rollout.process_view("SLURM_LOCALID")
+    assert [v["variable"] for v in views] == ["0", "1"]
+    assert all(v["engine_imported"] for v in views)  # imported before the fork: the rank never imported it
+    [server] = {v["parent"] for v in views}  # both ranks are children of one fork server ...
+    assert b"multiprocessing.forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
+    agent = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert b"submitit.core._submit" in Path(f"/proc/{agent}/cmdline").read_bytes()  # ... started by the node's task
+    steps = subprocess.run(["sacct", "-n", "-P", "-j", rollout.job_id, "-o", "JobID,NTasks,AllocCPUS"],
+                           capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert f"{rollout.job_id}.0|1|2" in steps  # the job's step: one task with both ranks' CPUs
+    for rank in (0, 1):
+        assert f"rank {rank} says hello on stdout" in (rollout.log_dir / f"{rollout.job_id}_{rank}_log.out").read_text()
+    assert "forked ranks" in (rollout.log_dir / f"{rollout.job_id}_node0_log.err").read_text()
+
+
 def test_many_to_many_transfer_between_groups_of_different_sizes(groups):
     rollout, actor, _ = groups
     data = DataProto.from_dict({"x": torch.arange(6)})
@@ -156,7 +175,8 @@ def test_kill_9_of_one_rank_fails_the_call_naming_group_rank_and_job(slurm_clust
         pid = group.pids[1]
         err, seconds = _raises_within(group, lambda: os.kill(pid, signal.SIGKILL))
         assert "worker group 'victim'" in str(err) and f"job {group.job_id}" in str(err)
-        assert "rank 1" in str(err)
+        assert f"rank 1 (pid {pid}) was killed by SIGKILL during sleep" in str(err)  # as its node's agent saw it
+        assert err.lost  # a relaunch can go on
         print(f"kill -9 of rank 1 detected in {seconds:.1f} s: {str(err).splitlines()[0]}")
     finally:
         group.shutdown(timeout_s=10)

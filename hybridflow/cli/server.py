@@ -28,6 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import typer
+
+from hybridflow.cli.common import console
 from hybridflow.engine.embedded_models import hybridflow_home
 from hybridflow.slurm.network import free_port
 
@@ -276,3 +279,38 @@ def use_server(api_url: str) -> None:
     # calls (artifacts go from a thread, the run's record is the run store), so 2 retries are enough.
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "2")
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+server_app = typer.Typer(help="The local Prefect server (UI and flow-run history).", no_args_is_help=True)
+
+
+@server_app.command("start")
+def server_start(port: int = DEFAULT_PORT) -> None:
+    """Start this home's Prefect server (or report the running one); a taken port means a free one instead."""
+    with console.status("starting the Prefect server..."):
+        info = start(port)
+    console.print(f"{info.describe()}  API {info.api_url}")
+
+
+@server_app.command("stop")
+def server_stop() -> None:
+    """Stop this home's Prefect server (started by `hf server start` or `hf run`); never another home's."""
+    home = hybridflow_home()
+    console.print(f"stopped the Prefect server of {home}" if stop() else f"no Prefect server of {home} was running")
+
+
+@server_app.command("status")
+def server_status() -> None:
+    """Whether this home's Prefect server (the one `hf run` uses) is running, and where; exit 1 if not."""
+    info = status()
+    if info is None:
+        console.print(f"no Prefect server of {hybridflow_home()} is running (hf server start)")
+        default = ServerInfo(DEFAULT_PORT, 0)
+        if healthy(default.api_url):
+            console.print(
+                f"the Prefect server at {default.ui_url} was not started by this home (another home's or someone "
+                "else's): hf run does not use it (--prefect-api to use it)"
+            )
+        raise typer.Exit(1)
+    console.print(f"running: Prefect server of {info.home}: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")

@@ -1,5 +1,5 @@
-"""The worker process: one rank of a worker group (a Slurm task launched by submitit, or a local process forked by
-`hybridflow.slurm.local`).
+"""The worker process: one rank of a worker group, forked by `hybridflow.slurm.forked`'s fork server (on this machine
+for a local group, by `hybridflow.slurm.node_agent` on each node of a Slurm group's job).
 
 `serve` runs in every task of the group's job: it joins torch.distributed (gloo on CPU, NCCL on GPU) with the
 group's other ranks, builds the worker class, says hello to the controller (its rank, pid, host and the methods
@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -38,6 +37,7 @@ from hybridflow.engine.transfer import TransferProtocol, registered_methods
 from hybridflow.slurm import network
 from hybridflow.slurm.channel import Signer, WorkerConnection, read_secret
 from hybridflow.slurm.dispatch import rank_result, rank_share
+from hybridflow.slurm.forked import Bootstrap
 from hybridflow.slurm.handles import DataHandle, write_part
 
 logger = logging.getLogger(__name__)
@@ -45,23 +45,6 @@ logger = logging.getLogger(__name__)
 HANDLE_KEY = "__handle__"
 RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank waits to learn where rank 0's rendezvous store listens
 STORE_TIMEOUT = timedelta(minutes=5)  # torch.distributed's store operations (every rank's join included)
-
-
-@dataclass
-class Bootstrap:
-    """What a worker process needs to start (pickled into the job or the forked process; plain values only)."""
-
-    group: str
-    worker_cls: str  # "package.module:Class" or "path/to/file.py:Class"
-    worker_kwargs: dict[str, Any]
-    controller_address: str
-    secret_path: str
-    data_dir: str
-    heartbeat_interval_s: float = 1.0
-    orphan_grace_s: float = 10.0
-    backend: str = "gloo"
-    env: dict[str, str] = field(default_factory=dict)
-    interface: str | None = "lo"  # where the group's sockets listen: "lo" (local groups), a NIC name, or None
 
 
 def decode_args(obj: Any) -> Any:

@@ -1,8 +1,9 @@
 """Worker groups: N SPMD worker processes launched as one job, persistent across iterations.
 
 The controller (the Prefect flow's process) creates a `WorkerGroup` for a worker class; one process per rank serves
-it (`local`: processes on this machine, forked by `hybridflow.slurm.local`'s fork server; `slurm`: one Slurm job of
-``nodes`` x ``tasks_per_node`` tasks, submitted with sbatch by submitit). Ranks rendezvous for torch.distributed at
+it (`local`: processes on this machine, forked by `hybridflow.slurm.forked`'s fork server; `slurm`: one Slurm job of
+``nodes`` tasks submitted with sbatch by submitit, each the node agent of `hybridflow.slurm.node_agent`, which forks
+the node's ``tasks_per_node`` ranks). Ranks rendezvous for torch.distributed at
 rank 0's node (gloo on CPU, NCCL on GPU): rank 0 listens on a port free at that moment and the controller relays its
 address to the others. Every rank connects back to the controller over the authenticated channel (the controller
 listens on 127.0.0.1 for local groups and on its cluster address for Slurm groups, never on every interface: see
@@ -44,9 +45,10 @@ from hybridflow.engine.transfer import Dispatch
 from hybridflow.slurm import cluster, network
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, read_secret
 from hybridflow.slurm.dispatch import gather_results, split_arguments
+from hybridflow.slurm.forked import Bootstrap, ForkedJob, local_job
 from hybridflow.slurm.handles import DataHandle
-from hybridflow.slurm.local import LocalJob
-from hybridflow.slurm.rank import Bootstrap, decode_args, encode_args, serve
+from hybridflow.slurm.node_agent import serve_node
+from hybridflow.slurm.rank import decode_args, encode_args
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +223,7 @@ class WorkerGroup:
         self.warning_signals: dict[int, list[str]] = {}
         self._rendezvous: dict[str, Any] | None = None  # where rank 0's store listens, once it has said
         self._asking: set[str] = set()  # ranks that asked before rank 0 said
+        self._rank_ends: dict[int, tuple[int, str]] = {}  # rank -> (pid, how its process ended)
         self._closed = False
         self._last_slurm_poll = 0.0
         self._slurm_state = ""
@@ -243,23 +246,35 @@ class WorkerGroup:
             raise
 
     # ------------------------------------------------------------------ start
-    def _submit(self, boot: Bootstrap) -> submitit.Job | LocalJob:
+    def _submit(self, boot: Bootstrap) -> submitit.Job | ForkedJob:
         spec = self.spec
         if spec.executor == "local":
             if spec.nodes != 1:
                 raise ValueError(f"group {spec.name!r}: the local executor runs one node, not {spec.nodes}")
-            return LocalJob(self.log_dir, spec.tasks_per_node, serve, boot)
+            return local_job(self.log_dir, spec.tasks_per_node, boot)
         if spec.executor != "slurm":
             raise ValueError(f"unknown executor {spec.executor!r} for group {spec.name!r}; use 'local' or 'slurm'")
+        # one task per node, the node agent, holding the CPUs of the node's ranks (and the node's GPUs); its own
+        # output in <job>_node<N>_log.*, the batch script's in <job>_batch.*: <job>_<rank>_log.* are the ranks'
+        slurm = dict(spec.slurm)
+        cpus_per_task = int(slurm.pop("cpus_per_task", 1))
+        node_log = str(self.log_dir / "%j_node%n_log")
+        slurm["srun_args"] = ["--output", f"{node_log}.out", "--error", f"{node_log}.err"]
+        slurm["additional_parameters"] = {
+            **slurm.get("additional_parameters", {}),
+            "output": str(self.log_dir / "%j_batch.out"),
+            "error": str(self.log_dir / "%j_batch.err"),
+        }
         executor = submitit.SlurmExecutor(folder=self.log_dir, python=sys.executable)
         executor.update_parameters(
             nodes=spec.nodes,
-            ntasks_per_node=spec.tasks_per_node,
+            ntasks_per_node=1,
+            cpus_per_task=spec.tasks_per_node * cpus_per_task,
             time=spec.timeout_min,
             job_name=f"hybridflow-{spec.name}",
-            **spec.slurm,
+            **slurm,
         )
-        return executor.submit(serve, boot)
+        return executor.submit(serve_node, boot, spec.tasks_per_node, cpus_per_task, str(self.log_dir))
 
     def _wait_for_hello(self) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
@@ -374,6 +389,9 @@ class WorkerGroup:
     def _handle_side_message(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
         sender = str(message.get("from", ""))
+        if kind == "rank_ended" and sender.startswith(f"{self.spec.name}/node-"):  # a Slurm node's agent
+            self._rank_ends[int(message["rank"])] = (int(message["pid"]), str(message["end"]))
+            return
         if not sender.startswith(f"{self.spec.name}/rank-"):
             self._signer.dropped += 1  # signed with the run's secret, but for another group: not ours to act on
             return
@@ -463,7 +481,7 @@ class WorkerGroup:
             if self._closed:
                 return
             while (got := self._endpoint.recv(0)) is not None:
-                if got[1].get("type") in ("heartbeat", "hello", "fatal", "rendezvous"):
+                if got[1].get("type") in ("heartbeat", "hello", "fatal", "rendezvous", "rank_ended"):
                     self._handle_side_message(got[1])
         finally:
             self._lock.release()
@@ -472,10 +490,13 @@ class WorkerGroup:
         """Raise if the job has ended, or (Slurm) if one of its nodes is down or drained. Returns the Slurm job's
         state (``RUNNING``, ``PENDING``...; polled every ``slurm_poll_s``) or ``""`` for local groups."""
         everyone = sorted(range(self.spec.world_size))
-        if isinstance(self._job, LocalJob):
-            for rank, pid in enumerate(self._job.pids):
-                if (ended := self._job.end_of(rank)) is not None:
-                    raise self._error(f"rank {rank} (pid {pid}) {ended} during {during}", [rank], lost=True)
+        if isinstance(self._job, ForkedJob):
+            for rank, pid in self._job.pids.items():
+                if (end := self._job.end_of(rank)) is not None:
+                    self._rank_ends[rank] = (pid, end)
+        for rank, (pid, end) in sorted(self._rank_ends.items()):  # a local rank's, or as a Slurm node's agent said
+            raise self._error(f"rank {rank} (pid {pid}) {end} during {during}", [rank], lost=True)
+        if isinstance(self._job, ForkedJob):
             return ""
         now = time.monotonic()
         if now - self._last_slurm_poll < self.spec.slurm_poll_s:
@@ -528,7 +549,7 @@ class WorkerGroup:
     def _cancel(self) -> bool:
         """End the job: SIGKILL a local group's ranks (a rank reads SIGTERM as a warning), scancel a Slurm job.
         Returns False when scancel failed."""
-        if isinstance(self._job, LocalJob):
+        if isinstance(self._job, ForkedJob):
             self._job.kill()
             return True
         return cluster.cancel(self.job_id)
@@ -609,7 +630,7 @@ class WorkerGroup:
         self._endpoint.close()
 
     def _ended(self) -> bool:
-        if isinstance(self._job, LocalJob):
+        if isinstance(self._job, ForkedJob):
             return self._job.done()
         try:
             return cluster.job_state(self.job_id) not in cluster.ACTIVE_STATES

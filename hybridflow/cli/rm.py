@@ -1,0 +1,35 @@
+"""``hf rm train CONFIG``: train a reward model on preference pairs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hybridflow.cli.common import DbOption, PrefectOption, console
+from hybridflow.cli.training import check_inputs, checked_config, train_new, warm_local_ranks
+
+rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_args_is_help=True)
+
+
+@rm_app.command("train")
+def rm_train(
+    config: Annotated[Path, typer.Argument(help="YAML reward-model training config", exists=True, dir_okay=False)],
+    override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
+    executor: Annotated[
+        str | None, typer.Option(help="where the worker group runs: local or slurm (-o placement.executor=...)")
+    ] = None,
+    db: DbOption = None,
+    prefect_api: PrefectOption = None,
+) -> None:
+    """Train a reward model on preference pairs (Bradley-Terry loss; Prefect flow ``hybridflow-rm`` on a worker
+    group), recorded in the run store as a run of kind ``rm``; the result is a Hugging Face folder that
+    ``reward_model.path`` loads: ``<output_dir>/<experiment_name>/<run_id>/reward_model``."""
+    from hybridflow.engine.config import RMTrainingConfig
+
+    cfg = checked_config(config, override, executor, RMTrainingConfig)
+    warm_local_ranks(cfg)
+    check_inputs(cfg)
+    folder = train_new(cfg, "rm", "reward_model", db, prefect_api, "reward-model run")
+    console.print(f"reward model: {folder} (use it with -o reward_model.path={folder})")

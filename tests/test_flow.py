@@ -383,12 +383,13 @@ def test_the_local_prefect_server_killed_mid_run_is_restarted_and_the_run_comple
         subprocess.run([HF, "server", "stop"], env=env, capture_output=True, timeout=60)
 
 
-def test_a_postgresql_store_stopped_for_30_s_mid_run_is_waited_for_and_the_run_completes(
+def test_a_postgresql_store_stopped_mid_run_is_waited_for_and_the_run_completes(
     prefect_api, tmp_path, tiny_model_dir, reference
 ):
-    """`hf run` on a PostgreSQL store, the server stopped inside iteration 2 for 30 s: the controller waits at its
-    next store write (saying which service and how long it waits), goes on once the server is back, and the run
-    completes with the uninterrupted run's metrics: nothing lost, nothing written twice."""
+    """`hf run` on a PostgreSQL store, the server stopped inside iteration 2 until the controller has said it waits
+    for it, and 5 s more: the controller waits at its next store write (saying which service and how long it
+    waits), goes on once the server is back, and the run completes with the uninterrupted run's metrics: nothing
+    lost, nothing written twice."""
     import yaml
     from postgres import postgres_server, unavailable_reason
 
@@ -399,16 +400,22 @@ def test_a_postgresql_store_stopped_for_30_s_mid_run_is_waited_for_and_the_run_c
         config_file = tmp_path / "config.yaml"
         config_file.write_text(yaml.safe_dump(_cfg(tmp_path, tiny_model_dir, extra=RESUMED).model_dump(mode="json")))
         command = [HF, "run", str(config_file), "--db", db, "--prefect-api", prefect_api]
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        log = tmp_path / "run.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         store = RunStore(db)
-        run_id = wait_inside_iteration(proc, store, 2)
+        run_id = wait_inside_iteration(proc, store, 2, log=log)
         store.close()
         server.stop()
-        time.sleep(30)
-        assert proc.poll() is None, proc.communicate()[0].decode()  # waiting for the store, not failed
+        deadline = time.monotonic() + 120
+        while "the run waits" not in log.read_text():  # the controller reached a store write and waits there
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        time.sleep(5)
+        assert proc.poll() is None, log.read_text()  # still waiting for the store, not failed
         server.start()
-        output = proc.communicate(timeout=300)[0].decode()
-        assert proc.returncode == 0, output
+        assert proc.wait(timeout=300) == 0, log.read_text()
+        output = log.read_text()
         assert "does not answer" in output and "the run waits" in output and "answers again" in output, output
         store = RunStore(db)
         assert store.get_run(run_id).status == "completed"

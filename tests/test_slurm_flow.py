@@ -54,13 +54,16 @@ def _current_job(store: RunStore, run_id: str) -> str:
 
 
 def _rank_pid(job: str, rank: int) -> int:
-    """The pid of a rank of a Slurm job, from slurmd (``scontrol listpids``: PID JOBID STEPID LOCALID GLOBALID)."""
-    listed = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True, check=True).stdout
-    for line in listed.splitlines()[1:]:
-        pid, _, step, _, global_id = line.split()[:5]
-        if step != "batch" and global_id == str(rank):
-            return int(pid)
-    raise AssertionError(f"no rank {rank} in scontrol listpids {job}:\n{listed}")
+    """The pid of a rank of a Slurm job: the process whose stderr is that rank's log file, ``<job>_<rank>_log.err``
+    (its node's task forked it; ``scontrol listpids`` lists every process of that task as the task's)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stderr = os.readlink(proc / "fd" / "2")
+        except OSError:
+            continue
+        if stderr.endswith(f"/{job}_{rank}_log.err"):
+            return int(proc.name)
+    raise AssertionError(f"no process of rank {rank} of job {job}")
 
 
 def test_hf_run_on_slurm_with_four_pools_then_resume_repeats_an_iteration_exactly(

@@ -5,6 +5,7 @@ characters) is needed for non-zero advantages; it is written to a file and loade
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def rank_pids(run_id: str, group: str) -> list[int]:
             stderr = os.readlink(proc / "fd" / "2")
         except OSError:
             continue
-        if f"/{run_id}/submitit/{group}/" in stderr and stderr.endswith("_log.err"):
+        if f"/{run_id}/submitit/{group}/" in stderr and re.search(r"_\d+_log\.err$", stderr):  # not a node's task
             pids.append(int(proc.name))
     return pids
 

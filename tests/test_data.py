@@ -133,6 +133,38 @@ def test_reasoning_gym_rows_parquet_round_trip(tmp_path):
     assert load_rows(path) == rows
 
 
+READ_ROWS = """
+import json, sys
+from hybridflow.engine.data import reasoning_gym_rows
+from hybridflow.engine.reward.rewards import check_builtin_source
+rows = reasoning_gym_rows("basic_arithmetic", 6, seed=3, config={"max_terms": 2})
+check_builtin_source("reasoning_gym/basic_arithmetic")
+print(json.dumps({"rows": rows, "imported": "reasoning_gym" in sys.modules}))
+"""
+
+
+def test_generated_rows_are_kept_and_a_later_run_reads_them_without_importing_reasoning_gym(tmp_path):
+    """reasoning-gym's import (1.3-2.5 s: it imports matplotlib) is paid by the first process that builds a data
+    configuration's rows; the next ones read the same rows from $HYBRIDFLOW_HOME/datasets, and check a generator's
+    name against the kept list. Another seed or option is generated anew."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HYBRIDFLOW_HOME": str(tmp_path)}
+
+    def build() -> dict:
+        done = subprocess.run([sys.executable, "-c", READ_ROWS], capture_output=True, text=True, env=env, check=True)
+        return json.loads(done.stdout)
+
+    first, second = build(), build()
+    assert first["imported"] and not second["imported"]
+    assert second["rows"] == first["rows"] == reasoning_gym_rows("basic_arithmetic", 6, seed=3, config={"max_terms": 2})
+    assert len(list((tmp_path / "datasets" / "reasoning_gym").glob("*.json"))) == 2  # the rows, the names
+    other = reasoning_gym_rows("basic_arithmetic", 6, seed=4, config={"max_terms": 2})
+    assert [r["prompt"] for r in other] != [r["prompt"] for r in first["rows"]]
+
+
 def test_reasoning_gym_errors():
     with pytest.raises(ValueError, match=r"data\.reasoning_gym\.name.*did you mean basic_arithmetic"):
         reasoning_gym_rows("basic_arithmetc", size=2, seed=0)

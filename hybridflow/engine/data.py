@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import logging
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -192,10 +194,17 @@ def _json_safe(value: Any) -> Any:
 
 
 def reasoning_gym_names() -> list[str]:
-    """All generator names that reasoning-gym registers (sorted), e.g. ``basic_arithmetic``, ``chain_sum``."""
+    """All generator names that reasoning-gym registers (sorted), e.g. ``basic_arithmetic``, ``chain_sum``; kept
+    beside the generated rows (`_generated_cache_path`), so that checking a name does not import reasoning-gym."""
+    cache = _generated_cache_path("reasoning_gym", ["generator names"])
+    if cache is not None and cache.is_file():
+        return json.loads(cache.read_text())
     from reasoning_gym.factory import DATASETS
 
-    return sorted(DATASETS)
+    names = sorted(DATASETS)
+    if cache is not None:
+        _write_atomically(cache, json.dumps(names))
+    return names
 
 
 def check_reasoning_gym_name(name: str, config_key: str = "data.reasoning_gym.name") -> None:
@@ -225,6 +234,9 @@ def reasoning_gym_rows(
     `hybridflow.engine.reward.rewards.reasoning_gym_score` can call the generator's ``score_answer`` later and the
     rows can be written to parquet/JSON.
 
+    The rows are kept as JSON under ``$HYBRIDFLOW_HOME/datasets/reasoning_gym/`` keyed by every argument and
+    reasoning-gym's version: a later run with the same data reads them without importing reasoning-gym.
+
     Args:
         name: generator name (``data.reasoning_gym.name``), e.g. ``"basic_arithmetic"``.
         size: number of rows (``data.reasoning_gym.train_size + val_size``), >= 1.
@@ -236,12 +248,55 @@ def reasoning_gym_rows(
         ValueError: for an unknown name (closest valid names listed), a size below 1, an option the generator does
             not have (the option and the valid options named) or an invalid option value (the generator's message).
     """
-    from reasoning_gym.factory import DATASETS, create_dataset
-
-    check_reasoning_gym_name(name)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"data.reasoning_gym.train_size + val_size must be an integer >= 1, got {size!r}")
     config = dict(config or {})
+    cache = _generated_cache_path("reasoning_gym", [name, size, seed, config, instruction])
+    if cache is not None and cache.is_file():
+        return json.loads(cache.read_text())
+    rows = _generate_reasoning_gym_rows(name, size, seed, config, instruction)
+    if cache is not None:
+        _write_atomically(cache, json.dumps(rows))
+    return rows
+
+
+def _generated_cache_path(source: str, key: list[Any]) -> Path | None:
+    """Where what `source` generated for `key` is kept (``$HYBRIDFLOW_HOME/datasets/<source>/
+    <sha256>.json``, the package's version in the key), or None when the package is not installed. Generating them
+    imports the generator's package (reasoning-gym: 1.3-2.5 s, matplotlib included) in every process that builds a
+    run's prompts; the rows are the same for the same key, so every run after the first reads them instead."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from hybridflow.engine.embedded_models import hybridflow_home
+
+    try:
+        key = [*key, version(source.replace("_", "-"))]
+    except PackageNotFoundError:
+        return None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    return hybridflow_home() / "datasets" / source / f"{digest}.json"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename (a reader never sees half of it); a folder that
+    cannot be written is no error: the rows are generated again next time."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.debug("prompt rows not cached at %s: %s", path, e)
+        tmp.unlink(missing_ok=True)
+
+
+def _generate_reasoning_gym_rows(
+    name: str, size: int, seed: int, config: dict[str, Any], instruction: str
+) -> list[dict[str, Any]]:
+    """`reasoning_gym_rows` without the cache: the generator's options checked, then `size` rows generated."""
+    from reasoning_gym.factory import DATASETS, create_dataset
+
+    check_reasoning_gym_name(name)
     _, config_cls = DATASETS[name]
     try:
         valid = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("size", "seed")]

@@ -120,16 +120,23 @@ def gsm8k_score(
 @functools.cache
 def _reasoning_gym_scorer(name: str) -> Callable[[Any, dict[str, Any]], float]:
     import reasoning_gym
-    from reasoning_gym.factory import DATASETS
 
-    if name not in DATASETS:
-        close = difflib.get_close_matches(name, sorted(DATASETS), n=5, cutoff=0.5)
+    _check_generator(name)
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def _check_generator(name: str) -> None:
+    """Raise ValueError (close names listed) if `name` is not a reasoning-gym generator."""
+    from hybridflow.engine.data import reasoning_gym_names  # the cached list: reasoning-gym itself is not imported
+
+    names = reasoning_gym_names()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
         hint = f"did you mean {', '.join('reasoning_gym/' + c for c in close)}?" if close else "no close match"
         raise ValueError(
             f"data_source 'reasoning_gym/{name}' names no reasoning-gym generator; {hint} "
             "(fix the data_source column of the prompt file or data.reasoning_gym.name)"
         )
-    return reasoning_gym.get_score_answer_fn(name)
 
 
 def reasoning_gym_score(
@@ -212,7 +219,7 @@ def check_builtin_source(data_source: str) -> None:
     if data_source in GSM8K_SOURCES:
         return
     if data_source.startswith(REASONING_GYM_PREFIX):
-        _reasoning_gym_scorer(data_source[len(REASONING_GYM_PREFIX) :])
+        _check_generator(data_source[len(REASONING_GYM_PREFIX) :])
         return
     raise ValueError(
         f"no built-in reward for data_source {data_source!r} (built in: {', '.join(GSM8K_SOURCES)}, "

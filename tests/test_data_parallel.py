@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from tiny_runs import tiny_run_config
 
 from hybridflow.engine.protocol import DataProto
-from hybridflow.flows.lifecycle import WORKER_CLS
+from hybridflow.flows.groups import WORKER_CLS
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup

@@ -15,7 +15,7 @@ from tiny_runs import tiny_run_config
 
 from hybridflow.engine.checkpoint import begin_checkpoint, finish_checkpoint
 from hybridflow.engine.protocol import DataProto
-from hybridflow.flows.lifecycle import WORKER_CLS
+from hybridflow.flows.groups import WORKER_CLS
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
 from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup

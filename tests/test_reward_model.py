@@ -123,7 +123,7 @@ def test_inputs_that_cannot_score_are_refused(tmp_path, tiny_model_dir):
 def test_worker_groups_of_two_ranks_score_as_one_rank_and_the_direct_forward(tmp_path, tiny_model_dir):
     """``compute_rm_score`` (DP_COMPUTE_PROTO) over 3 rows: 1 rank, 2 ddp ranks (2 + 1 rows) and 2 fsdp ranks
     (sharded weights, gathered for the call even by the rank with fewer rows) give the same ``rm_scores``."""
-    from hybridflow.flows.lifecycle import WORKER_CLS
+    from hybridflow.flows.groups import WORKER_CLS
     from hybridflow.slurm.channel import create_secret
     from hybridflow.slurm.handles import DataHandle
 

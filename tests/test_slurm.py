@@ -9,6 +9,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -169,10 +170,14 @@ def _raises_within(group: WorkerGroup, fault, limit_s: float = 30.0) -> tuple[Wo
     return err.value, detected
 
 
-def test_kill_9_of_one_rank_fails_the_call_naming_group_rank_and_job(slurm_cluster, tmp_path):
+def test_kill_9_of_one_rank_fails_the_call_and_the_relaunch_forks_new_ranks_in_the_same_job(slurm_cluster, tmp_path):
+    """A rank SIGKILLed mid-call: its node's agent names it at once. The group's allocation is kept, and the group
+    relaunched with the same placement (as the run's recovery does) forks its new ranks in the same job, from the
+    fork server that imported the engine for the first ranks: no new job, no new import."""
     group = _slurm_group(tmp_path, "victim")
     try:
         pid = group.pids[1]
+        [server] = {view["parent"] for view in group.process_view("SLURM_PROCID")}
         err, seconds = _raises_within(group, lambda: os.kill(pid, signal.SIGKILL))
         assert "worker group 'victim'" in str(err) and f"job {group.job_id}" in str(err)
         assert f"rank 1 (pid {pid}) was killed by SIGKILL during sleep" in str(err)  # as its node's agent saw it
@@ -180,6 +185,53 @@ def test_kill_9_of_one_rank_fails_the_call_naming_group_rank_and_job(slurm_clust
         print(f"kill -9 of rank 1 detected in {seconds:.1f} s: {str(err).splitlines()[0]}")
     finally:
         group.shutdown(timeout_s=10)
+    started = time.monotonic()
+    again = _slurm_group(tmp_path, "victim")
+    try:
+        print(f"relaunched in its allocation in {time.monotonic() - started:.2f} s")
+        assert again.job_id == group.job_id and again.log_prefix == f"{group.job_id}.2"
+        assert {view["parent"] for view in again.process_view("SLURM_PROCID")} == {server}
+        assert pid not in again.pids and again.all_reduce(1.0) == pytest.approx(3.0)
+        assert (again.log_dir / f"{group.job_id}.2_1_log.err").exists()
+    finally:
+        again.shutdown(timeout_s=10)  # no rank lost this time: the job ends
+    deadline = time.monotonic() + 30
+    while cluster.job_state(group.job_id) in cluster.ACTIVE_STATES:
+        assert time.monotonic() < deadline, "the allocation outlived its group's orderly end"
+        time.sleep(0.5)
+
+
+CONTROLLER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from test_slurm import _slurm_group
+group = _slurm_group(Path(sys.argv[1]), "orphaned", heartbeat_timeout_s=3.0)
+print(group.job_id, *group.pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_groups_job_ends_by_itself_when_its_controller_is_killed(slurm_cluster, tmp_path):
+    """The controller SIGKILLed (none of its clean-up runs): each node's agent, like each rank, sees the
+    controller's connection lost for ``heartbeat_timeout_s`` (3 s) and exits, killing its ranks, so the job ends
+    and gives its node back: no allocation outlives its run."""
+    controller = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, str(tmp_path), str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        job, *pids = controller.stdout.readline().split()
+    finally:
+        controller.kill()
+        controller.wait()
+    assert len(pids) == 2, pids
+    killed = time.monotonic()
+    while (state := cluster.job_state(job)) in cluster.ACTIVE_STATES:
+        assert time.monotonic() - killed < 60, f"job {job} still {state} 60 s after its controller was killed"
+        time.sleep(0.5)
+    print(f"job {job} ended ({state}) {time.monotonic() - killed:.1f} s after its controller was killed")
+    assert state == "COMPLETED"  # its agent returned: nobody cancelled it
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
 def test_scancel_fails_the_call(slurm_cluster, tmp_path):

@@ -218,7 +218,8 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     """A run whose groups get 1-minute Slurm allocations: Slurm sends SIGUSR2 before the limit (the run held in
     its reward stage until then), the flow checkpoints at the next stage boundary and resubmits its groups (new
     jobs). Then, mid-iteration: a rank
-    SIGKILLed (the group lost: relaunched from the newest checkpoint), the job scancelled (its SIGTERM read as
+    SIGKILLed (the group lost: relaunched from the newest checkpoint, its new ranks forked in the job it kept), the
+    job scancelled (its SIGTERM read as
     preemption's, checkpointed and resubmitted, or its end read first, the group lost), its node drained (the
     group lost; the next job waits in the queue until the node is back, and says why), the job preempted by a job
     of a higher-priority partition (SIGTERM, then cancelled after the partition's GraceTime). The run finishes by
@@ -274,8 +275,10 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
         # in the second allocation a rank SIGKILLed, in the third the job scancelled (SIGTERM, as on preemption), in
         # the fourth its node drained (the next job waits in the queue until the node is back)
         killed = _training_in_a_new_job(proc, store, run_id, store.placements(run_id)[0].slurm_job_id, log)
+        before = len(store.recoveries(run_id))
         os.kill(_rank_pid(killed, rank=0), signal.SIGKILL)
-        cancelled = _training_in_a_new_job(proc, store, run_id, killed, log)
+        cancelled = _training_again(proc, store, run_id, before, log)
+        assert cancelled == killed  # the relaunch forked its new ranks in the job it kept
         subprocess.run(["scancel", cancelled], check=True)
         drained = _training_in_a_new_job(proc, store, run_id, cancelled, log)
         before = len(store.recoveries(run_id))
@@ -306,7 +309,7 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     assert "SIGTERM" in by_preemption.cause or f"job {preempted}, slurm): the Slurm job ended" in by_preemption.cause
     ran = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", urgent], capture_output=True, text=True)
     assert ran.stdout.strip() == "COMPLETED", ran.stdout + ran.stderr  # it got the node the run's job held
-    [sigkill] = [r for r in relaunches if f"job {killed}, slurm" in r.cause]
+    [sigkill] = [r for r in relaunches if f"job {killed}, slurm" in r.cause and "SIGKILL" in r.cause]
     [drain] = [r for r in relaunches if f"job {drained}, slurm" in r.cause]
     assert "drain" in drain.cause and sigkill.group_name == "actor_rollout_ref", relaunches
     assert sigkill.resumed_from == warned.resumed_from  # save_freq 0: the warning's checkpoint
@@ -319,8 +322,8 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     timed_out = [r for r in relaunches if "TIMEOUT" in r.cause]  # a limit that came before its warning was read
     ended = [r for r in relaunches if f"job {preempted}, slurm): the Slurm job ended" in r.cause]  # preempted
     assert len(resubmitted) + len(timed_out) + len(cancel) + len(ended) + 2 == len(relaunches), relaunches
-    jobs = [p.slurm_job_id for p in store.placements(run_id)]
-    assert len(set(jobs)) == len(relaunches) + 1  # an allocation each
+    jobs = [p.slurm_job_id for p in store.placements(run_id) if p.role == "actor"]  # one row a launch
+    assert len(jobs) == len(relaunches) + 1 and len(set(jobs)) == len(relaunches)  # a new job each but the SIGKILL's
     # each resubmission goes on from a checkpoint on record: the one its warning took, or, for a warning read before
     # the iteration's first update (nothing of it applied), the one the iteration began from
     assert [c.step for c in store.checkpoints(run_id)] == [*sorted({r.resumed_from for r in resubmitted}), TOTAL]
@@ -330,19 +333,35 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_and_a_kill
     assert _compared(store, run_id) == expected
 
 
+def _training_again(proc: subprocess.Popen, store: RunStore, run_id: str, recoveries: int, log: Path) -> str:
+    """Wait until the run has recovered once more than `recoveries` times and an iteration started after that; the
+    job its group then runs in."""
+    deadline = time.monotonic() + 300
+    while len(store.recoveries(run_id)) <= recoveries:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    _iteration_started(proc, store, run_id, deadline, log)
+    return _current_job(store, run_id)
+
+
 def _training_in_a_new_job(proc: subprocess.Popen, store: RunStore, run_id: str, old_job: str, log: Path) -> str:
     """Wait until the run's group runs in a job other than `old_job` and an iteration started there; its job id."""
-    from datetime import UTC, datetime
-
     deadline = time.monotonic() + 300
     while (job := _current_job(store, run_id)) in (old_job, None):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
+    _iteration_started(proc, store, run_id, deadline, log)
+    return job
+
+
+def _iteration_started(proc: subprocess.Popen, store: RunStore, run_id: str, deadline: float, log: Path) -> None:
+    """Wait until an iteration of the run starts from now on (by `deadline`, `time.monotonic`)."""
+    from datetime import UTC, datetime
+
     seen = datetime.now(UTC)
     while not any(i.ended_at is None and i.started_at > seen for i in store.iterations(run_id)):
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
-    return job
 
 
 def test_resubmitting_off_stops_on_the_warning_resumable(slurm_cluster, prefect_api, tmp_path, tiny_model_dir):

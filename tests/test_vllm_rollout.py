@@ -150,7 +150,7 @@ def test_data_parallel_engines_sample_what_one_engine_samples(tmp_path):
     FSDP-sharded actor (``actor.strategy=fsdp``), whose weight sync all-gathers each tensor as it streams it."""
     from tiny_runs import tiny_run_config
 
-    from hybridflow.flows.lifecycle import WORKER_CLS
+    from hybridflow.flows.groups import WORKER_CLS
     from hybridflow.slurm.channel import create_secret
     from hybridflow.slurm.handles import DataHandle
     from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
@@ -254,7 +254,7 @@ def test_megatron_actor_feeds_vllm_from_its_generation_shards(tmp_path):
     and generates greedily what the ``ddp`` actor's engine generates."""
     from tiny_runs import tiny_run_config
 
-    from hybridflow.flows.lifecycle import WORKER_CLS
+    from hybridflow.flows.groups import WORKER_CLS
     from hybridflow.slurm.channel import create_secret
     from hybridflow.slurm.handles import DataHandle
     from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup

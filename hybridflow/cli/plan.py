@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from hybridflow.cli.common import DbOption, PrefectOption, _store, console, styled
-from hybridflow.cli.training import checked_config, connect_prefect, train, warm_local_ranks, with_executor
+from hybridflow.cli.training import checked_config, connect_prefect, start_workers_early, train, with_executor
 
 plans_app = typer.Typer(help="Placement plans from the run store (hf plan, placement.auto).", no_args_is_help=True)
 
@@ -114,7 +114,8 @@ def _calibrate(config: Path, override, executor, name: str, run_ids: list[str], 
 
     if not run_ids:
         base = checked_config(config, override, executor)
-        warm_local_ranks(base)
+        if base.placement.executor == "local":  # its runs' placements differ from the config's: no early job
+            start_workers_early(base)
         connect_prefect(prefect_api)
         batch = base.data.train_batch_size
         sizes = [(batch, 1), (2 * batch, 1)] + ([(2 * batch, 2)] if len(os.sched_getaffinity(0)) >= 2 else [])

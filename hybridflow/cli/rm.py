@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from hybridflow.cli.common import DbOption, PrefectOption, console
-from hybridflow.cli.training import check_inputs, checked_config, train_new, warm_local_ranks
+from hybridflow.cli.training import check_inputs, checked_config, start_workers_early, train_new
 
 rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_args_is_help=True)
 
@@ -29,7 +29,7 @@ def rm_train(
     from hybridflow.engine.config import RMTrainingConfig
 
     cfg = checked_config(config, override, executor, RMTrainingConfig)
-    warm_local_ranks(cfg)
+    start_workers_early(cfg)
     check_inputs(cfg)
     folder = train_new(cfg, "rm", "reward_model", db, prefect_api, "reward-model run")
     console.print(f"reward model: {folder} (use it with -o reward_model.path={folder})")

@@ -15,8 +15,8 @@ from hybridflow.cli.training import (
     check_inputs,
     checked_config,
     connect_prefect,
+    start_workers_early,
     train,
-    warm_local_ranks,
 )
 
 
@@ -44,7 +44,7 @@ def record_and_train(cfg, store, prefect_api: str | None) -> None:
     """Check the inputs, then (no `store`: a dry run) print the resolved config and stop, or record the run and
     train it."""
     if store is not None:
-        warm_local_ranks(cfg)
+        start_workers_early(cfg)
     check_inputs(cfg)
     if store is None:
         import yaml
@@ -117,7 +117,7 @@ def resume(
             f"hf resume {run_id} -o trainer.total_iterations=N"
         )
         raise typer.Exit(0)
-    warm_local_ranks(cfg)
+    start_workers_early(cfg)
     check_inputs(cfg)
     config = cfg.model_dump(mode="json")
     if config != record.config:
@@ -160,7 +160,7 @@ def _resume_supervised(store, record, overrides: list[str], from_checkpoint: str
             f"hf resume {record.id} -o trainer.total_epochs=N"
         )
         raise typer.Exit(0)
-    warm_local_ranks(cfg)
+    start_workers_early(cfg)
     check_inputs(cfg)
     if cfg.model_dump(mode="json") != record.config:
         store.update_config(record.id, cfg.model_dump(mode="json"))

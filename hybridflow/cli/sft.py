@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from hybridflow.cli.common import DbOption, PrefectOption, console
-from hybridflow.cli.training import check_inputs, checked_config, train_new, warm_local_ranks
+from hybridflow.cli.training import check_inputs, checked_config, start_workers_early, train_new
 
 sft_app = typer.Typer(help="Supervised fine-tuning: train a policy on conversations.", no_args_is_help=True)
 
@@ -30,7 +30,7 @@ def sft_train(
     from hybridflow.flows.preflight import conversation_sets
 
     cfg = checked_config(config, override, executor, SFTTrainingConfig)
-    warm_local_ranks(cfg)
+    start_workers_early(cfg)
     check_inputs(cfg)
     sets = conversation_sets(cfg)
     console.print(f"{len(sets.train)} training and {len(sets.val)} held-out conversations {sets.counts}")

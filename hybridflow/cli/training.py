@@ -72,15 +72,15 @@ def check_inputs(cfg) -> None:
         raise typer.Exit(2) from None
 
 
-def warm_local_ranks(cfg) -> None:
-    """Start the fork server of local ranks (`hybridflow.slurm.forked`) when `cfg`'s worker groups are local
-    processes: its ~10 s of imports run beside the controller's own start (the input checks, the Prefect server,
-    the flow) instead of before the first rank can serve. A command that stops before launching a group (a refused
-    input) ends the fork server with it."""
-    if cfg.placement.executor == "local":
-        from hybridflow.slurm.forked import warm_up
+def start_workers_early(cfg) -> None:
+    """Start what `cfg`'s worker groups need now (`hybridflow.flows.groups.start_early`): locally the fork server of
+    the ranks, whose ~10 s of imports then run beside the controller's own start (the input checks, the Prefect
+    server, the flow) instead of before the first rank can serve; on Slurm the run's allocations, whose queue wait
+    and imports overlap it likewise. A command that stops before launching its groups (a refused input) ends them
+    when it exits."""
+    from hybridflow.flows.groups import start_early
 
-        warm_up()
+    start_early(cfg)
 
 
 class Terminated(KeyboardInterrupt):

@@ -23,17 +23,16 @@ from prefect.runtime import flow_run
 from hybridflow.engine.checkpoint import CheckpointError, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig, SFTTrainingConfig
 from hybridflow.engine.extensions import training_backend
+from hybridflow.flows.groups import WORKER_CLS, group_spec
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.reporting import FlowLogs, RunReport
 from hybridflow.flows.store.run_store import LeaseLostError, RunStore
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.handles import DataHandle
-from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, WorkerGroupError, slurm_parameters
+from hybridflow.slurm.worker_group import WorkerGroup, WorkerGroupError
 from hybridflow.tasks import stages
 
 logger = logging.getLogger(__name__)
-
-WORKER_CLS = "hybridflow.engine.worker:RLHFWorker"
 
 
 INTERRUPT_GRACE_S = 3.0
@@ -115,37 +114,6 @@ def checkpoint_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:
     return run_dir_of(cfg, run_id) / "checkpoints"
 
 
-def group_spec(
-    cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig, pool: Pool, worker_cls: str = WORKER_CLS
-) -> GroupSpec:
-    """The `GroupSpec` of the worker group of resource pool `pool` (its ranks serving `worker_cls`; its Slurm job
-    with the pool's resources), with the ``placement`` section's executor, backend and limits."""
-    placement = cfg.placement
-    backend = placement.backend
-    if backend == "auto":  # NCCL when the workers train on GPUs (trainer.device cuda, or auto with GPUs there)
-        if cfg.trainer.device == "cpu":
-            on_gpus = False
-        elif placement.executor == "slurm":
-            on_gpus = cfg.trainer.device == "cuda" or pool.slurm.gpus_per_node > 0
-        else:
-            on_gpus = _local_cuda(cfg)
-        backend = "nccl" if on_gpus else "gloo"
-    slurm = pool.slurm
-    return GroupSpec(
-        name=pool.name,
-        worker_cls=worker_cls,
-        nodes=pool.nodes,
-        tasks_per_node=pool.tasks_per_node,
-        executor=placement.executor,
-        slurm=slurm_parameters(**slurm.model_dump(exclude={"time_min", "interface"})),
-        timeout_min=slurm.time_min,
-        backend=backend,
-        heartbeat_timeout_s=placement.heartbeat_timeout_s,
-        call_timeout_s=placement.call_timeout_s,
-        interface=slurm.interface,
-    )
-
-
 def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig, role: str) -> dict[str, Any] | None:
     """How `role`'s model is split over its pool's ranks, for the run store (``placements.parallel``): the
     strategy of the trained and scoring models (actor, critic, reward model; a reward model in training: ddp)
@@ -178,12 +146,6 @@ def _with_counts(parallel: dict[str, Any] | None, role: str, counts: dict[str, A
     if not found:
         return parallel
     return {**(parallel or {}), **found}
-
-
-def _local_cuda(cfg: HybridFlowConfig) -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 @dataclass

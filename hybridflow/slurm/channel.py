@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class ControllerEndpoint:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+            if not self._sock.poll(int(remaining * 1000) + 1 if remaining > 0 else 0):  # 0 s: one look, no wait
                 return None
             identity, *frames = self._sock.recv_multipart()
             message = self.signer.unpack(frames)
@@ -181,13 +182,19 @@ class ControllerEndpoint:
 
 
 class WorkerConnection:
-    """A worker's DEALER socket to the controller, identified as `identity`."""
+    """A worker's DEALER socket to the controller, identified as `identity`; `watched`: its connection's events are
+    read by `lost_s`."""
 
-    def __init__(self, address: str, identity: str, signer: Signer):
+    def __init__(self, address: str, identity: str, signer: Signer, watched: bool = False):
         self.identity = identity
         self.signer = signer
         self._drops = DropLog()
+        self._lost_since: float | None = None
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._monitor = None
+        if watched:  # before connecting, so that no event is missed
+            events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            self._monitor = self._sock.get_monitor_socket(events)
         self._sock.setsockopt(zmq.IDENTITY, identity.encode())
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -211,11 +218,22 @@ class WorkerConnection:
                 return message
             self._drops.drop(f"an unauthenticated message to worker {self.identity}")
 
-    def monitor(self) -> zmq.Socket:
-        """A socket that receives this connection's events (connected, disconnected, ...)."""
-        return self._sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        )
+    def lost_s(self) -> float:
+        """Seconds this connection has been disconnected from the controller (0.0 while connected), read from its
+        socket's events (connected, disconnected, handshake succeeded) that arrived since the last call.
 
-    def close(self) -> None:
-        self._sock.close()
+        Raises:
+            RuntimeError: the connection was made without ``watched=True``."""
+        if self._monitor is None:
+            raise RuntimeError(f"{self.identity}'s connection is not watched: make it with watched=True")
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost_since = self._lost_since or time.monotonic()
+            elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
+                self._lost_since = None
+        return 0.0 if self._lost_since is None else time.monotonic() - self._lost_since
+
+    def close(self, linger_ms: int | None = None) -> None:
+        """Close the socket; messages not yet sent are kept for up to `linger_ms` (None: 1 s)."""
+        self._sock.close(linger=linger_ms)

@@ -27,8 +27,6 @@ from datetime import timedelta
 from typing import Any
 
 import submitit
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from hybridflow.engine.fast_exit import exit_process
 from hybridflow.engine.imports import load_object
@@ -99,19 +97,11 @@ def _heartbeats(
     """Beat every `interval` seconds (with the warning signals received so far); exit the process if the
     controller's connection stays lost for `orphan_grace_s` (the controller died: nobody will call or shut down
     this rank)."""
-    conn = WorkerConnection(address, identity, signer)
-    monitor = conn.monitor()
-    lost_since: float | None = None
+    conn = WorkerConnection(address, identity, signer, watched=True)
     try:
         while not stop.wait(interval):
             conn.send({"type": "heartbeat", "signals": list(notice.received)})
-            while monitor.poll(0):
-                event = recv_monitor_message(monitor)["event"]
-                if event == zmq.EVENT_DISCONNECTED:
-                    lost_since = lost_since or time.monotonic()
-                elif event in (zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_SUCCEEDED):
-                    lost_since = None
-            if lost_since is not None and time.monotonic() - lost_since > orphan_grace_s:
+            if conn.lost_s() > orphan_grace_s:
                 logger.error("%s lost its controller for %.0f s; exiting", identity, orphan_grace_s)
                 os._exit(3)
     finally:
@@ -229,10 +219,19 @@ def serve(boot: Bootstrap) -> None:
     beat.start()
     conn = WorkerConnection(boot.controller_address, identity, signer)
     try:
+        started = time.perf_counter()
         rank, world_size, job_id = _init_distributed(boot.backend, boot.interface, controller_host, conn)
+        joined = time.perf_counter()
         cls = load_object(boot.worker_cls, f"worker class of group {boot.group!r}")
         methods = registered_methods(cls)
         worker = cls(rank=rank, world_size=world_size, data_dir=boot.data_dir, **boot.worker_kwargs)
+        logger.info(
+            "rank %d ready: torch.distributed joined in %.2f s, %s built in %.2f s",
+            rank,
+            joined - started,
+            cls.__name__,
+            time.perf_counter() - joined,
+        )
         conn.send(
             {
                 "type": "hello",

@@ -1,9 +1,10 @@
 """Worker groups: N SPMD worker processes launched as one job, persistent across iterations.
 
 The controller (the Prefect flow's process) creates a `WorkerGroup` for a worker class; one process per rank serves
-it (`local`: processes on this machine, forked by `hybridflow.slurm.forked`'s fork server; `slurm`: one Slurm job of
-``nodes`` tasks submitted with sbatch by submitit, each the node agent of `hybridflow.slurm.node_agent`, which forks
-the node's ``tasks_per_node`` ranks). Ranks rendezvous for torch.distributed at
+it (`local`: processes on this machine, forked by `hybridflow.slurm.forked`'s fork server; `slurm`: an allocation,
+`hybridflow.slurm.allocation`: one Slurm job of ``nodes`` tasks submitted with sbatch by submitit, each the node agent
+of `hybridflow.slurm.node_agent`, which forks the node's ``tasks_per_node`` ranks; a group that lost a rank leaves its
+allocation to its relaunch, which forks new ranks there). Ranks rendezvous for torch.distributed at
 rank 0's node (gloo on CPU, NCCL on GPU): rank 0 listens on a port free at that moment and the controller relays its
 address to the others. Every rank connects back to the controller over the authenticated channel (the controller
 listens on 127.0.0.1 for local groups and on its cluster address for Slurm groups, never on every interface: see
@@ -28,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import sys
 import threading
 import time
 import uuid
@@ -37,17 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import submitit
 import zmq
 
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.transfer import Dispatch
-from hybridflow.slurm import cluster, network
+from hybridflow.slurm import allocation, cluster, network
+from hybridflow.slurm.allocation import Allocation
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, read_secret
 from hybridflow.slurm.dispatch import gather_results, split_arguments
 from hybridflow.slurm.forked import Bootstrap, ForkedJob, local_job
 from hybridflow.slurm.handles import DataHandle
-from hybridflow.slurm.node_agent import serve_node
 from hybridflow.slurm.rank import decode_args, encode_args
 
 logger = logging.getLogger(__name__)
@@ -202,6 +201,7 @@ class WorkerGroup:
         bind = "127.0.0.1" if local else network.host_address(spec.interface)
         self._endpoint = ControllerEndpoint(self._signer, bind_host=bind)
         self.log_dir = Path(run_dir) / "submitit" / spec.name
+        self._launch: Bootstrap | None = None  # a Slurm group's ranks, forked once its allocation's agents say hello
         self._job = self._submit(
             Bootstrap(
                 group=spec.name,
@@ -218,6 +218,10 @@ class WorkerGroup:
             )
         )
         self.job_id = str(self._job.job_id)
+        # the ranks' log files: <log_prefix>_<rank>_log.err (a relaunch in a kept allocation: <job>.<n>_...)
+        self.log_prefix = self._job.next_log_prefix() if isinstance(self._job, Allocation) else self.job_id
+        self._lost = False  # it raised for a lost rank: on shutdown, keep its allocation for the relaunch
+        self._cancelled = False
         self.ranks: dict[int, RankInfo] = {}
         self.methods: dict[str, Dispatch] = {}
         self.warning_signals: dict[int, list[str]] = {}
@@ -242,11 +246,13 @@ class WorkerGroup:
         except BaseException:  # never leave a job running that nobody will call or stop
             self._closed = True
             self._cancel()
+            if isinstance(self._job, Allocation):
+                self._job.close(wait_s=0)
             self._endpoint.close()
             raise
 
     # ------------------------------------------------------------------ start
-    def _submit(self, boot: Bootstrap) -> submitit.Job | ForkedJob:
+    def _submit(self, boot: Bootstrap) -> Allocation | ForkedJob:
         spec = self.spec
         if spec.executor == "local":
             if spec.nodes != 1:
@@ -254,31 +260,18 @@ class WorkerGroup:
             return local_job(self.log_dir, spec.tasks_per_node, boot)
         if spec.executor != "slurm":
             raise ValueError(f"unknown executor {spec.executor!r} for group {spec.name!r}; use 'local' or 'slurm'")
-        # one task per node, the node agent, holding the CPUs of the node's ranks (and the node's GPUs); its own
-        # output in <job>_node<N>_log.*, the batch script's in <job>_batch.*: <job>_<rank>_log.* are the ranks'
-        slurm = dict(spec.slurm)
-        cpus_per_task = int(slurm.pop("cpus_per_task", 1))
-        node_log = str(self.log_dir / "%j_node%n_log")
-        slurm["srun_args"] = ["--output", f"{node_log}.out", "--error", f"{node_log}.err"]
-        slurm["additional_parameters"] = {
-            **slurm.get("additional_parameters", {}),
-            "output": str(self.log_dir / "%j_batch.out"),
-            "error": str(self.log_dir / "%j_batch.err"),
-        }
-        executor = submitit.SlurmExecutor(folder=self.log_dir, python=sys.executable)
-        executor.update_parameters(
-            nodes=spec.nodes,
-            ntasks_per_node=1,
-            cpus_per_task=spec.tasks_per_node * cpus_per_task,
-            time=spec.timeout_min,
-            job_name=f"hybridflow-{spec.name}",
-            **slurm,
-        )
-        return executor.submit(serve_node, boot, spec.tasks_per_node, cpus_per_task, str(self.log_dir))
+        # the allocation kept for this group's relaunch after it lost a rank, else a new job; its agents fork the
+        # ranks once they have said hello (`_wait_for_hello`)
+        shape = (spec.name, spec.nodes, spec.tasks_per_node, spec.slurm, spec.timeout_min, spec.interface)
+        self._launch = boot
+        return allocation.take(*shape, self.log_dir) or Allocation(*shape, self.log_dir, spec.heartbeat_timeout_s)
 
     def _wait_for_hello(self) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
         while len(self.ranks) < self.spec.world_size:
+            if self._launch is not None and isinstance(self._job, Allocation) and self._job.ready():
+                self._job.launch(self._launch, self.log_dir)
+                self._launch = None
             state = self._check_job_alive("starting")
             if state in ("PENDING", "CONFIGURING"):  # queue and node boot time: the cluster's business
                 deadline = time.monotonic() + self.spec.start_timeout_s
@@ -552,7 +545,8 @@ class WorkerGroup:
         if isinstance(self._job, ForkedJob):
             self._job.kill()
             return True
-        return cluster.cancel(self.job_id)
+        self._cancelled = True  # nothing left to keep
+        return self._job.cancel()
 
     def _error(self, what: str, ranks: list[int], lost: bool = False) -> WorkerGroupError:
         where = []
@@ -560,6 +554,7 @@ class WorkerGroup:
             info = self.ranks.get(rank)
             where.append(f"rank {rank}" + (f" (host {info.host}, pid {info.pid})" if info else ""))
         logs = "".join(self._log_tail(r) for r in ranks[:1])
+        self._lost = self._lost or lost
         return WorkerGroupError(
             f"worker group {self.spec.name!r} (job {self.job_id}, {self.spec.executor}): {what}; "
             f"{', '.join(where)}{logs}",
@@ -574,7 +569,7 @@ class WorkerGroup:
         return sorted({info.node or info.host for r in ranks if (info := self.ranks.get(r)) is not None})
 
     def _log_tail(self, rank: int, lines: int = 15) -> str:
-        paths = sorted(self.log_dir.glob(f"{self.job_id}_{rank}_log.err")) or sorted(self.log_dir.glob("*_log.err"))
+        paths = sorted(self.log_dir.glob(f"{self.log_prefix}_{rank}_log.err")) or sorted(self.log_dir.glob("*_log.err"))
         if not paths:
             return ""
         tail = paths[0].read_text(errors="replace").splitlines()[-lines:]
@@ -622,20 +617,34 @@ class WorkerGroup:
             with contextlib.suppress(zmq.ZMQError):  # a dead rank cannot be told
                 self._endpoint.send(self._identity(rank), {"type": "shutdown"})
         deadline = time.monotonic() + timeout_s
-        poll_s = 0.05 if self.spec.executor == "local" else 0.5  # a process poll, or a query to Slurm
-        while not self._ended() and time.monotonic() < deadline:
-            time.sleep(poll_s)
-        if not self._ended():
-            self._cancel()
+        if isinstance(self._job, ForkedJob):
+            while not self._job.done() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not self._job.done():
+                self._cancel()
+        else:
+            self._release_allocation(deadline)
         self._endpoint.close()
 
-    def _ended(self) -> bool:
-        if isinstance(self._job, ForkedJob):
-            return self._job.done()
-        try:
-            return cluster.job_state(self.job_id) not in cluster.ACTIVE_STATES
-        except cluster.SlurmCommandError:
-            return False
+    def _release_allocation(self, deadline: float) -> None:
+        """A Slurm group's end: wait until its agents say every rank ended (or the job did, or `deadline`), then
+        keep the allocation for this group's relaunch when the group lost a rank and Slurm did not warn it (a
+        time limit or a preemption needs a new job), else end it (`Allocation.close`)."""
+        last_check = time.monotonic()
+        while len(self._rank_ends) < self.spec.world_size and time.monotonic() < deadline:
+            got = self._endpoint.recv(0.05)
+            if got is not None and got[1].get("type") == "rank_ended":
+                self._handle_side_message(got[1])
+            if time.monotonic() - last_check > 1.0:
+                last_check = time.monotonic()
+                with contextlib.suppress(cluster.SlurmCommandError):
+                    if cluster.job_state(self.job_id) not in cluster.ACTIVE_STATES:
+                        break
+        keepable = self._lost and not self._cancelled and not self.warning_signals
+        if keepable and allocation.keep(self._job, self.log_dir):
+            logger.info("group %s: allocation %s kept for its relaunch", self.spec.name, self.job_id)
+            return
+        self._job.close()
 
     def __enter__(self) -> WorkerGroup:
         return self

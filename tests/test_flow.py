@@ -357,7 +357,8 @@ def test_the_local_prefect_server_killed_mid_run_is_restarted_and_the_run_comple
         os.kill(served["pid"], signal.SIGKILL)
         output = proc.communicate(timeout=300)[0].decode()
         assert proc.returncode == 0, output
-        assert f"the local Prefect server (pid {served['pid']}) ended: restarted it on port {served['port']}" in output
+        restarted = f"the local Prefect server (pid {served['pid']}) ended: restarted it on port {served['port']}"
+        assert restarted in output, output
         assert store.get_run(run_id).status == "completed"
         finished = _by_step(store, run_id)
         for step in (1, 2, 3, 4):

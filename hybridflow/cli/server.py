@@ -192,15 +192,21 @@ class ServerWatch:
     """While a run trains, restart this home's Prefect server if its process ends (killed, crashed, the OOM killer):
     on the same port, so the run's Prefect client (whose API URL is fixed) reconnects, and with the same database
     under this home, so the flow run's history and state are kept. Checked every `interval_s` seconds; `say` gets
-    one line per restart (or per failed one). A server that is alive but slow to answer is left alone.
+    one line per restart and one per failed attempt (with the server log's tail). A failed start is tried again at
+    the next check, up to `MAX_FAILURES` in a row; when the run ends with the server still down, one last start is
+    tried, so the events the run queued meanwhile reach it. A server that is alive but slow to answer is left alone.
 
     Use as a context manager around the run (a daemon thread)."""
+
+    MAX_FAILURES = 3
 
     def __init__(self, info: ServerInfo, say: Callable[[str], None], interval_s: float = 1.0):
         self.info = info
         self.say = say
         self.interval_s = interval_s
         self.restarts = 0
+        self._failures = 0  # failed starts in a row
+        self._given_up = False  # port taken meanwhile (the run's client cannot follow), or MAX_FAILURES failed starts
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="prefect-server-watch", daemon=True)
 
@@ -211,29 +217,39 @@ class ServerWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=START_TIMEOUT_S + 5)
+        if not self._thread.is_alive() and not self._given_up and not _is_own_server(self.info.pid):
+            self._restart(last=True)
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            if _is_own_server(self.info.pid):
-                continue
-            began = time.monotonic()
-            try:
-                info = start(self.info.port)
-            except RuntimeError as e:
-                self.say(f"the local Prefect server (pid {self.info.pid}) ended and did not restart: {e}")
-                return
-            if info.port != self.info.port:  # the port was taken meanwhile: the run's client cannot follow
-                self.say(
-                    f"the local Prefect server (pid {self.info.pid}) ended and port {self.info.port} is taken: the "
-                    f"run goes on without the UI (a new server is on port {info.port})"
-                )
-                return
-            self.restarts += 1
+        while not self._stop.wait(self.interval_s) and not self._given_up:
+            if not _is_own_server(self.info.pid):
+                self._restart()
+
+    def _restart(self, last: bool = False) -> None:
+        """Start this home's server on its port again; `last`: the run has ended (no later attempt)."""
+        began = time.monotonic()
+        try:
+            info = start(self.info.port)
+        except Exception as e:  # noqa: BLE001 - any failure is said; the watch tries again at its next check
+            self._failures += 1
+            self._given_up = self._failures >= self.MAX_FAILURES
+            then = "" if last or self._given_up else f"; trying again in {self.interval_s:g} s"
+            self.say(f"the local Prefect server (pid {self.info.pid}) ended and did not restart{then}: {e}")
+            return
+        if info.port != self.info.port:
+            self._given_up = True
             self.say(
-                f"the local Prefect server (pid {self.info.pid}) ended: restarted it on port {info.port} (pid "
-                f"{info.pid}) in {time.monotonic() - began:.1f} s; the run went on meanwhile"
+                f"the local Prefect server (pid {self.info.pid}) ended and port {self.info.port} is taken: the "
+                f"run goes on without the UI (a new server is on port {info.port})"
             )
-            self.info = info
+            return
+        self.restarts += 1
+        self._failures = 0
+        self.say(
+            f"the local Prefect server (pid {self.info.pid}) ended: restarted it on port {info.port} (pid "
+            f"{info.pid}) in {time.monotonic() - began:.1f} s; the run went on meanwhile"
+        )
+        self.info = info
 
 
 def _is_prefect_server(pid: int) -> bool:

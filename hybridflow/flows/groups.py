@@ -39,16 +39,7 @@ def start_early(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig) ->
     for pool in cfg.pools().values():
         spec = group_spec(cfg, pool)
         try:
-            early = allocation.Allocation(
-                spec.name,
-                spec.nodes,
-                spec.tasks_per_node,
-                spec.slurm,
-                spec.timeout_min,
-                spec.interface,
-                folder / f"{os.getpid()}-{spec.name}",
-                spec.heartbeat_timeout_s,
-            )
+            early = allocation.Allocation(spec, folder / f"{os.getpid()}-{spec.name}")
             allocation.submit_early(early)
         except Exception as e:  # a partition or account the input checks name next; the group submits its own job
             logger.debug("no early allocation for pool %s: %s", pool.name, e)

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import submitit
 
@@ -29,6 +29,9 @@ from hybridflow.slurm import cluster, network
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, create_secret, read_secret
 from hybridflow.slurm.forked import Bootstrap
 from hybridflow.slurm.node_agent import AgentBoot, serve_node
+
+if TYPE_CHECKING:
+    from hybridflow.slurm.worker_group import GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -47,45 +50,32 @@ class Allocation:
     """One Slurm job of node agents for a worker group (see the module docstring).
 
     Args:
-        name: the group's name (the job is ``hybridflow-<name>``).
-        nodes, tasks_per_node: the group's layout.
-        slurm: submitit `SlurmExecutor` parameters (``placement.slurm``, `worker_group.slurm_parameters`);
-            ``cpus_per_task`` is each rank's: the job's one task per node holds ``tasks_per_node`` times that.
-        timeout_min: the job's time limit (minutes).
-        interface: where the controller listens for the agents (None: its host name's address).
+        spec: the group's `GroupSpec`: its name (the job is ``hybridflow-<name>``), layout (``nodes``,
+            ``tasks_per_node``), ``slurm`` parameters (``cpus_per_task`` is each rank's: the job's one task per node
+            holds ``tasks_per_node`` times that), ``timeout_min``, ``interface`` (where the controller listens for
+            the agents) and ``heartbeat_timeout_s`` (how long an agent lives without its controller).
         folder: the job's own files (submitit's, the batch script's and the agents' output); each launch says where
             its ranks write their logs (the group's log folder).
-        orphan_grace_s: how long an agent lives without its controller.
 
     Raises:
         submitit.core.utils.FailedJobError: sbatch refused the job.
     """
 
-    def __init__(
-        self,
-        name: str,
-        nodes: int,
-        tasks_per_node: int,
-        slurm: dict[str, Any],
-        timeout_min: int,
-        interface: str | None,
-        folder: Path,
-        orphan_grace_s: float,
-    ) -> None:
-        self.shape = _shape(name, nodes, tasks_per_node, slurm, timeout_min, interface)
+    def __init__(self, spec: GroupSpec, folder: Path) -> None:
+        self.shape = _shape(spec)
         self.owner: Path | None = None  # log folder of the group it is kept for (`keep`); None: any (`submit_early`)
-        self.name, self.nodes = name, nodes
+        self.name, self.nodes = spec.name, spec.nodes
         log_dir = Path(folder)
         log_dir.mkdir(parents=True, exist_ok=True)
         secret = log_dir / "allocation.secret"  # its own: each controller session writes a new run secret
         secret.unlink(missing_ok=True)
         create_secret(secret)
-        self._endpoint = ControllerEndpoint(Signer(read_secret(secret)), bind_host=network.host_address(interface))
+        self._endpoint = ControllerEndpoint(Signer(read_secret(secret)), bind_host=network.host_address(spec.interface))
         self.agents: set[int] = set()  # nodes whose agent said hello
         self.hosts: set[str] = set()  # their Slurm node names
         self.launches = 0
         self._closed = False
-        params = dict(slurm)
+        params = dict(spec.slurm)
         cpus_per_task = int(params.pop("cpus_per_task", 1))
         # its own output in <job>_node<N>_log.*, the batch script's in <job>_batch.*: <job>_<rank>_log.* are the ranks'
         node_log = str(log_dir / "%j_node%n_log")
@@ -97,14 +87,21 @@ class Allocation:
         }
         executor = submitit.SlurmExecutor(folder=log_dir, python=sys.executable)
         executor.update_parameters(
-            nodes=nodes,
+            nodes=spec.nodes,
             ntasks_per_node=1,
-            cpus_per_task=tasks_per_node * cpus_per_task,
-            time=timeout_min,
-            job_name=f"hybridflow-{name}",
+            cpus_per_task=spec.tasks_per_node * cpus_per_task,
+            time=spec.timeout_min,
+            job_name=f"hybridflow-{spec.name}",
             **params,
         )
-        boot = AgentBoot(name, self._endpoint.address, str(secret), tasks_per_node, cpus_per_task, orphan_grace_s)
+        boot = AgentBoot(
+            spec.name,
+            self._endpoint.address,
+            str(secret),
+            spec.tasks_per_node,
+            cpus_per_task,
+            spec.heartbeat_timeout_s,
+        )
         self.job_id = str(executor.submit(serve_node, boot).job_id)
 
     def ready(self) -> bool:
@@ -161,6 +158,12 @@ class Allocation:
         except cluster.SlurmCommandError:
             return False
 
+    def ended(self) -> bool:
+        """Whether the job has ended (False while Slurm does not answer)."""
+        with contextlib.suppress(cluster.SlurmCommandError):
+            return cluster.job_state(self.job_id) not in cluster.ACTIVE_STATES
+        return False
+
     def close(self, wait_s: float = 30.0) -> None:
         """End the job: every agent told to exit (its ranks killed), the job's end awaited up to `wait_s` seconds
         (a group submitted next may need its nodes), ``scancel`` if it has not ended. Once only."""
@@ -175,9 +178,8 @@ class Allocation:
             wait_s = 0  # an agent that never said hello cannot be told: scancel
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            with contextlib.suppress(cluster.SlurmCommandError):
-                if cluster.job_state(self.job_id) not in cluster.ACTIVE_STATES:
-                    break
+            if self.ended():
+                break
             time.sleep(0.25)
         else:
             self.cancel()
@@ -194,8 +196,9 @@ class Allocation:
                 self.hosts.add(str(got[1]["host"]))
 
 
-def _shape(*parts: Any) -> tuple:
+def _shape(spec: GroupSpec) -> tuple:
     """What a group needs of an allocation: its name and placement (equal parts, equal shape)."""
+    parts = (spec.name, spec.nodes, spec.tasks_per_node, spec.slurm, spec.timeout_min, spec.interface)
     return tuple(repr(part) for part in parts)
 
 
@@ -207,14 +210,11 @@ def submit_early(allocation: Allocation, keep_s: float = KEEP_S) -> None:
     _hold(allocation, keep_s)
 
 
-def take(
-    name: str, nodes: int, tasks_per_node: int, slurm: dict[str, Any], timeout_min: int, interface: str | None,
-    log_dir: Path,
-) -> Allocation | None:  # fmt: skip
+def take(spec: GroupSpec, log_dir: Path) -> Allocation | None:
     """The allocation kept for the group whose logs are in `log_dir` (`keep`), else one submitted early for a
     group of this name and placement (`submit_early`), if its job is queued or runs on healthy nodes; else None (one
     found unfit is closed)."""
-    shape = _shape(name, nodes, tasks_per_node, slurm, timeout_min, interface)
+    shape = _shape(spec)
     with _KEPT_LOCK:
         found = _KEPT.pop((shape, log_dir), None) or _KEPT.pop((shape, None), None)
     if found is None:

@@ -262,9 +262,8 @@ class WorkerGroup:
             raise ValueError(f"unknown executor {spec.executor!r} for group {spec.name!r}; use 'local' or 'slurm'")
         # the allocation kept for this group's relaunch after it lost a rank, else a new job; its agents fork the
         # ranks once they have said hello (`_wait_for_hello`)
-        shape = (spec.name, spec.nodes, spec.tasks_per_node, spec.slurm, spec.timeout_min, spec.interface)
         self._launch = boot
-        return allocation.take(*shape, self.log_dir) or Allocation(*shape, self.log_dir, spec.heartbeat_timeout_s)
+        return allocation.take(spec, self.log_dir) or Allocation(spec, self.log_dir)
 
     def _wait_for_hello(self) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
@@ -637,9 +636,8 @@ class WorkerGroup:
                 self._handle_side_message(got[1])
             if time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
-                with contextlib.suppress(cluster.SlurmCommandError):
-                    if cluster.job_state(self.job_id) not in cluster.ACTIVE_STATES:
-                        break
+                if self._job.ended():
+                    break
         keepable = self._lost and not self._cancelled and not self.warning_signals
         if keepable and allocation.keep(self._job, self.log_dir):
             logger.info("group %s: allocation %s kept for its relaunch", self.spec.name, self.job_id)

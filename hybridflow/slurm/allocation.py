@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import submitit
 
@@ -29,9 +29,6 @@ from hybridflow.slurm import cluster, network
 from hybridflow.slurm.channel import ControllerEndpoint, Signer, create_secret, read_secret
 from hybridflow.slurm.forked import Bootstrap
 from hybridflow.slurm.node_agent import AgentBoot, serve_node
-
-if TYPE_CHECKING:
-    from hybridflow.slurm.worker_group import GroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +39,20 @@ back-off (``trainer.recovery_backoff_s``, 5 s, doubled for each earlier recovery
 IDLE_TIMEOUT_S = 15.0
 """How long `keep` waits for every agent to say its ranks ended (seconds) before it gives the allocation up."""
 
+
+class GroupShape(Protocol):
+    """What an allocation reads of its group (`hybridflow.slurm.worker_group.GroupSpec` has it all): the name and
+    placement its job is shaped by, and how long an agent lives without its controller (seconds)."""
+
+    name: str
+    nodes: int
+    tasks_per_node: int
+    slurm: dict[str, Any]
+    timeout_min: int
+    interface: str | None
+    heartbeat_timeout_s: float
+
+
 _KEPT: dict[tuple, Allocation] = {}
 _KEPT_LOCK = threading.Lock()
 
@@ -50,7 +61,7 @@ class Allocation:
     """One Slurm job of node agents for a worker group (see the module docstring).
 
     Args:
-        spec: the group's `GroupSpec`: its name (the job is ``hybridflow-<name>``), layout (``nodes``,
+        spec: the group's `GroupShape` (a `GroupSpec`): its name (the job is ``hybridflow-<name>``), layout (``nodes``,
             ``tasks_per_node``), ``slurm`` parameters (``cpus_per_task`` is each rank's: the job's one task per node
             holds ``tasks_per_node`` times that), ``timeout_min``, ``interface`` (where the controller listens for
             the agents) and ``heartbeat_timeout_s`` (how long an agent lives without its controller).
@@ -61,7 +72,7 @@ class Allocation:
         submitit.core.utils.FailedJobError: sbatch refused the job.
     """
 
-    def __init__(self, spec: GroupSpec, folder: Path) -> None:
+    def __init__(self, spec: GroupShape, folder: Path) -> None:
         self.shape = _shape(spec)
         self.owner: Path | None = None  # log folder of the group it is kept for (`keep`); None: any (`submit_early`)
         self.name, self.nodes = spec.name, spec.nodes
@@ -196,7 +207,7 @@ class Allocation:
                 self.hosts.add(str(got[1]["host"]))
 
 
-def _shape(spec: GroupSpec) -> tuple:
+def _shape(spec: GroupShape) -> tuple:
     """What a group needs of an allocation: its name and placement (equal parts, equal shape)."""
     parts = (spec.name, spec.nodes, spec.tasks_per_node, spec.slurm, spec.timeout_min, spec.interface)
     return tuple(repr(part) for part in parts)
@@ -210,7 +221,7 @@ def submit_early(allocation: Allocation, keep_s: float = KEEP_S) -> None:
     _hold(allocation, keep_s)
 
 
-def take(spec: GroupSpec, log_dir: Path) -> Allocation | None:
+def take(spec: GroupShape, log_dir: Path) -> Allocation | None:
     """The allocation kept for the group whose logs are in `log_dir` (`keep`), else one submitted early for a
     group of this name and placement (`submit_early`), if its job is queued or runs on healthy nodes; else None (one
     found unfit is closed)."""

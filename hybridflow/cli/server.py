@@ -193,8 +193,9 @@ class ServerWatch:
     on the same port, so the run's Prefect client (whose API URL is fixed) reconnects, and with the same database
     under this home, so the flow run's history and state are kept. Checked every `interval_s` seconds; `say` gets
     one line per restart and one per failed attempt (with the server log's tail). A failed start is tried again at
-    the next check, up to `MAX_FAILURES` in a row; when the run ends with the server still down, one last start is
-    tried, so the events the run queued meanwhile reach it. A server that is alive but slow to answer is left alone.
+    the next check, up to `MAX_FAILURES` in a row; when the run ends with the server still down (and the watch has
+    not given up), one last start is tried, so the events the run queued meanwhile reach it. A server that is alive
+    but slow to answer is left alone.
 
     Use as a context manager around the run (a daemon thread)."""
 

@@ -245,22 +245,6 @@ def _hf(prefect_api, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([HF, *args, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=300)
 
 
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -457,7 +441,7 @@ def test_sigterm_records_interrupted_and_resume_extends_the_run(
     two = [*RESUMED, "trainer.total_iterations=2"]
     proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, two)
     run_id = wait_inside_iteration(proc, store, 2)
-    workers = _descendants(proc.pid)
+    workers = rank_pids(run_id)
     assert workers, "hf run has no worker processes"
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)

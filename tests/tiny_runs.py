@@ -30,16 +30,18 @@ def wait_inside_iteration(proc: subprocess.Popen, store, step: int, log: Path | 
     raise AssertionError(f"hf run never reached iteration {step}")
 
 
-def rank_pids(run_id: str, group: str) -> list[int]:
-    """The pids of worker group `group`'s ranks of run `run_id` (local executor: the processes whose stderr is a
-    log file in the group's log folder ``<run>/submitit/<group>/``)."""
+def rank_pids(run_id: str, group: str = "") -> list[int]:
+    """The pids of worker group `group`'s ranks of run `run_id`, every group's by default (local executor: the
+    processes whose stderr is a log file in the group's log folder ``<run>/submitit/<group>/``; wherever they were
+    forked from: the controller's fork server, or a warm process's)."""
+    folder = f"/{run_id}/submitit/{group}/" if group else f"/{run_id}/submitit/"
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             stderr = os.readlink(proc / "fd" / "2")
         except OSError:
             continue
-        if f"/{run_id}/submitit/{group}/" in stderr and re.search(r"_\d+_log\.err$", stderr):  # not a node's task
+        if folder in stderr and re.search(r"_\d+_log\.err$", stderr):  # not a node's task
             pids.append(int(proc.name))
     return pids
 

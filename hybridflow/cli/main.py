@@ -25,7 +25,7 @@ from typing import Annotated
 
 import typer
 
-from hybridflow.cli import deploy, models, plan, rm, run, server, sft, training, verl
+from hybridflow.cli import deploy, models, plan, rm, run, server, sft, training, verl, warm_start
 from hybridflow.cli.common import console
 from hybridflow.cli.config_show import config_app
 from hybridflow.cli.data_check import data_app
@@ -103,6 +103,13 @@ def _not_a_failed_run_record(record: logging.LogRecord) -> bool:
 
 def main() -> None:
     """Entry point of ``hf`` and ``hybridflow``."""
+    try:
+        status = warm_start.forward(sys.argv[1:])  # hf run / hf resume: forked by a warm process, where one serves
+    except ValueError as e:
+        console.print(f"{e}", style="red")
+        exit_process(2)
+    if status is not None:
+        warm_start.exit_like(status)
     # Warnings and errors on the terminal; INFO lines (the controller's and the workers') go to the flow run's logs
     # in the Prefect UI only (hybridflow.flows.reporting.FlowLogs).
     terminal = logging.StreamHandler()

@@ -17,6 +17,16 @@ from hybridflow.flows.store.run_store import LEASE_RENEW_S, LeaseLostError, Run,
 
 logger = logging.getLogger(__name__)
 
+_controller_pid: int | None = None
+
+
+def record_controller_pid(pid: int) -> None:
+    """Record `pid`, not this process's, as the controller's in the leases this process takes: the ``hf`` process
+    of a warm-started command (`hybridflow.cli.warm_start`), which the user sees and signals, and whose death ends
+    this one."""
+    global _controller_pid
+    _controller_pid = pid
+
 
 class RunLease:
     """This process's lease on one run (see the module docstring).
@@ -41,7 +51,7 @@ class RunLease:
         Raises:
             LeaseHeldError: another controller is training the run (names its host and pid).
         """
-        before = self.store.acquire_lease(self.run_id, self.token)
+        before = self.store.acquire_lease(self.run_id, self.token, pid=_controller_pid)
         if controller_state(before) == "crashed":
             self.taken_over = before
             beat = f"{before.heartbeat_at:%Y-%m-%d %H:%M:%S} UTC" if before.heartbeat_at else "never"

@@ -4,10 +4,12 @@ A rank imports torch, tensordict, transformers and HybridFlow's engine before it
 (``python -X importtime``), paid by every rank of every group, again at every relaunch. Ranks therefore come from
 Python's `multiprocessing` fork server: one process, started from a clean interpreter (never a fork of its caller,
 whose threads and sockets a child must not inherit), which imports `PRELOAD` once and then forks a rank in
-milliseconds on each request. Two callers start one:
+milliseconds on each request. Three callers start one:
 
 - the controller, for its local groups (`local_job`); ``hf run`` calls `warm_up` as soon as its config says the
   executor is local, so the import runs beside the controller's own start;
+- a warm process (`hybridflow.cli.warm_start`), when it starts: the controllers it forks use its fork server
+  (`use_inherited_server`), warm before they start;
 - each node of a Slurm group's job (`hybridflow.slurm.node_agent`): one task per node forks that node's ranks, so a
   group on N nodes starts in the time of one import.
 
@@ -55,6 +57,7 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(list(PRELOAD))
 _LIVE_JOBS: set[ForkedJob] = set()
 _warm = False
+_inherited = False  # the fork server is the one of the process this one was forked from (`use_inherited_server`)
 _WARM_LOCK = threading.Lock()
 
 
@@ -103,6 +106,19 @@ def warm_up() -> None:
             _warm = True
 
 
+def use_inherited_server() -> None:
+    """In a process forked from one that called `warm_up` (a warm process's controller, `hybridflow.cli.warm_start`):
+    fork ranks from that process's fork server, which imported `PRELOAD` already, and leave it running at exit (it
+    is its starter's). Multiprocessing would otherwise check the server's life with ``waitpid``, which only its
+    parent may call; a server that died is noticed when a launch cannot reach it (`ForkedJob` raises OSError)."""
+    global _warm, _inherited
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None:
+        raise RuntimeError("this process has no inherited fork server: its parent never called warm_up")
+    server.ensure_running = lambda: None  # the instance's, shadowing ForkServer.ensure_running
+    _warm = _inherited = True
+
+
 @contextlib.contextmanager
 def _output_to_devnull() -> Iterator[None]:
     """Point file descriptors 1 and 2 at /dev/null for the block (what a process started inside inherits)."""
@@ -142,12 +158,13 @@ class ForkedJob:
         self._lock = threading.Lock()  # a process's exit code is read once from the fork server's pipe
         warm_up()
         env = dict(os.environ)
+        start = (os.getcwd(), list(sys.path))  # where the rank starts, and where it imports from: this process's
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         _LIVE_JOBS.add(self)
         for rank, own in rank_env.items():
             process = _CONTEXT.Process(
                 target=_run_rank,
-                args=(boot, env | own, str(self.log_path(rank, "out")), str(self.log_path(rank, "err"))),
+                args=(boot, env | own, *start, str(self.log_path(rank, "out")), str(self.log_path(rank, "err"))),
                 name=f"{job_id}_{rank}",
             )
             process.start()
@@ -219,17 +236,19 @@ def local_job(log_dir: str | Path, ntasks: int, boot: Any) -> ForkedJob:
     return ForkedJob(job_id, log_dir, env, boot)
 
 
-def _run_rank(boot: Any, env: dict[str, str], out_path: str, err_path: str) -> None:
-    """A rank's process: output to its log files, its environment, then `RANK_MAIN` (imported by the fork server
-    already)."""
-    for fd, path in ((1, out_path), (2, err_path)):
-        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+def _run_rank(boot: Any, env: dict[str, str], cwd: str, path: list[str], out_path: str, err_path: str) -> None:
+    """A rank's process: output to its log files, its environment, working directory and ``sys.path`` (its caller's,
+    not the fork server's), then `RANK_MAIN` (imported by the fork server already)."""
+    for fd, log in ((1, out_path), (2, err_path)):
+        file = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(file, fd)
         os.close(file)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)  # lines reach the flow's logs as they are written
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
     module, function = RANK_MAIN.split(":")
     getattr(importlib.import_module(module), function)(boot)
 
@@ -244,6 +263,6 @@ def _end_with_the_caller() -> None:
         for process in job.processes.values():
             process.join(5)
     server_pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)  # CPython's, 3.8-3.14
-    if server_pid is not None:
+    if server_pid is not None and not _inherited:
         with contextlib.suppress(ProcessLookupError):
             os.kill(server_pid, signal.SIGKILL)

@@ -24,6 +24,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if _parent(int(proc.name)) == pid:
+                found.append(int(proc.name))
+        except (OSError, IndexError):  # ended meanwhile
+            continue
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -34,7 +49,7 @@ def test_runs_are_forked_from_a_warm_process_that_dies_with_them_and_exits_when_
     the caller's pid as the controller's, and a caller SIGKILLed takes its controller with it (the run then shows as
     crashed and `hf resume`, forked too, completes it). A bad value of HYBRIDFLOW_WARM_START_S is refused naming
     it; 0 runs the command without the warm process. Idle for HYBRIDFLOW_WARM_START_S, the warm process exits and
-    removes its socket."""
+    removes its socket. Its fork server killed between two commands, the next command's ranks come from a new one."""
     runtime = Path(tempfile.mkdtemp(prefix="hf-warm-"))  # short: a socket's path has at most 107 bytes
     try:
         _check_warm_start(runtime, tmp_path, prefect_api)
@@ -62,6 +77,8 @@ def _check_warm_start(runtime: Path, tmp_path: Path, prefect_api: str) -> None:
     assert refused.returncode == 2 and "trainer.bogus" in refused.stdout + refused.stderr, refused.stdout
     assert log.read_text().count("forked controller") == 2  # the refusal came from a forked controller too
 
+    (server,) = [p for p in _children(warm_pid) if b"multiprocessing.forkserver" in _cmdline(p)]
+    os.kill(server, signal.SIGKILL)  # the warm fork server lost: the next command's ranks need a new one
     proc = subprocess.Popen(
         [HF, "run", "examples/grpo_tiny.yaml", *common, "-o", f"trainer.output_dir={tmp_path / 'b'}"],
         stdout=subprocess.PIPE,

@@ -201,6 +201,11 @@ class ServerWatch:
 
     MAX_FAILURES = 3
 
+    PORT_RELEASE_S = 10.0
+    """How long a restart waits for the ended server's port to be free: a process SIGKILLed reads as ended (its
+    memory released) a moment before its sockets are closed, longer on a loaded machine (CI saw the port still
+    taken right after)."""
+
     def __init__(self, info: ServerInfo, say: Callable[[str], None], interval_s: float = 1.0):
         self.info = info
         self.say = say
@@ -229,6 +234,8 @@ class ServerWatch:
     def _restart(self, last: bool = False) -> None:
         """Start this home's server on its port again; `last`: the run has ended (no later attempt)."""
         began = time.monotonic()
+        while not _port_free(self.info.port) and time.monotonic() - began < self.PORT_RELEASE_S:
+            time.sleep(0.1)
         try:
             info = start(self.info.port)
         except Exception as e:  # noqa: BLE001 - any failure is said; the watch tries again at its next check

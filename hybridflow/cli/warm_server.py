@@ -1,6 +1,7 @@
 """The warm process of `hybridflow.cli.warm_start`: imports the controller's stack once, then forks a controller for
-each ``hf run`` / ``hf resume`` that a caller hands it over its Unix socket (the caller's arguments, environment,
-working directory, umask and standard streams), and tells the caller how it ended."""
+each command (``hf run``, ``hf resume``, ...: `hybridflow.cli.warm_start.COMMANDS`) that a caller hands it over its
+Unix socket (the caller's arguments, environment, working directory, umask and standard streams), and tells the
+caller how it ended."""
 
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ def _fork_controller(conn: socket.socket, others: list) -> int:
         _log(f"unreadable request: {e}")
         conn.close()
         return 0
+    forked.restart_if_dead()  # the controller forks its ranks from it
     pid = os.fork()
     if pid:
         for fd in fds:

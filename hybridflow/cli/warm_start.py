@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 COMMANDS = ("run", "resume")
-"""The ``hf`` commands a warm process serves (those that start a controller)."""
+"""The ``hf`` commands a warm process serves: those that start an RLHF run's controller."""
 
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "TORCH", "PYTORCH", "OMP_", "MKL_")
 IMPORT_TIME_ENV += ("CUDA", "NCCL", "LD_", "SQLALCHEMY", "TENSORDICT")
@@ -85,8 +85,9 @@ def socket_path() -> Path:
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(IMPORT_TIME_ENV))
     digest.update(json.dumps([sys.executable, sys.path, env]).encode())
     for entry in sys.path:  # an installed or removed package changes its folder's mtime
-        with contextlib.suppress(OSError):
-            digest.update(f"{entry}:{os.stat(entry).st_mtime_ns}".encode())
+        if entry.endswith(("site-packages", "dist-packages")):
+            with contextlib.suppress(OSError):
+                digest.update(f"{entry}:{os.stat(entry).st_mtime_ns}".encode())
     package = Path(__file__).resolve().parent.parent
     for source in sorted(package.rglob("*.py")):
         stat = source.stat()

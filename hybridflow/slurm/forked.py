@@ -106,6 +106,14 @@ def warm_up() -> None:
             _warm = True
 
 
+def restart_if_dead() -> None:
+    """Start the fork server again if it died (killed, out of memory) since `warm_up`: what a warm process
+    (`hybridflow.cli.warm_start`) checks before it forks each controller. For a caller without other threads
+    writing: file descriptors 1 and 2 point at /dev/null while a new server starts."""
+    with _WARM_LOCK, _output_to_devnull():
+        multiprocessing.forkserver.ensure_running()  # a waitpid for the server's end; a start where it ended
+
+
 def use_inherited_server() -> None:
     """In a process forked from one that called `warm_up` (a warm process's controller, `hybridflow.cli.warm_start`):
     fork ranks from that process's fork server, which imported `PRELOAD` already, and leave it running at exit (it

@@ -11,6 +11,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(items):
+    """The suite runs on two pytest-xdist workers (pyproject's addopts: ``-n 2 --dist loadgroup``); each test goes to
+    whichever worker is free, except those of one group, which run in one worker, one after another:
+
+    - ``slurm``: every test on the one-node Slurm cluster (the `slurm_cluster` fixture, or a parameter naming
+      slurm): two at once would queue each other's jobs, and some drain the node or preempt its jobs;
+    - ``<module>``: a module's tests that share one of its module-scoped fixtures (a reference run, worker groups
+      trained test after test): set up once, in the order the module gives.
+    ``-n 0`` runs the suite in this process, in the same order."""
+    for item in items:
+        params = getattr(item, "callspec", None)
+        on_slurm = "slurm_cluster" in item.fixturenames or (
+            params is not None and any("slurm" in str(value) for value in params.params.values())
+        )
+        scopes = {d.scope for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs}
+        if on_slurm:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif "module" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 # Prefect reads its settings once, when it is first imported (here: while test modules are collected), so the
 # session server's URL is set now, before that, and the `prefect_api` fixture starts the server on this port; set
 # later, the in-process flows would quietly run on an ephemeral server of Prefect's own instead.

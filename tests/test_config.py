@@ -361,3 +361,22 @@ def test_safe_rlhf_needs_its_cost_source_and_limit_and_a_ddp_or_fsdp_critic():
         load_config(None, [*safe, "algorithm.adv_estimator=gae", model])
     with pytest.raises(ConfigError, match=r"reward_model.cost_path=cost_rm is read only by Safe-RLHF"):
         load_config(None, [*MINIMAL, "algorithm.adv_estimator=gae", model])
+
+
+def test_only_the_pool_hosting_a_vllm_rollout_has_its_fork_servers_import_vllm():
+    """`group_spec`'s ``vllm`` (a Slurm node's fork server imports vLLM's engine modules, `hf run`'s local one too):
+    set for the pool that hosts a vLLM rollout, not for the others, nor for an hf rollout's."""
+    import json
+
+    from hybridflow.flows.groups import builds_vllm_engines, group_spec
+
+    tiny = Path(__file__).parent.parent / "examples" / "grpo_tiny.yaml"
+    pools = json.dumps({"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}})
+    apart = load_config(tiny, ["rollout.name=vllm", f"placement.pools={pools}"])
+    assert {name: group_spec(apart, pool).vllm for name, pool in apart.pools().items()} == {
+        "train": False,
+        "generate": True,
+    }
+    assert builds_vllm_engines(apart)
+    hf = load_config(tiny, ["rollout.name=hf"])
+    assert not builds_vllm_engines(hf) and not any(group_spec(hf, pool).vllm for pool in hf.pools().values())

@@ -55,4 +55,32 @@ def test_tiny_is_built_on_demand_atomically(tmp_path, monkeypatch):
     assert (path / "config.json").is_file()
     rebuilt = prepare_model("tiny", force=True)
     assert rebuilt == path and (path / "model.safetensors").is_file()
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [".tiny.lock", "tiny"]  # no temporary folder
+
+
+def test_a_second_preparation_waits_for_the_first_and_reuses_its_folder(tmp_path):
+    """Two processes preparing one model (two `hf run` on a fresh machine): the second waits on the model's lock
+    while the first writes, then reuses the first's folder instead of replacing it under the first's reader."""
+    import fcntl
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    hf = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
+    cache = tmp_path / "models"
+    cache.mkdir()
+    with open(cache / ".tiny.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # this process is the first preparation, midway
+        env = {**os.environ, "HYBRIDFLOW_HOME": str(tmp_path), "HYBRIDFLOW_WARM_START_S": "0"}
+        second = subprocess.Popen([hf, "models", "prepare", "tiny"], stdout=subprocess.PIPE, text=True, env=env)
+        time.sleep(3)
+        assert second.poll() is None, "the second preparation did not wait for the first"
+        first = cache / "tiny"  # written elsewhere and renamed into place, as a preparation does
+        os.replace(prepare_model("tiny", cache_dir=tmp_path / "elsewhere"), first)
+        written = (first / "model.safetensors").stat()
+    out, _ = second.communicate(timeout=120)
+    assert second.returncode == 0 and Path(out.strip().splitlines()[-1]) == first
+    again = (first / "model.safetensors").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (written.st_ino, written.st_mtime_ns), "the first's folder was replaced"

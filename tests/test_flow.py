@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive
 from tiny_runs import rank_pids, wait_inside_iteration, write_cost, write_reward
 
 from hybridflow.engine.checkpoint import read_trainer_state, verify_checkpoint
@@ -245,14 +246,6 @@ def _hf(prefect_api, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([HF, *args, "--prefect-api", prefect_api], capture_output=True, text=True, timeout=300)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(prefect_api, tmp_path, tiny_model_dir, reference):
     # the run through the CLI, killed with SIGKILL in the middle of iteration 3
     proc, store, db = _start_hf_run(prefect_api, tmp_path, tiny_model_dir, RESUMED)
@@ -453,9 +446,9 @@ def test_sigterm_records_interrupted_and_resume_extends_the_run(
     record = store.get_run(run_id)
     assert record.status == "interrupted" and "SIGTERM" in record.error
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [pid for pid in workers if _alive(pid)], "worker processes outlived hf run"
+    assert not [pid for pid in workers if alive(pid)], "worker processes outlived hf run"
     assert store.latest_checkpoint(run_id).step == 1
 
     finished = _hf(prefect_api, "resume", run_id, "--db", db)

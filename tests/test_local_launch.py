@@ -8,19 +8,13 @@ import time
 import uuid
 from pathlib import Path
 
+from procs import alive
+
 from hybridflow.slurm.channel import create_secret
 from hybridflow.slurm.forked import warm_up
 from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
 TOY = f"{Path(__file__).parent / 'workers_for_tests.py'}:ToyWorker"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 def test_a_rank_is_forked_with_the_engine_imported_and_sees_the_controller_as_it_is_at_launch(tmp_path, monkeypatch):
@@ -47,7 +41,7 @@ def test_a_rank_is_forked_with_the_engine_imported_and_sees_the_controller_as_it
             assert "Traceback" not in (logs / f"{group.job_id}_{rank}_log.err").read_text()
     finally:
         group.shutdown()
-    assert not any(_alive(pid) for pid in group.pids)
+    assert not any(alive(pid) for pid in group.pids)
 
 
 CONTROLLER = """
@@ -71,6 +65,6 @@ def test_a_controller_that_exits_without_stopping_its_group_leaves_no_rank_and_n
     *ranks, server = map(int, controller.stdout.split())
     assert len(ranks) == 2
     deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in (*ranks, server)) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in (*ranks, server)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in (*ranks, server) if _alive(pid)], "a rank or the fork server outlived its controller"
+    assert not [pid for pid in (*ranks, server) if alive(pid)], "a rank or the fork server outlived its controller"

@@ -4,6 +4,7 @@ sbatch through submitit, torch.distributed inside the job, several groups at onc
 groups of different sizes, and the failures a cluster brings (kill -9 of a rank, scancel, a drained node)."""
 
 import errno
+import importlib.util
 import os
 import random
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import cmdline, parent
 
 from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm import cluster
@@ -48,9 +50,9 @@ def _slurm_group(tmp: Path, name: str, tasks_per_node: int = 2, **spec) -> Worke
 
 @pytest.fixture(scope="module")
 def groups(slurm_cluster, tmp_path_factory):
-    """Two groups running at once: 'rollout' with 2 ranks and 'actor' with 1."""
+    """Two groups running at once: 'rollout' with 2 ranks (that may build vLLM engines) and 'actor' with 1."""
     tmp = tmp_path_factory.mktemp("slurm_groups")
-    rollout = _slurm_group(tmp, "rollout", tasks_per_node=2)
+    rollout = _slurm_group(tmp, "rollout", tasks_per_node=2, vllm=True)
     try:
         actor = _slurm_group(tmp, "actor", tasks_per_node=1)
     except BaseException:
@@ -82,15 +84,19 @@ def test_groups_are_slurm_jobs_with_torch_distributed_inside(groups, slurm_clust
 
 def test_a_nodes_ranks_are_forked_by_its_one_task_which_imported_the_engine_once(groups):
     """One task per node (the node agent) holds the node's CPUs and forks its ranks from a fork server that imported
-    the engine: no rank imports it itself, each sees its own task's Slurm variables, and each writes its own log."""
-    rollout, _, _ = groups
+    the engine (and, for a group whose ranks may build vLLM engines, vLLM's engine modules): no rank imports them
+    itself, each sees its own task's Slurm variables, and each writes its own log."""
+    rollout, actor, _ = groups
     views = rollout.process_view("SLURM_LOCALID")
     assert [v["variable"] for v in views] == ["0", "1"]
     assert all(v["engine_imported"] for v in views)  # imported before the fork: the rank never imported it
+    vllm = importlib.util.find_spec("vllm") is not None  # CI installs it
+    assert [v["vllm_engine_imported"] for v in views] == [vllm, vllm]
+    assert [v["vllm_engine_imported"] for v in actor.process_view("SLURM_LOCALID")] == [False]
     [server] = {v["parent"] for v in views}  # both ranks are children of one fork server ...
-    assert b"multiprocessing.forkserver" in Path(f"/proc/{server}/cmdline").read_bytes()
-    agent = int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    assert b"submitit.core._submit" in Path(f"/proc/{agent}/cmdline").read_bytes()  # ... started by the node's task
+    assert b"multiprocessing.forkserver" in cmdline(server)
+    agent = parent(server)
+    assert b"submitit.core._submit" in cmdline(agent)  # ... started by the node's task
     steps = subprocess.run(["sacct", "-n", "-P", "-j", rollout.job_id, "-o", "JobID,NTasks,AllocCPUS"],
                            capture_output=True, text=True).stdout.split()  # fmt: skip
     assert f"{rollout.job_id}.0|1|2" in steps  # the job's step: one task with both ranks' CPUs

@@ -110,9 +110,14 @@ def test_a_weight_update_drops_what_the_engine_cached_for_a_shared_prefix(setup)
 
 
 def test_sampling_is_seeded_per_sequence_and_log_probs_match_the_actor(setup):
+    from torch._dynamo.utils import counters
+
     model, tokenizer, config, rollout = setup
     prompts = _prompts(tokenizer)
+    frames = counters["frames"]["total"]
     first = rollout.generate_sequences(prompts)
+    # on CPU nothing is torch.compiled (vLLM's sampler would compile a helper: 3-5 s of each rank's first batch)
+    assert counters["frames"]["total"] == frames
     again = rollout.generate_sequences(prompts)
     assert len(first) == 2 * len(QUESTIONS)
     assert torch.equal(first.batch["responses"], again.batch["responses"])
@@ -333,3 +338,39 @@ def test_agent_trajectories_on_the_engine_are_its_tokens_and_log_probs(setup):
     engine = out.batch["rollout_log_probs"]
     assert (engine[~mask] == 0).all() and (actor[~mask] == 0).all()
     assert (engine[mask] - actor[mask]).abs().max() < 1e-3  # fp32 engine and actor: kernel differences only
+
+
+VIEWS = """
+import json, sys
+from pathlib import Path
+from hybridflow.slurm.forked import warm_up
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+tmp = Path(sys.argv[1])
+warm_up(vllm=True)
+g = WorkerGroup(GroupSpec(name="vllm", worker_cls=sys.argv[2], tasks_per_node=1), run_dir=tmp,
+                data_dir=tmp / "data", secret_path=tmp / "secret")
+try:
+    print(json.dumps(g.process_view("HOME")))
+finally:
+    g.shutdown()
+"""
+
+
+def test_ranks_that_may_build_vllm_engines_are_forked_with_its_engine_modules_imported(tmp_path):
+    """``warm_up(vllm=True)`` (a local run whose rollout is vLLM; a warm process): the fork server imports the
+    modules vLLM imports while it builds its first engine (`hybridflow.engine.rollout.vllm_modules`, ~4 s of a
+    rank's start), so a rank forked from it has them already (a fork server started without: `test_slurm.py`'s
+    'actor' group)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hybridflow.slurm.channel import create_secret
+
+    toy = f"{Path(__file__).parent / 'workers_for_tests.py'}:ToyWorker"
+    create_secret(tmp_path / "secret")
+    run = subprocess.run([sys.executable, "-c", VIEWS, str(tmp_path), toy], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    [view] = json.loads(run.stdout.splitlines()[-1])
+    assert view["engine_imported"] and view["vllm_engine_imported"], view

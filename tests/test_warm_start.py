@@ -10,6 +10,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from procs import alive, children, cmdline, parent
+
 from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,39 +19,14 @@ HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
 IDLE_S = 10
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if _parent(int(proc.name)) == pid:
-                found.append(int(proc.name))
-        except (OSError, IndexError):  # ended meanwhile
-            continue
-    return found
-
-
-def _cmdline(pid: int) -> bytes:
-    return Path(f"/proc/{pid}/cmdline").read_bytes()
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def test_runs_are_forked_from_a_warm_process_that_dies_with_them_and_exits_when_idle(tmp_path, prefect_api):
     """The first `hf run` starts a warm process for its user (a private XDG_RUNTIME_DIR here); later commands are
     forked from it: their output reaches the caller's pipes, their exit status is the caller's, the run store records
     the caller's pid as the controller's, and a caller SIGKILLed takes its controller with it (the run then shows as
     crashed and `hf resume`, forked too, completes it). A bad value of HYBRIDFLOW_WARM_START_S is refused naming
-    it; 0 runs the command without the warm process. Idle for HYBRIDFLOW_WARM_START_S, the warm process exits and
-    removes its socket. Its fork server killed between two commands, the next command's ranks come from a new one."""
+    it; 0 runs the command without the warm process. `hf sft train`, `hf rm train` and `hf verl` are forked too.
+    Idle for HYBRIDFLOW_WARM_START_S, the warm process exits and removes its socket. Its fork server killed between
+    two commands, the next command's ranks come from a new one."""
     runtime = Path(tempfile.mkdtemp(prefix="hf-warm-"))  # short: a socket's path has at most 107 bytes
     try:
         _check_warm_start(runtime, tmp_path, prefect_api)
@@ -76,8 +53,19 @@ def _check_warm_start(runtime: Path, tmp_path: Path, prefect_api: str) -> None:
     refused = hf("run", "examples/grpo_tiny.yaml", *common, "-o", "trainer.bogus=1")
     assert refused.returncode == 2 and "trainer.bogus" in refused.stdout + refused.stderr, refused.stdout
     assert log.read_text().count("forked controller") == 2  # the refusal came from a forked controller too
+    for command in (
+        ["sft", "train", "examples/tool_calc_sft_smollm2.yaml"],
+        ["rm", "train", "examples/rm_smollm2.yaml"],
+    ):
+        refused = hf(*command, "--db", db, "-o", "trainer.bogus=1")
+        assert refused.returncode == 2 and "trainer.bogus" in refused.stdout + refused.stderr, refused.stdout
+    refused = hf("verl", "trainer.bogus=1", "--db", db)
+    assert refused.returncode == 2 and "trainer.bogus" in refused.stdout + refused.stderr, refused.stdout
+    for command in ("sft train", "rm train", "verl"):  # every command that starts a run's controller
+        assert f"for hf {command} " in log.read_text(), log.read_text()
+    assert log.read_text().count("forked controller") == 5
 
-    (server,) = [p for p in _children(warm_pid) if b"multiprocessing.forkserver" in _cmdline(p)]
+    (server,) = [p for p in children(warm_pid) if b"multiprocessing.forkserver" in cmdline(p)]
     os.kill(server, signal.SIGKILL)  # the warm fork server lost: the next command's ranks need a new one
     proc = subprocess.Popen(
         [HF, "run", "examples/grpo_tiny.yaml", *common, "-o", f"trainer.output_dir={tmp_path / 'b'}"],
@@ -96,32 +84,32 @@ def _check_warm_start(runtime: Path, tmp_path: Path, prefect_api: str) -> None:
         time.sleep(0.05)
     mine = rf"forked controller (\d+) for hf run .* \(caller pid {proc.pid}\)"
     controller = int(re.findall(mine, log.read_text())[0])
-    assert _parent(controller) == warm_pid
+    assert parent(controller) == warm_pid
     wait_inside_iteration_of(proc, store, run_id, 1)
     assert store.get_run(run_id).lease_pid == proc.pid  # the pid a user sees and signals
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 5
-    while _alive(controller) and time.monotonic() < deadline:
+    while alive(controller) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(controller), "the forked controller outlived its SIGKILLed caller"
+    assert not alive(controller), "the forked controller outlived its SIGKILLed caller"
     listed = hf("runs", "list", "--db", db)
     assert "crashed" in listed.stdout, listed.stdout
     resumed = hf("resume", run_id, "--db", db, "--prefect-api", prefect_api)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert store.get_run(run_id).status == "completed"
-    assert log.read_text().count("forked controller") == 4
+    assert log.read_text().count("forked controller") == 7
 
     bad = hf("run", "examples/grpo_tiny.yaml", *common, HYBRIDFLOW_WARM_START_S="soon")
     assert bad.returncode == 2 and "HYBRIDFLOW_WARM_START_S='soon'" in bad.stdout, bad.stdout + bad.stderr
     cold = hf("run", "examples/grpo_tiny.yaml", *common, "-o", "trainer.bogus=1", HYBRIDFLOW_WARM_START_S="0")
     assert cold.returncode == 2 and "trainer.bogus" in cold.stdout + cold.stderr
-    assert log.read_text().count("forked controller") == 4  # neither reached the warm process
+    assert log.read_text().count("forked controller") == 7  # neither reached the warm process
 
     deadline = time.monotonic() + IDLE_S + 10
-    while _alive(warm_pid) and time.monotonic() < deadline:
+    while alive(warm_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive(warm_pid), f"the warm process did not exit after {IDLE_S} s idle"
+    assert not alive(warm_pid), f"the warm process did not exit after {IDLE_S} s idle"
     assert not list(runtime.glob("hybridflow/warm-*.sock")), "the idle warm process left its socket"
 
 

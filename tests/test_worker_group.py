@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from procs import alive
 
 from hybridflow.engine.protocol import DataProto
 from hybridflow.slurm.channel import TAG, Signer, create_secret
@@ -197,20 +198,11 @@ def test_workers_exit_when_their_controller_is_killed(tmp_path):
     controller.kill()  # SIGKILL: no shutdown message, no clean-up code runs
     controller.wait()
     deadline = time.monotonic() + 30
-    alive = pids
-    while alive and time.monotonic() < deadline:
+    left = pids
+    while left and time.monotonic() < deadline:
         time.sleep(0.5)
-        alive = [p for p in pids if _alive(p)]
-    assert not alive, f"worker processes {alive} outlived their controller by 30 s"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"  # a zombie has exited (its parent has not reaped it yet)
+        left = [p for p in pids if alive(p)]
+    assert not left, f"worker processes {left} outlived their controller by 30 s"
 
 
 def test_ranks_idle_between_calls_are_not_reported_dead(tmp_path):

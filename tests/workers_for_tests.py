@@ -41,6 +41,7 @@ class ToyWorker:
             "cwd": os.getcwd(),
             "parent": os.getppid(),
             "engine_imported": "hybridflow.engine.worker" in sys.modules,  # this module never imports it
+            "vllm_engine_imported": "vllm.entrypoints.llm" in sys.modules,  # nor vLLM
         }
 
     @register(Dispatch.RANK_ZERO)

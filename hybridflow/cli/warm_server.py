@@ -31,6 +31,9 @@ PRELOAD = (
     "hybridflow.engine.algorithms.estimators",
     "hybridflow.engine.algorithms.losses",
     "transformers.models.auto.tokenization_auto",
+    "reasoning_gym.factory",
+    "alembic.command",  # the store's schema check (`RunStore.upgrade`), ~0.23 s
+    "alembic.runtime.migration",
 )
 """What a warm process imports before it serves (none imports Prefect: see `hybridflow.cli.warm_start`)."""
 
@@ -49,7 +52,9 @@ def serve(path: str) -> None:
     listener.bind(path)
     listener.listen(64)
     started = time.monotonic()
-    forked.warm_up()  # the ranks' fork server imports theirs beside ours; our controllers fork their ranks from it
+    # the ranks' fork server imports theirs beside ours (vLLM's engine too: many runs sample with it); our
+    # controllers fork their ranks from it
+    forked.warm_up(vllm=True)
     for module in PRELOAD:
         importlib.import_module(module)
     if "prefect" in sys.modules:

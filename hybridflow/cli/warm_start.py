@@ -1,9 +1,11 @@
-"""Warm start: ``hf run`` and ``hf resume`` forked from a process that has already imported the controller's stack.
+"""Warm start: ``hf run``, ``hf resume`` (and every command that starts a run: `COMMANDS`) forked from a process
+that has already imported the controller's stack.
 
 A controller imports torch, tensordict, transformers, SQLAlchemy and HybridFlow's engine before its first stage:
-~11 s of one core here (``python -X importtime``), paid again by every ``hf run`` and ``hf resume``. The first such
-command starts a warm process for its user (`hybridflow.cli.warm_server`): a detached process that imports the
-controller's modules once (``warm_server.PRELOAD``), starts the ranks' fork server, and then waits on a Unix socket.
+~11 s of one core here (``python -X importtime``), paid again by every ``hf run``, ``hf resume``, ``hf verl``,
+``hf sft train`` and ``hf rm train``. The first such command starts a warm process for its user
+(`hybridflow.cli.warm_server`): a detached process that imports the controller's modules once
+(``warm_server.PRELOAD``), starts the ranks' fork server, and then waits on a Unix socket.
 Each later command (`forward`, called first thing by ``hf``) hands it its arguments, environment, working directory,
 umask and standard streams (the file descriptors themselves, over the socket), and the warm process forks the
 command's controller, which runs ``hf`` as the command would have, writing to the caller's terminal or pipes, its
@@ -38,11 +40,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-COMMANDS = ("run", "resume")
-"""The ``hf`` commands a warm process serves: those that start an RLHF run's controller."""
+COMMANDS = ("run", "resume", "verl", "sft", "rm")
+"""The ``hf`` commands a warm process serves: those that start a run's controller (``hf run``, ``hf resume``,
+``hf verl``, ``hf sft train``, ``hf rm train``; the groups' other subcommands, such as ``--help``, too)."""
 
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "TORCH", "PYTORCH", "OMP_", "MKL_")
-IMPORT_TIME_ENV += ("CUDA", "NCCL", "LD_", "SQLALCHEMY", "TENSORDICT")
+IMPORT_TIME_ENV += ("CUDA", "NCCL", "LD_", "SQLALCHEMY", "TENSORDICT", "VLLM", "MPL")
 """Prefixes of the environment variables a warm process must share with the commands it serves."""
 
 IDLE_S = 600.0

@@ -10,6 +10,7 @@ The cache is ``$HYBRIDFLOW_HOME/models`` (default ``~/.cache/hybridflow/models``
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -82,7 +83,9 @@ def prepare_model(name: str, cache_dir: Path | None = None, force: bool = False)
     """Make the embedded model `name` available as a Hugging Face folder and return its path.
 
     Idempotent: a complete folder is reused. The folder is written under a temporary name and renamed
-    when complete, so an interrupted preparation never leaves a half-written model behind.
+    when complete, so an interrupted preparation never leaves a half-written model behind. Preparations of one
+    model run one at a time (a lock file beside it, ``.<name>.lock``): a second process (two ``hf run`` on a fresh
+    machine) waits for the first and reuses its folder, rather than replacing it while the first reads it.
 
     Raises:
         ValueError: unknown name (lists the embedded models).
@@ -95,6 +98,15 @@ def prepare_model(name: str, cache_dir: Path | None = None, force: bool = False)
     if (target / _COMPLETE_MARKER).is_file() and not force:
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process ends)
+        if (target / _COMPLETE_MARKER).is_file() and not force:
+            return target  # prepared by the process this one waited for
+        return _build(name, cache_dir, target)
+
+
+def _build(name: str, cache_dir: Path, target: Path) -> Path:
+    """Write embedded model `name` to `target` through a temporary folder beside it (under its lock)."""
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{name}.", suffix=".tmp"))
     try:
         logger.info("preparing embedded model %s in %s", name, target)

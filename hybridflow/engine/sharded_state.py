@@ -68,6 +68,9 @@ def load_full_state(
     """Scatter full `weights` (and an index-keyed `optimizer_state`, as `full_optimizer_state` writes it) into the
     sharded model and optimizer. Every rank passes the same full values.
 
+    An `optimizer_state` with no per-parameter state (saved before the optimizer's first step) leaves the optimizer
+    as it was then: its state cleared, its param groups' hyperparameters (lr, betas, ...) the saved ones.
+
     Args:
         strict: `weights` must name every parameter; False: those it names (a LoRA adapter's).
 
@@ -75,6 +78,13 @@ def load_full_state(
         RuntimeError: the weights do not fit the model (missing or unexpected names, wrong shapes)."""
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=strict))
     if optimizer is None or optimizer_state is None:
+        return
+    if not optimizer_state["state"]:
+        # saved before the optimizer's first step: it starts afresh, as it did then. set_optimizer_state_dict would
+        # keep the state the optimizer has now for every parameter the saved state does not name (here: all).
+        optimizer.state.clear()
+        for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"], strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
         return
     names = _trained_names(model)
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]

@@ -31,7 +31,7 @@ def start_early(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig) ->
     from hybridflow.slurm.forked import warm_up
 
     if cfg.placement.executor == "local":
-        warm_up()
+        warm_up(vllm=builds_vllm_engines(cfg))
         return
     if not isinstance(cfg, HybridFlowConfig):
         return
@@ -73,7 +73,15 @@ def group_spec(
         heartbeat_timeout_s=placement.heartbeat_timeout_s,
         call_timeout_s=placement.call_timeout_s,
         interface=slurm.interface,
+        vllm=builds_vllm_engines(cfg, pool),
     )
+
+
+def builds_vllm_engines(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig, pool: Pool | None = None) -> bool:
+    """Whether the run's ranks (those of `pool`, if given) may build vLLM engines: an RLHF run whose rollout is
+    vLLM (``auto`` is resolved when the config is loaded), on the pool that hosts the rollout."""
+    uses_vllm = isinstance(cfg, HybridFlowConfig) and cfg.rollout.name == "vllm"
+    return uses_vllm and (pool is None or "rollout" in pool.roles)
 
 
 def _local_cuda(cfg: HybridFlowConfig) -> bool:

@@ -42,7 +42,8 @@ IDLE_TIMEOUT_S = 15.0
 
 class GroupShape(Protocol):
     """What an allocation reads of its group (`hybridflow.slurm.worker_group.GroupSpec` has it all): the name and
-    placement its job is shaped by, and how long an agent lives without its controller (seconds)."""
+    placement its job is shaped by, how long an agent lives without its controller (seconds), whether its fork
+    server imports vLLM's engine modules."""
 
     name: str
     nodes: int
@@ -51,6 +52,7 @@ class GroupShape(Protocol):
     timeout_min: int
     interface: str | None
     heartbeat_timeout_s: float
+    vllm: bool
 
 
 _KEPT: dict[tuple, Allocation] = {}
@@ -112,6 +114,7 @@ class Allocation:
             spec.tasks_per_node,
             cpus_per_task,
             spec.heartbeat_timeout_s,
+            spec.vllm,
         )
         self.job_id = str(executor.submit(serve_node, boot).job_id)
 
@@ -209,7 +212,7 @@ class Allocation:
 
 def _shape(spec: GroupShape) -> tuple:
     """What a group needs of an allocation: its name and placement (equal parts, equal shape)."""
-    parts = (spec.name, spec.nodes, spec.tasks_per_node, spec.slurm, spec.timeout_min, spec.interface)
+    parts = (spec.name, spec.nodes, spec.tasks_per_node, spec.slurm, spec.timeout_min, spec.interface, spec.vllm)
     return tuple(repr(part) for part in parts)
 
 

@@ -7,9 +7,10 @@ whose threads and sockets a child must not inherit), which imports `PRELOAD` onc
 milliseconds on each request. Three callers start one:
 
 - the controller, for its local groups (`local_job`); ``hf run`` calls `warm_up` as soon as its config says the
-  executor is local, so the import runs beside the controller's own start;
-- a warm process (`hybridflow.cli.warm_start`), when it starts: the controllers it forks use its fork server
-  (`use_inherited_server`), warm before they start;
+  executor is local, so the import runs beside the controller's own start (vLLM's engine modules too when the
+  rollout is vLLM: `VLLM_PRELOAD`);
+- a warm process (`hybridflow.cli.warm_start`), when it starts, with vLLM's engine modules: the controllers it forks
+  use its fork server (`use_inherited_server`), warm before they start;
 - each node of a Slurm group's job (`hybridflow.slurm.node_agent`): one task per node forks that node's ranks, so a
   group on N nodes starts in the time of one import.
 
@@ -45,16 +46,25 @@ PRELOAD = (
     "hybridflow.engine.worker",
     "hybridflow.engine.reward.rm_training",
     "hybridflow.engine.sft.trainer",
+    "hybridflow.engine.sharded_state",
+    "hybridflow.engine.data",
+    "transformers.modeling_layers",
+    "reasoning_gym",
 )
-"""The modules the fork server imports before it forks a rank: the rank's serving loop and the worker classes
-HybridFlow's own groups serve (another class's module is imported by the rank itself)."""
+"""The modules the fork server imports before it forks a rank: the rank's serving loop, the worker classes
+HybridFlow's own groups serve (another class's module is imported by the rank itself), and what their ranks import
+as they start (``python -X importtime`` in a rank of the tiny GRPO run): checkpointing, reasoning-gym, which scores
+the rollouts of its tasks (1.4 s: it imports matplotlib)."""
+
+VLLM_PRELOAD = "hybridflow.engine.rollout.vllm_modules"
+"""Imported too by a fork server whose ranks may build vLLM engines (`warm_up` with ``vllm=True``): the modules
+vLLM imports while it builds its first engine, ~4 s of one core a rank otherwise."""
 
 RANK_MAIN = "hybridflow.slurm.rank:serve"
 """What a forked rank runs (``module:function``, called with its `Bootstrap`): named, not imported, so that a Slurm
 node's agent, which forks ranks but never serves, does not import the engine itself."""
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(list(PRELOAD))
 _LIVE_JOBS: set[ForkedJob] = set()
 _warm = False
 _inherited = False  # the fork server is the one of the process this one was forked from (`use_inherited_server`)
@@ -93,14 +103,15 @@ class Bootstrap:
     interface: str | None = "lo"
 
 
-def warm_up() -> None:
-    """Start the fork server now (it imports `PRELOAD`, ~10 s of one core, while the caller goes on); returns at
-    once. Later calls, and launches, reuse it. Its stdout and stderr, and those of multiprocessing's resource
-    tracker started with it, are /dev/null: neither writes anything, and a caller reading this process's output to
-    its end (a pipe) never waits for them."""
+def warm_up(vllm: bool = False) -> None:
+    """Start the fork server now (it imports `PRELOAD`, ~10 s of one core, and with `vllm` `VLLM_PRELOAD`, ~5 s
+    more, while the caller goes on); returns at once. Later calls, and launches, reuse it as it was started. Its
+    stdout and stderr, and those of multiprocessing's resource tracker started with it, are /dev/null: neither writes
+    anything, and a caller reading this process's output to its end (a pipe) never waits for them."""
     global _warm
     with _WARM_LOCK:
         if not _warm:
+            _CONTEXT.set_forkserver_preload([*PRELOAD, VLLM_PRELOAD] if vllm else list(PRELOAD))
             with _output_to_devnull():
                 multiprocessing.forkserver.ensure_running()
             _warm = True

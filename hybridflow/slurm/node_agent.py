@@ -53,6 +53,7 @@ class AgentBoot:
         secret_path: the allocation's channel secret.
         tasks_per_node / cpus_per_task: the node's ranks, and each one's CPUs.
         orphan_grace_s: how long the agent lives without its controller.
+        vllm: the node's fork server imports vLLM's engine modules too (`hybridflow.slurm.forked.warm_up`).
     """
 
     group: str
@@ -61,6 +62,7 @@ class AgentBoot:
     tasks_per_node: int
     cpus_per_task: int
     orphan_grace_s: float = 10.0
+    vllm: bool = False
 
 
 def rank_environment(node: int, nodes: int, tasks_per_node: int, cpus_per_task: int) -> dict[int, dict[str, str]]:
@@ -127,7 +129,7 @@ def serve_node(agent: AgentBoot) -> None:
     # installs its own handlers, which report the signal.
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    warm_up()  # its import runs while the controller's launch is on its way
+    warm_up(vllm=agent.vllm)  # its import runs while the controller's launch is on its way
     for sig in (signal.SIGUSR2, signal.SIGTERM):
         signal.signal(sig, _note_signal)
     node, job_id = int(os.environ["SLURM_NODEID"]), os.environ["SLURM_JOB_ID"]

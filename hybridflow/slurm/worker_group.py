@@ -96,6 +96,8 @@ class GroupSpec:
         interface: a Slurm group's network interface (``placement.slurm.interface``, e.g. ``ib0``): the controller's
             channel and the ranks' gloo/NCCL traffic listen there; None: the address of the host name (controller)
             and the route to the controller (ranks). A local group always uses the loopback interface.
+        vllm: its ranks may build vLLM engines: a Slurm node's fork server imports vLLM's engine modules too
+            (`hybridflow.slurm.forked.warm_up`); a local group's fork server is the controller's, started so or not.
     """
 
     name: str
@@ -113,6 +115,7 @@ class GroupSpec:
     slurm_poll_s: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
     interface: str | None = None
+    vllm: bool = False
 
     @property
     def world_size(self) -> int:

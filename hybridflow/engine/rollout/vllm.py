@@ -230,7 +230,7 @@ class VLLMRollout:
             RuntimeError: the engine's greedy token is not (near-)greedy for the actor."""
         params = self._vllm.SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, detokenize=False)
         prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=self._probe_prompt())]
-        out = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        out = self._generate(prompts, params)
         token = out[0].outputs[0].token_ids[0]
         engine_logprob = out[0].outputs[0].logprobs[0][token].logprob
         # the engine's greedy token must be (near-)greedy for the actor: exactly in fp32; in bf16 within 1 nat, as
@@ -259,6 +259,19 @@ class VLLMRollout:
             self.llm.wake_up()
 
     # ------------------------------------------------------------------ generation
+    def _generate(self, prompts: list[Any], params: Any) -> list[Any]:
+        """``LLM.generate`` of `prompts` (``TokensPrompt``) with `params` (one ``SamplingParams`` or one each), under
+        the adapter version the engine serves; a list of ``RequestOutput``, one per prompt.
+
+        On CPU the engine runs eagerly (``enforce_eager``), but vLLM's sampler still ``torch.compile``s its
+        log-prob rank helper (``batched_count_greater_than``), and Inductor builds C++ for it and probes the CPU's
+        vector instructions with ~20 compiler and interpreter subprocesses: 3-5 s of the first generation of every
+        rank (measured here on a 2-core Xeon against 0.1 s eager, the same tokens). On CPU generation therefore runs
+        under ``torch.compiler.set_stance("force_eager")``; on GPU as vLLM compiles it."""
+        stance = contextlib.nullcontext() if self.on_gpu else torch.compiler.set_stance("force_eager")
+        with stance:
+            return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+
     def _sampling_params(self, temperature: float, max_tokens: int, seed: int) -> Any:
         return self._vllm.SamplingParams(
             temperature=temperature,
@@ -281,7 +294,7 @@ class VLLMRollout:
         def serve(requests: list[TokenRequest]) -> list[TokenOutput]:
             prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
             params = [self._sampling_params(temperature, r.max_tokens, r.seed) for r in requests]
-            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+            outputs = self._generate(prompts, params)
             answers = []
             for r, out in zip(requests, outputs, strict=True):
                 sample = out.outputs[0]
@@ -310,7 +323,7 @@ class VLLMRollout:
             requests.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=ids))
             seed = sampling_seed(self.seed, global_steps, stream, row_offset * n + i)
             params.append(self._sampling_params(temperature, self.config.response_length, seed))
-        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
+        outputs = self._generate(requests, params)
         length = self.config.response_length
         responses = torch.full((len(batch), length), self.tokenizer.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(len(batch), length, dtype=torch.float32)

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,21 @@ class Warned:
     nodes: list[str]
     signals: str
     metrics: dict[str, float]
+
+    @property
+    def at_time_limit(self) -> bool:
+        """A rank got the time-limit warning (SIGUSR2, ``placement.slurm.signal_delay_s`` before the limit); SIGTERM
+        alone is a preemption or an ``scancel``."""
+        return "SIGUSR2" in self.signals
+
+
+def allocations_short_of_time(short: int, ended: Warned) -> int:
+    """How many allocations in a row reached their time limit before an iteration, after `short` of them and the
+    session `ended` on Slurm's warning. An allocation that trained breaks the row; a preempted or cancelled one
+    (SIGTERM) is neither: it says nothing of whether ``placement.slurm.time_min`` leaves time to train."""
+    if ended.trained:
+        return 0
+    return short + 1 if ended.at_time_limit else short
 
 
 @dataclass
@@ -290,24 +306,28 @@ def _train_run(run_id: str, db_url: str | None, resume_from_step: int | None) ->
       (`record_recovery`); a rank that raised stops the run at once;
     - when Slurm warns (time limit, preemption) the session checkpoints and ends (`Warned`), and the run resubmits
       its groups (``trainer.resubmit_on_preemption``, on record: `record_resubmission`): a run longer than the
-      partition's limit finishes across allocations. It stops, resumable, when two allocations in a row end before
-      an iteration (the limit leaves no time to train)."""
+      partition's limit finishes across allocations. It stops, resumable, when two allocations in a row reach their
+      time limit before an iteration (`allocations_short_of_time`: the limit leaves no time to train); a relaunched
+      allocation that trained an iteration breaks the row, one that did not is neither."""
     store = RunStore(db_url)
     cfg = HybridFlowConfig.model_validate(store.get_run(run_id).config)
     trainer = cfg.trainer
-    recoveries = idle = 0
+    recoveries = short = 0
     while True:
+        began = datetime.now(UTC)
         try:
             ended = _session(store, cfg, run_id, resume_from_step)
         except WorkerGroupError as error:
             recoveries = recover_or_raise(store, run_id, error, recoveries, trainer)
+            if any(i.ended_at is not None and i.ended_at >= began for i in store.iterations(run_id)):
+                short = 0  # the lost allocation had time to train
             resume_from_step = None  # the newest usable checkpoint
             continue
         if not isinstance(ended, Warned):
             return ended
-        idle = 0 if ended.trained else idle + 1
-        if not trainer.resubmit_on_preemption or idle >= 2:
-            return _stop_preempted(store, run_id, ended, idle >= 2)
+        short = allocations_short_of_time(short, ended)
+        if not trainer.resubmit_on_preemption or short >= 2:
+            return _stop_preempted(store, run_id, ended, short >= 2)
         record_resubmission(store, run_id, ended.steps_done, ended.groups, ended.nodes, ended.signals)
         resume_from_step = None
 
@@ -449,13 +469,13 @@ def _trainer_state(steps_done: int, prompts: Prompts, kl_ctrl, lagrangian=None) 
     }
 
 
-def _stop_preempted(store: RunStore, run_id: str, warned: Warned, idle: bool) -> dict[str, float]:
-    """End the run `interrupted` (resumable) after Slurm's warning: resubmitting is off, or (`idle`) two allocations
-    in a row ended before an iteration."""
+def _stop_preempted(store: RunStore, run_id: str, warned: Warned, short_of_time: bool) -> dict[str, float]:
+    """End the run `interrupted` (resumable) after Slurm's warning: resubmitting is off, or (`short_of_time`) two
+    allocations in a row reached their time limit before an iteration."""
     why = (
-        "two allocations in a row ended before an iteration: raise placement.slurm.time_min (or lower "
-        "placement.slurm.signal_delay_s), then "
-        if idle
+        "two allocations in a row reached their time limit before an iteration: raise placement.slurm.time_min (or "
+        "lower placement.slurm.signal_delay_s), then "
+        if short_of_time
         else ""
     )
     message = (

@@ -582,7 +582,8 @@ class TrainerConfig(_RunTrainer):
         description="on Slurm's warning (SIGUSR2 placement.slurm.signal_delay_s before the time limit, SIGTERM on "
         "preemption) the run checkpoints at the next stage boundary, resubmits its worker groups (new allocations) "
         "and goes on, so a run longer than the partition's limit finishes by itself; it stops (resumable, hf "
-        "resume) when two allocations in a row end before an iteration. false: it stops at the first warning",
+        "resume) when two allocations in a row reach their time limit before an iteration (a preemption does not "
+        "count). false: it stops at the first warning",
     )
 
 

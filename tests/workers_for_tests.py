@@ -44,6 +44,19 @@ class ToyWorker:
             "vllm_engine_imported": "vllm.entrypoints.llm" in sys.modules,  # nor vLLM
         }
 
+    @register(Dispatch.ONE_TO_ALL)
+    def network_view(self) -> dict:
+        """This rank's host name, the address it listens on (`HOST_ADDRESS_ENV`) and gloo's interface setting."""
+        import socket
+
+        from hybridflow.engine.rollout.broadcast import HOST_ADDRESS_ENV
+
+        return {
+            "host": socket.gethostname(),
+            "address": os.environ.get(HOST_ADDRESS_ENV),
+            "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        }
+
     @register(Dispatch.RANK_ZERO)
     def all_reduce(self, x: float) -> float:
         t = torch.tensor([x * (self.rank + 1)])

@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# dev_cluster.sh [start|stop|status] -- a real one-node Slurm cluster on this machine, for development and CI:
-# munged, MariaDB + slurmdbd (real job accounting: `sacct` reports true job states), slurmctld and slurmd, all from
+# dev_cluster.sh [start|stop|status] -- a real Slurm cluster on this machine, for development and CI: munged,
+# MariaDB + slurmdbd (real job accounting: `sacct` reports true job states), slurmctld and a slurmd per node, all from
 # Debian's packages, run as root without systemd. Idempotent: "start" on a healthy cluster only checks it.
 #
 #   HYBRIDFLOW_SLURM_DIR   state, spool and logs   (default /var/lib/hybridflow-slurm: kept, like the accounting
 #                          database in /var/lib/mysql, so job ids keep counting up across restarts)
 #   HYBRIDFLOW_SLURM_CPUS  CPUs the node advertises (default 8; more than the machine has is allowed, so several
 #                          worker groups fit at once on a small machine: tasks then share cores)
+#   HYBRIDFLOW_SLURM_NODES      compute nodes of partition "multi" besides this host (default 3; 0: none)
+#   HYBRIDFLOW_SLURM_NODE_CPUS  CPUs each of them advertises (default 2)
 #
-# Needs root and Debian (apt-get installs the packages when they are missing). Cluster "hybridflow", one node named
+# Needs root and Debian (apt-get installs the packages when they are missing). Cluster "hybridflow": a node named
 # after this host, in two partitions: "debug" (the default) and "urgent", whose jobs preempt debug's as a shared
 # cluster's higher-priority partition does (preempt/partition_prio: a debug job is sent SIGTERM, then cancelled
-# GraceTime=20 s later). It writes /etc/slurm/slurm.conf and slurmdbd.conf, and refuses to replace ones it did not
-# write (a real cluster's).
+# GraceTime=20 s later); and partition "multi" of HYBRIDFLOW_SLURM_NODES nodes hf-node1, hf-node2, ... for runs
+# across nodes, with this host as the controller's host (a login node). Each is a slurmd of its own in a UTS
+# namespace of its own (its hostname is the node's name, in its jobs too), with an address of its own in the loopback
+# range (hf-nodeK: 127.0.1.K, in /etc/hosts) and a port of its own (6830 + K; slurmctld has 6817, slurmdbd 6819); the
+# file system is shared, as a real cluster's home is. No other address is used. It writes /etc/slurm/slurm.conf and
+# slurmdbd.conf, and refuses to replace ones it did not write (a real cluster's).
 set -euo pipefail
 DIR=${HYBRIDFLOW_SLURM_DIR:-/var/lib/hybridflow-slurm}
 CPUS=${HYBRIDFLOW_SLURM_CPUS:-8}
+NODES=${HYBRIDFLOW_SLURM_NODES:-3}
+NODE_CPUS=${HYBRIDFLOW_SLURM_NODE_CPUS:-2}
 CMD=${1:-start}
 NODE=$(hostname -s)
 CONF_DIR=/etc/slurm
@@ -49,7 +57,13 @@ stop_pidfile() {  # stop_pidfile FILE: TERM the process, wait up to 10 s
   fi
 }
 
-stop_slurm() { stop_pidfile "$DIR/slurmd.pid"; stop_pidfile "$DIR/slurmctld.pid"; stop_pidfile "$DIR/slurmdbd.pid"; }
+multi_nodes() { local k; for k in $(seq "$NODES"); do echo "hf-node$k"; done; }
+
+stop_slurm() {  # every node's slurmd (slurmd.pid: the file of this script's one-node versions), then the controller
+  local f
+  for f in "$DIR"/slurmd*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
+  stop_pidfile "$DIR/slurmctld.pid"; stop_pidfile "$DIR/slurmdbd.pid"
+}
 
 case "$CMD" in
   stop)
@@ -77,10 +91,15 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
 fi
 mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log" "$CONF_DIR"
 
-# 2. The node's names must resolve (slurmd, gloo and the worker groups' controller address use them).
+# 2. The nodes' names must resolve (slurmd, gloo and the worker groups' controller address use them).
 for name in "$NODE" "$(hostname)"; do
   getent hosts "$name" >/dev/null || echo "127.0.0.1 $name" >> /etc/hosts
 done
+for k in $(seq "$NODES"); do
+  grep -qE "^127\.0\.1\.$k[[:space:]]+hf-node$k\$" /etc/hosts || echo "127.0.1.$k hf-node$k" >> /etc/hosts
+  mkdir -p "$DIR/spool/hf-node$k"
+done
+mkdir -p "$DIR/spool/$NODE"
 
 # 3. munge: authentication between the daemons and the commands.
 if [ ! -s /etc/munge/munge.key ]; then
@@ -154,11 +173,11 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 MailProg=/bin/true
@@ -169,10 +188,17 @@ Waittime=0
 PreemptType=preempt/partition_prio
 PreemptMode=CANCEL
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 GraceTime=20
-PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 PreemptMode=OFF
+PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 GraceTime=20
+PartitionName=urgent Nodes=$NODE MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 PreemptMode=OFF
 EOF
 )
+if [ "$NODES" -gt 0 ]; then
+  for k in $(seq "$NODES"); do
+    SLURM_CONF+=$'\n'"NodeName=hf-node$k NodeAddr=127.0.1.$k Port=$(( 6830 + k )) CPUs=$NODE_CPUS"
+    SLURM_CONF+=" RealMemory=$MEM State=UNKNOWN"
+  done
+  SLURM_CONF+=$'\n'"PartitionName=multi Nodes=hf-node[1-$NODES] MaxTime=INFINITE State=UP OverSubscribe=NO"
+fi
 for f in "$CONF_DIR/slurm.conf" "$CONF_DIR/slurmdbd.conf"; do
   if [ -s "$f" ] && [ "$(head -n 1 "$f")" != "$MARKER" ] && [ "$(head -n 1 "$f")" != "${OLD_MARKERS[0]}" ] \
     && [ "$(head -n 1 "$f")" != "${OLD_MARKERS[1]}" ]; then
@@ -204,21 +230,28 @@ if ! sacctmgr -n -P list cluster format=cluster 2>/dev/null | grep -qx hybridflo
   sacctmgr -i add cluster hybridflow >/dev/null
 fi
 running "$DIR/slurmctld.pid" || detach "$DIR/log/slurmctld.out" slurmctld
-running "$DIR/slurmd.pid" || detach "$DIR/log/slurmd.out" slurmd
-
-# 7. Wait for the node; undo a DRAIN/DOWN left in the saved state by an earlier run (or a failure test).
-st=""
-for _ in $(seq 150); do
-  st=$(sinfo -h -n "$NODE" -o %T 2>/dev/null || true)
-  case "$st" in
-    idle|mixed|allocated) break ;;
-    drain*|down*|inval*|fail*) scontrol update NodeName="$NODE" State=RESUME 2>/dev/null || true ;;
-  esac
-  sleep 0.2
+running "$DIR/slurmd-$NODE.pid" || detach "$DIR/log/slurmd-$NODE.out" slurmd
+for name in $(multi_nodes); do  # its hostname, in a UTS namespace of its own, is the node's name
+  running "$DIR/slurmd-$name.pid" \
+    || detach "$DIR/log/slurmd-$name.out" unshare --uts -- sh -c "hostname $name && exec slurmd"
 done
-case "$st" in idle|mixed|allocated) ;; *)
-  echo "slurm node $NODE not ready (state '$st'); logs in $DIR/log" >&2
-  tail -n 20 "$DIR/log/slurmdbd.log" "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 || true
-  exit 1 ;;
-esac
-echo "slurm up: cluster hybridflow, node $NODE ($st, $CPUS CPUs), accounting by slurmdbd; logs in $DIR/log"
+
+# 7. Wait for the nodes; undo a DRAIN/DOWN left in the saved state by an earlier run (or a failure test).
+for name in "$NODE" $(multi_nodes); do
+  st=""
+  for _ in $(seq 150); do
+    st=$(sinfo -h -n "$name" -o %T 2>/dev/null | head -n 1 || true)
+    case "$st" in
+      idle|mixed|allocated) break ;;
+      drain*|down*|inval*|fail*) scontrol update NodeName="$name" State=RESUME 2>/dev/null || true ;;
+    esac
+    sleep 0.2
+  done
+  case "$st" in idle|mixed|allocated) ;; *)
+    echo "slurm node $name not ready (state '$st'); logs in $DIR/log" >&2
+    tail -n 20 "$DIR/log/slurmdbd.log" "$DIR/log/slurmctld.log" "$DIR/log/slurmd-$name.log" >&2 || true
+    exit 1 ;;
+  esac
+done
+echo "slurm up: cluster hybridflow, node $NODE ($CPUS CPUs) and partition multi of $NODES nodes ($NODE_CPUS CPUs" \
+  "each), accounting by slurmdbd; logs in $DIR/log"

@@ -44,6 +44,22 @@ def route_address(host: str) -> str:
         return probe.getsockname()[0]
 
 
+def node_address(controller_host: str, interface: str | None = None) -> str:
+    """The address a Slurm rank on this node listens on and is reached at by the ranks of other nodes:
+    `interface`'s (`interface_address`), else this node's route to `controller_host` (`route_address`). Where that
+    route is loopback, the cluster is this machine (the development cluster, whose nodes are host names of their
+    own in the loopback range: ``hybridflow/slurm/dev_cluster.sh``), and the node's address is the one its host name
+    resolves to.
+
+    Raises:
+        ValueError: `interface` has no IPv4 address here (`interface_address`).
+    """
+    if interface is not None:
+        return interface_address(interface)
+    route = route_address(controller_host)
+    return socket.gethostbyname(socket.gethostname()) if route.startswith("127.") else route
+
+
 def host_address(interface: str | None = None) -> str:
     """The address this host listens on for a Slurm group: `interface`'s (`interface_address`), else the address
     its host name resolves to."""

@@ -118,11 +118,10 @@ def _init_distributed(
     controller where (a ``rendezvous`` message on `conn`); the other ranks ask the controller for that address. A
     port fixed in advance (submitit's, drawn from the job id) can already be held by any other socket on the node.
 
-    Nothing listens on every interface (`hybridflow.slurm.network`): the store is bound to the address the other
-    ranks connect to (127.0.0.1 for a local group; on Slurm the address of rank 0's node name, or its route to the
-    controller where that name resolves to loopback on a multi-node job), and gloo's and NCCL's connections use
-    `interface` (``lo`` locally; on Slurm ``placement.slurm.interface``, else the interface on the route to the
-    controller).
+    Nothing listens on every interface (`hybridflow.slurm.network`): the store is bound to rank 0's address, which
+    the other ranks connect to (127.0.0.1 for a local group; on Slurm `network.node_address`: the address of
+    ``placement.slurm.interface``, else of rank 0's node on its route to the controller), and gloo's and NCCL's
+    connections use that address's interface (``lo`` locally).
 
     Raises:
         RuntimeError: if the controller does not say where rank 0's store is within `RENDEZVOUS_TIMEOUT_S`.
@@ -133,26 +132,20 @@ def _init_distributed(
     env = submitit.JobEnvironment()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    if interface == network.LOOPBACK:
-        address, nic = "127.0.0.1", network.LOOPBACK
-    else:
-        address = socket.gethostbyname(env.hostnames[0])
-        if address.startswith("127.") and env.num_nodes > 1:
-            address = network.route_address(controller_host)
-        nic = interface or network.interface_of(network.route_address(controller_host))
+    # this rank's address (`network.node_address`): its listeners (the store, the weight broadcast's) bind it, and
+    # gloo's and NCCL's connections use its interface; with none (an address of the development cluster's nodes in
+    # the loopback range, not 127.0.0.1), gloo binds the address the host name resolves to, the same one
+    own = "127.0.0.1" if interface == network.LOOPBACK else network.node_address(controller_host, interface)
+    nic = interface or network.interface_of(own)
     if nic:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", nic)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", nic)
-    # where this rank's own listeners (the weight broadcast's store) bind: its address on the NIC gloo uses
-    if interface == network.LOOPBACK:
-        os.environ[HOST_ADDRESS_ENV] = "127.0.0.1"
-    else:
-        own = network.interface_address(interface) if interface else network.route_address(controller_host)
-        os.environ[HOST_ADDRESS_ENV] = own
+    os.environ[HOST_ADDRESS_ENV] = own
     if env.num_tasks > 1:
         for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)  # inherited from the controller's environment (e.g. set by vLLM there)
         if env.global_rank == 0:
+            address = own
             listen_fd, port = _listen(address, env.num_tasks)
             conn.send({"type": "rendezvous", "address": address, "port": port})
         else:

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -149,9 +150,10 @@ def test_hf_run_on_slurm_with_four_pools_then_resume_repeats_an_iteration_exactl
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(slurm_cluster, prefect_api, tmp_path):
-    """``rollout.checkpoint_engine.backend: gloo`` with the actor and the rollout in two Slurm jobs, one step off:
-    the actor's rank 0 serves the broadcast's rendezvous on its cluster address, the rollout's rank joins from its
-    own job, and every push (after each update) is sent, received and probed."""
+    """``rollout.checkpoint_engine.backend: gloo`` with the actor and the rollout in two Slurm jobs on two nodes
+    (the development cluster's partition ``multi``, a node each: ``--exclusive``), one step off: the actor's rank 0
+    serves the broadcast's rendezvous on its node's address, the rollout's rank joins from the other node, and every
+    push (after each update) is sent, received and probed."""
     from hybridflow.engine.tiny import build_tiny_model
 
     pools = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
@@ -167,6 +169,8 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
             "rollout.checkpoint_engine.backend=gloo",
             "trainer.mode=one_step_off",
             "trainer.total_iterations=2",
+            "placement.slurm.partition=multi",
+            'placement.slurm.sbatch={"exclusive": true}',
         ],
     )
     db = f"sqlite:///{tmp_path / 'runs.db'}"
@@ -177,14 +181,16 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
     (run,) = store.list_runs()
     assert run.status == "completed"
     placed = {p.role: p for p in store.placements(run.id)}
-    assert placed["actor"].slurm_job_id != placed["rollout"].slurm_job_id  # two jobs
+    assert placed["actor"].slurm_job_id != placed["rollout"].slurm_job_id  # two jobs ...
+    (train,), (generate,) = placed["actor"].hosts, placed["rollout"].hosts
+    assert train != generate and {train, generate} <= {"hf-node1", "hf-node2", "hf-node3"}  # ... on two nodes
     metrics = {(m.step, m.name): m.value for m in store.metrics(run.id)}
     probes = [value for (_, name), value in metrics.items() if name == "rollout/weight_probe_diff"]
     assert probes and max(probes) < 1e-4  # the engine serves the actor's weights
     logs = tmp_path / "out" / "grpo_tiny" / run.id / "submitit"
     received = "".join(path.read_text() for path in (logs / "generate").glob("*_log.err"))
-    for version in (1, 2):
-        assert f"rank 0: weights v{version} received by gloo broadcast" in received
+    for version in (1, 2):  # from the address of the actor's node
+        assert f"rank 0: weights v{version} received by gloo broadcast from {socket.gethostbyname(train)}:" in received
 
 
 TOTAL = 16  # iterations: more than the run reaches before its drained node holds it (each fault comes within an

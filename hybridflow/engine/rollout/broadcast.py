@@ -242,9 +242,10 @@ class WeightReceiver:
             for size in sizes[received:]:  # a reader that stopped early: keep the group in step
                 _broadcast(self._group, torch.empty(size, dtype=torch.uint8))
         logger.info(
-            "rank %d: weights v%d received by gloo broadcast: %.1f MB in %d bucket(s), %.2f s",
+            "rank %d: weights v%d received by gloo broadcast from %s:%d: %.1f MB in %d bucket(s), %.2f s",
             self.rank,
             header["version"],
+            *self.address,
             header["bytes"] / 1e6,
             len(sizes),
             time.perf_counter() - started,

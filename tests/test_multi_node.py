@@ -1,8 +1,10 @@
 """The development cluster's nodes of their own (`hybridflow/slurm/dev_cluster.sh`: partition ``multi``, each node a
 slurmd with its own host name and loopback address), a Slurm worker group across two of them (its ranks on two hosts,
-listening on their own nodes' addresses, joined by gloo), and a GRPO run whose actor is data-parallel across two
-nodes, equal to the same run on one."""
+listening on their own nodes' addresses, joined by gloo), and GRPO runs whose actor spans two nodes (data-parallel;
+megatron's pipeline stages), each equal to the same run on one node."""
 
+import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -68,15 +70,32 @@ def test_a_worker_group_across_two_nodes_listens_on_each_nodes_address(slurm_clu
 
 
 COMPARED = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
+MEGATRON_PP2 = ["actor.strategy=megatron", "actor.pp=2", "actor.tp=1", "rollout.gen_tp=1"]
 
 
-def test_grpo_with_its_actor_data_parallel_across_two_nodes_matches_the_run_on_one(
-    slurm_cluster, prefect_api, tmp_path, tiny_model_dir
+@pytest.mark.parametrize(
+    "actor",
+    [
+        pytest.param([], id="fsdp"),
+        pytest.param(
+            MEGATRON_PP2,
+            id="megatron_pp2",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("megatron.core") is None and os.environ.get("CI") != "true",
+                reason="megatron-core is not installed (bash .ci/setup installs it)",
+            ),
+        ),
+    ],
+)
+def test_grpo_with_its_actor_across_two_nodes_matches_the_run_on_one(
+    actor, slurm_cluster, prefect_api, tmp_path, tiny_model_dir
 ):
     """The tiny GRPO run with its actor + rollout pool of 2 ranks, once on one node (partition ``debug``, 2 ranks
-    there) and once across two (``multi``, 1 rank on each): the same data-parallel computation, gloo's all-reduce
-    between the two nodes' addresses instead of within one node, and every compared metric of every iteration equal."""
-    metrics, hosts = {}, {}
+    there) and once across two (``multi``, 1 rank on each): every compared metric of every iteration equal. FSDP:
+    the actor data-parallel, gloo's all-reduce between the two nodes' addresses. Megatron: its two pipeline stages on
+    two nodes (activations and gradients between them), and the 3D-HybridEngine gathering the weights across them for
+    generation at pp=1."""
+    metrics, placed = {}, {}
     for name, partition, nodes, tasks in (("one", "debug", 1, 2), ("two", "multi", 2, 1)):
         db = f"sqlite:///{tmp_path / name}.db"
         overrides = [
@@ -90,6 +109,7 @@ def test_grpo_with_its_actor_data_parallel_across_two_nodes_matches_the_run_on_o
             f"placement.nodes={nodes}",
             f"placement.tasks_per_node={tasks}",
             "placement.slurm.time_min=10",
+            *actor,
         ]
         args = [HF, "run", str(ROOT / "examples" / "grpo_tiny.yaml"), "--executor", "slurm", "--db", db]
         args += ["--prefect-api", prefect_api, *(a for o in overrides for a in ("-o", o))]
@@ -97,10 +117,14 @@ def test_grpo_with_its_actor_data_parallel_across_two_nodes_matches_the_run_on_o
         assert done.returncode == 0, done.stdout + done.stderr
         store = RunStore(db)
         (run,) = store.list_runs()
-        metrics[name] = {(m.step, m.name): m.value for m in store.metrics(run.id) if m.name in COMPARED}
-        (placement,) = {tuple(p.hosts) for p in store.placements(run.id)}
-        hosts[name] = placement
-    assert hosts["one"] == (slurm_cluster["node"],) * 2
-    assert len(set(hosts["two"])) == 2 and all(h.startswith("hf-node") for h in hosts["two"]), hosts
-    assert {step for step, _ in metrics["one"]} == {1, 2, 3} and len(metrics["one"]) == 3 * len(COMPARED)
-    assert metrics["two"] == metrics["one"]
+        metrics[name] = {(m.step, m.name): m.value for m in store.metrics(run.id)}
+        placed[name] = {p.role: p for p in store.placements(run.id)}["actor"]
+    assert placed["one"].hosts == [slurm_cluster["node"]] * 2
+    hosts = placed["two"].hosts
+    assert len(set(hosts)) == 2 and all(h.startswith("hf-node") for h in hosts), hosts
+    compared = {key: value for key, value in metrics["one"].items() if key[1] in COMPARED}
+    assert {step for step, _ in compared} == {1, 2, 3} and len(compared) == 3 * len(COMPARED)
+    assert {key: metrics["two"].get(key) for key in compared} == compared
+    if actor:  # the stages on two nodes, and the weights gathered across them for generation
+        assert placed["two"].parallel["train"] == {"pp": 2, "tp": 1, "dp": 1}
+        assert all(metrics["two"][(step, "hybrid_engine/received_mib")] > 0 for step in (1, 2, 3))

@@ -6,13 +6,14 @@ megatron's pipeline stages), each equal to the same run on one node."""
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tiny_runs import write_reward
+from tiny_runs import wait_inside_iteration, write_reward
 
 from hybridflow.flows.store.run_store import RunStore
 from hybridflow.slurm.channel import create_secret
@@ -128,3 +129,81 @@ def test_grpo_with_its_actor_across_two_nodes_matches_the_run_on_one(
     if actor:  # the stages on two nodes, and the weights gathered across them for generation
         assert placed["two"].parallel["train"] == {"pp": 2, "tp": 1, "dp": 1}
         assert all(metrics["two"][(step, "hybrid_engine/received_mib")] > 0 for step in (1, 2, 3))
+
+
+def _node_processes(node: str) -> list[int]:
+    """The processes of the development cluster's node `node`: those in the UTS namespace of its slurmd (the
+    namespace that gives them its host name), slurmd's own included."""
+    slurm_dir = Path(os.environ.get("HYBRIDFLOW_SLURM_DIR", "/var/lib/hybridflow-slurm"))
+    slurmd = int((slurm_dir / f"slurmd-{node}.pid").read_text())
+    namespace = os.readlink(f"/proc/{slurmd}/ns/uts")
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.readlink(proc / "ns" / "uts") == namespace:
+                found.append(int(proc.name))
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+def test_a_node_lost_mid_run_is_replaced_by_a_spare_and_the_run_matches_the_uninterrupted_one(
+    slurm_cluster, prefect_api, tmp_path, tiny_model_dir
+):
+    """GRPO on 2 of the partition's 3 nodes. In iteration 3 one of them is lost: every process on it SIGKILLed (its
+    slurmd, the group's node agent and rank) and the node set DOWN. The run recovers by itself: its group relaunched
+    in a new job on the other node and the spare one, from the newest checkpoint, and every compared metric equal to
+    the same run uninterrupted."""
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        f"reward.custom_function={write_reward(tmp_path)}",
+        "trainer.total_iterations=4",
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+        "trainer.recovery_backoff_s=1",
+        "data.reasoning_gym.val_size=0",
+        "placement.slurm.partition=multi",
+        "placement.nodes=2",
+        "placement.tasks_per_node=1",
+        "placement.slurm.time_min=10",
+    ]
+
+    def hf_run(name: str) -> tuple[subprocess.Popen, RunStore, Path]:
+        db = f"sqlite:///{tmp_path / name}.db"
+        args = [HF, "run", str(ROOT / "examples" / "grpo_tiny.yaml"), "--executor", "slurm", "--db", db]
+        args += ["--prefect-api", prefect_api, "-o", f"trainer.output_dir={tmp_path / name}"]
+        log = tmp_path / f"{name}.log"
+        with log.open("wb") as out:  # a file: the Slurm-side processes never hold a pipe of the test open
+            proc = subprocess.Popen([*args, *(a for o in overrides for a in ("-o", o))], stdout=out, stderr=out)
+        return proc, RunStore(db), log
+
+    proc, store, log = hf_run("uninterrupted")
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    (run,) = store.list_runs()
+    expected = {(m.step, m.name): m.value for m in store.metrics(run.id) if m.name in COMPARED}
+    assert {step for step, _ in expected} == {1, 2, 3, 4}
+
+    proc, store, log = hf_run("faulted")
+    lost = None
+    try:
+        run_id = wait_inside_iteration(proc, store, 3, log=log, timeout_s=300)
+        first = store.placements(run_id)[-1]
+        lost = first.hosts[1]
+        for pid in _node_processes(lost):
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["scontrol", "update", f"nodename={lost}", "state=down", "reason=lost"], check=True)
+        assert proc.wait(timeout=600) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if lost is not None:  # the node back: its slurmd started again, the node resumed
+            subprocess.run(["bash", str(ROOT / "hybridflow" / "slurm" / "dev_cluster.sh"), "start"], check=True,
+                           capture_output=True, timeout=300)  # fmt: skip
+    (recovery,) = store.recoveries(run_id)  # the job ended with the node: both ranks lost, and which node says why
+    assert recovery.step == 3 and sorted(recovery.nodes) == sorted(first.hosts), recovery
+    assert f"node {lost} is down" in recovery.cause and "reason: lost" in recovery.cause, recovery.cause
+    relaunched = store.placements(run_id)[-1]
+    assert relaunched.slurm_job_id != first.slurm_job_id and lost not in relaunched.hosts, relaunched
+    assert len(set(relaunched.hosts)) == 2
+    got = {(m.step, m.name): m.value for m in store.metrics(run_id) if m.name in COMPARED}
+    assert got == expected

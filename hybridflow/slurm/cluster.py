@@ -84,6 +84,11 @@ class NodeState:
     reason: str
 
     @property
+    def said(self) -> str:
+        """Its state and the reason, as a message says them: ``down (reason: lost)``."""
+        return f"{self.state} (reason: {self.reason})" if self.reason else self.state
+
+    @property
     def bad(self) -> bool:
         """True when the node is down, drained or draining, or failing (see `BAD_NODE_STATES`)."""
         upper = self.state.upper()

@@ -506,19 +506,22 @@ class WorkerGroup:
         if state == "PENDING":
             self._say_why_pending()
         if state not in cluster.ACTIVE_STATES and state != "UNKNOWN":
-            raise self._error(f"the Slurm job ended (state {state}) during {during}", everyone, lost=True)
-        nodes = sorted({info.node for info in self.ranks.values() if info.node})
-        with contextlib.suppress(cluster.SlurmCommandError):
-            for node in cluster.node_states(nodes):
-                if node.bad:
-                    on_node = sorted(r for r, info in self.ranks.items() if info.node == node.node)
-                    cancelled = self._cancel()
-                    reason = f" (reason: {node.reason})" if node.reason else ""
-                    outcome = "the job was cancelled" if cancelled else "cancelling the job failed (scancel it)"
-                    raise self._error(
-                        f"node {node.node} is {node.state}{reason} during {during}; {outcome}", on_node, lost=True
-                    )
+            bad = "".join(f"; node {node.node} is {node.said}" for node in self._bad_nodes())  # why, if a node
+            raise self._error(f"the Slurm job ended (state {state}{bad}) during {during}", everyone, lost=True)
+        for node in self._bad_nodes():
+            on_node = sorted(r for r, info in self.ranks.items() if info.node == node.node)
+            cancelled = self._cancel()
+            outcome = "the job was cancelled" if cancelled else "cancelling the job failed (scancel it)"
+            raise self._error(f"node {node.node} is {node.said} during {during}; {outcome}", on_node, lost=True)
         return state
+
+    def _bad_nodes(self) -> list[cluster.NodeState]:
+        """The nodes of this group's ranks that are down, drained, draining or failing (none when sinfo fails)."""
+        nodes = sorted({info.node for info in self.ranks.values() if info.node})
+        try:
+            return [node for node in cluster.node_states(nodes) if node.bad]
+        except cluster.SlurmCommandError:
+            return []
 
     def _say_why_pending(self) -> None:
         """Log why the job waits in the queue whenever Slurm's reason changes: a group relaunched after its node

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from postgres import postgres_server
 from tiny_runs import wait_inside_iteration, write_reward
 
 from hybridflow.flows.store.run_store import RunStore
@@ -150,10 +151,11 @@ def _node_processes(node: str) -> list[int]:
 def test_a_node_lost_mid_run_is_replaced_by_a_spare_and_the_run_matches_the_uninterrupted_one(
     slurm_cluster, prefect_api, tmp_path, tiny_model_dir
 ):
-    """GRPO on 2 of the partition's 3 nodes. In iteration 3 one of them is lost: every process on it SIGKILLed (its
-    slurmd, the group's node agent and rank) and the node set DOWN. The run recovers by itself: its group relaunched
-    in a new job on the other node and the spare one, from the newest checkpoint, and every compared metric equal to
-    the same run uninterrupted."""
+    """GRPO on 2 of the partition's 3 nodes, its controller on its own host (this machine, no node of ``multi``)
+    and its store on PostgreSQL reached by address. In iteration 3 one node is lost: every process on it SIGKILLed
+    (its slurmd, the group's node agent and rank) and the node set DOWN. The run recovers by itself: its group
+    relaunched in a new job on the other node and the spare one, from the newest checkpoint, and every compared
+    metric equal to the same run uninterrupted (on SQLite)."""
     overrides = [
         f"model.path={tiny_model_dir}",
         f"reward.custom_function={write_reward(tmp_path)}",
@@ -168,8 +170,7 @@ def test_a_node_lost_mid_run_is_replaced_by_a_spare_and_the_run_matches_the_unin
         "placement.slurm.time_min=10",
     ]
 
-    def hf_run(name: str) -> tuple[subprocess.Popen, RunStore, Path]:
-        db = f"sqlite:///{tmp_path / name}.db"
+    def hf_run(name: str, db: str) -> tuple[subprocess.Popen, RunStore, Path]:
         args = [HF, "run", str(ROOT / "examples" / "grpo_tiny.yaml"), "--executor", "slurm", "--db", db]
         args += ["--prefect-api", prefect_api, "-o", f"trainer.output_dir={tmp_path / name}"]
         log = tmp_path / f"{name}.log"
@@ -177,13 +178,19 @@ def test_a_node_lost_mid_run_is_replaced_by_a_spare_and_the_run_matches_the_unin
             proc = subprocess.Popen([*args, *(a for o in overrides for a in ("-o", o))], stdout=out, stderr=out)
         return proc, RunStore(db), log
 
-    proc, store, log = hf_run("uninterrupted")
+    proc, store, log = hf_run("uninterrupted", f"sqlite:///{tmp_path / 'uninterrupted.db'}")
     assert proc.wait(timeout=600) == 0, log.read_text()
     (run,) = store.list_runs()
     expected = {(m.step, m.name): m.value for m in store.metrics(run.id) if m.name in COMPARED}
     assert {step for step, _ in expected} == {1, 2, 3, 4}
 
-    proc, store, log = hf_run("faulted")
+    with postgres_server() as postgres:
+        _lose_a_node_mid_run(hf_run, postgres.url(postgres.create_database()), expected)
+
+
+def _lose_a_node_mid_run(hf_run, db: str, expected: dict) -> None:
+    """The faulted run of the test above, recorded in store `db`: lose a node in iteration 3, check the recovery."""
+    proc, store, log = hf_run("faulted", db)
     lost = None
     try:
         run_id = wait_inside_iteration(proc, store, 3, log=log, timeout_s=300)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from postgres import postgres_server
-from tiny_runs import wait_inside_iteration, write_reward
+from tiny_runs import COMPARED, wait_inside_iteration, write_reward
 
 from hybridflow.flows.store.run_store import RunStore
 from hybridflow.slurm.channel import create_secret
@@ -71,7 +71,6 @@ def test_a_worker_group_across_two_nodes_listens_on_each_nodes_address(slurm_clu
         group.shutdown()
 
 
-COMPARED = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
 MEGATRON_PP2 = ["actor.strategy=megatron", "actor.pp=2", "actor.tp=1", "rollout.gen_tp=1"]
 
 

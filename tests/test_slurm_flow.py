@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_runs import DENSE_REWARD, wait_inside_iteration, write_reward
+from tiny_runs import COMPARED, DENSE_REWARD, wait_inside_iteration, write_reward
 
 from hybridflow.engine.config import load_config
 from hybridflow.flows.store.run_store import RunStore
@@ -209,9 +209,6 @@ def _held_reward(root: Path) -> str:
         "    return digit_share(data_source, solution_str, ground_truth, extra_info)\n"
     )
     return f"{path}:held"
-
-
-COMPARED = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
 
 
 def _compared(store: RunStore, run_id: str) -> dict[tuple[int, str], float]:

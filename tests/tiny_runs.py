@@ -83,6 +83,10 @@ def digit_share(data_source, solution_str, ground_truth, extra_info):
 '''
 
 
+COMPARED = ("response_length/mean", "critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm")
+"""The metrics a run is compared by with the same run elsewhere (interrupted, resubmitted, on other nodes)."""
+
+
 def write_reward(root: Path) -> str:
     """Write the dense reward into `root`; returns its ``reward.custom_function`` spec."""
     reward_file = Path(root) / "my_reward.py"

@@ -146,8 +146,8 @@ def _init_distributed(
             os.environ.pop(key, None)  # inherited from the controller's environment (e.g. set by vLLM there)
         if env.global_rank == 0:
             address = own
-            listen_fd, port = _listen(address, env.num_tasks)
-            conn.send({"type": "rendezvous", "address": address, "port": port})
+            listen_fd, port = _listen(own, env.num_tasks)
+            conn.send({"type": "rendezvous", "address": own, "port": port})
         else:
             listen_fd = None
             address, port = _ask_rendezvous(conn)

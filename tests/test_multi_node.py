@@ -195,10 +195,9 @@ def _lose_a_node_mid_run(hf_run, db: str, expected: dict) -> None:
         run_id = wait_inside_iteration(proc, store, 3, log=log, timeout_s=300)
         first = store.placements(run_id)[-1]
         lost = first.hosts[1]
-        # DOWN first: the group's relaunch (after its back-off) can never be scheduled on the node it lost
-        subprocess.run(["scontrol", "update", f"nodename={lost}", "state=down", "reason=lost"], check=True)
         for pid in _node_processes(lost):
             os.kill(pid, signal.SIGKILL)
+        subprocess.run(["scontrol", "update", f"nodename={lost}", "state=down", "reason=lost"], check=True)
         assert proc.wait(timeout=600) == 0, log.read_text()
     finally:
         if proc.poll() is None:

@@ -203,8 +203,9 @@ def _lose_a_node_mid_run(hf_run, db: str, expected: dict) -> None:
         if proc.poll() is None:
             proc.kill()
         if lost is not None:  # the node back: its slurmd started again, the node resumed
-            subprocess.run(["bash", str(ROOT / "hybridflow" / "slurm" / "dev_cluster.sh"), "start"], check=True,
-                           capture_output=True, timeout=300)  # fmt: skip
+            started = subprocess.run(["bash", str(ROOT / "hybridflow" / "slurm" / "dev_cluster.sh"), "start"],
+                                     capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert started.returncode == 0, started.stdout + started.stderr
     (recovery,) = store.recoveries(run_id)  # the job ended with the node: both ranks lost, and which node says why
     assert recovery.step == 3 and sorted(recovery.nodes) == sorted(first.hosts), recovery
     assert f"node {lost} is down" in recovery.cause and "reason: lost" in recovery.cause, recovery.cause

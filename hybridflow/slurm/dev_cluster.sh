@@ -31,7 +31,14 @@ DB_PASS_FILE=$DIR/dbpass
 MARKER="# written by hybridflow hybridflow/slurm/dev_cluster.sh"
 OLD_MARKERS=("# written by hybridflow runtime/dev_cluster.sh" "# written by hybridflow slurm/dev_cluster.sh")  # its earlier paths
 
-running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# running PIDFILE: its process is alive. A killed daemon stays a zombie until it is reaped, and kill -0 succeeds on a
+# zombie: its state (the field after the name in /proc/PID/stat) tells them apart.
+running() {
+  [ -s "$1" ] || return 1
+  local stat; stat=$(cat "/proc/$(cat "$1")/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  [ "${stat%% *}" != Z ]
+}
 
 # detach LOG COMMAND...: start a daemon in a session of its own, from /, holding none of this script's descriptors:
 # stdin from /dev/null, stdout and stderr to LOG, every other inherited descriptor closed. A caller that reads this

@@ -149,37 +149,19 @@ def test_hf_run_on_slurm_with_four_pools_then_resume_repeats_an_iteration_exactl
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
-def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(slurm_cluster, prefect_api, tmp_path):
+def test_a_rollout_pool_on_another_node_gets_its_weights_by_gloo_broadcast_and_matches_the_run_on_one_node(
+    slurm_cluster, prefect_api, tmp_path
+):
     """``rollout.checkpoint_engine.backend: gloo`` with the actor and the rollout in two Slurm jobs on two nodes
     (the development cluster's partition ``multi``, a node each: ``--exclusive``), one step off: the actor's rank 0
     serves the broadcast's rendezvous on its node's address, the rollout's rank joins from the other node, and every
-    push (after each update) is sent, received and probed."""
+    push (after each update) is sent, received and probed. The same run with both jobs on one node (partition
+    ``debug``) records every compared metric equal, value for value: the same weights reach the same engine."""
     from hybridflow.engine.tiny import build_tiny_model
 
-    pools = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
-    config = _config_file(
-        tmp_path,
-        build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32),
-        "grpo_tiny.yaml",
-        [
-            f"placement.pools={json.dumps(pools)}",
-            "rollout.name=vllm",
-            "rollout.vllm_kv_cache_gb=0.25",
-            "rollout.vllm_dtype=float32",
-            "rollout.checkpoint_engine.backend=gloo",
-            "trainer.mode=one_step_off",
-            "trainer.total_iterations=2",
-            "placement.slurm.partition=multi",
-            'placement.slurm.sbatch={"exclusive": true}',
-        ],
-    )
-    db = f"sqlite:///{tmp_path / 'runs.db'}"
-    log = tmp_path / "run.log"
-    proc = _hf("run", str(config), "--executor", "slurm", "--db", db, "--prefect-api", prefect_api, log=log)
-    assert proc.wait(timeout=600) == 0, log.read_text()
-    store = RunStore(db)
-    (run,) = store.list_runs()
-    assert run.status == "completed"
+    model = build_tiny_model(tmp_path / "tiny32", hidden_size=64, head_dim=32)
+    on_two_nodes = ["placement.slurm.partition=multi", 'placement.slurm.sbatch={"exclusive": true}']
+    store, run = _split_run(tmp_path / "across", model, on_two_nodes, prefect_api)
     placed = {p.role: p for p in store.placements(run.id)}
     assert placed["actor"].slurm_job_id != placed["rollout"].slurm_job_id  # two jobs ...
     (train,), (generate,) = placed["actor"].hosts, placed["rollout"].hosts
@@ -187,10 +169,41 @@ def test_a_rollout_pool_of_its_own_on_slurm_gets_its_weights_by_gloo_broadcast(s
     metrics = {(m.step, m.name): m.value for m in store.metrics(run.id)}
     probes = [value for (_, name), value in metrics.items() if name == "rollout/weight_probe_diff"]
     assert probes and max(probes) < 1e-4  # the engine serves the actor's weights
-    logs = tmp_path / "out" / "grpo_tiny" / run.id / "submitit"
+    logs = tmp_path / "across" / "out" / "grpo_tiny" / run.id / "submitit"
     received = "".join(path.read_text() for path in (logs / "generate").glob("*_log.err"))
     for version in (1, 2):  # from the address of the actor's node
         assert f"rank 0: weights v{version} received by gloo broadcast from {socket.gethostbyname(train)}:" in received
+
+    one_store, one_run = _split_run(tmp_path / "one", model, ["placement.slurm.partition=debug"], prefect_api)
+    assert {host for p in one_store.placements(one_run.id) for host in p.hosts} == {socket.gethostname()}
+    expected = _compared(one_store, one_run.id)
+    assert {step for step, _ in expected} == {1, 2}
+    assert _compared(store, run.id) == expected
+
+
+def _split_run(folder: Path, model: Path, extra: list[str], prefect_api: str) -> tuple[RunStore, object]:
+    """The tiny GRPO run one step off with its rollout (vLLM) on a pool of its own fed by gloo broadcast, on Slurm
+    with the placement overrides `extra`, in `folder`; checks it completed and returns its store and run."""
+    folder.mkdir(parents=True)
+    pools = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
+    overrides = [
+        f"placement.pools={json.dumps(pools)}",
+        "rollout.name=vllm",
+        "rollout.vllm_kv_cache_gb=0.25",
+        "rollout.vllm_dtype=float32",
+        "rollout.checkpoint_engine.backend=gloo",
+        "trainer.mode=one_step_off",
+        "trainer.total_iterations=2",
+    ]
+    config = _config_file(folder, model, "grpo_tiny.yaml", [*overrides, *extra])
+    db = f"sqlite:///{folder / 'runs.db'}"
+    log = folder / "run.log"
+    proc = _hf("run", str(config), "--executor", "slurm", "--db", db, "--prefect-api", prefect_api, log=log)
+    assert proc.wait(timeout=600) == 0, log.read_text()
+    store = RunStore(db)
+    (run,) = store.list_runs()
+    assert run.status == "completed"
+    return store, run
 
 
 TOTAL = 16  # iterations: more than the run reaches before its drained node holds it (each fault comes within an

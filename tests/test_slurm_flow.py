@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
+WIDE = {**os.environ, "COLUMNS": "250"}  # rich's width: no line of a table or a message wraps
 
 
 def _config_file(tmp_path: Path, tiny_model_dir: Path, example: str, extra: list[str]) -> Path:
@@ -432,22 +434,29 @@ def test_only_time_limit_warnings_before_an_iteration_count_toward_stopping_the_
     assert allocations_short_of_time(1, warned(1, "SIGUSR2")) == 0
 
 
-def test_a_plan_written_by_hf_plan_runs_on_slurm(slurm_cluster, prefect_api, tmp_path, tiny_model_dir):
-    """`hf plan --executor slurm` for one node of 2 devices writes pools and strategies; `hf run` of that file
-    runs one Slurm job per planned pool, each with the planned ranks, and records the plan's id."""
+def test_a_plan_for_three_nodes_runs_across_them_beside_its_estimate(
+    slurm_cluster, prefect_api, tmp_path, tiny_model_dir
+):
+    """`hf plan --executor slurm --nodes 3 --gpus-per-node 2` for the development cluster's partition ``multi`` (3
+    nodes of 2 CPUs) writes pools and strategies; `hf run` of that file runs one Slurm job per planned pool, each
+    with the planned ranks on the planned number of nodes (the pools fill the nodes: three pools, three nodes), and
+    records the plan's id; `hf runs show` and `hf plans show` set the measured iteration beside the estimate."""
     config = _config_file(
-        tmp_path, tiny_model_dir, "ppo_tiny.yaml", ["actor.use_kl_loss=true", "trainer.total_iterations=1"]
+        tmp_path,
+        tiny_model_dir,
+        "ppo_tiny.yaml",
+        ["actor.use_kl_loss=true", "trainer.total_iterations=3", "placement.slurm.partition=multi"],
     )
     planned = tmp_path / "planned.yaml"
     db = f"sqlite:///{tmp_path / 'runs.db'}"
     shown = subprocess.run(
-        [HF, "plan", str(config), "--executor", "slurm", "--gpus-per-node", "2", "--gpu", "h200",
+        [HF, "plan", str(config), "--executor", "slurm", "--nodes", "3", "--gpus-per-node", "2", "--gpu", "h200",
          "--output", str(planned), "--db", db],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert shown.returncode == 0, shown.stdout + shown.stderr
     written = yaml.safe_load(planned.read_text())
-    assert written["placement"]["executor"] == "slurm"
+    assert written["placement"]["executor"] == "slurm" and written["placement"]["slurm"]["partition"] == "multi"
     pools = written["placement"]["pools"]
     log = tmp_path / "run.log"
     proc = _hf("run", str(planned), "--db", db, "--prefect-api", prefect_api, log=log)
@@ -456,9 +465,32 @@ def test_a_plan_written_by_hf_plan_runs_on_slurm(slurm_cluster, prefect_api, tmp
     [run] = store.list_runs()
     [plan] = store.plans()
     assert run.status == "completed" and run.plan_id == plan.id == written["placement"]["plan"]
-    placed = store.placements(run.id)
-    assert {p.executor for p in placed} == {"slurm"}
-    assert {p.group_name: len(p.ranks) for p in placed} == {
-        name: pool["tasks_per_node"] for name, pool in pools.items()
-    }
-    assert len({p.slurm_job_id for p in placed}) == len(pools)  # one Slurm job per planned pool
+    placed = {p.group_name: p for p in store.placements(run.id)}
+    assert {p.executor for p in placed.values()} == {"slurm"}
+    for name, pool in pools.items():
+        assert len(placed[name].ranks) == pool["nodes"] * pool["tasks_per_node"], (name, placed[name])
+        assert len(set(placed[name].hosts)) == pool["nodes"], (name, placed[name])
+    assert len({p.slurm_job_id for p in placed.values()}) == len(pools)  # one Slurm job per planned pool
+    hosts = {host for p in placed.values() for host in p.hosts}
+    assert hosts <= {"hf-node1", "hf-node2", "hf-node3"} and len(hosts) == sum(p["nodes"] for p in pools.values())
+
+    steps = sorted((m.step, m.value) for m in store.metrics(run.id) if m.name == "timing_s/step")
+    measured = statistics.median(value for _, value in steps[1:])  # the first iteration warms caches up
+    runs_show = subprocess.run(
+        [HF, "runs", "show", run.id, "--db", db], capture_output=True, text=True, timeout=120, env=WIDE
+    )
+    assert (
+        f"{plan.chosen_seconds:.3g} s per iteration estimated (h200), {measured:.3g} s measured (median), "
+        f"{measured / plan.chosen_seconds:.3g} x the estimate" in runs_show.stdout
+    ), runs_show.stdout
+    plans_show = subprocess.run(
+        [HF, "plans", "show", plan.id, "--db", db], capture_output=True, text=True, timeout=120, env=WIDE
+    )
+    beside = plans_show.stdout[plans_show.stdout.index("the plan's estimate beside the runs that ran it") :]
+    iteration_row = next(line for line in beside.splitlines() if "│ iteration" in line)
+    assert [cell.strip() for cell in iteration_row.split("│")[1:-1]] == [
+        "iteration",
+        f"{plan.chosen_seconds:.3g}",
+        f"{measured:.3g}",
+        f"{measured / plan.chosen_seconds:.3g}",
+    ], beside

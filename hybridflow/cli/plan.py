@@ -250,7 +250,7 @@ def plans_show(
     db: DbOption = None,
 ) -> None:
     """One plan: its inputs, ranked candidates, rejected placements and the chosen one's simulated iteration."""
-    from hybridflow.cli.plan_tables import show_plan
+    from hybridflow.cli.plan_tables import estimate_beside_measured, plan_runs, show_plan
     from hybridflow.flows.placement.render import candidate_from_dict, result_from_record
     from hybridflow.flows.store.run_store import UnknownPlanError
 
@@ -266,3 +266,6 @@ def plans_show(
     chosen = candidate_from_dict(plan.chosen) if plan.chosen else None
     console.print(f"source: {plan.source}; hardware: {result.hardware.name}; strategies: {result.space}")
     show_plan(console, result, chosen, top, plan.id, plan.search_s)
+    ran = plan_runs(_store(db), plan.id)
+    if chosen is not None and ran:
+        console.print(estimate_beside_measured(chosen, result.hardware.name, ran))

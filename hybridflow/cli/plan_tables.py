@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridflow.cli.common import styled
+from hybridflow.flows.placement.calibrate import Measured
 from hybridflow.flows.placement.hardware import GB
 from hybridflow.flows.placement.planner import Candidate, PlanResult
 
@@ -101,3 +102,29 @@ def show_plan(
             f"{_seconds(chosen.seconds)} s per iteration (estimated); {idle} of the cluster's {result.devices} "
             "devices idle"
         )
+
+
+def plan_runs(store, plan_id: str) -> list[tuple[str, Measured]]:
+    """The recorded runs whose placement came from plan `plan_id` and trained at least one iteration, newest first,
+    each with its measured timings (`Measured.from_store`: medians, the first iteration left out when there are
+    others)."""
+    runs = [r for r in store.list_runs(None) if r.plan_id == plan_id]
+    return [(r.id, Measured.from_store(store, r.id)) for r in runs if store.iterations(r.id)]
+
+
+def estimate_beside_measured(chosen: Candidate, hardware: str, runs: list[tuple[str, Measured]]) -> Table:
+    """The chosen plan's estimated seconds per stage and per iteration (hardware profile `hardware`) beside each
+    run's measured median (``timing_s/<stage>``, ``timing_s/step``) and the ratio measured / estimated."""
+    table = Table("stage", f"estimated s ({hardware})", title="the plan's estimate beside the runs that ran it")
+    for run_id, _ in runs:
+        table.add_column(f"{run_id} s")
+        table.add_column("measured / estimated")
+    rows = [(stage, seconds, lambda m, s=stage: m.stage_s.get(s)) for stage, seconds in chosen.stage_s.items()]
+    rows.append(("iteration", chosen.seconds, lambda m: m.step_s))
+    for stage, estimated, measured_of in rows:
+        cells = []
+        for _, measured in runs:
+            value = measured_of(measured)
+            cells += ["-", "-"] if value is None else [_seconds(value), f"{value / estimated:.3g}"]
+        table.add_row(stage, _seconds(estimated), *cells)
+    return table

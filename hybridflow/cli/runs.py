@@ -96,7 +96,7 @@ def runs_show(
     if r.error:
         console.print(error_cause(r.error) or r.error.strip().splitlines()[-1], style="red")
     if r.plan_id:
-        console.print(f"placement from plan {r.plan_id} (hf plans show {r.plan_id})")
+        console.print(_plan_line(store, r.plan_id, r.id, iterations))
     placement = Table("role", "pool", "ranks", "executor", "slurm job", "hosts", "parallel", title="placement")
     for p in store.placements(run_id):
         placement.add_row(
@@ -164,6 +164,26 @@ def _what_it_trains(r, iterations) -> str:
     total = cfg.get("trainer", {}).get("total_iterations", "?")
     mode = cfg.get("trainer", {}).get("mode", "sync")
     return f"{algorithm} on {model} (actor {strategy}, {mode}), {done}/{total} iterations"
+
+
+def _plan_line(store, plan_id: str, run_id: str, iterations) -> str:
+    """Which plan placed the run, and its estimated seconds per iteration beside the run's measured median
+    (``timing_s/step``; the first iteration, which warms caches up, left out when there are others)."""
+    from hybridflow.flows.placement.calibrate import Measured
+    from hybridflow.flows.store.run_store import UnknownPlanError
+
+    line = f"placement from plan {plan_id} (hf plans show {plan_id})"
+    try:
+        plan = store.get_plan(plan_id)
+    except UnknownPlanError:
+        return f"{line}; the plan is not in this store"
+    if plan.chosen_seconds is None or not iterations:
+        return line
+    measured = Measured.from_store(store, run_id).step_s
+    return (
+        f"{line}: {plan.chosen_seconds:.3g} s per iteration estimated ({plan.inputs['hardware']['name']}), "
+        f"{measured:.3g} s measured (median), {measured / plan.chosen_seconds:.3g} x the estimate"
+    )
 
 
 def _timings(r, iterations) -> str:

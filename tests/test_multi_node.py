@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from tiny_runs import COMPARED, wait_inside_iteration, write_reward
 
 from hybridflow.flows.store.run_store import RunStore
 from hybridflow.slurm.channel import create_secret
-from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, slurm_parameters
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup, WorkerGroupError, slurm_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 HF = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
@@ -69,6 +70,42 @@ def test_a_worker_group_across_two_nodes_listens_on_each_nodes_address(slurm_clu
         assert group.all_reduce(2.0) == pytest.approx(2.0 * 1 + 2.0 * 2)  # gloo between the two nodes
     finally:
         group.shutdown()
+
+
+def test_a_group_whose_folder_its_nodes_cannot_see_ends_at_once_naming_the_node_and_the_fix(slurm_cluster):
+    """The run's folder in the development cluster's ``login-only`` folder, which its nodes do not see (as a login
+    node's local disk): Slurm cannot launch the group's job there (JobLaunchFailure). The group's start ends within
+    seconds naming the node, the folder and ``trainer.output_dir``, and not as a lost rank (no relaunch: every
+    relaunch would fail the same way)."""
+    hidden = Path(os.environ.get("HYBRIDFLOW_SLURM_DIR", "/var/lib/hybridflow-slurm")) / "login-only"
+    run_dir = hidden / f"test-{os.getpid()}"
+    run_dir.mkdir(parents=True)
+    try:
+        secret = create_secret(run_dir / "secret")
+        started = time.monotonic()
+        with pytest.raises(WorkerGroupError) as raised:
+            WorkerGroup(
+                GroupSpec(
+                    name="unseen",
+                    worker_cls=TOY,
+                    executor="slurm",
+                    slurm=slurm_parameters(partition="multi"),
+                    timeout_min=10,
+                    slurm_poll_s=0.5,
+                ),
+                run_dir=run_dir,
+                data_dir=run_dir / "data",
+                secret_path=secret,
+            )
+        took = time.monotonic() - started
+    finally:
+        shutil.rmtree(run_dir)
+    message = str(raised.value)
+    assert took < 60, took
+    assert "the Slurm job ended (state FAILED) during starting: Slurm could not launch it on node hf-node" in message
+    assert f"cannot open the job's files in {run_dir / 'submitit' / 'unseen'}" in message, message
+    assert "Put trainer.output_dir on a file system every node mounts" in message, message
+    assert not raised.value.lost
 
 
 MEGATRON_PP2 = ["actor.strategy=megatron", "actor.pp=2", "actor.tp=1", "rollout.gen_tp=1"]

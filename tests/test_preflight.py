@@ -186,3 +186,9 @@ def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(tmp_path, tiny_model_
         slow = [str(w.message) for w in caught if issubclass(w.category, SlowDtypeWarning)]
         assert len(slow) == int(warned), (key, dtype, slow)
         assert all(f"set {key}=float32" in message for message in slow)
+
+
+def test_a_network_interface_this_host_does_not_have(tmp_path, tiny_model_dir, slurm_cluster):
+    code, out = _run(tmp_path, tiny_model_dir, "placement.executor=slurm", "placement.slurm.interface=ib7")
+    assert code == 2 and "placement.slurm.interface: network interface 'ib7' has no IPv4 address on" in out, out
+    assert "lo (127.0.0.1)" in out  # the interfaces it could be

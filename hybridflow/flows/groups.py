@@ -72,6 +72,7 @@ def group_spec(
         backend=backend,
         heartbeat_timeout_s=placement.heartbeat_timeout_s,
         call_timeout_s=placement.call_timeout_s,
+        rendezvous_timeout_s=placement.rendezvous_timeout_s,
         interface=slurm.interface,
         vllm=builds_vllm_engines(cfg, pool),
     )

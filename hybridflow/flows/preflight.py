@@ -62,7 +62,7 @@ from hybridflow.engine.reward.reward_model import RewardModelError, check_reward
 from hybridflow.engine.reward.rewards import check_builtin_source, load_reward_function
 from hybridflow.engine.sft.conversations import load_conversations, tokenize_conversation
 from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
-from hybridflow.slurm import cluster
+from hybridflow.slurm import cluster, network
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -389,9 +389,11 @@ def check_sft_inputs(cfg: SFTTrainingConfig) -> None:
 
 
 def _check_slurm(pools: dict[str, Pool], prefix: str) -> None:
-    """Slurm answers, and each pool's partition (``placement.slurm.partition``, or the pool's own) exists and has
-    at least the pool's nodes. `prefix`: where a pool's keys live (``placement.pools.`` + its name, or
-    ``placement.`` for the layouts of ``placement.colocate``)."""
+    """Slurm answers, each pool's partition (``placement.slurm.partition``, or the pool's own) exists and has at
+    least the pool's nodes, and its network interface (``slurm.interface``), if named, has an address on this host
+    (the controller's channel listens there; a node without it: its rank's error names the node). `prefix`: where
+    a pool's keys live (``placement.pools.`` + its name, or ``placement.`` for the layouts of
+    ``placement.colocate``)."""
     try:
         found = cluster.partitions()
     except cluster.SlurmCommandError as e:
@@ -409,6 +411,11 @@ def _check_slurm(pools: dict[str, Pool], prefix: str) -> None:
                 f"{keys}slurm.partition: no partition {partition!r} on this cluster (partitions: "
                 f"{', '.join(nodes) or 'none'}); set one of them, or leave it unset for the cluster's default"
             )
+        if pool.slurm.interface is not None:  # the controller listens there for the pool's ranks
+            try:
+                network.interface_address(pool.slurm.interface)
+            except ValueError as e:
+                raise InputError(f"{keys}slurm.interface: {e}") from None
         partition = partition or default
         if partition is not None and pool.nodes > nodes[partition]:
             raise InputError(

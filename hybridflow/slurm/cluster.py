@@ -74,6 +74,17 @@ def pending_reason(job_id: str) -> str:
     return "" if out in ("", "None") else out
 
 
+def job_fields(job_id: str) -> dict[str, str]:
+    """``scontrol show job``'s fields of the job (``Reason``, ``NodeList``, ``BatchHost``, ``ExitCode``, ...), while
+    slurmctld still holds it (``MinJobAge``, 300 s by default, after it ends); ``{}`` when it does not or scontrol
+    fails: a caller only explains more with them."""
+    try:
+        out = _run(["scontrol", "show", "job", "-o", str(job_id)])
+    except SlurmCommandError:
+        return {}
+    return dict(word.split("=", 1) for word in out.split() if "=" in word)
+
+
 @dataclass(frozen=True)
 class NodeState:
     """One node's state as ``sinfo`` prints it (``idle``, ``allocated``, ``draining``, ``down*``, ...) and the

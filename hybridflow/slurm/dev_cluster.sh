@@ -17,7 +17,9 @@
 # across nodes, with this host as the controller's host (a login node). Each is a slurmd of its own in a UTS
 # namespace of its own (its hostname is the node's name, in its jobs too), with an address of its own in the loopback
 # range (hf-nodeK: 127.0.1.K, in /etc/hosts) and a port of its own (6830 + K; slurmctld has 6817, slurmdbd 6819); the
-# file system is shared, as a real cluster's home is. No other address is used. It writes /etc/slurm/slurm.conf and
+# file system is shared, as a real cluster's home is, but for one folder, $HYBRIDFLOW_SLURM_DIR/login-only: this
+# host's own, where every node of "multi" sees an empty file system of its own (a tmpfs in a mount namespace of its
+# own), as a cluster's nodes do not see a login node's local disk. No other address is used. It writes /etc/slurm/slurm.conf and
 # slurmdbd.conf, and refuses to replace ones it did not write (a real cluster's).
 set -euo pipefail
 DIR=${HYBRIDFLOW_SLURM_DIR:-/var/lib/hybridflow-slurm}
@@ -96,7 +98,7 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
   apt-get install -y -qq --no-install-recommends \
     slurmctld slurmd slurmdbd slurm-client munge mariadb-server >/dev/null
 fi
-mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log" "$CONF_DIR"
+mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log" "$DIR/login-only" "$CONF_DIR"
 
 # 2. The nodes' names must resolve (slurmd, gloo and the worker groups' controller address use them).
 for name in "$NODE" "$(hostname)"; do
@@ -238,9 +240,9 @@ if ! sacctmgr -n -P list cluster format=cluster 2>/dev/null | grep -qx hybridflo
 fi
 running "$DIR/slurmctld.pid" || detach "$DIR/log/slurmctld.out" slurmctld
 running "$DIR/slurmd-$NODE.pid" || detach "$DIR/log/slurmd-$NODE.out" slurmd
-for name in $(multi_nodes); do  # its hostname, in a UTS namespace of its own, is the node's name
-  running "$DIR/slurmd-$name.pid" \
-    || detach "$DIR/log/slurmd-$name.out" unshare --uts -- sh -c "hostname $name && exec slurmd"
+for name in $(multi_nodes); do  # its hostname, in a UTS namespace of its own, is the node's name; login-only: empty
+  running "$DIR/slurmd-$name.pid" || detach "$DIR/log/slurmd-$name.out" unshare --uts --mount -- sh -c \
+    "hostname $name && mount -t tmpfs -o size=1m,mode=0755 hybridflow-login-only $DIR/login-only && exec slurmd"
 done
 
 # 7. Wait for the nodes; undo a DRAIN/DOWN left in the saved state by an earlier run (or a failure test).

@@ -88,6 +88,8 @@ class Bootstrap:
         env: environment variables the rank sets first.
         interface: where the group's sockets listen: ``lo`` (local groups), a NIC name, or None (the route to the
             controller).
+        rendezvous_timeout_s: how long a rank waits to join torch.distributed's rendezvous (`hybridflow.slurm.
+            rendezvous`).
     """
 
     group: str
@@ -101,6 +103,7 @@ class Bootstrap:
     backend: str = "gloo"
     env: dict[str, str] = field(default_factory=dict)
     interface: str | None = "lo"
+    rendezvous_timeout_s: float = 120.0
 
 
 def warm_up(vllm: bool = False) -> None:

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import traceback
-from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import submitit
@@ -32,7 +32,7 @@ from hybridflow.engine.fast_exit import exit_process
 from hybridflow.engine.imports import load_object
 from hybridflow.engine.rollout.broadcast import HOST_ADDRESS_ENV
 from hybridflow.engine.transfer import TransferProtocol, registered_methods
-from hybridflow.slurm import network
+from hybridflow.slurm import network, rendezvous
 from hybridflow.slurm.channel import Signer, WorkerConnection, read_secret
 from hybridflow.slurm.dispatch import rank_result, rank_share
 from hybridflow.slurm.forked import Bootstrap
@@ -41,8 +41,6 @@ from hybridflow.slurm.handles import DataHandle, write_part
 logger = logging.getLogger(__name__)
 
 HANDLE_KEY = "__handle__"
-RENDEZVOUS_TIMEOUT_S = 300.0  # how long a rank waits to learn where rank 0's rendezvous store listens
-STORE_TIMEOUT = timedelta(minutes=5)  # torch.distributed's store operations (every rank's join included)
 
 
 def decode_args(obj: Any) -> Any:
@@ -108,15 +106,14 @@ def _heartbeats(
         conn.close()
 
 
-def _init_distributed(
-    backend: str, interface: str | None, controller_host: str, conn: WorkerConnection
-) -> tuple[int, int, str]:
+def _init_distributed(boot: Bootstrap, controller_host: str, conn: WorkerConnection) -> tuple[int, int, str]:
     """Join the group's torch.distributed world and pick this rank's GPU on GPU nodes. Returns (rank, world size,
     job id).
 
-    Rank 0 serves the rendezvous store on a port the operating system picks free at bind time and tells the
-    controller where (a ``rendezvous`` message on `conn`); the other ranks ask the controller for that address. A
-    port fixed in advance (submitit's, drawn from the job id) can already be held by any other socket on the node.
+    The rendezvous (`hybridflow.slurm.rendezvous`): rank 0 serves the store on a port the operating system picks
+    free at bind time and tells the controller where (a ``rendezvous`` message on `conn`); the other ranks ask the
+    controller for that address. A port fixed in advance (submitit's, drawn from the job id) can already be held by
+    any other socket on the node. Every wait is bounded by ``boot.rendezvous_timeout_s``.
 
     Nothing listens on every interface (`hybridflow.slurm.network`): the store is bound to rank 0's address, which
     the other ranks connect to (127.0.0.1 for a local group; on Slurm `network.node_address`: the address of
@@ -124,17 +121,20 @@ def _init_distributed(
     connections use that address's interface (``lo`` locally).
 
     Raises:
-        RuntimeError: if the controller does not say where rank 0's store is within `RENDEZVOUS_TIMEOUT_S`.
+        RendezvousError: the controller did not say where rank 0's store is, this rank could not reach it, or (rank
+            0) some ranks did not join, within ``boot.rendezvous_timeout_s`` seconds.
+        ValueError: ``placement.slurm.interface`` has no IPv4 address on this node.
     """
     import torch
     import torch.distributed as dist
 
     env = submitit.JobEnvironment()
-    if backend == "nccl":
+    if boot.backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     # this rank's address (`network.node_address`): its listeners (the store, the weight broadcast's) bind it, and
     # gloo's and NCCL's connections use its interface; with none (an address of the development cluster's nodes in
     # the loopback range, not 127.0.0.1), gloo binds the address the host name resolves to, the same one
+    interface = boot.interface
     own = "127.0.0.1" if interface == network.LOOPBACK else network.node_address(controller_host, interface)
     nic = interface or network.interface_of(own)
     if nic:
@@ -144,43 +144,27 @@ def _init_distributed(
     if env.num_tasks > 1:
         for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
             os.environ.pop(key, None)  # inherited from the controller's environment (e.g. set by vLLM there)
+        timeout_s = boot.rendezvous_timeout_s
         if env.global_rank == 0:
             address = own
-            listen_fd, port = _listen(own, env.num_tasks)
+            listen_fd, port = rendezvous.listen(own, env.num_tasks)
             conn.send({"type": "rendezvous", "address": own, "port": port})
         else:
             listen_fd = None
-            address, port = _ask_rendezvous(conn)
-        store = dist.TCPStore(
-            address, port, env.num_tasks, env.global_rank == 0, timeout=STORE_TIMEOUT, master_listen_fd=listen_fd
+            address, port = rendezvous.ask_controller(conn, timeout_s)
+        store = rendezvous.join(
+            address, port, env.global_rank, env.num_tasks, _node_of(env), timeout_s, listen_fd=listen_fd
         )
-        dist.init_process_group(backend, store=store, rank=env.global_rank, world_size=env.num_tasks)
+        dist.init_process_group(boot.backend, store=store, rank=env.global_rank, world_size=env.num_tasks)
     return env.global_rank, env.num_tasks, str(env.job_id)
 
 
-def _listen(address: str, world_size: int) -> tuple[int, int]:
-    """A listening socket bound to `address` only (torch's own store server would listen on every interface) on a
-    free port. Returns (its file descriptor, which the store's server then owns; the port)."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind((address, 0))
-    server.listen(max(128, world_size))
-    port = server.getsockname()[1]
-    return server.detach(), port
-
-
-def _ask_rendezvous(conn: WorkerConnection) -> tuple[str, int]:
-    """Rank 0's store address from the controller, as (host address, port). Raises RuntimeError after
-    `RENDEZVOUS_TIMEOUT_S` seconds without it."""
-    conn.send({"type": "rendezvous"})
-    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
-    while (remaining := deadline - time.monotonic()) > 0:
-        message = conn.recv(remaining)
-        if message is not None and message.get("type") == "rendezvous":
-            return str(message["address"]), int(message["port"])
-    raise RuntimeError(
-        f"{conn.identity}: the controller did not say where rank 0's rendezvous store is within "
-        f"{RENDEZVOUS_TIMEOUT_S:.0f} s"
-    )
+def _node_of(env: submitit.JobEnvironment) -> Callable[[int], str]:
+    """Rank -> the name of its node: the job's node list in Slurm's block order (a node's ranks are consecutive, as
+    `hybridflow.slurm.node_agent` numbers them); this host's name for a local group."""
+    hosts = list(env.hostnames) if env.num_nodes > 1 else [socket.gethostname()]
+    per_node = max(1, env.num_tasks // len(hosts))
+    return lambda rank: hosts[min(rank // per_node, len(hosts) - 1)]
 
 
 def serve(boot: Bootstrap) -> None:
@@ -213,7 +197,7 @@ def serve(boot: Bootstrap) -> None:
     conn = WorkerConnection(boot.controller_address, identity, signer)
     try:
         started = time.perf_counter()
-        rank, world_size, job_id = _init_distributed(boot.backend, boot.interface, controller_host, conn)
+        rank, world_size, job_id = _init_distributed(boot, controller_host, conn)
         joined = time.perf_counter()
         cls = load_object(boot.worker_cls, f"worker class of group {boot.group!r}")
         methods = registered_methods(cls)

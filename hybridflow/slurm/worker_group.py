@@ -89,6 +89,9 @@ class GroupSpec:
         backend: torch.distributed backend (``gloo`` on CPU, ``nccl`` on GPU).
         heartbeat_interval_s / heartbeat_timeout_s: how often ranks beat, and how long silence means dead.
         start_timeout_s: how long to wait for every rank's hello.
+        rendezvous_timeout_s: how long a rank waits to join torch.distributed's rendezvous, within the start: one
+            that cannot reach rank 0's store, or rank 0 missing some ranks, ends the start with an error naming them
+            (`hybridflow.slurm.rendezvous`).
         call_timeout_s: limit for one method call (None: none). A rank whose process is alive but stuck (e.g. in a
             collective) still beats; this limit is what turns such a hang into an error.
         slurm_poll_s: how often a Slurm group's job and node states are polled while waiting (seconds).
@@ -111,6 +114,7 @@ class GroupSpec:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     start_timeout_s: float = 300.0
+    rendezvous_timeout_s: float = 120.0
     call_timeout_s: float | None = None
     slurm_poll_s: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
@@ -218,6 +222,7 @@ class WorkerGroup:
                 backend=spec.backend,
                 env=dict(spec.env),
                 interface=network.LOOPBACK if local else spec.interface,
+                rendezvous_timeout_s=spec.rendezvous_timeout_s,
             )
         )
         self.job_id = str(self._job.job_id)
@@ -506,6 +511,8 @@ class WorkerGroup:
         if state == "PENDING":
             self._say_why_pending()
         if state not in cluster.ACTIVE_STATES and state != "UNKNOWN":
+            if not self.ranks and (unlaunched := self._launch_failure()):  # a fault of the run's set-up: no retry
+                raise self._error(f"the Slurm job ended (state {state}) during {during}: {unlaunched}", everyone)
             bad = "".join(f"; node {node.node} is {node.said}" for node in self._bad_nodes())  # why, if a node
             raise self._error(f"the Slurm job ended (state {state}{bad}) during {during}", everyone, lost=True)
         for node in self._bad_nodes():
@@ -514,6 +521,21 @@ class WorkerGroup:
             outcome = "the job was cancelled" if cancelled else "cancelling the job failed (scancel it)"
             raise self._error(f"node {node.node} is {node.said} during {during}; {outcome}", on_node, lost=True)
         return state
+
+    def _launch_failure(self) -> str:
+        """Why Slurm could not launch the job, with the fix, when it says so (``Reason=JobLaunchFailure``): its
+        node could not open the job's files in this group's folder, i.e. the run's folder is not on a file system
+        that node mounts; ``""`` otherwise."""
+        fields = cluster.job_fields(self.job_id)
+        if fields.get("Reason") != "JobLaunchFailure":
+            return ""
+        node = fields.get("BatchHost") or fields.get("NodeList", "?")
+        return (
+            f"Slurm could not launch it on node {node} (JobLaunchFailure): that node cannot open the job's files in "
+            f"{self.log_dir}, so it does not see the run's folder (trainer.output_dir). Put trainer.output_dir on a "
+            "file system every node mounts (your home or a shared scratch; not a login node's /tmp or local disk); "
+            "the node's slurmd log names the file"
+        )
 
     def _bad_nodes(self) -> list[cluster.NodeState]:
         """The nodes of this group's ranks that are down, drained, draining or failing (none when sinfo fails)."""

@@ -700,6 +700,13 @@ class PlacementConfig(_Section):
     plan: str | None = Field(None, description="the placement plan (hf plans list) this placement came from")
     heartbeat_timeout_s: float = Field(10.0, gt=0, description="a rank silent this long is reported dead")
     call_timeout_s: float | None = Field(None, gt=0, description="limit for one stage call (a stuck rank); None: none")
+    rendezvous_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="how long a group's ranks wait to join torch.distributed's rendezvous when the group starts: a "
+        "rank that cannot reach rank 0's store (firewall, wrong placement.slurm.interface) or never joins ends the "
+        "start with an error naming its node, the address and the fix (torch's default: 30 minutes of silence)",
+    )
 
     @model_validator(mode="before")
     @classmethod

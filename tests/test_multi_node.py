@@ -108,6 +108,46 @@ def test_a_group_whose_folder_its_nodes_cannot_see_ends_at_once_naming_the_node_
     assert not raised.value.lost
 
 
+def test_node_agents_that_never_reach_the_controller_end_the_start_within_the_rendezvous_timeout(
+    slurm_cluster, tmp_path
+):
+    """A group of 2 nodes whose job runs but whose node agents never say hello (here its set-up line hangs; on a
+    real cluster, nodes that cannot reach the controller's address): the start ends ``rendezvous_timeout_s`` after
+    the job started, naming the silent nodes, the controller's address and the fix, and the job is cancelled."""
+    secret = create_secret(tmp_path / "secret")
+    started = time.monotonic()
+    with pytest.raises(WorkerGroupError) as raised:
+        WorkerGroup(
+            GroupSpec(
+                name="silent",
+                worker_cls=TOY,
+                nodes=2,
+                executor="slurm",
+                slurm=slurm_parameters(partition="multi", setup=["sleep 300"]),
+                timeout_min=10,
+                slurm_poll_s=0.5,
+                rendezvous_timeout_s=5,
+            ),
+            run_dir=tmp_path,
+            data_dir=tmp_path / "data",
+            secret_path=secret,
+        )
+    took = time.monotonic() - started
+    message = str(raised.value)
+    assert 5 < took < 60, took
+    job = message.split("(job ", 1)[1].split(",", 1)[0]
+    nodes = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "NodeList", "-j", job], capture_output=True, text=True)
+    silent = subprocess.run(["scontrol", "show", "hostnames", nodes.stdout.strip()], capture_output=True, text=True)
+    assert len(silent.stdout.split()) == 2, silent.stdout
+    assert f"the node agents on {', '.join(silent.stdout.split())} did not reach the controller at tcp://" in message
+    assert "within 5 s of the job's start (placement.rendezvous_timeout_s)" in message, message
+    assert "set placement.slurm.interface to the interface of the network they share with this host" in message
+    deadline = time.monotonic() + 30
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, f"job {job} still queued or running"
+        time.sleep(0.5)
+
+
 MEGATRON_PP2 = ["actor.strategy=megatron", "actor.pp=2", "actor.tp=1", "rollout.gen_tp=1"]
 
 

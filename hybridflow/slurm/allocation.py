@@ -78,7 +78,7 @@ class Allocation:
         self.shape = _shape(spec)
         self.owner: Path | None = None  # log folder of the group it is kept for (`keep`); None: any (`submit_early`)
         self.name, self.nodes = spec.name, spec.nodes
-        log_dir = Path(folder)
+        log_dir = self.folder = Path(folder)
         log_dir.mkdir(parents=True, exist_ok=True)
         secret = log_dir / "allocation.secret"  # its own: each controller session writes a new run secret
         secret.unlink(missing_ok=True)
@@ -122,6 +122,24 @@ class Allocation:
         """Whether every node's agent has said hello (reads what arrived)."""
         self._read()
         return len(self.agents) == self.nodes
+
+    def silent_agents(self, waited_s: float) -> str:
+        """Which nodes' agents have not said hello `waited_s` seconds after the job started running, the likely
+        causes and where their output is (for the group's error)."""
+        self._read()
+        nodes = cluster.job_nodes(self.job_id)
+        silent = [name for n, name in enumerate(nodes) if n not in self.agents] or [
+            f"node {n}" for n in range(self.nodes) if n not in self.agents
+        ]
+        host = self._endpoint.address.removeprefix("tcp://").rsplit(":", 1)[0]
+        return (
+            f"the node agents on {', '.join(silent)} did not reach the controller at {self._endpoint.address} within "
+            f"{waited_s:.0f} s of the job's start (placement.rendezvous_timeout_s): those nodes cannot reach this "
+            f"host's address {host} (set placement.slurm.interface to the interface of the network they share with "
+            "this host; `ip -4 addr` lists them), or the job's set-up lines (placement.slurm.setup) have not "
+            f"finished; the job's output: {self.folder / f'{self.job_id}_batch.err'}, "
+            f"{self.folder / f'{self.job_id}_node<N>_log.err'}"
+        )
 
     def launch(self, boot: Bootstrap, log_dir: Path) -> None:
         """Tell every agent to fork its node's ranks of `boot`, their logs in `log_dir` (`ready` must be true)."""

@@ -85,6 +85,18 @@ def job_fields(job_id: str) -> dict[str, str]:
     return dict(word.split("=", 1) for word in out.split() if "=" in word)
 
 
+def job_nodes(job_id: str) -> list[str]:
+    """The job's nodes in Slurm's order (node 0 first: ``SLURM_NODEID``), expanded from its ``NodeList``
+    (``hf-node[1-2]``); ``[]`` when slurmctld does not hold the job or scontrol fails."""
+    node_list = job_fields(job_id).get("NodeList", "")
+    if not node_list or node_list == "(null)":
+        return []
+    try:
+        return _run(["scontrol", "show", "hostnames", node_list]).split()
+    except SlurmCommandError:
+        return []
+
+
 @dataclass(frozen=True)
 class NodeState:
     """One node's state as ``sinfo`` prints it (``idle``, ``allocated``, ``draining``, ``down*``, ...) and the

@@ -89,9 +89,10 @@ class GroupSpec:
         backend: torch.distributed backend (``gloo`` on CPU, ``nccl`` on GPU).
         heartbeat_interval_s / heartbeat_timeout_s: how often ranks beat, and how long silence means dead.
         start_timeout_s: how long to wait for every rank's hello.
-        rendezvous_timeout_s: how long a rank waits to join torch.distributed's rendezvous, within the start: one
-            that cannot reach rank 0's store, or rank 0 missing some ranks, ends the start with an error naming them
-            (`hybridflow.slurm.rendezvous`).
+        rendezvous_timeout_s: how long the start waits for a Slurm job's node agents to say hello once the job
+            runs, and a rank to join torch.distributed's rendezvous: agents that never reach the controller, a rank
+            that cannot reach rank 0's store, or rank 0 missing some ranks end the start with an error naming them
+            (`Allocation.silent_agents`, `hybridflow.slurm.rendezvous`).
         call_timeout_s: limit for one method call (None: none). A rank whose process is alive but stuck (e.g. in a
             collective) still beats; this limit is what turns such a hang into an error.
         slurm_poll_s: how often a Slurm group's job and node states are polled while waiting (seconds).
@@ -275,11 +276,18 @@ class WorkerGroup:
 
     def _wait_for_hello(self) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
+        running_since: float | None = None  # a Slurm job's, while its agents have not all said hello
         while len(self.ranks) < self.spec.world_size:
-            if self._launch is not None and isinstance(self._job, Allocation) and self._job.ready():
-                self._job.launch(self._launch, self.log_dir)
-                self._launch = None
+            if self._launch is not None and isinstance(self._job, Allocation):
+                if self._job.ready():
+                    self._job.launch(self._launch, self.log_dir)
+                    self._launch = None
+                elif running_since is not None and time.monotonic() - running_since > self.spec.rendezvous_timeout_s:
+                    everyone = list(range(self.spec.world_size))
+                    raise self._error(self._job.silent_agents(self.spec.rendezvous_timeout_s), everyone)
             state = self._check_job_alive("starting")
+            if state == "RUNNING" and running_since is None:
+                running_since = time.monotonic()
             if state in ("PENDING", "CONFIGURING"):  # queue and node boot time: the cluster's business
                 deadline = time.monotonic() + self.spec.start_timeout_s
             if time.monotonic() > deadline:

@@ -703,9 +703,11 @@ class PlacementConfig(_Section):
     rendezvous_timeout_s: float = Field(
         120.0,
         gt=0,
-        description="how long a group's ranks wait to join torch.distributed's rendezvous when the group starts: a "
-        "rank that cannot reach rank 0's store (firewall, wrong placement.slurm.interface) or never joins ends the "
-        "start with an error naming its node, the address and the fix (torch's default: 30 minutes of silence)",
+        description="how long a group's start waits for each step of its rendezvous: a Slurm job's node agents "
+        "reaching the controller once the job runs, and the ranks joining torch.distributed's store. Nodes that "
+        "cannot reach the controller or rank 0's store (firewall, wrong placement.slurm.interface), or a rank that "
+        "never joins, end the start with an error naming the nodes, the address and the fix (torch's default: 30 "
+        "minutes of silence)",
     )
 
     @model_validator(mode="before")

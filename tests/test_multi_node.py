@@ -42,7 +42,9 @@ def test_the_multi_partitions_nodes_are_hosts_of_their_own(slurm_cluster):
 
 def test_a_worker_group_across_two_nodes_listens_on_each_nodes_address(slurm_cluster, tmp_path):
     """A group of 2 nodes x 1 rank in partition ``multi``: one rank per host, each listening on the address of its own
-    node (rank 0's rendezvous store and the weight broadcast's listeners bind it), gloo across them."""
+    node only (rank 0's rendezvous store, gloo's pairs; never every interface), gloo across them. The controller's
+    channel drops forged messages sent from the third node (the run's secret signs every message), and the group
+    still answers; once the group has ended, no port of its ranks is open."""
     secret = tmp_path / "secret"
     create_secret(secret)
     group = WorkerGroup(
@@ -68,8 +70,54 @@ def test_a_worker_group_across_two_nodes_listens_on_each_nodes_address(slurm_clu
         assert [v["address"] for v in views] == [socket.gethostbyname(h) for h in hosts]
         assert len({v["address"] for v in views}) == 2  # not one shared loopback address
         assert group.all_reduce(2.0) == pytest.approx(2.0 * 1 + 2.0 * 2)  # gloo between the two nodes
+        listening = {pid: _listening(pid) for pid in group.pids}
+        for pid, view in zip(group.pids, views, strict=True):
+            assert listening[pid] and {address for address, _ in listening[pid]} == {view["address"]}, listening
+        ports = [(address, port) for pid in group.pids for address, port in listening[pid]]
+
+        third = ({"hf-node1", "hf-node2", "hf-node3"} - set(hosts)).pop()
+        before = group._endpoint.signer.dropped
+        _send_forged(third, group._endpoint.address, "across/rank-0", count=20)
+        assert group.all_reduce(1.0) == pytest.approx(3.0)  # the channel read past them; the group answers
+        assert group._endpoint.signer.dropped - before == 20
     finally:
         group.shutdown()
+    for address, port in ports:  # the store's and gloo's listeners are gone with the ranks
+        with pytest.raises(ConnectionRefusedError), socket.create_connection((address, port), timeout=5):
+            pass
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on."""
+    import psutil
+
+    return [
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+
+
+def _send_forged(node: str, address: str, claimed: str, count: int) -> None:
+    """From a job step on `node`: `count` messages to the controller channel at `address`, claiming to come from
+    `claimed` (a rank of the group), each a well-formed call result signed with a guessed key."""
+    script = (
+        "import sys, time, zmq\n"
+        "from hybridflow.slurm.channel import Signer\n"
+        "sock = zmq.Context.instance().socket(zmq.DEALER)\n"
+        "sock.setsockopt(zmq.IDENTITY, b'rogue')\n"
+        "sock.setsockopt(zmq.LINGER, 5000)\n"
+        "sock.connect(sys.argv[1])\n"
+        "forger = Signer(b'a guessed key')\n"
+        f"for i in range({count}):\n"
+        "    sock.send_multipart(forger.pack({'type': 'result', 'id': str(i), 'rank': 0, 'from': sys.argv[2]}))\n"
+        "sock.close()\n"
+    )
+    sent = subprocess.run(
+        ["srun", "-p", "multi", "-w", node, "-t", "1", sys.executable, "-c", script, address, claimed],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
 
 
 def test_a_group_whose_folder_its_nodes_cannot_see_ends_at_once_naming_the_node_and_the_fix(slurm_cluster):

@@ -174,11 +174,14 @@ def predict(
 ) -> Candidate:
     """The cost model's estimate of the run config `cfg` on its own placement: seconds per stage and iteration
     (``Candidate.stage_s``, ``seconds``, without ``profile.stage_overhead_s`` outside the models' stages). Lengths
-    in tokens: the longest and mean prompt and response (`Workload.from_config`)."""
+    in tokens: the longest and mean prompt and response (`Workload.from_config`). The cluster: `gpus_per_node`
+    devices per node (default: the most ranks a pool places on one node, ``tasks_per_node``), as many nodes as the
+    largest pool spans (a pool of ``nodes`` > 1 pays the inter-node bandwidth)."""
     placement, devices, strategies = run_mapping(cfg)
     workload = Workload.from_config(cfg, prompt_length, response_length, prompt_mean, response_mean)
-    per_node = gpus_per_node or max(devices)
-    planner = Planner(run_models(cfg), workload, profile, 1, per_node, "all", cfg.placement.concurrent)
+    per_node = gpus_per_node or max(pool.tasks_per_node for pool in cfg.pools().values())
+    nodes = max(math.ceil(count / per_node) for count in devices)
+    planner = Planner(run_models(cfg), workload, profile, nodes, per_node, "all", cfg.placement.concurrent)
     return planner.estimate_mapping(placement, devices, strategies)
 
 

@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import start_dev_cluster
 
 SCRIPT = Path(__file__).resolve().parent.parent / "hybridflow" / "slurm" / "dev_cluster.sh"
@@ -49,3 +50,13 @@ def test_start_from_stopped_returns_through_pipes(slurm_cluster):
     assert state and state[0] in ("idle", "mixed", "allocated")
     queue = subprocess.run(["sacct", "-n", "-X", "-o", "JobID"], capture_output=True, text=True)
     assert queue.returncode == 0, f"accounting (slurmdbd + MariaDB) does not answer: {queue.stderr}"
+
+
+def test_the_slurm_tests_run_in_one_xdist_group(request, slurm_cluster):
+    """Under pytest-xdist (the README's test command), every test on the cluster is in the group ``slurm`` (tests/
+    conftest.py), which runs in one worker, one test after another: two at once would queue each other's jobs, and
+    some drain the node or preempt its jobs. The group shows in the test's id; a pytest that drops it (9.2 with
+    pytest-xdist 3.8) ran them two at once."""
+    if not hasattr(request.config, "workerinput"):
+        pytest.skip("not under pytest-xdist (-n 0)")
+    assert request.node.nodeid.endswith("@slurm"), request.node.nodeid

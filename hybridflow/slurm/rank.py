@@ -162,7 +162,7 @@ def _init_distributed(boot: Bootstrap, controller_host: str, conn: WorkerConnect
 def _node_of(env: submitit.JobEnvironment) -> Callable[[int], str]:
     """Rank -> the name of its node: the job's node list in Slurm's block order (a node's ranks are consecutive, as
     `hybridflow.slurm.node_agent` numbers them); this host's name for a local group."""
-    hosts = list(env.hostnames) if env.num_nodes > 1 else [socket.gethostname()]
+    hosts = (list(env.hostnames) if env.num_nodes > 1 else []) or [socket.gethostname()]
     per_node = max(1, env.num_tasks // len(hosts))
     return lambda rank: hosts[min(rank // per_node, len(hosts) - 1)]
 

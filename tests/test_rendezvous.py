@@ -96,7 +96,8 @@ def test_rank_0_names_the_ranks_that_never_joined_and_their_nodes(tmp_path):
 
 
 def test_a_world_that_joins_in_time_gets_a_working_store(tmp_path):
-    """Both ranks join; each sees the other's mark (the store init_process_group then uses)."""
+    """Both ranks join; each sees the other's mark (the store init_process_group then uses), whose later waits
+    have the longer timeout."""
     listen_fd, port = rendezvous.listen("127.0.0.1", 2)
     rank_1 = subprocess.Popen(
         [
@@ -109,4 +110,5 @@ def test_a_world_that_joins_in_time_gets_a_working_store(tmp_path):
     )
     store = rendezvous.join("127.0.0.1", port, 0, 2, str, timeout_s=30.0, listen_fd=listen_fd)
     assert store.get("hybridflow/joined/1") == b"1"
+    assert store.timeout == rendezvous.AFTER_JOINING  # later waits are not the rendezvous' bound
     assert rank_1.wait(timeout=60) == 0

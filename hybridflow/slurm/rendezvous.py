@@ -22,6 +22,10 @@ from typing import Any
 JOINED_KEY = "hybridflow/joined/{rank}"
 """The store key a rank sets once it has joined (its value: the rank's node)."""
 
+AFTER_JOINING = timedelta(minutes=5)
+"""The store's timeout once every rank has joined: its later waits (NCCL's communicators of a new group, made at
+their first collective) may rightly wait for a rank still busy, e.g. loading a large checkpoint."""
+
 
 class RendezvousError(RuntimeError):
     """A rank could not join its group's rendezvous within the time limit (the message says which, where, why)."""
@@ -65,8 +69,9 @@ def join(
     listen_fd: int | None = None,
 ) -> Any:
     """Connect rank `rank` of `world_size` to the store at `address`:`port` (rank 0 serves it on `listen_fd`, from
-    `listen`), mark it joined, and on rank 0 wait until every rank has. Returns the `torch.distributed.TCPStore`
-    (its operations time out after `timeout_s` seconds too), ready for ``init_process_group(store=...)``.
+    `listen`), mark it joined, and on rank 0 wait until every rank has. Returns the `torch.distributed.TCPStore`,
+    ready for ``init_process_group(store=...)``, its later operations timing out after `AFTER_JOINING` (or
+    `timeout_s` if longer).
 
     `node_of(r)` names the node of rank r (for the messages).
 
@@ -94,6 +99,7 @@ def join(
     store.set(JOINED_KEY.format(rank=rank), node_of(rank))
     if rank == 0:
         _wait_for_everyone(store, world_size, node_of, timeout_s, f"{address}:{port}")
+    store.set_timeout(max(timeout, AFTER_JOINING))
     return store
 
 

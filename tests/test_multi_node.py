@@ -331,8 +331,10 @@ def _lose_a_node_mid_run(hf_run, db: str, expected: dict) -> None:
             started = subprocess.run(["bash", str(ROOT / "hybridflow" / "slurm" / "dev_cluster.sh"), "start"],
                                      capture_output=True, text=True, timeout=300)  # fmt: skip
             assert started.returncode == 0, started.stdout + started.stderr
-    (recovery,) = store.recoveries(run_id)  # the job ended with the node: both ranks lost, and which node says why
-    assert recovery.step == 3 and sorted(recovery.nodes) == sorted(first.hosts), recovery
+    # one recovery, naming the lost node: either the job ended with it (NODE_FAIL: both ranks lost) or, when sinfo
+    # shows the node down before the job has ended, the ranks on that node (the job then cancelled)
+    (recovery,) = store.recoveries(run_id)
+    assert recovery.step == 3 and lost in recovery.nodes and set(recovery.nodes) <= set(first.hosts), recovery
     assert f"node {lost} is down" in recovery.cause and "reason: lost" in recovery.cause, recovery.cause
     relaunched = store.placements(run_id)[-1]
     assert relaunched.slurm_job_id != first.slurm_job_id and lost not in relaunched.hosts, relaunched

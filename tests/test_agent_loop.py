@@ -239,8 +239,8 @@ class Spy:
         return getattr(self.engine, name)
 
     @contextlib.contextmanager
-    def token_engine(self, temperature):
-        with self.engine.token_engine(temperature) as serve:
+    def token_engine(self, temperature, stream="train"):
+        with self.engine.token_engine(temperature, stream) as serve:
 
             def spied(requests):
                 answers = serve(requests)

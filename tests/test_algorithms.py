@@ -25,6 +25,8 @@ VARIANTS = {
     "remax": ("remax", ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=10"]),
     "gspo": ("grpo", ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]),
     "cispo": ("grpo", ["actor.policy_loss.loss_mode=cispo"]),
+    "gpg": ("gpg", ["actor.policy_loss.loss_mode=gpg"]),
+    "gmpo": ("grpo", ["actor.policy_loss.loss_mode=geo_mean", "actor.clip_ratio_low=0.4", "actor.clip_ratio_high=0.4"]),
     "clip_cov": ("grpo", ["actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ratio=0.2"]),
     "kl_cov": ("grpo", ["actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=0.2"]),
     "token_sum_k3plus": ("grpo", ["actor.loss_agg_mode=token-sum", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+"]),
@@ -70,6 +72,12 @@ def test_the_same_rollout_gives_each_estimator_its_own_advantages(first_steps):
     estimators = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
     seen = [round(first_steps[name][0]["critic/advantages/max"], 6) for name in estimators]
     assert len(set(seen)) == len(seen), dict(zip(estimators, seen, strict=True))
+    # GPG centres on the group mean as Dr. GRPO does, scaled by B / (non-zero scores) > 1 when some score is 0
+    gpg, dr_grpo_max = (
+        first_steps["gpg"][0]["critic/advantages/max"],
+        first_steps["dr_grpo"][0]["critic/advantages/max"],
+    )
+    assert gpg > dr_grpo_max > 0
     # OPO's baseline is the length-weighted group mean: Dr. GRPO's plain mean when a group's lengths are equal
     opo, dr_grpo = first_steps["opo"][0], first_steps["dr_grpo"][0]
     same_lengths = opo["response_length/min"] == opo["response_length/max"]
@@ -78,10 +86,15 @@ def test_the_same_rollout_gives_each_estimator_its_own_advantages(first_steps):
 
 
 def test_the_same_advantages_give_each_policy_loss_its_own_value(first_steps):
-    grpo, gspo, cispo = (first_steps[name][0] for name in ("grpo", "gspo", "cispo"))
-    assert grpo["critic/advantages/max"] == gspo["critic/advantages/max"] == cispo["critic/advantages/max"]
-    losses = [grpo["actor/pg_loss"], gspo["actor/pg_loss"], cispo["actor/pg_loss"]]
+    names = ("grpo", "gspo", "cispo", "gmpo")
+    assert len({first_steps[name][0]["critic/advantages/max"] for name in names}) == 1
+    losses = [first_steps[name][0]["actor/pg_loss"] for name in names[:3]]
     assert len({round(x, 6) for x in losses}) == 3, losses
+    # on-policy (every ratio 1) GMPO's loss is GSPO's with seq-mean-token-mean: minus each response's mean advantage,
+    # averaged over responses; their gradients differ (GMPO clips each token's ratio, GSPO the sequence's)
+    gmpo, gspo = first_steps["gmpo"][0]["actor/pg_loss"], first_steps["gspo"][0]["actor/pg_loss"]
+    assert gmpo == pytest.approx(gspo, abs=1e-6) and gmpo != pytest.approx(losses[0], abs=1e-6)
+    grpo = first_steps["grpo"][0]
     # token-sum sums where token-mean averages: the gradient grows with the mini-batch's token count (dozens here)
     summed = first_steps["token_sum_k3plus"][0]
     assert summed["actor/grad_norm"] > 5 * grpo["actor/grad_norm"]

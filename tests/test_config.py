@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.engine.config import ConfigError, HybridFlowConfig, load_config, validate_config
+from hybridflow.engine.extensions import engine_tp
 
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 MINIMAL = ["data.reasoning_gym.name=basic_arithmetic"]
@@ -80,7 +81,7 @@ def test_group_estimators_need_several_samples():
 def test_estimators_and_policy_losses_come_from_their_registries():
     with pytest.raises(ConfigError, match=r"algorithm.adv_estimator.*'ppo2'.*registered.*'reinforce_plus_plus'"):
         load_config(None, [*MINIMAL, "algorithm.adv_estimator=ppo2"])
-    registered = r"registered.*'cispo', 'clip_cov', 'gspo', 'kl_cov'"
+    registered = r"registered.*'cispo', 'clip_cov', 'geo_mean', 'gpg', 'gspo', 'kl_cov'"
     with pytest.raises(ConfigError, match=rf"actor.policy_loss.loss_mode.*'gpsO'.*{registered}"):
         load_config(None, [*MINIMAL, "actor.policy_loss.loss_mode=gpsO"])
     cfg = load_config(None, [*MINIMAL, "actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-sum"])
@@ -144,8 +145,10 @@ def test_parallel_layout_keys_are_checked_and_give_the_layout():
         load_config(None, [*megatron, "actor.tp=4", "rollout.gen_tp=3"])
     with pytest.raises(ConfigError, match=r"rollout.gen_pp > 1 .* set rollout.gen_pp=1"):
         load_config(None, [*megatron, "actor.pp=2", "rollout.gen_pp=2"])
-    with pytest.raises(ConfigError, match=r"feeds the vllm rollout .* without tensor parallelism .* rollout.gen_tp=1"):
-        load_config(None, [*megatron, "actor.tp=2", "rollout.name=vllm"])
+    # vLLM beside megatron: an engine tensor-parallel over rollout.gen_tp (default actor.tp) ranks, fed whole
+    # replicas by the 3D-HybridEngine (its generation layout t_g = 1)
+    vllm_tp = load_config(None, [*megatron, "actor.tp=2", "rollout.name=vllm"])
+    assert engine_tp(vllm_tp) == 2 and vllm_tp.actor_layout().t_g == 1
     assert load_config(None, [*megatron, "actor.tp=2", "rollout.name=auto"]).rollout.name == "hf"
     assert load_config(None, [*megatron, "actor.tp=2", "rollout.gen_tp=1", "rollout.name=vllm"]).actor.tp == 2
     with pytest.raises(ConfigError, match=r"set actor.entropy_coeff=0"):
@@ -156,6 +159,21 @@ def test_parallel_layout_keys_are_checked_and_give_the_layout():
         load_config(None, [*fsdp, "actor.tp=2", "rollout.gen_tp=1"])
     with pytest.raises(ConfigError, match=r"4 ranks .* not a multiple of actor.tp = 3"):
         load_config(None, [*fsdp, "actor.tp=3"])
+    # vLLM tensor-parallel beside fsdp (verl's layout): blocks of gen_tp ranks, the actor itself data parallel
+    vllm_fsdp = load_config(None, [*fsdp, "rollout.name=vllm", "rollout.gen_tp=2"])
+    assert engine_tp(vllm_fsdp) == 2 and vllm_fsdp.actor_layout().t_g == 1
+    with pytest.raises(ConfigError, match=r"trains with tensor parallelism .* \(or set rollout.name=vllm"):
+        load_config(None, [*fsdp, "rollout.gen_tp=2"])  # transformers cannot split generation over ranks
+    with pytest.raises(ConfigError, match=r"4 ranks .* not a multiple of rollout.gen_tp = 3"):
+        load_config(None, [*fsdp, "rollout.name=vllm", "rollout.gen_tp=3"])
+    with pytest.raises(ConfigError, match=r"needs actor.tp=1, actor.pp=1"):
+        load_config(None, [*fsdp, "rollout.name=vllm", "rollout.gen_tp=4", "actor.tp=2"])
+    single_turn_loops = ["rollout.multi_turn.enable=true", "rollout.multi_turn.default_agent_loop=single_turn"]
+    with pytest.raises(ConfigError, match=r"agent loops do not run on a tensor-parallel engine yet"):
+        load_config(None, [*fsdp, "rollout.name=vllm", "rollout.gen_tp=2", *single_turn_loops])
+    apart = ['placement.pools={"a": {"roles": ["actor", "ref", "reward"]}, "g": {"roles": ["rollout"]}}']
+    with pytest.raises(ConfigError, match=r"rollout pool of its own generate without tensor parallelism"):
+        load_config(None, [*fsdp, *apart, "rollout.name=vllm", "rollout.gen_tp=2"])
     with pytest.raises(ConfigError, match=r"critic.strategy=megatron runs in the megatron actor's processes"):
         load_config(None, [*MINIMAL, "critic.strategy=megatron"])
     # the mini-batch splits over the actor's data-parallel replicas (8 ranks / (tp 2 x pp 2) = 2), not all ranks

@@ -321,7 +321,7 @@ def test_registry_uniform_calling_convention():
 
 
 def test_registry_errors():
-    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*'gae', 'grpo', 'opo'.*'rloo'"):
+    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*'gae', 'gpg', 'grpo', 'opo'.*'rloo'"):
         estimators.get_adv_estimator_fn("ppo2")
     with pytest.raises(ValueError, match=r"needs \['values'\]"):
         estimators.get_adv_estimator_fn("gae")(torch.zeros(2, 2), torch.ones(2, 2))
@@ -928,6 +928,56 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens_weighted_by_the_clipped_rati
     assert float(clipfrac) == 0.5 and float(lower) == 0.0
     vanilla_grad = torch.autograd.grad(losses.compute_policy_loss(old, log_prob, adv, mask, 0.2, 0.28)[0], log_prob)[0]
     assert vanilla_grad[0, 0] == 0 and log_prob.grad[0, 0] != 0
+
+
+def test_gpg_advantage_is_the_group_centred_score_scaled_by_the_share_of_non_zero_scores():
+    # groups a: scores 1, 0, 1 (mean 2/3); b: 0 alone (mean 0); c: 1, 1 (mean 1); 4 of 6 scores non-zero: alpha 1.5
+    rewards = torch.zeros(6, 3)
+    rewards[[0, 2, 4, 5], 1] = 1.0
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0]])
+    advantages, returns = estimators.get_adv_estimator_fn("gpg")(rewards, mask, index=["a", "a", "a", "b", "c", "c"])
+    per_row = 1.5 * torch.tensor([1 - 2 / 3, 0 - 2 / 3, 1 - 2 / 3, 0.0, 0.0, 0.0])
+    assert_close(advantages, per_row.unsqueeze(-1) * mask)
+    assert torch.equal(advantages, returns) and estimators.uses_groups("gpg")
+    none, _ = estimators.get_adv_estimator_fn("gpg")(torch.zeros(2, 3), mask[:2], index=["a", "a"])
+    assert not none.any()  # no non-zero score: alpha = B / 1, times centred zeros
+
+
+def test_gpg_loss_is_the_plain_policy_gradient():
+    old = torch.zeros(2, 3)
+    log_prob = torch.tensor([[-0.5, -1.0, -9.0], [-2.0, -0.1, -0.3]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, clipfrac, ppo_kl, lower = losses.get_policy_loss_fn("gpg")(old, log_prob, adv, mask, 0.2, 0.28)
+    # token-mean over 5 tokens of -A * log_prob
+    assert math.isclose(float(loss), (0.5 + 1.0 - 4.0 - 0.2 - 0.6) / 5, rel_tol=1e-6)
+    loss.backward()
+    assert_close(log_prob.grad, -adv * mask / 5)  # no ratio, no clip: every token keeps -A / N
+    assert float(clipfrac) == float(lower) == 0.0
+    assert math.isclose(float(ppo_kl), (0.5 + 1.0 + 2.0 + 0.1 + 0.3) / 5, rel_tol=1e-6)
+
+
+def test_gmpo_is_the_geometric_mean_of_sign_aware_clipped_ratios_times_the_sequence_advantage():
+    old = torch.zeros(2, 3)
+    # sequence 0 (A > 0): log-ratios 0.1, 0.9 (above the 0.4 clip: taken at 0.4, no gradient), padding 7.0
+    # sequence 1 (A < 0): log-ratios -0.9 (below -0.4: with s = -1, c = -min(-l, -clamp(l)) = max(l, clamp(l)),
+    # taken at -0.4, no gradient), 0.2, 0.3
+    log_prob = torch.tensor([[0.1, 0.9, 7.0], [-0.9, 0.2, 0.3]], requires_grad=True)
+    adv = torch.tensor([[2.0, 2.0, 2.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, clipfrac, ppo_kl, lower = losses.get_policy_loss_fn("geo_mean")(
+        old, log_prob, adv, mask, 0.4, 0.4, loss_agg_mode="token-mean"
+    )
+    r0, r1 = math.exp((0.1 + 0.4) / 2), math.exp((-0.4 + 0.2 + 0.3) / 3)
+    assert math.isclose(float(loss), (-2.0 * r0 + 1.0 * r1) / 2, rel_tol=1e-6)  # a mean over the 2 sequences
+    loss.backward()
+    want = torch.tensor([[-2.0 * r0 / 2 / 2, 0.0, 0.0], [0.0, r1 / 3 / 2, r1 / 3 / 2]])
+    assert_close(log_prob.grad, want, atol=1e-6, rtol=0)  # the clipped tokens pass no gradient
+    assert math.isclose(float(clipfrac), 1 / 5, rel_tol=1e-6) and math.isclose(float(lower), 1 / 5, rel_tol=1e-6)
+    assert math.isclose(float(ppo_kl), -(0.1 + 0.9 - 0.9 + 0.2 + 0.3) / 5, rel_tol=1e-6)
+    # whatever actor.loss_agg_mode, an update combines GMPO's micro-batches by sequences
+    assert losses.update_agg_mode("token-mean", "geo_mean") == "seq-mean-token-mean"
+    assert losses.update_agg_mode("token-mean", "vanilla") == "token-mean"
 
 
 @pytest.mark.parametrize("kind", ["k1", "kl", "abs", "k3", "low_var_kl"])

@@ -214,6 +214,21 @@ def test_top_k_1_sampling_equals_greedy(sharpened_dir, tokenizer):
     assert not torch.equal(rollout.generate_sequences(prompts).batch["responses"], expected.repeat_interleave(2, 0))
 
 
+def test_validation_samples_with_its_own_top_k_and_top_p(sharpened_dir, tokenizer):
+    """``rollout.val_top_k`` / ``val_top_p`` (verl's ``val_kwargs.top_k`` / ``top_p``) filter the validation streams
+    only: top-k 1 on validation makes its sampling greedy while training's streams still sample, and the reverse."""
+    model = load_model(sharpened_dir)
+    prompts = prompt_batch(tokenizer, QUESTIONS)
+    expected = greedy(model, tokenizer, prompts, 8).batch["responses"].repeat_interleave(2, dim=0)
+    for train_k, val_k in ((0, 1), (1, 0)):
+        config = RolloutConfig(n=2, response_length=8, micro_batch_size=8, top_k=train_k, val_top_k=val_k)
+        rollout = HFRollout(model, tokenizer, config, seed=1)
+        outputs = {s: rollout.generate_sequences(prompts, temperature=1.0, stream=s) for s in ("train", "val-0")}
+        greedy_streams = {s for s, out in outputs.items() if torch.equal(out.batch["responses"], expected)}
+        assert greedy_streams == ({"val-0"} if val_k == 1 else {"train"}), (train_k, val_k)
+    assert RolloutConfig(top_p=0.9, val_top_p=0.7).filters("val") == (0, 0.7)
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_training_mode_restored(tiny_model_dir, tokenizer, training):
     model = load_model(tiny_model_dir)

@@ -409,6 +409,33 @@ def test_warmup_lr_schedule(tiny_model_dir, rollout_batch):
     assert reported == pytest.approx(expected, rel=1e-9)
 
 
+def test_warmup_by_iterations_is_verls_schedule_whatever_the_steps_per_iteration(tiny_model_dir, rollout_batch):
+    """``optim.warmup_iterations`` (verl's ``lr_warmup_steps``): iteration i (from 0, ``global_steps`` i + 1) trains
+    every one of its optimizer steps at lr x min(1, i / w), verl's constant schedule with warm-up stepped once per
+    update; the first iteration does not move the weights (lr 0), and an iteration given out of order (a resumed
+    run's) gets its own rate."""
+    lr, warmup = 1e-3, 4
+    actor = make_actor(
+        tiny_model_dir,
+        ppo_mini_batch_size=2,  # two optimizer steps per update
+        ppo_micro_batch_size=8,
+        optim=OptimConfig(lr=lr, warmup_iterations=warmup, weight_decay=0.0),
+    )
+    data = with_old_log_probs(actor, rollout_batch)
+    before = params(actor.model)
+    rates = []
+    for step in (1, 2, 3, 4, 5, 6, 3):
+        data.meta_info["global_steps"] = step
+        rates.append(actor.update_policy(data)["actor/lr"])
+        if step == 1:
+            assert max_change(actor.model, before) == 0.0  # trained at lr 0
+    expected = [lr * min(1.0, i / warmup) for i in (0, 1, 2, 3, 4, 5, 2)]
+    assert rates == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert actor.lr_scheduler.last_epoch == 14  # two optimizer steps per update, as taken
+    with pytest.raises(ValueError, match="two warm-ups"):
+        OptimConfig(warmup_steps=2, warmup_iterations=2)
+
+
 def test_kl_loss_on_policy_and_missing_ref(tiny_model_dir, rollout_batch):
     actor = make_actor(
         tiny_model_dir,

@@ -159,6 +159,43 @@ def test_a_verl_grpo_script_runs_with_hf_verl_and_trains_what_the_native_config_
     assert from_verl[(2, "actor/kl_loss")] != 0.0  # the run trained: the policy left the reference
 
 
+def test_a_verl_grpo_script_with_vllm_tensor_parallel_beside_fsdp_trains_end_to_end(prefect_api, tmp_path):
+    """The same script as verl's 7B runs set it: ``rollout.name=vllm`` with ``rollout.tensor_model_parallel_size=2``
+    beside the FSDP actor, on 2 ranks: one vLLM engine over both (vLLM's SPMD mode), fed the actor's whole weights
+    after every update. The run completes, the placement records the engine's layout, every weight sync passes its
+    probe, the engine's log-probs stay those of the actor, and the policy trains."""
+    from hybridflow.engine.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny128", hidden_size=128, head_dim=32)  # 4 heads of 32: split in 2
+    script = [
+        arg
+        for arg in _verl_grpo(tmp_path, model)
+        if not arg.startswith(("actor_rollout_ref.rollout.name=", "actor_rollout_ref.rollout.tensor_model_parallel"))
+        and not arg.startswith("trainer.n_gpus_per_node=")
+    ]
+    script += [
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "trainer.n_gpus_per_node=2",
+    ]
+    ours = ["-o", "trainer.num_threads=1", "-o", f"trainer.output_dir={tmp_path / 'out'}"]
+    db = f"sqlite:///{tmp_path / 'verl.db'}"
+    verl = _hf("verl", *script, *ours, "-o", "rollout.vllm_kv_cache_gb=0.25", "--db", db, "--prefect-api", prefect_api)
+    assert verl.returncode == 0, verl.stdout + verl.stderr
+    store = RunStore(db)
+    (run,) = store.list_runs()
+    assert run.status == "completed"
+    (actor,) = [p for p in store.placements(run.id) if p.role == "actor"]
+    assert actor.parallel["engine"] == {"engine_tp": 2, "replicas": 1}, actor.parallel
+    metrics = {(m.step, m.name): m.value for m in store.metrics(run.id)}
+    assert {step for step, name in metrics if name == "actor/pg_loss"} == {1, 2}
+    probes = [v for (_, name), v in metrics.items() if name == "rollout/weight_probe_diff"]
+    assert probes and max(probes) < 1e-4, probes
+    assert metrics[(2, "rollout/log_prob_diff_mean")] < 1e-3  # the engine samples from the actor's distribution
+    assert metrics[(2, "actor/kl_loss")] != 0.0  # the run trained: the policy left the reference
+
+
 def test_unsupported_verl_keys_are_refused_with_the_nearest_one_before_anything_runs(tmp_path, tiny_model_dir):
     """A misspelt key, an engine that is not here and a value that would change the computation: one message
     names each (with the nearest supported key), exit 2, no run recorded; --dry-run prints the resolved config."""
@@ -190,6 +227,76 @@ def test_unsupported_verl_keys_are_refused_with_the_nearest_one_before_anything_
     assert resolved["actor"]["shuffle"] is False and resolved["trainer"]["total_iterations"] == 2  # verl's defaults
     assert resolved["reward"]["custom_function"] == write_reward(tmp_path)
     assert not db.exists()
+
+
+def test_the_keys_of_verls_7b_and_megatron_scripts_translate_or_are_refused_naming_what_to_do():
+    """Keys verl's example scripts use beyond the first ten (issue 53): the ones that change the computation are
+    translated to what computes it here, memory-only ones are accepted as no effect, and what is not implemented
+    (mixture-of-experts and context parallelism, validation sampling with do_sample off above temperature 0, an
+    overlong buffer ending elsewhere than the response length) is refused with the fix."""
+    arr = "actor_rollout_ref"
+    script = [
+        "trainer.total_training_steps=50",
+        "data.max_response_length=1024",
+        f"{arr}.actor.optim.lr_warmup_steps_ratio=0.1",  # verl: int(0.1 x 50) iterations of warm-up
+        "critic.optim.lr_warmup_steps_ratio=0.05",
+        f"{arr}.rollout.tensor_model_parallel_size=2",
+        f"{arr}.rollout.val_kwargs.top_p=0.7",
+        f"{arr}.rollout.val_kwargs.top_k=-1",
+        f"{arr}.rollout.val_kwargs.temperature=1.0",
+        f"{arr}.rollout.val_kwargs.do_sample=True",
+        f"{arr}.actor.policy_loss.loss_mode=geo_mean",
+        "algorithm.adv_estimator=gpg",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len=256",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+        "reward_model.reward_kwargs.max_resp_len=1024",
+        f"{arr}.model.lora.rank=32",
+        f"{arr}.model.lora.alpha=64",
+        f"{arr}.model.lora.target_modules=[linear_qkv,linear_fc1]",
+        f"{arr}.actor.megatron.param_offload=True",
+        f"{arr}.actor.megatron.use_mbridge=True",
+        f"+{arr}.actor.megatron.override_transformer_config.recompute_granularity=full",
+        f"+{arr}.actor.megatron.override_transformer_config.apply_rope_fusion=True",
+        f"{arr}.actor.megatron.expert_model_parallel_size=1",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=2.0",
+    ]
+    translation = translate(script)
+    ours = dict(o.split("=", 1) for o in translation.overrides)
+    expected = {
+        "actor.optim.warmup_iterations": "5",
+        "critic.optim.warmup_iterations": "2",
+        "rollout.gen_tp": "2",
+        "rollout.val_top_p": "0.7",
+        "rollout.val_top_k": "0",
+        "rollout.val_temperature": "1.0",
+        "actor.policy_loss.loss_mode": "geo_mean",
+        "algorithm.adv_estimator": "gpg",
+        "reward.overlong_buffer.enable": "true",
+        "reward.overlong_buffer.len": "256",
+        "reward.overlong_buffer.penalty": "0.5",
+        "model.lora_rank": "32",
+        "model.target_modules": "[q_proj, k_proj, v_proj, gate_proj, up_proj]",
+        "algorithm.rollout_correction.rollout_is": "token",
+    }
+    assert {k: ours.get(k) for k in expected} == expected
+    said = {key for key, _ in translation.no_effect}
+    assert f"{arr}.actor.megatron.param_offload" in said and f"{arr}.actor.megatron.use_mbridge" in said
+    assert f"{arr}.actor.megatron.override_transformer_config.recompute_granularity" in said
+
+    refused = {
+        f"{arr}.actor.megatron.expert_model_parallel_size=8": "mixture-of-experts parallelism",
+        f"+{arr}.actor.megatron.override_transformer_config.moe_router_dtype=fp32": "train a dense model",
+        f"{arr}.actor.megatron.context_parallel_size=2": "context parallelism is not implemented",
+        f"{arr}.actor.ulysses_sequence_parallel_size=2": "split the model with tensor parallelism instead",
+        "reward_model.reward_kwargs.max_resp_len=512": "the overlong buffer ends at data.max_response_length",
+        f"{arr}.rollout.val_kwargs.do_sample=False": "validation is greedy exactly when the temperature is 0",
+        f"{arr}.actor.megatron.use_dist_checkpointing=True": "convert it to a Hugging Face folder",
+    }
+    for key_value, why in refused.items():
+        with pytest.raises(ConfigError, match=why):
+            translate([*script, key_value])
 
 
 def test_a_config_shown_as_verl_translates_back_to_itself(tmp_path, tiny_model_dir):

@@ -249,55 +249,117 @@ def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):
     assert min(synced) >= 4 * actor["params"]  # the state dict: a tied embedding is streamed under both its names
 
 
+UPDATED = ["rollout.name=vllm", "rollout.vllm_kv_cache_gb=0.25", "rollout.vllm_dtype=float32",
+           "trainer.num_threads=1", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2"]  # fmt: skip
+"""The vLLM rollout of the groups that take a PPO update (`_actor_rollout_group`): fp32, a small cache, a large lr."""
+
+
+def _actor_rollout_group(tmp_path, model_dir, name: str, overrides: list[str]):
+    """An initialised worker group hosting the actor and its vLLM rollout, on the ranks `overrides` ask for."""
+    from tiny_runs import tiny_run_config
+
+    from hybridflow.flows.groups import WORKER_CLS
+    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+
+    cfg = tiny_run_config(tmp_path, model_dir, "grpo", overrides)
+    group = WorkerGroup(
+        GroupSpec(name=f"vllm_{name}", worker_cls=WORKER_CLS, tasks_per_node=cfg.placement.world_size),
+        run_dir=tmp_path,
+        data_dir=tmp_path / "data",
+        secret_path=tmp_path / "secret",
+        worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["actor", "rollout"]},
+    )
+    group.init_model()
+    return group
+
+
+def _ppo_batch(group, prompts, tmp_path):
+    """A handle of `group`'s samples of `prompts`, their log-probs under its actor and fixed random advantages."""
+    from hybridflow.slurm.handles import DataHandle
+
+    rollout = group.generate_sequences(prompts)
+    mask = rollout.select(["response_mask"]).load().batch["response_mask"]
+    advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    return rollout.union(group.compute_log_prob(rollout)).union(
+        DataHandle.put(DataProto.from_dict({"advantages": advantages}), tmp_path / "data")
+    )
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("megatron.core") is None and os.environ.get("CI") != "true",
     reason="megatron-core is not installed (bash .ci/setup installs it)",
 )
 def test_megatron_actor_feeds_vllm_from_its_generation_shards(tmp_path):
-    """``actor.strategy=megatron`` (tp=2 on 2 ranks) with ``rollout.name=vllm`` at ``rollout.gen_tp=1``: after a PPO
-    update on both, every rank's engine, synced from the 3D-HybridEngine's generation shards, passes its probe
-    and generates greedily what the ``ddp`` actor's engine generates."""
-    from tiny_runs import tiny_run_config
+    """``actor.strategy=megatron`` (tp=2 on 2 ranks) with ``rollout.name=vllm`` at ``rollout.gen_tp=1`` (an engine
+    per rank) and at ``rollout.gen_tp=2`` (verl's layout: one engine tensor-parallel over both ranks, fed whole
+    replicas by the 3D-HybridEngine): after a PPO update on each, every rank's engine passes its probe and
+    generates greedily what the ``ddp`` actor's engine generates."""
 
-    from hybridflow.flows.groups import WORKER_CLS
     from hybridflow.slurm.channel import create_secret
     from hybridflow.slurm.handles import DataHandle
-    from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
 
     # 4 query heads, 2 key/value heads of width 32: splits over tp=2, and vLLM's CPU attention takes the width
     model_dir = build_tiny_model(tmp_path / "tiny128", hidden_size=128, head_dim=32)
-    common = ["rollout.name=vllm", "rollout.vllm_kv_cache_gb=0.25", "rollout.vllm_dtype=float32",
-              "trainer.num_threads=1", "actor.ppo_mini_batch_size=4", "actor.optim.lr=1e-2"]  # fmt: skip
     megatron = ["actor.strategy=megatron", "actor.tp=2", "rollout.gen_tp=1", "placement.tasks_per_node=2"]
+    megatron_tp2 = [*megatron[:2], "rollout.gen_tp=2", megatron[3]]
     create_secret(tmp_path / "secret")
     tokenizer = load_tokenizer(model_dir)
     prompts = DataHandle.put(_prompts(tokenizer), tmp_path / "data", "prompts").with_meta(global_steps=1)
     groups = {}
     try:
-        for name, extra in (("ddp", []), ("megatron", megatron)):
-            cfg = tiny_run_config(tmp_path, model_dir, "grpo", [*common, *extra])
-            groups[name] = WorkerGroup(
-                GroupSpec(name=f"vllm_{name}", worker_cls=WORKER_CLS, tasks_per_node=cfg.placement.world_size),
-                run_dir=tmp_path,
-                data_dir=tmp_path / "data",
-                secret_path=tmp_path / "secret",
-                worker_kwargs={"config": cfg.model_dump(mode="json"), "roles": ["actor", "rollout"]},
-            )
-            groups[name].init_model()
-        rollout = groups["ddp"].generate_sequences(prompts)
-        mask = rollout.select(["response_mask"]).load().batch["response_mask"]
-        advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
-        batch = rollout.union(groups["ddp"].compute_log_prob(rollout)).union(
-            DataHandle.put(DataProto.from_dict({"advantages": advantages}), tmp_path / "data")
-        )
+        for name, extra in (("ddp", []), ("megatron", megatron), ("megatron_tp2", megatron_tp2)):
+            groups[name] = _actor_rollout_group(tmp_path, model_dir, name, [*UPDATED, *extra])
+        batch = _ppo_batch(groups["ddp"], prompts, tmp_path)
         greedy = {}
         for name, group in groups.items():
             group.update_actor(batch)
             probes = group.sync_rollout_weights()
             assert all(p["rollout/weight_probe_diff"] < 1e-4 for p in probes), (name, probes)
             greedy[name] = group.generate_sequences(prompts, n=1, temperature=0.0).load().batch["responses"]
-        assert len(probes) == 2  # both megatron ranks' engines were synced
+            assert len(probes) == (2 if name != "ddp" else 1)  # both megatron ranks' engines were synced
         assert torch.equal(greedy["megatron"], greedy["ddp"])
+        assert torch.equal(greedy["megatron_tp2"], greedy["ddp"])
+    finally:
+        for group in groups.values():
+            group.shutdown()
+
+
+def test_a_tensor_parallel_engine_beside_fsdp_generates_what_one_engine_generates(tmp_path):
+    """verl's layout: an FSDP actor on 2 ranks with ``rollout.gen_tp=2`` (verl's
+    ``rollout.tensor_model_parallel_size=2``): one vLLM engine split over both ranks (vLLM's external launcher inside
+    the worker group's torch.distributed world), fed the actor's whole weights. Its greedy tokens equal those of a
+    one-rank ddp actor's engine (TP 1) and its log-probs agree, before and after a PPO update and weight sync on
+    both; every rank's probe passes; the two ranks return one copy of the rows (the block's first rank collects)."""
+
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
+
+    # 4 query heads, 2 key/value heads of width 32: splits over tp=2, and vLLM's CPU attention takes the width
+    model_dir = build_tiny_model(tmp_path / "tiny128", hidden_size=128, head_dim=32)
+    fsdp_tp = ["actor.strategy=fsdp", "rollout.gen_tp=2", "placement.tasks_per_node=2"]
+    create_secret(tmp_path / "secret")
+    tokenizer = load_tokenizer(model_dir)
+    prompts = DataHandle.put(_prompts(tokenizer), tmp_path / "data", "prompts").with_meta(global_steps=1)
+    groups = {}
+    try:
+        for name, extra in (("tp1", []), ("tp2", fsdp_tp)):
+            groups[name] = _actor_rollout_group(tmp_path, model_dir, name, [*UPDATED, *extra])
+        sampled = {name: g.generate_sequences(prompts).load() for name, g in groups.items()}
+        assert len(sampled["tp2"]) == len(sampled["tp1"]) == 2 * len(QUESTIONS)  # one copy of each row
+        batch = _ppo_batch(groups["tp1"], prompts, tmp_path)
+        greedy = {name: [g.generate_sequences(prompts, n=1, temperature=0.0).load()] for name, g in groups.items()}
+        for name, group in groups.items():
+            group.update_actor(batch)
+            probes = group.sync_rollout_weights()
+            assert all(p["rollout/weight_probe_diff"] < 1e-4 for p in probes), (name, probes)
+            greedy[name].append(group.generate_sequences(prompts, n=1, temperature=0.0).load())
+        assert len(probes) == 2  # both ranks of the tensor-parallel engine were synced
+        for before_after in zip(greedy["tp1"], greedy["tp2"], strict=True):
+            one, two = (out.batch for out in before_after)
+            assert torch.equal(one["responses"], two["responses"])
+            torch.testing.assert_close(one["rollout_log_probs"], two["rollout_log_probs"], atol=1e-4, rtol=1e-4)
+        assert not torch.equal(greedy["tp2"][0].batch["responses"], greedy["tp2"][1].batch["responses"])  # trained
+        assert len(set(map(tuple, greedy["tp2"][0].batch["responses"].tolist()))) > 1  # context-dependent
     finally:
         for group in groups.values():
             group.shutdown()

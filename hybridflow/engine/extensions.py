@@ -99,12 +99,15 @@ class RolloutSpec:
         reports_log_probs: it returns ``rollout_log_probs`` (needed by ``algorithm.rollout_correction``; agent
             loops always do).
         tensor_parallel: it can generate tensor-parallel over ``rollout.gen_tp`` ranks of the 3D-HybridEngine.
+        engine_tp: its engine splits whole weights over ``rollout.gen_tp`` consecutive ranks of the actor's pool
+            itself (vLLM's SPMD mode), so any actor that lends whole weights (ddp, fsdp) can feed it.
     """
 
     build: Callable[..., Rollout] | str
     syncs_weights: bool
     reports_log_probs: bool = False
     tensor_parallel: bool = False
+    engine_tp: bool = False
 
 
 _ROLLOUTS: dict[str, RolloutSpec] = {}
@@ -117,6 +120,7 @@ def register_rollout(
     syncs_weights: bool,
     reports_log_probs: bool = False,
     tensor_parallel: bool = False,
+    engine_tp: bool = False,
 ) -> Callable[..., Any]:
     """Register a rollout builder under ``rollout.name: <name>`` (see `RolloutSpec` for the flags): give `build`
     (a function or its ``"module:name"`` path), or use the call as a decorator of the builder.
@@ -128,7 +132,7 @@ def register_rollout(
     def add(target: Callable[..., Rollout] | str) -> Callable[..., Rollout] | str:
         if name in _ROLLOUTS:
             raise ValueError(f"rollout {name!r} is registered already")
-        _ROLLOUTS[name] = RolloutSpec(target, syncs_weights, reports_log_probs, tensor_parallel)
+        _ROLLOUTS[name] = RolloutSpec(target, syncs_weights, reports_log_probs, tensor_parallel, engine_tp)
         return target
 
     return add if build is None else add(build)
@@ -175,6 +179,19 @@ def build_rollout(
     return rollout
 
 
+def engine_tp(cfg: Any) -> int:
+    """The tensor-parallel size of a rollout engine that splits the actor's whole weights itself (vLLM, `RolloutSpec.
+    engine_tp`): beside a ddp or fsdp actor ``rollout.gen_tp`` where it differs from ``actor.tp`` (at ``actor.tp``
+    generation runs in the training layout); beside a megatron actor ``rollout.gen_tp`` (default ``actor.tp``), the
+    3D-HybridEngine then resharding to whole replicas (its t_g = 1) that feed the engine. 1 otherwise."""
+    rollout, actor = cfg.rollout, cfg.actor
+    if rollout.name == "auto" or not rollout_spec(rollout.name).engine_tp:
+        return 1
+    if training_backend(actor.strategy).hf_model:
+        return 1 if rollout.gen_tp in (None, actor.tp) else rollout.gen_tp
+    return rollout.gen_tp or actor.tp
+
+
 # ---------------------------------------------------------------------------------------------------- backends
 _BACKENDS: dict[str, Any] = {}
 
@@ -209,7 +226,9 @@ def training_backend(name: str, key: str = "actor.strategy") -> Any:
 
 
 register_rollout("hf", "hybridflow.engine.rollout.hf:build", syncs_weights=False, tensor_parallel=True)
-register_rollout("vllm", "hybridflow.engine.rollout.vllm:build", syncs_weights=True, reports_log_probs=True)
+register_rollout(
+    "vllm", "hybridflow.engine.rollout.vllm:build", syncs_weights=True, reports_log_probs=True, engine_tp=True
+)
 register_backend("ddp", "hybridflow.engine.backends.engines:DDP")
 register_backend("fsdp", "hybridflow.engine.backends.engines:FSDP")
 register_backend("megatron", "hybridflow.engine.backends.engines:MEGATRON")

@@ -208,7 +208,7 @@ class RLHFWorker:
             mesh = "train"
         if mesh == "generate" and "actor" not in self.roles:  # a rollout pool of its own: engines side by side
             return None
-        return self.config.actor_layout(self.world_size).mesh_coords(self.rank, mesh)
+        return self._backend("actor").mesh_coords(self.config, self.world_size, self.rank, mesh)
 
     def _trained(self) -> list[tuple[str, Any]]:
         """The trained roles this rank hosts, in checkpoint order: (role, object)."""

@@ -120,7 +120,7 @@ class AgentLoopRollout:
     """A rollout that runs agent loops on another rollout's engine (see the module docstring).
 
     Args:
-        engine: the configured rollout (``hf`` or ``vllm``): anything with ``token_engine(temperature)``,
+        engine: the configured rollout (``hf`` or ``vllm``): anything with ``token_engine(temperature, stream)``,
             ``update_weights``, ``sleep``, ``wake`` and ``eos_token_ids`` (and ``load_weights`` in a rollout pool of
             its own).
         cfg: the run's config (``rollout``, ``trainer.seed``).
@@ -184,7 +184,7 @@ class AgentLoopRollout:
         def seed(row: int, turn: int) -> int:
             return sampling_seed(self.seed, global_steps, f"{stream}/turn{turn}", first_row + row)
 
-        with self.engine.token_engine(temperature) as serve:
+        with self.engine.token_engine(temperature, stream) as serve:
             outputs = asyncio.run(self._run(batch, loops, serve, seed, temperature))
         out = self._assemble(batch, outputs, names)
         out.meta_info.update(prompts.meta_info)

@@ -350,6 +350,43 @@ def _group_means(scores: torch.Tensor, index, weights: torch.Tensor | None = Non
     return torch.where(counts[ids] > 1, sums[ids] / totals[ids].clamp(min=torch.finfo(scores.dtype).tiny), 0.0)
 
 
+@register_adv_est("gpg")
+@torch.no_grad()
+def compute_gpg_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | np.ndarray,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Group Policy Gradient) outcome advantage: the score minus its group's mean, scaled by the batch's share
+    of non-zero scores.
+
+    Source: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning"
+    (arXiv 2504.02546), eq. 5-6 (``F_norm`` = 1), as verl computes it (``compute_gpg_outcome_advantage``)::
+
+        A_i = alpha * (r_i - mean_{j in group(i)} r_j),   alpha = B / max(1, #{i : r_i != 0})
+
+    over the B responses of the whole batch; a group of one has mean 0. No division by the group's std.
+
+    Args:
+        token_level_rewards: float [B, T]; the score of a sequence is its sum over the response mask.
+        response_mask: bool/int/float [B, T].
+        index: length-B prompt uids; equal uids form a group.
+        epsilon: unused; accepted so that every outcome estimator takes the same arguments.
+
+    Returns:
+        ``(advantages, returns)``, identical [B, T] tensors in the rewards' dtype, 0 at masked positions, no grad.
+
+    Raises:
+        ValueError: shapes differ or ``index`` does not have B entries.
+    """
+    del epsilon
+    scores = _outcome_scores(token_level_rewards, response_mask)
+    alpha = scores.shape[0] / max(1, int(torch.count_nonzero(scores)))
+    advantages = (alpha * (scores - _group_means(scores, index))).unsqueeze(-1) * response_mask.to(scores.dtype)
+    return advantages, advantages
+
+
 @register_adv_est("reinforce_plus_plus")
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(

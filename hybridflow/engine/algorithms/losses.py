@@ -1,7 +1,7 @@
 """Losses: `agg_loss` (how a [B, T] loss matrix becomes a scalar), policy losses in a registry keyed by
 ``actor.policy_loss.loss_mode`` (``"vanilla"``: `compute_policy_loss`, PPO clip with clip-higher and dual-clip;
-``"gspo"``, ``"cispo"``, ``"clip_cov"``, ``"kl_cov"``), `rollout_is_weights` (the off-policy correction) and
-`compute_value_loss` (clipped critic loss).
+``"gspo"``, ``"cispo"``, ``"gpg"``, ``"geo_mean"`` (GMPO), ``"clip_cov"``, ``"kl_cov"``), `rollout_is_weights`
+(the off-policy correction) and `compute_value_loss` (clipped critic loss).
 
 Conventions. B is the number of sequences in the batch and T the padded response length in tokens. A mask is a
 [B, T] tensor (bool, int or float) with 1 for real response tokens and 0 for padding; responses are right-padded,
@@ -247,6 +247,115 @@ def compute_policy_loss_cispo(
         pg_clipfrac_lower = masked_mean((ratio < 1.0 - clip_ratio_low).float(), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+@register_policy_loss("gpg")
+def compute_policy_loss_gpg(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPG: the plain policy gradient, no ratio and no clip, ``loss = -A * log_prob`` aggregated with `agg_loss`.
+
+    Source: Chu et al. 2025, "GPG" (arXiv 2504.02546), eq. 5 (verl's ``gpg`` loss); its advantages are the
+    ``gpg`` estimator's (`hybridflow.engine.algorithms.estimators.compute_gpg_outcome_advantage`). The clip ratios
+    are unused; ``ppo_kl`` is reported as for every loss.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: float [B, T] (``log_prob`` carries the gradient).
+        is_weights: optional float [B, T] per-token weights without gradient.
+
+    Returns:
+        ``(pg_loss, 0, ppo_kl, 0)``, 0-dim tensors.
+
+    Raises:
+        ValueError: unknown ``loss_agg_mode`` or shapes differ.
+    """
+    del clip_ratio_low, clip_ratio_high, clip_ratio_c
+    check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    pg_loss = _aggregate_policy_loss(-advantages * log_prob, response_mask, loss_agg_mode, is_weights)
+    with torch.no_grad():
+        ppo_kl = masked_mean(old_log_prob - log_prob, response_mask)
+    zero = torch.zeros_like(ppo_kl)
+    return pg_loss, zero, ppo_kl, zero
+
+
+@register_policy_loss("geo_mean")
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.4,
+    clip_ratio_high: float = 0.4,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GMPO: the geometric mean of the tokens' clipped importance ratios times the sequence's advantage.
+
+    Source: Zhao et al. 2025, "Geometric-Mean Policy Optimization" (arXiv 2507.20673), eq. 4, as verl computes it
+    (``compute_policy_loss_geo_mean``): with ``l_t = log_prob_t - old_log_prob_t`` and s = sign(A_t),
+    each token's log-ratio is clipped in log space, pessimistically for its advantage's sign::
+
+        c_t = s * min(s * l_t, s * clamp(l_t, -clip_ratio_low, clip_ratio_high))
+        loss_i = -mean_t(A_t) * exp(mean_t c_t)                         over response i's tokens
+        pg_loss = mean_i loss_i
+
+    The loss is a mean over sequences whatever `loss_agg_mode` (the actor combines its micro-batches as
+    ``seq-mean-token-mean``: `update_agg_mode`). `is_weights` enter as their per-sequence geometric mean. No dual
+    clip (`clip_ratio_c` unused).
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: float [B, T] (``log_prob`` carries the gradient).
+        is_weights: optional float [B, T] per-token weights without gradient.
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the clip fractions count the tokens whose log-ratio
+        left [-clip_ratio_low, clip_ratio_high] with a positive / negative advantage; 0-dim tensors.
+
+    Raises:
+        ValueError: a negative clip ratio or shapes differ.
+    """
+    del clip_ratio_c, loss_agg_mode
+    _check_clip_ratios(clip_ratio_low, clip_ratio_high)
+    check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    mask = (response_mask != 0).to(log_prob.dtype)
+    log_ratio = torch.where(mask > 0, log_prob - old_log_prob, 0.0)
+    sign = torch.sign(advantages)
+    clamped = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    clipped = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    lengths = mask.sum(-1).clamp(min=1)
+    ratio = torch.exp((clipped * mask).sum(-1) / lengths)
+    advantage = (torch.where(mask > 0, advantages, 0.0)).sum(-1) / lengths
+    seq_losses = -advantage * ratio
+    if is_weights is not None:
+        check_same_shape(is_weights=is_weights, log_prob=log_prob)
+        log_weights = torch.log(is_weights.detach().clamp(min=1e-10)) * mask
+        seq_losses = seq_losses * torch.exp(log_weights.sum(-1) / lengths)
+    pg_loss = seq_losses.mean()
+    with torch.no_grad():
+        out = (log_ratio != clamped).float()
+        pg_clipfrac = masked_mean(out * (advantages > 0), response_mask)
+        pg_clipfrac_lower = masked_mean(out * (advantages < 0), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+SEQUENCE_MEAN_LOSSES = frozenset({"geo_mean"})
+"""Policy losses that are a mean over sequences whatever ``actor.loss_agg_mode`` (`update_agg_mode`)."""
+
+
+def update_agg_mode(loss_agg_mode: str, loss_mode: str | None) -> str:
+    """How an update combines its micro-batches' losses: ``seq-mean-token-mean`` (by sequences) for a policy loss
+    in `SEQUENCE_MEAN_LOSSES`, else `loss_agg_mode`."""
+    return "seq-mean-token-mean" if loss_mode in SEQUENCE_MEAN_LOSSES else loss_agg_mode
 
 
 def _token_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

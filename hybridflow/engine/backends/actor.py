@@ -218,7 +218,7 @@ class Actor:
             keys.append("rollout_log_probs")
         data = data.select(batch_keys=keys)
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
-        steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group))
+        steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group, self.lr_scheduler))
         if on_policy and len(steps) != 1:
             raise ValueError(
                 f"the batch has no old_log_probs, which only an update of one optimizer step may do without; this one "

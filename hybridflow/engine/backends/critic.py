@@ -108,7 +108,9 @@ class Critic:
         data = data.select(batch_keys=[*UPDATE_KEYS, *self.columns])
         self.model.train()
         log = MetricLog()
-        for micros, weights in update_steps(data, self.mini_batch_size, cfg, self.seed, 1, self.dp_group):
+        for micros, weights in update_steps(
+            data, self.mini_batch_size, cfg, self.seed, 1, self.dp_group, self.lr_scheduler
+        ):
             for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                 batch = micro.batch
                 with sync_gradients(self.train_module, sync=i == len(micros) - 1):

@@ -17,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridflow.engine.extensions import engine_tp
+
 if TYPE_CHECKING:  # no torch at import
     import torch
     import torch.distributed as dist
@@ -63,7 +65,24 @@ class TrainingBackend:
     def layout_record(self, cfg: HybridFlowConfig, world: int) -> dict[str, Any]:
         """How the actor is split over its pool's `world` ranks, for the run store (``placements.parallel``)."""
         tp = cfg.actor.tp
-        return {"train": {"pp": 1, "tp": tp, "dp": world // tp}}
+        record: dict[str, Any] = {"train": {"pp": 1, "tp": tp, "dp": world // tp}}
+        if engine_tp(cfg) > 1:
+            record["engine"] = {"engine_tp": engine_tp(cfg), "replicas": world // engine_tp(cfg)}
+        return record
+
+    def mesh_coords(self, cfg: HybridFlowConfig, world: int, rank: int, mesh: str) -> tuple[int, int, bool]:
+        """`rank`'s ``(data-parallel index, size, collect)`` on the actor's `mesh` (``train`` or ``generate``,
+        `hybridflow.engine.transfer`) over a pool of `world` ranks: the 3D-HybridEngine's layouts
+        (`hybridflow.engine.parallel_layout.HybridLayout.mesh_coords`), except that a rollout engine splitting whole
+        weights itself (`engine_tp`) generates over blocks of ``rollout.gen_tp`` consecutive ranks (vLLM's
+        tensor-parallel groups), whose first rank collects.
+
+        Raises:
+            ValueError: an unknown mesh, or `rank` outside the pool."""
+        tp = engine_tp(cfg)
+        if mesh == "generate" and tp > 1:
+            return rank // tp, world // tp, rank % tp == 0
+        return cfg.actor_layout(world).mesh_coords(rank, mesh)
 
     def data_parallel(self, model: torch.nn.Module, tp: int = 1) -> tuple[torch.nn.Module, dist.ProcessGroup | None]:
         """The module to train `model` through and its data-parallel group (None: the default group, or no group on
@@ -143,19 +162,35 @@ class HFBackend(TrainingBackend):
     def check_layout(self, cfg, world):
         """``ddp``: every rank a whole replica (no tp/pp). ``fsdp``: tensor parallelism (``actor.tp``) only, and
         generation in the training layout."""
+        if engine_tp(cfg) > 1:
+            return self._check_engine_tp(cfg, world)
         if not self.sharded:
             return super().check_layout(cfg, world)
         actor, rollout = cfg.actor, cfg.rollout
         if (actor.pp, rollout.gen_pp) != (1, 1) or rollout.gen_tp not in (None, actor.tp):
             raise ValueError(
                 f"actor.strategy={self.name} trains with tensor parallelism (actor.tp) only and generates in the same "
-                "layout: leave actor.pp, rollout.gen_pp at 1 and rollout.gen_tp unset, or use "
-                "actor.strategy=megatron for pipelines and resharding"
+                "layout: leave actor.pp, rollout.gen_pp at 1 and rollout.gen_tp unset (or set rollout.name=vllm "
+                "for a vLLM engine tensor-parallel over rollout.gen_tp ranks), or use actor.strategy=megatron for "
+                "pipelines and resharding"
             )
         if world % actor.tp:
             raise ValueError(
                 f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of actor.tp = {actor.tp}"
             )
+
+    def _check_engine_tp(self, cfg, world) -> None:
+        """A rollout engine tensor-parallel over ``rollout.gen_tp`` ranks beside this data-parallel actor: a rollout
+        that can (vLLM), an actor without tensor or pipeline parallelism of its own, whole blocks of ranks, and
+        single-turn generation (an agent loop's tool calls would run once per rank of a block)."""
+        actor, rollout = cfg.actor, cfg.rollout
+        if (actor.tp, actor.pp, rollout.gen_pp) != (1, 1, 1):
+            raise ValueError(
+                f"rollout.gen_tp={rollout.gen_tp} (vLLM's tensor parallelism) beside actor.strategy={self.name} needs "
+                f"actor.tp=1, actor.pp=1 and rollout.gen_pp=1 (got {actor.tp}, {actor.pp}, {rollout.gen_pp}); for "
+                "other layouts use actor.strategy=megatron"
+            )
+        _check_engine_blocks(cfg, world)
 
     def data_parallel(self, model: torch.nn.Module, tp: int = 1) -> tuple[torch.nn.Module, dist.ProcessGroup | None]:
         """``ddp``: `model` wrapped in ``DistributedDataParallel`` (rank 0's weights broadcast to all; buffers not
@@ -242,17 +277,22 @@ class MegatronBackend(TrainingBackend):
             )
         if rollout.gen_pp != 1:
             raise ValueError("rollout.gen_pp > 1 (pipelined generation) is not implemented: set rollout.gen_pp=1")
-        if not rollout_spec(rollout.name).tensor_parallel and (rollout.gen_tp or actor.tp) != 1:
+        spec = rollout_spec(rollout.name)
+        if not spec.tensor_parallel and not spec.engine_tp and (rollout.gen_tp or actor.tp) != 1:
             raise ValueError(
-                f"actor.strategy=megatron feeds the {rollout.name} rollout from the 3D-HybridEngine's generation "
-                "shards only without tensor parallelism (vLLM's own TP over the generation TP group is not built): set "
-                "rollout.gen_tp=1, or rollout.name=hf to generate tensor-parallel with transformers"
+                f"actor.strategy=megatron feeds the {rollout.name} rollout without tensor parallelism only: set "
+                "rollout.gen_tp=1, or rollout.name=hf or vllm to generate tensor-parallel"
             )
+        if engine_tp(cfg) > 1:
+            _check_engine_blocks(cfg, world)
         cfg.actor_layout()  # gen_tp must divide tp
 
     def layout_record(self, cfg, world):
         """The training and generation layouts, the resharding mode and the rank groups (`HybridLayout.describe`)."""
-        return {"reshard": cfg.rollout.reshard, **cfg.actor_layout().describe()}
+        record = {"reshard": cfg.rollout.reshard, **cfg.actor_layout().describe()}
+        if engine_tp(cfg) > 1:
+            record["engine"] = {"engine_tp": engine_tp(cfg), "replicas": world // engine_tp(cfg)}
+        return record
 
     def build_actor(self, cfg, model_path, tokenizer, device, compute_dtype):
         from hybridflow.engine.backends.hybrid_actor import HybridActorRollout
@@ -281,6 +321,24 @@ class MegatronBackend(TrainingBackend):
         if role == "actor":
             trained.load(path)
         return {}
+
+
+def _check_engine_blocks(cfg: HybridFlowConfig, world: int) -> None:
+    """A tensor-parallel rollout engine (`engine_tp`) needs whole blocks of ranks and single-turn generation (an
+    agent loop's tool calls would run once per rank of a block).
+
+    Raises:
+        ValueError: naming the keys."""
+    tp = engine_tp(cfg)
+    if world % tp:
+        raise ValueError(
+            f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of rollout.gen_tp = {tp}"
+        )
+    if cfg.rollout.multi_turn.enable:
+        raise ValueError(
+            f"rollout.multi_turn.enable with a vLLM engine tensor-parallel over {tp} ranks (rollout.gen_tp): agent "
+            "loops do not run on a tensor-parallel engine yet; set rollout.gen_tp=1"
+        )
 
 
 DDP = HFBackend("ddp", sharded=False)

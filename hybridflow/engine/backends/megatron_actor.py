@@ -246,7 +246,7 @@ class MegatronActor(MegatronRole):
         keys = [k for k in UPDATE_KEYS if k in data.keys or k != "old_log_probs"]  # none: on-policy (`Actor`)
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
         data = data.select(batch_keys=keys + (["rollout_log_probs"] if self.correction else []))
-        steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group))
+        steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group, self.lr_scheduler))
         if "old_log_probs" not in keys and len(steps) != 1:
             raise ValueError(
                 f"the batch has no old_log_probs, which only an update of one optimizer step may do without; this one "

@@ -37,7 +37,9 @@ class MegatronCritic(MegatronRole):
         data = data.select(batch_keys=[*UPDATE_KEYS, *VALUE_COLUMNS])
         self.model.train()
         log = MetricLog()
-        for micros, scales in update_steps(data, self.mini_batch_size, cfg, self.seed, 1, self.dp_group):
+        for micros, scales in update_steps(
+            data, self.mini_batch_size, cfg, self.seed, 1, self.dp_group, self.lr_scheduler
+        ):
 
             def loss_of(index: int, vpreds: torch.Tensor, micros=micros, scales=scales):
                 # the schedule divides each micro-batch's loss by their number: undo it, then weigh

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hybridflow.engine.algorithms.losses import update_agg_mode
 from hybridflow.engine.config import OptimConfig
 from hybridflow.engine.guards import FIX, NonFiniteError
 from hybridflow.engine.packing import prompt_groups
@@ -34,19 +35,48 @@ from hybridflow.engine.torch_ops import AGG_LOSS_MODES
 def build_optimizer(
     model: torch.nn.Module, optim: OptimConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW over the trainable parameters, with linear warm-up over ``optim.warmup_steps`` optimizer steps
-    from lr/warmup_steps to lr, then constant lr (verl's default "constant" schedule).
+    """AdamW over the trainable parameters, and its learning-rate schedule (`LRSchedule`: linear warm-up over
+    ``optim.warmup_steps`` optimizer steps or ``optim.warmup_iterations`` training iterations, then constant).
 
     The fused implementation (one kernel over all parameters, CPU and CUDA; the same update as the per-tensor
     one up to float rounding): on this 2-core CPU it steps SmolLM2-135M in 75 ms instead of 450 ms."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=True)
-    warmup = optim.warmup_steps
+    schedule = LRSchedule(optim.warmup_steps, optim.warmup_iterations)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+class LRSchedule:
+    """The learning-rate factor of an optimizer step (``torch.optim.lr_scheduler.LambdaLR``'s function of the steps
+    taken), times one of the training iteration the step belongs to:
+
+    - ``warmup_steps`` w_s > 0: ``min(1, (s + 1) / w_s)`` at optimizer step s (from 0): the first step at lr / w_s;
+    - ``warmup_iterations`` w_i > 0: ``min(1, i / w_i)`` through iteration i (from 0: the first iteration at lr 0),
+      whatever the number of optimizer steps in an iteration: verl's ``lr_warmup_steps`` with its constant
+      schedule (``verl/utils/torch_functional.py::get_constant_schedule_with_warmup``, stepped once per actor or
+      critic update). The iteration is set by `start_iteration` from the batch's ``global_steps``, so a resumed
+      run needs no saved state for it.
+    """
+
+    def __init__(self, warmup_steps: int = 0, warmup_iterations: int = 0):
+        self.warmup_steps, self.warmup_iterations, self.iteration = warmup_steps, warmup_iterations, 0
+
+    def __call__(self, step: int) -> float:
+        per_step = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps > 0 else 1.0
+        per_iteration = min(1.0, self.iteration / self.warmup_iterations) if self.warmup_iterations > 0 else 1.0
+        return per_step * per_iteration
+
+
+def start_iteration(scheduler: torch.optim.lr_scheduler.LRScheduler, global_steps: int) -> None:
+    """Set the learning rates of `scheduler`'s optimizer for training iteration `global_steps` (from 1, as
+    ``meta_info["global_steps"]``), before its first optimizer step; a no-op without ``warmup_iterations``."""
+    schedule = scheduler.lr_lambdas[0] if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) else None
+    if not isinstance(schedule, LRSchedule) or schedule.warmup_iterations == 0:
+        return
+    schedule.iteration = max(0, global_steps - 1)
+    for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base * schedule(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr reports
 
 
 def mini_batches(
@@ -82,19 +112,31 @@ def mini_batches(
 
 
 def update_steps(
-    data: DataProto, mini_batch_size: int, config, seed: int, stream: int, group: dist.ProcessGroup | None = None
+    data: DataProto,
+    mini_batch_size: int,
+    config,
+    seed: int,
+    stream: int,
+    group: dist.ProcessGroup | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> Iterator[tuple[list[DataProto], list[float]]]:
     """The optimizer steps of one PPO update on this rank's rows: for each mini-batch (`mini_batches`, shuffled
     with ``(seed, meta_info["global_steps"], stream)``; stream 0 for the actor, 1 for the critic), its micro-batches
     of ``config.ppo_micro_batch_size`` sequences and their loss weights (`micro_batch_weights` over `group`).
+    `scheduler` (the role's) is set to this iteration first (`start_iteration`).
 
     `config` is the ``actor`` or ``critic`` section (``ppo_epochs``, ``shuffle``, ``ppo_micro_batch_size``,
-    ``loss_agg_mode``; a section that `shares_prompts` shuffles a prompt's samples together)."""
+    ``loss_agg_mode``, or `update_agg_mode`'s for its policy loss; a section that `shares_prompts` shuffles a
+    prompt's samples together)."""
     order = (seed, int(data.meta_info.get("global_steps", 0)), stream)
+    policy_loss = getattr(config, "policy_loss", None)  # a sequence-mean loss combines by sequences (GMPO)
+    mode = update_agg_mode(config.loss_agg_mode, policy_loss.loss_mode if policy_loss is not None else None)
+    if scheduler is not None:
+        start_iteration(scheduler, order[1])
     groups = prompt_groups(data) if getattr(config, "shares_prompts", False) else None
     for mini in mini_batches(data, mini_batch_size, config.ppo_epochs, config.shuffle, order, groups):
         micros = mini.split(config.ppo_micro_batch_size)
-        yield micros, micro_batch_weights(micros, config.loss_agg_mode, group=group)
+        yield micros, micro_batch_weights(micros, mode, group=group)
 
 
 @contextlib.contextmanager

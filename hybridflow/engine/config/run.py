@@ -28,7 +28,7 @@ from hybridflow.engine.config.sections import (
     _RunTrainer,
     _Section,
 )
-from hybridflow.engine.extensions import rollout_spec, training_backend
+from hybridflow.engine.extensions import engine_tp, rollout_spec, training_backend
 from hybridflow.engine.parallel_layout import HybridLayout
 
 
@@ -378,6 +378,11 @@ class HybridFlowConfig(_Section):
                 f"its own from the 3D-HybridEngine's generation layout, where each rank must hold the whole model "
                 f"(generation tp 1; got {gen_tp}): set rollout.gen_tp=1, {keep}"
             )
+        if (self.rollout.gen_tp or 1) > 1 and training_backend(self.actor.strategy).hf_model:
+            raise ValueError(
+                f"placement.pools: the vLLM engines of a rollout pool of its own generate without tensor parallelism "
+                f"here (got rollout.gen_tp={self.rollout.gen_tp}): set rollout.gen_tp=1, {keep}"
+            )
         if self.model.lora:
             raise ValueError(
                 f"placement.pools: a LoRA actor (model.lora_rank) syncs its rollout in process: remove "
@@ -386,7 +391,8 @@ class HybridFlowConfig(_Section):
 
     def _resolve_rollout(self) -> None:
         """``rollout.name: auto``: vllm where it is installed, unless the megatron actor generates tensor-parallel
-        (vLLM is fed from the generation shards only at rollout.gen_tp=1), else hf."""
+        (there hf generates on the 3D-HybridEngine's generation shards, with no whole replica gathered per rank as a
+        tensor-parallel vLLM engine is fed), else hf."""
         if self.rollout.name != "auto":
             return
         vllm = importlib.util.find_spec("vllm") is not None
@@ -416,7 +422,9 @@ class HybridFlowConfig(_Section):
             ValueError: rollout.gen_tp does not divide actor.tp."""
         actor = self.actor
         d = (world or self.pool_of("actor").world_size) // (actor.tp * actor.pp)
-        return HybridLayout(p=actor.pp, t=actor.tp, d=d, p_g=self.rollout.gen_pp, t_g=self.rollout.gen_tp or actor.tp)
+        # a rollout engine tensor-parallel itself is fed whole replicas (t_g = 1) and splits them its own way
+        t_g = 1 if engine_tp(self) > 1 else self.rollout.gen_tp or actor.tp
+        return HybridLayout(p=actor.pp, t=actor.tp, d=d, p_g=self.rollout.gen_pp, t_g=t_g)
 
     def _divisible_by_ranks(self) -> None:
         """Every data-parallel rank must get the same number of sequences of every mini-batch (each optimizer step

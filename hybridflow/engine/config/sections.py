@@ -187,6 +187,8 @@ class RolloutConfig(_Section):
     response_length: int = Field(64, gt=0, description="max new tokens")
     micro_batch_size: int = Field(32, gt=0, description="sequences per generate call")
     val_temperature: float = Field(0.0, ge=0.0, description="validation sampling temperature (0 = greedy)")
+    val_top_p: float = Field(1.0, gt=0.0, le=1.0, description="validation sampling top-p (verl's val_kwargs.top_p)")
+    val_top_k: int = Field(0, ge=0, description="validation sampling top-k, 0 = disabled (verl's val_kwargs.top_k)")
     vllm_dtype: Literal["bfloat16", "float32"] = Field(
         "bfloat16", description="vllm: the engine's weights and compute (bf16: 1.8x faster here; drift is reported)"
     )
@@ -195,10 +197,20 @@ class RolloutConfig(_Section):
     gen_tp: int | None = Field(
         None,
         ge=1,
-        description="actor.strategy=megatron: tensor-parallel size of generation (the 3D-HybridEngine's t_g; must "
-        "divide actor.tp); None: actor.tp",
+        description="tensor-parallel size of generation (verl's rollout.tensor_model_parallel_size). "
+        "rollout.name=vllm: one vLLM engine over each block of gen_tp consecutive ranks of the actor's pool, fed the "
+        "actor's whole weights; actor.strategy=megatron with rollout.name=hf: the 3D-HybridEngine's t_g (must divide "
+        "actor.tp); None: actor.tp",
     )
     gen_pp: int = Field(1, ge=1, description="pipeline stages of generation (p_g); only 1 is implemented")
+
+    def filters(self, stream: str) -> tuple[int, float]:
+        """(top-k, top-p) of a generation `stream`: ``val_top_k`` / ``val_top_p`` for validation (a stream named
+        ``val`` or ``val-<batch>``), else ``top_k`` / ``top_p``."""
+        if stream == "val" or stream.startswith("val-"):
+            return self.val_top_k, self.val_top_p
+        return self.top_k, self.top_p
+
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
     max_staleness: int = Field(
         1,
@@ -221,13 +233,29 @@ class RolloutConfig(_Section):
 
 
 class OptimConfig(_Section):
-    """AdamW with linear warm-up to a constant LR, and global grad-norm clipping."""
+    """AdamW with linear warm-up to a constant LR (`hybridflow.engine.backends.training.LRSchedule`), and global
+    grad-norm clipping."""
 
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up, then constant")
+    warmup_iterations: int = Field(
+        0,
+        ge=0,
+        description="training iterations of linear warm-up from lr 0, then constant: iteration i (from 0) trains at "
+        "lr x min(1, i / warmup_iterations), as verl's lr_warmup_steps (one scheduler step per update)",
+    )
     grad_clip: float = Field(1.0, gt=0.0, description="max global grad norm")
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> OptimConfig:
+        if self.warmup_steps and self.warmup_iterations:
+            raise ValueError(
+                "optim.warmup_steps (per optimizer step) and optim.warmup_iterations (per iteration, verl's) are two "
+                "warm-ups: set one of them to 0"
+            )
+        return self
 
 
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

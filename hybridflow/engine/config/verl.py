@@ -100,12 +100,48 @@ def _strategy(verl: str, ours: str) -> VerlKey:
     )
 
 
+def _top_k(verl: str, ours: str) -> VerlKey:
+    """A top-k: verl's -1 (off) is our 0."""
+    return VerlKey(
+        verl,
+        (ours,),
+        to_ours=_minus_one_is_zero,
+        to_verl=lambda values: -1 if values[0] == 0 else values[0],
+        note="verl's -1 (off) is our 0",
+    )
+
+
 def _only(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v in values
 
 
 def _unset(value: Any) -> bool:
     return value in (None, "null", "", -1)
+
+
+_MEGATRON_LORA_NAMES = {
+    "linear_qkv": ["q_proj", "k_proj", "v_proj"],
+    "linear_q": ["q_proj"],
+    "linear_k": ["k_proj"],
+    "linear_v": ["v_proj"],
+    "linear_proj": ["o_proj"],
+    "linear_fc1": ["gate_proj", "up_proj"],
+    "linear_fc1_gate": ["gate_proj"],
+    "linear_fc1_up": ["up_proj"],
+    "linear_fc2": ["down_proj"],
+}
+
+
+def _hf_module_names(value: Any) -> Any:
+    """megatron-core's LoRA target names (verl's ``model.lora.target_modules``) as Hugging Face module names; other
+    names (already Hugging Face's, or ``all-linear``) as they are."""
+    if isinstance(value, str):
+        return _MEGATRON_LORA_NAMES.get(value, value)
+    return list(dict.fromkeys(n for name in value for n in _MEGATRON_LORA_NAMES.get(name, [name])))
+
+
+def _unset_or_one(value: Any) -> bool:
+    return value in (None, "null", 1)
 
 
 def _minus_one_is_zero(value: Any) -> tuple:
@@ -119,9 +155,42 @@ _DYNAMIC_BSZ = (
     "micro-batches here hold a fixed number of sequences (*.ppo_micro_batch_size); the update is the same "
     "weighted sum either way (loss_agg_mode), up to float rounding"
 )
+_OFFLOAD = (
+    "memory only: verl moves parameters, gradients or optimizer state to host memory between stages; the update is "
+    "the same"
+)
+_BRIDGE = "weights convert between Hugging Face and megatron-core layouts with HybridFlow's own bridge"
+_DIST_CKPT = (
+    "the initial weights are model.path's (Hugging Face); a megatron dist checkpoint is not read: convert it to a "
+    "Hugging Face folder and leave use_dist_checkpointing false"
+)
+_SCHEDULE = "megatron's interleaved pipeline schedule is speed only; the update is the same"
+_STAGES = "how layers are split over pipeline stages is speed and memory only; the update is the same"
+_MOE = (
+    "mixture-of-experts parallelism (expert, expert-tensor) is not implemented: HybridFlow trains dense models; "
+    "train a dense model, or MoE models with verl"
+)
+_CONTEXT = (
+    "context parallelism is not implemented: split the model with actor_rollout_ref.actor.megatron."
+    "tensor_model_parallel_size or shorten data.max_response_length"
+)
+_SEQUENCE = (
+    "Ulysses sequence parallelism is not implemented: split the model with tensor parallelism instead "
+    "(actor_rollout_ref.actor.strategy=megatron with megatron.tensor_model_parallel_size) or shorten "
+    "data.max_response_length"
+)
+_REMOTE_CODE = (
+    "no remote code is run: models load with transformers' own classes, and one whose config names code of its own "
+    "is refused when it is read"
+)
+_REWARD_LOOP = (
+    "verl's reward loop serves the reward model (reward_model.model.path) on an inference engine of its own; here "
+    "it scores with its own forward pass in the rm_score stage: the same scores"
+)
+_DAPO_KWARGS = "DAPO's overlong buffer in verl's reward-manager spelling (reward_model.reward_kwargs)"
 _MICRO_GLOBAL = (
-    "verl's deprecated global micro-batch size: give the per-GPU one (ppo_micro_batch_size_per_gpu / "
-    "log_prob_micro_batch_size_per_gpu), which is ours per rank"
+    "verl's deprecated global micro-batch size only splits the same update into micro-batches (up to float "
+    "rounding); to set ours give the per-GPU one (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu)"
 )
 
 VERL_KEYS: tuple[VerlKey, ...] = (
@@ -156,7 +225,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect("data.return_full_prompt", "no effect here"),
     _no_effect("data.dataloader_num_workers", _SPEED),
     _no_effect("data.validation_shuffle", "validation prompts are read in file order", _only(False)),
-    _no_effect("data.trust_remote_code", "no remote code is run", _only(False)),
+    _no_effect("data.trust_remote_code", _REMOTE_CODE),
     _no_effect("data.use_shm", _SPEED),
     _no_effect("data.tokenizer", "the tokenizer is the model's (model.path)", _unset),
     # ------------------------------------------------------------------ model
@@ -164,13 +233,30 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same(f"{ARR}.model.lora_rank", "model.lora_rank"),
     _same(f"{ARR}.model.lora_alpha", "model.lora_alpha"),
     _same(f"{ARR}.model.target_modules", "model.target_modules"),
+    _same(f"{ARR}.model.lora_adapter_path", "model.lora_adapter_path"),
+    _same(f"{ARR}.model.lora.rank", "model.lora_rank", "verl's megatron spelling of lora_rank"),
+    _same(f"{ARR}.model.lora.alpha", "model.lora_alpha", "verl's megatron spelling of lora_alpha"),
+    VerlKey(
+        f"{ARR}.model.lora.target_modules",
+        ("model.target_modules",),
+        to_ours=lambda v: (_hf_module_names(v),),
+        note="verl's megatron spelling: megatron-core's layer names (linear_qkv, linear_proj, linear_fc1, "
+        "linear_fc2, ...) become the Hugging Face ones (q_proj/k_proj/v_proj, o_proj, gate_proj/up_proj, down_proj)",
+    ),
+    _no_effect(f"{ARR}.model.lora.type", "adapters are PEFT's LoRA (verl's lora)", _only("lora")),
+    _no_effect(f"{ARR}.model.lora.dropout", "no adapter dropout here", lambda v: v in (0, 0.0, None)),
+    _no_effect(f"{ARR}.model.lora.dropout_position", "no adapter dropout here"),
+    _no_effect(
+        f"{ARR}.model.lora.lora_A_init_method", "A starts Kaiming-uniform (PEFT's), B at zero", _only("kaiming")
+    ),
     _no_effect(f"{ARR}.model.use_remove_padding", _PADDING),
     _no_effect(f"{ARR}.model.enable_gradient_checkpointing", _CHECKPOINTING),
     _no_effect(f"{ARR}.model.enable_activation_offload", _SPEED),
     _no_effect(f"{ARR}.model.use_fused_kernels", _SPEED),
+    _no_effect(f"{ARR}.model.fused_kernel_options.*", _SPEED),
     _no_effect(f"{ARR}.model.use_liger", _SPEED),
     _no_effect(f"{ARR}.model.use_shm", _SPEED),
-    _no_effect(f"{ARR}.model.trust_remote_code", "no remote code is run", _only(False)),
+    _no_effect(f"{ARR}.model.trust_remote_code", _REMOTE_CODE),
     _no_effect(f"{ARR}.model.external_lib", "models load through transformers' Auto classes", _unset),
     _no_effect(f"{ARR}.model.custom_chat_template", "the tokenizer's own chat template is used", _unset),
     _no_effect(f"{ARR}.model.override_config", "the model's config.json is used as it is", lambda v: not v),
@@ -190,11 +276,17 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same(f"{ARR}.actor.grad_clip", "actor.optim.grad_clip"),
     VerlKey(
         f"{ARR}.actor.optim.lr_warmup_steps",
-        ("actor.optim.warmup_steps",),
+        ("actor.optim.warmup_iterations",),
         to_ours=_minus_one_is_zero,
-        note="-1 (verl: use lr_warmup_steps_ratio, 0 here) is 0",
+        note="iterations of warm-up from lr 0, as verl counts them (one scheduler step per update); -1: from "
+        "lr_warmup_steps_ratio",
     ),
-    _no_effect(f"{ARR}.actor.optim.lr_warmup_steps_ratio", "only 0 (warm-up by steps: lr_warmup_steps)", _only(0, 0.0)),
+    VerlKey(
+        f"{ARR}.actor.optim.lr_warmup_steps_ratio",
+        note="with lr_warmup_steps -1 or unset: warmup_iterations = int(ratio x trainer.total_iterations), as verl",
+        via="actor.optim.warmup_iterations",
+    ),
+    _no_effect(f"{ARR}.actor.optim.lr_decay_style", "linear warm-up, then constant", _only("constant")),
     _no_effect(f"{ARR}.actor.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
     _no_effect(f"{ARR}.actor.optim.lr_scheduler_type", "linear warm-up, then constant", _only("constant")),
     _no_effect(f"{ARR}.actor.optim.min_lr_ratio", "only with a cosine schedule, which is not implemented"),
@@ -202,7 +294,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect(f"{ARR}.actor.optim.total_training_steps", "set by the trainer (trainer.total_training_steps)"),
     _same(f"{ARR}.actor.ppo_mini_batch_size", note="prompts per optimizer step, as in verl"),
     _same(f"{ARR}.actor.ppo_micro_batch_size_per_gpu", "actor.ppo_micro_batch_size", "sequences per rank"),
-    _no_effect(f"{ARR}.actor.ppo_micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect(f"{ARR}.actor.ppo_micro_batch_size", _MICRO_GLOBAL),
     _no_effect(f"{ARR}.actor.use_dynamic_bsz", _DYNAMIC_BSZ),
     _no_effect(f"{ARR}.actor.ppo_max_token_len_per_gpu", _DYNAMIC_BSZ),
     _same(f"{ARR}.actor.ppo_epochs"),
@@ -235,11 +327,37 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same(f"{ARR}.actor.policy_loss.ppo_kl_coef"),
     _same(f"{ARR}.actor.megatron.tensor_model_parallel_size", "actor.tp"),
     _same(f"{ARR}.actor.megatron.pipeline_model_parallel_size", "actor.pp"),
-    _no_effect(f"{ARR}.actor.ulysses_sequence_parallel_size", "no sequence parallelism here", _only(1)),
+    _no_effect(f"{ARR}.actor.megatron.virtual_pipeline_model_parallel_size", _SCHEDULE, _unset_or_one),
+    _no_effect(f"{ARR}.actor.megatron.expert_model_parallel_size", _MOE, _unset_or_one),
+    _no_effect(f"{ARR}.actor.megatron.expert_tensor_parallel_size", _MOE, _unset_or_one),
+    _no_effect(f"{ARR}.actor.megatron.context_parallel_size", _CONTEXT, _unset_or_one),
+    _no_effect(f"{ARR}.actor.megatron.param_offload", _OFFLOAD),
+    _no_effect(f"{ARR}.actor.megatron.grad_offload", _OFFLOAD),
+    _no_effect(f"{ARR}.actor.megatron.optimizer_offload", _OFFLOAD),
+    _no_effect(f"{ARR}.actor.megatron.use_mbridge", _BRIDGE),
+    _no_effect(f"{ARR}.actor.megatron.vanilla_mbridge", _BRIDGE),
+    _no_effect(f"{ARR}.actor.megatron.use_dist_checkpointing", _DIST_CKPT, _only(False)),
+    _no_effect(f"{ARR}.actor.megatron.dist_checkpointing_path", _DIST_CKPT),
+    _no_effect(f"{ARR}.actor.megatron.seed", "the megatron actor is seeded from trainer.seed"),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.recompute_*", _CHECKPOINTING),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.*_fusion", _SPEED),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.moe_*", _MOE, lambda v: False),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.deallocate_pipeline_outputs", _SPEED),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.persist_layer_norm", _SPEED),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.attention_backend", _SPEED),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.account_for_*_in_pipeline_split", _STAGES),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.num_layers_in_*_pipeline_stage", _STAGES),
+    _no_effect(f"{ARR}.actor.optim.override_optimizer_config.*", _OFFLOAD),
+    _no_effect(f"{ARR}.actor.ulysses_sequence_parallel_size", _SEQUENCE, _only(1)),
     _no_effect(f"{ARR}.actor.use_torch_compile", _SPEED),
     _no_effect(f"{ARR}.actor.entropy_from_logits_with_chunking", _SPEED),
     _no_effect(f"{ARR}.actor.entropy_checkpointing", _CHECKPOINTING),
     _no_effect(f"{ARR}.actor.use_fused_kernels", _SPEED),
+    _no_effect(
+        f"{ARR}.actor.use_prefix_grouper",
+        "a prompt is computed once for its group's responses here already (actor.share_prompts)",
+    ),
+    _no_effect(f"{ARR}.actor.router_replay.*", _MOE, lambda v: v in (None, "disabled")),
     _no_effect(f"{ARR}.actor.checkpoint.*", "checkpoints always hold the model, the optimizer and the trainer state"),
     # ------------------------------------------------------------------ rollout
     VerlKey(
@@ -252,19 +370,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same(f"{ARR}.rollout.n"),
     _same(f"{ARR}.rollout.temperature"),
     _same(f"{ARR}.rollout.top_p"),
-    VerlKey(
-        f"{ARR}.rollout.top_k",
-        ("rollout.top_k",),
-        to_ours=_minus_one_is_zero,
-        to_verl=lambda ours: -1 if ours[0] == 0 else ours[0],
-        note="verl's -1 (off) is our 0",
-    ),
+    _top_k(f"{ARR}.rollout.top_k", "rollout.top_k"),
     _same(f"{ARR}.rollout.response_length", "rollout.response_length"),
     _no_effect(f"{ARR}.rollout.prompt_length", "data.max_prompt_length bounds the prompts"),
     _same(f"{ARR}.rollout.gpu_memory_utilization"),
     _same(f"{ARR}.rollout.tensor_model_parallel_size", "rollout.gen_tp"),
     _same(f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size", "sequences per rank"),
-    _no_effect(f"{ARR}.rollout.log_prob_micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect(f"{ARR}.rollout.log_prob_micro_batch_size", _MICRO_GLOBAL),
     _no_effect(f"{ARR}.rollout.log_prob_use_dynamic_bsz", _DYNAMIC_BSZ),
     _no_effect(f"{ARR}.rollout.log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ),
     VerlKey(
@@ -288,17 +400,22 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect(f"{ARR}.rollout.cudagraph_capture_sizes", _SPEED),
     _no_effect(f"{ARR}.rollout.multi_stage_wake_up", _SPEED),
     _no_effect(f"{ARR}.rollout.engine_kwargs.*", _SPEED),
+    _no_effect(f"{ARR}.rollout.data_parallel_size", "vLLM's data parallelism (MoE serving); " + _MOE, _unset_or_one),
+    _no_effect(f"{ARR}.rollout.expert_parallel_size", _MOE, _unset_or_one),
+    _no_effect(f"{ARR}.rollout.trace.*", "samples are in the run store: hf runs samples RUN"),
+    _no_effect(f"{ARR}.rollout.prometheus.*", "vLLM's metrics server: hf runs timeline RUN shows each stage's seconds"),
     _no_effect(f"{ARR}.rollout.calculate_log_probs", "the engine's log-probs are kept when a correction needs them"),
     _same(
         f"{ARR}.rollout.update_weights_bucket_megabytes", "rollout.checkpoint_engine.update_weights_bucket_megabytes"
     ),
     _same(f"{ARR}.rollout.val_kwargs.temperature", "rollout.val_temperature"),
     _no_effect(f"{ARR}.rollout.val_kwargs.n", "one response per validation prompt", _only(1)),
-    _no_effect(f"{ARR}.rollout.val_kwargs.top_p", "validation samples with top_p 1", _only(1, 1.0)),
-    _no_effect(f"{ARR}.rollout.val_kwargs.top_k", "validation samples with top_k off", _only(-1, 0)),
+    _same(f"{ARR}.rollout.val_kwargs.top_p", "rollout.val_top_p"),
+    _top_k(f"{ARR}.rollout.val_kwargs.top_k", "rollout.val_top_k"),
     _no_effect(
         f"{ARR}.rollout.val_kwargs.do_sample",
-        "validation is greedy when rollout.val_kwargs.temperature is 0 (our rollout.val_temperature)",
+        "validation samples when rollout.val_kwargs.temperature (our rollout.val_temperature) is above 0, and is "
+        "greedy at 0; do_sample=false with a temperature above 0 is refused (set the temperature to 0)",
     ),
     _same(f"{ARR}.rollout.multi_turn.enable"),
     _same(f"{ARR}.rollout.multi_turn.max_assistant_turns"),
@@ -309,10 +426,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same(f"{ARR}.rollout.multi_turn.format"),
     # ------------------------------------------------------------------ ref
     _same(f"{ARR}.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size", "sequences per rank"),
-    _no_effect(f"{ARR}.ref.log_prob_micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect(f"{ARR}.ref.log_prob_micro_batch_size", _MICRO_GLOBAL),
     _no_effect(f"{ARR}.ref.log_prob_use_dynamic_bsz", _DYNAMIC_BSZ),
     _no_effect(f"{ARR}.ref.log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ),
-    _no_effect(f"{ARR}.ref.ulysses_sequence_parallel_size", "no sequence parallelism here", _only(1)),
+    _no_effect(f"{ARR}.ref.ulysses_sequence_parallel_size", _SEQUENCE, _only(1)),
     _no_effect(f"{ARR}.ref.strategy", "the ref model lives with the actor, in its layout"),
     _no_effect(f"{ARR}.ref.use_torch_compile", _SPEED),
     _no_effect(f"{ARR}.ref.entropy_from_logits_with_chunking", _SPEED),
@@ -327,16 +444,22 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same("critic.grad_clip", "critic.optim.grad_clip"),
     VerlKey(
         "critic.optim.lr_warmup_steps",
-        ("critic.optim.warmup_steps",),
+        ("critic.optim.warmup_iterations",),
         to_ours=_minus_one_is_zero,
-        note="-1 (verl: use lr_warmup_steps_ratio, 0 here) is 0",
+        note="iterations of warm-up from lr 0, as verl counts them (one scheduler step per update); -1: from "
+        "lr_warmup_steps_ratio",
     ),
-    _no_effect("critic.optim.lr_warmup_steps_ratio", "only 0 (warm-up by steps: lr_warmup_steps)", _only(0, 0.0)),
+    VerlKey(
+        "critic.optim.lr_warmup_steps_ratio",
+        note="with lr_warmup_steps -1 or unset: warmup_iterations = int(ratio x trainer.total_iterations), as verl",
+        via="critic.optim.warmup_iterations",
+    ),
+    _no_effect("critic.optim.lr_decay_style", "linear warm-up, then constant", _only("constant")),
     _no_effect("critic.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
     _same("critic.ppo_mini_batch_size"),
     _same("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size", "sequences per rank"),
     _same("critic.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size", "sequences per rank"),
-    _no_effect("critic.ppo_micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect("critic.ppo_micro_batch_size", _MICRO_GLOBAL),
     _no_effect("critic.use_dynamic_bsz", _DYNAMIC_BSZ),
     _no_effect("critic.ppo_max_token_len_per_gpu", _DYNAMIC_BSZ),
     _no_effect("critic.forward_max_token_len_per_gpu", _DYNAMIC_BSZ),
@@ -347,15 +470,37 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect("critic.model.use_remove_padding", _PADDING),
     _no_effect("critic.model.enable_gradient_checkpointing", _CHECKPOINTING),
     _no_effect("critic.model.tokenizer_path", "the critic reads the actor's tokens"),
-    _no_effect("critic.model.trust_remote_code", "no remote code is run", _only(False)),
-    _no_effect("critic.ulysses_sequence_parallel_size", "no sequence parallelism here", _only(1)),
+    _no_effect("critic.model.trust_remote_code", _REMOTE_CODE),
+    _no_effect("critic.ulysses_sequence_parallel_size", _SEQUENCE, _only(1)),
     _no_effect("critic.rollout_n", "follows actor_rollout_ref.rollout.n, as in verl"),
     _no_effect("critic.checkpoint.*", "checkpoints always hold the model, the optimizer and the trainer state"),
+    _no_effect(
+        "critic.megatron.tensor_model_parallel_size",
+        "a megatron critic lives in the actor's processes and layout (actor_rollout_ref.actor.megatron.*); the "
+        "values are the same in any layout",
+    ),
+    _no_effect(
+        "critic.megatron.pipeline_model_parallel_size",
+        "a megatron critic lives in the actor's processes and layout (actor_rollout_ref.actor.megatron.*); the "
+        "values are the same in any layout",
+    ),
+    _no_effect("critic.megatron.expert_model_parallel_size", _MOE, _unset_or_one),
+    _no_effect("critic.megatron.expert_tensor_parallel_size", _MOE, _unset_or_one),
+    _no_effect("critic.megatron.context_parallel_size", _CONTEXT, _unset_or_one),
+    _no_effect("critic.megatron.param_offload", _OFFLOAD),
+    _no_effect("critic.megatron.grad_offload", _OFFLOAD),
+    _no_effect("critic.megatron.optimizer_offload", _OFFLOAD),
+    _no_effect("critic.megatron.use_mbridge", _BRIDGE),
+    _no_effect("critic.megatron.use_dist_checkpointing", _DIST_CKPT, _only(False)),
+    _no_effect("critic.megatron.dist_checkpointing_path", _DIST_CKPT),
+    _no_effect("critic.megatron.override_transformer_config.recompute_*", _CHECKPOINTING),
+    _no_effect("critic.megatron.override_transformer_config.*_fusion", _SPEED),
+    _no_effect("critic.optim.override_optimizer_config.*", _OFFLOAD),
     # ------------------------------------------------------------------ reward
     _same("reward_model.enable"),
     _same("reward_model.model.path", "reward_model.path"),
     _same("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size", "sequences per rank"),
-    _no_effect("reward_model.micro_batch_size", _MICRO_GLOBAL, _unset),
+    _no_effect("reward_model.micro_batch_size", _MICRO_GLOBAL),
     VerlKey(
         "reward_model.max_length",
         ("reward_model.max_length",),
@@ -372,10 +517,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     _no_effect("reward_model.model.input_tokenizer", "the reward model reads the text with its own tokenizer"),
     _no_effect("reward_model.model.use_remove_padding", _PADDING),
-    _no_effect("reward_model.model.trust_remote_code", "no remote code is run", _only(False)),
+    _no_effect("reward_model.model.trust_remote_code", _REMOTE_CODE),
     _no_effect("reward_model.use_dynamic_bsz", _DYNAMIC_BSZ),
     _no_effect("reward_model.forward_max_token_len_per_gpu", _DYNAMIC_BSZ),
     _no_effect("reward_model.launch_reward_fn_async", _SPEED),
+    _no_effect("reward_model.use_reward_loop", _REWARD_LOOP),
+    _no_effect("reward_model.num_workers", _REWARD_LOOP),
+    _no_effect("reward_model.rollout.*", _REWARD_LOOP),
     _no_effect(
         "reward_model.reward_manager",
         "scores come from the score function (custom_reward_function or the data_source's); DAPO's overlong "
@@ -386,6 +534,18 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same("reward_model.overlong_buffer.len", "reward.overlong_buffer.len"),
     _same("reward_model.overlong_buffer.penalty_factor", "reward.overlong_buffer.penalty"),
     _no_effect("reward_model.overlong_buffer.log", "the penalty is always logged (reward/overlong_penalty)"),
+    _same("reward_model.reward_kwargs.overlong_buffer_cfg.enable", "reward.overlong_buffer.enable", _DAPO_KWARGS),
+    _same("reward_model.reward_kwargs.overlong_buffer_cfg.len", "reward.overlong_buffer.len", _DAPO_KWARGS),
+    _same(
+        "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "reward.overlong_buffer.penalty", _DAPO_KWARGS
+    ),
+    _no_effect("reward_model.reward_kwargs.overlong_buffer_cfg.log", "the penalty is always logged"),
+    VerlKey(
+        "reward_model.reward_kwargs.max_resp_len",
+        note="the length the overlong buffer ends at: taken when it is data.max_response_length (the buffer ends "
+        "at rollout.response_length here)",
+        via="reward.overlong_buffer",
+    ),
     _same("custom_reward_function.overlong_buffer.enable", "reward.overlong_buffer.enable", "DAPO's older spelling"),
     _same("custom_reward_function.overlong_buffer.len", "reward.overlong_buffer.len", "DAPO's older spelling"),
     _same(
@@ -415,6 +575,31 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same("algorithm.filter_groups.metric"),
     _same("algorithm.filter_groups.max_num_gen_batches"),
     _no_effect("algorithm.use_pf_ppo", "PF-PPO is not implemented", _only(False)),
+    VerlKey(
+        "algorithm.rollout_correction.rollout_is",
+        ("algorithm.rollout_correction.rollout_is",),
+        to_ours=lambda v: (None if _unset(v) else v,),
+        accepts=lambda v: _unset(v) or v in ("token", "sequence"),
+        note="truncated importance sampling per token or per sequence; null: off",
+    ),
+    _same("algorithm.rollout_correction.rollout_is_threshold"),
+    _no_effect(
+        "algorithm.rollout_correction.rollout_is_batch_normalize",
+        "the weights are not renormalised over the batch here",
+        _only(False),
+    ),
+    _no_effect("algorithm.rollout_correction.rollout_rs", "no rejection sampling of rollouts here", _unset),
+    _no_effect("algorithm.rollout_correction.rollout_rs_threshold", "no rejection sampling of rollouts here", _unset),
+    _no_effect(
+        "algorithm.rollout_correction.bypass_mode",
+        "the actor always recomputes old_log_prob (the proximal policy); bypassing it is not implemented",
+        _only(False),
+    ),
+    _no_effect(
+        "algorithm.rollout_correction.loss_type",
+        "the weights scale the PPO clipped loss (verl's ppo_clip)",
+        _only("ppo_clip"),
+    ),
     # ------------------------------------------------------------------ trainer
     _same("trainer.total_training_steps", "trainer.total_iterations"),
     VerlKey(
@@ -611,6 +796,7 @@ def translate(
             continue
         if not entry.ours and not entry.via and key in given:
             no_effect.append((key, entry.note))
+    errors += _cross_checks(values)
     if errors:
         raise ConfigError("hf verl cannot run this command line:\n  " + "\n  ".join(errors))
     if "custom_reward_function.path" in values:
@@ -618,10 +804,34 @@ def translate(
         ours["reward.custom_function"] = f"{values['custom_reward_function.path']}:{name}"
     if "trainer.total_training_steps" not in given or given["trainer.total_training_steps"] is None:
         ours["trainer.total_iterations"] = _epochs_to_iterations(values)
+    for role, section in (("actor", f"{ARR}.actor"), ("critic", "critic")):  # verl's ratio, of the whole run
+        steps = values.get(f"{section}.optim.lr_warmup_steps")
+        ratio = values.get(f"{section}.optim.lr_warmup_steps_ratio")
+        if ratio and (steps is None or int(steps) < 0):
+            ours[f"{role}.optim.warmup_iterations"] = int(float(ratio) * int(ours["trainer.total_iterations"]))
     for key in ("data.val_batch_size", "reward_model.max_length"):
         if ours.get(key) is None:
             ours.pop(key, None)
     return Translation([f"{key}={override_value(value)}" for key, value in ours.items()], no_effect)
+
+
+def _cross_checks(values: dict[str, Any]) -> list[str]:
+    """Refusals of a verl key whose value is taken only together with another's."""
+    errors = []
+    do_sample = values.get(f"{ARR}.rollout.val_kwargs.do_sample")
+    temperature = values.get(f"{ARR}.rollout.val_kwargs.temperature") or 0
+    if do_sample is False and float(temperature) > 0:
+        errors.append(
+            f"verl key {ARR}.rollout.val_kwargs.do_sample=False with val_kwargs.temperature={temperature} is not "
+            "supported here: validation is greedy exactly when the temperature is 0; set val_kwargs.temperature=0"
+        )
+    max_resp_len = values.get("reward_model.reward_kwargs.max_resp_len")
+    if max_resp_len is not None and int(max_resp_len) != int(values["data.max_response_length"]):
+        errors.append(
+            f"verl key reward_model.reward_kwargs.max_resp_len={max_resp_len} is not supported here: the overlong "
+            f"buffer ends at data.max_response_length ({values['data.max_response_length']}); give the same value"
+        )
+    return errors
 
 
 def _epochs_to_iterations(values: dict[str, Any]) -> int:

@@ -232,19 +232,21 @@ class HFRollout:
                 "generation_config.json)."
             )
 
-    def _generation_config(self, temperature: float) -> GenerationConfig:
+    def _generation_config(self, temperature: float, stream: str = "train") -> GenerationConfig:
         """The full sampling setup for ``generate``: every logits processor explicitly off except the configured ones.
 
         Greedy (`temperature` 0): ``do_sample=False`` and every logits processor neutral (the argmax of the logits).
-        Sampling: ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off) from the config, every other
-        warper at its neutral value. (transformers may still list a processor at a neutral value, e.g. suppressing
+        Sampling: ``temperature``, ``top_k`` (0 = off) and ``top_p`` (1.0 = off) from the config for `stream`
+        (`hybridflow.engine.config.RolloutConfig.filters`: validation's own), every other warper at its neutral
+        value. (transformers may still list a processor at a neutral value, e.g. suppressing
         an empty token list; it leaves the logits unchanged.)
         """
         greedy = temperature == 0.0
         options = copy.deepcopy(_OFF_ALWAYS)
         if not greedy:
             options.update(_OFF_WHEN_SAMPLING, temperature=temperature)
-            options.update(top_k=self.config.top_k, top_p=self.config.top_p)
+            top_k, top_p = self.config.filters(stream)
+            options.update(top_k=top_k, top_p=top_p)
         return GenerationConfig(
             do_sample=not greedy,
             max_new_tokens=self.config.response_length,
@@ -283,7 +285,7 @@ class HFRollout:
         global_steps = int(prompts.meta_info.get("global_steps", 0))
         row_offset = int(prompts.meta_info.get("row_offset", 0))
         batch = expand_prompts(prompts, n, stream)
-        generation_config = self._generation_config(temperature)
+        generation_config = self._generation_config(temperature, stream)
         parts = []
         with self._lent_model() as (model, device):
             size = self.config.micro_batch_size
@@ -298,24 +300,27 @@ class HFRollout:
         return out
 
     @contextlib.contextmanager
-    def token_engine(self, temperature: float) -> Iterator[Callable[[list[TokenRequest]], list[TokenOutput]]]:
+    def token_engine(
+        self, temperature: float, stream: str = "train"
+    ) -> Iterator[Callable[[list[TokenRequest]], list[TokenOutput]]]:
         """A context in which the returned function serves token requests (`hybridflow.engine.rollout.tokens`) with
-        the weight source's current model, `temperature` and the configured top-k / top-p, without touching the
-        process-global RNG (forked for the context).
+        the weight source's current model, `temperature` and the top-k / top-p configured for `stream`, without
+        touching the process-global RNG (forked for the context).
 
         The function batches its requests ``rollout.micro_batch_size`` at a time (left-padded, the micro-batch
         seeded with its first request's seed) and reports each sampled id's log-prob under the distribution it was
         drawn from (`_SampledLogProbs`).
         """
-        generation_config = self._generation_config(temperature)
+        generation_config = self._generation_config(temperature, stream)
         warpers = []  # applied by the recorder's list, so that it sees the distribution the token is drawn from
         if generation_config.do_sample:
+            top_k, top_p = self.config.filters(stream)
             if temperature != 1.0:
                 warpers.append(TemperatureLogitsWarper(temperature))
-            if self.config.top_k:
-                warpers.append(TopKLogitsWarper(self.config.top_k))
-            if self.config.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(self.config.top_p))
+            if top_k:
+                warpers.append(TopKLogitsWarper(top_k))
+            if top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p))
             generation_config.temperature, generation_config.top_k, generation_config.top_p = 1.0, 0, 1.0
         with self._lent_model() as (model, device), torch.no_grad():
 

@@ -1,8 +1,8 @@
 """Token-in-token-out engine calls: what an agent loop asks a rollout engine for, and what it gets back.
 
 Every engine (`hybridflow.engine.rollout.hf`, `hybridflow.engine.rollout.vllm`) serves a list of `TokenRequest` in
-one batched call inside its ``token_engine(temperature)`` context; the ids are fed as they are, never decoded and
-re-encoded, and the answer's ids are the sampled ids verbatim.
+one batched call inside its ``token_engine(temperature, stream)`` context; the ids are fed as they are, never decoded
+and re-encoded, and the answer's ids are the sampled ids verbatim.
 """
 
 from __future__ import annotations

@@ -79,6 +79,12 @@ class VLLMRollout:
         lora_merge: with a LoRA adapter on the weight source (its ``lora``): sync merged weights instead of the
             adapter (``model.lora_merge``).
         device: the engine's device when `weights` is None (else the weights'); None: CPU.
+        tensor_parallel: the engine's tensor-parallel size (`hybridflow.engine.extensions.engine_tp`): one engine
+            over each block of that many consecutive ranks of the initialised ``torch.distributed`` world (vLLM's
+            SPMD mode, ``distributed_executor_backend="external_launcher"``: every rank of a block builds, loads and
+            generates in step, each holding its shard). Every rank then streams the actor's whole weights and vLLM
+            keeps its shard of each tensor; the rows to generate are the same on the ranks of a block
+            (``generate`` mesh, `hybridflow.engine.backends.engines.TrainingBackend.mesh_coords`).
 
     The engine runs in ``rollout.vllm_dtype`` (bf16 by default, as rollout engines usually do): it samples from a
     slightly different distribution than the fp32 actor; ``rollout/log_prob_diff_mean`` and ``rollout/kl`` show
@@ -98,6 +104,7 @@ class VLLMRollout:
         seed: int = 0,
         lora_merge: bool = False,
         device: torch.device | None = None,
+        tensor_parallel: int = 1,
     ):
         from hybridflow.engine.backends.weights import ModelWeights
 
@@ -128,6 +135,10 @@ class VLLMRollout:
             options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
             self._lora_dir = Path(tempfile.mkdtemp(prefix="hybridflow-lora-"))  # private (0700)
             weakref.finalize(self, shutil.rmtree, self._lora_dir, ignore_errors=True)
+        segments = None
+        if tensor_parallel > 1:
+            spmd, segments = _spmd_options(tensor_parallel, self.on_gpu)
+            options.update(spmd)
         self.llm = vllm.LLM(
             model=str(model_path),
             dtype=config.vllm_dtype,
@@ -137,6 +148,8 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",  # log-probs after temperature: comparable with the actor's
             **options,
         )
+        if segments is not None:
+            _unlink_segments(segments)
         self._vllm = vllm
         if self.lora is not None:  # an adapter that starts trained (model.lora_adapter_path) reaches the engine now
             self.update_weights()
@@ -272,11 +285,12 @@ class VLLMRollout:
         with stance:
             return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
 
-    def _sampling_params(self, temperature: float, max_tokens: int, seed: int) -> Any:
+    def _sampling_params(self, temperature: float, max_tokens: int, seed: int, stream: str = "train") -> Any:
+        top_k, top_p = self.config.filters(stream)  # validation's own (RolloutConfig.filters)
         return self._vllm.SamplingParams(
             temperature=temperature,
-            top_p=self.config.top_p if temperature > 0 else 1.0,
-            top_k=self.config.top_k if temperature > 0 else 0,
+            top_p=top_p if temperature > 0 else 1.0,
+            top_k=top_k if temperature > 0 else 0,
             max_tokens=max_tokens,
             stop_token_ids=list(self.eos_token_ids),
             logprobs=0,
@@ -285,15 +299,17 @@ class VLLMRollout:
         )
 
     @contextlib.contextmanager
-    def token_engine(self, temperature: float) -> Iterator[Callable[[list[TokenRequest]], list[TokenOutput]]]:
+    def token_engine(
+        self, temperature: float, stream: str = "train"
+    ) -> Iterator[Callable[[list[TokenRequest]], list[TokenOutput]]]:
         """A context in which the returned function serves token requests (`hybridflow.engine.rollout.tokens`): each
-        request's ids go to the engine as a ``TokensPrompt``, seeded with its own seed; the answers carry the
-        engine's log-probs (after temperature)."""
+        request's ids go to the engine as a ``TokensPrompt``, seeded with its own seed, sampled with `stream`'s
+        top-k / top-p; the answers carry the engine's log-probs (after temperature)."""
         eos = set(self.eos_token_ids)
 
         def serve(requests: list[TokenRequest]) -> list[TokenOutput]:
             prompts = [self._vllm.inputs.TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
-            params = [self._sampling_params(temperature, r.max_tokens, r.seed) for r in requests]
+            params = [self._sampling_params(temperature, r.max_tokens, r.seed, stream) for r in requests]
             outputs = self._generate(prompts, params)
             answers = []
             for r, out in zip(requests, outputs, strict=True):
@@ -322,7 +338,7 @@ class VLLMRollout:
             ids = prompt_ids[i][prompt_mask[i].bool()].tolist()
             requests.append(self._vllm.inputs.TokensPrompt(prompt_token_ids=ids))
             seed = sampling_seed(self.seed, global_steps, stream, row_offset * n + i)
-            params.append(self._sampling_params(temperature, self.config.response_length, seed))
+            params.append(self._sampling_params(temperature, self.config.response_length, seed, stream))
         outputs = self._generate(requests, params)
         length = self.config.response_length
         responses = torch.full((len(batch), length), self.tokenizer.pad_token_id, dtype=torch.long)
@@ -354,9 +370,74 @@ class _Counted:
             yield name, tensor
 
 
+def _spmd_options(tensor_parallel: int, on_gpu: bool) -> tuple[dict[str, Any], str | None]:
+    """`vllm.LLM` options of an engine tensor-parallel over blocks of `tensor_parallel` consecutive ranks of this
+    process's ``torch.distributed`` world (vLLM's external launcher: its groups are built over that world, which
+    vLLM's own layout treats as independent replicas of `tensor_parallel` ranks each, "ExternalDP"), and on CPU the
+    name that engine's shared-memory segments carry (else None).
+
+    vLLM reads the rank from ``RANK`` and the device from ``LOCAL_RANK``; the worker group's ranks have neither
+    (they join their store directly), so both are set from the world and the current CUDA device. On CPU vLLM's
+    tensor-parallel group talks through POSIX shared memory named after the launcher's init method, which is always
+    ``env://``: two engines on one node (two runs, or one run's next start after a crash left the segments behind)
+    would open the same names and fail (``create shm in SHMManager failed. errno: 17``). The launcher is therefore
+    vLLM's own with a name of this engine's (rank 0's random hex, the same on every rank) in its init method, whence
+    vLLM takes the segments' names; `_unlink_segments` removes the names once every rank has mapped them.
+
+    Raises:
+        ValueError: no ``torch.distributed`` world, or one that is not a multiple of `tensor_parallel` (the config
+            check refuses both first)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % tensor_parallel:
+        raise ValueError(f"rollout.gen_tp={tensor_parallel} does not divide the actor pool's {world} ranks")
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["WORLD_SIZE"] = str(world)
+    os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if on_gpu else 0)
+    options: dict[str, Any] = {"tensor_parallel_size": tensor_parallel}
+    if on_gpu:
+        return {**options, "distributed_executor_backend": "external_launcher"}, None
+    name = [f"hybridflow-{uuid.uuid4().hex[:12]}"]
+    dist.broadcast_object_list(name, src=0)
+    return {**options, "distributed_executor_backend": _named_launcher(name[0])}, name[0]
+
+
+def _named_launcher(name: str) -> type:
+    """vLLM's external launcher whose init method (``env://:<name>``; torch.distributed is initialised already, so
+    vLLM connects nothing with it) names the engine's CPU shared-memory segments (vLLM's ``VLLM_DIST_IDENT``, the
+    text after its last colon)."""
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    class NamedExternalLauncher(ExecutorWithExternalLauncher):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            _, rank, local_rank = super()._distributed_args()
+            return f"env://:{name}", rank, local_rank
+
+    return NamedExternalLauncher
+
+
+def _unlink_segments(name: str) -> None:
+    """Remove the names of the shared-memory segments (``/dev/shm/<name>-...``) an engine's tensor-parallel group
+    opened, once every rank has built its engine (a barrier of the world): the segments live on while mapped and
+    go with the last process that maps them, so none is left behind by a rank that dies."""
+    import glob
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    for path in glob.glob(f"/dev/shm/{glob.escape(name)}*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, compute_dtype) -> VLLMRollout:
     """``rollout.name: vllm`` (registered in `hybridflow.engine.extensions`): `VLLMRollout` synced from `weights`
-    (None: a pool of its own, on ``trainer.device``, loaded from published weights)."""
+    (None: a pool of its own, on ``trainer.device``, loaded from published weights), tensor-parallel over
+    ``rollout.gen_tp`` ranks (`hybridflow.engine.extensions.engine_tp`)."""
+    from hybridflow.engine.extensions import engine_tp
     from hybridflow.engine.models import pick_device
 
     return VLLMRollout(
@@ -368,6 +449,7 @@ def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, c
         cfg.trainer.seed,
         lora_merge=cfg.model.lora_merge,
         device=pick_device(cfg.trainer.device) if weights is None else None,
+        tensor_parallel=engine_tp(cfg) if weights is not None else 1,
     )
 
 

@@ -168,12 +168,11 @@ def test_parallel_layout_keys_are_checked_and_give_the_layout():
         load_config(None, [*fsdp, "rollout.name=vllm", "rollout.gen_tp=3"])
     with pytest.raises(ConfigError, match=r"needs actor.tp=1, actor.pp=1"):
         load_config(None, [*fsdp, "rollout.name=vllm", "rollout.gen_tp=4", "actor.tp=2"])
-    single_turn_loops = ["rollout.multi_turn.enable=true", "rollout.multi_turn.default_agent_loop=single_turn"]
-    with pytest.raises(ConfigError, match=r"agent loops do not run on a tensor-parallel engine yet"):
-        load_config(None, [*fsdp, "rollout.name=vllm", "rollout.gen_tp=2", *single_turn_loops])
     apart = ['placement.pools={"a": {"roles": ["actor", "ref", "reward"]}, "g": {"roles": ["rollout"]}}']
-    with pytest.raises(ConfigError, match=r"rollout pool of its own generate without tensor parallelism"):
-        load_config(None, [*fsdp, *apart, "rollout.name=vllm", "rollout.gen_tp=2"])
+    # a rollout pool of its own: its engines split over blocks of its own ranks, whatever the actor's layout
+    assert engine_tp(load_config(None, [*fsdp, *apart, "rollout.name=vllm", "rollout.gen_tp=2", "actor.tp=2"])) == 2
+    with pytest.raises(ConfigError, match=r"rollout pool g's 4 ranks are not a multiple of rollout.gen_tp = 3"):
+        load_config(None, [*fsdp, *apart, "rollout.name=vllm", "rollout.gen_tp=3"])
     with pytest.raises(ConfigError, match=r"critic.strategy=megatron runs in the megatron actor's processes"):
         load_config(None, [*MINIMAL, "critic.strategy=megatron"])
     # the mini-batch splits over the actor's data-parallel replicas (8 ranks / (tp 2 x pp 2) = 2), not all ranks

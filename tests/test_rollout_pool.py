@@ -114,6 +114,18 @@ def test_a_rollout_pool_apart_samples_what_the_colocated_engine_samples_and_resu
     for step in (2, 3):
         assert {k: resumed[step][k] for k in SAMPLED} == {k: apart[step][k] for k in SAMPLED}
 
+    # the rollout pool on 2 ranks with one vLLM engine tensor-parallel over both (rollout.gen_tp=2): each rank loads
+    # the whole published weights and keeps its shard; it samples what the one engine sampled
+    two_ranks = {**APART, "generate": {**APART["generate"], "tasks_per_node": 2}}
+    tp_id, tp2 = _run(store, tmp_path, "apart_tp2", [f"placement.pools={json.dumps(two_ranks)}", "rollout.gen_tp=2"])
+    for step in (1, 2, 3):
+        assert {k: tp2[step][k] for k in SAMPLED} == {k: apart[step][k] for k in SAMPLED}
+        assert tp2[step]["rollout/weight_probe_diff"] < 1e-4
+    rollout = next(p for p in store.placements(tp_id) if p.role == "rollout")
+    assert rollout.parallel == {"engine": "vllm", "dp": 1, "weights": "file", "tp": 2}
+    shown = subprocess.run([HF, "runs", "show", tp_id, "--db", store.url], capture_output=True, text=True, env=wide)
+    assert "vllm tp2 x1, weights by a file" in shown.stdout, shown.stdout
+
 
 OFF = {"train": {"roles": ["actor", "ref", "reward"]}, "generate": {"roles": ["rollout"]}}
 

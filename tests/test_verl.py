@@ -187,7 +187,7 @@ def test_a_verl_grpo_script_with_vllm_tensor_parallel_beside_fsdp_trains_end_to_
     (run,) = store.list_runs()
     assert run.status == "completed"
     (actor,) = [p for p in store.placements(run.id) if p.role == "actor"]
-    assert actor.parallel["engine"] == {"engine_tp": 2, "replicas": 1}, actor.parallel
+    assert actor.parallel["rollout_engine"] == {"tp": 2, "replicas": 1}, actor.parallel
     metrics = {(m.step, m.name): m.value for m in store.metrics(run.id)}
     assert {step for step, name in metrics if name == "actor/pg_loss"} == {1, 2}
     probes = [v for (_, name), v in metrics.items() if name == "rollout/weight_probe_diff"]

@@ -365,6 +365,39 @@ def test_a_tensor_parallel_engine_beside_fsdp_generates_what_one_engine_generate
             group.shutdown()
 
 
+def test_agent_loops_on_a_tensor_parallel_engine_are_those_of_one_engine(tmp_path):
+    """Agent loops (multi-turn, a tool between turns) on a vLLM engine split over 2 FSDP ranks: the block's first
+    rank runs the loops and tools and sends each batch of token requests to the other, so both shards take the same
+    calls; the trajectories (tokens, masks, tool calls, engine log-probs) are those of a one-rank TP 1 engine."""
+    from tiny_runs import agent_overrides
+
+    from hybridflow.slurm.channel import create_secret
+    from hybridflow.slurm.handles import DataHandle
+
+    # agent_overrides' 512-token prompts and 64-token responses fit the engine's context
+    model_dir = build_tiny_model(tmp_path / "tiny128", hidden_size=128, head_dim=32, max_positions=1024)
+    create_secret(tmp_path / "secret")
+    prompts = DataHandle.put(_prompts(load_tokenizer(model_dir)), tmp_path / "data", "prompts").with_meta(
+        global_steps=1
+    )
+    agents = [*UPDATED, *agent_overrides(tmp_path)]
+    fsdp_tp = ["actor.strategy=fsdp", "rollout.gen_tp=2", "placement.tasks_per_node=2"]
+    groups = {}
+    try:
+        for name, extra in (("agent_tp1", []), ("agent_tp2", fsdp_tp)):
+            groups[name] = _actor_rollout_group(tmp_path, model_dir, name, [*agents, *extra])
+        outs = {name: g.generate_sequences(prompts, n=1, temperature=0.0).load() for name, g in groups.items()}
+    finally:
+        for group in groups.values():
+            group.shutdown()
+    one, two = outs["agent_tp1"].batch, outs["agent_tp2"].batch
+    assert len(outs["agent_tp2"]) == len(QUESTIONS)  # one copy of each trajectory
+    for key in ("responses", "response_mask", "agent/num_turns", "agent/tool_calls/echo"):
+        assert torch.equal(one[key], two[key]), key
+    assert int(two["agent/tool_calls/echo"].sum()) > 0 and int(two["agent/num_turns"].min()) > 1  # multi-turn
+    torch.testing.assert_close(one["rollout_log_probs"], two["rollout_log_probs"], atol=1e-4, rtol=1e-4)
+
+
 @register_agent_loop("test_two_turns")
 class TwoTurns(AgentLoop):
     """Four sampled tokens, a fixed tool turn, then the rest of the budget: a multi-turn trajectory on any model."""

@@ -36,13 +36,15 @@ def runs_list(db: DbOption = None, limit: int = 50) -> None:
 
 def _parallel_summary(parallel: dict | None) -> str:
     """``megatron p1-t2-d2 -> gen p1-t1 x4 (hybridflow)`` from a placement's ``parallel`` record (``fsdp`` for a
-    model with a strategy and no layout on record; ``vllm x2, weights by gloo broadcast`` for a rollout pool of its
-    own), then ``; trains N of M parameters`` when not every parameter trains (LoRA); '' when absent."""
+    model with a strategy and no layout on record; ``... -> rollout engine tp2 x2`` with a tensor-parallel vLLM
+    engine; ``vllm x2, weights by gloo broadcast`` (``vllm tp2 x1, ...``) for a rollout pool of its own), then
+    ``; trains N of M parameters`` when not every parameter trains (LoRA); '' when absent."""
     if not parallel:
         return ""
     if "engine" in parallel:  # a rollout in a pool of its own: its engines, fed published weights
         sent = {"file": "a file", "gloo": "gloo broadcast"}.get(parallel.get("weights", "file"), parallel["weights"])
-        text = f"{parallel['engine']} x{parallel.get('dp')}, weights by {sent}"
+        tp = f" tp{parallel['tp']}" if parallel.get("tp") else ""
+        text = f"{parallel['engine']}{tp} x{parallel.get('dp')}, weights by {sent}"
     elif "train" not in parallel:
         text = str(parallel.get("strategy", ""))
     else:
@@ -50,6 +52,8 @@ def _parallel_summary(parallel: dict | None) -> str:
         text = f"{parallel.get('strategy', '?')} p{train.get('pp')}-t{train.get('tp')}-d{train.get('dp')}"
         if gen:
             text += f" -> gen p{gen.get('pp')}-t{gen.get('tp')} x{gen.get('replicas')} ({parallel.get('reshard')})"
+        if engine := parallel.get("rollout_engine"):  # a rollout engine tensor-parallel over blocks of ranks
+            text += f" -> rollout engine tp{engine.get('tp')} x{engine.get('replicas')}"
     params, trainable = parallel.get("params"), parallel.get("trainable_params")
     if params and trainable is not None and trainable != params:  # a LoRA adapter: what trains, of what
         text += f"; trains {trainable:,} of {params:,} parameters"

@@ -183,10 +183,13 @@ def engine_tp(cfg: Any) -> int:
     """The tensor-parallel size of a rollout engine that splits the actor's whole weights itself (vLLM, `RolloutSpec.
     engine_tp`): beside a ddp or fsdp actor ``rollout.gen_tp`` where it differs from ``actor.tp`` (at ``actor.tp``
     generation runs in the training layout); beside a megatron actor ``rollout.gen_tp`` (default ``actor.tp``), the
-    3D-HybridEngine then resharding to whole replicas (its t_g = 1) that feed the engine. 1 otherwise."""
+    3D-HybridEngine then resharding to whole replicas (its t_g = 1) that feed the engine; in a rollout pool of its
+    own ``rollout.gen_tp`` (default 1), over that pool's ranks. 1 otherwise."""
     rollout, actor = cfg.rollout, cfg.actor
     if rollout.name == "auto" or not rollout_spec(rollout.name).engine_tp:
         return 1
+    if cfg.rollout_apart():  # engines of a pool of their own, fed whole published weights
+        return rollout.gen_tp or 1
     if training_backend(actor.strategy).hf_model:
         return 1 if rollout.gen_tp in (None, actor.tp) else rollout.gen_tp
     return rollout.gen_tp or actor.tp

@@ -26,7 +26,15 @@ from hybridflow.engine.backends.engines import TrainingBackend
 from hybridflow.engine.checkpoint import load_checkpoint, read_trainer_state
 from hybridflow.engine.config import ROLES, HybridFlowConfig
 from hybridflow.engine.embedded_models import resolve_model_path
-from hybridflow.engine.extensions import Rollout, WeightSource, awake, build_rollout, rollout_spec, training_backend
+from hybridflow.engine.extensions import (
+    Rollout,
+    WeightSource,
+    awake,
+    build_rollout,
+    engine_tp,
+    rollout_spec,
+    training_backend,
+)
 from hybridflow.engine.flops import update_mfu
 from hybridflow.engine.models import load_model, load_tokenizer, pick_device, pick_dtype
 from hybridflow.engine.protocol import DataProto
@@ -207,7 +215,8 @@ class RLHFWorker:
                 return None
             mesh = "train"
         if mesh == "generate" and "actor" not in self.roles:  # a rollout pool of its own: engines side by side
-            return None
+            tp = engine_tp(self.config)  # each engine over a block of ranks
+            return (self.rank // tp, self.world_size // tp, self.rank % tp == 0) if tp > 1 else None
         return self._backend("actor").mesh_coords(self.config, self.world_size, self.rank, mesh)
 
     def _trained(self) -> list[tuple[str, Any]]:

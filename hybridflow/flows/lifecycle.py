@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 
 from hybridflow.engine.checkpoint import CheckpointError, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig, Pool, RMTrainingConfig, SFTTrainingConfig
-from hybridflow.engine.extensions import training_backend
+from hybridflow.engine.extensions import engine_tp, training_backend
 from hybridflow.flows.groups import WORKER_CLS, group_spec
 from hybridflow.flows.lease import RunLease
 from hybridflow.flows.reporting import FlowLogs, RunReport
@@ -129,11 +129,13 @@ def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig
         return {"strategy": cfg.reward_model.strategy}
     if role not in ("actor", "rollout"):
         return None
-    if role == "rollout" and cfg.rollout_apart():  # engines of its own pool, one per rank, fed published weights
+    if role == "rollout" and cfg.rollout_apart():  # engines of its own pool (each over tp ranks), fed published weights
+        tp = engine_tp(cfg)
         return {
             "engine": cfg.rollout.name,
-            "dp": cfg.pool_of("rollout").world_size,
+            "dp": cfg.pool_of("rollout").world_size // tp,
             "weights": cfg.rollout.checkpoint_engine.backend,
+            **({"tp": tp} if tp > 1 else {}),
         }
     world = cfg.pool_of("actor").world_size
     return {"strategy": cfg.actor.strategy, **training_backend(cfg.actor.strategy).layout_record(cfg, world)}

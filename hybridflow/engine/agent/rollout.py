@@ -184,8 +184,14 @@ class AgentLoopRollout:
         def seed(row: int, turn: int) -> int:
             return sampling_seed(self.seed, global_steps, f"{stream}/turn{turn}", first_row + row)
 
+        block = getattr(self.engine, "block", None)  # a tensor-parallel engine's ranks (vLLM's EngineBlock)
         with self.engine.token_engine(temperature, stream) as serve:
-            outputs = asyncio.run(self._run(batch, loops, serve, seed, temperature))
+            if block is None:
+                outputs = asyncio.run(self._run(batch, loops, serve, seed, temperature))
+            elif block.is_leader:
+                outputs = self._lead(block, batch, loops, serve, seed, temperature)
+            else:
+                outputs = _follow(block, serve)
         out = self._assemble(batch, outputs, names)
         out.meta_info.update(prompts.meta_info)
         out.meta_info["temperature"] = temperature
@@ -224,6 +230,26 @@ class AgentLoopRollout:
                 p.future.set_result(answer)
         return [task.result() for task in tasks]
 
+    def _lead(
+        self, block: Any, batch: DataProto, loops: list, serve, seed, temperature: float
+    ) -> list[AgentLoopOutput]:
+        """Run the loops on the first rank of a tensor-parallel engine's block: each batch of token requests is sent
+        to the block's other ranks before the engine serves it (their engine shards must take the same calls), then
+        the trajectories (the tools ran here only); a failure is sent too, so that no rank waits for calls that will
+        not come."""
+
+        def mirrored(requests: list[TokenRequest]) -> list[TokenOutput]:
+            block.send(("serve", requests))
+            return serve(requests)
+
+        try:
+            outputs = asyncio.run(self._run(batch, loops, mirrored, seed, temperature))
+        except BaseException as e:
+            block.send(("failed", f"{type(e).__name__}: {e}"))
+            raise
+        block.send(("done", outputs))
+        return outputs
+
     def _assemble(self, batch: DataProto, outputs: list[AgentLoopOutput], names: list[str]) -> DataProto:
         length, pad = self.config.response_length, self.tokenizer.pad_token_id
         prompt_ids, prompt_mask = batch.batch["input_ids"], batch.batch["attention_mask"]
@@ -259,6 +285,22 @@ class AgentLoopRollout:
         if "extra_info" in non_tensors:
             non_tensors["extra_info"] = np.array(extra_infos, dtype=object)
         return DataProto.from_dict(tensors, non_tensors, dict(batch.meta_info))
+
+
+def _follow(block: Any, serve) -> list[AgentLoopOutput]:
+    """On a tensor-parallel engine's other ranks: serve the token requests the block's first rank sends
+    (`AgentLoopRollout._lead`), until it sends the trajectories.
+
+    Raises:
+        RuntimeError: the first rank's loops failed (its error named)."""
+    while True:
+        kind, payload = block.receive()
+        if kind == "serve":
+            serve(payload)
+        elif kind == "done":
+            return payload
+        else:
+            raise RuntimeError(f"the agent loops failed on this engine's first rank (rank {block.leader}): {payload}")
 
 
 def _check_output(out: AgentLoopOutput, prompt: list[int], length: int, name: str, row: int) -> None:

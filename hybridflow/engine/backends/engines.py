@@ -56,7 +56,7 @@ class TrainingBackend:
             ValueError: naming the keys and the fix.
         """
         actor, rollout = cfg.actor, cfg.rollout
-        if (actor.tp, actor.pp, rollout.gen_tp or 1, rollout.gen_pp) != (1, 1, 1, 1):
+        if (actor.tp, actor.pp, _generation_tp(cfg) or 1, rollout.gen_pp) != (1, 1, 1, 1):
             raise ValueError(
                 "actor.tp, actor.pp, rollout.gen_tp and rollout.gen_pp split the model for the 3D-HybridEngine and "
                 f"need actor.strategy=megatron (or fsdp for actor.tp); got strategy {actor.strategy!r}"
@@ -67,7 +67,7 @@ class TrainingBackend:
         tp = cfg.actor.tp
         record: dict[str, Any] = {"train": {"pp": 1, "tp": tp, "dp": world // tp}}
         if engine_tp(cfg) > 1:
-            record["engine"] = {"engine_tp": engine_tp(cfg), "replicas": world // engine_tp(cfg)}
+            record["rollout_engine"] = {"tp": engine_tp(cfg), "replicas": world // engine_tp(cfg)}
         return record
 
     def mesh_coords(self, cfg: HybridFlowConfig, world: int, rank: int, mesh: str) -> tuple[int, int, bool]:
@@ -162,12 +162,12 @@ class HFBackend(TrainingBackend):
     def check_layout(self, cfg, world):
         """``ddp``: every rank a whole replica (no tp/pp). ``fsdp``: tensor parallelism (``actor.tp``) only, and
         generation in the training layout."""
-        if engine_tp(cfg) > 1:
+        if engine_tp(cfg) > 1 and not cfg.rollout_apart():
             return self._check_engine_tp(cfg, world)
         if not self.sharded:
             return super().check_layout(cfg, world)
         actor, rollout = cfg.actor, cfg.rollout
-        if (actor.pp, rollout.gen_pp) != (1, 1) or rollout.gen_tp not in (None, actor.tp):
+        if (actor.pp, rollout.gen_pp) != (1, 1) or _generation_tp(cfg) not in (None, actor.tp):
             raise ValueError(
                 f"actor.strategy={self.name} trains with tensor parallelism (actor.tp) only and generates in the same "
                 "layout: leave actor.pp, rollout.gen_pp at 1 and rollout.gen_tp unset (or set rollout.name=vllm "
@@ -181,8 +181,7 @@ class HFBackend(TrainingBackend):
 
     def _check_engine_tp(self, cfg, world) -> None:
         """A rollout engine tensor-parallel over ``rollout.gen_tp`` ranks beside this data-parallel actor: a rollout
-        that can (vLLM), an actor without tensor or pipeline parallelism of its own, whole blocks of ranks, and
-        single-turn generation (an agent loop's tool calls would run once per rank of a block)."""
+        that can (vLLM), an actor without tensor or pipeline parallelism of its own, and whole blocks of ranks."""
         actor, rollout = cfg.actor, cfg.rollout
         if (actor.tp, actor.pp, rollout.gen_pp) != (1, 1, 1):
             raise ValueError(
@@ -291,7 +290,7 @@ class MegatronBackend(TrainingBackend):
         """The training and generation layouts, the resharding mode and the rank groups (`HybridLayout.describe`)."""
         record = {"reshard": cfg.rollout.reshard, **cfg.actor_layout().describe()}
         if engine_tp(cfg) > 1:
-            record["engine"] = {"engine_tp": engine_tp(cfg), "replicas": world // engine_tp(cfg)}
+            record["rollout_engine"] = {"tp": engine_tp(cfg), "replicas": world // engine_tp(cfg)}
         return record
 
     def build_actor(self, cfg, model_path, tokenizer, device, compute_dtype):
@@ -323,9 +322,14 @@ class MegatronBackend(TrainingBackend):
         return {}
 
 
+def _generation_tp(cfg: HybridFlowConfig) -> int | None:
+    """``rollout.gen_tp`` where the actor's ranks generate; None where the rollout has a pool of its own (its
+    engines' tensor parallelism is over that pool, `engine_tp`)."""
+    return None if cfg.rollout_apart() else cfg.rollout.gen_tp
+
+
 def _check_engine_blocks(cfg: HybridFlowConfig, world: int) -> None:
-    """A tensor-parallel rollout engine (`engine_tp`) needs whole blocks of ranks and single-turn generation (an
-    agent loop's tool calls would run once per rank of a block).
+    """A tensor-parallel rollout engine (`engine_tp`) needs whole blocks of ranks.
 
     Raises:
         ValueError: naming the keys."""
@@ -333,11 +337,6 @@ def _check_engine_blocks(cfg: HybridFlowConfig, world: int) -> None:
     if world % tp:
         raise ValueError(
             f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of rollout.gen_tp = {tp}"
-        )
-    if cfg.rollout.multi_turn.enable:
-        raise ValueError(
-            f"rollout.multi_turn.enable with a vLLM engine tensor-parallel over {tp} ranks (rollout.gen_tp): agent "
-            "loops do not run on a tensor-parallel engine yet; set rollout.gen_tp=1"
         )
 
 

@@ -372,16 +372,18 @@ class HybridFlowConfig(_Section):
                 f"{self.rollout.name!r}), {keep}"
             )
         gen_tp = self.rollout.gen_tp or self.actor.tp
-        if not training_backend(self.actor.strategy).hf_model and gen_tp > 1:
+        if not training_backend(self.actor.strategy).hf_model and gen_tp > 1 and self.actor_layout().t_g > 1:
             raise ValueError(
                 f"placement.pools: actor.strategy={self.actor.strategy} publishes its weights for a rollout pool of "
                 f"its own from the 3D-HybridEngine's generation layout, where each rank must hold the whole model "
-                f"(generation tp 1; got {gen_tp}): set rollout.gen_tp=1, {keep}"
+                f"(generation tp 1; got {gen_tp}): set rollout.gen_tp=1 (or the rollout pool's engines' tensor "
+                f"parallelism, rollout.gen_tp=N), {keep}"
             )
-        if (self.rollout.gen_tp or 1) > 1 and training_backend(self.actor.strategy).hf_model:
+        ranks = self.pool_of("rollout").world_size
+        if ranks % engine_tp(self):
             raise ValueError(
-                f"placement.pools: the vLLM engines of a rollout pool of its own generate without tensor parallelism "
-                f"here (got rollout.gen_tp={self.rollout.gen_tp}): set rollout.gen_tp=1, {keep}"
+                f"placement.pools: the rollout pool {rollout_pool}'s {ranks} ranks are not a multiple of "
+                f"rollout.gen_tp = {engine_tp(self)} (one vLLM engine per block of gen_tp ranks)"
             )
         if self.model.lora:
             raise ValueError(

@@ -198,9 +198,9 @@ class RolloutConfig(_Section):
         None,
         ge=1,
         description="tensor-parallel size of generation (verl's rollout.tensor_model_parallel_size). "
-        "rollout.name=vllm: one vLLM engine over each block of gen_tp consecutive ranks of the actor's pool, fed the "
-        "actor's whole weights; actor.strategy=megatron with rollout.name=hf: the 3D-HybridEngine's t_g (must divide "
-        "actor.tp); None: actor.tp",
+        "rollout.name=vllm: one vLLM engine over each block of gen_tp consecutive ranks of the actor's pool (or of "
+        "the rollout's pool of its own), fed the actor's whole weights; actor.strategy=megatron with "
+        "rollout.name=hf: the 3D-HybridEngine's t_g (must divide actor.tp); None: actor.tp (1 in a rollout pool)",
     )
     gen_pp: int = Field(1, ge=1, description="pipeline stages of generation (p_g); only 1 is implemented")
 

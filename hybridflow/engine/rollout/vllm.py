@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -150,6 +151,7 @@ class VLLMRollout:
         )
         if segments is not None:
             _unlink_segments(segments)
+        self.block = EngineBlock.of_this_rank(tensor_parallel) if tensor_parallel > 1 else None
         self._vllm = vllm
         if self.lora is not None:  # an adapter that starts trained (model.lora_adapter_path) reaches the engine now
             self.update_weights()
@@ -358,6 +360,49 @@ class VLLMRollout:
         return out
 
 
+@dataclass
+class EngineBlock:
+    """The ranks one tensor-parallel engine spans (`VLLMRollout` with ``tensor_parallel`` > 1: consecutive ranks of
+    the world), and a channel from its first rank, the leader, to the others. Every rank of a block must make the
+    same engine calls in the same order; where the calls depend on what happens between them (an agent loop's turns
+    and tools) the leader decides them and sends each to the others (`send` / `receive`,
+    `hybridflow.engine.agent.rollout.AgentLoopRollout`).
+
+    Attributes:
+        group: the block's process group.
+        leader: the global rank of its first rank.
+        is_leader: this rank is that rank.
+    """
+
+    group: Any
+    leader: int
+    is_leader: bool
+
+    @classmethod
+    def of_this_rank(cls, size: int) -> EngineBlock:
+        """This rank's block of `size` consecutive ranks (a collective: every rank builds every block's group)."""
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+        leader = rank - rank % size
+        return cls(groups[rank // size], leader, rank == leader)
+
+    def send(self, message: Any) -> None:
+        """The leader's `message` (any picklable object) to the block's other ranks."""
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=self.leader, group=self.group)
+
+    def receive(self) -> Any:
+        """The leader's next `send` (on the other ranks)."""
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=self.leader, group=self.group)
+        return box[0]
+
+
 class _Counted:
     """(name, tensor) pairs passed through, their bytes added up in ``bytes`` as they go."""
 
@@ -449,7 +494,7 @@ def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, c
         cfg.trainer.seed,
         lora_merge=cfg.model.lora_merge,
         device=pick_device(cfg.trainer.device) if weights is None else None,
-        tensor_parallel=engine_tp(cfg) if weights is not None else 1,
+        tensor_parallel=engine_tp(cfg),
     )
 
 

@@ -31,6 +31,8 @@ VARIANTS = {
     "kl_cov": ("grpo", ["actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=0.2"]),
     "token_sum_k3plus": ("grpo", ["actor.loss_agg_mode=token-sum", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+"]),
     "overlong": ("grpo", ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=10"]),
+    "gae": ("gae", []),
+    "pf_ppo": ("gae", ["algorithm.use_pf_ppo=true", "algorithm.pf_ppo.weight_pow=4"]),
 }
 
 
@@ -109,6 +111,17 @@ def test_the_overlong_penalty_joins_the_training_reward_not_the_score(first_step
     assert metrics["critic/rewards/mean"] == pytest.approx(
         metrics["critic/score/mean"] + metrics["reward_extra/overlong_reward/mean"], abs=1e-6
     )
+
+
+def test_pf_ppo_trains_on_the_batch_redrawn_by_reward(first_steps):
+    """PF-PPO (|score|^4 weights): the update trains on rows redrawn from the same rollout, higher scores more often
+    (the mean score of the rows drawn is above the batch's), some rows twice and others never, so the loss differs
+    from plain GAE's on the same samples."""
+    pf, gae = first_steps["pf_ppo"][0], first_steps["gae"][0]
+    assert pf["critic/score/mean"] == gae["critic/score/mean"] == first_steps["grpo"][0]["critic/score/mean"]
+    assert pf["pf_ppo/score_mean"] > gae["critic/score/mean"]
+    assert 0 < pf["pf_ppo/distinct_fraction"] < 1
+    assert pf["actor/pg_loss"] != pytest.approx(gae["actor/pg_loss"], abs=1e-6)
 
 
 def test_remax_subtracts_the_score_of_each_prompts_greedy_response(first_steps):

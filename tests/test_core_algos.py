@@ -1227,3 +1227,26 @@ def test_compute_advantage_steps_lambda_then_combines_the_reward_and_cost_gae():
         compute_advantage(DataProto.from_dict({"token_level_scores": scores, "response_mask": mask, "values": values}),
                           algorithm, lagrangian=build_lagrangian(algorithm))  # fmt: skip
     assert build_lagrangian(AlgorithmConfig()) is None
+
+
+def test_pf_ppo_weights_are_verls_and_the_redraw_follows_them():
+    """PF-PPO (Shen et al. 2024; verl's compute_pf_ppo_reweight_data): pow |s|^p, max_min 1 at the extremes else 0,
+    max_random 0.4 at the maximum else 0.1, each + 1e-8; B rows drawn with replacement in proportion, ascending,
+    the same for the same generator seed."""
+    from hybridflow.engine.algorithms.policy_filtration import filtration_weights, resampled_rows
+
+    scores = torch.tensor([-2.0, 0.0, 1.0, 3.0, 3.0, 0.5])
+    assert_close(filtration_weights(scores, "pow", 2.0), torch.tensor([4.0, 0.0, 1.0, 9.0, 9.0, 0.25]) + 1e-8)
+    assert_close(filtration_weights(scores, "max_min", 2.0), torch.tensor([1.0, 0, 0, 1, 1, 0]) + 1e-8)
+    assert_close(filtration_weights(scores, "max_random", 2.0), torch.tensor([0.1, 0.1, 0.1, 0.4, 0.4, 0.1]) + 1e-8)
+    with pytest.raises(ValueError, match="pow, max_min or max_random"):
+        filtration_weights(scores, "top", 2.0)
+    rows = resampled_rows(scores, "max_min", 2.0, torch.Generator().manual_seed(0))
+    assert len(rows) == 6 and rows == sorted(rows) and set(rows) <= {0, 3, 4}  # weight 1e-8 rows: drawn p ~ 1e-8
+    assert rows == resampled_rows(scores, "max_min", 2.0, torch.Generator().manual_seed(0))
+    # many draws: the frequencies follow the pow weights (row 1, score 0, never)
+    counts = torch.zeros(6)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(2000):
+        counts += torch.bincount(torch.tensor(resampled_rows(scores, "pow", 2.0, generator)), minlength=6)
+    assert_close(counts / counts.sum(), torch.tensor([4.0, 0.0, 1.0, 9.0, 9.0, 0.25]) / 23.25, atol=0.01, rtol=0)

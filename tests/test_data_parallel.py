@@ -1,6 +1,7 @@
 """Data-parallel training across the ranks of a worker group (real processes, gloo): a DP=2 update equals the DP=1
 update on the same global batch, with DDP (gradients all-reduced), with FSDP2 (``strategy: fsdp``: parameters,
-gradients and optimizer states sharded) and with FSDP2 over 2 replicas of 2 tensor-parallel ranks (DTensor TP,
+gradients and optimizer states sharded; its actor and critic also recompute activations: ``gradient_checkpointing``)
+and with FSDP2 over 2 replicas of 2 tensor-parallel ranks (DTensor TP,
 ``actor.tp: 2``); the FSDP group's checkpoints are the DDP format and load back exactly."""
 
 import pytest
@@ -67,6 +68,8 @@ def groups(tmp_path_factory, tiny_model_dir):
     fsdp = cfg.model_copy(deep=True)
     fsdp.actor.strategy = fsdp.critic.strategy = "fsdp"
     fsdp_tp = fsdp.model_copy(deep=True)  # 4 ranks: 2 data-parallel replicas x 2 tensor-parallel ranks
+    # activation checkpointing (recomputed in the backward pass under FSDP2's re-gathered weights): the same update
+    fsdp.model.gradient_checkpointing = fsdp.critic.gradient_checkpointing = True
     fsdp_tp.actor.tp, fsdp_tp.placement.tasks_per_node = 2, 4
     made = {}
     groups = ((1, 1, cfg), (2, 2, cfg), ("fsdp", 2, fsdp), ("fsdp-tp", 4, fsdp_tp))

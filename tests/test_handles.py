@@ -45,7 +45,8 @@ def test_union_select_and_delete(tmp_path):
 
 
 def test_take_and_concat_pick_rows_across_parts_without_copying(tmp_path):
-    """Two draws' kept rows (DAPO's dynamic sampling) as one batch: rows from several files, each read in place."""
+    """Two draws' kept rows (DAPO's dynamic sampling) as one batch: rows from several files, each read in place;
+    rows drawn again (PF-PPO) read again."""
     from hybridflow.slurm.handles import write_part
 
     def drawn(offset: int) -> DataHandle:  # a two-rank result (rows 0-2 and 3-5) with a second column group
@@ -65,6 +66,10 @@ def test_take_and_concat_pick_rows_across_parts_without_copying(tmp_path):
     assert DataHandle.from_json(kept.to_json()).load().batch["x"].tolist() == [1, 2, 3, 4, 100, 105]
     with pytest.raises(ValueError, match="ascending"):
         first.take([2, 1])
+    # PF-PPO's redraw: rows repeat (across the two ranks' files); a consumer's share reads its repeats
+    redrawn = first.take([0, 2, 2, 3, 3, 3])
+    assert redrawn.load().batch["x"].tolist() == [0, 2, 2, 3, 3, 3]
+    assert redrawn.load(slice(2, 5)).batch["s"].tolist() == [2.0, 3.0, 3.0]
     with pytest.raises(ValueError, match=r"holds columns \['x'\], unlike \['x', 's'\]"):
         DataHandle.concat([first, first.select(["x"])])
     # a batch restored in one file (a generation ahead, from a checkpoint) beside one written a file per stage

@@ -54,7 +54,7 @@ def _batch(trainer: SingleProcessTrainer):
 
 def test_lora_settings_are_checked_before_any_work(tmp_path, tiny_model_dir):
     base = [f"model.path={tiny_model_dir}", "data.reasoning_gym.name=basic_arithmetic"]
-    with pytest.raises(ConfigError, match=r"model.lora_adapter_path and model.lora_merge .* model.lora_rank > 0"):
+    with pytest.raises(ConfigError, match=r"model.lora_merge is a LoRA setting: set model.lora_rank > 0"):
         load_config(None, [*base, "model.lora_merge=true"])
     with pytest.raises(ConfigError, match=r"actor.strategy=megatron .* set actor.strategy=ddp or fsdp"):
         load_config(None, [*base, "model.lora_rank=8", "actor.strategy=megatron"])
@@ -273,6 +273,15 @@ def test_a_run_starts_from_a_saved_adapter(runs, tiny_model_dir, tmp_path):
     saved, loaded = runs.a.actor.lora.state(), adapter.state()
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert adapter.trainable_parameters() == runs.a.actor.lora.trainable_parameters()
+    # verl's way: an adapter path without a rank takes the adapter's own rank and alpha (a rank of 0 is refused)
+    rankless = ModelConfig(path=str(tiny_model_dir), lora_adapter_path=str(folder))
+    assert (rankless.lora_rank, rankless.lora_alpha) == (
+        runs.a.actor.lora.rank,
+        runs.a.actor.lora.peft.peft_config["default"].lora_alpha,
+    )
+    assert rankless.lora and runs.a.actor.lora.rank > 0
+    with pytest.raises(ValueError, match=r"model.lora_adapter_path=.*adapter_config.json .*or set model.lora_rank"):
+        ModelConfig(path=str(tiny_model_dir), lora_adapter_path=str(tmp_path))
     config = ModelConfig(path=str(tiny_model_dir), lora_rank=8, lora_adapter_path=str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"model.lora_adapter_path=.* adapter_config.json, adapter_model"):
         LoraAdapter(load_model(tiny_model_dir, torch.float32, "cpu"), config)

@@ -389,6 +389,39 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, rollout_batch):
     assert values.dtype == torch.float32
 
 
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_activation_checkpointing_keeps_the_update_and_frees_the_layers_activations(
+    tiny_model_dir, rollout_batch, role
+):
+    """``model.gradient_checkpointing`` / ``critic.gradient_checkpointing``: the update (two mini-batches of two
+    micro-batches) moves the weights exactly as without it, while autograd's saved tensors peak far lower (each
+    layer keeps only its input until the backward pass reaches it)."""
+    from saved_activations import PeakSavedBytes
+
+    from hybridflow.engine.models import checkpoint_layers
+
+    data = with_old_log_probs(make_actor(tiny_model_dir), rollout_batch)
+    columns = {"values": torch.zeros(len(data), T), "returns": rollout_batch.batch["advantages"] + 0.5}
+    data = data.union(DataProto.from_dict(columns))
+    peaks, weights = {}, {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        if role == "actor":
+            trained = make_actor(tiny_model_dir, ppo_mini_batch_size=2, ppo_micro_batch_size=2)
+        else:
+            config = CriticConfig(ppo_mini_batch_size=2, ppo_micro_batch_size=2)
+            trained = Critic(load_critic(tiny_model_dir), config, rollout_n=N)
+        if checkpointing:
+            checkpoint_layers(trained.model)
+        with PeakSavedBytes().watch() as meter:
+            metrics = trained.update_policy(data) if role == "actor" else trained.update_critic(data)
+        peaks[checkpointing], weights[checkpointing] = meter.peak, params(trained.model)
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+    for name, weight in weights[False].items():
+        assert_close(weights[True][name], weight, rtol=0, atol=1e-6, msg=name)
+    assert peaks[True] < 0.6 * peaks[False], peaks
+
+
 def test_warmup_lr_schedule(tiny_model_dir, rollout_batch):
     # documented: linear warm-up from lr/warmup_steps to lr over warmup_steps optimizer steps, then constant
     lr, warmup = 1e-3, 4

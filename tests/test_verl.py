@@ -86,7 +86,7 @@ def _verl_grpo(tmp_path: Path, tiny_model_dir: Path) -> list[str]:
 def _native(tmp_path: Path, tiny_model_dir: Path) -> Path:
     """The same run written in HybridFlow's keys, verl's defaults spelled out where they differ from ours."""
     tree = {
-        "model": {"path": str(tiny_model_dir)},
+        "model": {"path": str(tiny_model_dir), "gradient_checkpointing": True},
         "data": {
             "train_files": [str(tmp_path / "train.jsonl")],
             "val_files": [str(tmp_path / "val.jsonl")],
@@ -279,11 +279,14 @@ def test_the_keys_of_verls_7b_and_megatron_scripts_translate_or_are_refused_nami
         "model.lora_rank": "32",
         "model.target_modules": "[q_proj, k_proj, v_proj, gate_proj, up_proj]",
         "algorithm.rollout_correction.rollout_is": "token",
+        "model.gradient_checkpointing": "true",  # megatron's recompute_granularity=full
     }
     assert {k: ours.get(k) for k in expected} == expected
     said = {key for key, _ in translation.no_effect}
     assert f"{arr}.actor.megatron.param_offload" in said and f"{arr}.actor.megatron.use_mbridge" in said
-    assert f"{arr}.actor.megatron.override_transformer_config.recompute_granularity" in said
+    assert f"{arr}.actor.megatron.override_transformer_config.recompute_granularity" not in said  # it has effect
+    explicit = translate([*script, f"{arr}.model.enable_gradient_checkpointing=False"]).overrides
+    assert "model.gradient_checkpointing=false" in explicit and "model.gradient_checkpointing=true" not in explicit
 
     refused = {
         f"{arr}.actor.megatron.expert_model_parallel_size=8": "mixture-of-experts parallelism",

@@ -275,6 +275,35 @@ def compute_advantage(
     return DataProto.from_dict(out), metrics
 
 
+def policy_filtration(
+    scores: DataProto, algorithm: AlgorithmConfig, seed: int, step: int
+) -> tuple[list[int], dict[str, float]]:
+    """PF-PPO's rows (`hybridflow.engine.algorithms.policy_filtration.resampled_rows`): the batch to train on, B rows
+    of the scored batch redrawn with replacement by ``algorithm.pf_ppo``'s weights of each response's score.
+
+    Args:
+        scores: ``token_level_scores`` float32 [B, T] (a response's score is its sum, as verl).
+        algorithm: the ``algorithm`` section (``pf_ppo.reweight_method``, ``pf_ppo.weight_pow``).
+        seed, step: ``trainer.seed`` and the iteration; the draw's generator is seeded from both (and the stream
+            ``pf_ppo``), so a resumed run redraws the same rows.
+
+    Returns:
+        (the B row indices, ascending, repeats allowed; ``pf_ppo/distinct_fraction``: distinct rows drawn / B,
+        ``pf_ppo/score_mean``: the mean score of the rows drawn).
+    """
+    from hybridflow.engine.algorithms.policy_filtration import resampled_rows
+    from hybridflow.engine.rollout.hf import sampling_seed
+
+    score = scores.batch["token_level_scores"].sum(-1)
+    generator = torch.Generator().manual_seed(sampling_seed(seed, step, "pf_ppo", 0))
+    rows = resampled_rows(score, algorithm.pf_ppo.reweight_method, algorithm.pf_ppo.weight_pow, generator)
+    metrics = {
+        "pf_ppo/distinct_fraction": len(set(rows)) / len(rows),
+        "pf_ppo/score_mean": float(score[rows].mean()),
+    }
+    return rows, metrics
+
+
 ADVANTAGE_INPUTS = (
     "token_level_scores",
     "response_mask",

@@ -147,6 +147,11 @@ class Stages(Protocol):
         batch of the same rows, and the stage's metrics."""
         ...
 
+    def policy_filtration(self, batch: Any, step: int) -> tuple[list[int], dict[str, float]]:
+        """PF-PPO: the rows to train on, redrawn from the scored batch (`hybridflow.engine.advantage.
+        policy_filtration`), and their metrics."""
+        ...
+
     def view(self, batch: Any) -> DataProto:
         """The batch's columns the iteration's metrics need (`hybridflow.engine.metrics.batch_metrics`), loaded."""
         ...
@@ -268,9 +273,14 @@ def run_iteration(
         if dapo:
             metrics["train/num_gen_batches"] = draws
         rollout = rollout.union(advantages)
+        trained = rollout  # PF-PPO: the updates train on the batch redrawn by reward; the metrics see all samples
+        if cfg.algorithm.use_pf_ppo:
+            rows, pf_metrics = stages.policy_filtration(rollout, step)
+            trained = rollout.take(rows)
+            metrics.update(pf_metrics)
         for updated in stages(
-            Call("update_critic", "critic", (rollout,), when="critic" in roles),
-            Call("update_actor", "actor", (rollout,)),
+            Call("update_critic", "critic", (trained,), when="critic" in roles),
+            Call("update_actor", "actor", (trained,)),
         ):
             metrics.update(updated or {})
         if queue is not None:

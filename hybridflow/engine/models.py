@@ -167,6 +167,15 @@ def load_critic(
     return _attend_per_group(model)
 
 
+def checkpoint_layers(model: PreTrainedModel) -> None:
+    """Activation checkpointing on a Hugging Face model (``model.gradient_checkpointing``,
+    ``critic.gradient_checkpointing``; Chen et al. 2016): in training mode each decoder layer keeps only its input
+    and recomputes its activations in the backward pass (PyTorch's non-reentrant ``torch.utils.checkpoint``, which
+    replays the RNG state: the same values and gradients for about one more forward of compute). Call it before
+    LoRA, DDP or FSDP wrap the model; eval-mode forwards (log-probs, generation) are unchanged."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _attend_per_group(model: PreTrainedModel) -> PreTrainedModel:
     """Switch a model on sdpa attention to `hybridflow.engine.packing.packed_sdpa` (sdpa per prompt group of a
     packed sequence, plain sdpa otherwise); models on another implementation keep it."""

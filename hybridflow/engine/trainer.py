@@ -24,6 +24,7 @@ from hybridflow.engine.advantage import (
     advantage_stage,
     build_kl_controller,
     build_lagrangian,
+    policy_filtration,
     reward_shaping,
 )
 from hybridflow.engine.agent.rollout import prompt_tools
@@ -308,6 +309,10 @@ class LocalStages:
         with self.timer(TIMING["advantage"]):
             shaping = reward_shaping(self.cfg)
             return advantage_stage(batch, greedy, self.cfg.algorithm, trainer.kl_ctrl, shaping, trainer.lagrangian)
+
+    def policy_filtration(self, batch: DataProto, step: int) -> tuple[list[int], dict[str, float]]:
+        with self.timer(TIMING["advantage"]):
+            return policy_filtration(batch, self.cfg.algorithm, self.cfg.trainer.seed, step)
 
     def view(self, batch: DataProto) -> DataProto:
         return batch

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from hybridflow.engine.backends.hybrid_actor import HybridActorRollout
     from hybridflow.engine.backends.lora import LoraReference
     from hybridflow.engine.backends.megatron_critic import MegatronCritic
+    from hybridflow.engine.reward.judge import JudgeRewardModel
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Roles:
     cost_critic: Critic | None = None  # Safe-RLHF: a second value model in the critic's processes
     reward_fn: RewardManager | None = None
     cost_fn: RewardManager | None = None  # Safe-RLHF: reward.cost_function, with the score function
-    reward_model: RewardModel | None = None
+    reward_model: RewardModel | JudgeRewardModel | None = None
     cost_model: RewardModel | None = None  # Safe-RLHF: reward_model.cost_path, scored with the reward model
 
     def critics(self) -> list[Critic | MegatronCritic]:
@@ -141,7 +142,12 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
     if "reward_model" in roles:
         rm = cfg.reward_model
         dtype = pick_dtype(rm.dtype, device)
-        if rm.enable:
+        if rm.enable and rm.judge.enable:  # a generative reward model
+            from hybridflow.engine.reward.judge import JudgeRewardModel
+
+            path = resolve_model_path(rm.path)
+            out.reward_model = JudgeRewardModel(rm, path, out.tokenizer, device, dtype, cfg.trainer.seed)
+        elif rm.enable:
             out.reward_model = RewardModel(rm, resolve_model_path(rm.path), out.tokenizer, device, dtype)
         if rm.cost_path:
             cost_path = resolve_model_path(rm.cost_path)
@@ -249,8 +255,9 @@ class RLHFWorker:
             counts = {"params": backend.parameter_count(role, trained)}
             counts["trainable_params"] = backend.trainable_count(role, trained)
             info.update({f"{role}_{key}": n for key, n in counts.items() if n is not None})
-        if self.reward_model is not None:
-            info["reward_model_params"] = sum(p.numel() for p in self.reward_model.model.parameters())
+        rm_model = getattr(self.reward_model, "model", None)  # a judge on vLLM: the engine's own
+        if rm_model is not None:
+            info["reward_model_params"] = sum(p.numel() for p in rm_model.parameters())
         return info
 
     @register(Dispatch.DP_COMPUTE_PROTO, mesh="generate")

@@ -31,6 +31,7 @@ The prompt sets built here are cached in the process, so the flow that follows d
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import re
 import tempfile
@@ -57,9 +58,11 @@ from hybridflow.engine.data import PromptDataset, build_prompt_rows, train_sampl
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.epochs import split_held_out
 from hybridflow.engine.models import cpu_has_native_bf16, load_tokenizer, pick_device
+from hybridflow.engine.reward.judge import check_judge, load_judge_functions
 from hybridflow.engine.reward.preference import load_preference_rows
 from hybridflow.engine.reward.reward_model import RewardModelError, check_reward_model, rendered_prompt_length
 from hybridflow.engine.reward.rewards import check_builtin_source, load_reward_function
+from hybridflow.engine.rollout.vllm import INSTALL_HINT
 from hybridflow.engine.sft.conversations import load_conversations, tokenize_conversation
 from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
 from hybridflow.slurm import cluster, network
@@ -97,8 +100,11 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     if cfg.critic.model_path:
         model_folder("critic.model_path", cfg.critic.model_path)
     rm = cfg.reward_model
-    scorers = {"reward_model.path": rm.path if rm.enable else None, "reward_model.cost_path": rm.cost_path}
+    classifier = rm.path if rm.enable and not rm.judge.enable else None
+    scorers = {"reward_model.path": classifier, "reward_model.cost_path": rm.cost_path}
     scorers = {key: _check_reward_model(path, key) for key, path in scorers.items() if path}
+    if rm.enable and rm.judge.enable:
+        _check_judge(cfg)
     functions = {"reward.custom_function": cfg.reward.custom_function, "reward.cost_function": cfg.reward.cost_function}
     for key, spec in functions.items():
         if spec:
@@ -187,6 +193,22 @@ def _check_reward_model(path: str, key: str = "reward_model.path") -> Any:
         return check_reward_model(folder, key)[1]
     except RewardModelError as e:
         raise InputError(str(e)) from None
+
+
+def _check_judge(cfg: HybridFlowConfig) -> None:
+    """A generative reward model (``reward_model.judge``): a causal LM at ``reward_model.path``, the two user
+    functions loadable with their arguments, and vLLM installed for ``judge.engine: vllm``."""
+    judge = cfg.reward_model.judge
+    folder = model_folder("reward_model.path", cfg.reward_model.path)
+    try:
+        check_judge(folder)
+        load_judge_functions(cfg.reward_model)
+    except (RewardModelError, ValueError, ImportError, AttributeError, TypeError, FileNotFoundError) as e:
+        raise InputError(str(e)) from None
+    if judge.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise InputError(
+            f"reward_model.judge.engine=vllm: {INSTALL_HINT.replace('rollout.name=hf', 'judge.engine=hf')}"
+        )
 
 
 def _check_reward_model_length(max_length: int, train: PromptDataset, rm_tokenizer: Any) -> None:

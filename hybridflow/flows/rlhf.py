@@ -228,6 +228,11 @@ class StageRunner:
         algorithm = self.cfg.algorithm
         return stages.advantage(batch, algorithm, self.kl_ctrl, self.data_dir, shaping, greedy, self.lagrangian)
 
+    def policy_filtration(self, batch: DataHandle, step: int) -> tuple[list[int], dict[str, float]]:
+        """PF-PPO's redraw (`hybridflow.tasks.stages.policy_filtration`), in the controller."""
+        enter_stage("policy_filtration", step + 1, step)
+        return stages.policy_filtration(batch, self.cfg.algorithm, self.cfg.trainer.seed, step)
+
     def view(self, batch: DataHandle) -> DataProto:
         """The columns `hybridflow.engine.metrics.batch_metrics` reads, loaded."""
         keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask"]

@@ -120,14 +120,14 @@ class DataHandle:
         return DataHandle(self.length, self.groups, {**self.meta_info, **meta_info}, self.id)
 
     def take(self, rows: Sequence[int]) -> DataHandle:
-        """A handle over rows `rows` (ascending) of this one, in that order, reading the same files (nothing is
-        read or copied): e.g. the kept groups of DAPO's dynamic sampling.
+        """A handle over rows `rows` (ascending; a row may repeat) of this one, in that order, reading the same
+        files (nothing is read or copied): e.g. the kept groups of DAPO's dynamic sampling, PF-PPO's redrawn rows.
 
         Raises:
-            ValueError: `rows` is not strictly ascending or leaves 0..length-1.
+            ValueError: `rows` is not ascending or leaves 0..length-1.
         """
         rows = list(rows)
-        if any(b <= a for a, b in zip(rows, rows[1:], strict=False)) or (
+        if any(b < a for a, b in zip(rows, rows[1:], strict=False)) or (
             rows and (rows[0] < 0 or rows[-1] >= self.length)
         ):
             raise ValueError(f"take: rows must be ascending within 0..{self.length - 1}")

@@ -23,6 +23,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from hybridflow.engine.advantage import ADVANTAGE_INPUTS, advantage_stage
+from hybridflow.engine.advantage import policy_filtration as engine_policy_filtration
 from hybridflow.engine.algorithms.kl import KLController
 from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier
 from hybridflow.engine.checkpoint import AHEAD_DIR, begin_checkpoint, finish_checkpoint
@@ -81,6 +82,15 @@ def filter_groups(scored: DataHandle, metric: str, shaping: dict[str, Any]) -> l
     (`hybridflow.engine.dynamic_sampling.kept_rows`). Runs in the controller on [B] columns."""
     data = scored.select(["uid", *metric_columns(metric, scored.keys)]).load()
     return kept_rows(data, metric, **shaping)
+
+
+@_stage("policy_filtration")
+def policy_filtration(
+    batch: DataHandle, algorithm: AlgorithmConfig, seed: int, step: int
+) -> tuple[list[int], dict[str, float]]:
+    """PF-PPO's rows of `batch` to train on (`hybridflow.engine.advantage.policy_filtration`). Runs in the controller
+    on the [B, T] scores; the caller takes the rows (`DataHandle.take`: nothing is copied)."""
+    return engine_policy_filtration(batch.select(["token_level_scores"]).load(), algorithm, seed, step)
 
 
 @_stage("advantage")

@@ -213,9 +213,11 @@ class HFBackend(TrainingBackend):
     def build_actor(self, cfg, model_path, tokenizer, device, compute_dtype):
         from hybridflow.engine.backends.actor import Actor
         from hybridflow.engine.backends.weights import GatheredWeights, ModelWeights
-        from hybridflow.engine.models import load_model
+        from hybridflow.engine.models import checkpoint_layers, load_model
 
         policy = load_model(model_path, compute_dtype, device, trainable=True)
+        if cfg.model.gradient_checkpointing:
+            checkpoint_layers(policy)
         lora = None
         if cfg.model.lora:  # the adapter goes in before DDP/FSDP wrap the model (only it will train)
             from hybridflow.engine.backends.lora import LoraAdapter
@@ -234,9 +236,11 @@ class HFBackend(TrainingBackend):
 
     def build_critic(self, cfg, actor, critic_path, device, compute_dtype, name="critic", columns=_VALUE_COLUMNS):
         from hybridflow.engine.backends.critic import Critic
-        from hybridflow.engine.models import load_critic
+        from hybridflow.engine.models import checkpoint_layers, load_critic
 
         model = load_critic(critic_path, compute_dtype, device, trainable=True)
+        if cfg.critic.gradient_checkpointing:
+            checkpoint_layers(model)
         return Critic(model, cfg.critic, cfg.rollout.n, cfg.trainer.seed, compute_dtype, name=name, columns=columns)
 
 

@@ -94,7 +94,7 @@ class HybridActorRollout:
         ):
             if value % layout.t:
                 raise ValueError(f"the model's {key} ({value}) do not split into actor.tp={layout.t} parts")
-        self.model = build_gpt_model(self.hf_config).to(device)
+        self.model = build_gpt_model(self.hf_config, recompute=cfg.model.gradient_checkpointing).to(device)
         load_hf_weights(self.model, {n: p.detach() for n, p in hf_model.named_parameters()}, self.hf_config)
         del hf_model
         correction = cfg.algorithm.rollout_correction
@@ -116,7 +116,9 @@ class HybridActorRollout:
 
         hf_critic = load_critic(critic_path, torch.float32, device, trainable=False)
         self.critic_config = hf_critic.config
-        model = build_gpt_model(self.critic_config, value_head=True).to(device)
+        model = build_gpt_model(
+            self.critic_config, value_head=True, recompute=self.cfg.critic.gradient_checkpointing
+        ).to(device)
         load_hf_weights(model, {n: p.detach() for n, p in hf_critic.named_parameters()}, self.critic_config)
         del hf_critic
         self.critic = MegatronCritic(model, self.cfg.critic, self.cfg.rollout.n, self.cfg.trainer.seed)

@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from hybridflow.engine.backends.megatron_bridge import hf_to_mcore, shard, stage_names
 
 
-def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype = torch.float32):
-    """megatron-core ``TransformerConfig`` equivalent to `hf_config` (no dropout, no fused CUDA kernels).
+def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype = torch.float32, recompute: bool = False):
+    """megatron-core ``TransformerConfig`` equivalent to `hf_config` (no dropout, no fused CUDA kernels). With
+    `recompute`, full activation recompute of every layer (``recompute_granularity="full"``, ``uniform``, one layer
+    per unit: Korthikanti et al. 2022, §3, megatron's full checkpointing): each layer keeps only its input in training.
 
     Raises:
         ValueError: a model type outside the Llama family (no SwiGLU / RMSNorm).
@@ -54,6 +56,11 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype = torch.f
         gradient_accumulation_fusion=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        **(
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if recompute
+            else {}
+        ),
     )
 
 
@@ -69,10 +76,11 @@ class ValueHead(torch.nn.Module):
         return self.head(hidden_states), None
 
 
-def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, value_head: bool = False):
+def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, value_head: bool = False, recompute: bool = False):
     """This rank's ``GPTModel`` (its pipeline stage, its tensor-parallel shard) under the initialised megatron
     parallel state (``parallel_state.initialize_model_parallel``). With `value_head` it is a critic: the last
-    stage ends in a `ValueHead` (the model returns values [b, s, 1] instead of logits) and no weights are tied."""
+    stage ends in a `ValueHead` (the model returns values [b, s, 1] instead of logits) and no weights are tied. With
+    `recompute`, activation recompute (`transformer_config`)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -82,6 +90,7 @@ def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, value_head: b
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
         dtype,
+        recompute,
     )
     rope = getattr(hf_config, "rope_parameters", None) or {}
     model = GPTModel(

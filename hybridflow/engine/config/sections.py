@@ -52,13 +52,20 @@ class ModelConfig(_Section):
     lora_merge: bool = Field(
         False, description="sync merged full weights to a vLLM rollout instead of the adapter alone"
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in the backward pass instead of keeping them "
+        "(activation checkpointing: less memory, about one more forward of compute; the same values)",
+    )
 
     @model_validator(mode="after")
     def _lora_keys_need_a_rank(self) -> ModelConfig:
-        if self.lora_rank == 0 and (self.lora_adapter_path or self.lora_merge):
+        if self.lora_rank == 0 and self.lora_adapter_path:  # verl's way: the adapter's own rank and alpha
+            self.lora_rank, self.lora_alpha = _adapter_rank(Path(self.lora_adapter_path))
+        if self.lora_rank == 0 and self.lora_merge:
             raise ValueError(
-                "model.lora_adapter_path and model.lora_merge are LoRA settings: set model.lora_rank > 0 (the "
-                "adapter's rank, e.g. 16)"
+                "model.lora_merge is a LoRA setting: set model.lora_rank > 0 (the adapter's rank, e.g. 16) or "
+                "model.lora_adapter_path"
             )
         return self
 
@@ -66,6 +73,24 @@ class ModelConfig(_Section):
     def lora(self) -> bool:
         """Whether the actor trains a LoRA adapter instead of every weight."""
         return self.lora_rank > 0
+
+
+def _adapter_rank(folder: Path) -> tuple[int, float]:
+    """``(r, lora_alpha)`` of the PEFT adapter saved in `folder` (its ``adapter_config.json``).
+
+    Raises:
+        ValueError: `folder` holds no readable adapter config (names the file and what to give instead)."""
+    import json
+
+    path = folder / "adapter_config.json"
+    try:
+        adapter = json.loads(path.read_text())
+        return int(adapter["r"]), float(adapter.get("lora_alpha", 8))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"model.lora_adapter_path={folder}: no LoRA rank in {path} ({type(e).__name__}: {e}); give a folder "
+            "written by PeftModel.save_pretrained (or a LoRA run's checkpoint actor/), or set model.lora_rank"
+        ) from None
 
 
 class ReasoningGymConfig(_Section):
@@ -370,6 +395,7 @@ class CriticConfig(_Section):
     cliprange_value: float = Field(0.5, gt=0.0)
     loss_agg_mode: LossAggMode = "token-mean"
     share_prompts: bool = Field(True, description="as actor.share_prompts, for the values and the critic update")
+    gradient_checkpointing: bool = Field(False, description="as model.gradient_checkpointing, for the value model")
 
     @property
     def shares_prompts(self) -> bool:
@@ -427,6 +453,18 @@ class RolloutCorrectionConfig(_Section):
     )
 
 
+class PFPPOConfig(_Section):
+    """PF-PPO's policy filtration (Shen et al. 2024, arXiv 2409.06957; verl's ``algorithm.pf_ppo``): how responses
+    are weighted when the batch is redrawn from itself (`hybridflow.engine.algorithms.policy_filtration`)."""
+
+    reweight_method: Literal["pow", "max_min", "max_random"] = Field(
+        "pow",
+        description="pow: |score|^weight_pow; max_min: only the batch's highest and lowest scores; max_random: the "
+        "highest 4x as likely as the others",
+    )
+    weight_pow: float = Field(2.0, ge=0.0, description="the exponent of reweight_method=pow")
+
+
 class AlgorithmConfig(_Section):
     """Advantage estimator, the KL-in-reward penalty, dynamic sampling, the off-policy correction."""
 
@@ -444,6 +482,12 @@ class AlgorithmConfig(_Section):
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig)
+    use_pf_ppo: bool = Field(
+        False,
+        description="PF-PPO (adv_estimator=gae): after the advantages, train on B responses redrawn with replacement "
+        "in proportion to algorithm.pf_ppo's weights of their scores",
+    )
+    pf_ppo: PFPPOConfig = Field(default_factory=PFPPOConfig)
     cost_limit: float | None = Field(
         None,
         description="Safe-RLHF (Dai et al. 2023): the episode cost d the policy must stay under; with a cost source "
@@ -465,6 +509,15 @@ class AlgorithmConfig(_Section):
         from hybridflow.engine.algorithms.estimators import adv_estimators
 
         return _registered_name(value, adv_estimators(), "algorithm.adv_estimator")
+
+    @model_validator(mode="after")
+    def _pf_ppo_with_gae(self) -> AlgorithmConfig:
+        if self.use_pf_ppo and self.adv_estimator != "gae":
+            raise ValueError(
+                f"algorithm.use_pf_ppo filters PPO's batch after GAE (as verl, which ignores it otherwise), but "
+                f"algorithm.adv_estimator={self.adv_estimator}: set adv_estimator=gae or use_pf_ppo=false"
+            )
+        return self
 
 
 class OverlongBufferConfig(_Section):
@@ -494,6 +547,33 @@ class RewardConfig(_Section):
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
+class JudgeConfig(_Section):
+    """A generative reward model (an LLM as a judge, verl's GenRM): ``reward_model.path`` is a causal LM that reads a
+    prompt built from each sample and writes a verdict, which a user function turns into the score
+    (`hybridflow.engine.reward.judge`)."""
+
+    enable: bool = False
+    prompt_function: str | None = Field(
+        None,
+        description="'path.py:name' or 'module:name': fn(data_source, solution_str, ground_truth, extra_info) -> the "
+        "judge's prompt, a string or chat messages (rendered with the judge's chat template)",
+    )
+    verdict_function: str | None = Field(
+        None,
+        description="'path.py:name' or 'module:name': fn(judge_text, data_source, solution_str, ground_truth, "
+        "extra_info) -> the score (a float)",
+    )
+    engine: Literal["vllm", "hf"] = Field(
+        "vllm", description="vllm: a vLLM engine in each rank of the reward model's pool; hf: transformers' generate"
+    )
+    temperature: float = Field(0.0, ge=0.0, description="the judge's sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, gt=0, description="the longest verdict, in tokens")
+    vllm_dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="engine=vllm: weights and compute")
+    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="CPU: the vLLM engine's KV cache, GiB")
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU: the vLLM engine's share of memory")
+
+
 class RewardModelConfig(_Section):
     """A model-based reward (verl's ``reward_model`` section): a one-label sequence classifier scores each
     (prompt, response) after generation (stage ``rm_score``). The training reward is ``reward_model.coef`` x RM
@@ -513,6 +593,10 @@ class RewardModelConfig(_Section):
         description="Safe-RLHF's cost model: a one-label sequence classifier whose score is the response's cost, "
         "scored in the rm_score stage with this section's settings (needs algorithm.cost_limit; enable not needed)",
     )
+    judge: JudgeConfig = Field(
+        default_factory=JudgeConfig,
+        description="judge.enable: reward_model.path is a generative reward model (a causal LM judging each sample)",
+    )
 
     @model_validator(mode="after")
     def _path_when_enabled(self) -> RewardModelConfig:
@@ -520,6 +604,12 @@ class RewardModelConfig(_Section):
             raise ValueError(
                 "reward_model.enable is true but reward_model.path is not set: give the RM's folder "
                 "(-o reward_model.path=DIR, e.g. one written by hf rm train)"
+            )
+        judge = self.judge
+        if judge.enable and not (self.enable and judge.prompt_function and judge.verdict_function):
+            raise ValueError(
+                "reward_model.judge.enable needs reward_model.enable=true with reward_model.path (the judge model), "
+                "reward_model.judge.prompt_function and reward_model.judge.verdict_function ('path.py:name' each)"
             )
         return self
 

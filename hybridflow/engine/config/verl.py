@@ -150,7 +150,13 @@ def _minus_one_is_zero(value: Any) -> tuple:
 
 _SPEED = "speed and memory only (verl's FSDP/vLLM tuning); the computation here is the same without it"
 _PADDING = "HybridFlow's trainers never compute on padding tokens; the values are the same either way"
-_CHECKPOINTING = "memory only: activation checkpointing trades compute for memory; the values are the same"
+_CHECKPOINTING = (
+    "activation checkpointing: each decoder layer recomputed in the backward pass (less memory, the same values)"
+)
+_RECOMPUTE = (
+    "full or selective: every layer recomputed whole, as model.gradient_checkpointing (megatron's full, uniform, "
+    "one layer per unit; the same values) unless model.enable_gradient_checkpointing is given"
+)
 _DYNAMIC_BSZ = (
     "micro-batches here hold a fixed number of sequences (*.ppo_micro_batch_size); the update is the same "
     "weighted sum either way (loss_agg_mode), up to float rounding"
@@ -250,7 +256,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         f"{ARR}.model.lora.lora_A_init_method", "A starts Kaiming-uniform (PEFT's), B at zero", _only("kaiming")
     ),
     _no_effect(f"{ARR}.model.use_remove_padding", _PADDING),
-    _no_effect(f"{ARR}.model.enable_gradient_checkpointing", _CHECKPOINTING),
+    _same(f"{ARR}.model.enable_gradient_checkpointing", "model.gradient_checkpointing", _CHECKPOINTING),
     _no_effect(f"{ARR}.model.enable_activation_offload", _SPEED),
     _no_effect(f"{ARR}.model.use_fused_kernels", _SPEED),
     _no_effect(f"{ARR}.model.fused_kernel_options.*", _SPEED),
@@ -339,7 +345,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect(f"{ARR}.actor.megatron.use_dist_checkpointing", _DIST_CKPT, _only(False)),
     _no_effect(f"{ARR}.actor.megatron.dist_checkpointing_path", _DIST_CKPT),
     _no_effect(f"{ARR}.actor.megatron.seed", "the megatron actor is seeded from trainer.seed"),
-    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.recompute_*", _CHECKPOINTING),
+    VerlKey(
+        f"{ARR}.actor.megatron.override_transformer_config.recompute_granularity",
+        note=_RECOMPUTE,
+        accepts=_only(None, "null", "full", "selective"),
+        via="model.gradient_checkpointing",
+    ),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.recompute_*", _RECOMPUTE),
     _no_effect(f"{ARR}.actor.megatron.override_transformer_config.*_fusion", _SPEED),
     _no_effect(f"{ARR}.actor.megatron.override_transformer_config.moe_*", _MOE, lambda v: False),
     _no_effect(f"{ARR}.actor.megatron.override_transformer_config.deallocate_pipeline_outputs", _SPEED),
@@ -468,7 +480,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same("critic.cliprange_value"),
     _same("critic.loss_agg_mode"),
     _no_effect("critic.model.use_remove_padding", _PADDING),
-    _no_effect("critic.model.enable_gradient_checkpointing", _CHECKPOINTING),
+    _same("critic.model.enable_gradient_checkpointing", "critic.gradient_checkpointing", _CHECKPOINTING),
     _no_effect("critic.model.tokenizer_path", "the critic reads the actor's tokens"),
     _no_effect("critic.model.trust_remote_code", _REMOTE_CODE),
     _no_effect("critic.ulysses_sequence_parallel_size", _SEQUENCE, _only(1)),
@@ -493,7 +505,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect("critic.megatron.use_mbridge", _BRIDGE),
     _no_effect("critic.megatron.use_dist_checkpointing", _DIST_CKPT, _only(False)),
     _no_effect("critic.megatron.dist_checkpointing_path", _DIST_CKPT),
-    _no_effect("critic.megatron.override_transformer_config.recompute_*", _CHECKPOINTING),
+    VerlKey(
+        "critic.megatron.override_transformer_config.recompute_granularity",
+        note=_RECOMPUTE,
+        accepts=_only(None, "null", "full", "selective"),
+        via="critic.gradient_checkpointing",
+    ),
+    _no_effect("critic.megatron.override_transformer_config.recompute_*", _RECOMPUTE),
     _no_effect("critic.megatron.override_transformer_config.*_fusion", _SPEED),
     _no_effect("critic.optim.override_optimizer_config.*", _OFFLOAD),
     # ------------------------------------------------------------------ reward
@@ -574,7 +592,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same("algorithm.filter_groups.enable"),
     _same("algorithm.filter_groups.metric"),
     _same("algorithm.filter_groups.max_num_gen_batches"),
-    _no_effect("algorithm.use_pf_ppo", "PF-PPO is not implemented", _only(False)),
+    _same("algorithm.use_pf_ppo", note="PF-PPO: only with adv_estimator=gae (verl ignores it otherwise; refused here)"),
+    _same("algorithm.pf_ppo.reweight_method"),
+    _same("algorithm.pf_ppo.weight_pow"),
     VerlKey(
         "algorithm.rollout_correction.rollout_is",
         ("algorithm.rollout_correction.rollout_is",),
@@ -809,6 +829,10 @@ def translate(
         ratio = values.get(f"{section}.optim.lr_warmup_steps_ratio")
         if ratio and (steps is None or int(steps) < 0):
             ours[f"{role}.optim.warmup_iterations"] = int(float(ratio) * int(ours["trainer.total_iterations"]))
+    for section, model, ours_key in ((f"{ARR}.actor", ARR, "model"), ("critic", "critic", "critic")):
+        granularity = values.get(f"{section}.megatron.override_transformer_config.recompute_granularity")
+        if f"{model}.model.enable_gradient_checkpointing" not in given and granularity not in (None, "null"):
+            ours[f"{ours_key}.gradient_checkpointing"] = True
     for key in ("data.val_batch_size", "reward_model.max_length"):
         if ours.get(key) is None:
             ours.pop(key, None)

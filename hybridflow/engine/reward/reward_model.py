@@ -49,7 +49,9 @@ def check_reward_model(path: str | Path, key: str = "reward_model.path") -> tupl
         raise RewardModelError(
             f"{key}={path}: its config.json names {architectures or 'no architecture'}, not a "
             "*ForSequenceClassification model; give a reward model trained with one output (hf rm train, or "
-            "AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) then save_pretrained)"
+            "AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) then save_pretrained), or, for a "
+            "causal LM that judges each response (a generative reward model), set reward_model.judge.enable=true "
+            "with reward_model.judge.prompt_function and verdict_function"
         )
     if config.num_labels != 1:
         raise RewardModelError(

@@ -228,13 +228,20 @@ def check_builtin_source(data_source: str) -> None:
     )
 
 
-def load_reward_function(spec: str, key: str = "reward.custom_function") -> ScoreFunction:
-    """Load a score function from ``reward.custom_function`` (or, as `key` names, ``reward.cost_function``).
+SCORE_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""What a score function is called with (verl's ``compute_score``)."""
+
+
+def load_reward_function(
+    spec: str, key: str = "reward.custom_function", arguments: tuple[str, ...] = SCORE_ARGUMENTS
+) -> ScoreFunction:
+    """Load a score function from ``reward.custom_function`` (or, as `key` names, ``reward.cost_function``, or a
+    judge's prompt and verdict functions, which take the `arguments` named).
 
     Forms: ``"package.module:function"`` (imported with importlib from ``sys.path``) or ``"path/to/file.py:function"``
     (absolute, or relative to the current directory; the file is loaded as a module of its own).
-    The function is called as ``fn(data_source, solution_str, ground_truth, extra_info)`` and returns a float or a
-    dict with ``"score"``.
+    The function is called as ``fn(data_source, solution_str, ground_truth, extra_info)`` (`arguments`) and returns
+    a float or a dict with ``"score"``.
 
     Raises:
         ValueError: if `spec` is not of either form.
@@ -253,11 +260,17 @@ def load_reward_function(spec: str, key: str = "reward.custom_function") -> Scor
         signature = None
     if signature is not None:
         try:
-            signature.bind("data_source", "solution_str", "ground_truth", {})
+            signature.bind(*arguments)
         except TypeError as e:
+            genrm = (
+                "; verl's generative-reward-model functions ask a served judge over HTTP (reward_router_address): "
+                "here the judge runs in the reward model's pool, given its prompt and the parsing of its verdict as "
+                "reward_model.judge.prompt_function and reward_model.judge.verdict_function"
+                if "reward_router_address" in signature.parameters
+                else ""
+            )
             raise TypeError(
-                f"{key} {spec!r}: {func_name}{signature} cannot be called as "
-                f"(data_source, solution_str, ground_truth, extra_info): {e}"
+                f"{key} {spec!r}: {func_name}{signature} cannot be called as ({', '.join(arguments)}): {e}{genrm}"
             ) from e
     return fn
 
@@ -271,6 +284,42 @@ def _function_name(fn: Callable[..., Any]) -> str:
 class ScoreFunctionError(RuntimeError):
     """The score function (``reward.custom_function``, ``reward.cost_function``) raised on a sample; the message
     names the function, the sample (its data_source, ground truth and response) and the original error."""
+
+
+def score_inputs(data: DataProto, tokenizer: Any) -> list[tuple[str, str, Any, Any]]:
+    """A score function's arguments for each row: ``(data_source, solution_str, ground_truth, extra_info)``, the
+    response decoded with `tokenizer` (``skip_special_tokens=True``; only the tokens ``response_mask`` covers).
+
+    Args:
+        data: tensors ``responses`` int64 [B, T], ``response_mask`` [B, T]; non-tensor ``data_source``,
+            ``reward_model`` (dicts with ``ground_truth``), ``extra_info`` (optional: None each).
+
+    Raises:
+        KeyError: naming a missing column, or the first row whose ``reward_model`` has no ``ground_truth``.
+        ValueError: ``responses`` and ``response_mask`` differ in shape or are not [B, T].
+    """
+    have = set(data.batch.keys()) if data.batch is not None else set()
+    for key in ("responses", "response_mask"):
+        if key not in have:
+            raise KeyError(f"RewardManager needs tensor {key!r} in the batch; it has {data.keys}")
+    for key in ("data_source", "reward_model"):
+        if key not in data.non_tensor_batch:
+            raise KeyError(f"RewardManager needs non-tensor column {key!r} in the batch; it has {data.keys}")
+    responses, mask = data.batch["responses"].cpu(), data.batch["response_mask"].bool().cpu()
+    if responses.shape != mask.shape or responses.dim() != 2:
+        raise ValueError(
+            f"responses {tuple(responses.shape)} and response_mask {tuple(mask.shape)} must be the same [B, T]"
+        )
+    extra_infos = data.non_tensor_batch.get("extra_info")
+    inputs = []
+    for i in range(len(responses)):
+        text = tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True)
+        reward_model = data.non_tensor_batch["reward_model"][i]
+        if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+            raise KeyError(f"reward_model of sample {i} has no 'ground_truth': {reward_model!r}")
+        extra_info = extra_infos[i] if extra_infos is not None else None
+        inputs.append((str(data.non_tensor_batch["data_source"][i]), text, reward_model["ground_truth"], extra_info))
+    return inputs
 
 
 class RewardManager:
@@ -313,36 +362,17 @@ class RewardManager:
                 the score function and the first such sample, its data_source and the start of its response).
             ScoreFunctionError: the score function raised (on the sample named, with the original error).
         """
-        have = set(data.batch.keys()) if data.batch is not None else set()
-        for key in ("responses", "response_mask"):
-            if key not in have:
-                raise KeyError(f"RewardManager needs tensor {key!r} in the batch; it has {data.keys}")
-        for key in ("data_source", "reward_model"):
-            if key not in data.non_tensor_batch:
-                raise KeyError(f"RewardManager needs non-tensor column {key!r} in the batch; it has {data.keys}")
+        inputs = score_inputs(data, self.tokenizer)
         responses = data.batch["responses"]
-        mask = data.batch["response_mask"].bool()
-        if responses.shape != mask.shape or responses.dim() != 2:
-            raise ValueError(
-                f"responses {tuple(responses.shape)} and response_mask {tuple(mask.shape)} must be the same [B, T]"
-            )
         batch_size, width = responses.shape
         if width == 0:
             raise ValueError("responses has no token positions (T = 0); nothing to put a score on")
-        extra_infos = data.non_tensor_batch.get("extra_info")
         scores = torch.zeros((batch_size, width), dtype=torch.float32)
         results: list[tuple[float, dict[str, Any] | None]] = []
         name = self.name
         non_finite: list[tuple[int, float, str]] = []
-        responses_cpu, mask_cpu = responses.cpu(), mask.cpu()
-        for i in range(batch_size):
-            valid = responses_cpu[i][mask_cpu[i]]
-            text = self.tokenizer.decode(valid.tolist(), skip_special_tokens=True)
-            reward_model = data.non_tensor_batch["reward_model"][i]
-            if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-                raise KeyError(f"reward_model of sample {i} has no 'ground_truth': {reward_model!r}")
-            extra_info = extra_infos[i] if extra_infos is not None else None
-            source, truth = str(data.non_tensor_batch["data_source"][i]), reward_model["ground_truth"]
+        mask_cpu = data.batch["response_mask"].bool().cpu()
+        for i, (source, text, truth, extra_info) in enumerate(inputs):
             try:
                 result = self.compute_score(source, text, truth, extra_info)
             except Exception as error:

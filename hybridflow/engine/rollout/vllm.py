@@ -64,6 +64,25 @@ def import_vllm() -> Any:
     return vllm
 
 
+def memory_options(on_gpu: bool, gpu_memory_utilization: float, kv_cache_gb: float) -> dict[str, Any]:
+    """`vllm.LLM` memory options: on GPU its share of the device's memory; on CPU its KV cache (GiB) and no chunked
+    prefill (vLLM rewinds a seeded request's generator when it discards the token sampled after a partial prefill,
+    and torch's CPU generators have no offset to rewind: RuntimeError "CPU Generator does not use offset" once a
+    batch's prompts exceed one step's token budget)."""
+    if on_gpu:
+        return {"gpu_memory_utilization": gpu_memory_utilization}
+    return {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30), "enable_chunked_prefill": False}
+
+
+def eager_on_cpu(on_gpu: bool) -> contextlib.AbstractContextManager:
+    """The context a CPU engine generates in: ``torch.compiler.set_stance("force_eager")``. The engine runs eagerly
+    there (``enforce_eager``), but vLLM's sampler still ``torch.compile``s its log-prob rank helper
+    (``batched_count_greater_than``), and Inductor builds C++ for it and probes the CPU's vector instructions with
+    ~20 compiler and interpreter subprocesses: 3-5 s of the first generation of every rank (measured on a 2-core
+    Xeon against 0.1 s eager, the same tokens). On GPU: nothing (vLLM compiles as it does)."""
+    return contextlib.nullcontext() if on_gpu else torch.compiler.set_stance("force_eager")
+
+
 class VLLMRollout:
     """Generate with an in-process vLLM engine that serves the actor's current weights.
 
@@ -123,14 +142,9 @@ class VLLMRollout:
             generation_config = _generation_config(model_path)
         self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
         self.on_gpu = device is not None and device.type == "cuda"
-        options: dict[str, Any] = {}
+        options = memory_options(self.on_gpu, config.gpu_memory_utilization, config.vllm_kv_cache_gb)
         if self.on_gpu:
-            options.update(gpu_memory_utilization=config.gpu_memory_utilization, enable_sleep_mode=True)
-        else:
-            # Chunked prefill off on CPU: vLLM rewinds a seeded request's generator when it discards the token
-            # sampled after a partial prefill, and torch's CPU generators have no offset to rewind (RuntimeError
-            # "CPU Generator does not use offset" once a batch's prompts exceed one step's token budget).
-            options.update(kv_cache_memory_bytes=int(config.vllm_kv_cache_gb * 2**30), enable_chunked_prefill=False)
+            options.update(enable_sleep_mode=True)
         if self.lora is not None and not lora_merge:  # adapter-only sync: the engine serves base + adapter
             rank = self.lora.rank
             options.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
@@ -276,15 +290,8 @@ class VLLMRollout:
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: list[Any], params: Any) -> list[Any]:
         """``LLM.generate`` of `prompts` (``TokensPrompt``) with `params` (one ``SamplingParams`` or one each), under
-        the adapter version the engine serves; a list of ``RequestOutput``, one per prompt.
-
-        On CPU the engine runs eagerly (``enforce_eager``), but vLLM's sampler still ``torch.compile``s its
-        log-prob rank helper (``batched_count_greater_than``), and Inductor builds C++ for it and probes the CPU's
-        vector instructions with ~20 compiler and interpreter subprocesses: 3-5 s of the first generation of every
-        rank (measured here on a 2-core Xeon against 0.1 s eager, the same tokens). On CPU generation therefore runs
-        under ``torch.compiler.set_stance("force_eager")``; on GPU as vLLM compiles it."""
-        stance = contextlib.nullcontext() if self.on_gpu else torch.compiler.set_stance("force_eager")
-        with stance:
+        the adapter version the engine serves; a list of ``RequestOutput``, one per prompt (`eager_on_cpu`)."""
+        with eager_on_cpu(self.on_gpu):
             return self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
 
     def _sampling_params(self, temperature: float, max_tokens: int, seed: int, stream: str = "train") -> Any:

@@ -205,3 +205,30 @@ def test_a_judge_that_cannot_work_is_refused_before_any_work(tmp_path, tiny_mode
     with pytest.raises(InputError, match=r"reward_router_address.*reward_model.judge.prompt_function"):
         check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "grpo", verl_function))
     assert not os.path.exists(path.with_name("verdicts.jsonl"))  # nothing was judged
+
+
+def test_a_judge_in_a_pool_of_its_own_scores_the_flows_iterations(prefect_api, tmp_path, tiny_model_dir, smollm2_dir):
+    """``hf run``'s flow with the judge (SmolLM2 on a vLLM engine) in a pool of its own: its ``rm_score`` stage runs
+    there on the columns the flow sends it, and each iteration's ``critic/rm_score/mean`` is the mean of the verdicts
+    the verdict function gave for that iteration's samples."""
+    from hybridflow.flows.rlhf import rlhf_flow
+    from hybridflow.flows.store.run_store import RunStore
+
+    path = _write_judge(tmp_path)
+    pools = "{train: {roles: [actor, rollout, reward]}, judge: {roles: [reward_model]}}"
+    extra = [*_judge_keys(path, "vllm", smollm2_dir), "trainer.total_iterations=2", f"placement.pools={pools}"]
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    run_id = store.create_run(cfg.model_dump(mode="json"), "judge-pool")
+    rlhf_flow(run_id=run_id, db_url=store.url)
+    placed = {p.role: p.group_name for p in store.placements(run_id)}
+    assert placed["reward_model"] == "judge" and placed["actor"] == "train"
+    logged = [json.loads(line) for line in path.with_name("verdicts.jsonl").read_text().splitlines()]
+    assert len(logged) == 16  # 2 iterations x 4 prompts x 2 samples
+    metrics = {(m.step, m.name): m.value for m in store.metrics(run_id)}
+    for step, judged in ((1, logged[:8]), (2, logged[8:])):
+        verdict_mean = sum(len(x["judge_text"]) / 10 for x in judged) / len(judged)
+        assert metrics[(step, "critic/rm_score/mean")] == pytest.approx(verdict_mean, rel=1e-6)
+        words = sum(len(x["judge_text"].split()) for x in judged) / len(judged)
+        assert metrics[(step, "reward_extra/judge_words/mean")] == pytest.approx(words, rel=1e-6)
+    assert any(x["judge_text"] for x in logged)

@@ -72,9 +72,9 @@ STAGE_METHODS: dict[str, StageMethod] = {
     ),
     "rm_score": StageMethod(
         "compute_rm_score",
-        "The reward model's rm_scores [B, T] (its score on each row's last response token), and Safe-RLHF's cost "
-        "model's token_level_costs [B, T].",
-        columns=("responses", "response_mask", "raw_prompt"),
+        "The reward model's rm_scores [B, T] (its score on each row's last response token, or a judge's verdict "
+        "score with reward_extra/judge_*), and Safe-RLHF's cost model's token_level_costs [B, T].",
+        columns=("responses", "response_mask", "raw_prompt", "data_source", "reward_model", "extra_info"),
     ),
     "reward": StageMethod(
         "compute_reward",

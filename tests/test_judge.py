@@ -209,14 +209,15 @@ def test_a_judge_that_cannot_work_is_refused_before_any_work(tmp_path, tiny_mode
 
 def test_a_judge_in_a_pool_of_its_own_scores_the_flows_iterations(prefect_api, tmp_path, tiny_model_dir, smollm2_dir):
     """``hf run``'s flow with the judge (SmolLM2 on a vLLM engine) in a pool of its own: its ``rm_score`` stage runs
-    there on the columns the flow sends it, and each iteration's ``critic/rm_score/mean`` is the mean of the verdicts
-    the verdict function gave for that iteration's samples."""
+    there on the columns the flow sends it, each iteration's ``critic/rm_score/mean`` is the mean of the verdicts
+    the verdict function gave for that iteration's samples, and the kept samples hold each verdict and its score."""
     from hybridflow.flows.rlhf import rlhf_flow
     from hybridflow.flows.store.run_store import RunStore
 
     path = _write_judge(tmp_path)
     pools = "{train: {roles: [actor, rollout, reward]}, judge: {roles: [reward_model]}}"
     extra = [*_judge_keys(path, "vllm", smollm2_dir), "trainer.total_iterations=2", f"placement.pools={pools}"]
+    extra += ["trainer.log_train_generations=3"]
     cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     run_id = store.create_run(cfg.model_dump(mode="json"), "judge-pool")
@@ -232,3 +233,8 @@ def test_a_judge_in_a_pool_of_its_own_scores_the_flows_iterations(prefect_api, t
         words = sum(len(x["judge_text"].split()) for x in judged) / len(judged)
         assert metrics[(step, "reward_extra/judge_words/mean")] == pytest.approx(words, rel=1e-6)
     assert any(x["judge_text"] for x in logged)
+    # hf runs samples: what the judge said of each kept sample, and the score it gave
+    kept = store.samples(run_id, step=2, kind="train")
+    assert len(kept) == 3
+    assert [s.judge_text for s in kept] == [x["judge_text"] for x in logged[8:11]]
+    assert [s.rm_score for s in kept] == pytest.approx([len(x["judge_text"]) / 10 for x in logged[8:11]], rel=1e-6)

@@ -99,7 +99,7 @@ def test_migrations_bring_empty_db_to_head(db_url):
 
     with RunStore(db_url) as store:
         head = _head(db_url)
-        assert head == "0013"
+        assert head == "0014"
         with store.engine.connect() as conn:
             assert MigrationContext.configure(conn).get_current_revision() == head
         inspector = sa.inspect(store.engine)
@@ -358,9 +358,11 @@ def test_samples_round_trip_replace_and_cascade(store):
         {"data_source": "gsm8k", "prompt": "2+2?", "response": "five", "score": float("nan"), "ground_truth": 4},
     ]
     store.record_samples(run_id, 0, "val", val)
-    store.record_samples(run_id, 1, "train", [{"prompt": "p", "response": "r", "score": 0.5}])
+    judged = {"prompt": "p", "response": "r", "score": 0.5, "rm_score": 0.25, "judge_text": "Yes, it is."}
+    store.record_samples(run_id, 1, "train", [judged])
     store.record_samples(run_id, 2, "val", val[:1])
     got = store.samples(run_id)
+    assert (got[2].rm_score, got[2].judge_text) == (0.25, "Yes, it is.") and got[0].rm_score is None
     assert [(s.step, s.kind, s.idx) for s in got] == [(0, "val", 0), (0, "val", 1), (1, "train", 0), (2, "val", 0)]
     assert got[1].score is None and got[1].ground_truth == "4" and got[2].data_source == "-"
     assert got[0].to_dict()["response"] == "2"
@@ -468,7 +470,7 @@ def test_a_store_at_revision_0001_upgrades_and_keeps_its_placements(tmp_path):
         )
     engine.dispose()
     with RunStore(url) as store:
-        assert store.current_revision() == "0013"
+        assert store.current_revision() == "0014"
         [old] = store.placements("run-1")
         assert (old.group_name, old.ranks, old.parallel) == ("g", [0], None)
         insert = (

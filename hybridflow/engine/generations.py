@@ -39,8 +39,8 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
     Args:
         data: rows with ``prompts`` int64 [B, P] (left-padded), ``responses`` int64 [B, T], ``response_mask``
             [B, T], ``attention_mask`` [B, P + T], ``token_level_scores`` float [B, T]; optional
-            ``rollout_version`` int64 [B] and non-tensor ``uid``, ``data_source`` and ``reward_model``
-            (``{"ground_truth": ...}``).
+            ``rollout_version`` int64 [B], ``rm_scores`` float [B, T] and non-tensor ``uid``, ``data_source``,
+            ``reward_model`` (``{"ground_truth": ...}``) and ``judge_text``.
         tokenizer: the actor's tokenizer (special tokens are skipped).
         step: the iteration the samples belong to (0: the validation before training).
 
@@ -49,7 +49,9 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
         turns, the tokens ``response_mask`` leaves out, are shown with their template markers between
         `TOOL_OPEN` and `TOOL_CLOSE`), ``score`` (the row's summed
         ``token_level_scores``, float), ``ground_truth`` (str, "" when absent), ``uid`` (the prompt's id, str) and
-        ``rollout_version`` (int: the actor updates in the weights that generated it); None without the column.
+        ``rollout_version`` (int: the actor updates in the weights that generated it), ``rm_score`` (the reward
+        model's score: ``rm_scores`` summed) and ``judge_text`` (a generative reward model's verdict); None without
+        the column.
     """
     batch, extra = data.batch, data.non_tensor_batch
     prompt_len = batch["prompts"].shape[1]
@@ -58,6 +60,8 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
     real = batch["attention_mask"][:, prompt_len:].bool()
     scores = batch["token_level_scores"].sum(-1).tolist()
     versions = batch["rollout_version"].tolist() if "rollout_version" in batch else [None] * len(data)
+    rm_scores = batch["rm_scores"].sum(-1).tolist() if "rm_scores" in batch else [None] * len(data)
+    verdicts = extra.get("judge_text")
     samples = []
     for i in range(len(data)):
         truth = extra["reward_model"][i].get("ground_truth", "") if "reward_model" in extra else ""
@@ -71,6 +75,8 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
                 "ground_truth": "" if truth is None else str(truth),
                 "uid": str(extra["uid"][i]) if "uid" in extra else None,
                 "rollout_version": versions[i],
+                "rm_score": rm_scores[i],
+                "judge_text": None if verdicts is None else str(verdicts[i]),
             }
         )
     return samples

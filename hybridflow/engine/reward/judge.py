@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from hybridflow.engine.protocol import DataProto
@@ -197,8 +198,9 @@ class JudgeRewardModel:
 
     # ------------------------------------------------------------------ scoring
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        """``rm_scores`` float32 [B, T] (each row's verdict score on its last response token) and, when the verdict
-        function returns dicts, ``reward_extra/judge_<key>`` float64 [B].
+        """``rm_scores`` float32 [B, T] (each row's verdict score on its last response token), non-tensor
+        ``judge_text`` (the verdicts, kept with the samples: ``hf runs samples``) and, when the verdict function returns
+        dicts, ``reward_extra/judge_<key>`` float64 [B].
 
         Args:
             data: ``responses`` int64 [B, T], ``response_mask`` [B, T], non-tensor ``data_source``,
@@ -212,7 +214,8 @@ class JudgeRewardModel:
         """
         inputs = score_inputs(data, self.actor_tokenizer)
         prompts = [self.prompt_ids(self._call_prompt_fn(i, args)) for i, args in enumerate(inputs)]
-        verdicts = iter(self.generate(prompts, int(data.meta_info.get("global_steps", 0))))
+        texts = self.generate(prompts, int(data.meta_info.get("global_steps", 0)))
+        verdicts = iter(texts)
         manager = RewardManager(
             self.actor_tokenizer,
             lambda *args: self.verdict_fn(next(verdicts), *args),
@@ -223,7 +226,7 @@ class JudgeRewardModel:
         for key, values in extra.items():
             if key != "score":
                 tensors[f"reward_extra/judge_{key}"] = torch.from_numpy(values)
-        return DataProto.from_dict(tensors)
+        return DataProto.from_dict(tensors, {"judge_text": np.array(texts, dtype=object)})
 
     def _call_prompt_fn(self, i: int, args: tuple[Any, ...]) -> Any:
         from hybridflow.engine.guards import FIX

@@ -114,7 +114,8 @@ class Sample(_Record):
     """One sample generation: the prompt and response text, its score (None: NaN or ±inf) and ground truth, at
     iteration ``step`` (``kind`` train) or the validation after it (``kind`` val; step 0: before training);
     ``uid``: its prompt's id in the run (``<epoch>-<position>``, shared by the prompt's responses) and
-    ``rollout_version``: the actor updates in the weights that generated it (None: not recorded)."""
+    ``rollout_version``: the actor updates in the weights that generated it (None: not recorded); ``rm_score``: the
+    reward model's score of it and ``judge_text``: a generative reward model's verdict (None: no such model)."""
 
     run_id: str
     step: int
@@ -127,6 +128,8 @@ class Sample(_Record):
     ground_truth: str
     uid: str | None = None
     rollout_version: int | None = None
+    rm_score: float | None = None
+    judge_text: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

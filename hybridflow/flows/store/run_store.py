@@ -554,7 +554,8 @@ class RunStore:
 
         Each sample is a mapping with ``prompt``, ``response`` (str), ``score`` (a number; NaN/±inf stored as NULL)
         and optionally ``data_source`` and ``ground_truth`` (str; "" when absent), ``uid`` (str: the prompt's id)
-        and ``rollout_version`` (int: the actor updates in the generating weights). Raises ValueError for a bad step,
+        and ``rollout_version`` (int: the actor updates in the generating weights), ``rm_score`` (a number: the reward
+        model's score) and ``judge_text`` (str: a generative reward model's verdict). Raises ValueError for a bad step,
         a `kind` not in `SAMPLE_KINDS`, or a sample missing a key or with a non-numeric score (nothing is recorded),
         and UnknownRunError for an unknown run.
         """
@@ -579,6 +580,10 @@ class RunStore:
                     ground_truth=str(sample.get("ground_truth") or ""),
                     uid=sample.get("uid"),
                     rollout_version=sample.get("rollout_version"),
+                    rm_score=None
+                    if sample.get("rm_score") is None
+                    else _metric_value(step, f"sample {idx} rm_score", sample["rm_score"]),
+                    judge_text=sample.get("judge_text"),
                 )
             )
         with self._writing() as session:
@@ -853,6 +858,8 @@ class RunStore:
                     r.ground_truth,
                     r.uid,
                     r.rollout_version,
+                    r.rm_score,
+                    r.judge_text,
                 )
                 for r in rows
             ]

@@ -206,6 +206,8 @@ class SampleRow(Base):
     ground_truth: Mapped[str] = mapped_column(Text)
     uid: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the prompt's id: <epoch>-<position>
     rollout_version: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the generating weights' updates
+    rm_score: Mapped[float | None] = mapped_column(Double, nullable=True)  # the reward model's score of it
+    judge_text: Mapped[str | None] = mapped_column(Text, nullable=True)  # a generative reward model's verdict
 
 
 class StageTimeRow(Base):

@@ -104,7 +104,12 @@ DAPO = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=s
     ("example", "colocate", "algorithm"),
     # plain GRPO runs in the resume tests below, colocated PPO as the reference of the four-pool tests; Safe-RLHF is
     # PPO with a cost critic beside the critic (here in a pool of its own) and the Lagrangian multiplier
-    [("grpo_tiny.yaml", True, "dapo"), ("grpo_tiny.yaml", True, "remax"), ("ppo_tiny.yaml", False, "safe_rlhf")],
+    [
+        ("grpo_tiny.yaml", True, "dapo"),
+        ("grpo_tiny.yaml", True, "remax"),
+        ("ppo_tiny.yaml", False, "safe_rlhf"),
+        ("ppo_tiny.yaml", True, "pf_ppo"),
+    ],
 )
 def test_run_records_metrics_placement_and_checkpoints(
     prefect_api, tmp_path, tiny_model_dir, example, colocate, algorithm
@@ -115,6 +120,8 @@ def test_run_records_metrics_placement_and_checkpoints(
     if algorithm == "safe_rlhf":  # every response costs more than 0: lambda rises each iteration
         extra += ["algorithm.adv_estimator=gae", "algorithm.cost_limit=0"]
         extra += [f"reward.cost_function={write_cost(tmp_path)}"]
+    elif algorithm == "pf_ppo":  # PPO trains on the batch redrawn by reward (rows repeated across the data files)
+        extra += ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true"]
     else:
         extra += DAPO if algorithm == "dapo" else [f"algorithm.adv_estimator={algorithm}"]
     cfg = _cfg(tmp_path, tiny_model_dir, example, extra)
@@ -156,11 +163,14 @@ def test_run_records_metrics_placement_and_checkpoints(
     assert expected <= names, names
     assert ("generate_greedy" in names) == (algorithm == "remax")  # ReMax's baseline: a stage of its own
     assert ("filter_groups" in names) == (algorithm == "dapo")
+    assert ("policy_filtration" in names) == (algorithm == "pf_ppo")
     for step in (1, 2):
         if algorithm == "remax":
             assert metrics[step]["timing_s/gen_max"] > 0 and math.isfinite(metrics[step]["critic/reward_baseline/mean"])
         if algorithm == "dapo":  # 2 prompts a draw for a batch of 4: at least two draws, each its own samples
             assert metrics[step]["train/num_gen_batches"] >= 2
+        if algorithm == "pf_ppo":  # 8 rows drawn with replacement (seeded): some repeat
+            assert 0 < metrics[step]["pf_ppo/distinct_fraction"] < 1 and metrics[step]["critic/vf_loss"] >= 0
     if algorithm == "dapo":  # every draw advanced the cursor the checkpoint keeps
         state = read_trainer_state(ckpts[1].path)["sampler"]
         assert state["index"] == 2 * (metrics[1]["train/num_gen_batches"] + metrics[2]["train/num_gen_batches"])

@@ -15,7 +15,8 @@ import yaml
 from tiny_runs import write_reward
 
 from hybridflow.engine.config import ConfigError, load_config
-from hybridflow.engine.config.verl import VERL_KEYS, key_table, translate
+from hybridflow.engine.config.verl import translate
+from hybridflow.engine.config.verl_keys import VERL_KEYS, key_table
 from hybridflow.engine.data import reasoning_gym_rows
 from hybridflow.flows.store.run_store import RunStore
 

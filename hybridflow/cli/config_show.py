@@ -49,6 +49,6 @@ def config_show(
 def config_verl_keys() -> None:
     """Print the Markdown table of every verl key hf verl takes and its HybridFlow key (docs/verl-keys.md is this
     output)."""
-    from hybridflow.engine.config.verl import key_table
+    from hybridflow.engine.config.verl_keys import key_table
 
     console.print(key_table(), end="")

@@ -1,0 +1,701 @@
+"""Every verl config key ``hf verl`` takes, and what it is here (`VERL_KEYS`; docs/verl-keys.md is `key_table`).
+
+Every verl key is one of:
+- mapped (`VerlKey.ours` names our key or keys; `to_ours` / `to_verl` convert values where the two differ, e.g.
+  verl's ``top_k=-1`` is our ``top_k=0``);
+- accepted with no effect here (`VerlKey.ours` empty), for what only changes speed or memory in verl (FSDP offload,
+  padding removal, vLLM's engine knobs): each is said when the run starts, and a value that would change the
+  computation is refused (`VerlKey.accepts`);
+- set together with others by `hybridflow.engine.config.verl.translate` (`VerlKey.via`);
+- refused: any key not in `VERL_KEYS` (`find_key` names the nearest supported key). Nothing is ignored silently.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.engine.config.loading import ConfigError
+
+ARR = "actor_rollout_ref"
+
+UNSAID = object()
+"""What a `VerlKey.to_verl` returns for one of our values verl cannot say (``ddp``, ``trainer.device: auto``):
+`to_verl` leaves the key out."""
+
+
+@dataclass(frozen=True)
+class VerlKey:
+    """One verl key (a dotted name, or an `fnmatch` pattern for a family of no-effect keys such as
+    ``*.fsdp_config.*``) and what it is here.
+
+    Attributes:
+        verl: verl's key, as in its Hydra overrides.
+        ours: the HybridFlow keys it sets (one value each, from `to_ours`); empty: accepted with no effect here.
+        to_ours: verl's value -> the values of `ours` (a tuple, one per key); None: the same value.
+        to_verl: our values (a tuple, one per key of `ours`) -> verl's value; None: the first one as it is.
+        accepts: the verl values taken (others are refused); None: any.
+        note: what differs, or why the key has no effect here (shown in the table and when the run starts).
+        via: our key this one sets together with others (`translate` does it: ``trainer.total_epochs`` ->
+            ``trainer.total_iterations``); such a key is not "no effect".
+    """
+
+    verl: str
+    ours: tuple[str, ...] = ()
+    to_ours: Callable[[Any], tuple] | None = None
+    to_verl: Callable[[tuple], Any] | None = None
+    accepts: Callable[[Any], bool] | None = None
+    note: str = ""
+    via: str = ""
+
+    def convert(self, value: Any) -> dict[str, Any]:
+        """Our overrides for verl's `value` (empty for a no-effect key).
+
+        Raises:
+            ConfigError: `value` is one this key does not take here (the key, the value and why named)."""
+        if self.accepts is not None and not self.accepts(value):
+            raise ConfigError(f"verl key {self.verl}={value!r} is not supported here: {self.note}")
+        if not self.ours:
+            return {}
+        values = self.to_ours(value) if self.to_ours else (value,) * len(self.ours)
+        return dict(zip(self.ours, values, strict=True))
+
+
+def _same(verl: str, ours: str | None = None, note: str = "") -> VerlKey:
+    """A key whose value carries over unchanged (to ``ours``, or to verl's name without ``actor_rollout_ref.``)."""
+    return VerlKey(verl, (ours or verl.removeprefix(f"{ARR}."),), note=note)
+
+
+def _no_effect(verl: str, note: str, accepts: Callable[[Any], bool] | None = None) -> VerlKey:
+    return VerlKey(verl, (), accepts=accepts, note=note)
+
+
+def _strategy(verl: str, ours: str) -> VerlKey:
+    """A training strategy: verl's fsdp and fsdp2 are our fsdp; our ddp (no verl counterpart) shows as fsdp."""
+    return VerlKey(
+        verl,
+        (ours,),
+        to_ours=lambda v: ("fsdp" if v in ("fsdp", "fsdp2") else v,),
+        to_verl=lambda values: UNSAID if values[0] == "ddp" else values[0],
+        accepts=_only("fsdp", "fsdp2", "megatron"),
+        note="fsdp and fsdp2 are our fsdp (FSDP2); our ddp has no verl name (verl's fsdp is the same update, sharded)",
+    )
+
+
+def _top_k(verl: str, ours: str) -> VerlKey:
+    """A top-k: verl's -1 (off) is our 0."""
+    return VerlKey(
+        verl,
+        (ours,),
+        to_ours=_minus_one_is_zero,
+        to_verl=lambda values: -1 if values[0] == 0 else values[0],
+        note="verl's -1 (off) is our 0",
+    )
+
+
+def _only(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v in values
+
+
+def _unset(value: Any) -> bool:
+    return value in (None, "null", "", -1)
+
+
+_MEGATRON_LORA_NAMES = {
+    "linear_qkv": ["q_proj", "k_proj", "v_proj"],
+    "linear_q": ["q_proj"],
+    "linear_k": ["k_proj"],
+    "linear_v": ["v_proj"],
+    "linear_proj": ["o_proj"],
+    "linear_fc1": ["gate_proj", "up_proj"],
+    "linear_fc1_gate": ["gate_proj"],
+    "linear_fc1_up": ["up_proj"],
+    "linear_fc2": ["down_proj"],
+}
+
+
+def _hf_module_names(value: Any) -> Any:
+    """megatron-core's LoRA target names (verl's ``model.lora.target_modules``) as Hugging Face module names; other
+    names (already Hugging Face's, or ``all-linear``) as they are."""
+    if isinstance(value, str):
+        return _MEGATRON_LORA_NAMES.get(value, value)
+    return list(dict.fromkeys(n for name in value for n in _MEGATRON_LORA_NAMES.get(name, [name])))
+
+
+def _unset_or_one(value: Any) -> bool:
+    return value in (None, "null", 1)
+
+
+def _minus_one_is_zero(value: Any) -> tuple:
+    return (0 if value is None or int(value) < 0 else int(value),)
+
+
+_SPEED = "speed and memory only (verl's FSDP/vLLM tuning); the computation here is the same without it"
+_PADDING = "HybridFlow's trainers never compute on padding tokens; the values are the same either way"
+_CHECKPOINTING = (
+    "activation checkpointing: each decoder layer recomputed in the backward pass (less memory, the same values)"
+)
+_RECOMPUTE = (
+    "full or selective: every layer recomputed whole, as model.gradient_checkpointing (megatron's full, uniform, "
+    "one layer per unit; the same values) unless model.enable_gradient_checkpointing is given"
+)
+_DYNAMIC_BSZ = (
+    "micro-batches here hold a fixed number of sequences (*.ppo_micro_batch_size); the update is the same "
+    "weighted sum either way (loss_agg_mode), up to float rounding"
+)
+_OFFLOAD = (
+    "memory only: verl moves parameters, gradients or optimizer state to host memory between stages; the update is "
+    "the same"
+)
+_BRIDGE = "weights convert between Hugging Face and megatron-core layouts with HybridFlow's own bridge"
+_DIST_CKPT = (
+    "the initial weights are model.path's (Hugging Face); a megatron dist checkpoint is not read: convert it to a "
+    "Hugging Face folder and leave use_dist_checkpointing false"
+)
+_SCHEDULE = "megatron's interleaved pipeline schedule is speed only; the update is the same"
+_STAGES = "how layers are split over pipeline stages is speed and memory only; the update is the same"
+_MOE = (
+    "mixture-of-experts parallelism (expert, expert-tensor) is not implemented: HybridFlow trains dense models; "
+    "train a dense model, or MoE models with verl"
+)
+_CONTEXT = (
+    "context parallelism is not implemented: split the model with actor_rollout_ref.actor.megatron."
+    "tensor_model_parallel_size or shorten data.max_response_length"
+)
+_SEQUENCE = (
+    "Ulysses sequence parallelism is not implemented: split the model with tensor parallelism instead "
+    "(actor_rollout_ref.actor.strategy=megatron with megatron.tensor_model_parallel_size) or shorten "
+    "data.max_response_length"
+)
+_REMOTE_CODE = (
+    "no remote code is run: models load with transformers' own classes, and one whose config names code of its own "
+    "is refused when it is read"
+)
+_REWARD_LOOP = (
+    "verl's reward loop serves the reward model (reward_model.model.path) on an inference engine of its own; here "
+    "it scores with its own forward pass in the rm_score stage: the same scores"
+)
+_DAPO_KWARGS = "DAPO's overlong buffer in verl's reward-manager spelling (reward_model.reward_kwargs)"
+_MICRO_GLOBAL = (
+    "verl's deprecated global micro-batch size only splits the same update into micro-batches (up to float "
+    "rounding); to set ours give the per-GPU one (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu)"
+)
+
+VERL_KEYS: tuple[VerlKey, ...] = (
+    # ------------------------------------------------------------------ data
+    _same("data.train_files"),
+    _same("data.val_files"),
+    _same("data.max_prompt_length", note="longer prompts are dropped (verl's filter_overlong_prompts=True)"),
+    _same("data.max_response_length", "rollout.response_length"),
+    _same("data.train_batch_size"),
+    _same("data.gen_batch_size"),
+    VerlKey(
+        "data.val_batch_size",
+        ("data.val_batch_size",),
+        accepts=lambda v: v is None or int(v) > 0,
+        note="null (verl: the whole set in one batch) keeps ours (64 prompts per generate call)",
+    ),
+    _same("data.shuffle"),
+    _same("data.seed"),
+    _no_effect(
+        "data.filter_overlong_prompts",
+        "prompts longer than data.max_prompt_length are always dropped here (verl's true), never truncated",
+    ),
+    _no_effect("data.filter_overlong_prompts_workers", _SPEED),
+    _no_effect(
+        "data.truncation",
+        "prompts longer than data.max_prompt_length are dropped here before any batch, so none is truncated",
+    ),
+    _no_effect("data.prompt_key", "the prompt column is 'prompt' (verl's default)", _only("prompt")),
+    _no_effect("data.reward_fn_key", "the score function is chosen by 'data_source'", _only("data_source")),
+    _no_effect("data.return_raw_chat", "the chat messages always travel with the row (raw_prompt)"),
+    _no_effect("data.return_raw_input_ids", "no effect here"),
+    _no_effect("data.return_full_prompt", "no effect here"),
+    _no_effect("data.dataloader_num_workers", _SPEED),
+    _no_effect("data.validation_shuffle", "validation prompts are read in file order", _only(False)),
+    _no_effect("data.trust_remote_code", _REMOTE_CODE),
+    _no_effect("data.use_shm", _SPEED),
+    _no_effect("data.tokenizer", "the tokenizer is the model's (model.path)", _unset),
+    # ------------------------------------------------------------------ model
+    _same(f"{ARR}.model.path", "model.path"),
+    _same(f"{ARR}.model.lora_rank", "model.lora_rank"),
+    _same(f"{ARR}.model.lora_alpha", "model.lora_alpha"),
+    _same(f"{ARR}.model.target_modules", "model.target_modules"),
+    _same(f"{ARR}.model.lora_adapter_path", "model.lora_adapter_path"),
+    _same(f"{ARR}.model.lora.rank", "model.lora_rank", "verl's megatron spelling of lora_rank"),
+    _same(f"{ARR}.model.lora.alpha", "model.lora_alpha", "verl's megatron spelling of lora_alpha"),
+    VerlKey(
+        f"{ARR}.model.lora.target_modules",
+        ("model.target_modules",),
+        to_ours=lambda v: (_hf_module_names(v),),
+        note="verl's megatron spelling: megatron-core's layer names (linear_qkv, linear_proj, linear_fc1, "
+        "linear_fc2, ...) become the Hugging Face ones (q_proj/k_proj/v_proj, o_proj, gate_proj/up_proj, down_proj)",
+    ),
+    _no_effect(f"{ARR}.model.lora.type", "adapters are PEFT's LoRA (verl's lora)", _only("lora")),
+    _no_effect(f"{ARR}.model.lora.dropout", "no adapter dropout here", lambda v: v in (0, 0.0, None)),
+    _no_effect(f"{ARR}.model.lora.dropout_position", "no adapter dropout here"),
+    _no_effect(
+        f"{ARR}.model.lora.lora_A_init_method", "A starts Kaiming-uniform (PEFT's), B at zero", _only("kaiming")
+    ),
+    _no_effect(f"{ARR}.model.use_remove_padding", _PADDING),
+    _same(f"{ARR}.model.enable_gradient_checkpointing", "model.gradient_checkpointing", _CHECKPOINTING),
+    _no_effect(f"{ARR}.model.enable_activation_offload", _SPEED),
+    _no_effect(f"{ARR}.model.use_fused_kernels", _SPEED),
+    _no_effect(f"{ARR}.model.fused_kernel_options.*", _SPEED),
+    _no_effect(f"{ARR}.model.use_liger", _SPEED),
+    _no_effect(f"{ARR}.model.use_shm", _SPEED),
+    _no_effect(f"{ARR}.model.trust_remote_code", _REMOTE_CODE),
+    _no_effect(f"{ARR}.model.external_lib", "models load through transformers' Auto classes", _unset),
+    _no_effect(f"{ARR}.model.custom_chat_template", "the tokenizer's own chat template is used", _unset),
+    _no_effect(f"{ARR}.model.override_config", "the model's config.json is used as it is", lambda v: not v),
+    _no_effect(
+        f"{ARR}.model.override_config.*",
+        "only dropout 0 (ReMax's examples): the embedded models have none; a model's config.json is used as it is",
+        lambda v: v in (0, 0.0),
+    ),
+    _no_effect(f"{ARR}.hybrid_engine", "the actor and rollout share weights (3D-HybridEngine)", _only(True)),
+    _no_effect(f"{ARR}.nccl_timeout", "placement.call_timeout_s limits a stage call here"),
+    # ------------------------------------------------------------------ actor
+    _strategy(f"{ARR}.actor.strategy", "actor.strategy"),
+    _same(f"{ARR}.actor.optim.lr"),
+    _same(f"{ARR}.actor.optim.weight_decay"),
+    _same(f"{ARR}.actor.optim.betas"),
+    _same(f"{ARR}.actor.optim.clip_grad", "actor.optim.grad_clip"),
+    _same(f"{ARR}.actor.grad_clip", "actor.optim.grad_clip"),
+    VerlKey(
+        f"{ARR}.actor.optim.lr_warmup_steps",
+        ("actor.optim.warmup_iterations",),
+        to_ours=_minus_one_is_zero,
+        note="iterations of warm-up from lr 0, as verl counts them (one scheduler step per update); -1: from "
+        "lr_warmup_steps_ratio",
+    ),
+    VerlKey(
+        f"{ARR}.actor.optim.lr_warmup_steps_ratio",
+        note="with lr_warmup_steps -1 or unset: warmup_iterations = int(ratio x trainer.total_iterations), as verl",
+        via="actor.optim.warmup_iterations",
+    ),
+    _no_effect(f"{ARR}.actor.optim.lr_decay_style", "linear warm-up, then constant", _only("constant")),
+    _no_effect(f"{ARR}.actor.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
+    _no_effect(f"{ARR}.actor.optim.lr_scheduler_type", "linear warm-up, then constant", _only("constant")),
+    _no_effect(f"{ARR}.actor.optim.min_lr_ratio", "only with a cosine schedule, which is not implemented"),
+    _no_effect(f"{ARR}.actor.optim.num_cycles", "only with a cosine schedule, which is not implemented"),
+    _no_effect(f"{ARR}.actor.optim.total_training_steps", "set by the trainer (trainer.total_training_steps)"),
+    _same(f"{ARR}.actor.ppo_mini_batch_size", note="prompts per optimizer step, as in verl"),
+    _same(f"{ARR}.actor.ppo_micro_batch_size_per_gpu", "actor.ppo_micro_batch_size", "sequences per rank"),
+    _no_effect(f"{ARR}.actor.ppo_micro_batch_size", _MICRO_GLOBAL),
+    _no_effect(f"{ARR}.actor.use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect(f"{ARR}.actor.ppo_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _same(f"{ARR}.actor.ppo_epochs"),
+    _same(f"{ARR}.actor.shuffle"),
+    _same(f"{ARR}.actor.clip_ratio_low"),
+    _same(f"{ARR}.actor.clip_ratio_high"),
+    VerlKey(
+        f"{ARR}.actor.clip_ratio",
+        ("actor.clip_ratio_low", "actor.clip_ratio_high"),
+        to_ours=lambda v: (v, v),
+        note="both ends of the clip range (clip_ratio_low / clip_ratio_high set one each)",
+    ),
+    _same(f"{ARR}.actor.clip_ratio_c"),
+    _same(f"{ARR}.actor.loss_agg_mode"),
+    VerlKey(
+        f"{ARR}.actor.use_token_level_loss",
+        ("actor.loss_agg_mode",),
+        to_ours=lambda v: ("token-mean" if v else "seq-mean-token-mean",),
+        note="verl's older spelling: true is loss_agg_mode=token-mean, false seq-mean-token-mean",
+    ),
+    _same(f"{ARR}.actor.entropy_coeff"),
+    _same(f"{ARR}.actor.use_kl_loss"),
+    _same(f"{ARR}.actor.kl_loss_coef"),
+    _same(f"{ARR}.actor.kl_loss_type"),
+    _same(f"{ARR}.actor.policy_loss.loss_mode"),
+    _same(f"{ARR}.actor.policy_loss.clip_cov_ratio"),
+    _same(f"{ARR}.actor.policy_loss.clip_cov_lb"),
+    _same(f"{ARR}.actor.policy_loss.clip_cov_ub"),
+    _same(f"{ARR}.actor.policy_loss.kl_cov_ratio"),
+    _same(f"{ARR}.actor.policy_loss.ppo_kl_coef"),
+    _same(f"{ARR}.actor.megatron.tensor_model_parallel_size", "actor.tp"),
+    _same(f"{ARR}.actor.megatron.pipeline_model_parallel_size", "actor.pp"),
+    _no_effect(f"{ARR}.actor.megatron.virtual_pipeline_model_parallel_size", _SCHEDULE, _unset_or_one),
+    _no_effect(f"{ARR}.actor.megatron.expert_model_parallel_size", _MOE, _unset_or_one),
+    _no_effect(f"{ARR}.actor.megatron.expert_tensor_parallel_size", _MOE, _unset_or_one),
+    _no_effect(f"{ARR}.actor.megatron.context_parallel_size", _CONTEXT, _unset_or_one),
+    _no_effect(f"{ARR}.actor.megatron.param_offload", _OFFLOAD),
+    _no_effect(f"{ARR}.actor.megatron.grad_offload", _OFFLOAD),
+    _no_effect(f"{ARR}.actor.megatron.optimizer_offload", _OFFLOAD),
+    _no_effect(f"{ARR}.actor.megatron.use_mbridge", _BRIDGE),
+    _no_effect(f"{ARR}.actor.megatron.vanilla_mbridge", _BRIDGE),
+    _no_effect(f"{ARR}.actor.megatron.use_dist_checkpointing", _DIST_CKPT, _only(False)),
+    _no_effect(f"{ARR}.actor.megatron.dist_checkpointing_path", _DIST_CKPT),
+    _no_effect(f"{ARR}.actor.megatron.seed", "the megatron actor is seeded from trainer.seed"),
+    VerlKey(
+        f"{ARR}.actor.megatron.override_transformer_config.recompute_granularity",
+        note=_RECOMPUTE,
+        accepts=_only(None, "null", "full", "selective"),
+        via="model.gradient_checkpointing",
+    ),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.recompute_*", _RECOMPUTE),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.*_fusion", _SPEED),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.moe_*", _MOE, lambda v: False),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.deallocate_pipeline_outputs", _SPEED),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.persist_layer_norm", _SPEED),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.attention_backend", _SPEED),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.account_for_*_in_pipeline_split", _STAGES),
+    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.num_layers_in_*_pipeline_stage", _STAGES),
+    _no_effect(f"{ARR}.actor.optim.override_optimizer_config.*", _OFFLOAD),
+    _no_effect(f"{ARR}.actor.ulysses_sequence_parallel_size", _SEQUENCE, _only(1)),
+    _no_effect(f"{ARR}.actor.use_torch_compile", _SPEED),
+    _no_effect(f"{ARR}.actor.entropy_from_logits_with_chunking", _SPEED),
+    _no_effect(f"{ARR}.actor.entropy_checkpointing", _CHECKPOINTING),
+    _no_effect(f"{ARR}.actor.use_fused_kernels", _SPEED),
+    _no_effect(
+        f"{ARR}.actor.use_prefix_grouper",
+        "a prompt is computed once for its group's responses here already (actor.share_prompts)",
+    ),
+    _no_effect(f"{ARR}.actor.router_replay.*", _MOE, lambda v: v in (None, "disabled")),
+    _no_effect(f"{ARR}.actor.checkpoint.*", "checkpoints always hold the model, the optimizer and the trainer state"),
+    # ------------------------------------------------------------------ rollout
+    VerlKey(
+        f"{ARR}.rollout.name",
+        ("rollout.name",),
+        accepts=_only("vllm", "hf"),
+        note="vllm (an in-process engine) or hf (transformers generate); sglang is not available here: use vllm",
+    ),
+    _no_effect(f"{ARR}.rollout.mode", "generation is one call per batch here; agent loops: rollout.multi_turn"),
+    _same(f"{ARR}.rollout.n"),
+    _same(f"{ARR}.rollout.temperature"),
+    _same(f"{ARR}.rollout.top_p"),
+    _top_k(f"{ARR}.rollout.top_k", "rollout.top_k"),
+    _same(f"{ARR}.rollout.response_length", "rollout.response_length"),
+    _no_effect(f"{ARR}.rollout.prompt_length", "data.max_prompt_length bounds the prompts"),
+    _same(f"{ARR}.rollout.gpu_memory_utilization"),
+    _same(f"{ARR}.rollout.tensor_model_parallel_size", "rollout.gen_tp"),
+    _same(f"{ARR}.rollout.log_prob_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size", "sequences per rank"),
+    _no_effect(f"{ARR}.rollout.log_prob_micro_batch_size", _MICRO_GLOBAL),
+    _no_effect(f"{ARR}.rollout.log_prob_use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect(f"{ARR}.rollout.log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    VerlKey(
+        f"{ARR}.rollout.dtype",
+        ("rollout.vllm_dtype",),
+        accepts=_only("bfloat16", "float32"),
+        note="the vLLM engine's dtype (our rollout.vllm_dtype)",
+    ),
+    _no_effect(f"{ARR}.rollout.do_sample", "sampling; greedy is temperature=0", _only(True)),
+    _no_effect(f"{ARR}.rollout.ignore_eos", "generation stops at the end-of-sequence token", _only(False)),
+    _no_effect(f"{ARR}.rollout.enforce_eager", _SPEED),
+    _no_effect(f"{ARR}.rollout.free_cache_engine", _SPEED),
+    _no_effect(f"{ARR}.rollout.enable_chunked_prefill", _SPEED),
+    _no_effect(f"{ARR}.rollout.enable_prefix_caching", _SPEED),
+    _no_effect(f"{ARR}.rollout.max_num_batched_tokens", _SPEED),
+    _no_effect(f"{ARR}.rollout.max_num_seqs", _SPEED),
+    _no_effect(f"{ARR}.rollout.max_model_len", _SPEED),
+    _no_effect(f"{ARR}.rollout.load_format", _SPEED),
+    _no_effect(f"{ARR}.rollout.layered_summon", _SPEED),
+    _no_effect(f"{ARR}.rollout.disable_log_stats", _SPEED),
+    _no_effect(f"{ARR}.rollout.cudagraph_capture_sizes", _SPEED),
+    _no_effect(f"{ARR}.rollout.multi_stage_wake_up", _SPEED),
+    _no_effect(f"{ARR}.rollout.engine_kwargs.*", _SPEED),
+    _no_effect(f"{ARR}.rollout.data_parallel_size", "vLLM's data parallelism (MoE serving); " + _MOE, _unset_or_one),
+    _no_effect(f"{ARR}.rollout.expert_parallel_size", _MOE, _unset_or_one),
+    _no_effect(f"{ARR}.rollout.trace.*", "samples are in the run store: hf runs samples RUN"),
+    _no_effect(f"{ARR}.rollout.prometheus.*", "vLLM's metrics server: hf runs timeline RUN shows each stage's seconds"),
+    _no_effect(f"{ARR}.rollout.calculate_log_probs", "the engine's log-probs are kept when a correction needs them"),
+    _same(
+        f"{ARR}.rollout.update_weights_bucket_megabytes", "rollout.checkpoint_engine.update_weights_bucket_megabytes"
+    ),
+    _same(f"{ARR}.rollout.val_kwargs.temperature", "rollout.val_temperature"),
+    _no_effect(f"{ARR}.rollout.val_kwargs.n", "one response per validation prompt", _only(1)),
+    _same(f"{ARR}.rollout.val_kwargs.top_p", "rollout.val_top_p"),
+    _top_k(f"{ARR}.rollout.val_kwargs.top_k", "rollout.val_top_k"),
+    _no_effect(
+        f"{ARR}.rollout.val_kwargs.do_sample",
+        "validation samples when rollout.val_kwargs.temperature (our rollout.val_temperature) is above 0, and is "
+        "greedy at 0; do_sample=false with a temperature above 0 is refused (set the temperature to 0)",
+    ),
+    _same(f"{ARR}.rollout.multi_turn.enable"),
+    _same(f"{ARR}.rollout.multi_turn.max_assistant_turns"),
+    _same(f"{ARR}.rollout.multi_turn.max_user_turns"),
+    _same(f"{ARR}.rollout.multi_turn.max_tool_response_length"),
+    _same(f"{ARR}.rollout.multi_turn.tool_response_truncate_side"),
+    _same(f"{ARR}.rollout.multi_turn.tool_config_path"),
+    _same(f"{ARR}.rollout.multi_turn.format"),
+    # ------------------------------------------------------------------ ref
+    _same(f"{ARR}.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size", "sequences per rank"),
+    _no_effect(f"{ARR}.ref.log_prob_micro_batch_size", _MICRO_GLOBAL),
+    _no_effect(f"{ARR}.ref.log_prob_use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect(f"{ARR}.ref.log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _no_effect(f"{ARR}.ref.ulysses_sequence_parallel_size", _SEQUENCE, _only(1)),
+    _no_effect(f"{ARR}.ref.strategy", "the ref model lives with the actor, in its layout"),
+    _no_effect(f"{ARR}.ref.use_torch_compile", _SPEED),
+    _no_effect(f"{ARR}.ref.entropy_from_logits_with_chunking", _SPEED),
+    _no_effect(f"{ARR}.ref.megatron.*", "the ref model lives with the actor, in its layout"),
+    # ------------------------------------------------------------------ critic
+    _strategy("critic.strategy", "critic.strategy"),
+    _same("critic.model.path", "critic.model_path"),
+    _same("critic.optim.lr"),
+    _same("critic.optim.weight_decay"),
+    _same("critic.optim.betas"),
+    _same("critic.optim.clip_grad", "critic.optim.grad_clip"),
+    _same("critic.grad_clip", "critic.optim.grad_clip"),
+    VerlKey(
+        "critic.optim.lr_warmup_steps",
+        ("critic.optim.warmup_iterations",),
+        to_ours=_minus_one_is_zero,
+        note="iterations of warm-up from lr 0, as verl counts them (one scheduler step per update); -1: from "
+        "lr_warmup_steps_ratio",
+    ),
+    VerlKey(
+        "critic.optim.lr_warmup_steps_ratio",
+        note="with lr_warmup_steps -1 or unset: warmup_iterations = int(ratio x trainer.total_iterations), as verl",
+        via="critic.optim.warmup_iterations",
+    ),
+    _no_effect("critic.optim.lr_decay_style", "linear warm-up, then constant", _only("constant")),
+    _no_effect("critic.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
+    _same("critic.ppo_mini_batch_size"),
+    _same("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size", "sequences per rank"),
+    _same("critic.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size", "sequences per rank"),
+    _no_effect("critic.ppo_micro_batch_size", _MICRO_GLOBAL),
+    _no_effect("critic.use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect("critic.ppo_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _no_effect("critic.forward_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _same("critic.ppo_epochs"),
+    _same("critic.shuffle"),
+    _same("critic.cliprange_value"),
+    _same("critic.loss_agg_mode"),
+    _no_effect("critic.model.use_remove_padding", _PADDING),
+    _same("critic.model.enable_gradient_checkpointing", "critic.gradient_checkpointing", _CHECKPOINTING),
+    _no_effect("critic.model.tokenizer_path", "the critic reads the actor's tokens"),
+    _no_effect("critic.model.trust_remote_code", _REMOTE_CODE),
+    _no_effect("critic.ulysses_sequence_parallel_size", _SEQUENCE, _only(1)),
+    _no_effect("critic.rollout_n", "follows actor_rollout_ref.rollout.n, as in verl"),
+    _no_effect("critic.checkpoint.*", "checkpoints always hold the model, the optimizer and the trainer state"),
+    _no_effect(
+        "critic.megatron.tensor_model_parallel_size",
+        "a megatron critic lives in the actor's processes and layout (actor_rollout_ref.actor.megatron.*); the "
+        "values are the same in any layout",
+    ),
+    _no_effect(
+        "critic.megatron.pipeline_model_parallel_size",
+        "a megatron critic lives in the actor's processes and layout (actor_rollout_ref.actor.megatron.*); the "
+        "values are the same in any layout",
+    ),
+    _no_effect("critic.megatron.expert_model_parallel_size", _MOE, _unset_or_one),
+    _no_effect("critic.megatron.expert_tensor_parallel_size", _MOE, _unset_or_one),
+    _no_effect("critic.megatron.context_parallel_size", _CONTEXT, _unset_or_one),
+    _no_effect("critic.megatron.param_offload", _OFFLOAD),
+    _no_effect("critic.megatron.grad_offload", _OFFLOAD),
+    _no_effect("critic.megatron.optimizer_offload", _OFFLOAD),
+    _no_effect("critic.megatron.use_mbridge", _BRIDGE),
+    _no_effect("critic.megatron.use_dist_checkpointing", _DIST_CKPT, _only(False)),
+    _no_effect("critic.megatron.dist_checkpointing_path", _DIST_CKPT),
+    VerlKey(
+        "critic.megatron.override_transformer_config.recompute_granularity",
+        note=_RECOMPUTE,
+        accepts=_only(None, "null", "full", "selective"),
+        via="critic.gradient_checkpointing",
+    ),
+    _no_effect("critic.megatron.override_transformer_config.recompute_*", _RECOMPUTE),
+    _no_effect("critic.megatron.override_transformer_config.*_fusion", _SPEED),
+    _no_effect("critic.optim.override_optimizer_config.*", _OFFLOAD),
+    # ------------------------------------------------------------------ reward
+    _same("reward_model.enable"),
+    _same("reward_model.model.path", "reward_model.path"),
+    _same("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size", "sequences per rank"),
+    _no_effect("reward_model.micro_batch_size", _MICRO_GLOBAL),
+    VerlKey(
+        "reward_model.max_length",
+        ("reward_model.max_length",),
+        accepts=lambda v: v is None or int(v) > 0,
+        note="null keeps ours (1024 tokens)",
+    ),
+    VerlKey(
+        "reward_model.strategy",
+        ("reward_model.strategy",),
+        to_ours=lambda v: ("fsdp",),
+        to_verl=lambda values: UNSAID if values[0] == "ddp" else values[0],
+        accepts=_only("fsdp", "fsdp2"),
+        note="fsdp and fsdp2 are our fsdp; our ddp has no verl name",
+    ),
+    _no_effect("reward_model.model.input_tokenizer", "the reward model reads the text with its own tokenizer"),
+    _no_effect("reward_model.model.use_remove_padding", _PADDING),
+    _no_effect("reward_model.model.trust_remote_code", _REMOTE_CODE),
+    _no_effect("reward_model.use_dynamic_bsz", _DYNAMIC_BSZ),
+    _no_effect("reward_model.forward_max_token_len_per_gpu", _DYNAMIC_BSZ),
+    _no_effect("reward_model.launch_reward_fn_async", _SPEED),
+    _no_effect("reward_model.use_reward_loop", _REWARD_LOOP),
+    _no_effect("reward_model.num_workers", _REWARD_LOOP),
+    _no_effect("reward_model.rollout.*", _REWARD_LOOP),
+    _no_effect(
+        "reward_model.reward_manager",
+        "scores come from the score function (custom_reward_function or the data_source's); DAPO's overlong "
+        "penalty is reward_model.overlong_buffer",
+        _only("naive", "dapo"),
+    ),
+    _same("reward_model.overlong_buffer.enable", "reward.overlong_buffer.enable"),
+    _same("reward_model.overlong_buffer.len", "reward.overlong_buffer.len"),
+    _same("reward_model.overlong_buffer.penalty_factor", "reward.overlong_buffer.penalty"),
+    _no_effect("reward_model.overlong_buffer.log", "the penalty is always logged (reward/overlong_penalty)"),
+    _same("reward_model.reward_kwargs.overlong_buffer_cfg.enable", "reward.overlong_buffer.enable", _DAPO_KWARGS),
+    _same("reward_model.reward_kwargs.overlong_buffer_cfg.len", "reward.overlong_buffer.len", _DAPO_KWARGS),
+    _same(
+        "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "reward.overlong_buffer.penalty", _DAPO_KWARGS
+    ),
+    _no_effect("reward_model.reward_kwargs.overlong_buffer_cfg.log", "the penalty is always logged"),
+    VerlKey(
+        "reward_model.reward_kwargs.max_resp_len",
+        note="the length the overlong buffer ends at: taken when it is data.max_response_length (the buffer ends "
+        "at rollout.response_length here)",
+        via="reward.overlong_buffer",
+    ),
+    _same("custom_reward_function.overlong_buffer.enable", "reward.overlong_buffer.enable", "DAPO's older spelling"),
+    _same("custom_reward_function.overlong_buffer.len", "reward.overlong_buffer.len", "DAPO's older spelling"),
+    _same(
+        "custom_reward_function.overlong_buffer.penalty_factor",
+        "reward.overlong_buffer.penalty",
+        "DAPO's older spelling",
+    ),
+    _no_effect("custom_reward_function.overlong_buffer.log", "the penalty is always logged"),
+    _same("custom_reward_function.path", "reward.custom_function", "with .name: reward.custom_function=path:name"),
+    VerlKey(
+        "custom_reward_function.name",
+        note="the function in custom_reward_function.path (default compute_score)",
+        via="reward.custom_function",
+    ),
+    # ------------------------------------------------------------------ algorithm
+    _same("algorithm.adv_estimator"),
+    _same("algorithm.gamma"),
+    _same("algorithm.lam"),
+    _same("algorithm.norm_adv_by_std_in_grpo"),
+    _same("algorithm.use_kl_in_reward"),
+    _same("algorithm.kl_penalty"),
+    _same("algorithm.kl_ctrl.type"),
+    _same("algorithm.kl_ctrl.kl_coef"),
+    _same("algorithm.kl_ctrl.target_kl"),
+    _same("algorithm.kl_ctrl.horizon"),
+    _same("algorithm.filter_groups.enable"),
+    _same("algorithm.filter_groups.metric"),
+    _same("algorithm.filter_groups.max_num_gen_batches"),
+    _same("algorithm.use_pf_ppo", note="PF-PPO: only with adv_estimator=gae (verl ignores it otherwise; refused here)"),
+    _same("algorithm.pf_ppo.reweight_method"),
+    _same("algorithm.pf_ppo.weight_pow"),
+    VerlKey(
+        "algorithm.rollout_correction.rollout_is",
+        ("algorithm.rollout_correction.rollout_is",),
+        to_ours=lambda v: (None if _unset(v) else v,),
+        accepts=lambda v: _unset(v) or v in ("token", "sequence"),
+        note="truncated importance sampling per token or per sequence; null: off",
+    ),
+    _same("algorithm.rollout_correction.rollout_is_threshold"),
+    _no_effect(
+        "algorithm.rollout_correction.rollout_is_batch_normalize",
+        "the weights are not renormalised over the batch here",
+        _only(False),
+    ),
+    _no_effect("algorithm.rollout_correction.rollout_rs", "no rejection sampling of rollouts here", _unset),
+    _no_effect("algorithm.rollout_correction.rollout_rs_threshold", "no rejection sampling of rollouts here", _unset),
+    _no_effect(
+        "algorithm.rollout_correction.bypass_mode",
+        "the actor always recomputes old_log_prob (the proximal policy); bypassing it is not implemented",
+        _only(False),
+    ),
+    _no_effect(
+        "algorithm.rollout_correction.loss_type",
+        "the weights scale the PPO clipped loss (verl's ppo_clip)",
+        _only("ppo_clip"),
+    ),
+    # ------------------------------------------------------------------ trainer
+    _same("trainer.total_training_steps", "trainer.total_iterations"),
+    VerlKey(
+        "trainer.total_epochs",
+        note="trainer.total_iterations = epochs x (training rows // data.train_batch_size), rows counted in "
+        "data.train_files (verl counts them after dropping over-long prompts); total_training_steps wins",
+        via="trainer.total_iterations",
+    ),
+    _same("trainer.n_gpus_per_node", "placement.tasks_per_node", "ranks per node"),
+    _same("trainer.nnodes", "placement.nodes"),
+    VerlKey("trainer.save_freq", ("trainer.save_freq",), to_ours=_minus_one_is_zero, note="-1 is 0 (at the end)"),
+    VerlKey(
+        "trainer.test_freq",
+        ("trainer.test_freq",),
+        to_ours=_minus_one_is_zero,
+        note="-1 is 0 (before and after training)",
+    ),
+    _same("trainer.val_before_train"),
+    _same("trainer.project_name"),
+    _same("trainer.experiment_name"),
+    VerlKey(
+        "trainer.logger",
+        ("trainer.logger",),
+        to_ours=lambda v: ([{"file": "jsonl"}.get(name, name) for name in ([v] if isinstance(v, str) else v)],),
+        to_verl=lambda ours: [{"jsonl": "file"}.get(name, name) for name in ours[0]],
+        note="verl's file is our jsonl",
+    ),
+    _same("trainer.log_val_generations"),
+    _same("trainer.default_local_dir", "trainer.checkpoint_dir"),
+    VerlKey(
+        "trainer.device",
+        ("trainer.device",),
+        to_verl=lambda values: UNSAID if values[0] == "auto" else values[0],
+        accepts=_only("cuda", "cpu"),
+        note="cuda or cpu (npu is not supported); our auto (cuda where there is one) has no verl name",
+    ),
+    _no_effect("trainer.critic_warmup", "the actor updates from the first iteration", _only(0)),
+    _no_effect("trainer.balance_batch", "rows are dealt to ranks in order; sequence balancing is speed only"),
+    _no_effect("trainer.resume_mode", "runs resume with hf resume RUN (exactly, from the newest usable checkpoint)"),
+    _no_effect("trainer.resume_from_path", "hf resume RUN --from global_step_N", _unset),
+    _no_effect("trainer.default_hdfs_dir", "checkpoints are local files (trainer.checkpoint_dir)", _unset),
+    _no_effect("trainer.del_local_ckpt_after_load", "checkpoints are kept"),
+    _no_effect("trainer.max_actor_ckpt_to_keep", "checkpoints are kept (hf runs delete removes a run's)"),
+    _no_effect("trainer.max_critic_ckpt_to_keep", "checkpoints are kept (hf runs delete removes a run's)"),
+    _no_effect("trainer.rollout_data_dir", "samples are in the run store: hf runs samples RUN"),
+    _no_effect("trainer.validation_data_dir", "samples are in the run store: hf runs samples RUN"),
+    _no_effect("trainer.val_only", "validation without training is not a run here", _only(False)),
+    _no_effect("trainer.esi_redundant_time", "Slurm's --signal warning: placement.slurm.signal_delay_s"),
+    _no_effect("trainer.ray_wait_register_center_timeout", "no Ray here"),
+    _no_effect("trainer.use_legacy_worker_impl", "one worker implementation here"),
+    # ------------------------------------------------------------------ families with no effect
+    _no_effect("*.fsdp_config.*", _SPEED),
+    _no_effect("*.profiler.*", "profiling: hf runs timeline RUN shows each stage's seconds"),
+    _no_effect("global_profiler.*", "profiling: hf runs timeline RUN shows each stage's seconds"),
+    _no_effect("ray_init.*", "no Ray here: worker groups are Slurm jobs or local processes"),
+    _no_effect("ray_kwargs.*", "no Ray here: worker groups are Slurm jobs or local processes"),
+)
+"""Every verl key ``hf verl`` takes (see the module docstring); generated into docs/verl-keys.md."""
+
+
+def find_key(verl_key: str) -> VerlKey:
+    """The `VerlKey` for `verl_key` (an exact entry first, then a pattern such as ``*.fsdp_config.*``).
+
+    Raises:
+        ConfigError: the key is not supported; the message names the nearest supported key, or says that the key
+            is one of HybridFlow's own (to pass with ``-o``)."""
+    for entry in VERL_KEYS:
+        if entry.verl == verl_key:
+            return entry
+    for entry in VERL_KEYS:
+        if "*" in entry.verl and fnmatch.fnmatchcase(verl_key, entry.verl):
+            return entry
+    exact = [e.verl for e in VERL_KEYS if "*" not in e.verl]
+    near = difflib.get_close_matches(verl_key, exact, n=1, cutoff=0.6)
+    if not near:  # a key under a known section: the closest by its last parts
+        tail = verl_key.rsplit(".", 1)[-1]
+        near = [k for k in exact if k.rsplit(".", 1)[-1] == tail][:1]
+    hint = f"the nearest supported key is {near[0]}" if near else "see docs/verl-keys.md for the keys taken"
+    ours = {o for e in VERL_KEYS for o in e.ours}
+    if verl_key in ours:
+        hint = f"{verl_key} is HybridFlow's own key: give it with -o {verl_key}=..."
+    raise ConfigError(f"verl key {verl_key} is not supported by hf verl: {hint}")
+
+
+def key_table() -> str:
+    """The Markdown table of every verl key and what it is here (docs/verl-keys.md)."""
+    lines = [
+        "| verl key | HybridFlow key | notes |",
+        "| --- | --- | --- |",
+    ]
+    for entry in VERL_KEYS:
+        ours = ", ".join(f"`{k}`" for k in entry.ours) or (f"`{entry.via}`" if entry.via else "no effect")
+        lines.append(f"| `{entry.verl}` | {ours} | {entry.note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"

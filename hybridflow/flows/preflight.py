@@ -62,7 +62,6 @@ from hybridflow.engine.reward.judge import check_judge, load_judge_functions
 from hybridflow.engine.reward.preference import load_preference_rows
 from hybridflow.engine.reward.reward_model import RewardModelError, check_reward_model, rendered_prompt_length
 from hybridflow.engine.reward.rewards import check_builtin_source, load_reward_function
-from hybridflow.engine.rollout.vllm import INSTALL_HINT
 from hybridflow.engine.sft.conversations import load_conversations, tokenize_conversation
 from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
 from hybridflow.slurm import cluster, network
@@ -206,6 +205,8 @@ def _check_judge(cfg: HybridFlowConfig) -> None:
     except (RewardModelError, ValueError, ImportError, AttributeError, TypeError, FileNotFoundError) as e:
         raise InputError(str(e)) from None
     if judge.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from hybridflow.engine.rollout.vllm import INSTALL_HINT
+
         raise InputError(
             f"reward_model.judge.engine=vllm: {INSTALL_HINT.replace('rollout.name=hf', 'judge.engine=hf')}"
         )

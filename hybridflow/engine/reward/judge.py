@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.reward.reward_model import RewardModelError, place_on_last_token
+from hybridflow.engine.reward.reward_model import RewardModelError
 from hybridflow.engine.reward.rewards import SCORE_ARGUMENTS, RewardManager, load_reward_function, score_inputs
 
 if TYPE_CHECKING:
@@ -38,15 +38,9 @@ VERDICT_ARGUMENTS = ("judge_text", *SCORE_ARGUMENTS)
 def _eos_ids(tokenizer: Any, path: str | Path) -> list[int]:
     """The judge's stop tokens: its tokenizer's EOS and its generation config's (`hybridflow.engine.rollout.hf.
     eos_token_ids`)."""
-    from transformers import GenerationConfig
+    from hybridflow.engine.rollout.hf import eos_token_ids, model_generation_config
 
-    from hybridflow.engine.rollout.hf import eos_token_ids
-
-    try:
-        generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        generation_config = None
-    return eos_token_ids(tokenizer, generation_config)
+    return eos_token_ids(tokenizer, model_generation_config(str(path)))
 
 
 def load_judge_functions(config: RewardModelConfig) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -221,8 +215,8 @@ class JudgeRewardModel:
             lambda *args: self.verdict_fn(next(verdicts), *args),
             name=f"reward_model.judge.verdict_function {self.judge.verdict_function}",
         )
-        scores, extra = manager(data)
-        tensors = {self.column: place_on_last_token(scores.sum(-1), data.batch["response_mask"])}
+        scores, extra = manager.score(data, inputs)  # each verdict's score on its row's last response token
+        tensors = {self.column: scores.cpu()}
         for key, values in extra.items():
             if key != "score":
                 tensors[f"reward_extra/judge_{key}"] = torch.from_numpy(values)

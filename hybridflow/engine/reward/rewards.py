@@ -362,7 +362,13 @@ class RewardManager:
                 the score function and the first such sample, its data_source and the start of its response).
             ScoreFunctionError: the score function raised (on the sample named, with the original error).
         """
-        inputs = score_inputs(data, self.tokenizer)
+        return self.score(data, score_inputs(data, self.tokenizer))
+
+    def score(
+        self, data: DataProto, inputs: list[tuple[str, str, Any, Any]]
+    ) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+        """`__call__` on `inputs` already read from `data` (`score_inputs`: a caller that decoded the responses
+        itself, as the judge does, passes them on instead of decoding twice). Raises as `__call__`."""
         responses = data.batch["responses"]
         batch_size, width = responses.shape
         if width == 0:

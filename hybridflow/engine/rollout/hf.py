@@ -125,6 +125,14 @@ def rollout_tensors(
     }
 
 
+def model_generation_config(model_path: str) -> GenerationConfig | None:
+    """The model folder's ``generation_config.json`` (its eos ids), or None where it has none."""
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        return None
+
+
 def eos_token_ids(tokenizer, generation_config: GenerationConfig | None = None) -> list[int]:
     """All token ids that end a response: the tokenizer's eos plus the model's generation-config eos ids."""
     ids = {tokenizer.eos_token_id}

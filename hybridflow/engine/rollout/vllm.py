@@ -37,7 +37,13 @@ import torch
 
 from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.rollout.hf import assemble_rollout, eos_token_ids, expand_prompts, sampling_seed
+from hybridflow.engine.rollout.hf import (
+    assemble_rollout,
+    eos_token_ids,
+    expand_prompts,
+    model_generation_config,
+    sampling_seed,
+)
 from hybridflow.engine.rollout.published import actor_probe_log_probs, probe_prompt
 from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest, cut_at_eos
 
@@ -139,7 +145,7 @@ class VLLMRollout:
         if self.weights is not None:
             generation_config, device = self.weights.generation_config, self.weights.device
         else:  # an engine of its own pool: weights arrive published (`load_weights`)
-            generation_config = _generation_config(model_path)
+            generation_config = model_generation_config(model_path)
         self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
         self.on_gpu = device is not None and device.type == "cuda"
         options = memory_options(self.on_gpu, config.gpu_memory_utilization, config.vllm_kv_cache_gb)
@@ -503,13 +509,3 @@ def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, c
         device=pick_device(cfg.trainer.device) if weights is None else None,
         tensor_parallel=engine_tp(cfg),
     )
-
-
-def _generation_config(model_path: str):
-    """The model folder's ``generation_config.json`` (its eos ids), or None where it has none."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(model_path)
-    except OSError:
-        return None

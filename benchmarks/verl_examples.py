@@ -74,6 +74,7 @@ NO_OPS = ("huggingface-cli", "hf", "nvidia-smi", "wandb", "pip", "pip3", "wget",
 NO_OPS += ("sbatch", "scontrol", "squeue", "sinfo")
 DATA_KEYS = ("data.train_files", "data.val_files")
 MODEL_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path")
+ADAPTER_KEY = "actor_rollout_ref.model.lora_adapter_path"
 
 
 def checkout_tree(source: Path, into: Path) -> Path:
@@ -263,7 +264,20 @@ def tiny_reward_model(model: Path, folder: Path) -> Path:
     return folder
 
 
-def check_script(script: Path, tree: Path, scratch: Path, bin_dir: Path, model: Path, reward_model: Path) -> dict:
+def tiny_adapter(model: Path, folder: Path) -> Path:
+    """A LoRA adapter of the tiny model (PEFT's ``save_pretrained`` layout: adapter_config.json and weights), the
+    stand-in for a script's ``model.lora_adapter_path`` (a folder the user saved)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model), adapter).save_pretrained(folder)
+    return folder
+
+
+def check_script(
+    script: Path, tree: Path, scratch: Path, bin_dir: Path, model: Path, reward_model: Path, adapter: Path
+) -> dict:
     """One script's row: its name, scope, and (in scope) the dry run's verdict and reasons."""
     name = str(script.relative_to(tree))
     home = scratch / re.sub(r"\W", "_", name)
@@ -287,6 +301,8 @@ def check_script(script: Path, tree: Path, scratch: Path, bin_dir: Path, model: 
         for key in MODEL_KEYS
         if given.get(key)
     }
+    if given.get(ADAPTER_KEY):  # a folder the user saved with a LoRA run: the tiny model's adapter stands in
+        models[ADAPTER_KEY] = str(shutil.copytree(adapter, home / "adapter"))  # never at the script's own path
     overrides = [swap_value(item, models) for item in overrides]
     if int(given.get("trainer.nnodes") or 1) > 1:  # a run across nodes is a Slurm run here
         options.append("--executor=slurm")
@@ -294,7 +310,7 @@ def check_script(script: Path, tree: Path, scratch: Path, bin_dir: Path, model: 
     return {"script": name, "scope": "in", "accepted": rc == 0, "reasons": [] if rc == 0 else reasons(output)}
 
 
-def checked(script: Path, tree: Path, scratch: Path, bin_dir: Path, models: tuple[Path, Path]) -> dict:
+def checked(script: Path, tree: Path, scratch: Path, bin_dir: Path, models: tuple[Path, Path, Path]) -> dict:
     """`check_script`, a failure of the benchmark itself on one script reported as that script's row."""
     try:
         return check_script(script, tree, scratch, bin_dir, *models)
@@ -314,7 +330,8 @@ def main() -> None:
         scratch = Path(tmp)
         tree = checkout_tree(opts.verl.resolve(), scratch / "verl")
         bin_dir = stand_ins(scratch / "bin")
-        models = tiny_model(scratch / "tiny"), tiny_reward_model(scratch / "tiny", scratch / "tiny_rm")
+        tiny = tiny_model(scratch / "tiny")
+        models = tiny, tiny_reward_model(tiny, scratch / "tiny_rm"), tiny_adapter(tiny, scratch / "tiny_lora")
         scripts = sorted(p for top in ("examples", "recipe") for p in (tree / top).rglob("*.sh") if opts.only in str(p))
         with ThreadPoolExecutor(opts.jobs) as pool:
             rows = list(pool.map(lambda s: checked(s, tree, scratch / "homes", bin_dir, models), scripts))

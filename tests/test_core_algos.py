@@ -648,38 +648,6 @@ def test_policy_loss_uses_agg_mode_and_ignores_padding():
     assert clipfrac.item() == 0.0 and ppo_kl.item() == 0.0
 
 
-def test_rollout_is_weights_by_token_and_by_sequence_and_their_effect_on_the_policy_loss():
-    old = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.3, 0.6, 0.5]]))
-    rollout = torch.log(torch.tensor([[0.25, 0.4, 0.3], [0.6, 0.6, 0.7]]))
-    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # the second response has 2 tokens
-    # pi_old / pi_rollout per token: [2, 0.5, 3] and [0.5, 1, (padding)] -> truncated at 2.5: [2, 0.5, 2.5], [0.5, 1]
-    w, stats = losses.rollout_is_weights(old, rollout, mask, "token", threshold=2.5)
-    assert_close(w * mask, torch.tensor([[2.0, 0.5, 2.5], [0.5, 1.0, 0.0]]))
-    raw = torch.tensor([2.0, 0.5, 3.0, 0.5, 1.0])  # the response tokens' weights before truncation
-    assert_close(stats["rollout_is_mean"], raw.mean())
-    assert_close(stats["rollout_is_ratio_fraction_high"], torch.tensor(1 / 5))  # 3 > 2.5
-    assert_close(stats["rollout_is_ratio_fraction_low"], torch.tensor(0.0))  # none below 1 / 2.5
-    clamped = raw.clamp(0.4, 2.5)
-    assert_close(stats["rollout_is_eff_sample_size"], 1 / ((clamped / clamped.mean()) ** 2).mean())
-    # sequence level: each response's product of ratios, on all its tokens: 2 x 0.5 x 3 = 3 -> 2.5; 0.5 x 1 = 0.5
-    w, stats = losses.rollout_is_weights(old, rollout, mask, "sequence", threshold=2.5)
-    assert_close(w * mask, torch.tensor([[2.5, 2.5, 2.5], [0.5, 0.5, 0.0]]))
-    assert_close(stats["rollout_is_ratio_fraction_high"], torch.tensor(3 / 5))  # of response tokens
-    # ratio 1 (log_prob == old): per-token loss -A, weighted: -(1*2 + 3*0.5 + 2*2.5) / 3
-    w, _ = losses.rollout_is_weights(old[:1], rollout[:1], mask[:1], "token", threshold=2.5)
-    adv = torch.tensor([[1.0, 3.0, 2.0]])
-    new = old[:1].clone().requires_grad_(True)
-    loss, *_ = losses.compute_policy_loss(old[:1], new, adv, mask[:1], is_weights=w)
-    assert_close(loss, torch.tensor(-(2.0 + 1.5 + 5.0) / 3))
-    loss.backward()
-    # d(-A * w * exp(new - old)) / d new = -A * w at ratio 1: the weights scale the gradient, and get none
-    assert_close(new.grad, -(adv * w) / 3)
-    with pytest.raises(ValueError, match=r"rollout_correction\.rollout_is_threshold"):
-        losses.rollout_is_weights(old, rollout, mask, "token", threshold=0.0)
-    with pytest.raises(ValueError, match=r"rollout_correction\.rollout_is must be token or sequence"):
-        losses.rollout_is_weights(old, rollout, mask, "geometric")
-
-
 def test_policy_loss_errors():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"actor\.clip_ratio_c.*> 1"):

@@ -331,15 +331,36 @@ def advantage_stage(
     """The iteration's ``adv`` stage, run by the controller: `compute_advantage` (`shaping`: `reward_shaping`'s
     keywords; `greedy`: ReMax's scored greedy batch) plus ``rollout/*`` (`hybridflow.engine.metrics.
     rollout_mismatch`, when the batch has the engine's and the actor's log-probs) and ``actor/entropy`` (the mean
-    ``entropys`` over response tokens, when the old_log_prob stage ran).
+    ``entropys`` over response tokens, when the old_log_prob stage ran). With decoupled rejection sampling
+    (``algorithm.rollout_correction.rollout_rs``, not ``bypass_mode``) the rejected tokens leave ``response_mask``
+    first (`rollout_correction.decoupled_mask`, ``rollout_corr/rollout_rs_*``), as verl's driver does: the
+    advantages, the critic and the actor see the new mask. In bypass mode the rollout's log-probs stand for
+    ``old_log_probs`` (the in-reward KL penalty's).
 
     Returns:
-        (DataProto of ``token_level_rewards``, ``advantages``, ``returns`` [B, T] float32 (and ``cost_returns``),
-        metrics). Raises as `compute_advantage`.
+        (DataProto of ``token_level_rewards``, ``advantages``, ``returns`` [B, T] float32 (and ``cost_returns``;
+        with rejection sampling the new ``response_mask``), metrics). Raises as `compute_advantage`.
     """
+    from hybridflow.engine.algorithms.rollout_correction import decoupled_mask
     from hybridflow.engine.metrics import rollout_mismatch
 
-    out, metrics = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=greedy, lagrangian=lagrangian)
+    correction, metrics = algorithm.rollout_correction, {}
+    if correction.bypass_mode and algorithm.use_kl_in_reward:  # the rollout's log-probs are the old ones
+        data.batch["old_log_probs"] = data.batch["rollout_log_probs"]
+    rejected = None
+    if correction.rollout_rs is not None and not correction.bypass_mode:  # once per batch, before the advantages
+        rejected, metrics = decoupled_mask(
+            data.batch["old_log_probs"],
+            data.batch["rollout_log_probs"],
+            data.batch["response_mask"],
+            correction.rollout_rs,
+            correction.rollout_rs_threshold,
+        )
+        data.batch["response_mask"] = rejected
+    out, more = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=greedy, lagrangian=lagrangian)
+    metrics.update(more)
+    if rejected is not None:
+        out = out.union(DataProto.from_dict({"response_mask": rejected}))
     if "rollout_log_probs" in data.keys and "old_log_probs" in data.keys:  # else the on-policy update reports it
         metrics.update(rollout_mismatch(data))
     if "entropys" in data.keys:

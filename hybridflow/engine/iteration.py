@@ -11,8 +11,9 @@ models itself: each stage is a `Call` that a `Stages` runs.
 - The single-process trainer (`hybridflow.engine.trainer.LocalStages`) calls the same worker methods in its own
   process, on `DataProto` batches.
 
-A batch here is whatever the `Stages` passes around: anything with ``union`` (new columns, same rows), ``take``
-(rows) and a ``concat`` classmethod (`DataProto`, `hybridflow.slurm.handles.DataHandle`).
+A batch here is whatever the `Stages` passes around: anything with ``union`` (new columns, same rows), ``select``
+and ``drop`` (columns), ``take`` (rows) and a ``concat`` classmethod (`DataProto`,
+`hybridflow.slurm.handles.DataHandle`).
 """
 
 from __future__ import annotations
@@ -272,11 +273,13 @@ def run_iteration(
         metrics.update(adv_metrics)
         if dapo:
             metrics["train/num_gen_batches"] = draws
-        rollout = rollout.union(advantages)
-        trained = rollout  # PF-PPO: the updates train on the batch redrawn by reward; the metrics see all samples
+        trained = rollout = rollout.union(advantages.drop(["response_mask"]))
+        if "response_mask" in advantages.keys:  # decoupled rejection sampling: what the updates train on
+            trained = trained.drop(["response_mask"]).union(advantages.select(["response_mask"]))
+        # PF-PPO: the updates train on the batch redrawn by reward; the metrics see all samples
         if cfg.algorithm.use_pf_ppo:
             rows, pf_metrics = stages.policy_filtration(rollout, step)
-            trained = rollout.take(rows)
+            trained = trained.take(rows)
             metrics.update(pf_metrics)
         for updated in stages(
             Call("update_critic", "critic", (trained,), when="critic" in roles),

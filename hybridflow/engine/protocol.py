@@ -157,6 +157,11 @@ class DataProto:
         )
 
     # ------------------------------------------------------------------ column operations
+    def drop(self, keys: Sequence[str]) -> DataProto:
+        """The batch without the named columns (tensor or non-tensor; names it lacks are ignored)."""
+        tensor_keys = [k for k in (self.batch.keys() if self.batch is not None else []) if k not in keys]
+        return self.select(tensor_keys, [k for k in self.non_tensor_batch if k not in keys])
+
     def select(
         self,
         batch_keys: Sequence[str] | None = None,

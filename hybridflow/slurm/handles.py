@@ -115,6 +115,10 @@ class DataHandle:
         )
         return DataHandle(self.length, groups, dict(self.meta_info))
 
+    def drop(self, keys: Sequence[str]) -> DataHandle:
+        """A handle without the named columns (names it lacks are ignored; nothing is read or copied)."""
+        return self.select([k for k in self.keys if k not in keys])
+
     def with_meta(self, **meta_info: Any) -> DataHandle:
         """The same handle with `meta_info` entries added (e.g. ``global_steps``)."""
         return DataHandle(self.length, self.groups, {**self.meta_info, **meta_info}, self.id)

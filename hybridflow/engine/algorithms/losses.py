@@ -1,7 +1,8 @@
 """Losses: `agg_loss` (how a [B, T] loss matrix becomes a scalar), policy losses in a registry keyed by
 ``actor.policy_loss.loss_mode`` (``"vanilla"``: `compute_policy_loss`, PPO clip with clip-higher and dual-clip;
-``"gspo"``, ``"cispo"``, ``"gpg"``, ``"geo_mean"`` (GMPO), ``"clip_cov"``, ``"kl_cov"``), `rollout_is_weights`
-(the off-policy correction) and `compute_value_loss` (clipped critic loss).
+``"gspo"``, ``"cispo"``, ``"gpg"``, ``"geo_mean"`` (GMPO), ``"clip_cov"``, ``"kl_cov"``), `reinforce_policy_loss`
+(the rollout correction's bypass mode, `hybridflow.engine.algorithms.rollout_correction`) and `compute_value_loss`
+(clipped critic loss).
 
 Conventions. B is the number of sequences in the batch and T the padded response length in tokens. A mask is a
 [B, T] tensor (bool, int or float) with 1 for real response tokens and 0 for padding; responses are right-padded,
@@ -478,60 +479,37 @@ def compute_policy_loss_kl_cov(
     return pg_loss, zero, ppo_kl, zero
 
 
-def rollout_is_weights(
-    old_log_prob: torch.Tensor,
+def reinforce_policy_loss(
     rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    level: str = "token",
-    threshold: float = 2.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance-sampling weights of the rollout's behaviour policy against the actor's proximal policy,
-    and their statistics (verl's ``rollout_corr/*``).
-
-    Source: decoupled PPO (Hilton et al. 2022, eq. 3; AReaL, Fu et al. 2025, eq. 5): a batch sampled by pi_behav
-    (the rollout engine: its kernels and dtype, and in the overlapped modes weights some updates old) is trained
-    with PPO's clip around the proximal policy pi_old and each token's term weighted by pi_old / pi_behav; truncated
-    at C to bound the variance (TIS: Yao, Liu et al. 2025, "Your Efficient RL Framework Secretly Brings You
-    Off-Policy RL Training").
+    loss_agg_mode: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """REINFORCE with explicit importance weights, bypass mode's ``algorithm.rollout_correction.loss_type:
+    reinforce`` (verl's ``compute_policy_loss_reinforce``): each token's loss is ``-w * A * log pi(y_t)``, w the
+    truncated weight pi / pi_rollout without gradient (1 without `is_weights`), so the gradient is
+    ``-w * A * grad log pi``, the importance-sampled policy gradient (Williams 1992; Yao, Liu et al. 2025). No
+    clipping.
 
     Args:
-        old_log_prob: float [B, T], the actor's log-probs of the sampled tokens before the update (pi_old).
-        rollout_log_prob: float [B, T], the engine's log-probs of the same tokens (``rollout_log_probs``, pi_behav).
-        response_mask: [B, T], 1 on response tokens.
-        level: ``"token"``: w_t = pi_old(y_t) / pi_behav(y_t); ``"sequence"``: every token of a response gets the
-            product of its tokens' ratios (``algorithm.rollout_correction.rollout_is``).
-        threshold: C > 0 (``algorithm.rollout_correction.rollout_is_threshold``; 2.0 usual).
+        rollout_log_prob: float [B, T], the rollout engine's log-probs (only for ``ppo_kl``).
+        log_prob: float [B, T], the current policy's (carries the gradient).
+        advantages, response_mask: [B, T].
+        loss_agg_mode: see `agg_loss`.
+        is_weights: optional float [B, T] (`rollout_correction.rollout_is_weights`).
 
     Returns:
-        ``(weights, stats)``: weights float32 [B, T] = min(w, C), without gradient; stats (0-dim tensors, over
-        response tokens, the weights before truncation): ``rollout_is_mean``, ``rollout_is_ratio_fraction_high``
-        (w > C), ``rollout_is_ratio_fraction_low`` (w < 1/C), ``rollout_is_eff_sample_size`` (1 / E[(w' / E[w'])^2]
-        with w' = w clamped to [1/C, C]: 1 when every weight is equal).
-
-    Raises:
-        ValueError: ``threshold <= 0``, an unknown `level`, or the shapes differ.
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: ``ppo_kl`` the masked mean of ``rollout_log_prob -
+        log_prob``; both clip fractions 0; 0-dim tensors.
     """
-    if not threshold > 0:
-        raise ValueError(
-            f"algorithm.rollout_correction.rollout_is_threshold must be > 0 (2.0 is usual), got {threshold}"
-        )
-    if level not in ("token", "sequence"):
-        raise ValueError(f"algorithm.rollout_correction.rollout_is must be token or sequence, got {level!r}")
-    check_same_shape(old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob, response_mask=response_mask)
-    log_ratio = torch.where(response_mask != 0, (old_log_prob.detach() - rollout_log_prob).float(), 0.0)
-    if level == "sequence":
-        log_ratio = masked_sum(log_ratio, response_mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
-    raw = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    check_same_shape(rollout_log_prob=rollout_log_prob, log_prob=log_prob, advantages=advantages, mask=response_mask)
+    pg_loss = _aggregate_policy_loss(-advantages * log_prob, response_mask, loss_agg_mode, is_weights)
     with torch.no_grad():
-        clamped = raw.clamp(1.0 / threshold, threshold)
-        spread = clamped / masked_mean(clamped, response_mask)
-        stats = {
-            "rollout_is_mean": masked_mean(raw, response_mask),
-            "rollout_is_ratio_fraction_high": masked_mean((raw > threshold).float(), response_mask),
-            "rollout_is_ratio_fraction_low": masked_mean((raw < 1.0 / threshold).float(), response_mask),
-            "rollout_is_eff_sample_size": 1.0 / masked_mean(spread.square(), response_mask),
-        }
-    return raw.clamp(max=threshold), stats
+        ppo_kl = masked_mean(rollout_log_prob - log_prob, response_mask)
+    zero = torch.zeros_like(ppo_kl)
+    return pg_loss, zero, ppo_kl, zero
 
 
 def compute_value_loss(

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.engine.algorithms.kl import kl_penalty
-from hybridflow.engine.algorithms.losses import get_policy_loss_fn, rollout_is_weights
+from hybridflow.engine.algorithms.losses import get_policy_loss_fn
+from hybridflow.engine.algorithms.rollout_correction import batch_mean_weight, bypass_policy_loss, rollout_is_weights
 from hybridflow.engine.backends.training import (
     MaskedMeans,
     MetricLog,
@@ -77,6 +78,7 @@ def actor_loss(
     batch,
     entropy: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
+    pg: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """The actor's loss on one micro-batch, as both training engines (this one and megatron's) assemble it: the
     `policy_loss`, minus ``actor.entropy_coeff`` x the entropy bonus when `entropy` [b, T] is given (its
@@ -85,6 +87,7 @@ def actor_loss(
 
     Args:
         batch: the micro-batch's tensors (``advantages``, ``response_mask`` [b, T], ``ref_log_prob`` for the KL loss).
+        pg: the policy loss's four terms when computed already (bypass mode's, `corrected_actor_loss`).
 
     Returns:
         The loss (0-dim, carrying the gradient of `log_prob` and `entropy`) and its terms for the metrics, named as
@@ -92,9 +95,9 @@ def actor_loss(
         ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower``.
     """
     mask = batch["response_mask"]
-    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = policy_loss(
-        config, old_log_prob, log_prob, batch["advantages"], mask, is_weights
-    )
+    if pg is None:
+        pg = policy_loss(config, old_log_prob, log_prob, batch["advantages"], mask, is_weights)
+    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = pg
     loss, terms = pg_loss, {}
     if entropy is not None:
         entropy_loss = agg_loss(entropy, mask, config.loss_agg_mode)
@@ -106,6 +109,67 @@ def actor_loss(
         terms.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
     terms.update(pg_loss=pg_loss, pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
     return loss, terms
+
+
+def corrected_actor_loss(
+    config: ActorConfig,
+    correction: RolloutCorrectionConfig | None,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    batch,
+    entropy: torch.Tensor | None = None,
+    is_factor: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | float], dict[str, torch.Tensor]]:
+    """`actor_loss` with ``algorithm.rollout_correction`` applied to one micro-batch, as both training engines run
+    it (`hybridflow.engine.algorithms.rollout_correction`):
+
+    - bypass mode: `rollout_correction.bypass_policy_loss` against ``rollout_log_probs`` (weights, rejection and
+      ``rollout_is_batch_normalize`` over `group` from the current policy);
+    - decoupled: each token's policy term weighted by `rollout_is_weights` of `old_log_prob` against the rollout's,
+      divided by `is_factor` (``rollout_is_batch_normalize``: the batch's mean weight, `batch_mean_weight`);
+      rejection already applied to ``response_mask`` before the advantages;
+    - `correction` None: `actor_loss` as it is.
+
+    Args:
+        old_log_prob: float [b, T], the proximal policy's (the batch's ``old_log_probs``, or on-policy this
+            forward's, detached); unused in bypass mode.
+        batch: the micro-batch's tensors (``rollout_log_probs`` [b, T] with a correction).
+
+    Returns:
+        (loss, `actor_loss`'s terms, the correction's stats named without the ``rollout_corr/`` prefix).
+    """
+    if correction is None:
+        return (*actor_loss(config, old_log_prob, log_prob, batch, entropy), {})
+    rollout_log_prob = batch["rollout_log_probs"]
+    if correction.bypass_mode:
+        pg, stats = bypass_policy_loss(
+            config, correction, log_prob, rollout_log_prob, batch["advantages"], batch["response_mask"], group
+        )
+        return (*actor_loss(config, rollout_log_prob, log_prob, batch, entropy, pg=pg), stats)
+    is_weights, stats = None, {}
+    if correction.rollout_is is not None:
+        level, threshold = correction.rollout_is, correction.rollout_is_threshold
+        is_weights, stats = rollout_is_weights(old_log_prob, rollout_log_prob, batch["response_mask"], level, threshold)
+        if is_factor is not None:
+            is_weights, stats["rollout_is_batch_norm_factor"] = is_weights / is_factor, is_factor
+    return (*actor_loss(config, old_log_prob, log_prob, batch, entropy, is_weights), stats)
+
+
+def batch_is_factor(
+    correction: RolloutCorrectionConfig | None, data: DataProto, group: dist.ProcessGroup | None
+) -> torch.Tensor | None:
+    """Decoupled mode's ``rollout_is_batch_normalize``: the mean truncated weight of the whole update batch (its
+    ``old_log_probs`` against ``rollout_log_probs``) over the data-parallel ranks of `group`, once before the
+    update, as verl's driver computes it per batch; None when it does not apply. A collective over `group`."""
+    if correction is None or correction.bypass_mode or not correction.rollout_is_batch_normalize:
+        return None
+    batch = data.batch
+    mask, level = batch["response_mask"], correction.rollout_is
+    weights, _ = rollout_is_weights(
+        batch["old_log_probs"], batch["rollout_log_probs"], mask, level, correction.rollout_is_threshold
+    )
+    return batch_mean_weight(weights, mask, level, group)
 
 
 class Actor:
@@ -121,8 +185,8 @@ class Actor:
         lora: the `hybridflow.engine.backends.lora.LoraAdapter` injected into `model` (``model.lora_rank`` > 0):
             only its parameters require gradients, so the optimizer and the gradient sync cover the adapter alone,
             and checkpoints save it instead of the weights; None: every weight is trained.
-        rollout_correction: the ``algorithm.rollout_correction`` section (truncated importance sampling of the
-            rollout's log-probs against ``old_log_probs``, `rollout_is_weights`); None or ``rollout_is`` None: off.
+        rollout_correction: the ``algorithm.rollout_correction`` section (`corrected_actor_loss`); None or a section
+            that corrects nothing: off.
 
     Under torch.distributed (a worker group of D ranks) the model is wrapped in DDP or sharded with FSDP2 here
     (``actor.strategy``; with ``actor.tp`` FSDP2 runs over D / tp data-parallel replicas of tp tensor-parallel
@@ -141,7 +205,7 @@ class Actor:
         rollout_correction: RolloutCorrectionConfig | None = None,
     ):
         self.model = model
-        self.correction = rollout_correction if rollout_correction and rollout_correction.rollout_is else None
+        self.correction = rollout_correction if rollout_correction and rollout_correction.enabled() else None
         self.lora = lora  # the LoRA adapter injected into `model` (`hybridflow.engine.backends.lora`), or None
         self.config = config
         self.seed = seed
@@ -192,27 +256,30 @@ class Actor:
             data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``,
                 ``rollout_log_probs`` [B, T] with the rollout correction on). Without ``old_log_probs`` the update is
                 on-policy (HybridFlowConfig.skips_old_log_prob): one optimizer step, whose ratio's denominator is its
-                own forward's log-probs, detached.
+                own forward's log-probs, detached; in bypass mode (``algorithm.rollout_correction.bypass_mode``) the
+                old log-probs are ``rollout_log_probs``, for any number of steps.
 
         Returns:
             metrics averaged over micro-batches: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
             ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), ``rollout_corr/*`` (with the
-            rollout correction: `rollout_is_weights`' statistics), and per optimizer step ``actor/grad_norm``,
+            rollout correction: `corrected_actor_loss`'s statistics), and per optimizer step ``actor/grad_norm``,
             ``actor/lr``; on-policy also the old_log_prob stage's token means (`_micro_step`).
 
         Raises:
             KeyError: the rollout correction is on and the batch has no ``rollout_log_probs`` (an engine that reports
                 none).
-            ValueError: no ``old_log_probs`` and more than one optimizer step.
+            ValueError: no ``old_log_probs`` and more than one optimizer step (outside bypass mode).
         """
         cfg = self.config
-        on_policy = "old_log_probs" not in data.keys
-        keys = [k for k in UPDATE_KEYS if not (on_policy and k == "old_log_probs")]
+        bypass = self.correction is not None and self.correction.bypass_mode
+        on_policy = "old_log_probs" not in data.keys and not bypass
+        keys = [k for k in UPDATE_KEYS if k != "old_log_probs" or ("old_log_probs" in data.keys and not bypass)]
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
         if self.correction is not None and "rollout_log_probs" not in data.keys:
             raise KeyError(
-                "algorithm.rollout_correction.rollout_is needs the rollout engine's log-probs (rollout_log_probs), "
-                "which this batch lacks: use rollout.name=vllm or remove algorithm.rollout_correction.rollout_is"
+                "algorithm.rollout_correction needs the rollout engine's log-probs (rollout_log_probs), which this "
+                "batch lacks: use rollout.name=vllm or remove algorithm.rollout_correction's rollout_is, rollout_rs "
+                "and bypass_mode"
             )
         if "rollout_log_probs" in data.keys and (self.correction is not None or on_policy):
             keys.append("rollout_log_probs")
@@ -228,11 +295,12 @@ class Actor:
         self.model.train()
         log, corrections = MetricLog(), MetricLog()
         measured = MaskedMeans() if on_policy else None
+        is_factor = batch_is_factor(self.correction, data, self.dp_group)
         with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
             for micros, weights in steps:
                 for i, (micro, loss_scale) in enumerate(zip(micros, weights, strict=True)):
                     with sync_gradients(self.train_module, sync=i == len(micros) - 1):
-                        self._micro_step(micro, temperature, loss_scale, log, corrections, measured)
+                        self._micro_step(micro, temperature, loss_scale, log, corrections, measured, is_factor)
                 clip = cfg.optim.grad_clip
                 log.add(**optimizer_step(self.model, self.optimizer, self.lr_scheduler, clip, "actor", log))
         metrics = {**log.mean("actor"), **corrections.mean("rollout_corr")}
@@ -246,6 +314,7 @@ class Actor:
         log: MetricLog,
         corrections: MetricLog,
         measured: MaskedMeans | None,
+        is_factor: torch.Tensor | None = None,
     ) -> None:
         """One micro-batch's forward and backward. With `measured` (an on-policy update: the batch has no
         ``old_log_probs``), the old log-probs are this forward's, detached (the weights have not moved yet: one
@@ -265,7 +334,7 @@ class Actor:
             entropy_grad=calculate_entropy,
             share_prompts=cfg.shares_prompts,
         )
-        old_log_prob = batch["old_log_probs"] if measured is None else log_prob.detach()
+        old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
         if measured is not None:
             if not calculate_entropy:
                 measured.add("actor/entropy", entropy, mask)
@@ -273,19 +342,19 @@ class Actor:
                 drift = batch["rollout_log_probs"] - old_log_prob
                 measured.add("rollout/log_prob_diff_mean", drift.abs(), mask)
                 measured.add("rollout/kl", drift, mask)
-        is_weights = None
-        if self.correction is not None:
-            is_weights, stats = rollout_is_weights(
-                old_log_prob,
-                batch["rollout_log_probs"],
-                mask,
-                self.correction.rollout_is,
-                self.correction.rollout_is_threshold,
-            )
-            corrections.add(**stats)
-        loss, terms = actor_loss(cfg, old_log_prob, log_prob, batch, entropy if calculate_entropy else None, is_weights)
+        loss, terms, stats = corrected_actor_loss(
+            cfg,
+            self.correction,
+            old_log_prob,
+            log_prob,
+            batch,
+            entropy if calculate_entropy else None,
+            is_factor,
+            self.dp_group,
+        )
         (loss * loss_scale).backward()
         log.add(**terms)
+        corrections.add(**stats)
 
 
 class RefPolicy:

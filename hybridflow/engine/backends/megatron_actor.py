@@ -14,8 +14,7 @@ import functools
 
 import torch
 
-from hybridflow.engine.algorithms.losses import rollout_is_weights
-from hybridflow.engine.backends.actor import UPDATE_KEYS, actor_loss
+from hybridflow.engine.backends.actor import UPDATE_KEYS, batch_is_factor, corrected_actor_loss
 from hybridflow.engine.backends.training import (
     MetricLog,
     build_optimizer,
@@ -100,7 +99,12 @@ def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool, he
 
 
 def policy_gradient(
-    model, micros: list[DataProto], loss_scales: list[float], config: ActorConfig, correction=None
+    model,
+    micros: list[DataProto],
+    loss_scales: list[float],
+    config: ActorConfig,
+    correction=None,
+    is_factor: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Accumulate into ``.grad`` the gradient of ``sum_i loss_scales[i] * loss_i`` over the micro-batches of one
     mini-batch, where ``loss_i`` is micro-batch i's actor loss (`hybridflow.engine.backends.actor.actor_loss`: the
@@ -111,9 +115,9 @@ def policy_gradient(
         micros: equal-sized micro-batches with `hybridflow.engine.backends.actor.UPDATE_KEYS` (+ ``ref_log_prob``) and
             ``meta_info["temperature"]``.
         loss_scales: one weight per micro-batch (`hybridflow.engine.backends.training.micro_batch_weights`).
-        correction: ``algorithm.rollout_correction`` with ``rollout_is`` set: each token's loss weighted by the
-            truncated importance ratio of ``old_log_probs`` over the rollout engine's ``rollout_log_probs``
-            (`hybridflow.engine.algorithms.losses.rollout_is_weights`, as `Actor` does); None: off.
+        correction: ``algorithm.rollout_correction`` (`hybridflow.engine.backends.actor.corrected_actor_loss`, as
+            `Actor` applies it; bypass mode without ``rollout_is_batch_normalize``); None: off.
+        is_factor: decoupled ``rollout_is_batch_normalize``'s batch mean weight (`batch_is_factor`), or None.
 
     Returns:
         ``actor/pg_loss``, ``actor/ppo_kl``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and, with the KL
@@ -125,19 +129,10 @@ def policy_gradient(
 
     def loss_func(index: int, log_prob: torch.Tensor):
         batch = micros[index].batch
-        on_policy = "old_log_probs" not in batch  # one optimizer step: the old log-probs are this forward's
-        old_log_prob = log_prob.detach() if on_policy else batch["old_log_probs"]
-        is_weights, stats = None, {}
-        if correction is not None:
-            is_weights, stats = rollout_is_weights(
-                old_log_prob,
-                batch["rollout_log_probs"],
-                batch["response_mask"],
-                correction.rollout_is,
-                correction.rollout_is_threshold,
-            )
+        # without old_log_probs: one optimizer step, the old log-probs are this forward's (or bypass mode's rollout's)
+        old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
         # (no entropy bonus on megatron yet)
-        loss, terms = actor_loss(config, old_log_prob, log_prob, batch, is_weights=is_weights)
+        loss, terms, stats = corrected_actor_loss(config, correction, old_log_prob, log_prob, batch, None, is_factor)
         terms = {f"actor/{k}": v for k, v in terms.items()} | {f"rollout_corr/{k}": v for k, v in stats.items()}
         logged.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in terms.items()})
         # the schedule divides each micro-batch's loss by their number: undo it, then weigh
@@ -230,7 +225,7 @@ class MegatronActor(MegatronRole):
 
     def __init__(self, model, config, rollout_n: int, seed: int = 0, correction=None):
         super().__init__(model, config, rollout_n, seed)
-        self.correction = correction if correction is not None and correction.rollout_is else None
+        self.correction = correction if correction is not None and correction.enabled() else None
 
     def compute_log_prob(self, data: DataProto) -> DataProto | None:
         """Log-probs of the responses under the current weights (``old_log_probs`` float32 [B, T]) in micro-batches
@@ -243,20 +238,23 @@ class MegatronActor(MegatronRole):
         ``actor/grad_norm``, ``actor/lr`` and with a correction ``rollout_corr/*`` (last stage), averaged as
         `Actor.update_policy` does."""
         cfg = self.config
-        keys = [k for k in UPDATE_KEYS if k in data.keys or k != "old_log_probs"]  # none: on-policy (`Actor`)
+        bypass = self.correction is not None and self.correction.bypass_mode
+        # none: on-policy (`Actor`); bypass mode: the rollout's
+        keys = [k for k in UPDATE_KEYS if k != "old_log_probs" or ("old_log_probs" in data.keys and not bypass)]
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
         data = data.select(batch_keys=keys + (["rollout_log_probs"] if self.correction else []))
         steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group, self.lr_scheduler))
-        if "old_log_probs" not in keys and len(steps) != 1:
+        if "old_log_probs" not in keys and not bypass and len(steps) != 1:
             raise ValueError(
                 f"the batch has no old_log_probs, which only an update of one optimizer step may do without; this one "
                 f"takes {len(steps)}: run the old_log_prob stage first (actor.recompute_log_prob=true)"
             )
         self.model.train()
         log, corrections = MetricLog(), MetricLog()
+        is_factor = batch_is_factor(self.correction, data, self.dp_group)
         with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
             for micros, scales in steps:
-                gradient = policy_gradient(self.model, micros, scales, cfg, self.correction)
+                gradient = policy_gradient(self.model, micros, scales, cfg, self.correction, is_factor)
                 for prefix, into in (("actor/", log), ("rollout_corr/", corrections)):
                     into.add(**{k.removeprefix(prefix): v for k, v in gradient.items() if k.startswith(prefix)})
                 clip = cfg.optim.grad_clip

@@ -434,13 +434,14 @@ class FilterGroupsConfig(_Section):
 
 
 class RolloutCorrectionConfig(_Section):
-    """Truncated importance sampling (TIS) of the gap between the policy that sampled a batch (the rollout engine:
-    its kernels and dtype, and in the overlapped modes weights up to ``rollout.max_staleness`` updates old) and the
-    actor's proximal policy (``old_log_prob``), verl's ``algorithm.rollout_correction`` keys. Each token's
-    policy-gradient term is weighted by ``min(w, rollout_is_threshold)``, w = pi_old / pi_rollout per token
-    (``token``) or their product over the response (``sequence``); decoupled PPO (Hilton et al. 2022, eq. 3; AReaL,
-    Fu et al. 2025, eq. 5) with TIS (Yao, Liu et al. 2025). Needs a rollout that reports its log-probs (vllm, agent
-    loops)."""
+    """The gap between the policy that sampled a batch (the rollout engine: its kernels and dtype, and in the
+    overlapped modes weights up to ``rollout.max_staleness`` updates old) and the policy trained, verl's
+    ``algorithm.rollout_correction`` keys (`hybridflow.engine.algorithms.rollout_correction`): truncated importance
+    sampling (TIS), each token's policy-gradient term weighted by ``min(w, rollout_is_threshold)``, w = pi_old /
+    pi_rollout per token (``token``) or their product over the response (``sequence``); rejection sampling of
+    tokens or responses (``rollout_rs``); decoupled (pi_old: the actor's proximal policy) or bypass mode (the
+    rollout's own log-probs). Decoupled PPO (Hilton et al. 2022, eq. 3; AReaL, Fu et al. 2025, eq. 5) with TIS (Yao,
+    Liu et al. 2025). Needs a rollout that reports its log-probs (vllm, agent loops)."""
 
     rollout_is: Literal["token", "sequence"] | None = Field(
         None,
@@ -451,6 +452,50 @@ class RolloutCorrectionConfig(_Section):
     rollout_is_threshold: float = Field(
         2.0, gt=0.0, description="the truncation cap C of the weights (2.0 as verl and the TIS paper)"
     )
+    rollout_is_batch_normalize: bool = Field(
+        False, description="divide the truncated weights by their mean over the batch (mean 1; needs rollout_is)"
+    )
+    rollout_rs: str | None = Field(
+        None,
+        description="rejection sampling: drop the tokens or responses whose divergence from the rollout policy "
+        "leaves rollout_rs_threshold; comma-separated options, all must pass: token_k1|k2|k3, seq_sum_k1|k2|k3, "
+        "seq_mean_k1|k2|k3, seq_max_k2|k3 (k1: -log ratio, k2: log ratio^2 / 2, k3: ratio - 1 - log ratio)",
+    )
+    rollout_rs_threshold: str | float | None = Field(
+        None,
+        description="one bound for every rollout_rs option or one per option, comma-separated; a k1 option takes "
+        "lower_upper in ratio space (0.5_2.0) or upper alone (lower = 1 / upper), k2 and k3 an upper bound",
+    )
+    bypass_mode: bool = Field(
+        False,
+        description="two policies: skip the old_log_prob stage and use the rollout's log-probs as the old ones; the "
+        "weights and rejection then come from the current policy in every micro-batch",
+    )
+    loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip",
+        description="bypass mode's loss: ppo_clip (PPO's clip around the rollout policy; the weights are only "
+        "reported) or reinforce (-w * A * log pi with the truncated weights w, no clip)",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutCorrectionConfig:
+        from hybridflow.engine.algorithms.rollout_correction import rejection_bounds
+
+        key = "algorithm.rollout_correction"
+        if self.rollout_rs is not None:
+            rejection_bounds(self.rollout_rs, self.rollout_rs_threshold)
+        if self.rollout_is_batch_normalize and self.rollout_is is None:
+            raise ValueError(f"{key}.rollout_is_batch_normalize normalises the weights of rollout_is: set rollout_is")
+        if self.loss_type != "ppo_clip" and not self.bypass_mode:
+            raise ValueError(
+                f"{key}.loss_type={self.loss_type} is bypass mode's loss: set {key}.bypass_mode=true, or leave "
+                "loss_type at ppo_clip (decoupled mode weights actor.policy_loss's loss)"
+            )
+        return self
+
+    def enabled(self) -> bool:
+        """Whether anything corrects the gap (weights, rejection or bypass mode); else the section is inert."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
 class PFPPOConfig(_Section):

@@ -588,23 +588,27 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         note="truncated importance sampling per token or per sequence; null: off",
     ),
     _same("algorithm.rollout_correction.rollout_is_threshold"),
-    _no_effect(
+    _same(
         "algorithm.rollout_correction.rollout_is_batch_normalize",
-        "the weights are not renormalised over the batch here",
-        _only(False),
+        note="the truncated weights divided by their batch mean",
     ),
-    _no_effect("algorithm.rollout_correction.rollout_rs", "no rejection sampling of rollouts here", _unset),
-    _no_effect("algorithm.rollout_correction.rollout_rs_threshold", "no rejection sampling of rollouts here", _unset),
-    _no_effect(
+    VerlKey(
+        "algorithm.rollout_correction.rollout_rs",
+        ("algorithm.rollout_correction.rollout_rs",),
+        to_ours=lambda v: (None if _unset(v) else v,),
+        note="rejection sampling: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3, comma-separated",
+    ),
+    VerlKey(
+        "algorithm.rollout_correction.rollout_rs_threshold",
+        ("algorithm.rollout_correction.rollout_rs_threshold",),
+        to_ours=lambda v: (None if _unset(v) else v,),
+        note="one bound per rollout_rs option (k1: lower_upper in ratio space)",
+    ),
+    _same(
         "algorithm.rollout_correction.bypass_mode",
-        "the actor always recomputes old_log_prob (the proximal policy); bypassing it is not implemented",
-        _only(False),
+        note="skip the old_log_prob stage: the rollout's log-probs are the old ones",
     ),
-    _no_effect(
-        "algorithm.rollout_correction.loss_type",
-        "the weights scale the PPO clipped loss (verl's ppo_clip)",
-        _only("ppo_clip"),
-    ),
+    _same("algorithm.rollout_correction.loss_type", note="bypass mode's loss: ppo_clip or reinforce"),
     # ------------------------------------------------------------------ trainer
     _same("trainer.total_training_steps", "trainer.total_iterations"),
     VerlKey(

@@ -33,6 +33,7 @@ VARIANTS = {
     "overlong": ("grpo", ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=10"]),
     "gae": ("gae", []),
     "pf_ppo": ("gae", ["algorithm.use_pf_ppo=true", "algorithm.pf_ppo.weight_pow=4"]),
+    "otb": ("optimal_token_baseline", ["actor.calculate_sum_pi_squared=true"]),
 }
 
 
@@ -122,6 +123,16 @@ def test_pf_ppo_trains_on_the_batch_redrawn_by_reward(first_steps):
     assert pf["pf_ppo/score_mean"] > gae["critic/score/mean"]
     assert 0 < pf["pf_ppo/distinct_fraction"] < 1
     assert pf["actor/pg_loss"] != pytest.approx(gae["actor/pg_loss"], abs=1e-6)
+
+
+def test_the_optimal_token_baseline_weighs_returns_by_path_variance(first_steps):
+    """OTB on the same samples as GRPO: its returns are the reward-to-go (the outcome score on every token), and
+    its per-token baselines (the exact values are checked in test_core_algos) give advantages of its own."""
+    otb, grpo = first_steps["otb"][0], first_steps["grpo"][0]
+    assert otb["critic/score/mean"] == grpo["critic/score/mean"]
+    assert otb["critic/returns/max"] == pytest.approx(otb["critic/score/max"], abs=1e-6)
+    assert otb["critic/advantages/max"] != pytest.approx(grpo["critic/advantages/max"], abs=1e-4)
+    assert "timing_s/old_log_prob" in otb  # the stage that computes sum_pi_squared runs
 
 
 def test_remax_subtracts_the_score_of_each_prompts_greedy_response(first_steps):

@@ -1218,3 +1218,28 @@ def test_pf_ppo_weights_are_verls_and_the_redraw_follows_them():
     for _ in range(2000):
         counts += torch.bincount(torch.tensor(resampled_rows(scores, "pow", 2.0, generator)), minlength=6)
     assert_close(counts / counts.sum(), torch.tensor([4.0, 0.0, 1.0, 9.0, 9.0, 0.25]) / 23.25, atol=0.01, rtol=0)
+
+
+def test_optimal_token_baseline_by_hand():
+    """Two responses of prompt a (lengths 2 and 1) and one of prompt b: W_t accumulates 1 - 2 pi + sum pi^2,
+    B_t = sum_i G_i,t W_i,t / sum_i W_i,t over the responses reaching t; a group of one gets no baseline."""
+    rewards = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.5, 0.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 0]])
+    old = torch.log(torch.tensor([[0.5, 0.25], [0.8, 1.0], [0.5, 1.0]]))
+    squared = torch.tensor([[0.3, 0.4], [0.7, 0.0], [0.5, 0.0]])
+    uids = np.array(["a", "a", "b"], dtype=object)
+    fn = estimators.get_adv_estimator_fn("optimal_token_baseline")
+    advantages, returns = fn(rewards, mask, index=uids, old_log_probs=old, sum_pi_squared=squared)
+    # returns [1, 1], [2, 0]; W: [0.3, 1.2], [0.1]; B_0 = (1 x 0.3 + 2 x 0.1) / 0.4 = 1.25, B_1 = 1.2 / 1.2 = 1
+    assert_close(returns, torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.5, 0.0]]))
+    assert_close(advantages, torch.tensor([[-0.25, 0.0], [0.75, 0.0], [0.5, 0.0]]), atol=1e-6, rtol=0)
+    # truncated IS weights scale W by their squares: response 2's W_0 = 0.1 x 4, so B_0 = (0.3 + 0.8) / 0.7
+    rho = torch.tensor([[1.0, 1.0], [2.0, 1.0], [1.0, 1.0]])
+    advantages, _ = fn(rewards, mask, index=uids, old_log_probs=old, sum_pi_squared=squared, rollout_is_weights=rho)
+    assert_close(advantages[:2, 0], torch.tensor([1 - 1.1 / 0.7, 2 - 1.1 / 0.7]), atol=1e-6, rtol=0)
+
+
+def test_sum_pi_squared_of_logits_is_the_softmaxs():
+    logits = torch.randn(5, 11, dtype=torch.float64) * 3
+    assert_close(torch_ops.sum_pi_squared(logits), torch.softmax(logits, -1).square().sum(-1))
+    assert torch_ops.sum_pi_squared(logits.bfloat16()).dtype == torch.float32

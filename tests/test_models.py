@@ -153,6 +153,18 @@ def test_entropy_matches_reference(model, batch):
     assert_close(log_probs, compute_log_probs(model, batch, micro_batch_size=2)[0], atol=0, rtol=0)
 
 
+def test_sum_pi_squared_matches_reference_from_the_same_forward(model, batch):
+    """The optimal token baseline's input: sum_v pi(v)^2 of the temperature-scaled softmax at each response token."""
+    from hybridflow.engine.models import compute_token_stats
+
+    logits = full_forward(model, batch) / 0.7
+    reference = at_response_positions(torch.softmax(logits, -1).square().sum(-1), batch, token_index=False)
+    stats = compute_token_stats(model, batch, 2, temperature=0.7, calculate_sum_pi_squared=True)
+    assert set(stats) == {"log_probs", "sum_pi_squared"}
+    assert_close(masked(stats["sum_pi_squared"], batch), masked(reference, batch), atol=1e-6, rtol=0)
+    assert_close(stats["log_probs"], compute_log_probs(model, batch, 2, temperature=0.7)[0], atol=0, rtol=0)
+
+
 def test_temperature_divides_logits(model, batch):
     logits = full_forward(model, batch)
     reference = at_response_positions(torch.log_softmax(logits / 2.0, dim=-1), batch, token_index=True)

@@ -14,6 +14,7 @@ import torch
 
 from hybridflow.engine.algorithms.estimators import (
     compute_gae_advantage_return,
+    estimator_inputs,
     get_adv_estimator_fn,
     uses_greedy_baseline,
 )
@@ -97,15 +98,27 @@ def _estimator_advantages(
             raise ValueError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the greedy responses' scores")
         baselines = greedy_baselines(uids, greedy, **shaping)
         metrics["critic/reward_baseline/mean"] = float(baselines.mean())
+    batch, inputs = data.batch, estimator_inputs(algorithm.adv_estimator)
+    weights = None
+    if "rollout_is_weights" in inputs and "rollout_log_probs" in batch:  # the optimal token baseline's W
+        from hybridflow.engine.algorithms.rollout_correction import decoupled_is_weights
+
+        correction = algorithm.rollout_correction
+        weights = decoupled_is_weights(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction
+        )
     advantages, returns = get_adv_estimator_fn(algorithm.adv_estimator)(
         rewards,
-        data.batch["response_mask"],
+        batch["response_mask"],
         index=uids,
-        values=data.batch.get("values", None),
+        values=batch.get("values", None),
         gamma=algorithm.gamma,
         lam=algorithm.lam,
         norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
         reward_baselines=baselines,
+        old_log_probs=batch.get("old_log_probs", None),
+        sum_pi_squared=batch.get("sum_pi_squared", None),
+        rollout_is_weights=weights,
     )
     return {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}, metrics
 
@@ -316,6 +329,7 @@ ADVANTAGE_INPUTS = (
     "cost_values",
     "rollout_log_probs",
     "entropys",
+    "sum_pi_squared",
 )
 """The columns `advantage_stage` reads, those present (the controller loads only these)."""
 

@@ -33,7 +33,7 @@ from transformers import (
 
 from hybridflow.engine.packing import PACKED_ATTENTION, PackedRows, pack_rows
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.torch_ops import logprobs_and_entropy
+from hybridflow.engine.torch_ops import logprobs_and_entropy, sum_pi_squared
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -251,11 +251,33 @@ def response_log_probs(
         (log_probs float32 [b, T], entropy float32 [b, T] or None), 0 where ``response_mask`` is 0 (padding, and
         the tool tokens of agent trajectories: never computed).
     """
+    log_probs, entropy, _ = _token_stats(
+        model, micro, temperature, calculate_entropy, compute_dtype, entropy_grad, share_prompts
+    )
+    return log_probs, entropy
+
+
+def _token_stats(
+    model: PreTrainedModel,
+    micro: DataProto,
+    temperature: float,
+    calculate_entropy: bool,
+    compute_dtype: torch.dtype | None,
+    entropy_grad: bool,
+    share_prompts: bool,
+    calculate_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`response_log_probs`' forward, and from the same logits sum_v pi(v)^2 per response token when asked
+    (`torch_ops.sum_pi_squared`, without gradient): (log_probs, entropy or None, sum_pi_squared or None) [b, T]."""
     packed = pack_rows(micro, share_prompts)
     logits = response_logits(model, packed, temperature, compute_dtype)
     targets = micro.batch["responses"][packed.rows, packed.cols]
     log_probs, entropy = logprobs_and_entropy(logits, targets, calculate_entropy, entropy_grad)
-    return packed.scatter(log_probs), (packed.scatter(entropy) if entropy is not None else None)
+    squared = None
+    if calculate_sum_pi_squared:
+        with torch.no_grad():
+            squared = packed.scatter(sum_pi_squared(logits))
+    return packed.scatter(log_probs), (packed.scatter(entropy) if entropy is not None else None), squared
 
 
 @torch.no_grad()
@@ -273,15 +295,36 @@ def compute_log_probs(
     Returns:
         (log_probs float32 [B, T], entropy float32 [B, T] or None) on the model's device.
     """
-    log_probs, entropies = [], []
+    stats = compute_token_stats(
+        model, data, micro_batch_size, temperature, calculate_entropy, compute_dtype, share_prompts
+    )
+    return stats["log_probs"], stats.get("entropy")
+
+
+@torch.no_grad()
+def compute_token_stats(
+    model: PreTrainedModel,
+    data: DataProto,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    share_prompts: bool = True,
+    calculate_sum_pi_squared: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Per-token statistics of the responses over a whole batch, one forward per micro-batch of
+    `micro_batch_size` sequences: ``log_probs``, with `calculate_entropy` ``entropy``, with
+    `calculate_sum_pi_squared` ``sum_pi_squared`` (sum over the vocabulary of pi^2 at each response token, the
+    optimal token baseline's input); each float32 [B, T] on the model's device, 0 off the response."""
+    stats: dict[str, list[torch.Tensor]] = {}
     for micro in data.split(micro_batch_size):
-        lp, ent = response_log_probs(
-            model, micro, temperature, calculate_entropy, compute_dtype, share_prompts=share_prompts
+        values = _token_stats(
+            model, micro, temperature, calculate_entropy, compute_dtype, False, share_prompts, calculate_sum_pi_squared
         )
-        log_probs.append(lp)
-        if ent is not None:
-            entropies.append(ent)
-    return torch.cat(log_probs), (torch.cat(entropies) if calculate_entropy else None)
+        for name, value in zip(("log_probs", "entropy", "sum_pi_squared"), values, strict=True):
+            if value is not None:
+                stats.setdefault(name, []).append(value)
+    return {name: torch.cat(parts) for name, parts in stats.items()}
 
 
 def response_values(

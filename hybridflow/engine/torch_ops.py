@@ -271,6 +271,24 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return flat.reshape(labels.shape)
 
 
+def sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
+    """sum_v pi(v)^2 of each row's softmax, exp(logsumexp(2 z) - 2 logsumexp(z)), in fp32 chunks of rows as
+    `logprobs_and_entropy` (verl's ``calculate_sum_pi_squared_from_logits``; the optimal token baseline's
+    ||s||^2 = 1 - 2 pi(y) + sum pi^2).
+
+    Args:
+        logits: float [N, V].
+
+    Returns:
+        float32 [N] (fp64 for fp64 logits), in (0, 1].
+    """
+    parts = []
+    for z in logits.split(_LOGPROB_CHUNK_ROWS):
+        z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+        parts.append(torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)))
+    return torch.cat(parts)
+
+
 def logprobs_and_entropy(
     logits: torch.Tensor, labels: torch.Tensor, calculate_entropy: bool = False, entropy_grad: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

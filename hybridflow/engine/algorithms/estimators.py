@@ -41,6 +41,9 @@ _UNIFORM_ADV_KWARGS: dict[str, Any] = {
     "epsilon": 1e-6,
     "norm_adv_by_std_in_grpo": True,
     "reward_baselines": None,
+    "old_log_probs": None,
+    "sum_pi_squared": None,
+    "rollout_is_weights": None,
 }
 
 
@@ -135,6 +138,14 @@ def uses_groups(name: str) -> bool:
     if name not in _ADV_ESTIMATORS:
         raise _unknown_adv_estimator(name)
     return "index" in inspect.signature(_ADV_ESTIMATORS[name]).parameters
+
+
+def estimator_inputs(name: str) -> set[str]:
+    """The keyword arguments the advantage estimator ``name`` takes (e.g. ``old_log_probs`` and ``sum_pi_squared``
+    for ``optimal_token_baseline``). Raises ValueError: ``name`` is not registered."""
+    if name not in _ADV_ESTIMATORS:
+        raise _unknown_adv_estimator(name)
+    return set(inspect.signature(_ADV_ESTIMATORS[name]).parameters)
 
 
 def uses_greedy_baseline(name: str) -> bool:
@@ -507,4 +518,67 @@ def compute_remax_outcome_advantage(
     rewards = torch.where(response_mask != 0, token_level_rewards, 0.0)
     returns = rewards.flip(-1).cumsum(-1).flip(-1) * is_real
     advantages = (returns - reward_baselines.to(returns.dtype).unsqueeze(-1)) * is_real
+    return advantages, returns
+
+
+@register_adv_est("optimal_token_baseline")
+@torch.no_grad()
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline (OTB, verl's ``optimal_token_baseline``): a baseline per prompt group and per
+    token position that weighs each response's return by its accumulated path variance.
+
+    Source: verl's ``compute_optimal_token_baseline_advantage`` (the variance-minimising baseline of a score-function
+    estimator, b* = E[G ||grad log pi||^2] / E[||grad log pi||^2], with the squared norm of the logits' score
+    ||s_j||^2 = 1 - 2 pi(y_j) + sum_v pi(v)^2 accumulated over the response). For each group of a prompt's
+    responses and each position t::
+
+        G_t = sum_{t' >= t} r_t'                 (the reward-to-go)
+        W_t = sum_{j <= t} (1 - 2 pi_j + sum pi^2_j) * rho_j^2     (rho: truncated IS weights, 1 without)
+        B_t = sum_i G_i,t W_i,t m_i,t / (sum_i W_i,t m_i,t + 1e-8)
+        A_t = (G_t - B_t) m_t
+
+    over the group's responses i that reach position t (m: the response mask). A group of one response gets no
+    baseline (A = G).
+
+    Args:
+        token_level_rewards: float [B, T].
+        response_mask: [B, T].
+        index: the B prompt uids; equal uids form a group.
+        old_log_probs: float [B, T], log pi of the sampled tokens (the old_log_prob stage).
+        sum_pi_squared: float [B, T], sum_v pi(v)^2 at each response token (``actor.calculate_sum_pi_squared``).
+        rollout_is_weights: optional float [B, T], the rollout correction's truncated weights (their squares scale W).
+
+    Returns:
+        ``(advantages, returns)`` float [B, T]: returns the reward-to-go; both 0 at masked positions.
+
+    Raises:
+        ValueError: shapes differ or ``index`` does not have B entries.
+    """
+    check_same_shape(
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+    )
+    mask = (response_mask != 0).to(token_level_rewards.dtype)
+    returns = (torch.where(response_mask != 0, token_level_rewards, 0.0)).flip(-1).cumsum(-1).flip(-1) * mask
+    w = 1.0 - 2.0 * torch.exp(torch.where(response_mask != 0, old_log_probs, 0.0)) + sum_pi_squared
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.square()
+    cumulative = torch.where(response_mask != 0, w, 0.0).cumsum(-1) * mask
+    ids, n_groups = group_ids(index, returns.shape[0])
+    ids = ids.to(returns.device)
+    width = returns.shape[1]
+    numerator = returns.new_zeros(n_groups, width).index_add_(0, ids, returns * cumulative)
+    denominator = returns.new_zeros(n_groups, width).index_add_(0, ids, cumulative)
+    counts = returns.new_zeros(n_groups).index_add_(0, ids, returns.new_ones(returns.shape[0]))
+    baseline = torch.where((counts > 1).unsqueeze(-1), numerator / (denominator + 1e-8), 0.0)
+    advantages = (returns - baseline[ids]) * mask
     return advantages, returns

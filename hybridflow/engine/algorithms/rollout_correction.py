@@ -207,7 +207,11 @@ def rollout_is_weights(
 
 
 def batch_mean_weight(
-    weights: torch.Tensor, response_mask: torch.Tensor, level: str, group: dist.ProcessGroup | None = None
+    weights: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    group: dist.ProcessGroup | None = None,
+    local: bool = False,
 ) -> torch.Tensor:
     """The mean of truncated weights over a whole batch, split over the data-parallel ranks of `group` (an
     all-reduce of sums and counts when torch.distributed is up; every rank of `group` must call it), which
@@ -218,6 +222,7 @@ def batch_mean_weight(
         response_mask: [B, T].
         level: ``token``: the mean over response tokens; ``sequence``: over responses (each response's weight,
             the mean over its tokens, counted once).
+        local: the rows are the whole batch (the controller's): no all-reduce.
 
     Returns:
         0-dim float32 tensor; 1 when the batch has no response token (nothing to normalise).
@@ -229,7 +234,7 @@ def batch_mean_weight(
         per_response = masked_mean(weights, response_mask, dim=-1)
         total = torch.stack([per_response[has_tokens].sum(), has_tokens.sum().float()])
     total = total.double()
-    if dist.is_initialized():
+    if dist.is_initialized() and not local:
         dist.all_reduce(total, group=group)
     mean = total[0] / total[1] if total[1] > 0 else total.new_tensor(1.0)
     return (mean if mean > 1e-8 else mean.new_tensor(1.0)).float()
@@ -254,6 +259,23 @@ def decoupled_mask(
         old_log_prob - rollout_log_prob, response_mask, rejection_bounds(rollout_rs, threshold)
     )
     return mask, {f"rollout_corr/{k}": float(v) for k, v in stats.items()}
+
+
+def decoupled_is_weights(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, correction
+) -> torch.Tensor | None:
+    """The batch's truncated weights in decoupled mode (``rollout_is`` set, not ``bypass_mode``), normalised to
+    mean 1 over the batch with ``rollout_is_batch_normalize``: what verl's driver adds as ``rollout_is_weights``,
+    for an estimator that reads them (the optimal token baseline); None otherwise. Float32 [B, T]."""
+    if correction.rollout_is is None or correction.bypass_mode:
+        return None
+    level = correction.rollout_is
+    weights, _ = rollout_is_weights(
+        old_log_prob, rollout_log_prob, response_mask, level, correction.rollout_is_threshold
+    )
+    if correction.rollout_is_batch_normalize:
+        weights = weights / batch_mean_weight(weights, response_mask, level, group=None, local=True)
+    return weights
 
 
 LOSS_DENOMINATORS = {

@@ -27,7 +27,7 @@ from hybridflow.engine.backends.training import (
     update_steps,
 )
 from hybridflow.engine.config import ActorConfig, RolloutCorrectionConfig
-from hybridflow.engine.models import compute_log_probs, response_log_probs
+from hybridflow.engine.models import compute_log_probs, compute_token_stats, response_log_probs
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import agg_loss
 
@@ -226,24 +226,24 @@ class Actor:
                 ``meta_info["temperature"]`` (sampling temperature, default 1.0) divides the logits.
 
         Returns:
-            DataProto with ``old_log_probs`` float32 [B, T] (and ``entropys`` float32 [B, T] if asked).
+            DataProto with ``old_log_probs`` float32 [B, T] (and ``entropys`` float32 [B, T] if asked, and
+            ``sum_pi_squared`` float32 [B, T] with ``actor.calculate_sum_pi_squared``).
         """
         self.model.eval()
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
         cfg = self.config
-        log_probs, entropy = compute_log_probs(
+        stats = compute_token_stats(
             self.model,
             data,
             cfg.log_prob_micro_batch_size,
             temperature,
             calculate_entropy,
             self.compute_dtype,
-            share_prompts=cfg.shares_prompts,
+            cfg.shares_prompts,
+            cfg.calculate_sum_pi_squared,
         )
-        tensors = {"old_log_probs": log_probs}
-        if entropy is not None:
-            tensors["entropys"] = entropy
-        return DataProto.from_dict(tensors)
+        names = {"log_probs": "old_log_probs", "entropy": "entropys", "sum_pi_squared": "sum_pi_squared"}
+        return DataProto.from_dict({names[name]: value for name, value in stats.items()})
 
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on a batch with advantages.

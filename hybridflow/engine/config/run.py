@@ -114,6 +114,7 @@ class HybridFlowConfig(_Section):
                 "itself): set rollout.name=vllm or rollout.multi_turn.enable, or remove "
                 f"algorithm.rollout_correction.{used}"
             )
+        self._check_sum_pi_squared()
         if correction.bypass_mode and self.actor.policy_loss.loss_mode != "vanilla":
             raise ValueError(
                 "algorithm.rollout_correction.bypass_mode trains with its own loss (loss_type: ppo_clip or reinforce), "
@@ -227,6 +228,29 @@ class HybridFlowConfig(_Section):
                 f"ref in the actor's pool (placement.pools.{self.pool_of('actor').name}.roles)"
             )
 
+    def _check_sum_pi_squared(self) -> None:
+        """``optimal_token_baseline`` reads the old_log_prob stage's ``sum_pi_squared``: the actor computes it
+        (``actor.calculate_sum_pi_squared``, Hugging Face actors: ddp, fsdp) and the stage runs (not in bypass
+        mode)."""
+        from hybridflow.engine.algorithms.estimators import estimator_inputs
+
+        estimator = self.algorithm.adv_estimator
+        if "sum_pi_squared" in estimator_inputs(estimator) and not self.actor.calculate_sum_pi_squared:
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} weighs each token by its path variance from sum_pi_squared: "
+                "set actor.calculate_sum_pi_squared=true"
+            )
+        if self.actor.calculate_sum_pi_squared and not training_backend(self.actor.strategy).hf_model:
+            raise ValueError(
+                f"actor.calculate_sum_pi_squared is computed by the Hugging Face actors, not actor.strategy="
+                f"{self.actor.strategy}: set actor.strategy=fsdp (or ddp)"
+            )
+        if "old_log_probs" in estimator_inputs(estimator) and self.algorithm.rollout_correction.bypass_mode:
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} reads the old_log_prob stage's log-probs and sum_pi_squared, "
+                "which bypass mode skips: set algorithm.rollout_correction.bypass_mode=false"
+            )
+
     def safe_rlhf(self) -> bool:
         """Whether the run is Safe-RLHF's PPO-Lagrangian: ``algorithm.cost_limit`` with ``reward.cost_function`` or
         ``reward_model.cost_path``."""
@@ -252,7 +276,10 @@ class HybridFlowConfig(_Section):
         if correction.bypass_mode:  # the rollout's log-probs are the old ones
             return True
         # decoupled rejection sampling and batch-normalised weights need the proximal policy before the update
+        from hybridflow.engine.algorithms.estimators import estimator_inputs
+
         batch_wide = correction.rollout_rs is not None or correction.rollout_is_batch_normalize
+        batch_wide |= "old_log_probs" in estimator_inputs(self.algorithm.adv_estimator)  # the estimator reads them
         return (
             one_step
             and on_policy

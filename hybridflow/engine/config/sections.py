@@ -356,6 +356,11 @@ class ActorConfig(_Section):
         "packed without padding, each prompt followed by its samples' responses; equal to full rows up to float32 "
         "rounding); false: every row packed with its own prompt. Megatron keeps padded full rows",
     )
+    calculate_sum_pi_squared: bool = Field(
+        False,
+        description="the old_log_prob stage also returns sum_pi_squared [B, T] (sum over the vocabulary of pi^2 at "
+        "each response token, from the same logits), which algorithm.adv_estimator=optimal_token_baseline needs",
+    )
     recompute_log_prob: bool = Field(
         False,
         description="run the old_log_prob stage even when the update is on-policy (one optimizer step per iteration: "
@@ -517,7 +522,8 @@ class AlgorithmConfig(_Section):
         "grpo",
         description="a registered advantage estimator (algorithms.estimators.register_adv_est): gae (needs the "
         "critic), grpo (norm_adv_by_std_in_grpo false: Dr. GRPO), rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline, opo, remax (baseline: the greedy response's score)",
+        "reinforce_plus_plus_baseline, opo, remax (baseline: the greedy response's score), optimal_token_baseline "
+        "(needs actor.calculate_sum_pi_squared)",
     )
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)

@@ -349,6 +349,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect(f"{ARR}.actor.use_torch_compile", _SPEED),
     _no_effect(f"{ARR}.actor.entropy_from_logits_with_chunking", _SPEED),
     _no_effect(f"{ARR}.actor.entropy_checkpointing", _CHECKPOINTING),
+    _same(
+        f"{ARR}.actor.calculate_sum_pi_squared",
+        note="sum_pi_squared for algorithm.adv_estimator=optimal_token_baseline",
+    ),
+    _no_effect(f"{ARR}.actor.sum_pi_squared_checkpointing", _CHECKPOINTING),
     _no_effect(f"{ARR}.actor.use_fused_kernels", _SPEED),
     _no_effect(
         f"{ARR}.actor.use_prefix_grouper",

@@ -73,6 +73,8 @@ exit 0
 NO_OPS = ("huggingface-cli", "hf", "nvidia-smi", "wandb", "pip", "pip3", "wget", "curl", "modelscope", "git", "sleep")
 NO_OPS += ("sbatch", "scontrol", "squeue", "sinfo")
 DATA_KEYS = ("data.train_files", "data.val_files")
+VERL_DATA_DEFAULTS = ("data/rlhf/gsm8k/train.parquet", "data/rlhf/gsm8k/test.parquet")
+"""verl's defaults of `DATA_KEYS` (``ppo_trainer.yaml``: ``~/data/rlhf/gsm8k/...``), under the script's home."""
 MODEL_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path")
 ADAPTER_KEY = "actor_rollout_ref.model.lora_adapter_path"
 
@@ -276,7 +278,14 @@ def tiny_adapter(model: Path, folder: Path) -> Path:
 
 
 def check_script(
-    script: Path, tree: Path, scratch: Path, bin_dir: Path, model: Path, reward_model: Path, adapter: Path
+    script: Path,
+    tree: Path,
+    scratch: Path,
+    bin_dir: Path,
+    model: Path,
+    reward_model: Path,
+    adapter: Path,
+    partition: str | None = None,
 ) -> dict:
     """One script's row: its name, scope, and (in scope) the dry run's verdict and reasons."""
     name = str(script.relative_to(tree))
@@ -290,7 +299,9 @@ def check_script(
     aside = out_of_scope(name, given)
     if aside:
         return {"script": name, "scope": aside}
-    for key in DATA_KEYS:
+    for key, default in zip(DATA_KEYS, VERL_DATA_DEFAULTS, strict=True):
+        if key not in given:  # verl reads its default path, where its user keeps that file
+            make_data(home / default)
         for file in as_list(given.get(key)):
             path = Path(os.path.expanduser(file))
             path = path if path.is_absolute() else tree / path
@@ -306,14 +317,18 @@ def check_script(
     overrides = [swap_value(item, models) for item in overrides]
     if int(given.get("trainer.nnodes") or 1) > 1:  # a run across nodes is a Slurm run here
         options.append("--executor=slurm")
+        if partition:  # the cluster's partition with that many nodes, as its user names it
+            options += ["-o", f"placement.slurm.partition={partition}"]
     rc, output = dry_run(options, overrides, home, tree)
     return {"script": name, "scope": "in", "accepted": rc == 0, "reasons": [] if rc == 0 else reasons(output)}
 
 
-def checked(script: Path, tree: Path, scratch: Path, bin_dir: Path, models: tuple[Path, Path, Path]) -> dict:
+def checked(
+    script: Path, tree: Path, scratch: Path, bin_dir: Path, models: tuple[Path, Path, Path], partition: str | None
+) -> dict:
     """`check_script`, a failure of the benchmark itself on one script reported as that script's row."""
     try:
-        return check_script(script, tree, scratch, bin_dir, *models)
+        return check_script(script, tree, scratch, bin_dir, *models, partition)
     except Exception as e:  # noqa: BLE001 - one script's problem must not end the survey
         return {"script": str(script.relative_to(tree)), "scope": f"benchmark error: {type(e).__name__}: {e}"}
 
@@ -325,6 +340,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="dry runs at once")
     parser.add_argument("--markdown", action="store_true", help="print the per-script table in Markdown")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument(
+        "--partition",
+        help="the Slurm partition the scripts of trainer.nnodes > 1 run on (placement.slurm.partition); without it "
+        "they go to the cluster's default partition (on a machine without Slurm: refused, Slurm does not answer)",
+    )
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="verl-examples-") as tmp:
         scratch = Path(tmp)
@@ -334,7 +354,9 @@ def main() -> None:
         models = tiny, tiny_reward_model(tiny, scratch / "tiny_rm"), tiny_adapter(tiny, scratch / "tiny_lora")
         scripts = sorted(p for top in ("examples", "recipe") for p in (tree / top).rglob("*.sh") if opts.only in str(p))
         with ThreadPoolExecutor(opts.jobs) as pool:
-            rows = list(pool.map(lambda s: checked(s, tree, scratch / "homes", bin_dir, models), scripts))
+            rows = list(
+                pool.map(lambda s: checked(s, tree, scratch / "homes", bin_dir, models, opts.partition), scripts)
+            )
     report(rows, opts.markdown)
     if opts.json:
         opts.json.write_text(json.dumps(rows, indent=1))

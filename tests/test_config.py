@@ -70,12 +70,18 @@ def test_batch_sizes_must_divide():
         load_config(None, [*MINIMAL, "data.train_batch_size=6", "actor.ppo_mini_batch_size=4"])
 
 
-def test_group_estimators_need_several_samples():
+def test_group_estimators_with_one_sample_a_prompt_warn():
+    import warnings
+
+    from hybridflow.engine.config import GroupOfOneWarning
+
     for estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo"):
-        with pytest.raises(ConfigError, match="rollout.n >= 2"):
+        with pytest.warns(GroupOfOneWarning, match="set rollout.n >= 2"):
             load_config(None, [*MINIMAL, "rollout.n=1", f"algorithm.adv_estimator={estimator}"])
     # REINFORCE++ whitens over the batch: one sample per prompt is enough
-    assert load_config(None, [*MINIMAL, "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GroupOfOneWarning)
+        assert load_config(None, [*MINIMAL, "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])
 
 
 def test_estimators_and_policy_losses_come_from_their_registries():
@@ -321,6 +327,20 @@ def test_remax_needs_sampled_responses_to_compare_with_the_greedy_one():
         load_config(None, [*MINIMAL, "algorithm.adv_estimator=remax", "rollout.temperature=0"])
     cfg = load_config(None, [*MINIMAL, "algorithm.adv_estimator=remax", "rollout.n=1"])  # ReMax's own setting: n=1
     assert "critic" not in cfg.roles()
+
+
+def test_a_group_of_one_response_is_scored_as_verl_does():
+    """verl's rule for a group of one (mean 0, std 1): the advantage is the score."""
+    import numpy as np
+    import torch
+    from torch.testing import assert_close
+
+    from hybridflow.engine.algorithms.estimators import get_adv_estimator_fn
+
+    scores, mask = torch.tensor([[0.0, 1.0], [0.0, -2.0]]), torch.ones(2, 2)
+    for name in ("grpo", "rloo"):
+        advantages, _ = get_adv_estimator_fn(name)(scores, mask, index=np.array(["a", "b"], dtype=object))
+        assert_close(advantages, torch.tensor([[1.0, 1.0], [-2.0, -2.0]]), atol=1e-5, rtol=0)
 
 
 def test_dynamic_sampling_needs_groups_and_owns_gen_batch_size():

@@ -178,12 +178,13 @@ def _grad_worker(rank: int, store: str, model_dir: str, results) -> None:
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
     config = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
-    for recompute in (0, 1):
-        for tp, pp, model in _layouts(hf_model, recompute=bool(recompute)):
+    for variant in (0, 1, 2):  # plain, activation recompute, the rollout correction's bypass mode
+        correction = _BYPASS if variant == 2 else None
+        for tp, pp, model in _layouts(hf_model, recompute=variant == 1):
             model.train()
             with PeakSavedBytes().watch() as meter:
-                metrics = policy_gradient(model, data.split(2), [0.5, 0.5], config)
-            results[f"{tp}-{pp}-{rank}-{recompute}"] = {
+                metrics = policy_gradient(model, data.split(2), [0.5, 0.5], config, correction)
+            results[f"{tp}-{pp}-{rank}-{variant}"] = {
                 "grads": _unsharded(model, lambda p: p.grad),
                 "metrics": metrics,
                 "stage": parallel_state.get_pipeline_model_parallel_rank(),
@@ -192,35 +193,59 @@ def _grad_worker(rank: int, store: str, model_dir: str, results) -> None:
     dist.destroy_process_group()
 
 
-def test_policy_gradient_with_tp2_and_pp2_equals_hugging_face(tmp_path):
-    """The PPO loss's gradient on megatron (TP=1, TP=2, PP=2; 2 micro-batches through megatron's schedule), mapped
-    back to Hugging Face names, equals the gradient of the same loss computed on the Hugging Face model; so does it
-    with full activation recompute (``model.gradient_checkpointing``), which keeps far fewer bytes for the backward
-    pass at its peak."""
+_BYPASS = RolloutCorrectionConfig(
+    rollout_is="token", bypass_mode=True, loss_type="reinforce", rollout_rs="token_k1", rollout_rs_threshold="0.2_5"
+)
+
+
+def _hf_gradient(hf_model, data, correction=None) -> tuple[dict[str, torch.Tensor], float]:
+    """The Hugging Face model's gradient of the mean over 2 micro-batches of the PPO loss (or, with `correction`,
+    bypass mode's), in megatron's names, and the loss."""
     from hybridflow.engine.algorithms.losses import compute_policy_loss
-    from hybridflow.engine.backends.megatron_bridge import stage_names
+    from hybridflow.engine.algorithms.rollout_correction import bypass_policy_loss
+    from hybridflow.engine.config import ActorConfig
     from hybridflow.engine.models import response_log_probs
 
-    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=128, head_dim=16, num_layers=2)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
-    data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
+    hf_model.zero_grad()
     losses = []
     for micro in data.split(2):
         log_prob, _ = response_log_probs(hf_model, micro, temperature=0.7)
         b = micro.batch
-        loss, *_ = compute_policy_loss(b["old_log_probs"], log_prob, b["advantages"], b["response_mask"], 0.2, 0.28)
+        if correction is None:
+            loss, *_ = compute_policy_loss(b["old_log_probs"], log_prob, b["advantages"], b["response_mask"], 0.2, 0.28)
+        else:
+            config = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
+            (loss, *_), stats = bypass_policy_loss(
+                config, correction, log_prob, b["rollout_log_probs"], b["advantages"], b["response_mask"]
+            )
+            assert 0 < stats["rollout_rs_masked_fraction"] < 1  # some tokens rejected, not all
         losses.append(loss)
     loss = sum(losses) / len(losses)
     loss.backward()
-    want = hf_to_mcore({n: p.grad for n, p in hf_model.named_parameters()}, hf_model.config)
+    return hf_to_mcore({n: p.grad.clone() for n, p in hf_model.named_parameters()}, hf_model.config), float(loss)
+
+
+def test_policy_gradient_with_tp2_and_pp2_equals_hugging_face(tmp_path):
+    """The PPO loss's gradient on megatron (TP=1, TP=2, PP=2; 2 micro-batches through megatron's schedule), mapped
+    back to Hugging Face names, equals the gradient of the same loss computed on the Hugging Face model; so does it
+    with full activation recompute (``model.gradient_checkpointing``), which keeps far fewer bytes for the backward
+    pass at its peak, and in the rollout correction's bypass mode (REINFORCE with truncated weights and rejected
+    tokens, from the current policy against the rollout's log-probs)."""
+    from hybridflow.engine.backends.megatron_bridge import stage_names
+
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=128, head_dim=16, num_layers=2)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
+    wants = [_hf_gradient(hf_model, data), _hf_gradient(hf_model, data, _BYPASS)]
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_grad_worker, args=(str(tmp_path / "store"), str(model_dir), results), nprocs=2, join=True)
         results = dict(results)
-    assert len(results) == 12
+    assert len(results) == 18
     for key, result in results.items():
-        tp, pp, rank, recompute = (int(x) for x in key.split("-"))
-        if recompute:  # measured 0.44 of the bytes (0.51 on PP's first stage, 0.77 on its last, which keeps logits)
+        tp, pp, rank, variant = (int(x) for x in key.split("-"))
+        want, loss = wants[variant == 2]
+        if variant == 1:  # measured 0.44 of the bytes (0.51 on PP's first stage, 0.77 on its last, which keeps logits)
             bound = 0.6 if result["stage"] == 0 else 0.8
             assert result["saved_bytes"] < bound * results[f"{tp}-{pp}-{rank}-0"]["saved_bytes"], key
         for name, grad in want.items():
@@ -230,7 +255,9 @@ def test_policy_gradient_with_tp2_and_pp2_equals_hugging_face(tmp_path):
             torch.testing.assert_close(result["grads"][local], grad, rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
         assert any(g.abs().sum() > 0 for g in result["grads"].values())
         if result["stage"] == pp - 1:  # the last stage reports the loss
-            assert result["metrics"]["actor/pg_loss"] == pytest.approx(float(loss), rel=1e-5), key
+            assert result["metrics"]["actor/pg_loss"] == pytest.approx(loss, rel=1e-5), key
+            if variant == 2:
+                assert 0 < result["metrics"]["rollout_corr/rollout_rs_masked_fraction"] < 1, key
 
 
 def _update_worker(rank: int, store: str, model_dir: str, results) -> None:

@@ -396,3 +396,23 @@ def test_verls_megatron_scripts_name_its_own_config_and_need_no_file(tmp_path, t
     assert refused.returncode == 2
     assert "config/ppo_nope.yaml is not a file, nor one of verl's own config files" in refused.stdout
     assert all(name in refused.stdout for name in VERL_CONFIG_NAMES)
+
+
+def test_unset_data_files_are_verls_default_paths_in_the_home_folder(tmp_path, monkeypatch, tiny_model_dir):
+    """A command line without data.train_files / val_files reads verl's defaults, ~/data/rlhf/gsm8k/{train,test}
+    .parquet, as verl does (PF-PPO's example script loses its data keys to a comment after a line continuation)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    rows = reasoning_gym_rows("basic_arithmetic", 12, seed=0, config=ADDITION)
+    folder = tmp_path / "data" / "rlhf" / "gsm8k"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows[:8]), folder / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[8:]), folder / "test.parquet")
+    given = [f"actor_rollout_ref.model.path={tiny_model_dir}", "data.train_batch_size=4", "trainer.total_epochs=3"]
+    given.append("actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    cfg = load_config(None, translate(given).overrides)
+    assert cfg.data.train_files == [str(folder / "train.parquet")]
+    assert cfg.data.val_files == [str(folder / "test.parquet")]
+    assert cfg.trainer.total_iterations == 3 * 8 // 4  # the default file's rows counted

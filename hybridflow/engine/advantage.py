@@ -359,11 +359,13 @@ def advantage_stage(
     from hybridflow.engine.metrics import rollout_mismatch
 
     correction, metrics = algorithm.rollout_correction, {}
+    if "rollout_log_probs" in data.keys and "old_log_probs" in data.keys:  # else the on-policy update reports it
+        metrics.update(rollout_mismatch(data))  # over every response token, before any rejection
     if correction.bypass_mode and algorithm.use_kl_in_reward:  # the rollout's log-probs are the old ones
         data.batch["old_log_probs"] = data.batch["rollout_log_probs"]
     rejected = None
     if correction.rollout_rs is not None and not correction.bypass_mode:  # once per batch, before the advantages
-        rejected, metrics = decoupled_mask(
+        rejected, rejection = decoupled_mask(
             data.batch["old_log_probs"],
             data.batch["rollout_log_probs"],
             data.batch["response_mask"],
@@ -371,12 +373,11 @@ def advantage_stage(
             correction.rollout_rs_threshold,
         )
         data.batch["response_mask"] = rejected
+        metrics.update(rejection)
     out, more = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=greedy, lagrangian=lagrangian)
     metrics.update(more)
     if rejected is not None:
         out = out.union(DataProto.from_dict({"response_mask": rejected}))
-    if "rollout_log_probs" in data.keys and "old_log_probs" in data.keys:  # else the on-policy update reports it
-        metrics.update(rollout_mismatch(data))
     if "entropys" in data.keys:
         metrics["actor/entropy"] = float(masked_mean(data.batch["entropys"], data.batch["response_mask"]))
     return out, metrics

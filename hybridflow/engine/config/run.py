@@ -106,13 +106,8 @@ class HybridFlowConfig(_Section):
         reports_log_probs = rollout_spec(self.rollout.name).reports_log_probs or self.rollout.multi_turn.enable
         correction = self.algorithm.rollout_correction
         if correction.enabled() and not reports_log_probs:
-            used = (
-                "rollout_is"
-                if correction.rollout_is is not None
-                else "rollout_rs"
-                if correction.rollout_rs
-                else "bypass_mode"
-            )
+            keys = {"rollout_is": correction.rollout_is, "rollout_rs": correction.rollout_rs, "bypass_mode": True}
+            used = next(key for key, value in keys.items() if value)
             raise ValueError(
                 f"algorithm.rollout_correction.{used} corrects the gap between the rollout engine's and the "
                 f"actor's log-probs, and the {self.rollout.name} rollout reports none (it samples from the actor "

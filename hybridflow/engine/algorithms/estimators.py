@@ -135,9 +135,7 @@ def uses_groups(name: str) -> bool:
     Raises:
         ValueError: ``name`` is not a registered estimator.
     """
-    if name not in _ADV_ESTIMATORS:
-        raise _unknown_adv_estimator(name)
-    return "index" in inspect.signature(_ADV_ESTIMATORS[name]).parameters
+    return "index" in estimator_inputs(name)
 
 
 def estimator_inputs(name: str) -> set[str]:
@@ -155,9 +153,7 @@ def uses_greedy_baseline(name: str) -> bool:
     Raises:
         ValueError: ``name`` is not a registered estimator.
     """
-    if name not in _ADV_ESTIMATORS:
-        raise _unknown_adv_estimator(name)
-    return "reward_baselines" in inspect.signature(_ADV_ESTIMATORS[name]).parameters
+    return "reward_baselines" in estimator_inputs(name)
 
 
 def adv_estimators() -> list[str]:

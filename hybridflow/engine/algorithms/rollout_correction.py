@@ -24,6 +24,7 @@ k3 = ratio - 1 - log_ratio bounded above; log-ratios clamped to +-20 before use.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,8 +61,10 @@ class RejectionBound:
     upper: float
 
 
+@functools.lru_cache(maxsize=32)
 def rejection_bounds(rollout_rs: str, threshold: str | float | None) -> tuple[RejectionBound, ...]:
-    """Parse ``rollout_rs`` and ``rollout_rs_threshold`` as verl does: one threshold for every option or one per
+    """Parse ``rollout_rs`` and ``rollout_rs_threshold`` as verl does (once per pair: bypass mode asks for every
+    micro-batch): one threshold for every option or one per
     option, comma-separated; a k1 option takes ``lower_upper`` (ratio bounds, e.g. ``0.6_1.6``) or ``upper``
     alone (lower = 1 / upper); k2 and k3 take one positive upper bound.
 

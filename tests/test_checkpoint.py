@@ -8,10 +8,15 @@ and an adaptive in-reward KL coefficient (resumed from an explicit folder), and 
 DAPO's dynamic sampling.
 """
 
+import contextlib
+import errno
 import hashlib
 import json
+import os
 import random
+import re
 import shutil
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,11 +28,17 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from hybridflow.engine.checkpoint import (
     CheckpointError,
+    _safetensors_bytes,
+    _torch_save_bytes,
+    begin_checkpoint,
+    finish_checkpoint,
+    format_bytes,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     role_states,
     save_checkpoint,
+    save_role,
     verify_checkpoint,
 )
 from hybridflow.engine.trainer import SingleProcessTrainer
@@ -287,32 +298,145 @@ def test_failed_save_leaves_no_folder_and_rng_round_trips(runs, tmp_path):
     assert [step for step, _ in list_checkpoints(tmp_path)] == [8, 9]
 
 
-def test_a_checkpoint_that_does_not_fit_its_disk_says_so_and_keeps_the_earlier_ones(runs, tmp_path):
-    """On a file system with room for one checkpoint (a tmpfs of 1.5 checkpoints), the second save fails before
-    it writes a byte, saying the disk is full, where, how much it needs and how much is free; the first stays
-    verifiable and the folder holds nothing else (torch's own message was "unexpected pos 284800 vs 284752")."""
-    import os
-    import subprocess
+@pytest.fixture(scope="module")
+def tiny_actor(tiny_model_dir) -> dict:
+    """`save_checkpoint`'s actor arguments for the tiny model after one AdamW step (its optimizer state filled)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[5, 17, 42, 99]])).logits.sum().backward()
+    optimizer.step()
+    return dict(
+        actor_model=model,
+        actor_optimizer=optimizer,
+        actor_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+    )
 
-    trainer = runs.a
-    actor = _actor_parts(trainer)
-    size = save_checkpoint(tmp_path / "sized", 1, **actor, trainer_state={}).bytes
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(disk)])
+
+@contextlib.contextmanager
+def _tmpfs(folder: Path, size: int):
+    """A tmpfs of `size` bytes mounted on `folder` (a real file system that fills up); skipped without root."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)])
     if mounted.returncode != 0:
         if os.environ.get("CI") == "true":
             pytest.fail("mounting a tmpfs needs root")
         pytest.skip("mounting a tmpfs needs root")
     try:
-        first = save_checkpoint(disk, 1, **actor, trainer_state={"global_steps": 1})
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+_SIZES = re.compile(r"needs about (\S+) (\S+) \(.*\) and (\S+) (\S+) is free on ")
+
+
+def _printed_sizes(message: str) -> tuple[float, float]:
+    """(needed, free) in bytes as the disk-full message prints them, after checking each is printed in the unit
+    that fits: 1 <= value < 1000 (bytes excepted), 3 significant digits."""
+    match = _SIZES.search(message)
+    assert match, message
+    sizes = []
+    for value, unit in (match.group(1, 2), match.group(3, 4)):
+        assert unit in _UNITS, message
+        digits = value.replace(".", "").lstrip("0")
+        assert (1 <= float(value) < 1000 and len(digits) == 3) or (unit == "B" and "." not in value), message
+        sizes.append(float(value) * _UNITS[unit])
+    return sizes[0], sizes[1]
+
+
+def _disk_bytes(*paths: Path) -> int:
+    """What files (and the files under folders) take on disk, in bytes (their allocated blocks)."""
+    files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file()]
+    return sum(f.stat().st_blocks * 512 for f in files)
+
+
+def test_sizes_are_printed_in_the_unit_that_fits():
+    cases = {
+        0: "0 B",
+        812: "812 B",
+        999: "999 B",
+        1000: "1.00 KB",
+        12_345: "12.3 KB",
+        123_456: "123 KB",
+        720_000: "720 KB",
+        999_999: "1.00 MB",
+        1_180_000: "1.18 MB",
+        3.4e9: "3.40 GB",
+        1.2e13: "12.0 TB",
+    }
+    assert {size: format_bytes(size) for size in cases} == cases
+
+
+def test_the_size_estimate_is_what_the_files_take(tiny_actor, tmp_path):
+    """The weights file's size is computed exactly (header and tensors, the tied embedding once), optim.pt's within
+    the 64-byte alignment of each of its storages, without serializing a tensor."""
+    model, optimizer = tiny_actor["actor_model"], tiny_actor["actor_optimizer"]
+    assert model.config.tie_word_embeddings  # the tied weight is in the state dict twice, in the file once
+    model.save_pretrained(tmp_path)
+    assert _safetensors_bytes(model.state_dict()) == (tmp_path / "model.safetensors").stat().st_size
+    optim = {"optimizer": optimizer.state_dict(), "lr_scheduler": tiny_actor["actor_scheduler"].state_dict()}
+    torch.save(optim, tmp_path / "optim.pt")
+    storages = 3 * len(optimizer.state)  # step, exp_avg, exp_avg_sq of each parameter
+    assert abs(_torch_save_bytes(optim) - (tmp_path / "optim.pt").stat().st_size) <= 64 * storages
+
+
+def test_a_checkpoint_that_does_not_fit_its_disk_says_so_and_keeps_the_earlier_ones(tiny_actor, tmp_path):
+    """On a file system with room for one checkpoint (a tmpfs of 1.5 checkpoints), the second save fails before
+    it writes its weights, saying the disk is full, where, how much it needs and how much is free, in the unit that
+    fits (it said "0.001 GB" for 1.18 MB); the first stays verifiable and the folder holds nothing else (torch's own
+    message was "unexpected pos 284800 vs 284752")."""
+    size = save_checkpoint(tmp_path / "sized", 1, **tiny_actor, trainer_state={}).bytes
+    with _tmpfs(tmp_path / "disk", size * 3 // 2) as disk:
+        first = save_checkpoint(disk, 1, **tiny_actor, trainer_state={"global_steps": 1})
+        free = shutil.disk_usage(disk).free
         with pytest.raises(CheckpointError, match=r"the disk is full: actor/ of checkpoint .* needs about") as failed:
-            save_checkpoint(disk, 2, **actor, trainer_state={"global_steps": 2})
-        assert f"free on {disk}" in str(failed.value) and "trainer.checkpoint_dir" in str(failed.value)
+            save_checkpoint(disk, 2, **tiny_actor, trainer_state={"global_steps": 2})
+        message = str(failed.value)
+        assert f"free on {disk}" in message and "trainer.checkpoint_dir" in message and "hf resume" in message
+        need, printed_free = _printed_sizes(message)
+        # what actor/ takes on this disk, its tokenizer's files included (3 significant digits: 0.5 % of rounding)
+        assert need == pytest.approx(_disk_bytes(first.path / "actor"), rel=0.01)
+        assert printed_free == pytest.approx(free, rel=0.005)
         assert verify_checkpoint(first.path).sha256 == first.sha256
         assert [p.name for p in disk.iterdir()] == ["global_step_1"]
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_disk_that_fills_at_the_last_writes_says_so_and_keeps_the_earlier_ones(tiny_actor, tmp_path):
+    """The roles fit but trainer_state.json, rng.pt and manifest.json do not (a filler file leaves 8 KB): the
+    controller's last writes fail with the same CheckpointError as a role that does not fit (the write's ENOSPC
+    under it), the staging folder is gone, the earlier checkpoint verifies, and once space is freed the save
+    succeeds."""
+    size = save_checkpoint(tmp_path / "sized", 1, **tiny_actor, trainer_state={}).bytes
+    model, optimizer, scheduler, tokenizer = tiny_actor.values()
+    with _tmpfs(tmp_path / "disk", size * 3) as disk:
+        first = save_checkpoint(disk, 1, **tiny_actor, trainer_state={"global_steps": 1})
+        staging = begin_checkpoint(disk, 2)
+        save_role(staging, "actor", model, optimizer, scheduler, tokenizer)
+        filler = disk / "filler"
+        filler.write_bytes(bytes(shutil.disk_usage(disk).free - 8192))
+        free = shutil.disk_usage(disk).free
+        with pytest.raises(
+            CheckpointError, match=r"the disk is full: finishing checkpoint \S*global_step_2 "
+        ) as failed:
+            finish_checkpoint(staging, {"global_steps": 2})
+        assert isinstance(failed.value.__cause__, OSError) and failed.value.__cause__.errno == errno.ENOSPC
+        message = str(failed.value)
+        assert "trainer_state.json, rng.pt and manifest.json" in message and f"free on {disk}" in message
+        assert "trainer.checkpoint_dir" in message and "hf resume" in message
+        need, printed_free = _printed_sizes(message)
+        last_files = [first.path / name for name in ("trainer_state.json", "rng.pt", "manifest.json")]
+        assert need == pytest.approx(_disk_bytes(*last_files), rel=0.2)
+        assert printed_free == pytest.approx(free, rel=0.005) and printed_free < need
+        assert not staging.exists() and sorted(p.name for p in disk.iterdir()) == ["filler", "global_step_1"]
+        assert verify_checkpoint(first.path).sha256 == first.sha256
+
+        filler.unlink()  # space freed: the same save now goes through
+        second = save_checkpoint(disk, 2, **tiny_actor, trainer_state={"global_steps": 2})
+        assert verify_checkpoint(second.path) == second
+        assert [step for step, _ in list_checkpoints(disk)] == [1, 2]
 
 
 def test_fit_refuses_to_mix_with_another_runs_checkpoints(runs, tmp_path, tiny_model_dir):

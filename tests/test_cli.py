@@ -155,3 +155,15 @@ def test_both_entry_points_show_help(name):
     result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     # huggingface_hub installs a command named `hf` too: the one on the venv's PATH must be ours.
     assert result.returncode == 0 and "HybridFlow" in result.stdout and "run" in result.stdout
+
+
+def test_the_package_and_hf_help_introduce_the_project_alike():
+    """``hf --help`` and the package's summary (pyproject's description, what ``pip show`` says) are one text."""
+    import tomllib
+
+    from hybridflow.cli.main import HELP
+
+    described = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"]
+    assert described == HELP
+    shown = " ".join(_hf("--help").stdout.replace("│", " ").split())
+    assert " ".join(HELP.split()) in shown, shown

@@ -29,6 +29,24 @@ def test_examples_validate(path):
         assert isinstance(load_config(path), HybridFlowConfig)
 
 
+BF16_KEYS = ("model.dtype", "rollout.vllm_dtype", "reward_model.dtype", "reward_model.judge.vllm_dtype")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_compute_in_float32_where_bf16_is_emulated(path):
+    """No example asks for bf16 outright: each dtype key is float32, ``auto`` or ``native`` (bf16 only on CUDA or a
+    CPU with AVX512-BF16/AMX), so every example runs at full speed on a CPU that emulates bf16 (the AMD EPYC: a
+    SmolLM2 update 23 times slower in bf16); ``-o KEY=bfloat16`` is the documented override."""
+    import yaml
+
+    config = yaml.safe_load(path.read_text())
+    for key in BF16_KEYS:
+        section = config
+        for part in key.split("."):
+            section = section.get(part, {}) if isinstance(section, dict) else {}
+        assert section in ({}, "float32", "auto", "native"), f"{path.name}: {key}={section}"
+
+
 def test_overrides_are_parsed_as_yaml():
     cfg = load_config(
         None,
@@ -185,6 +203,42 @@ def test_parallel_layout_keys_are_checked_and_give_the_layout():
     load_config(None, [*megatron, "actor.tp=2", "actor.pp=2", "actor.ppo_mini_batch_size=1", "rollout.n=2"])
     with pytest.raises(ConfigError, match=r"over the 2 data-parallel ranks .* / \(actor.tp x actor.pp\)"):
         load_config(None, [*megatron, "actor.tp=2", "actor.pp=2", "actor.ppo_mini_batch_size=1", "rollout.n=3"])
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron.core") is None and os.environ.get("CI") != "true",
+    reason="megatron-core is not installed (bash .ci/setup installs it)",
+)
+def test_uneven_micro_batches_are_refused_only_with_megatron_pipelines():
+    """A micro-batch size that does not divide a rank's mini-batch leaves a smaller last micro-batch: exact with
+    ddp, fsdp and megatron without pipelines (tests/test_data_parallel.py, ``uneven``), refused with megatron at
+    ``actor.pp > 1``, whose schedule passes activations between stages in buffers of one size."""
+    # issue 57's case: 8 sequences per mini-batch, 4 per rank, micro-batches of 3 and 1
+    issue = [*MINIMAL, "placement.tasks_per_node=2", "actor.ppo_mini_batch_size=4", "rollout.n=2"]
+    assert load_config(None, [*issue, "actor.ppo_micro_batch_size=3"]).actor.ppo_micro_batch_size == 3
+    assert load_config(None, [*issue, "actor.strategy=fsdp", "actor.ppo_micro_batch_size=3"]).actor.strategy == "fsdp"
+    # megatron on 4 ranks: tp=2 (pp=1, 2 replicas) is exact as well; pp=2 (2 replicas) is refused
+    megatron = [*MINIMAL, "actor.strategy=megatron", "placement.tasks_per_node=4", "actor.ppo_mini_batch_size=4"]
+    megatron += ["rollout.n=2", "data.train_batch_size=4"]
+    assert load_config(None, [*megatron, "actor.tp=2", "actor.ppo_micro_batch_size=3"]).actor.tp == 2
+    message = (
+        r"actor.ppo_micro_batch_size=3 does not divide the 4 sequences of each data-parallel rank's mini-batch "
+        r"\(actor.ppo_mini_batch_size x rollout.n / data-parallel size = 4 x 2 / 2\), and megatron's pipeline "
+        r"schedule \(actor.pp=2\) needs micro-batches of one size: set actor.ppo_micro_batch_size=2 \(the largest "
+        r"divisor of 4 up to 3\)"
+    )
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*megatron, "actor.pp=2", "actor.ppo_micro_batch_size=3"])
+    for micro in (1, 2, 4, 8):  # divisors, and one past the mini-batch (one micro-batch of all 4)
+        assert load_config(None, [*megatron, "actor.pp=2", f"actor.ppo_micro_batch_size={micro}"]).actor.pp == 2
+    # a megatron critic runs in the actor's layout: its mini-batch of 4 x 2 / 2 sequences per rank alike
+    critic = [*megatron, "actor.pp=2", "actor.ppo_micro_batch_size=2", "algorithm.adv_estimator=gae"]
+    critic += ["critic.strategy=megatron", "critic.ppo_mini_batch_size=4"]
+    with pytest.raises(ConfigError, match=r"critic.ppo_micro_batch_size=3 does not divide .* set critic.ppo_micro"):
+        load_config(None, [*critic, "critic.ppo_micro_batch_size=3"])
+    assert load_config(None, [*critic, "critic.ppo_micro_batch_size=2"]).critic.strategy == "megatron"
+    # a critic of its own (ddp) splits unevenly, exactly, beside a pipelined megatron actor
+    assert load_config(None, [*critic, "critic.strategy=ddp", "critic.ppo_micro_batch_size=3"]).critic.strategy
 
 
 def test_given_prompt_files_replace_the_files_reasoning_gym_source(tmp_path, caplog):

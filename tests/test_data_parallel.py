@@ -2,7 +2,9 @@
 update on the same global batch, with DDP (gradients all-reduced), with FSDP2 (``strategy: fsdp``: parameters,
 gradients and optimizer states sharded; its actor and critic also recompute activations: ``gradient_checkpointing``)
 and with FSDP2 over 2 replicas of 2 tensor-parallel ranks (DTensor TP,
-``actor.tp: 2``); the FSDP group's checkpoints are the DDP format and load back exactly."""
+``actor.tp: 2``), and with micro-batches that do not divide a rank's mini-batch (``ppo_micro_batch_size: 3`` of 4
+sequences per rank: micro-batches of 3 and 1), in token-mean and seq-mean modes; the FSDP group's checkpoints are
+the DDP format and load back exactly."""
 
 import pytest
 import torch
@@ -54,7 +56,7 @@ def groups(tmp_path_factory, tiny_model_dir):
         [
             "data.train_batch_size=4",
             "actor.ppo_mini_batch_size=4",  # 8 sequences: one global mini-batch per epoch
-            "actor.ppo_micro_batch_size=2",  # DP=1: 4 micro-batches per step; DP=2: 2 per rank
+            "actor.ppo_micro_batch_size=2",  # DP=2: 2 micro-batches per rank (DP=1 below: one of 8)
             "actor.ppo_epochs=2",
             "actor.optim.lr=1e-2",
             "critic.ppo_mini_batch_size=4",
@@ -65,6 +67,17 @@ def groups(tmp_path_factory, tiny_model_dir):
         ],
     )
     create_secret(tmp / "secret")
+    # the reference: DP=1, each mini-batch's loss in one piece (one micro-batch of 8 sequences)
+    unsplit = cfg.model_copy(deep=True)
+    unsplit.actor.ppo_micro_batch_size = unsplit.critic.ppo_micro_batch_size = 8
+    # 4 sequences per rank in micro-batches of 3 and 1 (issue 57): exact only if every micro-batch's loss is weighted
+    # by its share of the global mini-batch's tokens (token-mean; rank 0 has 23 response tokens, rank 1 has 7) or
+    # sequences (seq-mean; equal weights per micro-batch, or a rank's own counts with token-mean, would not be)
+    uneven = cfg.model_copy(deep=True)
+    uneven.actor.ppo_micro_batch_size = uneven.critic.ppo_micro_batch_size = 3
+    unsplit_seq, uneven_seq = unsplit.model_copy(deep=True), uneven.model_copy(deep=True)
+    for config in (unsplit_seq, uneven_seq):
+        config.actor.loss_agg_mode, config.critic.loss_agg_mode = "seq-mean-token-mean", "seq-mean-token-sum"
     fsdp = cfg.model_copy(deep=True)
     fsdp.actor.strategy = fsdp.critic.strategy = "fsdp"
     fsdp_tp = fsdp.model_copy(deep=True)  # 4 ranks: 2 data-parallel replicas x 2 tensor-parallel ranks
@@ -72,7 +85,15 @@ def groups(tmp_path_factory, tiny_model_dir):
     fsdp.model.gradient_checkpointing = fsdp.critic.gradient_checkpointing = True
     fsdp_tp.actor.tp, fsdp_tp.placement.tasks_per_node = 2, 4
     made = {}
-    groups = ((1, 1, cfg), (2, 2, cfg), ("fsdp", 2, fsdp), ("fsdp-tp", 4, fsdp_tp))
+    groups = (
+        (1, 1, unsplit),
+        (2, 2, cfg),
+        ("fsdp", 2, fsdp),
+        ("fsdp-tp", 4, fsdp_tp),
+        ("uneven", 2, uneven),
+        ("unsplit-seq", 1, unsplit_seq),
+        ("uneven-seq", 2, uneven_seq),
+    )
     for name, ranks, config in groups:
         made[name] = WorkerGroup(
             GroupSpec(name=f"{name}-{ranks}", worker_cls=WORKER_CLS, tasks_per_node=ranks),
@@ -109,23 +130,26 @@ def test_dp2_update_equals_dp1_update(groups, tiny_model_dir):
     actor = {name: made[name].update_actor(batch) for name in made}
     critic = {name: made[name].update_critic(critic_batch) for name in made}
 
-    # The gradient of every optimizer step is the global mini-batch's: same grad norm on both ranks and as DP=1.
-    # DP=2, fsdp, fsdp-tp: shared prompts, as DP=1.
-    reference = {2: 1, "fsdp": 1, "fsdp-tp": 1}
+    # The gradient of every optimizer step is the global mini-batch's: same grad norm on both ranks and as DP=1 with
+    # the mini-batch in one micro-batch. DP=2, fsdp, fsdp-tp, uneven: shared prompts, as DP=1.
+    reference = {2: 1, "fsdp": 1, "fsdp-tp": 1, "uneven": 1, "uneven-seq": "unsplit-seq"}
     for metrics, key in ((actor, "actor/grad_norm"), (critic, "critic/grad_norm")):
-        for name in (2, "fsdp", "fsdp-tp"):  # one result per data-parallel replica (4 critic ranks with fsdp-tp)
+        for name in reference:  # one result per data-parallel replica (4 critic ranks with fsdp-tp)
             dp1 = metrics[reference[name]][0][key]
             assert [m[key] for m in metrics[name]] == pytest.approx([dp1] * len(metrics[name]), rel=1e-5), (name, key)
             assert len(metrics[name]) == (4 if name == "fsdp-tp" and key.startswith("critic") else 2)
     after = {name: _weights(made[name], tmp / f"after{name}") for name in made}
     for role in ("actor", "critic"):
-        moved = max((after[1][role][k] - initial[role][k]).abs().max().item() for k in initial[role])
-        assert moved > 1e-3, f"the {role} update did not change the weights; the comparison would prove nothing"
+        for name in (1, "unsplit-seq"):
+            moved = max((after[name][role][k] - initial[role][k]).abs().max().item() for k in initial[role])
+            assert moved > 1e-3, f"the {role} update did not change the weights; the comparison would prove nothing"
         # Adam divides by sqrt(v): on elements whose gradient is ~0, float summation order (2 ranks vs 1) shows up
         # as ~1e-6 moves, and with tensor parallelism (sums split over TP ranks, packed rows of other lengths) up
-        # to 1.8e-4 on one element of 8,192 (measured; the grad norms above agree within 1e-5). 5e-4 is 5 % of one
-        # step (lr 1e-2); a missing all-reduce or a per-rank normalisation moves weights by ~1e-2.
-        for group in (2, "fsdp", "fsdp-tp"):
+        # to 1.8e-4 on one element of 8,192 (measured; the grad norms above agree within 1e-5). Uneven micro-batches
+        # (3 + 1 per rank) against one of 8: grad norms within 1e-7, weights within 5.2e-5 (measured). 5e-4 is 5 % of
+        # one step (lr 1e-2); a missing all-reduce, a per-rank normalisation (token-mean) or equal weights for the
+        # micro-batches of 3 and 1 (seq-mean too) moves weights by ~4e-2 and grad norms by > 1 % (measured).
+        for group in reference:
             for name, tensor in after[reference[group]][role].items():
                 label = f"{group} {name}"
                 got = after[group][role][name]

@@ -161,31 +161,49 @@ def test_your_data_replaces_the_examples_source(tmp_path, tiny_model_dir, single
     assert code == 2 and "(2 prompts after filtering)" in out
 
 
-def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(tmp_path, tiny_model_dir):
-    """Warned where this CPU has no bf16 instructions (AVX512-BF16, AMX: torch and vLLM emulate them, 23x and 5x
-    slower here), for the actor's and vLLM's dtype each; silent where it has them and for float32; a warning, not a
-    refusal: bf16 still computes correctly."""
+@pytest.mark.parametrize("cpu", ["this", "emulating"])
+def test_bf16_on_a_cpu_that_emulates_it_warns_with_the_fix(tmp_path, tiny_model_dir, monkeypatch, cpu):
+    """Warned where the CPU has no bf16 instructions (AVX512-BF16, AMX: torch and vLLM emulate them, 23x and 5x
+    slower on an AMD EPYC), for every dtype key of an RL run and for ``hf sft train``'s; silent where it has them
+    and for float32 and ``native`` (which picks float32 there); a warning, not a refusal: bf16 still computes
+    correctly. ``cpu="emulating"`` makes this machine report no bf16 instructions (`cpu_has_native_bf16`, torch's
+    CPUID check: the one input that cannot be had here otherwise), so the warning path runs on every CPU."""
     import importlib.util
     import warnings
 
+    import torch
+    from test_sft import sft_config
     from tiny_runs import tiny_run_config
 
-    from hybridflow.engine.models import cpu_has_native_bf16
-    from hybridflow.flows.preflight import SlowDtypeWarning, check_run_inputs
+    from hybridflow.engine import models
+    from hybridflow.flows import preflight
 
-    emulated = not cpu_has_native_bf16()
-    cases = [("model.dtype", "bfloat16", emulated), ("model.dtype", "float32", False)]
+    if cpu == "emulating":
+        monkeypatch.setattr(preflight, "cpu_has_native_bf16", lambda: False)
+        monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    emulated = not preflight.cpu_has_native_bf16()
+    assert models.pick_dtype("native", torch.device("cpu")) == (torch.float32 if emulated else torch.bfloat16)
+    cases = [("model.dtype", dtype, warned) for dtype, warned in [("bfloat16", emulated), ("float32", False)]]
+    cases += [("model.dtype", "native", False)]
     if importlib.util.find_spec("vllm") is not None:
-        cases += [("rollout.vllm_dtype", "bfloat16", emulated), ("rollout.vllm_dtype", "float32", False)]
+        cases += [
+            ("rollout.vllm_dtype", d, w) for d, w in [("bfloat16", emulated), ("float32", False), ("native", False)]
+        ]
     for key, dtype, warned in cases:
         other = "rollout.vllm_dtype" if key == "model.dtype" else "model.dtype"
         overrides = [f"{key}={dtype}", f"{other}=float32", "rollout.name=vllm" if "vllm" in key else "rollout.name=hf"]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "grpo", overrides))
-        slow = [str(w.message) for w in caught if issubclass(w.category, SlowDtypeWarning)]
+            preflight.check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "grpo", overrides))
+        slow = [str(w.message) for w in caught if issubclass(w.category, preflight.SlowDtypeWarning)]
         assert len(slow) == int(warned), (key, dtype, slow)
-        assert all(f"set {key}=float32" in message for message in slow)
+        assert all(f"set {key}=native" in message and "or float32" in message for message in slow)
+    for dtype, warned in [("bfloat16", emulated), ("native", False)]:  # hf sft train (and hf rm train) alike
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            preflight.check_sft_inputs(sft_config(tmp_path, tiny_model_dir, f"model.dtype={dtype}"))
+        slow = [str(w.message) for w in caught if issubclass(w.category, preflight.SlowDtypeWarning)]
+        assert len(slow) == int(warned) and all("set model.dtype=native" in m for m in slow), (dtype, slow)
 
 
 def test_a_network_interface_this_host_does_not_have(tmp_path, tiny_model_dir, slurm_cluster):

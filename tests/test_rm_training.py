@@ -206,7 +206,7 @@ def test_hf_rm_train_raises_held_out_accuracy_resumes_exactly_and_recovers_a_kil
     assert "recovering by itself (1 of 2, trainer.max_recoveries)" in output, output
     [recovery] = store.recoveries(run.id)
     assert recovery.group_name == "reward_model" and recovery.resumed_from == 8 and 10 <= recovery.step <= 16
-    assert f"(pid {pid}) was killed by SIGKILL" in recovery.cause
+    assert f"pid {pid}) was killed by SIGKILL" in recovery.cause
     metrics = metrics_by_step(store, run.id)
     assert sorted(metrics) == list(range(17)) and [c.step for c in store.checkpoints(run.id)] == [8, 16]
     for step in range(1, 17):  # the same run as the uninterrupted one, step for step

@@ -3,7 +3,9 @@ second home never attaches to the first home's server, sees only its own and sto
 
 import json
 import os
+import shutil
 import signal
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -61,7 +63,8 @@ def test_each_home_gets_its_own_server(tmp_path, monkeypatch, capsys):
             "this home did not start, so a free port)"
         )
         assert b.port != port and b.pid != a.pid and server.healthy(b.api_url)
-        assert json.loads(home_b.joinpath("prefect", "server.json").read_text()) == {"port": b.port, "pid": b.pid}
+        recorded = json.loads(home_b.joinpath("prefect", "server.json").read_text())
+        assert recorded == {"port": b.port, "pid": b.pid, "idle_stop_s": 60 * server.DEFAULT_IDLE_MINUTES}
 
         again = server.start(port=port)  # `hf run` again in B: reuses B's server
         assert (again.port, again.pid, again.started) == (b.port, b.pid, False)
@@ -74,6 +77,9 @@ def test_each_home_gets_its_own_server(tmp_path, monkeypatch, capsys):
         assert (status_b.port, status_b.pid) == (b.port, b.pid)
         result = runner.invoke(main.app, ["server", "status"])
         assert result.exit_code == 0 and b.ui_url in result.output and f"pid {b.pid}" in result.output
+        # every home's server on this machine is listed, with its home
+        listed = result.output.split("Prefect servers on this machine", 1)[1]
+        assert f"{home_b} (this home)" in listed and f"{home_a} " in listed and a.ui_url in listed, result.output
         in_home(home_a)
         status_a = server.status()
         assert (status_a.port, status_a.pid) == (a.port, a.pid)
@@ -97,3 +103,78 @@ def test_each_home_gets_its_own_server(tmp_path, monkeypatch, capsys):
                 os.killpg(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
     assert not server.healthy(a.api_url)
+
+
+CHROMIUM = shutil.which("chromium")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/setup installs it)")
+def test_a_server_no_run_or_ui_uses_stops_by_itself_and_an_open_ui_keeps_it(tmp_path, monkeypatch):
+    """A home's server started to stop after 40 s unused (``hf server start --idle-minutes``): the Prefect UI open in
+    headless Chromium (which polls the API about every 30 s) keeps it up past that; once the browser is closed the
+    watcher stops it within the idle time and a few checks, and ``hf server status`` says it stopped by itself."""
+    from playwright.sync_api import sync_playwright
+
+    monkeypatch.setenv("HYBRIDFLOW_HOME", str(tmp_path))
+    idle_s = 40.0
+    result = runner.invoke(main.app, ["server", "start", "--port", str(network.free_port()), "--idle-minutes", "0.667"])
+    assert result.exit_code == 0, result.output
+    assert "stops by itself once no run or UI has used it for 0.667 min" in result.output, result.output
+    info = server.status()
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+            )
+            page = browser.new_page()
+            page.goto(f"{info.ui_url}/runs", wait_until="networkidle")
+            time.sleep(idle_s * 1.5)  # longer than the idle time: the page's polling is use
+            assert server.status() is not None, (tmp_path / "prefect" / "server.log").read_text()[-2000:]
+            browser.close()
+        closed = time.monotonic()
+        while server._is_own_server(info.pid):
+            assert time.monotonic() - closed < idle_s + 30 + 15, "the unused server did not stop"
+            time.sleep(0.5)
+        # no sooner than the idle time after the page's last poll (at most ~30 s before the browser closed)
+        assert time.monotonic() - closed > idle_s - 30
+        result = runner.invoke(main.app, ["server", "status"])
+        assert result.exit_code == 1 and "it stopped by itself at" in result.output, result.output
+        assert "stopped the Prefect server" in (tmp_path / "prefect" / "server.log").read_text()
+    finally:
+        server.stop()
+
+
+def test_log_lines_the_prefect_server_does_not_take_are_reported_not_written_to_stderr(capfd):
+    """Prefect ships a flow run's log lines from a thread; when its server does not answer, its `APILogWorker`
+    writes ``--- Error logging to API ---`` and the error to stderr without a newline (the next terminal line
+    glued to it). Under `ship_api_logs_to` the same failure is one warning of the logger given, stderr untouched."""
+    import logging
+
+    from prefect.logging.handlers import APILogWorker, emit_api_log
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from hybridflow.flows.reporting import ship_api_logs_to
+
+    class Kept(logging.Handler):
+        records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    line = {"name": "hybridflow.test", "level": 20, "message": "a line", "timestamp": "2026-12-01T00:00:00Z"}
+    errors = logging.getLogger("prefect.hybridflow.test_api_logs")
+    errors.addHandler(kept := Kept())
+    try:
+        with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{network.free_port()}/api"}):  # nothing listens
+            emit_api_log(dict(line))
+            APILogWorker.drain_all(timeout=30)
+            assert "--- Error logging to API ---" in capfd.readouterr().err  # Prefect's own way
+            with ship_api_logs_to(errors):
+                emit_api_log(dict(line))
+                APILogWorker.drain_all(timeout=30)
+    finally:
+        errors.removeHandler(kept)
+    assert "Error logging to API" not in capfd.readouterr().err
+    [record] = kept.records
+    assert "the Prefect server did not take 1 log lines: ConnectError" in record.getMessage()

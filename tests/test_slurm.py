@@ -186,7 +186,8 @@ def test_kill_9_of_one_rank_fails_the_call_and_the_relaunch_forks_new_ranks_in_t
         [server] = {view["parent"] for view in group.process_view("SLURM_PROCID")}
         err, seconds = _raises_within(group, lambda: os.kill(pid, signal.SIGKILL))
         assert "worker group 'victim'" in str(err) and f"job {group.job_id}" in str(err)
-        assert f"rank 1 (pid {pid}) was killed by SIGKILL during sleep" in str(err)  # as its node's agent saw it
+        assert f", pid {pid}) was killed by SIGKILL during sleep" in str(err)  # as its node's agent saw it
+        assert str(err).splitlines()[0].count("rank 1 ") == 1, str(err)  # named once, with its host and pid
         assert err.lost  # a relaunch can go on
         print(f"kill -9 of rank 1 detected in {seconds:.1f} s: {str(err).splitlines()[0]}")
     finally:

@@ -119,7 +119,7 @@ def test_forged_and_unauthenticated_messages_execute_nothing(group):
     ("sig", "expect"),
     [
         # killed: named at once, with the signal while the zombie is still there (its parent reaps it within ~1 s)
-        (signal.SIGKILL, r"rank 1 \(pid \d+\) (was killed by SIGKILL|died \(its process is gone)"),
+        (signal.SIGKILL, r"rank 1 \(host [^,]+, pid \d+\) (was killed by SIGKILL|died \(its process is gone)"),
         (signal.SIGSTOP, "no heartbeat"),
     ],
 )
@@ -137,6 +137,8 @@ def test_dead_or_stopped_rank_fails_the_call_within_seconds(tmp_path, sig, expec
         assert f"victim{sig.value}" in message and g.job_id in message
         assert "rank 1" in message or "ranks [0, 1]" in message or "rank 0" in message
         assert re.search(expect, message), message
+        first_line = message.splitlines()[0]
+        assert first_line.count("rank 1 ") == 1 or "rank 1 " not in first_line, message  # named once
     finally:
         if sig == signal.SIGSTOP:
             os.kill(pid, signal.SIGCONT)
@@ -154,7 +156,8 @@ def test_a_rank_killed_inside_a_collective_is_named_not_the_rank_that_lost_its_p
             g.reduce_for(30)
         message = str(err.value)
         ended = r"(was killed by SIGKILL|died \(its process is gone[^)]*\))"  # read before or after it was reaped
-        assert re.search(rf"rank 1 \(pid {pid}\) {ended} during reduce_for", message), message
+        assert re.search(rf"rank 1 \(host [^,]+, pid {pid}\) {ended} during reduce_for", message), message
+        assert message.splitlines()[0].count("rank 1 ") == 1, message  # named once, where it is with it
     finally:
         g.shutdown(timeout_s=10)
 

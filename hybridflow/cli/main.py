@@ -17,7 +17,6 @@ huggingface_hub installs a command named ``hf`` too; every subcommand this CLI d
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from typing import Annotated
 
 import typer
 
-from hybridflow.cli import deploy, models, plan, rm, run, server, sft, training, verl, warm_start
+from hybridflow.cli import deploy, models, plan, rm, run, run_log, server, sft, training, verl, warm_start
 from hybridflow.cli.common import console
 from hybridflow.cli.config_show import config_app
 from hybridflow.cli.data_check import data_app
@@ -94,13 +93,6 @@ def _forward_to_huggingface_hub(argv: list[str]) -> bool:
     return argv[0] == "models" and len(argv) > 1 and argv[1] not in {"prepare", "--help", "-h"}
 
 
-def _not_a_failed_run_record(record: logging.LogRecord) -> bool:
-    """Prefect's ERROR records of a failed task or flow run (each with the whole traceback, eight of them for one
-    failed stage) stay off the terminal: they are in the flow run's logs, and `hf run` prints the failure once, its
-    first line and its cause."""
-    return not (record.name in ("prefect.task_runs", "prefect.flow_runs") and record.levelno >= logging.ERROR)
-
-
 def main() -> None:
     """Entry point of ``hf`` and ``hybridflow``."""
     try:
@@ -110,12 +102,7 @@ def main() -> None:
         exit_process(2)
     if status is not None:
         warm_start.exit_like(status)
-    # Warnings and errors on the terminal; INFO lines (the controller's and the workers') go to the flow run's logs
-    # in the Prefect UI only (hybridflow.flows.reporting.FlowLogs).
-    terminal = logging.StreamHandler()
-    terminal.setLevel(logging.WARNING)
-    terminal.addFilter(_not_a_failed_run_record)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", handlers=[terminal])
+    run_log.setup_terminal()
     os.umask(0o077)  # the run store, run folders, checkpoints and logs are readable by their owner only
     signal.signal(signal.SIGTERM, training.raise_terminated)
     if _forward_to_huggingface_hub(sys.argv[1:]):

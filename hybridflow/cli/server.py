@@ -9,6 +9,10 @@ attaches to a server that another home (or anybody) started: when the requested 
 server on a free port instead. `hf server status|stop` see and stop only this home's server; ``--prefect-api URL``
 is the way to use any other server. The same server serves the Prefect UI. Settings keep it offline: analytics off,
 no telemetry.
+
+A server that no run and no UI has used for ``$HYBRIDFLOW_SERVER_IDLE_MINUTES`` (default 30; 0: never) stops by
+itself (`hybridflow.cli.server_idle`, a watcher started beside it); `hf server status` lists every HybridFlow home's
+server on this machine.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ from hybridflow.slurm.network import free_port
 
 DEFAULT_PORT = 4200
 START_TIMEOUT_S = 120.0
+IDLE_ENV = "HYBRIDFLOW_SERVER_IDLE_MINUTES"
+DEFAULT_IDLE_MINUTES = 30.0
+TOUCH_S = 30.0
+"""How often a training run's `ServerWatch` touches `in_use_file` (its server's idle watcher leaves it up)."""
 
 OFFLINE_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -54,7 +62,8 @@ class ServerInfo:
     """This home's running server: its port (API and UI URLs derive from it), process id and HybridFlow home.
 
     `started` is True when `start` started it just now (False: it was already running); `taken_port` is the
-    requested port when something else held it and the server was started on `port` instead (else None).
+    requested port when something else held it and the server was started on `port` instead (else None);
+    `idle_stop_s`: seconds unused after which it stops by itself (None: never).
     """
 
     port: int
@@ -62,6 +71,7 @@ class ServerInfo:
     home: Path = field(default_factory=hybridflow_home)
     started: bool = False
     taken_port: int | None = None
+    idle_stop_s: float | None = None
 
     @property
     def api_url(self) -> str:
@@ -78,9 +88,29 @@ class ServerInfo:
             how += f"; port {self.taken_port} is taken by something this home did not start, so a free port"
         return f"Prefect server of {self.home}: UI {self.ui_url} ({how})"
 
+    def idle_note(self) -> str:
+        """When the server stops by itself, for the end of a run."""
+        if self.idle_stop_s is None:
+            return f"the Prefect server of {self.home} stays up (UI {self.ui_url}; hf server stop stops it)"
+        return (
+            f"the Prefect server of {self.home} stays up for its UI ({self.ui_url}) and stops by itself once no run "
+            f"or UI has used it for {self.idle_stop_s / 60:g} min ({IDLE_ENV}; hf server stop stops it now)"
+        )
+
 
 def _state_file() -> Path:
     return prefect_home() / "server.json"
+
+
+def in_use_file(home: Path) -> Path:
+    """The file a training run touches while it uses the server of the Prefect home `home`."""
+    return home / "in_use"
+
+
+def stopped_file(home: Path) -> Path:
+    """``stopped.json``: when and why the idle watcher (`hybridflow.cli.server_idle`) stopped the server of the
+    Prefect home `home`."""
+    return home / "stopped.json"
 
 
 def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
@@ -92,13 +122,38 @@ def healthy(api_url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _read_state() -> tuple[int, int] | None:
-    """(port, pid) recorded in this home's ``server.json``, or None if there is no (readable) record."""
+def _read_state(state_file: Path | None = None) -> tuple[int, int] | None:
+    """(port, pid) recorded in this home's ``server.json`` (or `state_file`), or None if there is no (readable)
+    record."""
     try:
-        state = json.loads(_state_file().read_text())
+        state = json.loads((state_file or _state_file()).read_text())
         return int(state["port"]), int(state["pid"])
     except (OSError, ValueError, KeyError, TypeError):  # missing, not JSON, or not the expected fields
         return None
+
+
+def _idle_stop_s(state_file: Path | None = None) -> float | None:
+    """The idle time (seconds) after which the recorded server stops by itself; None: never, or no record."""
+    try:
+        idle = json.loads((state_file or _state_file()).read_text()).get("idle_stop_s")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(idle) if idle else None
+
+
+def idle_minutes() -> float:
+    """``$HYBRIDFLOW_SERVER_IDLE_MINUTES`` (default `DEFAULT_IDLE_MINUTES`; 0: a server never stops by itself).
+
+    Raises:
+        ValueError: the variable is not a number >= 0 (the message names it)."""
+    value = os.environ.get(IDLE_ENV, "").strip() or str(DEFAULT_IDLE_MINUTES)
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = -1.0
+    if minutes < 0:
+        raise ValueError(f"{IDLE_ENV}={value!r}: give minutes, a number >= 0 (0: the server never stops by itself)")
+    return minutes
 
 
 def status() -> ServerInfo | None:
@@ -108,25 +163,30 @@ def status() -> ServerInfo | None:
     if state is None:
         return None
     port, pid = state
-    info = ServerInfo(port, pid)
+    info = ServerInfo(port, pid, idle_stop_s=_idle_stop_s())
     return info if _is_own_server(pid) and healthy(info.api_url) else None
 
 
-def start(port: int = DEFAULT_PORT, timeout_s: float = START_TIMEOUT_S) -> ServerInfo:
+def start(
+    port: int = DEFAULT_PORT, timeout_s: float = START_TIMEOUT_S, idle_stop_minutes: float | None = None
+) -> ServerInfo:
     """This home's server: the running one (``started=False``, whatever its port), else a new ``prefect server
     start`` in the background (its own session, survives this process) once it is healthy (``started=True``).
 
     A new server listens on 127.0.0.1:`port`; if that port is taken (another home's server, anything else) it
     listens on a free port instead and `ServerInfo.taken_port` says so. Either way the port and pid go to this home's
-    ``server.json``. `timeout_s` is in seconds.
+    ``server.json``. `timeout_s` is in seconds. A new server stops by itself after `idle_stop_minutes` unused (default
+    `idle_minutes`; 0: never), watched by `hybridflow.cli.server_idle`.
 
     Raises:
         RuntimeError: if the new server exits or is not healthy within `timeout_s` (the tail of its log is
             included).
+        ValueError: ``$HYBRIDFLOW_SERVER_IDLE_MINUTES`` is not a number >= 0.
     """
     running = status()
     if running is not None:
         return running
+    idle_s = 60 * (idle_minutes() if idle_stop_minutes is None else idle_stop_minutes)
     home = prefect_home()
     home.mkdir(parents=True, exist_ok=True)
     taken_port = None
@@ -157,7 +217,19 @@ def start(port: int = DEFAULT_PORT, timeout_s: float = START_TIMEOUT_S) -> Serve
                 f"Prefect server did not start on port {port} (log {home / 'server.log'}):\n" + "\n".join(tail)
             )
         time.sleep(0.5)
-    _state_file().write_text(json.dumps({"port": port, "pid": process.pid}))
+    info.idle_stop_s = idle_s or None
+    _state_file().write_text(json.dumps({"port": port, "pid": process.pid, "idle_stop_s": info.idle_stop_s}))
+    stopped_file(home).unlink(missing_ok=True)
+    if idle_s:
+        with open(home / "server.log", "ab") as log:  # the watcher's line goes after the server's own
+            subprocess.Popen(
+                [sys.executable, "-m", "hybridflow.cli.server_idle", str(process.pid), str(port), str(idle_s)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
     return info
 
 
@@ -182,6 +254,8 @@ def stop(timeout_s: float = 20.0) -> bool:
         try:
             os.killpg(pid, 0)
         except ProcessLookupError:
+            return True
+        if _zombie(pid):  # ended; its parent (or a PID 1 that does not reap) has not collected it
             return True
         time.sleep(0.2)
     os.killpg(pid, signal.SIGKILL)
@@ -227,9 +301,13 @@ class ServerWatch:
             self._restart(last=True)
 
     def _watch(self) -> None:
+        touched = 0.0
         while not self._stop.wait(self.interval_s) and not self._given_up:
             if not _is_own_server(self.info.pid):
                 self._restart()
+            if time.monotonic() - touched >= TOUCH_S:  # this run uses the server: its idle watcher leaves it up
+                in_use_file(prefect_home()).touch()
+                touched = time.monotonic()
 
     def _restart(self, last: bool = False) -> None:
         """Start this home's server on its port again; `last`: the run has ended (no later attempt)."""
@@ -258,6 +336,15 @@ class ServerWatch:
             f"{info.pid}) in {time.monotonic() - began:.1f} s; the run went on meanwhile"
         )
         self.info = info
+
+
+def _zombie(pid: int) -> bool:
+    """True if process `pid` has ended and waits to be reaped (state Z in ``/proc/PID/stat``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def _is_prefect_server(pid: int) -> bool:
@@ -310,11 +397,24 @@ server_app = typer.Typer(help="The local Prefect server (UI and flow-run history
 
 
 @server_app.command("start")
-def server_start(port: int = DEFAULT_PORT) -> None:
+def server_start(
+    port: int = DEFAULT_PORT,
+    idle_minutes: float | None = typer.Option(
+        None,
+        min=0,
+        help=f"stop by itself after this many minutes unused by any run or UI (default ${IDLE_ENV} or "
+        f"{DEFAULT_IDLE_MINUTES:g}; 0: never)",
+    ),
+) -> None:
     """Start this home's Prefect server (or report the running one); a taken port means a free one instead."""
-    with console.status("starting the Prefect server..."):
-        info = start(port)
+    try:
+        with console.status("starting the Prefect server..."):
+            info = start(port, idle_stop_minutes=idle_minutes)
+    except (RuntimeError, ValueError) as e:
+        console.print(f"{e}", style="red")
+        raise typer.Exit(1) from None
     console.print(f"{info.describe()}  API {info.api_url}")
+    console.print(info.idle_note())
 
 
 @server_app.command("stop")
@@ -326,15 +426,70 @@ def server_stop() -> None:
 
 @server_app.command("status")
 def server_status() -> None:
-    """Whether this home's Prefect server (the one `hf run` uses) is running, and where; exit 1 if not."""
+    """Whether this home's Prefect server (the one `hf run` uses) is running, and where, then every HybridFlow
+    home's Prefect server on this machine; exit 1 if this home's is not running."""
     info = status()
-    if info is None:
+    if info is not None:
+        console.print(f"running: Prefect server of {info.home}: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")
+        console.print(info.idle_note())
+    else:
         console.print(f"no Prefect server of {hybridflow_home()} is running (hf server start)")
+        if (stopped := _stopped_idle()) is not None:
+            console.print(stopped)
         default = ServerInfo(DEFAULT_PORT, 0)
         if healthy(default.api_url):
             console.print(
                 f"the Prefect server at {default.ui_url} was not started by this home (another home's or someone "
                 "else's): hf run does not use it (--prefect-api to use it)"
             )
+    _list_servers()
+    if info is None:
         raise typer.Exit(1)
-    console.print(f"running: Prefect server of {info.home}: API {info.api_url}  UI {info.ui_url}  (pid {info.pid})")
+
+
+def running_servers() -> list[tuple[Path, int, int | None]]:
+    """Every Prefect server on this machine that a HybridFlow home started (its ``PREFECT_HOME`` is a home's
+    ``prefect`` folder): ``(home, pid, port)``, the port from that home's ``server.json`` (None if it records
+    another server), sorted by home."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or not _is_prefect_server(int(proc.name)):
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        homes = [e.removeprefix(b"PREFECT_HOME=") for e in environ if e.startswith(b"PREFECT_HOME=")]
+        if not homes or Path(os.fsdecode(homes[0])).name != "prefect":
+            continue
+        prefect = Path(os.fsdecode(homes[0]))
+        state = _read_state(prefect / "server.json")
+        pid = int(proc.name)
+        found.append((prefect.parent, pid, state[0] if state and state[1] == pid else None))
+    return sorted(found)
+
+
+def _list_servers() -> None:
+    """Print `running_servers` as a table (nothing when there are none)."""
+    from rich.table import Table
+
+    servers = running_servers()
+    if not servers:
+        return
+    table = Table("HybridFlow home", "pid", "UI", "stops by itself after", title="Prefect servers on this machine")
+    for home, pid, port in servers:
+        idle = _idle_stop_s(home / "prefect" / "server.json") if port is not None else None
+        ui = f"http://127.0.0.1:{port}" if port is not None else "?"
+        mine = " (this home)" if home.resolve() == hybridflow_home().resolve() else ""
+        table.add_row(f"{home}{mine}", str(pid), ui, f"{idle / 60:g} min unused" if idle else "never")
+    console.print(table)
+
+
+def _stopped_idle() -> str | None:
+    """The line saying this home's server stopped by itself, unused (`hybridflow.cli.server_idle`), or None."""
+    try:
+        record = json.loads(stopped_file(prefect_home()).read_text())
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record["stopped_at"])))
+        return f"it stopped by itself at {at}: no run or UI had used it for {float(record['idle_s']) / 60:g} min"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

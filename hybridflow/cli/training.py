@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from hybridflow.cli import server
+from hybridflow.cli import run_log, server
 from hybridflow.cli.common import _store, console, error_cause, styled
 
 ExecutorOption = Annotated[
@@ -105,8 +105,9 @@ def train(store, run_id: str, resume_from_step: int | None = None) -> None:
     def say(line: str) -> None:
         console.print(line, style="yellow")
 
+    log = run_log.run_log(run_id, quiet_reporting=local_server is not None)
     watch = server.ServerWatch(local_server, say) if local_server is not None else contextlib.nullcontext()
-    with LiveProgress(console) as progress, watch:
+    with log, LiveProgress(console) as progress, watch:
         lifecycle.listeners.append(progress.on_event)
         try:
             kind = store.get_run(run_id).kind
@@ -147,6 +148,8 @@ def train(store, run_id: str, resume_from_step: int | None = None) -> None:
         console.print(f"{record.error}", style="yellow")
         raise typer.Exit(3)
     console.print(f"run {run_id} completed; history: hf runs show {run_id}")
+    if local_server is not None:
+        console.print(local_server.idle_note())
 
 
 def _prefect_only(store, run_id: str, error: Exception) -> bool:

@@ -284,7 +284,7 @@ class RLHFWorker:
         self._need("actor")
         cfg = self.config
         prompt = probe_prompt(self.tokenizer, eos_token_ids(self.tokenizer, self.weights.generation_config))
-        dtype = getattr(torch, cfg.rollout.vllm_dtype)
+        dtype = pick_dtype(cfg.rollout.vllm_dtype, self.weights.device)
         engine = cfg.rollout.checkpoint_engine
         with self.weights.generation_model() as model:
             if self.rank != 0:

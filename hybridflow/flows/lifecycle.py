@@ -441,7 +441,7 @@ def usable_checkpoint(store: RunStore, run_id: str, exact_step: int | None = Non
             older = [c for c in candidates if c.step < ckpt.step]
             fallback = f"global_step_{older[-1].step}" if older else "the start (no older checkpoint)"
             message = f"checkpoint global_step_{ckpt.step} is unusable ({e}); marked bad, falling back to {fallback}"
-            logger.warning("run %s: %s", run_id, message)
+            logger.info("run %s: %s", run_id, message)  # the log file and the UI; the terminal: the notice below
             notify("fallback", message=message)
             continue
         return Path(ckpt.path)

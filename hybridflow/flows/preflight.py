@@ -21,8 +21,9 @@ What is checked, each failure an `InputError` naming the config key and the fix:
 - ``trainer.logger``: the library of every tracker named (tensorboard, wandb, mlflow) is installed; an MLflow
   tracking server (``http(s)://`` URI) answers.
 
-One warning, not a refusal: ``model.dtype`` or ``rollout.vllm_dtype`` bfloat16 where the local CPU emulates bf16
-(`SlowDtypeWarning`, naming the key to set to float32).
+One warning, not a refusal, for every kind of run (`hf run`, `hf resume`, `hf rm train`, `hf sft train`, `hf verl`):
+a dtype key set to bfloat16 where the local CPU emulates bf16 (`SlowDtypeWarning`, naming the key to set to
+``native`` or float32).
 
 Batch-size divisibility and the parallel layout are checked by the config itself (`HybridFlowConfig`).
 The prompt sets built here are cached in the process, so the flow that follows does not build them again.
@@ -142,28 +143,39 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         _check_resume_from(cfg.trainer.resume_from, cfg.safe_rlhf())
 
 
-def _check_dtype(cfg: HybridFlowConfig) -> None:
-    """Warn (`SlowDtypeWarning`) when the local ranks would compute in bf16 on this CPU without bf16 instructions,
-    where torch and vLLM emulate it (on a 2-core AMD EPYC, 2026-11-27: a SmolLM2 forward and backward 151.8 s
-    against 6.5 s in float32; vLLM decoding 17 against 87 tokens/s). Slurm ranks run on other nodes' CPUs: not
+def _check_dtype(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig) -> None:
+    """Warn (`SlowDtypeWarning`) when the local ranks of any kind of run would compute in bf16 on this CPU without
+    bf16 instructions, where torch and vLLM emulate it (on a 2-core AMD EPYC, 2026-11-27: a SmolLM2 forward and
+    backward 151.8 s against 6.5 s in float32; vLLM decoding 17 against 87 tokens/s). Only an explicit
+    ``bfloat16`` warns: ``auto`` and ``native`` pick float32 there. Slurm ranks run on other nodes' CPUs: not
     checked."""
     local_cpu = cfg.placement.executor != "slurm" and pick_device(cfg.trainer.device).type == "cpu"
     if not local_cpu or cpu_has_native_bf16():
         return
-    slow = {
-        "model.dtype": (cfg.model.dtype, "the actor's forward and backward 23 times slower"),
-        "rollout.vllm_dtype": (
+    slow = {"model.dtype": (cfg.model.dtype, "the model's forward and backward 23 times slower")}
+    if isinstance(cfg, HybridFlowConfig):
+        rm = cfg.reward_model
+        judged = rm.enable and rm.judge.enable and rm.judge.engine == "vllm"
+        slow["rollout.vllm_dtype"] = (
             cfg.rollout.vllm_dtype if cfg.rollout.name == "vllm" else None,
             "vLLM's decoding 5 times slower",
-        ),
-    }
+        )
+        slow["reward_model.dtype"] = (
+            rm.dtype if rm.enable and not rm.judge.enable else None,
+            "the reward model's forward 23 times slower",
+        )
+        slow["reward_model.judge.vllm_dtype"] = (
+            rm.judge.vllm_dtype if judged else None,
+            "the judge's decoding 5 times slower",
+        )
     for key, (value, cost) in slow.items():
         if value == "bfloat16":
             warnings.warn(
                 f"{key}=bfloat16: this CPU has no bf16 instructions (AVX512-BF16 or AMX), so bf16 is emulated, "
-                f"{cost} than float32: set {key}=float32 (-o {key}=float32)",
+                f"{cost} than float32: set {key}=native (bf16 only where the hardware computes it; -o {key}=native) "
+                "or float32",
                 SlowDtypeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
 
 
@@ -335,6 +347,7 @@ def _check_one_group_run(cfg: RMTrainingConfig | SFTTrainingConfig, load_sets: A
     """The checks of a one-group run: trackers, ``model.path``, its rows (`load_sets`), the Slurm partition of its
     group (hosting `role`), ``trainer.output_dir``."""
     _check_trackers(cfg.trainer)
+    _check_dtype(cfg)
     model_folder("model.path", cfg.model.path)
     load_sets(cfg)
     if cfg.placement.executor == "slurm":

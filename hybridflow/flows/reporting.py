@@ -11,12 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ from uuid import UUID
 import httpx
 from prefect import flow
 from prefect.context import FlowRunContext, SettingsContext, TagsContext, get_settings_context
+from prefect.logging.handlers import APILogWorker, set_api_log_sink
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
 from hybridflow.engine.config import HybridFlowConfig
@@ -338,6 +340,46 @@ class FlowLogs:
 T = TypeVar("T")
 
 
+class _ReportedAPILogWorker(APILogWorker):
+    """Prefect's `APILogWorker` (batches of log lines sent to the flow run's logs), with a batch the server did not
+    take reported to `errors` instead of written to stderr."""
+
+    errors = logging.getLogger("prefect.hybridflow.api_logs")
+
+    async def _handle_batch(self, items: list[dict[str, Any]]) -> None:
+        try:
+            await self._client.create_logs(items)
+        except Exception as error:  # noqa: BLE001 - any failure: the lines are dropped, as Prefect drops them
+            self.errors.warning(
+                "the Prefect server did not take %d log lines: %s: %s", len(items), type(error).__name__, error
+            )
+
+
+@contextlib.contextmanager
+def ship_api_logs_to(errors: logging.Logger) -> Iterator[None]:
+    """Ship the process's log lines to the Prefect API (the flow run's logs) as Prefect does, but with a batch the
+    server did not take reported to `errors` (a warning: how many lines, Prefect's error) instead of written to
+    stderr: Prefect's `APILogWorker` writes ``--- Error logging to API ---`` and the error without a newline, so
+    the next terminal line starts glued to its end (and during a server outage each batch writes one more)."""
+    _ReportedAPILogWorker.errors = errors
+    set_api_log_sink(lambda log: _ReportedAPILogWorker.instance().send(log))
+    try:
+        yield
+    finally:
+        set_api_log_sink(None)
+
+
+def number_ranges(numbers: Sequence[int]) -> str:
+    """``[2, 3, 4, 7, 9, 10]`` as ``"2-4, 7, 9-10"`` (sorted, each number once)."""
+    parts: list[list[int]] = []
+    for n in sorted(set(numbers)):
+        if parts and n == parts[-1][1] + 1:
+            parts[-1][1] = n
+        else:
+            parts.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
 @dataclass
 class IterationSubflows:
     """Runs each iteration as the subflow ``iteration <N>`` of the current flow run: the Prefect UI's timeline groups
@@ -352,12 +394,14 @@ class IterationSubflows:
     retry_after_s: float = 10.0
     paused_until: float = 0.0  # time.monotonic() before which iterations run without subflows
     unrecorded: list[Any] = field(default_factory=list)  # ids of subflows whose end Prefect did not take
+    without_subflow: list[int] = field(default_factory=list)  # iterations run without theirs (Prefect did not answer)
     _settings: tuple[Any, Any] | None = None  # (the current Prefect settings, the same without heartbeats)
 
     def run(self, iteration: int, body: Callable[[], T]) -> T:
         """`body()` in the subflow of iteration `iteration` (no parameters, no result kept: the controller's objects
         stay out of Prefect's records). An error raised by `body` is raised here as it is."""
         if time.monotonic() < self.paused_until:
+            self.without_subflow.append(iteration)
             return body()
         self.flush()
         outcome: dict[str, Any] = {}
@@ -380,7 +424,21 @@ class IterationSubflows:
                 self.unrecorded.append(outcome["id"])
                 return outcome["result"]
             logger.warning("Prefect does not answer (%s): iteration %d runs without its subflow", error, iteration)
+            self.without_subflow.append(iteration)
             return body()
+
+    def missing_from_ui(self, run_id: str) -> str | None:
+        """The line naming the iterations that ran without their subflow (the Prefect server did not answer), so
+        the Prefect UI does not show them as iterations; None when every iteration had its subflow."""
+        if not self.without_subflow:
+            return None
+        which = number_ranges(self.without_subflow)
+        noun = "iteration" if len(self.without_subflow) == 1 else "iterations"
+        return (
+            f"{noun} {which} ran while the Prefect server did not answer: the Prefect UI has no subflow for "
+            f"{'it' if noun == 'iteration' else 'them'} (their stages may be missing there too); the run store has "
+            f"every iteration: hf runs show {run_id}"
+        )
 
     def _quiet_settings(self) -> SettingsContext:
         """The current Prefect settings without flow run heartbeats, for the subflow: the run's flow run sends

@@ -344,7 +344,7 @@ def _session(
     metrics) or to Slurm's warning (checkpointed: `Warned`), release everything."""
     lease = RunLease(store, run_id).acquire()
     umask = os.umask(0o077)  # the run's files are its owner's only: weights, optimizer state, pickled job files
-    workers = report = None
+    workers = report = subflows = None
     interrupted = False
     completed = False
     logs = None
@@ -437,6 +437,8 @@ def _session(
         raise
     finally:
         os.umask(umask)
+        if subflows is not None and (missing := subflows.missing_from_ui(run_id)):
+            logger.warning(missing)
         end_session(lease, workers, report, logs, interrupted, completed)
 
 

@@ -292,7 +292,9 @@ class WorkerGroup:
                 deadline = time.monotonic() + self.spec.start_timeout_s
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.spec.world_size)) - set(self.ranks))
-                raise self._error(f"ranks {missing} did not start within {self.spec.start_timeout_s:.0f} s", missing)
+                raise self._error(
+                    f"ranks {missing} did not start within {self.spec.start_timeout_s:.0f} s", missing, located=True
+                )
             got = self._endpoint.recv(0.2)
             if got is not None:
                 self._handle_side_message(got[1])
@@ -349,7 +351,10 @@ class WorkerGroup:
                 self._last_slurm_poll = float("-inf")  # ask Slurm now, not at the next poll period
                 self._check_job_alive(during=method)  # names how it ended, when that is known already
                 raise self._error(
-                    f"rank {rank} is unreachable (its connection closed) when {method} was sent", [rank], lost=True
+                    f"{self._where(rank)} is unreachable (its connection closed) when {method} was sent",
+                    [rank],
+                    lost=True,
+                    located=True,
                 ) from None
         results = self._collect(call_id, method, set(per_rank), timeout_s)
         ordered = [decode_args(results[r]) for r in sorted(results)]
@@ -375,7 +380,9 @@ class WorkerGroup:
                     if message["type"] == "error":
                         if PEER_LOST.search(message["traceback"]):  # a collective lost a peer: which one died?
                             self._name_the_lost_peer(method, rank, started)
-                        raise self._error(f"rank {rank} raised in {method}:\n{message['traceback']}", [rank])
+                        raise self._error(
+                            f"rank {rank} raised in {method}:\n{message['traceback']}", [rank], located=True
+                        )
                     results[rank] = message["result"]
                     pending.discard(rank)
                 else:
@@ -407,10 +414,11 @@ class WorkerGroup:
             rank = int(message["rank"])
             if rank in self.ranks and self.ranks[rank].pid != int(message["pid"]):
                 raise self._error(
-                    f"rank {rank} started again (pid {message['pid']} on {message['host']}): the job was requeued "
-                    "or restarted and its state is lost",
+                    f"{self._where(rank)} started again (pid {message['pid']} on {message['host']}): the job was "
+                    "requeued or restarted and its state is lost",
                     [rank],
                     lost=True,
+                    located=True,
                 )
             self.ranks[rank] = RankInfo(
                 rank, int(message["pid"]), str(message["host"]), time.monotonic(), str(message.get("node", ""))
@@ -427,7 +435,7 @@ class WorkerGroup:
                 self.warning_signals[rank] = signals
         elif kind == "fatal":
             rank = int(message["rank"])
-            raise self._error(f"rank {rank} failed while starting:\n{message['traceback']}", [rank])
+            raise self._error(f"rank {rank} failed while starting:\n{message['traceback']}", [rank], located=True)
 
     def _relay_rendezvous(self, sender: str, message: dict[str, Any]) -> None:
         """Rank 0 says where its rendezvous store listens (``address``, ``port``); every other rank asks, and is
@@ -474,9 +482,10 @@ class WorkerGroup:
             silent = now - max(info.last_seen, since)
             if silent > self.spec.heartbeat_timeout_s:
                 raise self._error(
-                    f"rank {rank} sent no heartbeat for {silent:.1f} s during {method} (dead, stopped or hung)",
+                    f"{self._where(rank)} sent no heartbeat for {silent:.1f} s during {method} (dead, stopped or hung)",
                     [rank],
                     lost=True,
+                    located=True,
                 )
 
     def poll(self) -> None:
@@ -503,7 +512,7 @@ class WorkerGroup:
                 if (end := self._job.end_of(rank)) is not None:
                     self._rank_ends[rank] = (pid, end)
         for rank, (pid, end) in sorted(self._rank_ends.items()):  # a local rank's, or as a Slurm node's agent said
-            raise self._error(f"rank {rank} (pid {pid}) {end} during {during}", [rank], lost=True)
+            raise self._error(f"{self._where(rank, pid)} {end} during {during}", [rank], lost=True, located=True)
         if isinstance(self._job, ForkedJob):
             return ""
         now = time.monotonic()
@@ -583,16 +592,20 @@ class WorkerGroup:
         self._cancelled = True  # nothing left to keep
         return self._job.cancel()
 
-    def _error(self, what: str, ranks: list[int], lost: bool = False) -> WorkerGroupError:
-        where = []
-        for rank in ranks:
-            info = self.ranks.get(rank)
-            where.append(f"rank {rank}" + (f" (host {info.host}, pid {info.pid})" if info else ""))
+    def _where(self, rank: int, pid: int | None = None) -> str:
+        """``rank N (host H, pid P)``, as far as known (`pid`: the rank's process as its launcher saw it)."""
+        info = self.ranks.get(rank)
+        host = f"host {info.host}, " if info else ""
+        pid = pid if pid is not None else info.pid if info else None
+        return f"rank {rank} ({host}pid {pid})" if pid is not None else f"rank {rank}"
+
+    def _error(self, what: str, ranks: list[int], lost: bool = False, located: bool = False) -> WorkerGroupError:
+        """The error of `ranks`: `what` happened, then where each rank runs (unless `located`: `what` says it)."""
+        where = "" if located else "; " + ", ".join(self._where(rank) for rank in ranks)
         logs = "".join(self._log_tail(r) for r in ranks[:1])
         self._lost = self._lost or lost
         return WorkerGroupError(
-            f"worker group {self.spec.name!r} (job {self.job_id}, {self.spec.executor}): {what}; "
-            f"{', '.join(where)}{logs}",
+            f"worker group {self.spec.name!r} (job {self.job_id}, {self.spec.executor}): {what}{where}{logs}",
             self.spec.name,
             ranks,
             lost,

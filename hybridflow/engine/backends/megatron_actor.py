@@ -71,13 +71,29 @@ def response_values(model, micro: DataProto, temperature: float = 1.0) -> torch.
 
 
 def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool, head=response_log_probs) -> None:
-    """Run equal-sized `micros` through megatron's forward(/backward) schedule: every stage forwards, the last
-    stage turns its output into per-response-token values with ``head(model, micro, temperature)`` (default:
-    response log-probs; temperature from ``meta_info``) and calls ``loss_of(index, values) -> (loss, dict)``;
-    megatron divides each loss by ``len(micros)`` before backward."""
+    """Run `micros` through megatron's forward(/backward) schedule: every stage forwards, the last stage turns its
+    output into per-response-token values with ``head(model, micro, temperature)`` (default: response log-probs;
+    temperature from ``meta_info``) and calls ``loss_of(index, values) -> (loss, dict)``; megatron divides each loss
+    by ``len(micros)`` before backward.
+
+    Without pipeline parallelism the micro-batches may differ in size (a smaller last one: megatron's schedule without
+    pipelining ignores ``micro_batch_size``; the losses' weights make the sum exact). With ``pp > 1`` they must not:
+    the stages exchange activations in buffers of one shape [seq, ``len(micros[0])``, hidden], and a smaller
+    micro-batch crashes the last stage (the config refuses such sizes up front, `HybridFlowConfig`).
+
+    Raises:
+        ValueError: micro-batches of different sizes with pipeline parallelism (names the sizes)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    sizes = sorted({len(m) for m in micros}, reverse=True)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if len(sizes) > 1 and pp > 1:  # raised on every rank alike: each stage of a replica holds the same rows
+        raise ValueError(
+            f"micro-batches of {' and '.join(map(str, sizes))} sequences: megatron's pipeline schedule (actor.pp={pp}) "
+            "needs one size; make the micro-batch size (actor.ppo_micro_batch_size, actor.log_prob_micro_batch_size, "
+            "critic.ppo_micro_batch_size, critic.forward_micro_batch_size) divide each data-parallel rank's batch"
+        )
     last_stage = parallel_state.is_pipeline_last_stage()
     temperature = micros[0].meta_info.get("temperature", 1.0) or 1.0
 
@@ -112,8 +128,8 @@ def policy_gradient(
     loss, plus the KL loss when ``actor.use_kl_loss``), through megatron's forward/backward schedule.
 
     Args:
-        micros: equal-sized micro-batches with `hybridflow.engine.backends.actor.UPDATE_KEYS` (+ ``ref_log_prob``) and
-            ``meta_info["temperature"]``.
+        micros: micro-batches (of one size with pipeline parallelism, see `run_schedule`) with
+            `hybridflow.engine.backends.actor.UPDATE_KEYS` (+ ``ref_log_prob``) and ``meta_info["temperature"]``.
         loss_scales: one weight per micro-batch (`hybridflow.engine.backends.training.micro_batch_weights`).
         correction: ``algorithm.rollout_correction`` (`hybridflow.engine.backends.actor.corrected_actor_loss`, as
             `Actor` applies it; bypass mode without ``rollout_is_batch_normalize``); None: off.

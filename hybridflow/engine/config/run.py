@@ -103,6 +103,7 @@ class HybridFlowConfig(_Section):
         self._check_mode()
         self._parallel_layout()
         self._divisible_by_ranks()
+        self._even_pipeline_micro_batches()
         reports_log_probs = rollout_spec(self.rollout.name).reports_log_probs or self.rollout.multi_turn.enable
         correction = self.algorithm.rollout_correction
         if correction.enabled() and not reports_log_probs:
@@ -509,6 +510,30 @@ class HybridFlowConfig(_Section):
                     f"{role}.ppo_mini_batch_size x rollout.n = {mini * n} sequences cannot be split evenly over the "
                     f"{ranks} data-parallel ranks of the {role}'s pool {pool.name} (its nodes x "
                     f"tasks_per_node{split}); make it a multiple of the ranks"
+                )
+
+    def _even_pipeline_micro_batches(self) -> None:
+        """With megatron pipeline parallelism (``actor.pp > 1``), every micro-batch of an update must hold the same
+        number of sequences: megatron's schedule passes activations between stages in buffers of one shape
+        ([seq, micro_batch_size, hidden]), and a smaller last micro-batch crashes the run. Elsewhere (ddp, fsdp,
+        megatron at ``pp: 1``) a last micro-batch smaller than the others is exact (each micro-batch's loss weighted
+        by its share of the global mini-batch: `hybridflow.engine.backends.training.micro_batch_weights`)."""
+        if self.actor.strategy != "megatron" or self.actor.pp == 1:
+            return
+        n, dp = self.rollout.n, self.pool_of("actor").world_size // (self.actor.tp * self.actor.pp)
+        roles = [("actor", self.actor)]
+        if "critic" in self.roles() and self.critic.strategy == "megatron":  # the actor's processes and layout
+            roles.append(("critic", self.critic))
+        for role, section in roles:
+            per_rank, micro = section.ppo_mini_batch_size * n // dp, section.ppo_micro_batch_size
+            if micro < per_rank and per_rank % micro:
+                divisor = max(d for d in range(1, micro + 1) if per_rank % d == 0)
+                raise ValueError(
+                    f"{role}.ppo_micro_batch_size={micro} does not divide the {per_rank} sequences of each "
+                    f"data-parallel rank's mini-batch ({role}.ppo_mini_batch_size x rollout.n / data-parallel size "
+                    f"= {section.ppo_mini_batch_size} x {n} / {dp}), and megatron's pipeline schedule (actor.pp="
+                    f"{self.actor.pp}) needs micro-batches of one size: set {role}.ppo_micro_batch_size={divisor} "
+                    f"(the largest divisor of {per_rank} up to {micro}), or another divisor of {per_rank}"
                 )
 
 

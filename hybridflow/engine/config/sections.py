@@ -41,7 +41,11 @@ class ModelConfig(_Section):
     """The policy model: a local Hugging Face folder or an embedded model, and the compute dtype."""
 
     path: str = Field("tiny", description="local Hugging Face folder, or an embedded model: 'smollm2', 'tiny'")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
+    dtype: Literal["auto", "native", "float32", "bfloat16"] = Field(
+        "auto",
+        description="auto: fp32 on CPU, bf16 on CUDA; native: bf16 where the device computes it (CUDA, a CPU "
+        "with AVX512-BF16 or AMX), else fp32",
+    )
     lora_rank: int = Field(0, ge=0, description="LoRA rank r of the actor's adapter (PEFT); 0: train every weight")
     lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator: the update is (alpha / r) B A")
     target_modules: str | list[str] = Field(
@@ -218,8 +222,10 @@ class RolloutConfig(_Section):
     val_temperature: float = Field(0.0, ge=0.0, description="validation sampling temperature (0 = greedy)")
     val_top_p: float = Field(1.0, gt=0.0, le=1.0, description="validation sampling top-p (verl's val_kwargs.top_p)")
     val_top_k: int = Field(0, ge=0, description="validation sampling top-k, 0 = disabled (verl's val_kwargs.top_k)")
-    vllm_dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="vllm: the engine's weights and compute (bf16: 1.8x faster here; drift is reported)"
+    vllm_dtype: Literal["native", "bfloat16", "float32"] = Field(
+        "native",
+        description="vllm: the engine's weights and compute; native: bf16 where the device computes it (CUDA, a CPU "
+        "with AVX512-BF16 or AMX: 1.8x faster than fp32; drift is reported), else fp32 (bf16 emulated: 5x slower)",
     )
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vllm on CPU: KV cache space (GiB)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm on GPU: share of GPU memory it may use")
@@ -624,7 +630,9 @@ class JudgeConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="the judge's sampling temperature (0: greedy)")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(256, gt=0, description="the longest verdict, in tokens")
-    vllm_dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="engine=vllm: weights and compute")
+    vllm_dtype: Literal["native", "bfloat16", "float32"] = Field(
+        "native", description="engine=vllm: weights and compute (native: as rollout.vllm_dtype's)"
+    )
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="CPU: the vLLM engine's KV cache, GiB")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU: the vLLM engine's share of memory")
 
@@ -641,7 +649,9 @@ class RewardModelConfig(_Section):
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: a whole copy per rank; fsdp: sharded at rest, gathered while it scores"
     )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: fp32 on CPU, bf16 on CUDA")
+    dtype: Literal["auto", "native", "float32", "bfloat16"] = Field(
+        "auto", description="auto: fp32 on CPU, bf16 on CUDA; native: as model.dtype's"
+    )
     coef: float = Field(1.0, description="weight of the RM score in the training reward")
     cost_path: str | None = Field(
         None,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from hybridflow.engine.models import dtype_name
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward.reward_model import RewardModelError
 from hybridflow.engine.reward.rewards import SCORE_ARGUMENTS, RewardManager, load_reward_function, score_inputs
@@ -106,7 +107,7 @@ class JudgeRewardModel:
             self._vllm = import_vllm()
             self.llm = self._vllm.LLM(
                 model=str(path),
-                dtype=self.judge.vllm_dtype,
+                dtype=dtype_name(self.judge.vllm_dtype, torch.device(device)),
                 enforce_eager=not self.on_gpu,
                 seed=self.seed,
                 max_model_len=config.max_length + self.judge.max_tokens,

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
+from hybridflow.engine.models import dtype_name
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import (
     assemble_rollout,
@@ -152,6 +153,7 @@ class VLLMRollout:
             generation_config = model_generation_config(model_path)
         self.eos_token_ids = eos_token_ids(tokenizer, generation_config)
         self.on_gpu = device is not None and device.type == "cuda"
+        self.dtype = dtype_name(config.vllm_dtype, device)  # the engine's weights and compute
         options = memory_options(self.on_gpu, config.gpu_memory_utilization, config.vllm_kv_cache_gb)
         if self.on_gpu:
             options.update(enable_sleep_mode=True)
@@ -166,7 +168,7 @@ class VLLMRollout:
             options.update(spmd)
         self.llm = vllm.LLM(
             model=str(model_path),
-            dtype=config.vllm_dtype,
+            dtype=self.dtype,
             enforce_eager=not self.on_gpu,
             seed=self.seed,
             max_model_len=max_prompt_length + config.response_length,
@@ -275,7 +277,7 @@ class VLLMRollout:
         # the engine's greedy token must be (near-)greedy for the actor: exactly in fp32; in bf16 within 1 nat, as
         # the engine's bf16 weights move logits by ~0.1 and two near-tied tokens swap (a GSPO run on SmolLM2 failed
         # its 16th sync at 0.124 against a 0.1 bound); weights that are not the actor's miss by several nats
-        tolerance = 1e-4 if self.config.vllm_dtype == "float32" else 1.0
+        tolerance = 1e-4 if self.dtype == "float32" else 1.0
         gap = float(actor_log_probs.max() - actor_log_probs[token])
         if gap > tolerance:
             raise RuntimeError(

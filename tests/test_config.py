@@ -231,12 +231,23 @@ def test_uneven_micro_batches_are_refused_only_with_megatron_pipelines():
         load_config(None, [*megatron, "actor.pp=2", "actor.ppo_micro_batch_size=3"])
     for micro in (1, 2, 4, 8):  # divisors, and one past the mini-batch (one micro-batch of all 4)
         assert load_config(None, [*megatron, "actor.pp=2", f"actor.ppo_micro_batch_size={micro}"]).actor.pp == 2
+    # the old_log_prob pass splits each rank's whole batch (4 x 2 / 2 sequences) alike: refused before any work
+    with pytest.raises(
+        ConfigError,
+        match=r"actor.log_prob_micro_batch_size=3 does not divide the 4 sequences of "
+        r"each data-parallel rank's batch \(data.train_batch_size x rollout.n",
+    ):
+        load_config(
+            None, [*megatron, "actor.pp=2", "actor.ppo_micro_batch_size=2", "actor.log_prob_micro_batch_size=3"]
+        )
     # a megatron critic runs in the actor's layout: its mini-batch of 4 x 2 / 2 sequences per rank alike
     critic = [*megatron, "actor.pp=2", "actor.ppo_micro_batch_size=2", "algorithm.adv_estimator=gae"]
     critic += ["critic.strategy=megatron", "critic.ppo_mini_batch_size=4"]
     with pytest.raises(ConfigError, match=r"critic.ppo_micro_batch_size=3 does not divide .* set critic.ppo_micro"):
         load_config(None, [*critic, "critic.ppo_micro_batch_size=3"])
     assert load_config(None, [*critic, "critic.ppo_micro_batch_size=2"]).critic.strategy == "megatron"
+    with pytest.raises(ConfigError, match=r"critic.forward_micro_batch_size=3 does not divide"):
+        load_config(None, [*critic, "critic.ppo_micro_batch_size=2", "critic.forward_micro_batch_size=3"])
     # a critic of its own (ddp) splits unevenly, exactly, beside a pipelined megatron actor
     assert load_config(None, [*critic, "critic.strategy=ddp", "critic.ppo_micro_batch_size=3"]).critic.strategy
 

@@ -309,7 +309,8 @@ def test_a_rank_killed_mid_run_is_recovered_inside_the_flow_with_the_uninterrupt
         [0],
         2,
     )
-    assert f"(pid {pid})" in recovery.cause and recovery.lost_s >= 0 and recovery.nodes == [os.uname().nodename]
+    host = os.uname().nodename
+    assert f"rank 0 (host {host}, pid {pid})" in recovery.cause and recovery.lost_s >= 0 and recovery.nodes == [host]
     recovered = _by_step(store, run_id)
     for step in (1, 2, 3, 4):
         for name in COMPARED:

@@ -521,19 +521,28 @@ class HybridFlowConfig(_Section):
         if self.actor.strategy != "megatron" or self.actor.pp == 1:
             return
         n, dp = self.rollout.n, self.pool_of("actor").world_size // (self.actor.tp * self.actor.pp)
-        roles = [("actor", self.actor)]
+        batch = self.data.train_batch_size * n // dp  # each rank's rows of the log-prob / value pass
+        checks = [
+            ("actor.ppo_micro_batch_size", "actor.ppo_mini_batch_size", self.actor.ppo_micro_batch_size),
+            ("actor.log_prob_micro_batch_size", "data.train_batch_size", self.actor.log_prob_micro_batch_size),
+        ]
         if "critic" in self.roles() and self.critic.strategy == "megatron":  # the actor's processes and layout
-            roles.append(("critic", self.critic))
-        for role, section in roles:
-            per_rank, micro = section.ppo_mini_batch_size * n // dp, section.ppo_micro_batch_size
+            checks += [
+                ("critic.ppo_micro_batch_size", "critic.ppo_mini_batch_size", self.critic.ppo_micro_batch_size),
+                ("critic.forward_micro_batch_size", "data.train_batch_size", self.critic.forward_micro_batch_size),
+            ]
+        for key, rows_key, micro in checks:
+            rows = self.critic if rows_key.startswith("critic") else self.actor
+            size = rows.ppo_mini_batch_size if rows_key.endswith("ppo_mini_batch_size") else self.data.train_batch_size
+            per_rank = size * n // dp if rows_key != "data.train_batch_size" else batch
             if micro < per_rank and per_rank % micro:
                 divisor = max(d for d in range(1, micro + 1) if per_rank % d == 0)
                 raise ValueError(
-                    f"{role}.ppo_micro_batch_size={micro} does not divide the {per_rank} sequences of each "
-                    f"data-parallel rank's mini-batch ({role}.ppo_mini_batch_size x rollout.n / data-parallel size "
-                    f"= {section.ppo_mini_batch_size} x {n} / {dp}), and megatron's pipeline schedule (actor.pp="
-                    f"{self.actor.pp}) needs micro-batches of one size: set {role}.ppo_micro_batch_size={divisor} "
-                    f"(the largest divisor of {per_rank} up to {micro}), or another divisor of {per_rank}"
+                    f"{key}={micro} does not divide the {per_rank} sequences of each data-parallel rank's "
+                    f"{'mini-batch' if 'mini' in rows_key else 'batch'} ({rows_key} x rollout.n / data-parallel size "
+                    f"= {size} x {n} / {dp}), and megatron's pipeline schedule (actor.pp={self.actor.pp}) needs "
+                    f"micro-batches of one size: set {key}={divisor} (the largest divisor of {per_rank} up to "
+                    f"{micro}), or another divisor of {per_rank}"
                 )
 
 

@@ -28,11 +28,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 
 from hybridflow.engine.checkpoint import (
     CheckpointError,
-    _safetensors_bytes,
-    _torch_save_bytes,
     begin_checkpoint,
     finish_checkpoint,
-    format_bytes,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -41,6 +38,7 @@ from hybridflow.engine.checkpoint import (
     save_role,
     verify_checkpoint,
 )
+from hybridflow.engine.disk_space import format_bytes, safetensors_bytes, torch_save_bytes
 from hybridflow.engine.trainer import SingleProcessTrainer
 
 VARIANTS = {
@@ -376,11 +374,11 @@ def test_the_size_estimate_is_what_the_files_take(tiny_actor, tmp_path):
     model, optimizer = tiny_actor["actor_model"], tiny_actor["actor_optimizer"]
     assert model.config.tie_word_embeddings  # the tied weight is in the state dict twice, in the file once
     model.save_pretrained(tmp_path)
-    assert _safetensors_bytes(model.state_dict()) == (tmp_path / "model.safetensors").stat().st_size
+    assert safetensors_bytes(model.state_dict()) == (tmp_path / "model.safetensors").stat().st_size
     optim = {"optimizer": optimizer.state_dict(), "lr_scheduler": tiny_actor["actor_scheduler"].state_dict()}
     torch.save(optim, tmp_path / "optim.pt")
     storages = 3 * len(optimizer.state)  # step, exp_avg, exp_avg_sq of each parameter
-    assert abs(_torch_save_bytes(optim) - (tmp_path / "optim.pt").stat().st_size) <= 64 * storages
+    assert abs(torch_save_bytes(optim) - (tmp_path / "optim.pt").stat().st_size) <= 64 * storages
 
 
 def test_a_checkpoint_that_does_not_fit_its_disk_says_so_and_keeps_the_earlier_ones(tiny_actor, tmp_path):

@@ -28,7 +28,6 @@ arbitrary objects.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import io
 import json
@@ -44,6 +43,17 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_file
+
+from hybridflow.engine.disk_space import (
+    block_size,
+    disk_bytes,
+    format_bytes,
+    on_disk,
+    out_of_space,
+    safetensors_bytes,
+    small_file_bytes,
+    torch_save_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -211,18 +221,6 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------- save
-def format_bytes(size: float) -> str:
-    """A size in bytes as people read it: decimal units (1 KB = 1000 B, as disks are sold and ``df -H`` prints),
-    the unit that keeps 3 significant digits below 1000: ``"812 B"``, ``"1.18 MB"``, ``"3.40 GB"``, ``"12.0 TB"``."""
-    if abs(size) < 1000:
-        return f"{size:.0f} B"
-    for power, unit in enumerate(("KB", "MB", "GB", "TB", "PB"), start=1):
-        value = float(f"{size / 1000**power:.3g}")  # rounded first: 999,999 B is 1.00 MB, not 1000 KB
-        if abs(value) < 1000 or unit == "PB":
-            return f"{value:.{2 if abs(value) < 10 else 1 if abs(value) < 100 else 0}f} {unit}"
-    raise AssertionError("unreachable")
-
-
 def _tensor_bytes(tree: Any) -> int:
     """Bytes of every tensor in a nested dict / list / tuple (a state dict, an optimizer state)."""
     if isinstance(tree, torch.Tensor):
@@ -232,112 +230,6 @@ def _tensor_bytes(tree: Any) -> int:
     if isinstance(tree, list | tuple):
         return sum(_tensor_bytes(v) for v in tree)
     return 0
-
-
-def _block_size(folder: Path) -> int:
-    """The allocation unit of `folder`'s file system in bytes (4096 on ext4, xfs, tmpfs): a file takes whole ones."""
-    return os.statvfs(folder).f_frsize if hasattr(os, "statvfs") else 4096
-
-
-def _on_disk(size: int, block: int) -> int:
-    """Bytes a file of `size` bytes takes on a file system of `block`-byte allocation units."""
-    return -(-size // block) * block
-
-
-def _disk_bytes(folder: Path) -> int:
-    """Bytes the files under `folder` take on disk (their allocated blocks; their sizes where blocks are unknown)."""
-    files = [p.stat() for p in folder.rglob("*") if p.is_file()]
-    return sum(st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size for st in files)
-
-
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def _safetensors_bytes(weights: dict[str, torch.Tensor]) -> int:
-    """Size in bytes of the safetensors file of `weights`: its 8-byte length, its JSON header (name, dtype, shape
-    and offsets of each tensor, padded to 8 bytes) and the tensors, each once (a weight tied to another, sharing its
-    memory, is written once, as ``save_pretrained`` writes it). Cheap: no tensor is read."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    seen: set[tuple] = set()
-    offset = 0
-    for name, tensor in weights.items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-        if tensor.data_ptr() and key in seen:
-            continue
-        seen.add(key)
-        end = offset + tensor.numel() * tensor.element_size()
-        dtype = _SAFETENSORS_DTYPES.get(tensor.dtype, "F8_E4M3")
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, end]}
-        offset = end
-    text = json.dumps(header, separators=(",", ":"))
-    return 8 + _on_disk(len(text), 8) + offset
-
-
-def _torch_save_bytes(obj: Any) -> int:
-    """Size in bytes of ``torch.save(obj)`` (a zip archive: a pickle of the structure, one 64-byte-aligned record
-    per tensor storage, a directory), without serializing a tensor: the structure is saved with every tensor
-    replaced by an empty one of its dtype, and the storages' bytes are added, each shared storage once (torch.save
-    writes whole storages). Off by at most the 64-byte alignment per storage."""
-    storages: dict[tuple, int] = {}
-
-    def hollow(tree: Any) -> Any:
-        if isinstance(tree, torch.Tensor):
-            storage = tree.untyped_storage()
-            storages[(storage.data_ptr(), str(tree.device))] = storage.nbytes()
-            return torch.empty(0, dtype=tree.dtype)
-        if isinstance(tree, dict):
-            return {k: hollow(v) for k, v in tree.items()}
-        if isinstance(tree, tuple):
-            return tuple(hollow(v) for v in tree)
-        if isinstance(tree, list):
-            return [hollow(v) for v in tree]
-        return tree
-
-    buffer = io.BytesIO()
-    torch.save(hollow(obj), buffer)
-    return buffer.getbuffer().nbytes + sum(storages.values())
-
-
-def _small_file_bytes(model) -> list[int]:
-    """Sizes in bytes of the JSON files ``save_pretrained`` writes beside the weights: a Hugging Face model's
-    ``config.json`` (and ``generation_config.json`` for a generating model); one small file for anything else (a
-    LoRA adapter's ``adapter_config.json``)."""
-    config = getattr(model, "config", None)
-    if not hasattr(config, "to_json_string"):
-        return [1]
-    sizes = [len(config.to_json_string(use_diff=True).encode())]
-    generation = getattr(model, "generation_config", None)
-    can_generate = getattr(model, "can_generate", None)
-    if generation is not None and callable(can_generate) and can_generate():
-        sizes.append(len(generation.to_json_string(use_diff=True).encode()))
-    return sizes
-
-
-def _out_of_space(error: BaseException, where: Path) -> bool:
-    """Whether a failed write ran out of space on `where`'s file system: ENOSPC or EDQUOT, the wording of torch
-    ("unexpected pos ...": its zip writer hides the errno) or safetensors ("No space left on device"), or under
-    1 MiB left after it (called before the partial files are removed)."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit
-        return False
-    if "unexpected pos" in str(error) or "No space left on device" in str(error):
-        return True
-    try:
-        return isinstance(error, OSError | RuntimeError) and shutil.disk_usage(where).free < 2**20
-    except OSError:
-        return False
 
 
 def _no_space(staging: Path, part: str, contents: str, need: int, free: int) -> CheckpointError:
@@ -364,8 +256,8 @@ def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None, f
 
     What the role takes on disk, in bytes (each file rounded up to the file system's blocks): the tokenizer's files
     as written (measured: they are small, and their size depends on the tokenizer's kind); the weights file as
-    ``save_pretrained`` writes it (`_safetensors_bytes`: header and tensors, tied weights once); ``optim.pt``
-    (`_torch_save_bytes`: the optimizer and scheduler states' pickle and storages, no tensor serialized twice);
+    ``save_pretrained`` writes it (`safetensors_bytes`: header and tensors, tied weights once); ``optim.pt``
+    (`torch_save_bytes`: the optimizer and scheduler states' pickle and storages, no tensor serialized twice);
     ``config.json`` and ``generation_config.json``. Not counted: the index of a weights file split into shards
     (``save_pretrained`` splits past 50 GB; the index is about 100 B per tensor).
 
@@ -377,11 +269,15 @@ def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None, f
         weights = model.state()  # a LoRA adapter (`hybridflow.engine.backends.lora.LoraAdapter`): its tensors
     scheduler_state = scheduler.state_dict()
     optim_file = {"optimizer": optimizer_state, "lr_scheduler": scheduler_state}
-    block = _block_size(folder.parent)
+    block = block_size(folder.parent)
     estimate = weights if weights is not None else (model.state_dict() if isinstance(model, torch.nn.Module) else {})
     rest = block + sum(  # the folder itself, then its files
-        _on_disk(size, block)
-        for size in (_safetensors_bytes(estimate), _torch_save_bytes(optim_file), *_small_file_bytes(model))
+        on_disk(size, block)
+        for size in (
+            safetensors_bytes(estimate),
+            torch_save_bytes(optim_file),
+            *small_file_bytes(model),
+        )
     )
     free = shutil.disk_usage(folder.parent).free
     contents = "weights, optimizer state" + (" and tokenizer" if tokenizer is not None else "")
@@ -390,7 +286,7 @@ def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None, f
     try:
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-            need = rest + _disk_bytes(folder)
+            need = rest + disk_bytes(folder)
         if rest > shutil.disk_usage(folder.parent).free:  # what is left to write does not fit
             raise _no_space(folder.parent, f"{folder.name}/ of checkpoint", contents, need, free)
         model.save_pretrained(folder, state_dict=weights)
@@ -398,7 +294,7 @@ def _save_model_dir(folder: Path, model, optimizer, scheduler, tokenizer=None, f
     except CheckpointError:
         raise
     except Exception as error:
-        if _out_of_space(error, folder.parent):
+        if out_of_space(error, folder.parent):
             raise _no_space(folder.parent, f"{folder.name}/ of checkpoint", contents, need, free) from error
         raise
 
@@ -545,8 +441,8 @@ def finish_checkpoint(
         sizes = {path.relative_to(tmp).as_posix(): path.stat().st_size for path in _payload_files(tmp)}
         sizes.update({TRAINER_STATE: len(state_bytes), RNG_STATE: len(rng_bytes)})
         manifest_size = len(_manifest_bytes(step, {k: {"bytes": v, "sha256": "0" * 64} for k, v in sizes.items()}))
-        block = _block_size(root)
-        need = sum(_on_disk(size, block) for size in (len(state_bytes), len(rng_bytes), manifest_size))
+        block = block_size(root)
+        need = sum(on_disk(size, block) for size in (len(state_bytes), len(rng_bytes), manifest_size))
         free = shutil.disk_usage(root).free
 
         (tmp / TRAINER_STATE).write_bytes(state_bytes)  # fsync'd while hashed
@@ -563,7 +459,7 @@ def finish_checkpoint(
         os.replace(tmp, final)
         _fsync_dir(root)
     except BaseException as error:
-        full = need > 0 and _out_of_space(error, root)  # need > 0: the writes began; asked before the files go
+        full = need > 0 and out_of_space(error, root)  # need > 0: the writes began; asked before the files go
         shutil.rmtree(tmp, ignore_errors=True)
         if full:
             contents = f"{TRAINER_STATE}, {RNG_STATE} and {MANIFEST}"

@@ -9,6 +9,7 @@ get several turns. Sixty extra EOS ids (about one token in six) make turns end e
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -22,7 +23,7 @@ from hybridflow.engine.agent.chat_format import ChatFormat, render_prompt
 from hybridflow.engine.agent.loop import agent_loop_names
 from hybridflow.engine.agent.parsers import ParsedTurn, ToolCall, parse_hermes, register_tool_parser
 from hybridflow.engine.agent.rollout import AgentLoopRollout
-from hybridflow.engine.agent.tools import ToolBox, tool_from_function
+from hybridflow.engine.agent.tools import ToolBox, ToolResult, tool_from_function
 from hybridflow.engine.algorithms.estimators import get_adv_estimator_fn
 from hybridflow.engine.backends.actor import actor_loss
 from hybridflow.engine.config import ActorConfig, validate_config
@@ -95,24 +96,57 @@ def test_count_letter_counts_any_character_ignoring_case():
         count_letter("abc", "ab")
 
 
+def call(box: ToolBox, name: str, arguments: dict) -> ToolResult:
+    """One call in a trajectory's session of `box`."""
+
+    async def once() -> ToolResult:
+        async with box.session() as session:
+            return await session.call(name, arguments)
+
+    return asyncio.run(once())
+
+
 def test_a_failing_tool_answers_a_bounded_error_and_the_call_returns():
     box = ToolBox([tool_from_function(f, timeout_s=0.5) for f in (echo, fails, hangs, floods)], max_response_chars=100)
-    assert box.call("echo", {"text": "hi"}).text == "echo:hi" and box.call("echo", {"text": "hi"}).error is None
+    assert call(box, "echo", {"text": "hi"}).text == "echo:hi" and call(box, "echo", {"text": "hi"}).error is None
     started = time.monotonic()
     results = {
-        "raised": box.call("fails", {"text": "a"}),
-        "timeout": box.call("hangs", {"text": "a"}),
-        "bad_arguments": box.call("echo", {"words": "a"}),
-        "unknown_tool": box.call("nope", {}),
+        "raised": call(box, "fails", {"text": "a"}),
+        "timeout": call(box, "hangs", {"text": "a"}),
+        "bad_arguments": call(box, "echo", {"words": "a"}),
+        "unknown_tool": call(box, "nope", {}),
     }
     assert time.monotonic() - started < 5  # the hanging tool was abandoned after its 0.5 s
     for kind, result in results.items():
         assert result.error == kind and result.text.startswith("Error:") and len(result.text) <= 100 + 40
     assert "the tool broke" in results["raised"].text
-    flood = box.call("floods", {"text": "a"})
+    flood = call(box, "floods", {"text": "a"})
     assert flood.error is None and len(flood.text) < 150 and "characters cut" in flood.text
     assert box.schemas[0]["function"]["name"] == "echo"
     assert box.schemas[0]["function"]["parameters"]["properties"]["text"]["description"] == "what to say"
+
+
+def naps(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: how long to sleep
+    """
+    time.sleep(seconds)
+    return "rested"
+
+
+def test_the_tool_calls_of_many_trajectories_run_at_once():
+    box = ToolBox([tool_from_function(naps, timeout_s=5)])
+
+    async def batch() -> list[ToolResult]:
+        sessions = [box.session() for _ in range(8)]
+        return await asyncio.gather(*(s.call("naps", {"seconds": 1.0}) for s in sessions))
+
+    started = time.monotonic()
+    results = asyncio.run(batch())
+    assert [r.text for r in results] == ["rested"] * 8
+    assert time.monotonic() - started < 2.5  # 8 calls of 1 s at once, not one after another (8 s)
 
 
 def test_a_tool_without_a_described_argument_is_refused():

@@ -158,7 +158,7 @@ class ShortTurns(AgentLoop):
             out.add_model_turn(turn)
             if turn.stopped or len(out.response_ids) >= budget:
                 break
-            answer = self.context.tools.call("echo", {"text": self.context.tokenizer.decode(turn.ids)[-3:]})
+            answer = await self.context.tools.call("echo", {"text": self.context.tokenizer.decode(turn.ids)[-3:]})
             out.tool_calls["echo"] += 1
             ids = self.context.chat_format.tool_turn_ids([answer.text])
             if len(out.response_ids) + len(ids) >= budget:

@@ -2,7 +2,10 @@
 
 - `loop`: the `AgentLoop` interface (verl's ``AgentLoop.run(sampling_params, **row) -> AgentLoopOutput``), its
   registry, and the built-ins ``single_turn`` and ``tool_agent``;
-- `tools`: typed Python functions as tools (OpenAI function schemas, calls with a timeout and bounded output);
+- `tools`: typed Python functions and per-trajectory classes as tools (OpenAI function schemas; `ToolSession`: one
+  trajectory's calls, concurrent, with a timeout and bounded output);
+- `sandbox`: bubblewrap with kernel limits, for model-written code; `code_interpreter` (its ``python`` tool) and
+  `interpreter_driver` (the loop inside the sandbox);
 - `parsers`: tool calls read from the model's text (``hermes``: ``<tool_call>{json}</tool_call>``);
 - `chat_format`: the chat template's tokens around a tool turn, computed once and checked prefix-stable;
 - `rollout`: `AgentLoopRollout`, which runs the loops of a batch on a rollout engine, token-in-token-out;

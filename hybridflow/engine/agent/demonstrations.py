@@ -3,7 +3,7 @@ generated from prompt rows whose metadata says what the call is, for the SFT war
 ``data.demonstrations``) that teaches a small model the call format before RL.
 
 A demonstration is ``{"messages": [user..., assistant (the call, hermes format), tool (the tool's real answer),
-assistant (the answer)], "tools": [schemas]}``. The tool runs for real (`ToolBox.call`); a row whose tool answer
+assistant (the answer)], "tools": [schemas]}``. The tool runs for real (`ToolSession.call`); a row whose tool answer
 differs from its label is left out (and counted), so no demonstration teaches a wrong answer. Builders are
 registered by name (``data.demonstrations.builder``):
 
@@ -15,11 +15,12 @@ registered by name (``data.demonstrations.builder``):
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
 
-from hybridflow.engine.agent.tools import ToolBox
+from hybridflow.engine.agent.tools import ToolBox, ToolResult
 
 Builder = Callable[[dict[str, Any]], tuple[str, dict[str, Any]] | None]
 """``row -> (tool name, arguments)``, or None when the row has no call to demonstrate."""
@@ -52,6 +53,11 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
+async def _call(tools: ToolBox, name: str, arguments: dict[str, Any]) -> ToolResult:
+    async with tools.session() as session:
+        return await session.call(name, arguments)
+
+
 def build_demonstrations(
     rows: list[dict[str, Any]], builder: str, tools: ToolBox
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
@@ -74,7 +80,7 @@ def build_demonstrations(
         if call is None:
             counts["no_call"] += 1
             continue
-        result = tools.call(*call)
+        result = asyncio.run(_call(tools, *call))
         if result.error is not None:
             counts["tool_error"] += 1
             continue

@@ -20,6 +20,7 @@ and ``tool_agent`` (`ToolAgentLoop`).
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 
 from hybridflow.engine.agent.chat_format import ChatFormat
 from hybridflow.engine.agent.parsers import ToolParser
-from hybridflow.engine.agent.tools import ToolBox
+from hybridflow.engine.agent.tools import ToolSession
 from hybridflow.engine.imports import load_object
 from hybridflow.engine.rollout.tokens import TokenOutput
 
@@ -96,14 +97,15 @@ class AgentContext:
         engine: the token engine of this row (seeded for it; `TokenEngine`).
         tokenizer: the actor's tokenizer (to read the model's text).
         chat_format: the template's tool-turn ids (`ChatFormat`); None when the run has no tools.
-        tools: the run's tools; parser: the tool-call format's parser.
+        tools: the trajectory's tools (`ToolSession`: ``await tools.call(name, arguments)``; its class tools'
+            instances are closed when the trajectory ends); parser: the tool-call format's parser.
         max_assistant_turns, max_user_turns: ``rollout.multi_turn`` limits (None: only the token budget).
     """
 
     engine: TokenEngine
     tokenizer: Any
     chat_format: ChatFormat | None
-    tools: ToolBox
+    tools: ToolSession
     parser: ToolParser
     max_assistant_turns: int | None = None
     max_user_turns: int | None = None
@@ -190,8 +192,9 @@ class ToolAgentLoop(AgentLoop):
     Each assistant turn is sampled from the ids so far (prompt, then every earlier turn's ids verbatim). A turn that
     ends with EOS and holds tool calls (``rollout.multi_turn.format``) gets one tool message per call, and per
     unreadable call an error message, appended as the template's tool-turn ids (mask 0); a turn without calls, a turn
-    cut by the token budget, or a reached turn limit ends the trajectory. Tool answers that would not fit the token
-    budget end it too (the row is never longer than ``rollout.response_length``).
+    cut by the token budget, or a reached turn limit ends the trajectory. A turn's calls run at once (a class tool's
+    calls in the order made), and so do the calls of every trajectory of the batch. Tool answers that would not fit
+    the token budget end it too (the row is never longer than ``rollout.response_length``).
     """
 
     async def run(self, sampling_params: SamplingParams, **row: Any) -> AgentLoopOutput:
@@ -214,8 +217,8 @@ class ToolAgentLoop(AgentLoop):
             if not parsed.calls and not parsed.errors:
                 break
             answers = []
-            for call in parsed.calls:
-                result = ctx.tools.call(call.name, call.arguments)
+            results = await asyncio.gather(*(ctx.tools.call(call.name, call.arguments) for call in parsed.calls))
+            for call, result in zip(parsed.calls, results, strict=True):
                 out.tool_calls[call.name] += 1
                 if result.error is not None:
                     out.tool_errors[call.name] += 1

@@ -209,12 +209,12 @@ class AgentLoopRollout:
                 batcher.engine(i),
                 self.tokenizer,
                 self.chat_format,
-                self.tools,
+                self.tools.session(),
                 self.parser,
                 self.config.multi_turn.max_assistant_turns,
                 self.config.multi_turn.max_user_turns,
             )
-            task = asyncio.ensure_future(loop_cls(context).run(params, **row))
+            task = asyncio.ensure_future(_trajectory(loop_cls(context), params, row))
             task.add_done_callback(lambda _: batcher.changed.set())
             tasks.append(task)
         while True:
@@ -285,6 +285,14 @@ class AgentLoopRollout:
         if "extra_info" in non_tensors:
             non_tensors["extra_info"] = np.array(extra_infos, dtype=object)
         return DataProto.from_dict(tensors, non_tensors, dict(batch.meta_info))
+
+
+async def _trajectory(loop: Any, params: SamplingParams, row: dict[str, Any]) -> AgentLoopOutput:
+    """`loop`'s trajectory of `row`; its tools' instances (an interpreter, a sandbox) closed when it ends, however."""
+    try:
+        return await loop.run(params, **row)
+    finally:
+        await loop.context.tools.close()
 
 
 def _follow(block: Any, serve) -> list[AgentLoopOutput]:

@@ -425,6 +425,59 @@ def test_tool_answers_that_do_not_fit_end_the_trajectory(tiny, tiny_model_dir, t
     assert torch.equal(out.batch["response_mask"], out.batch["attention_mask"][:, -24:])  # no tool tokens fitted
 
 
+ENVIRONMENT_FILE = '''
+from hybridflow.engine.agent.environment import Environment, EnvStep
+
+
+class Quiz(Environment):
+    """Asks twice more whatever the model says, 0.25 a turn, then ends; records its episodes."""
+
+    episodes = []
+
+    async def reset(self, row):
+        self.truth, self.turns = row["reward_model"]["ground_truth"], []
+        Quiz.episodes.append(self)
+
+    async def step(self, text, last):
+        self.turns.append(text)
+        if last or len(self.turns) == 3:
+            return EnvStep(reward=0.25, done=True, metadata={"turns": len(self.turns)})
+        return EnvStep([{"role": "user", "content": f"Not {self.truth} yet: try {len(self.turns)}"}], reward=0.25)
+
+    async def close(self):
+        self.closed = True
+'''
+
+
+def test_an_environment_of_the_users_steps_on_each_turn_with_exact_tokens(tiny, tiny_model_dir, tool_config, tmp_path):
+    from hybridflow.engine.imports import load_object
+
+    (tmp_path / "quiz.py").write_text(ENVIRONMENT_FILE)
+    spec = f"{tmp_path / 'quiz.py'}:Quiz"
+    model, tokenizer = tiny
+    cfg = agent_config(tiny_model_dir, tool_config, response_length=64)
+    cfg.rollout.multi_turn.default_agent_loop = spec
+    cfg.rollout.multi_turn.tool_config_path = None  # an environment needs no tools
+    rollout, engine = agent_rollout(model, tokenizer, cfg)
+    questions = ["What is 3 + 4?", "Hi", "Compute 12 - 5"]
+    out = rollout.generate_sequences(prompts(tokenizer, None, questions, extra_info=[{"q": i} for i in range(3)]))
+    episodes = load_object(spec, "test").episodes
+    assert len(episodes) == 6 and all(e.closed and e.truth == "7" for e in episodes)
+    p, mask = out.batch["prompts"].shape[1], out.batch["response_mask"]
+    real = out.batch["attention_mask"][:, p:].bool()
+    for i, extra in enumerate(out.non_tensor_batch["extra_info"]):
+        turns = len(extra["agent"]["env_rewards"])  # the environment stepped on each of the model's turns
+        assert extra["q"] == i // 2 and extra["agent"]["env_rewards"] == [0.25] * turns and 1 <= turns <= 3
+        assert extra["agent"]["env_reward"] == 0.25 * turns
+        assert int(out.batch["agent/num_turns"][i]) == 2 * turns  # prompt, model turns, observations between
+        observed = tokenizer.decode(out.batch["responses"][i][real[i] & (mask[i] == 0)].tolist())
+        assert ("Not 7 yet: try 1" in observed) == (turns > 1)
+    assert (out.batch["agent/num_turns"] > 2).any()  # some trajectories went on after an observation
+    # the trained positions are exactly the engine's tokens
+    sampled = sum(len(answer.ids) for _, answer in engine.calls)
+    assert int(mask.sum()) == sampled
+
+
 def test_unknown_agent_names_and_configs_are_refused(tiny, tiny_model_dir, tool_config):
     model, tokenizer = tiny
     rollout, _ = agent_rollout(model, tokenizer, agent_config(tiny_model_dir, tool_config))

@@ -1,7 +1,9 @@
 """Agent loops: multi-turn rollouts in which the model calls tools and reads their output before it is scored.
 
 - `loop`: the `AgentLoop` interface (verl's ``AgentLoop.run(sampling_params, **row) -> AgentLoopOutput``), its
-  registry, and the built-ins ``single_turn`` and ``tool_agent``;
+  registry, and the built-in ``single_turn``;
+- `environment`: the `Environment` interface (``reset``, ``step(text) -> EnvStep``: observations, reward, done;
+  ``close``), the loop that runs one, and ``tool_agent``, the run's tools as an environment;
 - `tools`: typed Python functions and per-trajectory classes as tools (OpenAI function schemas; `ToolSession`: one
   trajectory's calls, concurrent, with a timeout and bounded output);
 - `sandbox`: bubblewrap with kernel limits, for model-written code; `code_interpreter` (its ``python`` tool) and

@@ -13,14 +13,14 @@ their engine calls turn by turn. A user's loop is a subclass with a ``run`` meth
 
 A batch row chooses its loop by its ``agent_name`` column (as in verl's data), else
 ``rollout.multi_turn.default_agent_loop`` applies; either may also name a loop class by its import path
-(``"module:Class"`` or ``"path.py:Class"``). Built in: ``single_turn`` (one response, as without agent loops)
-and ``tool_agent`` (`ToolAgentLoop`).
+(``"module:Class"`` or ``"path.py:Class"``; an `hybridflow.engine.agent.environment.Environment` subclass named so
+runs in its loop). Built in: ``single_turn`` (one response, as without agent loops) and ``tool_agent`` (the run's
+tools as an environment: `hybridflow.engine.agent.environment.ToolEnvironment`).
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,7 +61,7 @@ class AgentLoopOutput:
         response_logprobs: one per response id: the engine's log-prob of each model id, 0.0 on the others.
         num_turns: the conversation's turns: the prompt's user turn, each assistant turn and each tool turn.
         tool_calls: calls made, per tool name; tool_errors: calls per tool name that came back as an error
-            (malformed calls count under ``"<malformed>"``).
+            (unreadable calls count under ``"malformed_call"``).
         extra: anything else for the reward: passed to the score function as ``extra_info["agent"]``.
     """
 
@@ -158,8 +158,10 @@ def agent_loop(name: str, key: str = "agent_name") -> type[AgentLoop]:
     """
     if name not in _LOOPS and ":" in name:  # a user's loop named by its import path
         cls = load_object(name, key)
+        if isinstance(cls, type) and callable(getattr(cls, "as_agent_loop", None)):
+            cls = cls.as_agent_loop()  # an Environment: the loop that runs it
         if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
-            raise ValueError(f"{key} {name!r} is not an AgentLoop subclass")
+            raise ValueError(f"{key} {name!r} is neither an AgentLoop nor an Environment subclass")
         return cls
     if name not in _LOOPS:
         raise ValueError(
@@ -182,54 +184,4 @@ class SingleTurnAgentLoop(AgentLoop):
         """The prompt and one sampled response (mask 1 throughout, two turns)."""
         out = AgentLoopOutput(self.prompt_ids(row))
         out.add_model_turn(await self.engine.generate(out.prompt_ids, sampling_params.max_tokens))
-        return out
-
-
-@register_agent_loop("tool_agent")
-class ToolAgentLoop(AgentLoop):
-    """The model answers; while its answer calls tools, the tools run and their answers come back as tool turns.
-
-    Each assistant turn is sampled from the ids so far (prompt, then every earlier turn's ids verbatim). A turn that
-    ends with EOS and holds tool calls (``rollout.multi_turn.format``) gets one tool message per call, and per
-    unreadable call an error message, appended as the template's tool-turn ids (mask 0); a turn without calls, a turn
-    cut by the token budget, or a reached turn limit ends the trajectory. A turn's calls run at once (a class tool's
-    calls in the order made), and so do the calls of every trajectory of the batch. Tool answers that would not fit
-    the token budget end it too (the row is never longer than ``rollout.response_length``).
-    """
-
-    async def run(self, sampling_params: SamplingParams, **row: Any) -> AgentLoopOutput:
-        """The trajectory of `row` (see the class docstring)."""
-        ctx = self.context
-        out = AgentLoopOutput(self.prompt_ids(row))
-        budget = sampling_params.max_tokens
-        assistant_turns = user_turns = 0
-        while True:
-            turn = await self.engine.generate(out.prompt_ids + out.response_ids, budget - len(out.response_ids))
-            out.add_model_turn(turn)
-            assistant_turns += 1
-            if not turn.stopped or ctx.chat_format is None:
-                break
-            if ctx.max_assistant_turns is not None and assistant_turns >= ctx.max_assistant_turns:
-                break
-            if ctx.max_user_turns is not None and user_turns >= ctx.max_user_turns:
-                break
-            parsed = ctx.parser(ctx.tokenizer.decode(turn.ids, skip_special_tokens=True))
-            if not parsed.calls and not parsed.errors:
-                break
-            answers = []
-            results = await asyncio.gather(*(ctx.tools.call(call.name, call.arguments) for call in parsed.calls))
-            for call, result in zip(parsed.calls, results, strict=True):
-                out.tool_calls[call.name] += 1
-                if result.error is not None:
-                    out.tool_errors[call.name] += 1
-                answers.append(result.text)
-            for error in parsed.errors:
-                out.tool_calls["<malformed>"] += 1
-                out.tool_errors["<malformed>"] += 1
-                answers.append(ctx.tools.answer(error, "malformed_call").text)
-            ids = ctx.chat_format.tool_turn_ids(answers)
-            if len(out.response_ids) + len(ids) >= budget:
-                break  # no room for the tool answers and a word of reply
-            out.add_tool_turns(ids, len(answers))
-            user_turns += 1
         return out

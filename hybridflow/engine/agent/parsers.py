@@ -1,7 +1,8 @@
 """Tool calls read from the text of one assistant turn, by format (``rollout.multi_turn.format``).
 
 A parser takes the turn's decoded text and returns the calls it finds plus the problems of the ones it could not
-read; a problem goes back to the model as an error message (`hybridflow.engine.agent.loop.ToolAgentLoop`), it never
+read; a problem goes back to the model as an error message
+(`hybridflow.engine.agent.environment.ToolEnvironment`), it never
 stops the run. Built in: ``hermes``, the format of Hermes and Qwen models (and their chat templates)::
 
     <tool_call>

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from hybridflow.engine.agent.chat_format import ChatFormat
+from hybridflow.engine.agent.environment import MALFORMED, EnvironmentLoop, ToolEnvironment
 from hybridflow.engine.agent.loop import AgentContext, AgentLoopOutput, SamplingParams, agent_loop
 from hybridflow.engine.agent.parsers import tool_parser
 from hybridflow.engine.agent.tools import ToolBox, load_tools
@@ -37,8 +38,6 @@ from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import expand_prompts, rollout_tensors, sampling_seed
 from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest
 
-MALFORMED = "malformed_call"
-"""The tool name under which unreadable tool calls are counted (``agent/tool_calls/malformed_call``)."""
 UNKNOWN = "unknown_tool"
 """The tool name under which calls of tools the run does not have are counted: the model picks names, the metrics'
 names must not come from it."""
@@ -73,10 +72,11 @@ def check_agent_rows(cfg: HybridFlowConfig, rows: list[dict[str, Any]], tokenize
     Raises:
         ValueError: naming the row's ``agent_name`` or the template.
     """
+    loops = {agent_loop(cfg.rollout.multi_turn.default_agent_loop, "rollout.multi_turn.default_agent_loop")}
     for i, row in enumerate(rows):
         if row.get("agent_name"):
-            agent_loop(str(row["agent_name"]), f"agent_name of prompt row {i}")
-    if run_tools(cfg).tools:
+            loops.add(agent_loop(str(row["agent_name"]), f"agent_name of prompt row {i}"))
+    if run_tools(cfg).tools or any(_observes(loop) for loop in loops):
         ChatFormat(tokenizer, eos_ids)
 
 
@@ -180,6 +180,8 @@ class AgentLoopRollout:
         default = self.config.multi_turn.default_agent_loop
         names = [str(x) if x else default for x in (names if names is not None else [None] * len(batch))]
         loops = [agent_loop(name) for name in names]  # unknown names fail before any generation
+        if self.chat_format is None and any(_observes(loop) for loop in loops):
+            self.chat_format = ChatFormat(self.tokenizer, list(self.engine.eos_token_ids))
 
         def seed(row: int, turn: int) -> int:
             return sampling_seed(self.seed, global_steps, f"{stream}/turn{turn}", first_row + row)
@@ -285,6 +287,12 @@ class AgentLoopRollout:
         if "extra_info" in non_tensors:
             non_tensors["extra_info"] = np.array(extra_infos, dtype=object)
         return DataProto.from_dict(tensors, non_tensors, dict(batch.meta_info))
+
+
+def _observes(loop: type) -> bool:
+    """Whether `loop` runs an environment of the user's (its observations need the template's turn ids even in a
+    run without tools)."""
+    return issubclass(loop, EnvironmentLoop) and loop.environment is not ToolEnvironment
 
 
 async def _trajectory(loop: Any, params: SamplingParams, row: dict[str, Any]) -> AgentLoopOutput:

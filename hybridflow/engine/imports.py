@@ -35,24 +35,7 @@ def load_object(spec: str, config_key: str) -> Any:
     target, name = spec.rsplit(":", 1)
     if not target or not name:
         raise ValueError(f"{config_key} {spec!r} needs both parts: 'module:name' or 'path.py:name'")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        module = _load_module_from_file(target, spec, config_key)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            if e.name and (target == e.name or target.startswith(e.name + ".")):
-                raise ImportError(
-                    f"{config_key} {spec!r}: module {target!r} is not importable (not found on sys.path); "
-                    "install it, add its folder to PYTHONPATH, or give a file path 'path/to/file.py:name'"
-                ) from e
-            raise ImportError(
-                f"{config_key} {spec!r}: module {target!r} failed to import because {e.name!r} is missing"
-            ) from e
-        except Exception as e:
-            raise ImportError(
-                f"{config_key} {spec!r}: importing module {target!r} raised {type(e).__name__}: {e}"
-            ) from e
+    module = load_module(target, config_key, spec)
     if not hasattr(module, name):
         available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         close = difflib.get_close_matches(name, available, n=3)
@@ -62,6 +45,31 @@ def load_object(spec: str, config_key: str) -> Any:
             f"its public callables: {available}"
         )
     return getattr(module, name)
+
+
+def load_module(target: str, config_key: str, spec: str | None = None) -> Any:
+    """The module `target` names: ``"package.module"`` (imported from ``sys.path``) or ``"path/to/file.py"`` (loaded
+    as a module of its own, once per path). `spec`: how errors quote the setting (default `target`).
+
+    Raises:
+        FileNotFoundError, ImportError: as `load_object`.
+    """
+    spec = target if spec is None else spec
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        return _load_module_from_file(target, spec, config_key)
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name and (target == e.name or target.startswith(e.name + ".")):
+            raise ImportError(
+                f"{config_key} {spec!r}: module {target!r} is not importable (not found on sys.path); "
+                "install it, add its folder to PYTHONPATH, or give a file path 'path/to/file.py:name'"
+            ) from e
+        raise ImportError(
+            f"{config_key} {spec!r}: module {target!r} failed to import because {e.name!r} is missing"
+        ) from e
+    except Exception as e:
+        raise ImportError(f"{config_key} {spec!r}: importing module {target!r} raised {type(e).__name__}: {e}") from e
 
 
 def _load_module_from_file(target: str, spec: str, config_key: str) -> Any:

@@ -179,3 +179,16 @@ class ToolEnvironment(Environment):
 
 
 register_environment("tool_agent")(ToolEnvironment)
+
+
+def environment_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """The environment's own reward as the score function (``reward.custom_function:
+    hybridflow.engine.agent.environment:environment_score``): the sum of the trajectory's step rewards
+    (``extra_info["agent"]["env_reward"]``); 0.0 where its environment gave none (it raised or timed out:
+    ``env_scored`` 0.0 then, else 1.0, logged as ``reward_extra/env_scored``)."""
+    agent = (extra_info or {}).get("agent") or {}
+    if "env_reward" not in agent:
+        return {"score": 0.0, "env_scored": 0.0}
+    return {"score": float(agent["env_reward"]), "env_scored": 1.0}

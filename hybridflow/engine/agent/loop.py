@@ -100,6 +100,9 @@ class AgentContext:
         tools: the trajectory's tools (`ToolSession`: ``await tools.call(name, arguments)``; its class tools'
             instances are closed when the trajectory ends); parser: the tool-call format's parser.
         max_assistant_turns, max_user_turns: ``rollout.multi_turn`` limits (None: only the token budget).
+        env_config: ``rollout.multi_turn.env_config``, for environments made by an adapter (skyrl-gym's
+            ``env_config``).
+        step_timeout_s: seconds a synchronous environment's step may take (``rollout.multi_turn.tool_timeout_s``).
     """
 
     engine: TokenEngine
@@ -109,6 +112,8 @@ class AgentContext:
     parser: ToolParser
     max_assistant_turns: int | None = None
     max_user_turns: int | None = None
+    env_config: dict[str, Any] = field(default_factory=dict)
+    step_timeout_s: float = 10.0
 
 
 class AgentLoop(abc.ABC):
@@ -130,6 +135,9 @@ class AgentLoop(abc.ABC):
 
 
 _LOOPS: dict[str, type[AgentLoop]] = {}
+ADAPTERS = {"skyrl_gym": "hybridflow.engine.agent.skyrl_gym_env:skyrl_gym_loop"}
+"""Loop names ``<prefix>/<id>`` that run another library's environment ``<id>``: prefix -> the function (imported
+when first named: the library is optional) that returns the loop of an id."""
 
 
 def register_agent_loop(name: str) -> Callable[[type[AgentLoop]], type[AgentLoop]]:
@@ -149,13 +157,17 @@ def register_agent_loop(name: str) -> Callable[[type[AgentLoop]], type[AgentLoop
 
 
 def agent_loop(name: str, key: str = "agent_name") -> type[AgentLoop]:
-    """The loop registered as `name`, or the `AgentLoop` subclass `name` gives as ``"module:Class"`` or
-    ``"path.py:Class"``.
+    """The loop registered as `name`; the `AgentLoop` (or `Environment`) subclass `name` gives as ``"module:Class"``
+    or ``"path.py:Class"``; or for ``"<library>/<id>"`` the loop of another library's environment (`ADAPTERS`:
+    ``skyrl_gym/<id>``).
 
     Raises:
         ValueError: unknown name (names `key` and the registered loops), or the path names no AgentLoop subclass;
             the errors of `hybridflow.engine.imports.load_object`.
     """
+    prefix, _, env_id = name.partition("/")
+    if name not in _LOOPS and prefix in ADAPTERS:  # an environment of another library's, by its id
+        return load_object(ADAPTERS[prefix], key)(env_id)
     if name not in _LOOPS and ":" in name:  # a user's loop named by its import path
         cls = load_object(name, key)
         if isinstance(cls, type) and callable(getattr(cls, "as_agent_loop", None)):

@@ -34,6 +34,7 @@ from hybridflow.engine.agent.loop import AgentContext, AgentLoopOutput, Sampling
 from hybridflow.engine.agent.parsers import tool_parser
 from hybridflow.engine.agent.tools import ToolBox, load_tools
 from hybridflow.engine.config import HybridFlowConfig
+from hybridflow.engine.imports import load_module
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import expand_prompts, rollout_tensors, sampling_seed
 from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest
@@ -65,6 +66,15 @@ def prompt_tools(cfg: HybridFlowConfig) -> list[dict[str, Any]] | None:
     return run_tools(cfg).schemas or None
 
 
+def import_environments(cfg: HybridFlowConfig) -> None:
+    """Import ``rollout.multi_turn.env_imports`` (where environments are registered), each once per process.
+
+    Raises:
+        FileNotFoundError, ImportError: naming the entry (`hybridflow.engine.imports.load_module`)."""
+    for i, target in enumerate(cfg.rollout.multi_turn.env_imports):
+        load_module(target, f"rollout.multi_turn.env_imports[{i}]")
+
+
 def check_agent_rows(cfg: HybridFlowConfig, rows: list[dict[str, Any]], tokenizer: Any, eos_ids: list[int]) -> None:
     """Before a run: every ``agent_name`` of `rows` is a registered loop, and with tools the chat template is
     prefix-stable (`ChatFormat`).
@@ -72,6 +82,7 @@ def check_agent_rows(cfg: HybridFlowConfig, rows: list[dict[str, Any]], tokenize
     Raises:
         ValueError: naming the row's ``agent_name`` or the template.
     """
+    import_environments(cfg)
     loops = {agent_loop(cfg.rollout.multi_turn.default_agent_loop, "rollout.multi_turn.default_agent_loop")}
     for i, row in enumerate(rows):
         if row.get("agent_name"):
@@ -137,6 +148,7 @@ class AgentLoopRollout:
         self.seed = int(cfg.trainer.seed)
         self.tokenizer = tokenizer
         multi_turn = cfg.rollout.multi_turn
+        import_environments(cfg)
         agent_loop(multi_turn.default_agent_loop, "rollout.multi_turn.default_agent_loop")
         self.tools = run_tools(cfg)
         self.parser = tool_parser(multi_turn.format)
@@ -215,6 +227,8 @@ class AgentLoopRollout:
                 self.parser,
                 self.config.multi_turn.max_assistant_turns,
                 self.config.multi_turn.max_user_turns,
+                self.config.multi_turn.env_config,
+                self.config.multi_turn.tool_timeout_s,
             )
             task = asyncio.ensure_future(_trajectory(loop_cls(context), params, row))
             task.add_done_callback(lambda _: batcher.changed.set())
@@ -230,7 +244,11 @@ class AgentLoopRollout:
             answers = serve([TokenRequest(p.prompt_ids, p.max_tokens, seed(p.row, p.turn)) for p in waiting])
             for p, answer in zip(waiting, answers, strict=True):
                 p.future.set_result(answer)
-        return [task.result() for task in tasks]
+        results = await asyncio.gather(*tasks, return_exceptions=True)  # every failure retrieved, the first raised
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return results
 
     def _lead(
         self, block: Any, batch: DataProto, loops: list, serve, seed, temperature: float

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -226,7 +227,7 @@ class ToolSession:
             if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(type(target).__call__):
                 value = await asyncio.wait_for(target(**arguments), tool.timeout_s)
             else:
-                value = await _in_thread(target, arguments, tool.timeout_s)
+                value = await in_thread(functools.partial(target, **arguments), tool.timeout_s)
         except TimeoutError:
             note = f"; {tool.restart_note}" if tool.restart_note else ""
             return self.answer(f"Error: {name} did not answer within {tool.timeout_s:g} s{note}", "timeout")
@@ -254,12 +255,12 @@ class ToolSession:
         await self.close()
 
 
-async def _in_thread(function: Callable[..., Any], arguments: dict[str, Any], timeout_s: float) -> Any:
-    """`function(**arguments)` in a daemon thread of its own, awaited at most `timeout_s` seconds (a thread of its
-    own: a hung call must not take a shared pool's worker).
+async def in_thread(call: Callable[[], Any], timeout_s: float) -> Any:
+    """`call()` in a daemon thread of its own, awaited at most `timeout_s` seconds (a thread of its own: a hung
+    call must not take a shared pool's worker; at the timeout it is abandoned, its result dropped).
 
     Raises:
-        TimeoutError: no result in time; whatever the function raised."""
+        TimeoutError: no result in time; whatever `call` raised."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -269,13 +270,14 @@ async def _in_thread(function: Callable[..., Any], arguments: dict[str, Any], ti
 
     def target() -> None:
         try:
-            value, error = function(**arguments), None
+            value, error = call(), None
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
             value, error = None, e
         with contextlib.suppress(RuntimeError):  # the loop has closed: the call was abandoned long ago
             loop.call_soon_threadsafe(settle, value, error)
 
-    threading.Thread(target=target, name=f"tool-{getattr(function, '__name__', 'call')}", daemon=True).start()
+    name = getattr(getattr(call, "func", call), "__name__", "call")
+    threading.Thread(target=target, name=f"tool-{name}", daemon=True).start()
     return await asyncio.wait_for(future, timeout_s)
 
 

@@ -159,8 +159,8 @@ class MultiTurnConfig(_Section):
     enable: bool = Field(False, description="run every row through an agent loop (token-in-token-out)")
     default_agent_loop: str = Field(
         "tool_agent",
-        description="the loop of rows without an agent_name column: single_turn, tool_agent, or one "
-        "registered with hybridflow.engine.agent.loop.register_agent_loop",
+        description="the loop of rows without an agent_name column: single_turn, tool_agent, one registered with "
+        "register_agent_loop or register_environment, a 'path.py:Class' loop or environment, or skyrl_gym/<id>",
     )
     max_assistant_turns: int | None = Field(None, ge=1, description="assistant turns per trajectory (None: no limit)")
     max_user_turns: int | None = Field(None, ge=0, description="tool turns per trajectory (None: no limit)")
@@ -174,6 +174,14 @@ class MultiTurnConfig(_Section):
     tool_timeout_s: float = Field(10.0, gt=0, description="seconds a tool call may take (a tool's timeout_s wins)")
     format: str = Field(
         "hermes", description="tool-call format of the model's text (hermes: <tool_call>{json}</tool_call>)"
+    )
+    env_config: dict[str, Any] = Field(
+        default_factory=dict, description="the env_config of skyrl_gym/<id> environments (skyrl-gym's make())"
+    )
+    env_imports: list[str] = Field(
+        default_factory=list,
+        description="modules ('package.module') or files ('path.py') imported before the agent loops are looked "
+        "up, in every rollout process: where environments are registered (skyrl_gym.register, register_environment)",
     )
 
     @model_validator(mode="after")

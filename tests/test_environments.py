@@ -1,0 +1,149 @@
+"""Environments as other libraries write them, unmodified: skyrl-gym's (`hybridflow.engine.agent.skyrl_gym_env`),
+run by our agent rollout on the tiny model; on the same completions our rewards equal the environment's own scoring.
+
+Real packages (skyrl-gym, installed with the ``envs`` extra), the real hf engine, no stand-ins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engine.agent.environment import environment_score
+from hybridflow.engine.agent.loop import agent_loop
+from hybridflow.engine.agent.rollout import AgentLoopRollout
+from hybridflow.engine.config import validate_config
+from hybridflow.engine.data import collate_prompts, encode_prompt
+from hybridflow.engine.models import load_model, load_tokenizer
+from hybridflow.engine.rollout.hf import HFRollout
+
+skyrl_gym = pytest.importorskip("skyrl_gym", reason="skyrl-gym: pip install 'hybridflow[envs]'")
+
+USER_ENV = '''
+import skyrl_gym
+from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput
+
+
+class Vowels(BaseTextEnv):
+    """Multi-turn: each turn scores the share of vowels in the answer; asks again up to max_turns."""
+
+    def __init__(self, env_config=None, extras={}):
+        super().__init__()
+        self.max_turns = int(extras["extra_info"]["max_turns"])
+        self.bonus = float(env_config.get("bonus", 0.0))
+
+    def step(self, action):
+        self.turns += 1
+        done = self.turns >= self.max_turns
+        reward = sum(c in "aeiou" for c in action) / max(len(action), 1) + self.bonus
+        observations = [] if done else [{"role": "user", "content": f"Turn {self.turns} done. Again."}]
+        return BaseTextEnvStepOutput(observations=observations, reward=reward, done=done, metadata={"t": self.turns})
+
+
+if "vowels" not in skyrl_gym.registry:
+    skyrl_gym.register(id="vowels", entry_point=Vowels)
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+
+
+def rollout_of(tiny, tiny_model_dir, loop: str, **multi_turn):
+    model, tokenizer = tiny
+    tree = {
+        "model": {"path": str(tiny_model_dir), "dtype": "float32"},
+        "data": {"train_files": ["unused.jsonl"]},
+        "rollout": {
+            "n": 2,
+            "response_length": 64,
+            "micro_batch_size": 4,
+            "multi_turn": {"enable": True, "default_agent_loop": loop, **multi_turn},
+        },
+        "trainer": {"seed": 5},
+    }
+    cfg = validate_config(tree)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(5, 40)]  # turns that stop early
+    return AgentLoopRollout(HFRollout(model, tokenizer, cfg.rollout, seed=5), cfg, tokenizer)
+
+
+def batch(tokenizer, questions, truths, **columns):
+    items = [
+        {
+            "input_ids": encode_prompt([{"role": "user", "content": q}], tokenizer),
+            "index": i,
+            "prompt": [{"role": "user", "content": q}],
+            "data_source": "openai/gsm8k",
+            "reward_model": {"style": "rule", "ground_truth": truths[i]},
+            "extra_info": {"index": i, **columns.get("extra_info", [{}] * len(questions))[i]},
+        }
+        for i, q in enumerate(questions)
+    ]
+    return collate_prompts(items, tokenizer)
+
+
+def model_turns(out, i, tokenizer) -> list[str]:
+    """Row i's assistant turns as text: the runs of response_mask 1."""
+    ids, mask = out.batch["responses"][i].tolist(), out.batch["response_mask"][i].tolist()
+    turns, current = [], []
+    for token, trained in zip(ids, mask, strict=True):
+        if trained:
+            current.append(token)
+        elif current:
+            turns.append(current)
+            current = []
+    if current:
+        turns.append(current)
+    return [tokenizer.decode(t, skip_special_tokens=True) for t in turns]
+
+
+def test_a_skyrl_gym_environment_registered_by_the_user_scores_as_it_does_itself(tiny, tiny_model_dir, tmp_path):
+    (tmp_path / "vowels_env.py").write_text(USER_ENV)
+    _, tokenizer = tiny
+    rollout = rollout_of(
+        tiny,
+        tiny_model_dir,
+        "skyrl_gym/vowels",
+        env_imports=[str(tmp_path / "vowels_env.py")],
+        env_config={"bonus": 0.5},
+    )
+    prompts = batch(tokenizer, ["Say a word", "Name a fruit"], ["x", "y"], extra_info=[{"max_turns": 3}] * 2)
+    out = rollout.generate_sequences(prompts)
+    assert (out.batch["agent/num_turns"] > 2).any()  # observations were appended and answered
+    for i, extra in enumerate(out.non_tensor_batch["extra_info"]):
+        turns = model_turns(out, i, tokenizer)
+        # the environment's own scoring of the same completions, turn by turn
+        env = skyrl_gym.make("vowels", env_config={"bonus": 0.5}, extras={"extra_info": {"max_turns": 3}})
+        env.init(prompts.non_tensor_batch["raw_prompt"][i // 2])
+        own = [env.step(text)["reward"] for text in turns]
+        assert extra["agent"]["env_rewards"] == pytest.approx(own, abs=1e-12)
+        assert environment_score("x", "", None, extra)["score"] == pytest.approx(sum(own))
+        assert [m["t"] for m in extra["agent"]["env_metadata"]] == list(range(1, len(turns) + 1))
+
+
+def test_skyrl_gyms_gsm8k_scores_the_final_answer_as_it_does_itself(tiny, tiny_model_dir):
+    _, tokenizer = tiny
+    rollout = rollout_of(tiny, tiny_model_dir, "skyrl_gym/gsm8k")
+    prompts = batch(tokenizer, ["What is 6 times 7?", "What is 2 plus 2?"], [42, "4"])
+    out = rollout.generate_sequences(prompts)
+    assert (out.batch["agent/num_turns"] == 2).all()  # gsm8k: one answer, done
+    for i, extra in enumerate(out.non_tensor_batch["extra_info"]):
+        [text] = model_turns(out, i, tokenizer)
+        for answer, truth in ((text, ["42", "4"][i // 2]), (text + "\n#### " + ["42", "4"][i // 2], None)):
+            env = skyrl_gym.make("gsm8k", env_config={}, extras={"reward_spec": {"ground_truth": ["42", "4"][i // 2]}})
+            env.init([])
+            expected = env.step(answer)["reward"]
+            if truth is not None:  # the model's own completion
+                assert extra["agent"]["env_reward"] == expected
+            else:  # the same scorer would give a right answer 1.0: the adapter passed the truth as skyrl does
+                assert expected == 1.0
+
+
+def test_unknown_skyrl_ids_and_a_missing_env_class_are_refused_before_generation(tiny, tiny_model_dir):
+    with pytest.raises(ValueError, match="skyrl-gym has no environment 'nope'.*env_imports"):
+        agent_loop("skyrl_gym/nope")
+    _, tokenizer = tiny
+    rollout = rollout_of(tiny, tiny_model_dir, "skyrl_gym")
+    with pytest.raises(ValueError, match="env_class"):
+        rollout.generate_sequences(batch(tokenizer, ["Hi"], ["1"]))
+    assert torch.tensor(0).item() == 0

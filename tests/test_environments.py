@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from hybridflow.engine.agent.environment import environment_score
 from hybridflow.engine.agent.loop import agent_loop
@@ -28,7 +29,7 @@ class Vowels(BaseTextEnv):
 
     def __init__(self, env_config=None, extras={}):
         super().__init__()
-        self.max_turns = int(extras["extra_info"]["max_turns"])
+        self.max_turns = int((extras.get("extra_info") or {}).get("max_turns") or env_config.get("max_turns", 2))
         self.bonus = float(env_config.get("bonus", 0.0))
 
     def step(self, action):
@@ -147,3 +148,36 @@ def test_unknown_skyrl_ids_and_a_missing_env_class_are_refused_before_generation
     with pytest.raises(ValueError, match="env_class"):
         rollout.generate_sequences(batch(tokenizer, ["Hi"], ["1"]))
     assert torch.tensor(0).item() == 0
+
+
+def test_hf_run_trains_on_a_skyrl_gym_environments_reward(prefect_api, tmp_path, tiny_model_dir):
+    """`hf run` from a config that names the environment: the environment's reward is the training score."""
+    from tiny_runs import hf_cli, metrics_by_step, tiny_run_config
+
+    from hybridflow.flows.store.run_store import RunStore
+
+    (tmp_path / "vowels_env.py").write_text(USER_ENV)
+    overrides = [
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.default_agent_loop=skyrl_gym/vowels",
+        f"rollout.multi_turn.env_imports=[{tmp_path / 'vowels_env.py'}]",
+        "rollout.multi_turn.env_config={max_turns: 2, bonus: 1.0}",
+        "reward.custom_function=hybridflow.engine.agent.environment:environment_score",
+        "rollout.response_length=48",
+        "data.max_prompt_length=512",
+        "trainer.total_iterations=2",
+        "trainer.log_train_generations=2",
+    ]
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", overrides)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    done = hf_cli(prefect_api, "run", str(config_file), "--db", db)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    store = RunStore(db)
+    [run] = store.list_runs()
+    metrics = metrics_by_step(store, run.id)
+    for step in (1, 2):
+        assert metrics[step]["reward_extra/env_scored/mean"] == 1.0  # every trajectory scored by its environment
+        # the bonus of 1.0 per step, 1 or 2 steps, plus the vowel shares: the environment's reward, not a rule's
+        assert 1.0 <= metrics[step]["critic/score/mean"] <= 4.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
 import time
@@ -152,3 +153,61 @@ def test_without_the_sandbox_the_tools_are_refused_before_any_work(tmp_path, mon
             load_tools(config)
     finally:
         check_sandbox.cache_clear()
+
+
+PYTHON_LOOP = '''
+from hybridflow.engine.agent.loop import AgentLoop, AgentLoopOutput
+
+
+class Computes(AgentLoop):
+    """Each turn of at most 4 tokens is followed by two interpreter calls: one sets a variable, one reads it."""
+
+    async def run(self, sampling_params, **row):
+        out = AgentLoopOutput(self.prompt_ids(row))
+        budget, turn_no = sampling_params.max_tokens, 0
+        while len(out.response_ids) < budget:
+            turn = await self.engine.generate(out.prompt_ids + out.response_ids, min(4, budget - len(out.response_ids)))
+            out.add_model_turn(turn)
+            turn_no += 1
+            first = await self.context.tools.call("python", {"code": f"seen = {turn_no} * 1000 + {len(turn.ids)}"})
+            second = await self.context.tools.call("python", {"code": "print('computed', seen + 1)"})
+            out.tool_calls["python"] += 2
+            ids = self.context.chat_format.tool_turn_ids([first.text, second.text])
+            if len(out.response_ids) + len(ids) >= budget:
+                break
+            out.add_tool_turns(ids, 2)
+        return out
+'''
+
+
+def test_the_interpreter_runs_in_a_training_run_one_per_trajectory(prefect_api, tmp_path, tiny_model_dir):
+    """A GRPO run of the Prefect flow on its worker group whose loop calls the sandboxed interpreter: the samples in
+    the store show the interpreter's real output, its variables kept within each trajectory."""
+    from tiny_runs import tiny_run_config
+
+    from hybridflow.flows.rlhf import rlhf_flow
+    from hybridflow.flows.store.run_store import RunStore
+
+    (tmp_path / "computes.py").write_text(PYTHON_LOOP)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class: hybridflow.engine.agent.code_interpreter:PythonInterpreter\n")
+    extra = [
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config_path={tools}",
+        f"rollout.multi_turn.default_agent_loop={tmp_path / 'computes.py'}:Computes",
+        "rollout.response_length=96",
+        "data.max_prompt_length=1024",  # the tool's schema is in the system prompt
+        "trainer.total_iterations=1",
+        "trainer.log_train_generations=4",
+    ]
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    run_id = store.create_run(cfg.model_dump(mode="json"), "sandbox")
+    rlhf_flow(run_id=run_id, db_url=store.url)
+    assert store.get_run(run_id).status == "completed"
+    samples = [s for s in store.samples(run_id) if s.kind == "train"]
+    assert samples
+    for sample in samples:
+        # the second call read what the first set (1000 x turn + the turn's tokens, + 1): real code, kept state
+        assert re.search(r"\(no output\)<\|im_end\|>\n<\|im_start\|>tool\ncomputed 100[2-5]\n", sample.response)
+        assert "Error" not in sample.response

@@ -1,7 +1,11 @@
 """Answer extraction, GSM8K and reasoning-gym scores, custom score functions and the RewardManager."""
 
 import json
+import sys
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -259,7 +263,9 @@ def test_reward_manager_errors(tiny_tokenizer):
     without_truth = DataProto.from_dict(dict(batch.batch.items()), {"data_source": ["s", "s"]})
     with pytest.raises(KeyError, match="'reward_model'"):
         RewardManager(tiny_tokenizer)(without_truth)
-    with pytest.raises(ScoreFunctionError, match="raised ValueError: no built-in reward for data_source 's'"):
+    with pytest.raises(
+        ScoreFunctionError, match="failed on 2 of 2 samples.*ValueError: no built-in reward for data_source 's'"
+    ):
         RewardManager(tiny_tokenizer)(batch)
 
 
@@ -283,14 +289,239 @@ def test_a_nan_score_stops_the_reward_stage(tiny_tokenizer, tmp_path):
     raising = tmp_path / "raising.py"
     raising.write_text(
         "def score(data_source, solution_str, ground_truth, extra_info):\n"
-        "    return float(data_source) if '7' in solution_str else 1.0\n"
+        "    return float(data_source) if solution_str == 'x = 7' else 1.0\n"
     )
+    spec = f"{raising}:score"
+    out = RewardManager(tiny_tokenizer, load_reward_function(spec), name=spec).scored(batch)
+    # 1 of 3 failed, within reward.max_failed_fraction (0.5): it scores 0.0 and keeps its error, the others score
+    assert out.errors == ["", "ValueError: could not convert string to float: 'b'", ""]
+    assert out.scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
+    strict = RewardManager(tiny_tokenizer, load_reward_function(spec), name=spec, max_failed_fraction=0)
     with pytest.raises(ScoreFunctionError) as err:
-        RewardManager(tiny_tokenizer, load_reward_function(f"{raising}:score"), name=f"{raising}:score")(batch)
-    assert str(err.value).startswith(  # the function, the sample and the original error, in one line
-        f"reward: the score function {raising}:score raised ValueError: could not convert string to float: 'b' on "
-        "sample 1 of 3 (data_source b, ground_truth '', response 'x = 7')"
+        strict(batch)
+    assert str(err.value).startswith(  # the function, the count, the first failed sample and its error, in one line
+        f"reward: the score function {spec} failed on 1 of 3 samples, more than reward.max_failed_fraction=0 of "
+        "the batch (1 left unscored once that was clear); the first is sample 1 (data_source b, ground_truth '', "
+        "response 'x = 7'): ValueError: could not convert string to float: 'b'; fix the function"
     )
     infinite = RewardManager(tiny_tokenizer, lambda d, s, g, e: {"score": float("inf")})
     with pytest.raises(NonFiniteError, match=r"returned inf for 3 of 3 samples; the first is sample 0 \(data_source a"):
         infinite(batch)
+
+
+# ---------------------------------------------------------------------------------------------------- failures
+SCORE_FILE = """
+import os
+import pathlib
+import time
+
+
+def score(data_source, solution_str, ground_truth, extra_info):
+    if solution_str == "loop":  # hangs: an endless loop on a core, as a buggy verifier would
+        pathlib.Path(os.environ["HUNG_PID_FILE"]).write_text(str(os.getpid()))
+        while True:
+            pass
+    if solution_str == "boom":
+        raise ValueError("no answer in " + solution_str)
+    if solution_str == "exit":  # the process dies mid-call
+        os._exit(3)
+    if solution_str.startswith("slow"):
+        time.sleep(1.0)
+    return {"score": float(solution_str == ground_truth), "length": float(len(solution_str))}
+"""
+
+
+@pytest.fixture
+def score_spec(tmp_path, monkeypatch):
+    """``path.py:score`` of `SCORE_FILE`; the scoring processes inherit ``HUNG_PID_FILE``."""
+    path = tmp_path / "scores.py"
+    path.write_text(SCORE_FILE)
+    monkeypatch.setenv("HUNG_PID_FILE", str(tmp_path / "hung.pid"))
+    return f"{path}:score"
+
+
+def _spinning_children(seconds=0.5):
+    """This process's descendants that used more than half a core over `seconds`."""
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        child.cpu_percent(None)
+    time.sleep(seconds)
+    busy = []
+    for child in children:
+        try:
+            if child.cpu_percent(None) > 50:
+                busy.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return busy
+
+
+def _within(seconds, manager, batch):
+    """``manager.scored(batch)``, failing the test (its processes killed) if it has not returned in `seconds`: a
+    broken time limit fails here instead of hanging the suite."""
+    result = []
+    worker = threading.Thread(target=lambda: result.append(manager.scored(batch)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not result:
+        manager.close()
+        pytest.fail(f"the batch did not return within {seconds} s")
+    return result[0]
+
+
+def test_a_hung_sample_is_stopped_and_the_batch_goes_on(tiny_tokenizer, score_spec, tmp_path):
+    """A score function that loops forever on one sample: the batch returns soon after reward.timeout_s, that
+    sample scores 0.0 with its error, the others are right, and the process that hung is gone (killed, replaced).
+    Again on the next batch, when the calls go in chunks (the function measured cheap)."""
+    import psutil
+
+    texts, truths = ["7", "loop", "8", "x", "7", "8", "9", "y"], ["7", "7", "8", "9", "1", "8", "9", "y"]
+    batch, lengths = _response_batch(tiny_tokenizer, texts, ["s"] * 8, truths)
+    manager = RewardManager(tiny_tokenizer, spec=score_spec, timeout_s=2, num_workers=2)
+    try:
+        for attempt in range(2):
+            if attempt == 1:  # measured cheap: chunks of 2, each allowed 1 s, then the hung one's alone 2 s
+                assert manager._processes._chunking(len(texts)) == (2, 1.0)
+            started = time.perf_counter()
+            out = _within(30, manager, batch)
+            elapsed = time.perf_counter() - started
+            assert elapsed < 2 + (3 if attempt == 0 else 4), elapsed  # (the first includes the processes' start)
+            assert out.errors == ["", "timeout after 2 s"] + [""] * 6
+            assert out.timed_out.tolist() == [False, True] + [False] * 6
+            expected = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+            assert [out.scores[b, n - 1].item() for b, n in enumerate(lengths)] == expected
+            np.testing.assert_array_equal(out.extra["score"], expected)
+            np.testing.assert_array_equal(out.extra["length"], [1, 0, 1, 1, 1, 1, 1, 1])  # a failed sample: 0.0
+            hung = int((tmp_path / "hung.pid").read_text())
+            assert not psutil.pid_exists(hung)  # killed (and reaped) before the batch returned
+            assert _spinning_children() == []
+    finally:
+        manager.close()
+
+
+def test_a_raising_sample_is_recorded_and_the_batch_goes_on(tiny_tokenizer, score_spec, caplog):
+    """A sample whose call raises, or whose process dies mid-call: recorded for it; the others score."""
+    texts, truths = ["7", "boom", "8", "exit"], ["7", "7", "8", "9"]
+    batch, lengths = _response_batch(tiny_tokenizer, texts, ["s"] * 4, truths)
+    manager = RewardManager(tiny_tokenizer, spec=score_spec, timeout_s=5, num_workers=2)
+    try:
+        with caplog.at_level("WARNING", logger="hybridflow.engine.reward.rewards"):
+            out = manager.scored(batch)
+        again = manager.scored(batch)  # the dead process was replaced
+    finally:
+        manager.close()
+    died = "the scoring process died (exit code 3) during the call"
+    assert out.errors == ["", "ValueError: no answer in boom", "", died] and not out.timed_out.any()
+    assert [out.scores[b, n - 1].item() for b, n in enumerate(lengths)] == [1.0, 0.0, 1.0, 0.0]
+    assert again.errors == out.errors and torch.equal(again.scores, out.scores)
+    assert f"the score function {score_spec} failed on 2 of 4 samples" in caplog.text
+    # a plain callable, in this process: the same record
+    batch, _ = _response_batch(tiny_tokenizer, texts[:3], ["s"] * 3, truths[:3])
+    in_process = RewardManager(tiny_tokenizer, load_reward_function(score_spec)).scored(batch)
+    assert in_process.errors == out.errors[:3] and in_process.scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
+
+
+def test_most_samples_failing_stops_the_run_naming_the_cause(tiny_tokenizer, score_spec):
+    batch, _ = _response_batch(tiny_tokenizer, ["boom", "boom", "7", "boom"], ["s"] * 4, ["7"] * 4)
+    manager = RewardManager(tiny_tokenizer, spec=score_spec, timeout_s=5, num_workers=2)
+    try:
+        with pytest.raises(ScoreFunctionError) as err:
+            manager(batch)
+    finally:
+        manager.close()
+    said = str(err.value)
+    assert said.startswith(
+        f"reward: the score function {score_spec} failed on 3 of 4 samples, more than reward.max_failed_fraction=0.5 "
+        "of the batch; the first is sample 0 (data_source s, ground_truth '7', response 'boom'): ValueError: no "
+        "answer in boom; fix the function (raise reward.timeout_s=5 if it is only slow, or raise "
+        "reward.max_failed_fraction to go on past failures)"
+    ), said
+    assert "hf resume" in said
+
+
+def test_samples_are_scored_at_once_in_processes(tiny_tokenizer, score_spec):
+    """reward.num_workers=2 and 1 s per sample: 4 samples in about 2 s, not 4."""
+    manager = RewardManager(tiny_tokenizer, spec=score_spec, timeout_s=10, num_workers=2)
+    try:
+        warm, _ = _response_batch(tiny_tokenizer, ["7", "8"], ["s"] * 2, ["7", "8"])
+        manager(warm)  # the processes started
+        batch, _ = _response_batch(tiny_tokenizer, ["slow a", "slow b", "slow c", "slow d"], ["s"] * 4, ["slow a"] * 4)
+        started = time.perf_counter()
+        scores, extra = manager(batch)
+        elapsed = time.perf_counter() - started
+    finally:
+        manager.close()
+    assert 1.9 < elapsed < 3.0, elapsed
+    np.testing.assert_array_equal(extra["score"], [1.0, 0.0, 0.0, 0.0])
+
+
+def test_a_plain_callable_past_the_timeout_is_abandoned(tiny_tokenizer):
+    """In this process (no spec) a call cannot be stopped: past timeout_s it is recorded and abandoned."""
+    release = threading.Event()
+
+    def waits(data_source, solution_str, ground_truth, extra_info):
+        if solution_str == "loop":
+            release.wait(60)
+        return float(solution_str == ground_truth)
+
+    batch, _ = _response_batch(tiny_tokenizer, ["7", "loop", "8"], ["s"] * 3, ["7", "7", "8"])
+    started = time.perf_counter()
+    try:
+        out = RewardManager(tiny_tokenizer, waits, timeout_s=1).scored(batch)
+    finally:
+        release.set()
+    assert time.perf_counter() - started < 3
+    assert out.errors == ["", "timeout after 1 s", ""] and out.scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
+
+
+def test_a_failed_sample_reaches_the_run_store_and_hf_runs_samples(tiny_tokenizer, tiny_model_dir, tmp_path):
+    """The worker's reward stage (reward.custom_function, its scoring processes) on real rows: the failed rows'
+    errors as ``reward_error``, ``reward_extra/failed`` and ``/timed_out``; kept with the samples in the run store
+    and printed by ``hf runs samples``."""
+    import subprocess
+
+    from tiny_runs import tiny_run_config
+
+    from hybridflow.engine.generations import decode_generations
+    from hybridflow.engine.worker import RLHFWorker
+    from hybridflow.flows.reporting import _with_reward_errors
+    from hybridflow.flows.store.run_store import RunStore
+
+    (tmp_path / "scores.py").write_text(SCORE_FILE)
+    extra = [f"reward.custom_function={tmp_path / 'scores.py'}:score", "reward.timeout_s=2"]
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
+    worker = RLHFWorker(0, 1, str(tmp_path), cfg.model_dump(mode="json"), ["reward"])
+    worker.init_model()
+    rows, _ = _response_batch(tiny_tokenizer, ["7", "boom", "8", "x"], ["s"] * 4, ["7", "7", "8", "9"])
+    prompts = torch.tensor([tiny_tokenizer.encode("1+1=", add_special_tokens=False)] * 4)
+    rows.batch["prompts"] = prompts
+    rows.batch["attention_mask"] = torch.cat([torch.ones_like(prompts), rows.batch["response_mask"]], dim=1)
+    try:
+        scored = worker.compute_reward(rows)
+    finally:
+        worker.reward_fn.close()
+    assert list(scored.non_tensor_batch["reward_error"]) == ["", "ValueError: no answer in boom", "", ""]
+    assert scored.batch["reward_extra/failed"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert scored.batch["reward_extra/timed_out"].tolist() == [0.0] * 4
+    rows = rows.union(scored)
+    samples = _with_reward_errors(decode_generations(rows, tiny_tokenizer, 1), rows)
+    assert samples[1]["reward_error"] == "ValueError: no answer in boom" and "reward_error" not in samples[0]
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    with RunStore(db) as store:
+        run_id = store.create_run({}, "exp")
+        store.record_samples(run_id, 1, "train", samples)
+        kept = store.samples(run_id)
+    assert [s.reward_error for s in kept] == [None, "ValueError: no answer in boom", None, None]
+    assert all(s.judge_text is None for s in kept)
+    hf = Path(sys.executable).parent / "hf"
+    shown = subprocess.run([hf, "runs", "samples", run_id, "--db", db], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count("reward error") == 1 and "ValueError: no answer in boom (scored 0.0)" in shown.stdout
+    as_json = subprocess.run(
+        [hf, "runs", "samples", run_id, "--db", db, "--json"], capture_output=True, text=True, timeout=120
+    )
+    printed = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [p["reward_error"] for p in printed] == [None, "ValueError: no answer in boom", None, None]
+    assert all(p["judge_text"] is None for p in printed)

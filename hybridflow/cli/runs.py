@@ -327,8 +327,8 @@ def runs_samples(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
     db: DbOption = None,
 ) -> None:
-    """A run's sample generations (prompt, response, score, ground truth; a reward model's score and a judge's
-    verdict where there is one), kept with trainer.log_val_generations=N
+    """A run's sample generations (prompt, response, score, ground truth; a reward model's score, a judge's verdict
+    and the score function's error where there is one), kept with trainer.log_val_generations=N
     and trainer.log_train_generations=N."""
     store = _store(db)
     record = _get_run(store, run_id)
@@ -361,6 +361,8 @@ def runs_samples(
         if s.judge_text is not None:
             console.print("judge's verdict", style="bold")
             console.print(s.judge_text, highlight=False)
+        if s.reward_error:
+            console.print(styled(("reward error", "bold red"), f" {s.reward_error} (scored 0.0)"), highlight=False)
         if s.kind == "train" and s.rollout_version is not None and s.rollout_version != s.step - 1:
             lag = s.step - 1 - s.rollout_version  # generated ahead (trainer.mode one_step_off | async)
             console.print(

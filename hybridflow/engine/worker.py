@@ -40,6 +40,7 @@ from hybridflow.engine.models import load_model, load_tokenizer, pick_device, pi
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward.reward_model import RewardModel
 from hybridflow.engine.reward.rewards import RewardManager, load_reward_function
+from hybridflow.engine.reward.scoring import BUILTIN_SPEC
 from hybridflow.engine.rollout.broadcast import WeightReceiver, WeightSender
 from hybridflow.engine.rollout.hf import eos_token_ids
 from hybridflow.engine.rollout.published import (
@@ -133,12 +134,18 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
             out.cost_critic = backend.build_critic(
                 cfg, out.actor, critic_path, device, compute_dtype, "cost_critic", columns
             )
-    if "reward" in roles:
-        custom = load_reward_function(cfg.reward.custom_function) if cfg.reward.custom_function else None
-        out.reward_fn = RewardManager(out.tokenizer, custom, name=cfg.reward.custom_function)
-        if cfg.reward.cost_function:
-            cost = load_reward_function(cfg.reward.cost_function, "reward.cost_function")
-            out.cost_fn = RewardManager(out.tokenizer, cost, name=cfg.reward.cost_function)
+    if "reward" in roles:  # scored in processes of their own, each call with a time limit (reward.timeout_s)
+        reward = cfg.reward
+        limits = {"timeout_s": reward.timeout_s, "num_workers": reward.num_workers}
+        limits["max_failed_fraction"] = reward.max_failed_fraction
+        if reward.custom_function:
+            load_reward_function(reward.custom_function)  # loads here first: a bad spec fails the start, named
+        spec = reward.custom_function or BUILTIN_SPEC
+        out.reward_fn = RewardManager(out.tokenizer, name=reward.custom_function, spec=spec, **limits)
+        if reward.cost_function:
+            load_reward_function(reward.cost_function, "reward.cost_function")
+            key = "reward.cost_function"
+            out.cost_fn = RewardManager(out.tokenizer, spec=reward.cost_function, key=key, **limits)
     if "reward_model" in roles:
         rm = cfg.reward_model
         dtype = pick_dtype(rm.dtype, device)
@@ -325,15 +332,41 @@ class RLHFWorker:
     def compute_reward(self, data: DataProto, costs: bool = True) -> DataProto:
         """``token_level_scores`` float32 [B, T] plus one float64 column per extra the score function reports
         (``reward_extra/<key>``, e.g. ``reward_extra/acc``); with ``reward.cost_function`` (Safe-RLHF) and `costs`,
-        its ``token_level_costs`` float32 [B, T] (each response's cost on its last token)."""
+        its ``token_level_costs`` float32 [B, T] (each response's cost on its last token).
+
+        A sample whose score (or cost) function raised or ran past ``reward.timeout_s`` scores (costs) 0.0; it is
+        marked in ``reward_extra/failed`` and ``reward_extra/timed_out`` float64 [B] (1.0 or 0.0: their means are
+        the metrics ``reward_extra/failed/mean``, ``reward_extra/timed_out/mean``) and its error is the non-tensor
+        ``reward_error`` (str [B]: ``""`` for a sample scored, else e.g. ``"timeout after 30 s"`` or ``"ValueError:
+        ..."``, a cost function's prefixed ``"cost: "``), which the run store keeps with the sample.
+
+        Raises:
+            ScoreFunctionError: more than ``reward.max_failed_fraction`` of the rows failed (`RewardManager`).
+            ValueError: the score function reports an extra key ``failed`` or ``timed_out`` (those names are the
+                failure columns').
+        """
         self._need("reward")
-        scores, extras = self.reward_fn(data)
-        tensors = {"token_level_scores": scores}
+        scored = self.reward_fn.scored(data)
+        tensors = {"token_level_scores": scored.scores}
+        errors, failed, timed_out = list(scored.errors), scored.failed, scored.timed_out
         if self.cost_fn is not None and costs:
-            tensors["token_level_costs"] = self.cost_fn(data)[0]
-        for key, values in extras.items():
+            cost = self.cost_fn.scored(data)
+            tensors["token_level_costs"] = cost.scores
+            errors = [
+                ("; ".join(filter(None, (e, f"cost: {c}" if c else ""))))
+                for e, c in zip(errors, cost.errors, strict=True)
+            ]
+            failed, timed_out = failed | cost.failed, timed_out | cost.timed_out
+        for key, values in scored.extra.items():
+            if key in ("failed", "timed_out"):
+                raise ValueError(
+                    f"the score function {self.reward_fn.name} reports an extra key {key!r}: that name is the reward "
+                    "stage's own (reward_extra/failed, reward_extra/timed_out); rename the key"
+                )
             tensors[f"reward_extra/{key}"] = torch.from_numpy(np.asarray(values, dtype=np.float64))
-        return DataProto.from_dict(tensors)
+        tensors["reward_extra/failed"] = torch.from_numpy(failed.astype(np.float64))
+        tensors["reward_extra/timed_out"] = torch.from_numpy(timed_out.astype(np.float64))
+        return DataProto.from_dict(tensors, {"reward_error": np.array(errors, dtype=object)})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:

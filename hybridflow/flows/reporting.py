@@ -56,6 +56,18 @@ ARTIFACT_SAMPLES = 3
 """Generations shown in a validation step's artifact (the run store keeps all of ``trainer.log_val_generations``)."""
 
 
+def _with_reward_errors(samples: list[dict[str, Any]], data: DataProto) -> list[dict[str, Any]]:
+    """Each sample whose score function failed (non-tensor ``reward_error`` of `data`, "" when scored) with its
+    error as ``reward_error`` (the run store's and the trackers' samples: ``hf runs samples`` shows it)."""
+    errors = data.non_tensor_batch.get("reward_error")
+    if errors is None:
+        return samples
+    for sample, error in zip(samples, errors, strict=True):
+        if error:
+            sample["reward_error"] = str(error)
+    return samples
+
+
 def flow_run_name(cfg: HybridFlowConfig, run_id: str) -> str:
     """``<trainer.experiment_name>/<run_id>``: the flow run's name in the Prefect UI."""
     return f"{cfg.trainer.experiment_name}/{run_id}"
@@ -134,7 +146,7 @@ class RunReport:
         for kind, data in (("train", train), ("val", val)):
             if data is None or len(data) == 0:
                 continue
-            samples = decode_generations(data, self.tokenizer, step)
+            samples = _with_reward_errors(decode_generations(data, self.tokenizer, step), data)
             self.store.record_samples(self.run_id, step, kind, samples)
             self.tracking.log_generations(samples, step, kind)
             if kind == "val":

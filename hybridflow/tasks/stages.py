@@ -202,7 +202,8 @@ def validate(
         wanted = keep - sum(len(k) for k in kept)
         if wanted > 0:
             columns = [k for k in (*GENERATION_KEYS, "data_source", "reward_model") if k in rollout.keys]
-            kept.append(rollout.select(columns).union(scores.select(["token_level_scores"])).load(slice(0, wanted)))
+            scored = scores.select(["token_level_scores", "reward_error"])  # the error: why a sample scored 0.0
+            kept.append(rollout.select(columns).union(scored).load(slice(0, wanted)))
         for handle in (rollout, scores):  # read once: free the disk
             handle.delete()
     metrics = tally.metrics()

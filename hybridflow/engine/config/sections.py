@@ -614,6 +614,27 @@ class RewardConfig(_Section):
         description="weight of the function score in the training reward (0 with reward_model.enable: the RM alone)",
     )
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
+    timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="seconds one sample's score (or cost) may take; a call past it is stopped (its scoring process "
+        "killed) and the sample scores 0.0 with the error 'timeout after N s'. 30: far above a rule check's "
+        "milliseconds and a verifier's few seconds, so a correct answer is not lost to a slow call",
+    )
+    num_workers: int = Field(
+        2,
+        ge=1,
+        description="scoring processes per rank: samples scored at once (each data-parallel rank scores its share "
+        "with its own); raise it for a slow score function on a machine with cores to spare",
+    )
+    max_failed_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="the share of a batch whose score function may raise or time out (those samples score 0.0, "
+        "their errors kept with the samples: hf runs samples) before the run stops with the cause; 0: any failure "
+        "stops it",
+    )
 
 
 class JudgeConfig(_Section):

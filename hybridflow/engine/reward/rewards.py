@@ -4,7 +4,12 @@ A *score function* has the signature ``(data_source, solution_str, ground_truth,
 a dict must hold ``"score"`` (the reward) and may hold other numbers (logged as metrics, e.g. ``"acc"``).
 `default_compute_score` picks one by ``data_source``; ``reward.custom_function`` (``module:function`` or
 ``path.py:function``, loaded by `load_reward_function`) replaces it. `RewardManager` decodes a batch of responses,
-calls the score function once per sample and writes each score onto the sample's last response token.
+calls the score function once per sample (several at once, each call with a time limit: `hybridflow.engine.reward.
+scoring`) and writes each score onto the sample's last response token; a sample whose call raised or timed out
+scores 0.0 and keeps its error, and only a batch where too many failed stops the run.
+
+This module imports no torch at import time (torch, `hybridflow.engine.protocol` and `hybridflow.engine.guards` are
+imported where used): the scoring processes import it to reach `default_compute_score` and start in ~0.1 s.
 """
 
 from __future__ import annotations
@@ -13,18 +18,32 @@ import difflib
 import functools
 import inspect
 import json
+import logging
 import math
 import numbers
 import re
+import sys
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from hybridflow.engine.guards import FIX, NonFiniteError
 from hybridflow.engine.imports import load_object
-from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.reward.scoring import (
+    Outcome,
+    ProcessScorer,
+    check_limits,
+    score_in_process,
+    timeout_text,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from hybridflow.engine.protocol import DataProto
+
+logger = logging.getLogger(__name__)
 
 ScoreFunction = Callable[[str, str, Any, dict[str, Any] | None], "float | dict[str, Any]"]
 
@@ -121,8 +140,11 @@ def gsm8k_score(
 def _reasoning_gym_scorer(name: str) -> Callable[[Any, dict[str, Any]], float]:
     import reasoning_gym
 
-    _check_generator(name)
-    return reasoning_gym.get_score_answer_fn(name)
+    try:
+        return reasoning_gym.get_score_answer_fn(name)
+    except Exception:  # an unknown name: said with the close ones (the list's module imports torch: only then)
+        _check_generator(name)
+        raise
 
 
 def _check_generator(name: str) -> None:
@@ -282,8 +304,10 @@ def _function_name(fn: Callable[..., Any]) -> str:
 
 
 class ScoreFunctionError(RuntimeError):
-    """The score function (``reward.custom_function``, ``reward.cost_function``) raised on a sample; the message
-    names the function, the sample (its data_source, ground truth and response) and the original error."""
+    """More of a batch's samples failed in the score function (``reward.custom_function``, ``reward.cost_function``,
+    the built-in rewards) than ``reward.max_failed_fraction`` allows: each raised or ran past ``reward.timeout_s``.
+    The message names the function, how many samples failed of how many (and how many timed out), the first failed
+    sample (its data_source, ground truth and the start of its response) with its error, and the keys that fix it."""
 
 
 def score_inputs(data: DataProto, tokenizer: Any) -> list[tuple[str, str, Any, Any]]:
@@ -322,33 +346,100 @@ def score_inputs(data: DataProto, tokenizer: Any) -> list[tuple[str, str, Any, A
     return inputs
 
 
+@dataclass
+class ScoredBatch:
+    """What `RewardManager.scored` returns for a batch of B samples, T response positions.
+
+    Attributes:
+        scores: float32 [B, T] on the device of ``responses``: each sample's score on its last response token.
+        extra: the score function's dict keys -> float64 [B] (see `RewardManager`); empty for plain numbers.
+        errors: B strings: ``""`` for a sample scored, else why it has no score (``"timeout after 30 s"``,
+            ``"ValueError: ..."``); such a sample scores 0.0, as do its extra keys.
+        timed_out: bool [B] (numpy): the sample's call ran past the time limit (and was stopped).
+    """
+
+    scores: torch.Tensor
+    extra: dict[str, np.ndarray]
+    errors: list[str]
+    timed_out: np.ndarray
+
+    @property
+    def failed(self) -> np.ndarray:
+        """bool [B]: the sample has no score of its own (its call raised or timed out)."""
+        return np.asarray([bool(e) for e in self.errors], dtype=bool)
+
+
 class RewardManager:
     """Turns a batch of generated responses into token-level scores with a score function.
 
     Args:
         tokenizer: decodes response tokens (``skip_special_tokens=True``).
-        compute_score: the score function; None uses `default_compute_score`.
+        compute_score: the score function, called in this process; None (and no `spec`) uses
+            `default_compute_score`.
         name: how errors name the score function (e.g. ``reward.custom_function``'s ``path.py:function``); None:
-            its module and qualified name.
+            `spec`, else the function's module and qualified name.
+        spec: a score function by name, ``"module:function"`` or ``"path.py:function"`` (``reward.custom_function``;
+            `hybridflow.engine.reward.scoring.BUILTIN_SPEC` for the built-in rewards): it is then called in
+            `num_workers` worker processes started at construction (`hybridflow.engine.reward.scoring.
+            ProcessScorer`), and a call past `timeout_s` is stopped by killing its process. The caller has checked
+            that it loads (`load_reward_function`). Given `spec`, `compute_score` is not called.
+        key: the config key `spec` came from, named in load errors (``reward.custom_function``,
+            ``reward.cost_function``).
+        timeout_s: seconds one sample's call may take (> 0); None: no limit. Without `spec` the calls run on
+            threads of this process, which cannot be stopped: a call past the limit is recorded as timed out and
+            abandoned (it runs on in the background, its result dropped).
+        num_workers: samples scored at once (>= 1). Without `spec`, more than 1 calls `compute_score` from several
+            threads at once (it must be thread-safe); with 1 and no `timeout_s` the calls run in the caller's
+            thread, in the samples' order (the judge's verdict wrapper relies on it).
+        max_failed_fraction: the share of a batch (0 to 1) that may fail (raise or time out) before the batch stops
+            the run with `ScoreFunctionError` (``reward.max_failed_fraction``); 0: any failure stops it.
 
-    Calling it with a `DataProto` returns ``(token_level_scores, extra)``:
+    Calling it with a `DataProto` returns ``(token_level_scores, extra)`` (`scored` returns both with each sample's
+    error, as a `ScoredBatch`):
 
     - ``token_level_scores``: float32 [B, T] on the device of ``responses``; each sample's score sits on its last
       response token (the last position where ``response_mask`` is 1), zeros elsewhere. A sample with an empty
-      response (mask all 0) gets its score at position 0, so no score is lost.
+      response (mask all 0) gets its score at position 0, so no score is lost. A sample whose call raised or timed
+      out scores 0.0 (a failure is then neither rewarded nor punished beyond the batch's zero; its error is logged
+      as a warning, kept in `ScoredBatch.errors`, and counted against `max_failed_fraction`).
     - ``extra``: when the score function returns dicts, every key -> numpy float64 array of length B (including
-      ``"score"``; a sample whose function returned a plain number counts as ``{"score": number}``); empty when
-      every sample returned a number.
+      ``"score"``; a sample whose function returned a plain number counts as ``{"score": number}``, a failed sample
+      as 0.0 for every key); empty when every sample returned a number.
 
     Inputs read: tensors ``responses`` int64 [B, T] and ``response_mask`` int/bool [B, T] (1 on generated tokens,
     right-padded); non-tensor columns ``data_source``, ``reward_model`` (dict with ``ground_truth``) and, if present,
     ``extra_info``.
+
+    Raises:
+        ValueError: `timeout_s` <= 0, `num_workers` < 1 or `max_failed_fraction` outside [0, 1].
     """
 
-    def __init__(self, tokenizer: Any, compute_score: ScoreFunction | None = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        compute_score: ScoreFunction | None = None,
+        name: str | None = None,
+        *,
+        spec: str | None = None,
+        key: str = "reward.custom_function",
+        timeout_s: float | None = None,
+        num_workers: int = 1,
+        max_failed_fraction: float = 0.5,
+    ) -> None:
+        check_limits(timeout_s, num_workers)
+        if not 0.0 <= max_failed_fraction <= 1.0:
+            raise ValueError(f"reward.max_failed_fraction must be in [0, 1], got {max_failed_fraction}")
         self.tokenizer = tokenizer
         self.compute_score = compute_score if compute_score is not None else default_compute_score
-        self.name = name or _function_name(self.compute_score)
+        self.name = name or spec or _function_name(self.compute_score)
+        self.timeout_s, self.num_workers, self.max_failed_fraction = timeout_s, num_workers, max_failed_fraction
+        self.spec = spec
+        self._processes = ProcessScorer(spec, key, timeout_s, num_workers) if spec is not None else None
+
+    def close(self) -> None:
+        """End the scoring processes (with `spec`); a later batch starts new ones."""
+        if self._processes is not None:
+            self._processes.close()
 
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """Score every sample of `data` (see the class docstring for inputs and outputs).
@@ -358,38 +449,58 @@ class RewardManager:
             TypeError: if the score function returns neither a number nor a dict with a numeric ``"score"``
                 (the function and what it returned are named).
             ValueError: if ``responses`` and ``response_mask`` differ in shape.
+            ScoreFunctionError: more than ``max_failed_fraction`` of the samples failed (raised or timed out): the
+                message names the function, the count, the first failed sample and its error, and the fix.
             NonFiniteError: a score is NaN or ±inf (after every sample is scored: the message counts them and names
                 the score function and the first such sample, its data_source and the start of its response).
-            ScoreFunctionError: the score function raised (on the sample named, with the original error).
         """
-        return self.score(data, score_inputs(data, self.tokenizer))
+        out = self.scored(data)
+        return out.scores, out.extra
 
     def score(
         self, data: DataProto, inputs: list[tuple[str, str, Any, Any]]
     ) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
         """`__call__` on `inputs` already read from `data` (`score_inputs`: a caller that decoded the responses
         itself, as the judge does, passes them on instead of decoding twice). Raises as `__call__`."""
+        out = self.scored(data, inputs)
+        return out.scores, out.extra
+
+    def scored(self, data: DataProto, inputs: list[tuple[str, str, Any, Any]] | None = None) -> ScoredBatch:
+        """`__call__` with each sample's error kept: a `ScoredBatch`. `inputs`: as `score`'s (None: read from
+        `data` with `score_inputs`). Raises as `__call__`."""
+        import torch
+
+        from hybridflow.engine.guards import FIX, NonFiniteError
+
+        if inputs is None:
+            inputs = score_inputs(data, self.tokenizer)
         responses = data.batch["responses"]
         batch_size, width = responses.shape
         if width == 0:
             raise ValueError("responses has no token positions (T = 0); nothing to put a score on")
+        allowed = math.floor(self.max_failed_fraction * batch_size + 1e-9)  # failures that do not stop the run
+        if self._processes is not None:
+            outcomes = self._processes(inputs, max_failures=allowed)
+        else:
+            outcomes = score_in_process(self.compute_score, inputs, self.timeout_s, self.num_workers, allowed)
+        failed = [i for i, o in enumerate(outcomes) if o is not None and o.failed]
+        if len(failed) > allowed:  # (samples not scored, None, come only after that)
+            raise ScoreFunctionError(self._too_many(outcomes, inputs, FIX))
+        if failed:
+            first = failed[0]
+            logger.warning(
+                "reward: the score function %s failed on %d of %d samples (scored 0.0; at most "
+                "reward.max_failed_fraction=%g may); the first is sample %d: %s",
+                self.name, len(failed), batch_size, self.max_failed_fraction, first, outcomes[first].error,
+            )  # fmt: skip
         scores = torch.zeros((batch_size, width), dtype=torch.float32)
         results: list[tuple[float, dict[str, Any] | None]] = []
-        name = self.name
         non_finite: list[tuple[int, float, str]] = []
         mask_cpu = data.batch["response_mask"].bool().cpu()
-        for i, (source, text, truth, extra_info) in enumerate(inputs):
-            try:
-                result = self.compute_score(source, text, truth, extra_info)
-            except Exception as error:
-                said = " ".join(str(error).split())  # one line: the CLI shows the cause's line
-                raise ScoreFunctionError(
-                    f"reward: the score function {name} raised {type(error).__name__}: {said} on sample {i} of "
-                    f"{batch_size} (data_source {source}, ground_truth {truth!r}, response {text[:80]!r}); {FIX}"
-                ) from error
-            value, as_dict = self._unpack(result, name)
+        for i, outcome in enumerate(outcomes):
+            value, as_dict = (0.0, None) if outcome.failed else self._unpack(outcome.value, self.name)
             if not math.isfinite(value):
-                non_finite.append((i, value, text))
+                non_finite.append((i, value, inputs[i][1]))
             results.append((value, as_dict))
             positions = torch.nonzero(mask_cpu[i]).flatten()
             last = int(positions[-1]) if positions.numel() else 0
@@ -398,10 +509,35 @@ class RewardManager:
             i, value, text = non_finite[0]
             source = data.non_tensor_batch["data_source"][i]
             raise NonFiniteError(
-                f"reward: token_level_scores: the score function {name} returned {value} for {len(non_finite)} of "
-                f"{batch_size} samples; the first is sample {i} (data_source {source}, response {text[:80]!r}); {FIX}"
+                f"reward: token_level_scores: the score function {self.name} returned {value} for {len(non_finite)} "
+                f"of {batch_size} samples; the first is sample {i} (data_source {source}, response {text[:80]!r}); "
+                f"{FIX}"
             )
-        return scores.to(responses.device), self._collect(results, batch_size)
+        errors = [o.error for o in outcomes]
+        timed_out = np.asarray([o.timed_out for o in outcomes], dtype=bool)
+        failed_mask = [bool(e) for e in errors]
+        return ScoredBatch(
+            scores.to(responses.device), self._collect(results, batch_size, failed_mask), errors, timed_out
+        )
+
+    def _too_many(self, outcomes: list[Outcome | None], inputs: list[tuple[str, str, Any, Any]], fix: str) -> str:
+        """The `ScoreFunctionError` message of a batch with more failures than allowed (None: not scored, the
+        batch having been given up)."""
+        failed = [i for i, o in enumerate(outcomes) if o is not None and o.failed]
+        first = failed[0]
+        source, text, truth, _ = inputs[first]
+        timeouts = sum(1 for o in outcomes if o is not None and o.timed_out)
+        unscored = sum(1 for o in outcomes if o is None)
+        timed = f", {timeouts} of them by a {timeout_text(self.timeout_s)}" if timeouts else ""
+        rest = f" ({unscored} left unscored once that was clear)" if unscored else ""
+        slow = f"raise reward.timeout_s={self.timeout_s:g} if it is only slow, " if self.timeout_s is not None else ""
+        return (
+            f"reward: the score function {self.name} failed on {len(failed)} of {len(outcomes)} samples{timed}, "
+            f"more than reward.max_failed_fraction={self.max_failed_fraction:g} of the batch{rest}; the first is "
+            f"sample {first} (data_source {source}, ground_truth {truth!r}, response {text[:80]!r}): "
+            f"{outcomes[first].error}; fix the function ({slow}or raise reward.max_failed_fraction to go on past "
+            f"failures); {fix}"
+        )
 
     @staticmethod
     def _unpack(result: Any, name: str) -> tuple[float, dict[str, Any] | None]:
@@ -414,7 +550,8 @@ class RewardManager:
             return float(value), result
         if isinstance(result, numbers.Real):
             return float(result), None
-        if isinstance(result, torch.Tensor) and result.numel() == 1:
+        torch = sys.modules.get("torch")  # a tensor can only come from a process that has torch
+        if torch is not None and isinstance(result, torch.Tensor) and result.numel() == 1:
             return float(result.item()), None
         raise TypeError(
             f"score function {name} returned {type(result).__name__} {result!r}; "
@@ -422,14 +559,18 @@ class RewardManager:
         )
 
     @staticmethod
-    def _collect(results: list[tuple[float, dict[str, Any] | None]], batch_size: int) -> dict[str, np.ndarray]:
-        """Gather dict results key-wise; a plain number counts as ``{"score": number}`` next to dicts."""
+    def _collect(
+        results: list[tuple[float, dict[str, Any] | None]], batch_size: int, failed: list[bool]
+    ) -> dict[str, np.ndarray]:
+        """Gather dict results key-wise; a plain number counts as ``{"score": number}`` next to dicts, a `failed`
+        sample as 0.0 for every key."""
         if all(as_dict is None for _, as_dict in results):
             return {}
         dicts = [as_dict if as_dict is not None else {"score": value} for value, as_dict in results]
         keys: dict[str, None] = {}
         for r in dicts:
             keys.update(dict.fromkeys(r))
+        dicts = [{k: 0.0 for k in keys} if gone else r for r, gone in zip(dicts, failed, strict=True)]
         extra = {}
         for key in keys:
             missing = [i for i, r in enumerate(dicts) if key not in r]

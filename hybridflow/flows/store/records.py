@@ -115,7 +115,9 @@ class Sample(_Record):
     iteration ``step`` (``kind`` train) or the validation after it (``kind`` val; step 0: before training);
     ``uid``: its prompt's id in the run (``<epoch>-<position>``, shared by the prompt's responses) and
     ``rollout_version``: the actor updates in the weights that generated it (None: not recorded); ``rm_score``: the
-    reward model's score of it and ``judge_text``: a generative reward model's verdict (None: no such model)."""
+    reward model's score of it and ``judge_text``: a generative reward model's verdict (None: no such model);
+    ``reward_error``: why its score function gave no score (it raised or timed out and the sample scored 0.0; None:
+    it was scored)."""
 
     run_id: str
     step: int
@@ -130,6 +132,7 @@ class Sample(_Record):
     rollout_version: int | None = None
     rm_score: float | None = None
     judge_text: str | None = None
+    reward_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -555,7 +555,8 @@ class RunStore:
         Each sample is a mapping with ``prompt``, ``response`` (str), ``score`` (a number; NaN/±inf stored as NULL)
         and optionally ``data_source`` and ``ground_truth`` (str; "" when absent), ``uid`` (str: the prompt's id)
         and ``rollout_version`` (int: the actor updates in the generating weights), ``rm_score`` (a number: the reward
-        model's score) and ``judge_text`` (str: a generative reward model's verdict). Raises ValueError for a bad step,
+        model's score), ``judge_text`` (str: a generative reward model's verdict) and ``reward_error`` (str: why the
+        score function gave none; "" or None when it did). Raises ValueError for a bad step,
         a `kind` not in `SAMPLE_KINDS`, or a sample missing a key or with a non-numeric score (nothing is recorded),
         and UnknownRunError for an unknown run.
         """
@@ -584,6 +585,7 @@ class RunStore:
                     if sample.get("rm_score") is None
                     else _metric_value(step, f"sample {idx} rm_score", sample["rm_score"]),
                     judge_text=sample.get("judge_text"),
+                    reward_error=sample.get("reward_error") or None,
                 )
             )
         with self._writing() as session:
@@ -860,6 +862,7 @@ class RunStore:
                     r.rollout_version,
                     r.rm_score,
                     r.judge_text,
+                    r.reward_error,
                 )
                 for r in rows
             ]

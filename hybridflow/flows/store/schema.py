@@ -208,6 +208,7 @@ class SampleRow(Base):
     rollout_version: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the generating weights' updates
     rm_score: Mapped[float | None] = mapped_column(Double, nullable=True)  # the reward model's score of it
     judge_text: Mapped[str | None] = mapped_column(Text, nullable=True)  # a generative reward model's verdict
+    reward_error: Mapped[str | None] = mapped_column(Text, nullable=True)  # why the score function gave none
 
 
 class StageTimeRow(Base):

@@ -43,7 +43,15 @@ def rank_pids(run_id: str, group: str = "") -> list[int]:
             continue
         if folder in stderr and re.search(r"_\d+_log\.err$", stderr):  # not a node's task
             pids.append(int(proc.name))
-    return pids
+    return [pid for pid in pids if _parent(pid) not in pids]  # not a rank's own children (its scoring processes)
+
+
+def _parent(pid: int) -> int | None:
+    """The parent pid of `pid` (None: it has ended)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def write_reward_model(folder: Path, tokenizer, seed: int = 0) -> Path:

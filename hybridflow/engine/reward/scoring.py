@@ -29,6 +29,7 @@ import contextlib
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -99,8 +100,12 @@ def _function(spec: str, key: str) -> Callable[..., Any]:
 
 
 def _child_start(spec: str, key: str) -> None:
-    """A worker process's start: a watchdog that ends it with its parent, and the function loaded (an error is
-    left to the first call, which records it for its sample)."""
+    """A worker process's start: the signals meant for its rank ignored (Slurm's preemption warnings SIGUSR1/2
+    reach every process of a job step, Ctrl-C the whole process group: the rank handles them, a scorer must not
+    die of them), a watchdog that ends it with its parent, and the function loaded (an error is left to the first
+    call, which records it for its sample)."""
+    for number in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+        signal.signal(number, signal.SIG_IGN)
     threading.Thread(target=_end_with_parent, name="end-with-parent", daemon=True).start()
     with contextlib.suppress(Exception):
         _function(spec, key)

@@ -1,18 +1,20 @@
 """Benchmark: what a multi-turn (tool-using) GRPO iteration costs per generated token, against a single-turn one.
 
-Runs examples/tool_calc_smollm2.yaml (SmolLM2-135M, 8 prompts x 4 samples, vLLM rollout where installed) from a
-model that calls the calculator (an `hf sft train` output, --model) in the single-process trainer, three ways, N
+Runs a tool example (--config: examples/tool_calc_smollm2.yaml, the calculator, or examples/tool_python_smollm2.yaml,
+the sandboxed Python interpreter; SmolLM2-135M, 8 prompts x 4 samples, vLLM rollout where installed) from a model that
+calls its tool (that example's `hf sft train` output, --model) in the single-process trainer, three ways, N
 iterations each, nothing else running:
 
-- ``tool_agent``: the agent loop with the calculator (call, tool turn, answer: 2 engine calls per row);
+- ``tool_agent``: the agent loop with the tool (call, tool turn, answer: 2 engine calls per row);
 - ``single_turn``: the same prompts (tools offered) and the same agent-loop rollout, one turn, no tool turn;
 - ``plain``: ``rollout.multi_turn.enable=false``, the rollout without agent loops (prompts without tools).
 
 For each it prints the median over iterations 2..N of the iteration's seconds, the model tokens generated (the
 ``response_mask`` tokens: what the policy wrote and trains on), the tool tokens, and seconds per generated token; then
-the ratio of tool_agent's seconds per generated token to single_turn's (issue 31's target: at most 1.3).
+the ratio of tool_agent's seconds per generated token to single_turn's (targets: at most 1.3 for the calculator,
+issue 31; 1.2 for the interpreter, issue 54).
 
-    .venv/bin/python benchmarks/agent_iteration.py --model DIR [--iterations 6] [-o key=value ...]
+    .venv/bin/python benchmarks/agent_iteration.py --model DIR [--config YAML] [--iterations 6] [-o key=value ...]
 """
 
 import argparse
@@ -32,7 +34,7 @@ WAYS = {
 }
 
 
-def run(way: str, model: str, iterations: int, extra: list[str], out: Path) -> dict[str, float]:
+def run(way: str, config: Path, model: str, iterations: int, extra: list[str], out: Path) -> dict[str, float]:
     overrides = [
         f"model.path={model}",
         f"trainer.total_iterations={iterations}",
@@ -44,7 +46,7 @@ def run(way: str, model: str, iterations: int, extra: list[str], out: Path) -> d
         *WAYS[way],
         *extra,
     ]
-    cfg = load_config(ROOT / "examples" / "tool_calc_smollm2.yaml", overrides)
+    cfg = load_config(config, overrides)
     cfg.trainer.val_before_train = False
     trainer = SingleProcessTrainer(cfg)
     started = time.monotonic()
@@ -65,12 +67,13 @@ def run(way: str, model: str, iterations: int, extra: list[str], out: Path) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a model that calls the calculator (hf sft train's output)")
+    parser.add_argument("--model", required=True, help="a model that calls the tool (hf sft train's output)")
+    parser.add_argument("--config", type=Path, default=ROOT / "examples" / "tool_calc_smollm2.yaml")
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("-o", "--override", action="append", default=[])
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp())
-    results = {way: run(way, args.model, args.iterations, args.override, out) for way in WAYS}
+    results = {way: run(way, args.config, args.model, args.iterations, args.override, out) for way in WAYS}
     header = f"{'rollout':>12} {'step s':>7} {'gen s':>7} {'turns':>6} {'model tok':>10} {'tool tok':>9}"
     header += f" {'ms/model tok':>13}"
     print(header + "\n" + "-" * len(header))
@@ -80,7 +83,7 @@ def main() -> None:
             f"{r['tool']:>9.0f} {1000 * r['s_per_token']:>13.1f}"
         )
     ratio = results["tool_agent"]["s_per_token"] / results["single_turn"]["s_per_token"]
-    print(f"tool_agent / single_turn, seconds per generated token: {ratio:.2f} (target <= 1.3)")
+    print(f"tool_agent / single_turn, seconds per generated token: {ratio:.2f}")
     print(f"tool_agent / plain: {results['tool_agent']['s_per_token'] / results['plain']['s_per_token']:.2f}")
 
 

@@ -103,6 +103,24 @@ def test_demonstrations_run_the_tool_and_leave_out_wrong_labels(tmp_path, tiny_m
         build_demonstrations(rows, "nope", run_tools(rl))
 
 
+def test_python_demonstrations_run_real_code_in_the_sandbox(tiny_model_dir):
+    # the interpreter example's own config: a products generator over grpo_smollm2.yaml's basic_arithmetic, whose
+    # generator options (operators, ...) it does not inherit
+    rl = load_config(ROOT / "examples" / "tool_python_smollm2.yaml", [f"model.path={tiny_model_dir}",
+        "data.reasoning_gym.train_size=6", "data.reasoning_gym.val_size=2"])  # fmt: skip
+    assert rl.data.reasoning_gym.name == "products" and "operators" not in rl.data.reasoning_gym.config
+    rows, _ = build_prompt_rows(rl.data)
+    rows[0] = {**rows[0], "reward_model": {"ground_truth": "7"}}  # a false label
+    made, counts = build_demonstrations(rows, "python", run_tools(rl))
+    assert counts == {"made": len(rows) - 1, "no_call": 0, "tool_error": 0, "wrong_label": 1}
+    for demo, row in zip(made, rows[1:], strict=True):
+        call, output = demo["messages"][-3]["content"], demo["messages"][-2]["content"]
+        expression = row["extra_info"]["entry"]["metadata"]["expression"]
+        assert tool_call_text("python", {"code": f"print({expression})"}) == call
+        assert output.strip() == row["reward_model"]["ground_truth"]  # what the sandboxed code printed
+        assert [t["function"]["name"] for t in demo["tools"]] == ["python"]
+
+
 def test_conversation_files_and_config_errors(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')

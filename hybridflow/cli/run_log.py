@@ -4,10 +4,10 @@
 While a run trains (`run_log`), every log line of the controller process at INFO and above also goes to the run's
 log file, ``$HYBRIDFLOW_HOME/logs/<run_id>.log``: the controller's and the workers' lines (as the flow run's logs
 in the Prefect UI show them) and Prefect's own. The terminal then shows our lines only: Prefect's client records
-(connection errors while its server is down, retries) and the errors of its log shipping, which Prefect writes
-straight to stderr without ending the line (`hybridflow.flows.reporting.ship_api_logs_to`), go to the file alone;
-so do the reporting lines about a Prefect server that the CLI's `ServerWatch` restarts by itself (it says so in a
-line of its own).
+(connection errors while its server is down, retries), its background services' (`PREFECT_INTERNAL_LOGGER`) and
+the errors of its log shipping, which Prefect writes straight to stderr without ending the line
+(`hybridflow.flows.reporting.ship_api_logs_to`), go to the file alone; so do the reporting lines about a Prefect
+server that the CLI's `ServerWatch` restarts by itself (it says so in a line of its own).
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 REPORTING_LOGGER = "hybridflow.flows.reporting"
 """The logger of the Prefect UI's reporting (artifacts, iteration subflows): its lines about a server that does not
 answer stay off the terminal while a `ServerWatch` handles the outage."""
+
+
+PREFECT_INTERNAL_LOGGER = "prefect._internal"
+"""Prefect's logger of its background services (the ``EventsWorker`` of its event-loop thread, ...): Prefect's
+logging config gives it a stderr handler of its own and no propagation, so its errors while the server is down
+would bypass `TERMINAL`'s filter; during a run it writes to the run's log file instead."""
 
 
 class _TerminalFilter(logging.Filter):
@@ -78,11 +84,14 @@ def run_log(run_id: str, quiet_reporting: bool) -> Iterator[Path]:
     handler.setFormatter(logging.Formatter(FILE_FORMAT))
     root = logging.getLogger()
     root.addHandler(handler)
+    internal = logging.getLogger(PREFECT_INTERNAL_LOGGER)
+    internal_handlers, internal.handlers = internal.handlers, [handler]
     _FILTER.in_run, _FILTER.quiet_reporting = True, quiet_reporting
     try:
         with ship_api_logs_to(logging.getLogger("prefect.hybridflow.api_logs")):
             yield path
     finally:
         _FILTER.in_run = _FILTER.quiet_reporting = False
+        internal.handlers = internal_handlers
         root.removeHandler(handler)
         handler.close()

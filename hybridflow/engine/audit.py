@@ -7,7 +7,8 @@ An audit recomputes the label from the prompt text alone, never from the generat
 
 An audit is a function ``(row) -> problem | None`` (the row in verl's layout, see `hybridflow.engine.data`) registered
 for a ``data_source`` in `AUDITS`; `audit_rows` runs the registered ones over a list of rows. Built in: exact
-arithmetic (`arithmetic_audit`) for ``reasoning_gym/basic_arithmetic``, ``reasoning_gym/chain_sum`` and
+arithmetic (`arithmetic_audit`) for ``reasoning_gym/basic_arithmetic``, ``reasoning_gym/chain_sum``,
+``reasoning_gym/products`` and
 ``arithmetic`` (the data_source to give your own arithmetic rows so that ``hf data check`` audits them), and letter
 counts (`letter_counting_audit`) for ``reasoning_gym/letter_counting``.
 """
@@ -146,6 +147,7 @@ def letter_counting_audit(row: dict[str, Any]) -> str | None:
 AUDITS: dict[str, Audit] = {
     "reasoning_gym/basic_arithmetic": arithmetic_audit,
     "reasoning_gym/chain_sum": arithmetic_audit,
+    "reasoning_gym/products": arithmetic_audit,
     "arithmetic": arithmetic_audit,
     "reasoning_gym/letter_counting": letter_counting_audit,
 }

@@ -9,6 +9,8 @@ registered by name (``data.demonstrations.builder``):
 
 - ``calculator``: arithmetic rows (reasoning-gym ``basic_arithmetic``; ``metadata.expression``) -> one calculator
   call on the expression;
+- ``python``: arithmetic rows (reasoning-gym ``products``, ``basic_arithmetic``; ``metadata.expression``) -> one
+  call of the sandboxed ``python`` interpreter (`hybridflow.engine.agent.code_interpreter`) printing the expression;
 - ``letter_counting``: reasoning-gym ``letter_counting`` rows (``metadata.span``, ``metadata.target_letter``) -> one
   ``count_letter`` call on the text.
 """
@@ -36,6 +38,12 @@ def calculator_call(row: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     return ("calculator", {"expression": expression}) if expression else None
 
 
+def python_call(row: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The ``python`` call of an arithmetic row: code that prints its ``metadata.expression``."""
+    expression = _metadata(row).get("expression")
+    return ("python", {"code": f"print({expression})"}) if expression else None
+
+
 def letter_counting_call(row: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
     """The count_letter call of a letter-counting row (its ``metadata.span`` words and ``target_letter``)."""
     meta = _metadata(row)
@@ -44,7 +52,11 @@ def letter_counting_call(row: dict[str, Any]) -> tuple[str, dict[str, Any]] | No
     return ("count_letter", {"text": " ".join(meta["span"]), "letter": meta["target_letter"]})
 
 
-BUILDERS: dict[str, Builder] = {"calculator": calculator_call, "letter_counting": letter_counting_call}
+BUILDERS: dict[str, Builder] = {
+    "calculator": calculator_call,
+    "python": python_call,
+    "letter_counting": letter_counting_call,
+}
 """The demonstration builders by ``data.demonstrations.builder`` name."""
 
 

@@ -47,7 +47,8 @@ def load_config(
     `schema` (default `HybridFlowConfig`; `RMTrainingConfig` for ``hf rm train``).
 
     A config may extend others, as Hydra's defaults list does: ``defaults: [grpo_smollm2.yaml]`` (paths relative to
-    the file) reads those first, in order, and merges this file's keys over them, section by section.
+    the file) reads those first, in order, and merges this file's keys over them, section by section; a
+    ``data.reasoning_gym`` naming another generator replaces its base's whole.
 
     Raises:
         ConfigError: naming every unknown, missing or ill-typed key and, for choices, the allowed values; a
@@ -81,11 +82,24 @@ def _read_tree(path: Path, extending: tuple[Path, ...] = ()) -> dict[str, Any]:
     return _merged(merged, tree)
 
 
-def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """`top` over `base`: mappings merge key by key, anything else in `top` replaces `base`'s."""
+_RENAMED_REPLACES = {("data", "reasoning_gym")}
+"""Sections whose options belong to the thing they name: one that names another ``name`` than its base's replaces
+the base's whole (a ``products`` generator does not inherit ``basic_arithmetic``'s ``operators``)."""
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any], at: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`top` over `base`: mappings merge key by key (but see `_RENAMED_REPLACES`), anything else in `top` replaces
+    `base`'s; `at`: the keys leading to these mappings."""
     out = dict(base)
     for key, value in top.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        below = out.get(key)
+        renamed = (*at, key) in _RENAMED_REPLACES and isinstance(value, dict) and isinstance(below, dict)
+        if renamed and value.get("name", below.get("name")) != below.get("name"):
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(below, dict):
+            out[key] = _merged(below, value, (*at, key))
+        else:
+            out[key] = value
     return out
 
 
@@ -175,15 +189,20 @@ def resume_config(
     return new
 
 
-_PROMPT_SOURCES = {"files": ("data.train_files", "data.val_files"), "reasoning_gym": ("data.reasoning_gym",)}
+_PROMPT_SOURCES = {
+    "files": ("data.train_files", "data.val_files"),
+    "reasoning_gym": ("data.reasoning_gym",),
+    "verifiers": ("data.verifiers",),
+}
 
 
 def apply_overrides(tree: dict[str, Any], overrides: list[str], source: str = "the config") -> dict[str, Any]:
     """A copy of `tree` with ``key.sub=value`` overrides applied.
 
-    Prompt sources: an override that names one kind of source (``data.train_files`` / ``data.val_files``, or
-    ``data.reasoning_gym.*``) replaces the other kind given by `tree` rather than mixing both into one training set
-    (a warning says so); to mix them, name both kinds in the overrides or write both in the file.
+    Prompt sources: an override that names one kind of source (``data.train_files`` / ``data.val_files``,
+    ``data.reasoning_gym.*`` or ``data.verifiers.*``) replaces the other kinds given by `tree` rather than mixing
+    them into one training set (a warning says so); to mix them, name them all in the overrides or write them all in
+    the file.
 
     ``placement: auto`` becomes ``{auto: true}`` first, so ``-o placement.hardware=...`` can complete it.
 
@@ -197,8 +216,8 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str], source: str = "t
     data = tree.get("data")
     if len(named) == 1 and isinstance(data, dict):
         (kind,) = named
-        other = "reasoning_gym" if kind == "files" else "files"
-        dropped = [k for k in _PROMPT_SOURCES[other] if data.get(k.removeprefix("data."))]
+        others = [key for other, keys in _PROMPT_SOURCES.items() if other != kind for key in keys]
+        dropped = [k for k in others if data.get(k.removeprefix("data."))]
         for key in dropped:
             del data[key.removeprefix("data.")]
         if dropped:

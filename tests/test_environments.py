@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import yaml
 
 from hybridflow.engine.agent.environment import environment_score
 from hybridflow.engine.agent.loop import agent_loop
-from hybridflow.engine.agent.rollout import AgentLoopRollout
-from hybridflow.engine.config import validate_config
 from hybridflow.engine.data import collate_prompts, encode_prompt
 from hybridflow.engine.models import load_model, load_tokenizer
-from hybridflow.engine.rollout.hf import HFRollout
 
 skyrl_gym = pytest.importorskip("skyrl_gym", reason="skyrl-gym: pip install 'hybridflow[envs]'")
 
@@ -51,21 +47,9 @@ def tiny(tiny_model_dir):
 
 
 def rollout_of(tiny, tiny_model_dir, loop: str, **multi_turn):
-    model, tokenizer = tiny
-    tree = {
-        "model": {"path": str(tiny_model_dir), "dtype": "float32"},
-        "data": {"train_files": ["unused.jsonl"]},
-        "rollout": {
-            "n": 2,
-            "response_length": 64,
-            "micro_batch_size": 4,
-            "multi_turn": {"enable": True, "default_agent_loop": loop, **multi_turn},
-        },
-        "trainer": {"seed": 5},
-    }
-    cfg = validate_config(tree)
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(5, 40)]  # turns that stop early
-    return AgentLoopRollout(HFRollout(model, tokenizer, cfg.rollout, seed=5), cfg, tokenizer)
+    from tiny_runs import environment_rollout
+
+    return environment_rollout(tiny, tiny_model_dir, loop, **multi_turn)
 
 
 def batch(tokenizer, questions, truths, **columns):
@@ -152,9 +136,7 @@ def test_unknown_skyrl_ids_and_a_missing_env_class_are_refused_before_generation
 
 def test_hf_run_trains_on_a_skyrl_gym_environments_reward(prefect_api, tmp_path, tiny_model_dir):
     """`hf run` from a config that names the environment: the environment's reward is the training score."""
-    from tiny_runs import hf_cli, metrics_by_step, tiny_run_config
-
-    from hybridflow.flows.store.run_store import RunStore
+    from tiny_runs import hf_run_metrics
 
     (tmp_path / "vowels_env.py").write_text(USER_ENV)
     overrides = [
@@ -168,15 +150,7 @@ def test_hf_run_trains_on_a_skyrl_gym_environments_reward(prefect_api, tmp_path,
         "trainer.total_iterations=2",
         "trainer.log_train_generations=2",
     ]
-    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", overrides)
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    db = f"sqlite:///{tmp_path / 'runs.db'}"
-    done = hf_cli(prefect_api, "run", str(config_file), "--db", db)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    store = RunStore(db)
-    [run] = store.list_runs()
-    metrics = metrics_by_step(store, run.id)
+    metrics = hf_run_metrics(prefect_api, tmp_path, tiny_model_dir, overrides)
     for step in (1, 2):
         assert metrics[step]["reward_extra/env_scored/mean"] == 1.0  # every trajectory scored by its environment
         # the bonus of 1.0 per step, 1 or 2 steps, plus the vowel shares: the environment's reward, not a rule's

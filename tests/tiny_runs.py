@@ -206,3 +206,45 @@ def metrics_by_step(store, run_id: str) -> dict[int, dict[str, float]]:
     for p in store.metrics(run_id):
         out.setdefault(p.step, {})[p.name] = p.value
     return out
+
+
+def hf_run_metrics(prefect_api: str, root: Path, model_dir: Path, overrides: list[str]) -> dict[int, dict[str, float]]:
+    """``hf run`` of `tiny_run_config` (GRPO) with `overrides`, from a config file as a user runs one, into a store
+    of its own under `root`; asserts that it succeeded and returns its recorded metrics (`metrics_by_step`)."""
+    import yaml
+
+    from hybridflow.flows.store.run_store import RunStore
+
+    config_file = root / "run.yaml"
+    config_file.write_text(yaml.safe_dump(tiny_run_config(root, model_dir, "grpo", overrides).model_dump(mode="json")))
+    db = f"sqlite:///{root / 'runs.db'}"
+    done = hf_cli(prefect_api, "run", str(config_file), "--db", db)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    store = RunStore(db)
+    [run] = store.list_runs()
+    return metrics_by_step(store, run.id)
+
+
+def environment_rollout(tiny, model_dir: Path, loop: str, data: dict | None = None, **multi_turn):
+    """An agent rollout of the tiny model (`tiny`: its model and tokenizer, as loaded) running `loop` on every row:
+    2 samples per prompt, 64 response tokens, turns that stop early (ids 5-39 end a turn too), the config's
+    `data` section (unused files by default) and ``rollout.multi_turn`` keys `multi_turn`."""
+    from hybridflow.engine.agent.rollout import AgentLoopRollout
+    from hybridflow.engine.config import validate_config
+    from hybridflow.engine.rollout.hf import HFRollout
+
+    model, tokenizer = tiny
+    tree = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": data or {"train_files": ["unused.jsonl"]},
+        "rollout": {
+            "n": 2,
+            "response_length": 64,
+            "micro_batch_size": 4,
+            "multi_turn": {"enable": True, "default_agent_loop": loop, **multi_turn},
+        },
+        "trainer": {"seed": 5},
+    }
+    cfg = validate_config(tree)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, *range(5, 40)]  # turns that stop early
+    return AgentLoopRollout(HFRollout(model, tokenizer, cfg.rollout, seed=5), cfg, tokenizer)

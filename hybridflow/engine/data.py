@@ -600,7 +600,8 @@ class PromptSampler:
 
 
 def build_prompt_rows(data: DataConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Train and validation rows from ``data.train_files`` / ``data.val_files`` and ``data.reasoning_gym``.
+    """Train and validation rows from ``data.train_files`` / ``data.val_files``, ``data.verifiers`` (an
+    environment's datasets: `hybridflow.engine.agent.verifiers_env.verifiers_rows`) and ``data.reasoning_gym``.
 
     reasoning-gym: one dataset of ``train_size + val_size`` items is generated; the first ``val_size`` are held
     out for validation, and training items whose question also appears among them are dropped, so validation
@@ -608,6 +609,13 @@ def build_prompt_rows(data: DataConfig) -> tuple[list[dict[str, Any]], list[dict
     """
     train = [row for path in data.train_files for row in load_rows(path)]
     val = [row for path in data.val_files for row in load_rows(path)]
+    if data.verifiers is not None:  # the environment's own datasets (hybridflow.engine.agent.verifiers_env)
+        from hybridflow.engine.agent.verifiers_env import verifiers_rows
+
+        vf = data.verifiers
+        rows, held_out = verifiers_rows(vf.env_id, vf.env_args, vf.train_size, vf.val_size, vf.seed)
+        train += rows
+        val += held_out
     if data.reasoning_gym is not None:
         rg = data.reasoning_gym
         kwargs = {"instruction": rg.instruction} if rg.instruction is not None else {}

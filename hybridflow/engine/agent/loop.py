@@ -135,7 +135,10 @@ class AgentLoop(abc.ABC):
 
 
 _LOOPS: dict[str, type[AgentLoop]] = {}
-ADAPTERS = {"skyrl_gym": "hybridflow.engine.agent.skyrl_gym_env:skyrl_gym_loop"}
+ADAPTERS = {
+    "skyrl_gym": "hybridflow.engine.agent.skyrl_gym_env:skyrl_gym_loop",
+    "verifiers": "hybridflow.engine.agent.verifiers_env:verifiers_loop",
+}
 """Loop names ``<prefix>/<id>`` that run another library's environment ``<id>``: prefix -> the function (imported
 when first named: the library is optional) that returns the loop of an id."""
 
@@ -159,7 +162,7 @@ def register_agent_loop(name: str) -> Callable[[type[AgentLoop]], type[AgentLoop
 def agent_loop(name: str, key: str = "agent_name") -> type[AgentLoop]:
     """The loop registered as `name`; the `AgentLoop` (or `Environment`) subclass `name` gives as ``"module:Class"``
     or ``"path.py:Class"``; or for ``"<library>/<id>"`` the loop of another library's environment (`ADAPTERS`:
-    ``skyrl_gym/<id>``).
+    ``skyrl_gym/<id>``, ``verifiers/<id>``).
 
     Raises:
         ValueError: unknown name (names `key` and the registered loops), or the path names no AgentLoop subclass;

@@ -56,13 +56,19 @@ def run_tools(cfg: HybridFlowConfig) -> ToolBox:
 
 
 def prompt_tools(cfg: HybridFlowConfig) -> list[dict[str, Any]] | None:
-    """The OpenAI function schemas the prompts offer: the run's tools with ``rollout.multi_turn.enable``, else None.
+    """The OpenAI function schemas the prompts offer: with ``rollout.multi_turn.enable``, the run's tools, or with
+    ``data.verifiers`` its environment's; else None.
 
     Raises:
-        the errors of `hybridflow.engine.agent.tools.load_tools`.
+        the errors of `hybridflow.engine.agent.tools.load_tools` and of
+        `hybridflow.engine.agent.verifiers_env.load_environment`.
     """
     if not cfg.rollout.multi_turn.enable:
         return None
+    if cfg.data.verifiers is not None:
+        from hybridflow.engine.agent.verifiers_env import load_environment, prompt_schemas
+
+        return prompt_schemas(load_environment(cfg.data.verifiers.env_id, cfg.data.verifiers.env_args))
     return run_tools(cfg).schemas or None
 
 
@@ -153,7 +159,10 @@ class AgentLoopRollout:
         self.tools = run_tools(cfg)
         self.parser = tool_parser(multi_turn.format)
         self.chat_format = ChatFormat(tokenizer, list(engine.eos_token_ids)) if self.tools.tools else None
-        self.tool_names = [tool.name for tool in self.tools.tools] + [MALFORMED, UNKNOWN]
+        names = [tool.name for tool in self.tools.tools]
+        if cfg.data.verifiers is not None:  # its environment's tools, called through its ToolEnv
+            names += [schema["function"]["name"] for schema in prompt_tools(cfg) or []]
+        self.tool_names = [*names, MALFORMED, UNKNOWN]
 
     def update_weights(self) -> dict[str, float]:
         """The engine's (`hybridflow.engine.extensions.Rollout.update_weights`)."""
@@ -309,7 +318,10 @@ class AgentLoopRollout:
 
 def _observes(loop: type) -> bool:
     """Whether `loop` runs an environment of the user's (its observations need the template's turn ids even in a
-    run without tools)."""
+    run without tools): an `EnvironmentLoop` of another than `ToolEnvironment`, or a loop that says so (its
+    ``observes``: a verifiers environment's)."""
+    if getattr(loop, "observes", False):
+        return True
     return issubclass(loop, EnvironmentLoop) and loop.environment is not ToolEnvironment
 
 

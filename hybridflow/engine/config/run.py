@@ -60,7 +60,10 @@ class HybridFlowConfig(_Section):
     @classmethod
     def _data_section(cls, values: Any) -> Any:
         if isinstance(values, dict) and "data" not in values:
-            raise ValueError("no data section: set data.train_files (parquet/jsonl) or data.reasoning_gym.name")
+            raise ValueError(
+                "no data section: set data.train_files (parquet/jsonl), data.reasoning_gym.name or "
+                "data.verifiers.env_id"
+            )
         return values
 
     @model_validator(mode="before")
@@ -116,6 +119,7 @@ class HybridFlowConfig(_Section):
                 f"algorithm.rollout_correction.{used}"
             )
         self._check_sum_pi_squared()
+        self._verifiers_loop()
         if correction.bypass_mode and self.actor.policy_loss.loss_mode != "vanilla":
             raise ValueError(
                 "algorithm.rollout_correction.bypass_mode trains with its own loss (loss_type: ppo_clip or reinforce), "
@@ -378,6 +382,17 @@ class HybridFlowConfig(_Section):
         """The most actor updates a trained batch's generating weights may lag behind (versions): 0 for
         ``trainer.mode: sync``, 1 for one_step_off, ``rollout.max_staleness`` for async."""
         return {"sync": 0, "one_step_off": 1}.get(self.trainer.mode, self.rollout.max_staleness)
+
+    def _verifiers_loop(self) -> None:
+        """``data.verifiers`` prompts are run by their environment's loop."""
+        source = self.data.verifiers
+        multi_turn = self.rollout.multi_turn
+        loop = f"verifiers/{source.env_id}" if source is not None else None
+        if loop is not None and (not multi_turn.enable or multi_turn.default_agent_loop != loop):
+            raise ValueError(
+                f"data.verifiers prompts run in their environment's agent loop: set rollout.multi_turn.enable=true and "
+                f"rollout.multi_turn.default_agent_loop={loop}"
+            )
 
     def _check_mode(self) -> None:
         """``trainer.mode: one_step_off | async`` need the rollout in a pool of its own (it generates while the actor

@@ -108,6 +108,17 @@ class ReasoningGymConfig(_Section):
     instruction: str | None = Field(None, description="appended to each question; None uses the default")
 
 
+class VerifiersDataConfig(_Section):
+    """Prompts from a verifiers environment's own datasets (`hybridflow.engine.agent.verifiers_env`), run by its
+    agent loop ``verifiers/<env_id>``."""
+
+    env_id: str = Field(description="the environment: the module with load_environment() (verifiers' env id)")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="load_environment()'s keyword arguments")
+    train_size: int | None = Field(None, gt=0, description="rows of its dataset (None: all)")
+    val_size: int | None = Field(None, ge=0, description="rows of its eval dataset for validation (None: all)")
+    seed: int | None = Field(None, description="shuffle both datasets with this seed first (None: their order)")
+
+
 class _Files(_Section):
     """A data section with ``train_files`` and ``val_files``."""
 
@@ -130,6 +141,7 @@ class DataConfig(_Files):
     )
     val_files: list[str] = Field(default_factory=list, description="held-out prompts for validation (path or list)")
     reasoning_gym: ReasoningGymConfig | None = None
+    verifiers: VerifiersDataConfig | None = None
     max_prompt_length: int = Field(256, gt=0, description="tokens; longer prompts are dropped")
     train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
     gen_batch_size: int | None = Field(
@@ -148,8 +160,8 @@ class DataConfig(_Files):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        if not self.train_files and self.reasoning_gym is None:
-            raise ValueError("set data.train_files (parquet/jsonl) or data.reasoning_gym.name")
+        if not self.train_files and self.reasoning_gym is None and self.verifiers is None:
+            raise ValueError("set data.train_files (parquet/jsonl), data.reasoning_gym.name or data.verifiers.env_id")
         return self
 
 
@@ -160,7 +172,8 @@ class MultiTurnConfig(_Section):
     default_agent_loop: str = Field(
         "tool_agent",
         description="the loop of rows without an agent_name column: single_turn, tool_agent, one registered with "
-        "register_agent_loop or register_environment, a 'path.py:Class' loop or environment, or skyrl_gym/<id>",
+        "register_agent_loop or register_environment, a 'path.py:Class' loop or environment, skyrl_gym/<id> or "
+        "verifiers/<id>",
     )
     max_assistant_turns: int | None = Field(None, ge=1, description="assistant turns per trajectory (None: no limit)")
     max_user_turns: int | None = Field(None, ge=0, description="tool turns per trajectory (None: no limit)")

@@ -49,6 +49,7 @@ ScoreFunction = Callable[[str, str, Any, dict[str, Any] | None], "float | dict[s
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k")
 REASONING_GYM_PREFIX = "reasoning_gym/"
+VERIFIERS_PREFIX = "verifiers/"
 # Generators whose score_answer compares the parsed answer grid with metadata["output"] as a tuple of tuples;
 # a JSON round trip turns those into lists, so they are turned back before scoring.
 _TUPLE_GRID_GENERATORS = frozenset({"arc_agi", "rearc"})
@@ -210,6 +211,23 @@ def _restore_tuples(name: str, entry: dict[str, Any]) -> dict[str, Any]:
     return {**entry, "metadata": metadata}
 
 
+def verifiers_score(extra_info: dict[str, Any] | None) -> dict[str, float]:
+    """A verifiers environment's own score of the trajectory (its rubric's weighted reward, computed in the rollout:
+    `hybridflow.engine.agent.verifiers_env`): ``score`` its ``extra_info["agent"]["env_reward"]``, ``acc`` 1.0 where
+    that reaches the environment's ``pass_threshold``.
+
+    Raises:
+        ValueError: the trajectory carries no environment reward (it was not run by its ``verifiers/<env_id>``
+            loop: names the key to set)."""
+    agent = (extra_info or {}).get("agent") or {}
+    if "env_reward" not in agent:
+        raise ValueError(
+            "a verifiers/<env_id> prompt without its environment's reward: run it in its loop "
+            "(rollout.multi_turn.enable=true, rollout.multi_turn.default_agent_loop=verifiers/<env_id>)"
+        )
+    return {"score": float(agent["env_reward"]), "acc": float(agent.get("env_passed", 0.0))}
+
+
 # ---------------------------------------------------------------------------------------------------- dispatch
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
@@ -217,8 +235,9 @@ def default_compute_score(
     """The built-in score function, chosen by `data_source`.
 
     ``"openai/gsm8k"`` / ``"gsm8k"`` -> `gsm8k_score` (strict); ``"reasoning_gym/<name>"`` ->
-    `reasoning_gym_score`. Both return ``{"score": float, "acc": 0.0 or 1.0}``, the same keys for every source, so
-    that a batch mixing data sources gives `RewardManager` one set of metrics.
+    `reasoning_gym_score`; ``"verifiers/<env_id>"`` -> `verifiers_score`. All return ``{"score": float, "acc": 0.0
+    or 1.0}``, the same keys for every source, so that a batch mixing data sources gives `RewardManager` one set of
+    metrics.
 
     Raises:
         ValueError: for any other data_source, naming it and saying to set ``reward.custom_function``.
@@ -228,6 +247,8 @@ def default_compute_score(
         return {"score": score, "acc": 1.0 if score >= 1.0 else 0.0}
     if data_source.startswith(REASONING_GYM_PREFIX):
         return reasoning_gym_score(data_source, solution_str, ground_truth, extra_info)
+    if data_source.startswith(VERIFIERS_PREFIX):
+        return verifiers_score(extra_info)
     check_builtin_source(data_source)  # raises, naming the fix
     raise AssertionError("unreachable")
 
@@ -243,10 +264,13 @@ def check_builtin_source(data_source: str) -> None:
     if data_source.startswith(REASONING_GYM_PREFIX):
         _check_generator(data_source[len(REASONING_GYM_PREFIX) :])
         return
+    if data_source.startswith(VERIFIERS_PREFIX):
+        return
     raise ValueError(
         f"no built-in reward for data_source {data_source!r} (built in: {', '.join(GSM8K_SOURCES)}, "
-        "reasoning_gym/<name>); set reward.custom_function to 'module:function' or 'path.py:function' with the "
-        "signature (data_source, solution_str, ground_truth, extra_info) -> float | dict with 'score'"
+        "reasoning_gym/<name>, verifiers/<env_id>); set reward.custom_function to 'module:function' or "
+        "'path.py:function' with the signature (data_source, solution_str, ground_truth, extra_info) -> float | "
+        "dict with 'score'"
     )
 
 

@@ -30,6 +30,7 @@ def data_check(
     """Check a run config's prompts: rows, duplicates between train and validation, prompts over
     data.max_prompt_length, labels that fail their audit (exact arithmetic for reasoning_gym/basic_arithmetic,
     reasoning_gym/chain_sum and arithmetic rows), and prompt and label lengths."""
+    from hybridflow.engine.agent.rollout import prompt_tools
     from hybridflow.engine.config import ConfigError, load_config
     from hybridflow.engine.data_report import data_report
     from hybridflow.engine.embedded_models import resolve_model_path
@@ -42,8 +43,9 @@ def data_check(
         raise typer.Exit(2) from None
     try:
         with console.status("building and tokenizing the prompts..."):
-            report = data_report(cfg.data, load_tokenizer(str(resolve_model_path(cfg.model.path))))
-    except (ValueError, FileNotFoundError) as e:
+            tokenizer = load_tokenizer(str(resolve_model_path(cfg.model.path)))
+            report = data_report(cfg.data, tokenizer, prompt_tools(cfg))
+    except (ValueError, FileNotFoundError, ImportError) as e:
         console.print(f"{config}: {e}", style="red")
         raise typer.Exit(2) from None
     _render(report)

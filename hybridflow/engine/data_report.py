@@ -67,8 +67,10 @@ def _prompt_key(row: dict[str, Any]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in row["prompt"])
 
 
-def _split_report(rows: list[dict[str, Any]], tokenizer: Any, max_prompt_length: int) -> SplitReport:
-    tokens = np.array([len(encode_prompt(row["prompt"], tokenizer)) for row in rows], dtype=np.int64)
+def _split_report(
+    rows: list[dict[str, Any]], tokenizer: Any, max_prompt_length: int, tools: list[dict[str, Any]] | None
+) -> SplitReport:
+    tokens = np.array([len(encode_prompt(row["prompt"], tokenizer, tools=tools)) for row in rows], dtype=np.int64)
     labels = np.array([len(str(row["reward_model"].get("ground_truth"))) for row in rows], dtype=np.int64)
     return SplitReport(
         rows=len(rows),
@@ -81,12 +83,14 @@ def _split_report(rows: list[dict[str, Any]], tokenizer: Any, max_prompt_length:
     )
 
 
-def data_report(data: DataConfig, tokenizer: Any) -> DataReport:
+def data_report(data: DataConfig, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> DataReport:
     """Build a config's train and validation rows as a run does and report on them.
 
     Args:
         data: the config's ``data`` section.
         tokenizer: the run's tokenizer (``model.path``'s), for prompt lengths in tokens.
+        tools: the OpenAI function schemas the run's prompts offer
+            (`hybridflow.engine.agent.rollout.prompt_tools`): their lengths count in the prompts'.
 
     Returns:
         The report; its ``problems`` name each failed check in words: labels failing their audit (per split, with
@@ -96,9 +100,9 @@ def data_report(data: DataConfig, tokenizer: Any) -> DataReport:
         ValueError, FileNotFoundError: as `build_prompt_rows` (a missing or malformed file, a bad generator setting).
     """
     train, val = build_prompt_rows(data)
-    splits = {"train": _split_report(train, tokenizer, data.max_prompt_length)}
+    splits = {"train": _split_report(train, tokenizer, data.max_prompt_length, tools)}
     if val:
-        splits["val"] = _split_report(val, tokenizer, data.max_prompt_length)
+        splits["val"] = _split_report(val, tokenizer, data.max_prompt_length, tools)
     shared = len({_prompt_key(r) for r in train} & {_prompt_key(r) for r in val})
     report = DataReport(splits, shared, data.max_prompt_length)
     for name, split in splits.items():

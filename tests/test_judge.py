@@ -32,6 +32,12 @@ def judge_prompt(data_source, solution_str, ground_truth, extra_info):
     return [{"role": "user", "content": text}]
 
 
+def picky_prompt(data_source, solution_str, ground_truth, extra_info):
+    if not solution_str:
+        raise ValueError("nothing to judge")
+    return judge_prompt(data_source, solution_str, ground_truth, extra_info)
+
+
 def verdict(judge_text, data_source, solution_str, ground_truth, extra_info):
     with LOG.open("a") as f:
         f.write(json.dumps({"judge_text": judge_text, "solution_str": solution_str}) + "\\n")
@@ -157,6 +163,37 @@ def test_the_judge_scores_each_sample_by_its_verdict_on_the_prompt_built_for_it(
     _check_scores(data, scored, direct)
     logged = [json.loads(line) for line in path.with_name("verdicts.jsonl").read_text().splitlines()]
     assert sorted(x["solution_str"] for x in logged) == sorted(RESPONSES)  # each rank judged its own rows
+
+
+def test_a_prompt_function_that_raises_fails_its_sample_only(tmp_path, tiny_model_dir):
+    """The prompt function raises on the empty response (row 2): that row scores 0.0, is marked failed and says why in
+    its judge_text; the other rows are judged as they are without the failure (same prompts, same row seeds)."""
+    from hybridflow.engine.reward.judge import JudgeRewardModel
+    from hybridflow.engine.reward.rewards import ScoreFunctionError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    data = _rollout(tokenizer)
+    path = _write_judge(tmp_path)
+
+    def judge(prompt_function: str, fraction: float = 0.5):
+        keys = [
+            *_judge_keys(path, "hf", tiny_model_dir),
+            f"reward_model.judge.prompt_function={path}:{prompt_function}",
+        ]
+        cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", keys)
+        return JudgeRewardModel(cfg.reward_model, tiny_model_dir, tokenizer, "cpu", torch.float32, 0, fraction)
+
+    whole = judge("judge_prompt").compute_rm_score(data)
+    scored = judge("picky_prompt").compute_rm_score(data)
+    assert scored.batch["reward_extra/judge_failed"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert scored.batch["rm_scores"][2].count_nonzero() == 0
+    text = scored.non_tensor_batch["judge_text"][2]
+    assert text.startswith("[failed: ") and "prompt_function" in text and "nothing to judge" in text
+    for i in (0, 1, 3):
+        assert scored.non_tensor_batch["judge_text"][i] == whole.non_tensor_batch["judge_text"][i]
+        assert torch.equal(scored.batch["rm_scores"][i], whole.batch["rm_scores"][i])
+    with pytest.raises(ScoreFunctionError, match=r"failed on 1 of 4 samples.*nothing to judge"):
+        judge("picky_prompt", fraction=0.0).compute_rm_score(data)
 
 
 def test_a_training_iteration_adds_the_judges_score_to_the_reward(tmp_path, tiny_model_dir):

@@ -153,7 +153,8 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
             from hybridflow.engine.reward.judge import JudgeRewardModel
 
             path = resolve_model_path(rm.path)
-            out.reward_model = JudgeRewardModel(rm, path, out.tokenizer, device, dtype, cfg.trainer.seed)
+            fraction = cfg.reward.max_failed_fraction
+            out.reward_model = JudgeRewardModel(rm, path, out.tokenizer, device, dtype, cfg.trainer.seed, fraction)
         elif rm.enable:
             out.reward_model = RewardModel(rm, resolve_model_path(rm.path), out.tokenizer, device, dtype)
         if rm.cost_path:

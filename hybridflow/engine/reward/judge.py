@@ -28,7 +28,13 @@ import torch
 from hybridflow.engine.models import dtype_name
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.reward.reward_model import RewardModelError
-from hybridflow.engine.reward.rewards import SCORE_ARGUMENTS, RewardManager, load_reward_function, score_inputs
+from hybridflow.engine.reward.rewards import (
+    SCORE_ARGUMENTS,
+    RewardManager,
+    ScoreFunctionError,
+    load_reward_function,
+    score_inputs,
+)
 
 if TYPE_CHECKING:
     from hybridflow.engine.config import RewardModelConfig
@@ -84,6 +90,8 @@ class JudgeRewardModel:
         actor_tokenizer: decodes the rollout's responses.
         device: where it runs; dtype: the ``hf`` engine's weights' dtype.
         seed: the run's seed (``trainer.seed``).
+        max_failed_fraction: ``reward.max_failed_fraction``: the share of a batch whose prompt or verdict function
+            may fail (scored 0.0) before the batch stops the run.
 
     Raises:
         RewardModelError: not a causal LM (`check_judge`).
@@ -93,9 +101,17 @@ class JudgeRewardModel:
     column = "rm_scores"
 
     def __init__(
-        self, config: RewardModelConfig, path: Path, actor_tokenizer: Any, device, dtype: torch.dtype, seed: int = 0
+        self,
+        config: RewardModelConfig,
+        path: Path,
+        actor_tokenizer: Any,
+        device,
+        dtype: torch.dtype,
+        seed: int = 0,
+        max_failed_fraction: float = 0.5,
     ):
         self.config, self.judge, self.seed = config, config.judge, int(seed)
+        self.max_failed_fraction = max_failed_fraction
         self.actor_tokenizer = actor_tokenizer
         self.tokenizer = check_judge(path)
         self.prompt_fn, self.verdict_fn = load_judge_functions(config)
@@ -140,12 +156,14 @@ class JudgeRewardModel:
         return list(ids)[-self.config.max_length :]
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[list[int]], step: int) -> list[str]:
+    def generate(self, prompts: Sequence[list[int]], step: int, rows: Sequence[int] | None = None) -> list[str]:
         """The judge's verdict text for each prompt (token ids), at most ``judge.max_tokens`` tokens, stopping at
-        its EOS; row i sampled with seed `hybridflow.engine.rollout.hf.sampling_seed` (seed, `step`, ``judge``, i)."""
+        its EOS; the prompt of batch row i (`rows`: each prompt's row, default 0, 1, ...) sampled with seed
+        `hybridflow.engine.rollout.hf.sampling_seed` (seed, `step`, ``judge``, i)."""
         from hybridflow.engine.rollout.hf import sampling_seed
 
-        seeds = [sampling_seed(self.seed, step, "judge", i) for i in range(len(prompts))]
+        rows = range(len(prompts)) if rows is None else rows
+        seeds = [sampling_seed(self.seed, step, "judge", i) for i in rows]
         if self.model is None:
             return self._generate_vllm(prompts, seeds)
         return [self._generate_hf(ids, seed) for ids, seed in zip(prompts, seeds, strict=True)]
@@ -194,44 +212,69 @@ class JudgeRewardModel:
     # ------------------------------------------------------------------ scoring
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` float32 [B, T] (each row's verdict score on its last response token), non-tensor
-        ``judge_text`` (the verdicts, kept with the samples: ``hf runs samples``) and, when the verdict function returns
-        dicts, ``reward_extra/judge_<key>`` float64 [B].
+        ``judge_text`` (the verdicts, kept with the samples: ``hf runs samples``; a failed sample's starts with
+        ``[failed: <error>]``), ``reward_extra/judge_failed`` float64 [B] (1.0 where the prompt or verdict function
+        failed) and, when the verdict function returns dicts, ``reward_extra/judge_<key>`` float64 [B].
 
         Args:
             data: ``responses`` int64 [B, T], ``response_mask`` [B, T], non-tensor ``data_source``,
                 ``reward_model`` (with ``ground_truth``), ``extra_info``; ``meta_info["global_steps"]`` seeds the
                 sampling.
 
+        A sample whose prompt function or verdict function raises scores 0.0, its error kept and logged, as a score
+        function's (`hybridflow.engine.reward.rewards.RewardManager`; the judge does not run on it); more than
+        ``reward.max_failed_fraction`` of the batch failing stops the run.
+
         Raises:
-            ScoreFunctionError: a user function raised (names it and the sample).
+            ScoreFunctionError: more than ``reward.max_failed_fraction`` of the samples failed (names the function,
+                the first failed sample and its error).
             TypeError: a prompt that is neither a string nor chat messages, or a verdict that is no number.
             NonFiniteError: a verdict scored NaN or ±inf.
         """
         inputs = score_inputs(data, self.actor_tokenizer)
-        prompts = [self.prompt_ids(self._call_prompt_fn(i, args)) for i, args in enumerate(inputs)]
-        texts = self.generate(prompts, int(data.meta_info.get("global_steps", 0)))
-        verdicts = iter(texts)
+        built = [self._call_prompt_fn(i, args) for i, args in enumerate(inputs)]
+        rows = [i for i, prompt in enumerate(built) if not isinstance(prompt, ScoreFunctionError)]
+        texts = [""] * len(inputs)
+        verdict_texts = self.generate(
+            [self.prompt_ids(built[i]) for i in rows], data.meta_info.get("global_steps", 0), rows
+        )
+        for i, text in zip(rows, verdict_texts, strict=True):
+            texts[i] = text
+        answers = iter(zip(built, texts, strict=True))
+
+        def verdict(*args: Any) -> Any:
+            prompt, text = next(answers)  # called in the samples' order, in this thread (RewardManager)
+            if isinstance(prompt, ScoreFunctionError):
+                raise prompt
+            return self.verdict_fn(text, *args)
+
         manager = RewardManager(
             self.actor_tokenizer,
-            lambda *args: self.verdict_fn(next(verdicts), *args),
+            verdict,
             name=f"reward_model.judge.verdict_function {self.judge.verdict_function}",
+            max_failed_fraction=self.max_failed_fraction,
         )
-        scores, extra = manager.score(data, inputs)  # each verdict's score on its row's last response token
-        tensors = {self.column: scores.cpu()}
-        for key, values in extra.items():
+        scored = manager.scored(data, inputs)  # each verdict's score on its row's last response token
+        tensors = {self.column: scored.scores.cpu()}
+        for key, values in scored.extra.items():
             if key != "score":
                 tensors[f"reward_extra/judge_{key}"] = torch.from_numpy(values)
+        tensors["reward_extra/judge_failed"] = torch.from_numpy(scored.failed.astype(np.float64))
+        failures = zip(texts, scored.errors, strict=True)
+        texts = [f"[failed: {error}] {text}".strip() if error else text for text, error in failures]
         return DataProto.from_dict(tensors, {"judge_text": np.array(texts, dtype=object)})
 
     def _call_prompt_fn(self, i: int, args: tuple[Any, ...]) -> Any:
+        """The prompt function's result for sample `i`, or the `ScoreFunctionError` saying how it raised."""
         from hybridflow.engine.guards import FIX
-        from hybridflow.engine.reward.rewards import ScoreFunctionError
 
         try:
             return self.prompt_fn(*args)
         except Exception as error:
             said = " ".join(str(error).split())
-            raise ScoreFunctionError(
+            failure = ScoreFunctionError(
                 f"reward_model.judge.prompt_function {self.judge.prompt_function} raised {type(error).__name__}: "
                 f"{said} on sample {i} (data_source {args[0]}, response {args[1][:80]!r}); {FIX}"
-            ) from error
+            )
+            failure.__cause__ = error
+            return failure

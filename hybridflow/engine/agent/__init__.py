@@ -10,6 +10,9 @@
   `interpreter_driver` (the loop inside the sandbox);
 - `parsers`: tool calls read from the model's text (``hermes``: ``<tool_call>{json}</tool_call>``);
 - `chat_format`: the chat template's tokens around a tool turn, computed once and checked prefix-stable;
+- `skyrl_gym_env`, `verifiers_env`: environments written for SkyRL-gym (``skyrl_gym/<id>``) and for verifiers
+  (``verifiers/<env_id>``, with ``data.verifiers``), run unmodified;
+- `demonstrations`: SFT warm-up conversations that call a tool, made by running it;
 - `rollout`: `AgentLoopRollout`, which runs the loops of a batch on a rollout engine, token-in-token-out;
 - `calculator`: the built-in calculator tool.
 """

@@ -40,17 +40,23 @@ def _sharpened_tiny(folder):
     return path
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """The sharpened tiny model loaded as the trainable actor; the engine built from the same folder."""
-    path = _sharpened_tiny(tmp_path_factory.mktemp("tiny32"))
+def _actor_and_engine(folder, response_length: int = LENGTH):
+    """The sharpened tiny model saved in `folder`, loaded as the trainable actor; the engine (fp32, 2 samples per
+    prompt) built from the same folder: (model, tokenizer, rollout config, engine)."""
+    path = _sharpened_tiny(folder)
     model = load_model(path, torch.float32, torch.device("cpu"), trainable=True)
     tokenizer = load_tokenizer(path)
     config = RolloutConfig(
-        name="vllm", n=2, response_length=LENGTH, temperature=1.0, vllm_kv_cache_gb=0.25, vllm_dtype="float32"
+        name="vllm", n=2, response_length=response_length, temperature=1.0, vllm_kv_cache_gb=0.25, vllm_dtype="float32"
     )
     rollout = VLLMRollout(model, tokenizer, str(path), config, max_prompt_length=160, seed=0)  # a CPU cache block
     return model, tokenizer, config, rollout
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """The sharpened tiny model loaded as the trainable actor; the engine built from the same folder."""
+    return _actor_and_engine(tmp_path_factory.mktemp("tiny32"))
 
 
 def _prompts(tokenizer) -> DataProto:

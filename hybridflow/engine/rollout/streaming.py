@@ -1,0 +1,284 @@
+"""Streaming generation on a vLLM engine: samples, not batches, and generations that continue across a weight push.
+
+`StreamingGenerator` keeps a set of admitted prompts generating on the engine of `hybridflow.engine.rollout.vllm`
+between calls, one vLLM request per sample, and hands over whole groups (the ``rollout.n`` samples of a prompt) as
+they finish, in any order. Every sampled token records the weight version (actor updates) that sampled it.
+
+At a weight push (`StreamingGenerator.pause`, then the engine loads, then `StreamingGenerator.resume`):
+
+- ``rollout.partial_rollout: true`` (AReaL's interruptible rollout, verl's fully-async ``partial_rollout``): the
+  requests in flight are aborted, each sample keeping its tokens so far; after the load each continues from the same
+  tokens under the new weights, as a new request whose prompt is its prompt and its tokens so far (the engine
+  recomputes their keys and values with the new weights: no key or value of the old weights is reused, AReaL
+  §4.2). Its remaining tokens record the new version.
+- ``false``: the requests in flight finish under the old weights first (the engine drains), so every sample's tokens
+  are of one version; only then the engine loads.
+
+Each request is seeded with `hybridflow.engine.rollout.hf.sampling_seed` of its sample's row, as
+`VLLMRollout.generate_sequences` seeds it, and a continuation with the seed of its row and segment: a sample's
+tokens do not depend on how the engine batches requests, and a generator restored from `state_dict` continues
+exactly where the saved one was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout.hf import assemble_rollout, expand_prompts, sampling_seed
+from hybridflow.engine.rollout.vllm import VLLMRollout, eager_on_cpu
+
+
+@dataclass
+class StreamSample:
+    """One sample in the stream: the `row`-th of the stream `stream`'s iteration `global_steps` (its seed's key),
+    its prompt's ids, and what it has sampled so far: ids, the engine's log-prob of each (after temperature) and the
+    weight version that sampled each. `segments`: the requests it has had (one more after each interrupt)."""
+
+    uid: str
+    row: int
+    global_steps: int
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    segments: int = 0
+    done: bool = False
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of its first token (the staleness bound's), None before it has one."""
+        return self.versions[0] if self.versions else None
+
+
+@dataclass
+class StreamGroup:
+    """The samples of one prompt (its ``uid``), admitted at weight version `admitted`, with their non-tensor columns
+    (``data_source``, ``reward_model``, ...) as the rollout's batch carries them."""
+
+    uid: str
+    admitted: int
+    samples: list[StreamSample]
+    columns: dict[str, list[Any]]
+
+    @property
+    def done(self) -> bool:
+        return all(s.done for s in self.samples)
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of the group's oldest token (its admission version before any token)."""
+        versions = [s.oldest_version for s in self.samples if s.oldest_version is not None]
+        return min(versions, default=self.admitted)
+
+
+class StreamingGenerator:
+    """Admitted prompts generating on `engine` across calls (see the module docstring).
+
+    Args:
+        engine: the rollout's vLLM engine (its ``llm``, sampling parameters, adapter and EOS ids).
+        partial_rollout: interrupt the requests in flight at a weight push and continue them under the new weights
+            (``rollout.partial_rollout``); False: let them finish under the old weights first.
+        version: the weight version the engine serves now.
+        temperature: the sampling temperature (``rollout.temperature``).
+        stream: the random stream's name (``"train"``): samples of different streams never share seeds.
+    """
+
+    def __init__(
+        self,
+        engine: VLLMRollout,
+        partial_rollout: bool = True,
+        version: int = 0,
+        temperature: float | None = None,
+        stream: str = "train",
+    ):
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine = engine
+        self.partial_rollout = partial_rollout
+        self.version = version
+        self.temperature = engine.config.temperature if temperature is None else temperature
+        self.stream = stream
+        self.groups: dict[str, StreamGroup] = {}  # admitted and not taken, in admission order
+        self._requests: dict[str, StreamSample] = {}  # in flight: vLLM request id -> sample
+        self._paused = False
+        self._delta = RequestOutputKind.DELTA
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, prompts: DataProto) -> list[str]:
+        """Start generating ``rollout.n`` samples of every prompt of `prompts` (left-padded ``input_ids`` and
+        ``attention_mask`` int64 [B, P], ``meta_info["global_steps"]`` and ``"row_offset"`` as for
+        `VLLMRollout.generate_sequences`, whose seeds each sample gets). Returns the groups' uids.
+
+        Raises:
+            ValueError: a prompt's uid is already in the stream (admitted twice).
+        """
+        n = self.engine.config.n
+        global_steps = int(prompts.meta_info.get("global_steps", 0))
+        row_offset = int(prompts.meta_info.get("row_offset", 0))
+        batch = expand_prompts(prompts, n, self.stream)
+        ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+        uids = []
+        for g in range(len(prompts)):
+            rows = range(g * n, (g + 1) * n)
+            uid = str(batch.non_tensor_batch["uid"][g * n])
+            if uid in self.groups:
+                raise ValueError(f"prompt {uid} is admitted twice to the stream")
+            samples = [
+                StreamSample(uid, row_offset * n + i, global_steps, ids[i][mask[i].bool()].tolist()) for i in rows
+            ]
+            columns = {k: [v[i] for i in rows] for k, v in batch.non_tensor_batch.items()}
+            self.groups[uid] = StreamGroup(uid, self.version, samples, columns)
+            uids.append(uid)
+            for sample in samples:
+                if not self._paused:
+                    self._submit(sample)
+        return uids
+
+    def _submit(self, sample: StreamSample) -> None:
+        """Send `sample`'s next segment to the engine: its prompt and tokens so far, for what remains of
+        ``rollout.response_length``, seeded by its row and segment."""
+        stream = self.stream if sample.segments == 0 else f"{self.stream}/continued-{sample.segments}"
+        seed = sampling_seed(self.engine.seed, sample.global_steps, stream, sample.row)
+        remaining = self.engine.config.response_length - len(sample.ids)
+        params = self.engine._sampling_params(self.temperature, remaining, seed, self.stream)
+        params.output_kind = self._delta
+        request_id = f"{sample.uid}/{sample.row}/{sample.segments}"
+        prompt = self.engine._vllm.inputs.TokensPrompt(prompt_token_ids=sample.prompt_ids + sample.ids)
+        self.engine.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self.engine._lora_request)
+        self._requests[request_id] = sample
+        sample.segments += 1
+
+    # ------------------------------------------------------------------ generation
+    @property
+    def in_flight(self) -> int:
+        """Samples generating now."""
+        return len(self._requests)
+
+    def step(self) -> None:
+        """One engine step: every request in flight samples its next token (or its prompt is prefilled)."""
+        with eager_on_cpu(self.engine.on_gpu):
+            outputs = self.engine.llm.llm_engine.step()
+        for out in outputs:
+            sample = self._requests[out.request_id]
+            delta = out.outputs[0]
+            ids = list(delta.token_ids)
+            log_probs = [entry[t].logprob for t, entry in zip(ids, delta.logprobs or [], strict=False)]
+            sample.ids += ids
+            sample.log_probs += log_probs + [0.0] * (len(ids) - len(log_probs))
+            sample.versions += [self.version] * len(ids)
+            if out.finished:
+                sample.done = True
+                del self._requests[out.request_id]
+
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Step while samples are in flight, until `until()` holds (checked before every step; None: until none is
+        in flight)."""
+        while self._requests and not (until is not None and until()):
+            self.step()
+
+    def finished(self) -> list[StreamGroup]:
+        """The groups whose every sample has finished, in admission order."""
+        return [g for g in self.groups.values() if g.done]
+
+    # ------------------------------------------------------------------ weight pushes
+    def pause(self) -> None:
+        """Before the engine loads new weights: with partial rollouts, abort the requests in flight (each sample
+        keeps its tokens); without, let them finish under the weights that began them. Admissions wait for
+        `resume`."""
+        if self.partial_rollout:
+            self.engine.llm.llm_engine.abort_request(list(self._requests))
+            self._requests.clear()
+        else:
+            self.run()
+        self._paused = True
+
+    def resume(self, version: int) -> None:
+        """After the engine has loaded weight `version`: every unfinished sample continues from its tokens so far,
+        its new tokens recording `version`."""
+        self.version = version
+        self._paused = False
+        flying = {id(s) for s in self._requests.values()}
+        for group in self.groups.values():
+            for sample in group.samples:
+                if not sample.done and id(sample) not in flying:
+                    self._submit(sample)
+
+    # ------------------------------------------------------------------ hand-over
+    def take(self, uids: list[str]) -> DataProto:
+        """Remove the finished groups `uids` from the stream and return their samples as the rollout's batch, in
+        `uids`' order: the layout of `VLLMRollout.generate_sequences` (prompts left-padded to the widest of them),
+        plus ``rollout_token_versions`` int64 [B, T] (the version that sampled each response token; -1 past its
+        end) and ``rollout_version`` int64 [B] (that of the row's oldest token).
+
+        Raises:
+            ValueError: a uid is not in the stream, or one of its samples has not finished.
+        """
+        missing = [u for u in uids if u not in self.groups or not self.groups[u].done]
+        if missing:
+            raise ValueError(f"groups not finished in the stream: {missing}")
+        groups = [self.groups.pop(u) for u in uids]
+        samples = [s for g in groups for s in g.samples]
+        length, pad = self.engine.config.response_length, self.engine.tokenizer.pad_token_id
+        width = max(len(s.prompt_ids) for s in samples)
+        prompt_ids = torch.full((len(samples), width), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((len(samples), width), dtype=torch.long)
+        responses = torch.full((len(samples), length), pad, dtype=torch.long)
+        log_probs = torch.zeros((len(samples), length), dtype=torch.float32)
+        versions = torch.full((len(samples), length), -1, dtype=torch.long)
+        for i, s in enumerate(samples):
+            prompt_ids[i, width - len(s.prompt_ids) :] = torch.tensor(s.prompt_ids)
+            prompt_mask[i, width - len(s.prompt_ids) :] = 1
+            t = min(len(s.ids), length)
+            responses[i, :t] = torch.tensor(s.ids[:t], dtype=torch.long)
+            log_probs[i, :t] = torch.tensor(s.log_probs[:t])
+            versions[i, :t] = torch.tensor(s.versions[:t])
+        tensors = assemble_rollout(prompt_ids, prompt_mask, responses, self.engine.eos_token_ids, pad, length)
+        mask = tensors["response_mask"]
+        tensors["rollout_log_probs"] = log_probs * mask
+        tensors["rollout_token_versions"] = torch.where(mask.bool(), versions, -1)
+        tensors["rollout_version"] = torch.tensor([s.oldest_version for s in samples], dtype=torch.long)
+        columns = {k: [v for g in groups for v in g.columns[k]] for k in groups[0].columns}
+        return DataProto.from_dict(tensors, columns, {"temperature": self.temperature})
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Every group in the stream, finished or not, with its samples' tokens, log-probs and versions so far (JSON
+        types): what `load_state_dict` continues from. Taken between calls, when nothing is mid-step."""
+        return {
+            "version": self.version,
+            "groups": [
+                {
+                    "uid": g.uid,
+                    "admitted": g.admitted,
+                    "samples": [asdict(s) for s in g.samples],
+                    "columns": {k: _plain(v) for k, v in g.columns.items()},
+                }
+                for g in self.groups.values()
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the stream `state_dict` saved (its in-flight requests lost with the old process): every
+        unfinished sample is sent to the engine again from its tokens so far, seeded by its next segment.
+
+        Raises:
+            RuntimeError: the stream is not empty.
+        """
+        if self.groups:
+            raise RuntimeError("load_state_dict needs an empty stream")
+        self.version = int(state["version"])
+        for g in state["groups"]:
+            samples = [StreamSample(**s) for s in g["samples"]]
+            self.groups[g["uid"]] = StreamGroup(g["uid"], int(g["admitted"]), samples, dict(g["columns"]))
+        self.resume(self.version)
+
+
+def _plain(values: list[Any]) -> list[Any]:
+    """Column values as JSON types (numpy scalars and arrays to Python ones)."""
+    return [v.tolist() if isinstance(v, (np.ndarray, np.generic)) else v for v in values]

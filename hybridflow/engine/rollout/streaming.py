@@ -70,12 +70,6 @@ class StreamGroup:
     def done(self) -> bool:
         return all(s.done for s in self.samples)
 
-    @property
-    def oldest_version(self) -> int:
-        """The version of the group's oldest token (its admission version before any token)."""
-        versions = [s.oldest_version for s in self.samples if s.oldest_version is not None]
-        return min(versions, default=self.admitted)
-
 
 class StreamingGenerator:
     """Admitted prompts generating on `engine` across calls (see the module docstring).
@@ -217,11 +211,11 @@ class StreamingGenerator:
         end) and ``rollout_version`` int64 [B] (that of the row's oldest token).
 
         Raises:
-            ValueError: a uid is not in the stream, or one of its samples has not finished.
+            ValueError: no uid, a uid not in the stream, or one whose samples have not all finished.
         """
         missing = [u for u in uids if u not in self.groups or not self.groups[u].done]
-        if missing:
-            raise ValueError(f"groups not finished in the stream: {missing}")
+        if not uids or missing:
+            raise ValueError(f"take needs finished groups of the stream; not finished or not in it: {missing or uids}")
         groups = [self.groups.pop(u) for u in uids]
         samples = [s for g in groups for s in g.samples]
         length, pad = self.engine.config.response_length, self.engine.tokenizer.pad_token_id

@@ -1,6 +1,7 @@
 """Answer extraction, GSM8K and reasoning-gym scores, custom score functions and the RewardManager."""
 
 import json
+import os
 import sys
 import textwrap
 import threading
@@ -327,6 +328,9 @@ def score(data_source, solution_str, ground_truth, extra_info):
         os._exit(3)
     if solution_str.startswith("slow"):
         time.sleep(1.0)
+    if solution_str == "pid":  # which process scored it (slow enough that every process takes a share)
+        time.sleep(0.3)
+        return {"score": float(os.getpid()), "length": 3.0}
     return {"score": float(solution_str == ground_truth), "length": float(len(solution_str))}
 """
 
@@ -421,6 +425,29 @@ def test_a_raising_sample_is_recorded_and_the_batch_goes_on(tiny_tokenizer, scor
     batch, _ = _response_batch(tiny_tokenizer, texts[:3], ["s"] * 3, truths[:3])
     in_process = RewardManager(tiny_tokenizer, load_reward_function(score_spec)).scored(batch)
     assert in_process.errors == out.errors[:3] and in_process.scores.sum(-1).tolist() == [1.0, 0.0, 1.0]
+
+
+def test_a_batch_is_scored_when_every_scoring_process_is_killed_as_it_starts(tiny_tokenizer, score_spec):
+    """Every scoring process killed from outside (a job's processes signalled, the OOM killer) just before a
+    batch: pebble fails every task of that pool at once ("All workers expired"), which no sample caused; the
+    batch goes to a new pool and every sample scores, none blamed on the function."""
+    import signal
+
+    pids_batch, _ = _response_batch(tiny_tokenizer, ["pid"] * 4, ["s"] * 4, ["7"] * 4)
+    batch, lengths = _response_batch(tiny_tokenizer, ["7", "8", "x", "7"], ["s"] * 4, ["7", "8", "9", "7"])
+    manager = RewardManager(tiny_tokenizer, spec=score_spec, timeout_s=10, num_workers=2)
+    try:
+        for _attempt in range(3):
+            scores, _ = manager(pids_batch)
+            pids = {int(p) for p in scores.sum(-1).tolist()}
+            assert len(pids) == 2, pids  # both processes scored
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            out = manager.scored(batch)
+            assert out.errors == [""] * 4
+            assert [out.scores[b, n - 1].item() for b, n in enumerate(lengths)] == [1.0, 1.0, 0.0, 1.0]
+    finally:
+        manager.close()
 
 
 def test_most_samples_failing_stops_the_run_naming_the_cause(tiny_tokenizer, score_spec):

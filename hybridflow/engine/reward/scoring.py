@@ -163,6 +163,8 @@ class ProcessScorer:
     `CHUNK_S` seconds of calls, run one after another in a process, each chunk allowed ``max(1 s, 20 x`` its
     expected time) (at most `timeout_s`). A chunk that runs past that, or whose process dies, is sent again one
     sample per call with the full `timeout_s`, so a hung call costs at most that second more than the timeout.
+    Every process killed at once from outside (pebble then fails the whole pool) sends the unscored samples to a
+    new pool, once per call; a second time, they fail with that error.
 
     Raises:
         ValueError: `timeout_s` <= 0 or `num_workers` < 1.
@@ -217,9 +219,19 @@ class ProcessScorer:
         for first in range(0, len(inputs), size):
             send(first, min(size, len(inputs) - first), chunk_timeout if size > 1 else self.timeout_s)
         outcomes: list[Outcome | None] = [None] * len(inputs)
-        failures, slowest = 0, 0.0
+        failures, slowest, restarted = 0, 0.0, False
         while pending and (max_failures is None or failures <= max_failures):
             done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            if not restarted and any(isinstance(f.exception(), BrokenProcessPool) for f in done):
+                # every process died while no task ran on one (killed from outside): pebble fails every task of
+                # the pool, which no sample caused; a new pool, once, and the unscored samples sent to it
+                restarted, unscored = True, list(pending.values())
+                pending.clear()
+                self.close()
+                pool = self._start()
+                for first, count in unscored:
+                    send(first, count, chunk_timeout if count > 1 else self.timeout_s)
+                continue
             for future in done:
                 first, count = pending.pop(future)
                 calls, failure = self._results(future, count)

@@ -210,14 +210,15 @@ class ProcessScorer:
             pool = self._start()
         size, chunk_timeout = self._chunking(len(inputs))
 
-        def send(first: int, count: int, timeout: float | None) -> concurrent.futures.Future:
+        def send(first: int, count: int) -> concurrent.futures.Future:  # a chunk its allowance, a sample timeout_s
+            timeout = chunk_timeout if count > 1 else self.timeout_s
             future = pool.schedule(_call, args=(self.spec, self.key, inputs[first : first + count]), timeout=timeout)
             pending[future] = (first, count)
             return future
 
         pending: dict[concurrent.futures.Future, tuple[int, int]] = {}
         for first in range(0, len(inputs), size):
-            send(first, min(size, len(inputs) - first), chunk_timeout if size > 1 else self.timeout_s)
+            send(first, min(size, len(inputs) - first))
         outcomes: list[Outcome | None] = [None] * len(inputs)
         failures, slowest, restarted = 0, 0.0, False
         while pending and (max_failures is None or failures <= max_failures):
@@ -230,14 +231,14 @@ class ProcessScorer:
                 self.close()
                 pool = self._start()
                 for first, count in unscored:
-                    send(first, count, chunk_timeout if count > 1 else self.timeout_s)
+                    send(first, count)
                 continue
             for future in done:
                 first, count = pending.pop(future)
                 calls, failure = self._results(future, count)
                 if calls is None and count > 1:  # the chunk as a whole failed: each sample again, on its own
                     for i in range(first, first + count):
-                        send(i, 1, self.timeout_s)
+                        send(i, 1)
                     continue
                 for i, (outcome, seconds) in enumerate(calls or [(failure, 0.0)], start=first):
                     outcomes[i] = outcome

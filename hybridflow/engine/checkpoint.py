@@ -63,6 +63,7 @@ TRAINER_STATE = "trainer_state.json"
 RNG_STATE = "rng.pt"
 OPTIM_STATE = "optim.pt"
 AHEAD_DIR = "rollout_ahead"  # trainer.mode one_step_off | async: <iteration>.safetensors, each batch generated ahead
+STREAM_FILE = "stream.json"  # in AHEAD_DIR, rollout.streaming: the stream's samples so far and its admission state
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _STEP_DIR = re.compile(r"global_step_(\d+)")

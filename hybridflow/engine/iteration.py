@@ -91,6 +91,17 @@ STAGE_METHODS: dict[str, StageMethod] = {
     "update_actor": StageMethod(
         "update_actor", "Actor (PPO) update; actor/* metrics averaged over ranks.", metrics=True
     ),
+    "stream_admit": StageMethod(
+        "stream_admit",
+        "rollout.streaming: start generating the prompts [B] on the rollout's stream (finished groups are handed over "
+        "by stream_batch; the engine generates between calls).",
+    ),
+    "stream_batch": StageMethod(
+        "stream_batch",
+        "rollout.streaming: the next batch of whole finished groups within rollout.max_staleness, B*n sequences with "
+        "rollout_token_versions [B*n, T].",
+        takes_batch=False,
+    ),
     "publish_weights": StageMethod(
         "publish_weights",
         "For a rollout pool of its own: the actor's pool writes its updated weights where the rollout pool reads "
@@ -114,7 +125,13 @@ through it."""
 STAGES = tuple(STAGE_METHODS)
 """The stages a `Call` names."""
 
-TIMING = {"generate": "gen", "generate_greedy": "gen_max", "ref_log_prob": "ref", "advantage": "adv"}
+TIMING = {
+    "generate": "gen",
+    "stream_batch": "gen",
+    "generate_greedy": "gen_max",
+    "ref_log_prob": "ref",
+    "advantage": "adv",
+}
 """A stage's name in ``timing_s/<name>`` where it differs from the stage's (verl's names)."""
 
 
@@ -174,13 +191,18 @@ class Ahead:
     ``global_steps``), its prompts (None when restored from a checkpoint), its generation, pending
     (`Stages.submit`) or done (a batch), the weight pushes queued on the rollout's pool just before it, whose
     checks (``rollout/weight_probe_*``) the iteration that trains it reports, and ReMax's greedy responses to the
-    same prompts from the same weights (None for the other estimators)."""
+    same prompts from the same weights (None for the other estimators).
+
+    With ``rollout.streaming`` its prompts' admission to the stream is `admitted` (pending or done) and `rollout`
+    is None until the iteration asks the stream for its batch (``stream_batch``: whole groups of any admitted
+    prompts, not necessarily these)."""
 
     step: int
     prompts: Any | None
     rollout: Any
     syncs: list[Any] = field(default_factory=list)
     greedy: Any | None = None
+    admitted: Any | None = None
 
 
 @dataclass
@@ -252,6 +274,8 @@ def run_iteration(
         else:
             admit(cfg, stages, queue, step)
             head = queue.ahead[0]
+            if head.rollout is None:  # streaming: the first finished groups the staleness bound lets go
+                head.rollout = queue.last = stages.submit(Call("stream_batch", "rollout"), after=queue.last)
             batch, rollout, greedy = head.prompts, stages.result(head.rollout), stages.result(head.greedy)
             for synced in head.syncs:  # queued before it: done
                 metrics.update(stages.result(synced))
@@ -322,11 +346,21 @@ def admit(cfg: HybridFlowConfig, stages: Stages, queue: RolloutQueue, step: int)
     t - engine_version <= `HybridFlowConfig.max_staleness` (and t < ``trainer.total_iterations``): every
     trained row was generated at most that many updates before, and nothing generated is ever dropped. Each draws
     its prompts in iteration order, so the sampler's sequence is the synchronous loop's. ReMax's greedy baseline
-    is generated right behind its batch, by the same weights (no push can come between them)."""
+    is generated right behind its batch, by the same weights (no push can come between them).
+
+    With ``rollout.streaming`` the prompts join the rollout's stream instead (``stream_admit``), by the same count:
+    B groups more while the groups admitted stay within ``(engine_version + s + 1) * B``, AReaL's rule, which the
+    stream's `hybridflow.engine.rollout.admission.StreamAdmission` checks again and bounds per group."""
     remax = uses_greedy_baseline(cfg.algorithm.adv_estimator)
     t = queue.ahead[-1].step + 1 if queue.ahead else step
     while t < cfg.trainer.total_iterations and t - queue.engine_version <= cfg.max_staleness():
         prompts = stages.next_prompts(t)
+        if cfg.rollout.streaming:
+            queue.last = stages.submit(Call("stream_admit", "rollout", (prompts,)), after=queue.last)
+            queue.ahead.append(Ahead(t, prompts, None, queue.syncs, admitted=queue.last))
+            queue.syncs = []
+            t += 1
+            continue
         rollout = queue.last = stages.submit(Call("generate", "rollout", (prompts,)), after=queue.last)
         greedy = None
         if remax:

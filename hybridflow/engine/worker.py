@@ -12,8 +12,10 @@ This module never imports Prefect or submitit; the worker group (``hybridflow.sl
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from hybridflow.engine.backends.actor import Actor, RefPolicy
 from hybridflow.engine.backends.critic import Critic
 from hybridflow.engine.backends.engines import TrainingBackend
-from hybridflow.engine.checkpoint import load_checkpoint, read_trainer_state
+from hybridflow.engine.checkpoint import AHEAD_DIR, STREAM_FILE, load_checkpoint, read_trainer_state
 from hybridflow.engine.config import ROLES, HybridFlowConfig
 from hybridflow.engine.embedded_models import resolve_model_path
 from hybridflow.engine.extensions import (
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from hybridflow.engine.backends.lora import LoraReference
     from hybridflow.engine.backends.megatron_critic import MegatronCritic
     from hybridflow.engine.reward.judge import JudgeRewardModel
+    from hybridflow.engine.rollout.streaming import StreamingGenerator
 
 
 @dataclass
@@ -205,6 +208,7 @@ class RLHFWorker:
         self.version = 0  # the actor's weight version: the updates applied (= the global step)
         self.rollout_version = 0  # the version the rollout's engine serves (stamped on each generated row)
         self.weight_link: WeightSender | WeightReceiver | None = None  # rollout.checkpoint_engine.backend=gloo
+        self.stream: StreamingGenerator | None = None  # rollout.streaming: the prompts generating across calls
         self.ref: RefPolicy | LoraReference | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
@@ -314,6 +318,8 @@ class RLHFWorker:
         the caller times the stage (``timing_s/weight_sync``). `version`: the weights' (the actor updates they
         hold), stamped on the rows the rollout generates from now on."""
         self._need("rollout")
+        if self.stream is not None:  # partial rollouts: interrupted; else the requests in flight finish first
+            self.stream.pause()
         if published is None:
             metrics = self.rollout.update_weights()
         elif "path" in published:
@@ -327,7 +333,68 @@ class RLHFWorker:
                 self.weight_link = WeightReceiver(published, self.rank)
             metrics = self.rollout.load_weights(*self.weight_link.receive(published["version"]))
         self.rollout_version = version
+        if self.stream is not None:  # every unfinished sample continues, its new tokens recording `version`
+            self.stream.resume(version)
         return metrics
+
+    # ------------------------------------------------------------------ streaming rollout (rollout.streaming)
+    def _streaming(self) -> StreamingGenerator:
+        """The stream of this rollout's engine, made at its first use: admission control by
+        ``data.train_batch_size`` groups a batch, ``rollout.max_staleness`` and the run's
+        ``trainer.total_iterations``."""
+        from hybridflow.engine.rollout.admission import StreamAdmission
+        from hybridflow.engine.rollout.streaming import StreamingGenerator
+
+        self._need("rollout")
+        if self.stream is None:
+            cfg = self.config
+            batch = cfg.data.train_batch_size
+            admission = StreamAdmission(batch, cfg.max_staleness(), cfg.trainer.total_iterations * batch)
+            self.rollout.wake()  # generating from now on, between calls too
+            self.stream = StreamingGenerator(
+                self.rollout, cfg.rollout.partial_rollout, self.rollout_version, admission=admission
+            )
+        return self.stream
+
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="generate")
+    def stream_admit(self, prompts: DataProto) -> None:
+        """Start generating ``rollout.n`` samples of each prompt of `prompts` (left-padded ``input_ids`` and
+        ``attention_mask`` int64 [B, P]) on the stream, under the weights the engine serves now; they generate
+        between calls (`background_step`) until `stream_batch` hands them over.
+
+        Raises:
+            ValueError: more prompts than the staleness bound admits now (`StreamAdmission.room`), or a prompt
+                admitted twice.
+        """
+        self._streaming().admit(prompts)
+
+    @register(Dispatch.RANK_ZERO)
+    def stream_batch(self) -> DataProto:
+        """The next training batch of the stream: ``data.train_batch_size`` whole groups of ``rollout.n`` samples
+        (`StreamAdmission.next_batch`), generating until they have finished. The layout of
+        `generate_sequences`, plus ``rollout_token_versions`` int64 [B*n, T] (the version that sampled each
+        response token, -1 past its end); ``rollout_version`` int64 [B*n] is that of each row's oldest token.
+
+        Raises:
+            RuntimeError: nothing generates and no batch can be formed (fewer groups admitted than a batch).
+        """
+        stream = self._streaming()
+        while (batch := stream.next_batch()) is None:
+            if not stream.in_flight:
+                raise RuntimeError(
+                    f"the stream holds {len(stream.groups)} groups, none generating, and no batch of "
+                    f"{stream.admission.batch_groups} can be formed: admit prompts (stream_admit) first"
+                )
+            stream.step()
+        return batch
+
+    def background_step(self) -> bool:
+        """Between calls (`hybridflow.slurm.rank`): one engine step of the stream's samples in flight. Returns
+        whether there was one."""
+        if self.stream is None or not self.stream.in_flight:
+            return False
+        self.stream.step()
+        return True
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto, costs: bool = True) -> DataProto:
@@ -424,7 +491,8 @@ class RLHFWorker:
     def save_checkpoint_part(self, staging: str) -> list[str]:
         """Write the trained roles this group hosts (actor, critic, Safe-RLHF's cost critic) into a checkpoint's
         staging folder (see `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the
-        roles written.
+        roles written (``stream`` for a streaming rollout's samples so far: ``<AHEAD_DIR>/<STREAM_FILE>``,
+        `stream_state`).
 
         Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
         sharded model (``fsdp``, ``megatron``) is gathered from its shards first, so every rank takes part."""
@@ -432,6 +500,10 @@ class RLHFWorker:
         for role, trained in self._trained():  # a sharded model is gathered: every rank takes part
             tokenizer = self.tokenizer if role == "actor" else None
             written += self._backend(role).save(staging, role, trained, tokenizer, self.rank)
+        if self.stream is not None and self.rank == 0:
+            (Path(staging) / AHEAD_DIR).mkdir(exist_ok=True)
+            (Path(staging) / AHEAD_DIR / STREAM_FILE).write_text(json.dumps(self.stream.state_dict()))
+            written.append("stream")
         return written
 
     @register(Dispatch.ONE_TO_ALL)
@@ -443,6 +515,9 @@ class RLHFWorker:
             states.update(self._backend(role).load(path, role, trained))
         load_checkpoint(path, verify=False, restore_rng=False, **states)
         self.version = int(read_trainer_state(path)["global_steps"])
+        saved_stream = Path(path) / AHEAD_DIR / STREAM_FILE
+        if "rollout" in self.roles and saved_stream.exists():  # continued once the engine has the restored weights
+            self._streaming().load_state_dict(json.loads(saved_stream.read_text()), paused=True)
         if self.rollout is not None and self.actor is not None:  # a rollout with weights of its own serves the
             self.rollout.update_weights()  # restored actor (a pool of its own gets them published: the flow)
             self.rollout_version = self.version

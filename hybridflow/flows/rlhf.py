@@ -15,6 +15,7 @@ finished and checkpointed. The run is then recorded ``interrupted`` and `hf resu
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ from prefect.utilities.callables import get_call_parameters
 from hybridflow.engine.advantage import build_kl_controller, build_lagrangian, reward_shaping
 from hybridflow.engine.algorithms.kl import KLController
 from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier
-from hybridflow.engine.checkpoint import AHEAD_DIR, read_trainer_state, verify_checkpoint
+from hybridflow.engine.checkpoint import AHEAD_DIR, STREAM_FILE, read_trainer_state, verify_checkpoint
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.data import PromptSampler, collate_prompts, train_sampler
 from hybridflow.engine.extensions import rollout_spec
@@ -398,6 +399,8 @@ def _session(
             except Preempted as warned:  # nothing of this iteration reached the weights: keep the state it began at
                 latest = store.latest_checkpoint(run_id)
                 if step > 0 and (latest is None or latest.step < step):
+                    if cfg.rollout.streaming:  # the stream holds this iteration's admissions: the sampler past them
+                        state_before, queued_before = _trainer_state(step, prompts, kl_ctrl, lagrangian), None
                     ahead = _ready(queue, queued_before)
                     save_checkpoint(store, run_id, cfg, lease, workers, step, state_before, ahead)
                 return PreemptionWatch(workers).ended(step, step - start, str(warned), metrics)
@@ -446,19 +449,22 @@ def _settle(queue: RolloutQueue | None) -> None:
     """Wait until every call queued on the rollout's pool has ended (an error is left to whoever reads the
     result): no pool is in the middle of a call when a validation, a checkpoint or the shutdown calls it."""
     if queue is not None:
-        pending = [p for a in queue.ahead for p in (a.rollout, a.greedy, *a.syncs)] + queue.syncs
+        pending = [p for a in queue.ahead for p in (a.admitted, a.rollout, a.greedy, *a.syncs)] + queue.syncs
         wait([p for p in pending if isinstance(p, PrefectFuture)])
 
 
 def _ready(queue: RolloutQueue | None, first: int | None = None) -> dict[str, DataHandle]:
     """The batches generated ahead for a checkpoint, once generated (their errors raised), by file name: the
     iteration each is for (``"3"``), ReMax's greedy batch beside it (``"3.greedy"``). The queue's first `first`
-    (those admitted before a stopped iteration's sampler state), else all."""
+    (those admitted before a stopped iteration's sampler state), else all. A streaming rollout's prompts not handed
+    over yet are in its stream, which its group writes into the checkpoint itself."""
     if queue is None:
         return {}
     _settle(queue)
     ready = {}
     for a in list(queue.ahead)[:first] if first is not None else queue.ahead:
+        if a.rollout is None:  # streaming: still in the stream
+            continue
         ready[str(a.step)] = a.rollout.result() if isinstance(a.rollout, PrefectFuture) else a.rollout
         if a.greedy is not None:
             ready[f"{a.step}.greedy"] = a.greedy.result() if isinstance(a.greedy, PrefectFuture) else a.greedy
@@ -615,6 +621,10 @@ def _resume(
         baseline = DataHandle.put(DataProto.load(greedy), data_dir, "ahead") if greedy.exists() else None
         if queue is not None:
             queue.ahead.append(Ahead(step, None, ahead, greedy=baseline))
+    if queue is not None and (ahead_dir / STREAM_FILE).exists():  # admitted to the stream, not handed over yet
+        admission = json.loads((ahead_dir / STREAM_FILE).read_text())["admission"]
+        batches = admission["admitted_total"] // cfg.data.train_batch_size
+        queue.ahead.extend(Ahead(t, None, None) for t in range(admission["trained"], batches))
     logger.info("run %s resumes after iteration %d from %s", run_id, start, path)
     notify("resumed", step=start, path=str(path))
     return start, queue

@@ -3,8 +3,10 @@ for a local group, by `hybridflow.slurm.node_agent` on each node of a Slurm grou
 
 `serve` runs in every task of the group's job: it joins torch.distributed (gloo on CPU, NCCL on GPU) with the
 group's other ranks, builds the worker class, says hello to the controller (its rank, pid, host and the methods
-it serves), then executes calls until told to shut down. A background thread sends heartbeats on a second socket,
-so the controller can tell a dead or stopped rank from a slow one.
+it serves), then executes calls until told to shut down; between calls, a worker class with a ``background_step``
+method (called until it returns False, the next call taken between two of them) keeps working, as a streaming
+rollout's engine keeps generating while the controller runs other stages. A background thread sends heartbeats on a
+second socket, so the controller can tell a dead or stopped rank from a slow one.
 
 Slurm's warning signals (SIGUSR2 ``signal_delay_s`` before the time limit, SIGTERM on preemption or ``scancel``) do
 not stop a rank: it records the signal and reports it in its heartbeats, and the controller checkpoints at the next
@@ -242,9 +244,15 @@ def _loop(
     rank: int,
     world_size: int,
 ) -> None:
+    background = getattr(worker, "background_step", None)
     while True:
-        message = conn.recv()
-        if message is None or message.get("type") == "shutdown":
+        # between calls a worker with background work (a streaming rollout's engine) does one step of it at a time,
+        # and looks for the next call after each
+        busy = background is not None and background()
+        message = conn.recv(0 if busy else None)
+        if message is None:
+            continue
+        if message.get("type") == "shutdown":
             return
         if message.get("type") != "call":
             continue

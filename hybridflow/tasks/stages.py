@@ -165,7 +165,7 @@ def checkpoint(
         for group in groups:
             group.save_checkpoint_part(str(staging))
         if ahead:
-            (staging / AHEAD_DIR).mkdir()
+            (staging / AHEAD_DIR).mkdir(exist_ok=True)  # a streaming rollout's group wrote its stream there
             for name, batch in ahead.items():
                 batch.load().save(staging / AHEAD_DIR / f"{name}.safetensors")
     except BaseException:

@@ -401,6 +401,7 @@ class HybridFlowConfig(_Section):
         (``algorithm.rollout_correction.rollout_is``: token unless set; null turns it off, with an
         `OffPolicyWarning`). DAPO's further draws and ReMax's greedy baseline queue behind the admitted ones."""
         mode, trainer = self.trainer.mode, self.trainer
+        self._check_streaming()
         for key, value, default in (
             ("rollout.max_staleness", self.rollout.max_staleness, 1),
             ("trainer.weight_sync_every", trainer.weight_sync_every, 1),
@@ -439,6 +440,29 @@ class HybridFlowConfig(_Section):
                 OffPolicyWarning,
                 stacklevel=2,
             )
+
+    def _check_streaming(self) -> None:
+        """``rollout.streaming`` streams on one vLLM engine of the async mode's rollout pool; what it does not carry
+        yet (agent loops, DAPO's further draws, ReMax's greedy baseline) is refused by its key."""
+        from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
+
+        rollout = self.rollout
+        if not rollout.streaming:
+            if not rollout.partial_rollout:
+                raise ValueError("rollout.partial_rollout=false applies to rollout.streaming=true: set both")
+            return
+        pool = self.pool_of("rollout")
+        refused = [
+            (self.trainer.mode != "async", f"trainer.mode=async (got {self.trainer.mode})"),
+            (rollout.name != "vllm", f"rollout.name=vllm (got {rollout.name})"),
+            (pool.world_size != 1, f"one rank in placement.pools.{pool.name} (nodes x tasks_per_node = 1: one engine)"),
+            (rollout.multi_turn.enable, "rollout.multi_turn.enable=false: agent loops do not stream yet"),
+            (self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=false: DAPO draws batches"),
+            (uses_greedy_baseline(self.algorithm.adv_estimator), "an estimator without ReMax's greedy baseline"),
+        ]
+        needs = [fix for refuse, fix in refused if refuse]
+        if needs:
+            raise ValueError(f"rollout.streaming=true needs {'; '.join(needs)}; or set rollout.streaming=false")
 
     def _check_rollout_apart(self, actor_pool: str, rollout_pool: str) -> None:
         """A rollout pool apart from the actor's needs an engine that loads published weights (vLLM), an actor

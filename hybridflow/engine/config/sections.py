@@ -275,6 +275,19 @@ class RolloutConfig(_Section):
         "(0 = the synchronous loop's samples); the controller admits a generation only while the bound can hold, "
         "nothing is dropped. sync is 0, one_step_off 1",
     )
+    streaming: bool = Field(
+        False,
+        description="trainer.mode=async: the rollout's engine generates every admitted prompt at once, continuously, "
+        "and hands over finished groups of rollout.n (hybridflow.engine.rollout.admission): a batch is the first "
+        "data.train_batch_size finished groups whose older ones can still meet rollout.max_staleness; false: one "
+        "generation call per batch",
+    )
+    partial_rollout: bool = Field(
+        True,
+        description="rollout.streaming: a weight push interrupts the generations in flight and each continues from "
+        "its tokens under the new weights, every token recording the version that sampled it (AReaL, verl's "
+        "fully-async partial_rollout); false: they finish under the old weights before the engine loads",
+    )
     checkpoint_engine: CheckpointEngineConfig = Field(default_factory=CheckpointEngineConfig)
     reshard: Literal["hybridflow", "naive"] = Field(
         "hybridflow",

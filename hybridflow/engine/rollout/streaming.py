@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.rollout.admission import StreamAdmission
 from hybridflow.engine.rollout.hf import assemble_rollout, expand_prompts, sampling_seed
 from hybridflow.engine.rollout.vllm import VLLMRollout, eager_on_cpu
 
@@ -81,6 +82,8 @@ class StreamingGenerator:
         version: the weight version the engine serves now.
         temperature: the sampling temperature (``rollout.temperature``).
         stream: the random stream's name (``"train"``): samples of different streams never share seeds.
+        admission: the staleness bound's bookkeeping (`StreamAdmission`): `admit` refuses prompts beyond its room,
+            and `next_batch` hands over the groups it picks. None: no bound (`take` any finished groups).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class StreamingGenerator:
         version: int = 0,
         temperature: float | None = None,
         stream: str = "train",
+        admission: StreamAdmission | None = None,
     ):
         from vllm.sampling_params import RequestOutputKind
 
@@ -98,6 +102,7 @@ class StreamingGenerator:
         self.version = version
         self.temperature = engine.config.temperature if temperature is None else temperature
         self.stream = stream
+        self.admission = admission
         self.groups: dict[str, StreamGroup] = {}  # admitted and not taken, in admission order
         self._requests: dict[str, StreamSample] = {}  # in flight: vLLM request id -> sample
         self._paused = False
@@ -110,25 +115,27 @@ class StreamingGenerator:
         `VLLMRollout.generate_sequences`, whose seeds each sample gets). Returns the groups' uids.
 
         Raises:
-            ValueError: a prompt's uid is already in the stream (admitted twice).
+            ValueError: a prompt's uid is already in the stream (admitted twice), or more prompts than the
+                `admission`'s room (nothing admitted then).
         """
         n = self.engine.config.n
         global_steps = int(prompts.meta_info.get("global_steps", 0))
         row_offset = int(prompts.meta_info.get("row_offset", 0))
         batch = expand_prompts(prompts, n, self.stream)
         ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
-        uids = []
-        for g in range(len(prompts)):
+        uids = [str(batch.non_tensor_batch["uid"][g * n]) for g in range(len(prompts))]
+        twice = [u for u in uids if u in self.groups]
+        if twice:
+            raise ValueError(f"prompts admitted twice to the stream: {twice}")
+        if self.admission is not None:
+            self.admission.admit(uids, self.version)
+        for g, uid in enumerate(uids):
             rows = range(g * n, (g + 1) * n)
-            uid = str(batch.non_tensor_batch["uid"][g * n])
-            if uid in self.groups:
-                raise ValueError(f"prompt {uid} is admitted twice to the stream")
             samples = [
                 StreamSample(uid, row_offset * n + i, global_steps, ids[i][mask[i].bool()].tolist()) for i in rows
             ]
             columns = {k: [v[i] for i in rows] for k, v in batch.non_tensor_batch.items()}
             self.groups[uid] = StreamGroup(uid, self.version, samples, columns)
-            uids.append(uid)
             for sample in samples:
                 if not self._paused:
                     self._submit(sample)
@@ -169,6 +176,8 @@ class StreamingGenerator:
             if out.finished:
                 sample.done = True
                 del self._requests[out.request_id]
+                if self.admission is not None and self.groups[sample.uid].done:
+                    self.admission.finish([sample.uid])
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
         """Step while samples are in flight, until `until()` holds (checked before every step; None: until none is
@@ -240,12 +249,25 @@ class StreamingGenerator:
         columns = {k: [v for g in groups for v in g.columns[k]] for k in groups[0].columns}
         return DataProto.from_dict(tensors, columns, {"temperature": self.temperature})
 
+    def next_batch(self) -> DataProto | None:
+        """The next training batch the `admission` picks (`StreamAdmission.next_batch`), taken (`take`); None while
+        it waits for more groups to finish.
+
+        Raises:
+            RuntimeError: the stream has no `admission`.
+        """
+        if self.admission is None:
+            raise RuntimeError("next_batch needs a stream with admission control (StreamingGenerator(admission=...))")
+        uids = self.admission.next_batch()
+        return None if uids is None else self.take(uids)
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Every group in the stream, finished or not, with its samples' tokens, log-probs and versions so far (JSON
         types): what `load_state_dict` continues from. Taken between calls, when nothing is mid-step."""
         return {
             "version": self.version,
+            "admission": None if self.admission is None else self.admission.state_dict(),
             "groups": [
                 {
                     "uid": g.uid,
@@ -257,9 +279,10 @@ class StreamingGenerator:
             ],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], paused: bool = False) -> None:
         """Continue the stream `state_dict` saved (its in-flight requests lost with the old process): every
-        unfinished sample is sent to the engine again from its tokens so far, seeded by its next segment.
+        unfinished sample is sent to the engine again from its tokens so far, seeded by its next segment; with
+        `paused`, at the next `resume` (once the engine has loaded the weights to continue with).
 
         Raises:
             RuntimeError: the stream is not empty.
@@ -267,10 +290,15 @@ class StreamingGenerator:
         if self.groups:
             raise RuntimeError("load_state_dict needs an empty stream")
         self.version = int(state["version"])
+        if self.admission is not None and state.get("admission") is not None:
+            self.admission.load_state_dict(state["admission"])
         for g in state["groups"]:
             samples = [StreamSample(**s) for s in g["samples"]]
             self.groups[g["uid"]] = StreamGroup(g["uid"], int(g["admitted"]), samples, dict(g["columns"]))
-        self.resume(self.version)
+        if paused:
+            self._paused = True
+        else:
+            self.resume(self.version)
 
 
 def _plain(values: list[Any]) -> list[Any]:

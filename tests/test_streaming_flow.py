@@ -1,0 +1,109 @@
+"""``rollout.streaming`` in the flow: the rollout's pool generates every admitted prompt continuously (between
+calls too) and hands over whole finished groups within ``rollout.max_staleness``; a weight push interrupts and
+continues the samples in flight (``rollout.partial_rollout``); the stream is checkpointed with its samples' tokens
+and a SIGKILLed run resumes it, training every prompt once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_rollout_pool import HF, OFF, ROOT, _run, needs_vllm
+
+from hybridflow.engine.config import ConfigError, load_config
+
+STREAM = [
+    "trainer.mode=async",
+    "rollout.streaming=true",
+    "rollout.max_staleness=2",
+    "trainer.total_iterations=6",
+    "trainer.log_train_generations=16",
+    f"placement.pools={json.dumps(OFF)}",
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "error"),
+    [
+        (["trainer.mode=one_step_off"], r"rollout.streaming=true needs trainer.mode=async \(got one_step_off\)"),
+        (["algorithm.filter_groups.enable=true"], r"needs algorithm.filter_groups.enable=false"),
+        (
+            ["rollout.multi_turn.enable=true", "rollout.multi_turn.default_agent_loop=single_turn"],
+            r"agent loops do not stream yet",
+        ),
+    ],
+)
+def test_streaming_refuses_what_it_does_not_carry_by_its_key(extra, error):
+    pools = f"placement.pools={json.dumps(OFF)}"
+    base = ["rollout.name=vllm", "trainer.mode=async", pools, "rollout.streaming=true"]
+    with pytest.raises(ConfigError, match=error):
+        load_config(ROOT / "examples" / "grpo_tiny.yaml", [*base, *extra])
+    with pytest.raises(ConfigError, match=r"rollout.partial_rollout=false applies to rollout.streaming=true"):
+        load_config(ROOT / "examples" / "grpo_tiny.yaml", ["rollout.partial_rollout=false"])
+
+
+@needs_vllm
+def test_a_streamed_run_trains_every_prompt_once_within_its_bound_and_resumes_its_stream_after_a_sigkill(
+    prefect_api, tmp_path
+):
+    import yaml
+    from tiny_runs import wait_inside_iteration
+
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    run_id, streamed = _run(store, tmp_path, "streamed", STREAM)
+    assert all(streamed[step]["off_policy/staleness_max"] <= 2 for step in range(1, 7)), streamed
+    assert all(streamed[step]["timing_s/gen"] > 0 for step in range(1, 7))
+    samples = store.samples(run_id, kind="train")
+    lags = Counter(s.step - 1 - s.rollout_version for s in samples)  # iteration s trains at actor version s - 1
+    assert set(lags) <= {0, 1, 2} and max(lags) >= 1, lags  # row by row, the oldest token's version
+    trained = Counter(s.uid for s in samples)
+    assert len(trained) == 24 and set(trained.values()) == {4}, trained  # 24 prompts, each group whole, once
+    assert all(sum(1 for s in samples if s.step == step) == 16 for step in range(1, 7))
+
+    # SIGKILLed inside iteration 4: the checkpoint of iteration 3 holds the stream (samples with their tokens so
+    # far, the admission's bookkeeping); the resumed run continues it and trains every prompt exactly once
+    config_file = tmp_path / "streamed.yaml"
+    config_file.write_text(yaml.safe_dump(store.get_run(run_id).config))
+    db = f"sqlite:///{tmp_path / 'killed.db'}"
+    proc = subprocess.Popen(
+        [HF, "run", str(config_file), "--db", db, "--prefect-api", prefect_api],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    killed = RunStore(db)
+    killed_id = wait_inside_iteration(proc, killed, 4)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    checkpoint = Path(killed.latest_checkpoint(killed_id).path)
+    assert checkpoint.name == "global_step_3"
+    saved = json.loads((checkpoint / "rollout_ahead" / "stream.json").read_text())
+    assert saved["admission"]["trained"] == 3 and saved["admission"]["admitted_total"] > 12  # ahead of training
+    in_stream = {g["uid"]: g for g in saved["groups"]}
+    assert len(in_stream) == saved["admission"]["admitted_total"] - 12
+    env = {**os.environ, "COLUMNS": "250"}
+    resumed = subprocess.run(
+        [HF, "resume", killed_id, "--db", db, "--prefect-api", prefect_api],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    again = killed.samples(killed_id, kind="train")
+    assert Counter(s.uid for s in again) == trained  # the same 24 prompts, each trained once: none lost or repeated
+    # every sample in the stream at the checkpoint was trained with the tokens it had then as its response's start
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(store.get_run(run_id).config["model"]["path"])
+    responses = {(s.uid, s.response) for s in again if s.step > 3}
+    for uid, group in in_stream.items():
+        for sample in group["samples"]:
+            prefix = tokenizer.decode(sample["ids"], skip_special_tokens=True)
+            assert any(u == uid and r.startswith(prefix) for u, r in responses), (uid, prefix)

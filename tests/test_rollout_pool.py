@@ -506,7 +506,7 @@ def test_async_never_trains_a_batch_staler_than_its_bound_and_a_sigkill_loses_no
     resume``d, trains the same prompts in the same iterations as the uninterrupted run: each exactly once. So does
     a run whose rollout rank is SIGKILLed inside iteration 4: it recovers by itself inside its flow."""
     import yaml
-    from tiny_runs import rank_pids, wait_inside_iteration
+    from tiny_runs import killed_inside_iteration, rank_pids, wait_inside_iteration
 
     from hybridflow.flows.store.run_store import RunStore
 
@@ -531,16 +531,8 @@ def test_async_never_trains_a_batch_staler_than_its_bound_and_a_sigkill_loses_no
 
     config_file = tmp_path / "ahead.yaml"
     config_file.write_text(yaml.safe_dump(store.get_run(run_id).config))
-    db = f"sqlite:///{tmp_path / 'killed.db'}"
-    proc = subprocess.Popen(
-        [HF, "run", str(config_file), "--db", db, "--prefect-api", prefect_api],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    killed = RunStore(db)
-    killed_id = wait_inside_iteration(proc, killed, 4)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killed, killed_id = killed_inside_iteration(store.get_run(run_id).config, tmp_path, prefect_api, 4)
+    db = killed.url
     assert killed.latest_checkpoint(killed_id).step == 3
     checkpoint = Path(killed.latest_checkpoint(killed_id).path)
     assert sorted(p.name for p in (checkpoint / "rollout_ahead").iterdir()) == ["3.safetensors", "4.safetensors"]

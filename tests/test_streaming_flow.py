@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -51,8 +50,7 @@ def test_streaming_refuses_what_it_does_not_carry_by_its_key(extra, error):
 def test_a_streamed_run_trains_every_prompt_once_within_its_bound_and_resumes_its_stream_after_a_sigkill(
     prefect_api, tmp_path
 ):
-    import yaml
-    from tiny_runs import wait_inside_iteration
+    from tiny_runs import killed_inside_iteration
 
     from hybridflow.flows.store.run_store import RunStore
 
@@ -66,21 +64,19 @@ def test_a_streamed_run_trains_every_prompt_once_within_its_bound_and_resumes_it
     trained = Counter(s.uid for s in samples)
     assert len(trained) == 24 and set(trained.values()) == {4}, trained  # 24 prompts, each group whole, once
     assert all(sum(1 for s in samples if s.step == step) == 16 for step in range(1, 7))
+    # each sample's tokens by the version that sampled them, in the store; its oldest is its rollout_version
+    # (more than one run: a partial rollout continued under newer weights, never newer than the trained actor's)
+    for s in samples:
+        versions = [version for version, _ in s.token_versions]
+        assert versions[0] == s.rollout_version and versions == sorted(set(versions)) and versions[-1] <= s.step - 1
+    for step in range(1, 7):
+        assert 0 <= streamed[step]["rollout/partial_fraction"] <= 1
+        assert 0 <= streamed[step]["off_policy/token_staleness_mean"] <= streamed[step]["off_policy/staleness_max"]
 
     # SIGKILLed inside iteration 4: the checkpoint of iteration 3 holds the stream (samples with their tokens so
     # far, the admission's bookkeeping); the resumed run continues it and trains every prompt exactly once
-    config_file = tmp_path / "streamed.yaml"
-    config_file.write_text(yaml.safe_dump(store.get_run(run_id).config))
-    db = f"sqlite:///{tmp_path / 'killed.db'}"
-    proc = subprocess.Popen(
-        [HF, "run", str(config_file), "--db", db, "--prefect-api", prefect_api],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    killed = RunStore(db)
-    killed_id = wait_inside_iteration(proc, killed, 4)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killed, killed_id = killed_inside_iteration(store.get_run(run_id).config, tmp_path, prefect_api, 4)
+    db = killed.url
     checkpoint = Path(killed.latest_checkpoint(killed_id).path)
     assert checkpoint.name == "global_step_3"
     saved = json.loads((checkpoint / "rollout_ahead" / "stream.json").read_text())
@@ -107,3 +103,31 @@ def test_a_streamed_run_trains_every_prompt_once_within_its_bound_and_resumes_it
         for sample in group["samples"]:
             prefix = tokenizer.decode(sample["ids"], skip_special_tokens=True)
             assert any(u == uid and r.startswith(prefix) for u, r in responses), (uid, prefix)
+
+
+def test_the_store_keeps_each_samples_tokens_by_version_and_hf_runs_samples_shows_a_partial_rollout(tmp_path):
+    import torch
+
+    from hybridflow.engine.generations import version_runs
+    from hybridflow.flows.store.run_store import RunStore
+
+    assert version_runs(torch.tensor([2, 2, 3, 3, 3, -1, -1])) == [(2, 2), (3, 3)]
+    assert version_runs(torch.tensor([-1, -1])) == []
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    run_id = store.create_run({"trainer": {"project_name": "p"}}, "streamed")
+    base = {"prompt": "1+1?", "score": 1.0, "uid": "0-1", "rollout_version": 2}
+    store.record_samples(
+        run_id,
+        4,
+        "train",
+        [{**base, "response": "2", "token_versions": [(2, 5), (3, 7)]}, {**base, "response": "two"}],
+    )
+    partial, whole = store.samples(run_id, 4, "train")
+    assert partial.token_versions == [(2, 5), (3, 7)] and whole.token_versions is None
+    env = {**os.environ, "COLUMNS": "250"}
+    shown = subprocess.run(
+        [HF, "runs", "samples", run_id, "--step", "4", "--db", store.url], capture_output=True, text=True, env=env
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "sampled by version 2 (5 tokens), then version 3 (7 tokens)" in shown.stdout, shown.stdout
+    assert shown.stdout.count("sampled by") == 1  # the sample of one call says nothing more

@@ -7,10 +7,12 @@ characters) is needed for non-zero advantages; it is written to a file and loade
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from hybridflow.engine.config import HybridFlowConfig, load_config
 
@@ -28,6 +30,29 @@ def wait_inside_iteration(proc: subprocess.Popen, store, step: int, log: Path | 
         assert proc.poll() is None, log.read_text() if log is not None else proc.stdout.read().decode()
         time.sleep(0.05)
     raise AssertionError(f"hf run never reached iteration {step}")
+
+
+def killed_inside_iteration(config: dict, tmp_path: Path, prefect_api: str, step: int) -> tuple[Any, str]:
+    """The run of `config` through ``hf run`` in a store of its own (``killed.db`` in `tmp_path`), its controller
+    SIGKILLed inside iteration `step`: the store and the run's id, for ``hf resume``."""
+    import yaml
+
+    from hybridflow.flows.store.run_store import RunStore
+
+    config_file = tmp_path / "killed.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    db = f"sqlite:///{tmp_path / 'killed.db'}"
+    hf = shutil.which("hf", path=str(Path(sys.executable).parent)) or "hf"
+    proc = subprocess.Popen(
+        [hf, "run", str(config_file), "--db", db, "--prefect-api", prefect_api],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    store = RunStore(db)
+    run_id = wait_inside_iteration(proc, store, step)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return store, run_id
 
 
 def rank_pids(run_id: str, group: str = "") -> list[int]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from hybridflow.engine.protocol import DataProto
 
 GENERATION_KEYS = ["prompts", "responses", "response_mask", "attention_mask", "token_level_scores"]
@@ -39,7 +41,8 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
     Args:
         data: rows with ``prompts`` int64 [B, P] (left-padded), ``responses`` int64 [B, T], ``response_mask``
             [B, T], ``attention_mask`` [B, P + T], ``token_level_scores`` float [B, T]; optional
-            ``rollout_version`` int64 [B], ``rm_scores`` float [B, T] and non-tensor ``uid``, ``data_source``,
+            ``rollout_version`` int64 [B], ``rollout_token_versions`` int64 [B, T] (a streaming rollout's; -1
+            past a response's end), ``rm_scores`` float [B, T] and non-tensor ``uid``, ``data_source``,
             ``reward_model`` (``{"ground_truth": ...}``) and ``judge_text``.
         tokenizer: the actor's tokenizer (special tokens are skipped).
         step: the iteration the samples belong to (0: the validation before training).
@@ -50,8 +53,9 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
         `TOOL_OPEN` and `TOOL_CLOSE`), ``score`` (the row's summed
         ``token_level_scores``, float), ``ground_truth`` (str, "" when absent), ``uid`` (the prompt's id, str) and
         ``rollout_version`` (int: the actor updates in the weights that generated it), ``rm_score`` (the reward
-        model's score: ``rm_scores`` summed) and ``judge_text`` (a generative reward model's verdict); None without
-        the column.
+        model's score: ``rm_scores`` summed), ``judge_text`` (a generative reward model's verdict) and
+        ``token_versions`` (the response's tokens by the version that sampled them, ``[(version, tokens), ...]``
+        in order, `version_runs`); None without the column.
     """
     batch, extra = data.batch, data.non_tensor_batch
     prompt_len = batch["prompts"].shape[1]
@@ -61,6 +65,7 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
     scores = batch["token_level_scores"].sum(-1).tolist()
     versions = batch["rollout_version"].tolist() if "rollout_version" in batch else [None] * len(data)
     rm_scores = batch["rm_scores"].sum(-1).tolist() if "rm_scores" in batch else [None] * len(data)
+    token_versions = batch.get("rollout_token_versions", None)
     verdicts = extra.get("judge_text")
     samples = []
     for i in range(len(data)):
@@ -77,6 +82,20 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
                 "rollout_version": versions[i],
                 "rm_score": rm_scores[i],
                 "judge_text": None if verdicts is None else str(verdicts[i]),
+                "token_versions": None if token_versions is None else version_runs(token_versions[i]),
             }
         )
     return samples
+
+
+def version_runs(versions: torch.Tensor) -> list[tuple[int, int]]:
+    """A response's per-token weight versions (int64 [T], -1 past its end) as runs ``[(version, tokens), ...]`` in
+    order: ``[(3, 40)]`` for 40 tokens of version 3, ``[(3, 12), (4, 28)]`` for a partial rollout continued under
+    version 4 after 12 tokens."""
+    runs: list[tuple[int, int]] = []
+    for version in versions[versions >= 0].tolist():
+        if runs and runs[-1][0] == version:
+            runs[-1] = (version, runs[-1][1] + 1)
+        else:
+            runs.append((version, 1))
+    return runs

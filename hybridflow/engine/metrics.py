@@ -216,11 +216,22 @@ class Timer:
 def staleness_metrics(data: DataProto, version: int) -> dict[str, float]:
     """How many actor updates old the trained rows' generating weights are, the actor being at `version` (its
     updates so far): ``off_policy/staleness_mean`` and ``off_policy/staleness_max`` over the rows' recorded
-    ``rollout_version`` int64 [B] (none without that column)."""
+    ``rollout_version`` int64 [B] (a streaming rollout's: the row's oldest token's; none without that column).
+
+    A streaming rollout's ``rollout_token_versions`` int64 [B, T] (-1 past a response's end) adds
+    ``off_policy/token_staleness_mean`` (over the response tokens) and ``rollout/partial_fraction`` (the share of
+    rows sampled by more than one version: partial rollouts continued across a push)."""
     if "rollout_version" not in data.batch:
         return {}
     lag = (version - data.batch["rollout_version"]).double()
-    return {"off_policy/staleness_mean": float(lag.mean()), "off_policy/staleness_max": float(lag.max())}
+    out = {"off_policy/staleness_mean": float(lag.mean()), "off_policy/staleness_max": float(lag.max())}
+    tokens = data.batch.get("rollout_token_versions", None)
+    sampled = None if tokens is None else tokens >= 0
+    if sampled is not None and sampled.any():
+        out["off_policy/token_staleness_mean"] = float((version - tokens[sampled]).double().mean())
+        newest = torch.where(sampled, tokens, -1).amax(-1)
+        out["rollout/partial_fraction"] = float((newest > data.batch["rollout_version"]).double().mean())
+    return out
 
 
 def busy_fractions(spans: list[Span], window: tuple[float, float]) -> dict[str, float]:

@@ -237,7 +237,7 @@ class StageRunner:
     def view(self, batch: DataHandle) -> DataProto:
         """The columns `hybridflow.engine.metrics.batch_metrics` reads, loaded."""
         keys = ["token_level_scores", "token_level_rewards", "advantages", "returns", "response_mask"]
-        keys += ["attention_mask", *_present(batch, "values", "rm_scores", "rollout_version")]
+        keys += ["attention_mask", *_present(batch, "values", "rm_scores", "rollout_version", "rollout_token_versions")]
         keys += [k for k in batch.keys if k.startswith(("reward_extra/", "agent/"))]
         return batch.select(keys).load()
 
@@ -555,6 +555,7 @@ def _iteration(
     kept = None
     if keep:  # before the batch files go: the first rows as scored, for the sample generations
         wanted = ("data_source", "reward_model", "uid", "rollout_version", "rm_scores", "judge_text", "reward_error")
+        wanted += ("rollout_token_versions",)
         columns = [*GENERATION_KEYS, *_present(done.batch, *wanted)]
         kept = done.batch.select(columns).load(slice(0, keep))
     for handle in (done.batch, done.greedy, *done.drawn):  # this iteration's batch files: no stage reads them again

@@ -117,7 +117,9 @@ class Sample(_Record):
     ``rollout_version``: the actor updates in the weights that generated it (None: not recorded); ``rm_score``: the
     reward model's score of it and ``judge_text``: a generative reward model's verdict (None: no such model);
     ``reward_error``: why its score function gave no score (it raised or timed out and the sample scored 0.0; None:
-    it was scored)."""
+    it was scored); ``token_versions``: a streaming rollout's response tokens by the weight version that sampled
+    them, ``[(version, tokens), ...]`` in response order (more than one: a partial rollout continued across a
+    push; None: all of ``rollout_version``)."""
 
     run_id: str
     step: int
@@ -133,6 +135,7 @@ class Sample(_Record):
     rm_score: float | None = None
     judge_text: str | None = None
     reward_error: str | None = None
+    token_versions: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

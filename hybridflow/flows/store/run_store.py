@@ -555,8 +555,9 @@ class RunStore:
         Each sample is a mapping with ``prompt``, ``response`` (str), ``score`` (a number; NaN/±inf stored as NULL)
         and optionally ``data_source`` and ``ground_truth`` (str; "" when absent), ``uid`` (str: the prompt's id)
         and ``rollout_version`` (int: the actor updates in the generating weights), ``rm_score`` (a number: the reward
-        model's score), ``judge_text`` (str: a generative reward model's verdict) and ``reward_error`` (str: why the
-        score function gave none; "" or None when it did). Raises ValueError for a bad step,
+        model's score), ``judge_text`` (str: a generative reward model's verdict), ``reward_error`` (str: why the
+        score function gave none; "" or None when it did) and ``token_versions`` (``[(version, tokens), ...]``: a
+        streaming rollout's tokens by the version that sampled them). Raises ValueError for a bad step,
         a `kind` not in `SAMPLE_KINDS`, or a sample missing a key or with a non-numeric score (nothing is recorded),
         and UnknownRunError for an unknown run.
         """
@@ -586,6 +587,9 @@ class RunStore:
                     else _metric_value(step, f"sample {idx} rm_score", sample["rm_score"]),
                     judge_text=sample.get("judge_text"),
                     reward_error=sample.get("reward_error") or None,
+                    token_versions=None
+                    if sample.get("token_versions") is None
+                    else json.dumps([[int(v), int(n)] for v, n in sample["token_versions"]]),
                 )
             )
         with self._writing() as session:
@@ -863,6 +867,7 @@ class RunStore:
                     r.rm_score,
                     r.judge_text,
                     r.reward_error,
+                    None if r.token_versions is None else [tuple(run) for run in json.loads(r.token_versions)],
                 )
                 for r in rows
             ]

@@ -209,6 +209,7 @@ class SampleRow(Base):
     rm_score: Mapped[float | None] = mapped_column(Double, nullable=True)  # the reward model's score of it
     judge_text: Mapped[str | None] = mapped_column(Text, nullable=True)  # a generative reward model's verdict
     reward_error: Mapped[str | None] = mapped_column(Text, nullable=True)  # why the score function gave none
+    token_versions: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON [[version, tokens], ...]
 
 
 class StageTimeRow(Base):

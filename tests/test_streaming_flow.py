@@ -22,6 +22,7 @@ STREAM = [
     "rollout.max_staleness=2",
     "trainer.total_iterations=6",
     "trainer.log_train_generations=16",
+    "trainer.test_freq=3",  # a validation generates on the engine while the stream holds prompts
     f"placement.pools={json.dumps(OFF)}",
 ]
 
@@ -44,6 +45,25 @@ def test_streaming_refuses_what_it_does_not_carry_by_its_key(extra, error):
         load_config(ROOT / "examples" / "grpo_tiny.yaml", [*base, *extra])
     with pytest.raises(ConfigError, match=r"rollout.partial_rollout=false applies to rollout.streaming=true"):
         load_config(ROOT / "examples" / "grpo_tiny.yaml", ["rollout.partial_rollout=false"])
+
+
+@needs_vllm
+def test_streaming_at_staleness_0_samples_what_sync_samples(prefect_api, tmp_path):
+    """At staleness 0 the stream admits a batch only once the engine holds the weights it is trained with and
+    hands it over whole: each sample its own request with its row's seed, the same tokens as one batched call."""
+    from test_rollout_pool import SAMPLED
+
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    pools = f"placement.pools={json.dumps(OFF)}"
+    _, sync = _run(store, tmp_path, "sync", [pools])
+    zero = ["trainer.mode=async", "rollout.streaming=true", "rollout.max_staleness=0"]
+    _, streamed = _run(store, tmp_path, "zero", [pools, *zero])
+    for step in (1, 2, 3):
+        assert {k: streamed[step][k] for k in SAMPLED} == {k: sync[step][k] for k in SAMPLED}
+        assert streamed[step]["off_policy/staleness_max"] == 0.0
+        assert streamed[step]["rollout/partial_fraction"] == 0.0
 
 
 @needs_vllm

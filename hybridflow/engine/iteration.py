@@ -277,6 +277,8 @@ def run_iteration(
             if head.rollout is None:  # streaming: the first finished groups the staleness bound lets go
                 head.rollout = queue.last = stages.submit(Call("stream_batch", "rollout"), after=queue.last)
             batch, rollout, greedy = head.prompts, stages.result(head.rollout), stages.result(head.greedy)
+            if cfg.rollout.streaming:  # the stream's groups, of any admitted prompts, are this iteration's batch
+                rollout = rollout.with_meta(global_steps=step)
             for synced in head.syncs:  # queued before it: done
                 metrics.update(stages.result(synced))
         drawn.append(batch)

@@ -12,6 +12,7 @@ This module never imports Prefect or submitit; the worker group (``hybridflow.sl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -209,6 +210,7 @@ class RLHFWorker:
         self.rollout_version = 0  # the version the rollout's engine serves (stamped on each generated row)
         self.weight_link: WeightSender | WeightReceiver | None = None  # rollout.checkpoint_engine.backend=gloo
         self.stream: StreamingGenerator | None = None  # rollout.streaming: the prompts generating across calls
+        self._stream_clock = (0.0, 0.0)  # (time.perf_counter(), stream.busy_s) at the last push
         self.ref: RefPolicy | LoraReference | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
@@ -277,10 +279,17 @@ class RLHFWorker:
         self, prompts: DataProto, n: int | None = None, temperature: float | None = None, stream: str = "train"
     ) -> DataProto:
         """Rollout: sample responses (see `HFRollout.generate_sequences`; `stream` separates random streams), each
-        row stamped with ``rollout_version`` int64 [B*n]: the actor weight version (its updates) that generated it."""
+        row stamped with ``rollout_version`` int64 [B*n]: the actor weight version (its updates) that generated it.
+        A streaming rollout's stream (a validation's generation) pauses meanwhile, as at a push, and continues after
+        it under the same weights: the engine serves this call's requests alone."""
         self._need("rollout")
-        with awake(self.rollout):  # vLLM on GPU: its KV cache exists only while generating
+        if self.stream is not None:
+            self.stream.pause()
+        # vLLM on GPU: its KV cache exists only while generating (a stream's engine stays awake)
+        with awake(self.rollout) if self.stream is None else contextlib.nullcontext():
             out = self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
+        if self.stream is not None:
+            self.stream.resume(self.rollout_version)
         # a rollout that generates from the actor's own weights serves the actor's version
         version = self.rollout_version if rollout_spec(self.config.rollout.name).syncs_weights else self.version
         return out.union(DataProto.from_dict({"rollout_version": torch.full((len(out),), version, dtype=torch.int64)}))
@@ -318,8 +327,11 @@ class RLHFWorker:
         the caller times the stage (``timing_s/weight_sync``). `version`: the weights' (the actor updates they
         hold), stamped on the rows the rollout generates from now on."""
         self._need("rollout")
+        streamed: dict[str, float] = {}
         if self.stream is not None:  # partial rollouts: interrupted; else the requests in flight finish first
+            interrupted, streamed = self.stream.interrupted, self._stream_metrics()
             self.stream.pause()
+            streamed["rollout/stream_interrupted"] = float(self.stream.interrupted - interrupted)
         if published is None:
             metrics = self.rollout.update_weights()
         elif "path" in published:
@@ -335,7 +347,20 @@ class RLHFWorker:
         self.rollout_version = version
         if self.stream is not None:  # every unfinished sample continues, its new tokens recording `version`
             self.stream.resume(version)
-        return metrics
+        return {**metrics, **streamed}
+
+    def _stream_metrics(self) -> dict[str, float]:
+        """The stream's engine since the last push (the previous call of this): ``rollout/stream_busy_s`` and
+        ``rollout/stream_idle_s`` (seconds in and out of engine steps), ``rollout/stream_in_flight`` (samples
+        generating now)."""
+        now, (since, busy_before) = time.perf_counter(), self._stream_clock
+        self._stream_clock = (now, self.stream.busy_s)
+        busy = self.stream.busy_s - busy_before
+        return {
+            "rollout/stream_busy_s": busy,
+            "rollout/stream_idle_s": max(0.0, now - since - busy),
+            "rollout/stream_in_flight": float(self.stream.in_flight),
+        }
 
     # ------------------------------------------------------------------ streaming rollout (rollout.streaming)
     def _streaming(self) -> StreamingGenerator:
@@ -354,6 +379,7 @@ class RLHFWorker:
             self.stream = StreamingGenerator(
                 self.rollout, cfg.rollout.partial_rollout, self.rollout_version, admission=admission
             )
+            self._stream_clock = (time.perf_counter(), 0.0)
         return self.stream
 
     @register(Dispatch.DP_COMPUTE_PROTO, mesh="generate")

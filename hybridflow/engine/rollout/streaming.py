@@ -22,6 +22,7 @@ exactly where the saved one was.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -107,6 +108,8 @@ class StreamingGenerator:
         self._requests: dict[str, StreamSample] = {}  # in flight: vLLM request id -> sample
         self._paused = False
         self._delta = RequestOutputKind.DELTA
+        self.busy_s = 0.0  # seconds spent in engine steps, all told
+        self.interrupted = 0  # samples aborted mid-generation by `pause` (partial rollouts), all told
 
     # ------------------------------------------------------------------ admission
     def admit(self, prompts: DataProto) -> list[str]:
@@ -162,9 +165,12 @@ class StreamingGenerator:
         return len(self._requests)
 
     def step(self) -> None:
-        """One engine step: every request in flight samples its next token (or its prompt is prefilled)."""
+        """One engine step: every request in flight samples its next token (or its prompt is prefilled); its
+        seconds add to `busy_s`."""
+        started = time.perf_counter()
         with eager_on_cpu(self.engine.on_gpu):
             outputs = self.engine.llm.llm_engine.step()
+        self.busy_s += time.perf_counter() - started
         for out in outputs:
             sample = self._requests[out.request_id]
             delta = out.outputs[0]
@@ -196,6 +202,7 @@ class StreamingGenerator:
         `resume`."""
         if self.partial_rollout:
             self.engine.llm.llm_engine.abort_request(list(self._requests))
+            self.interrupted += len(self._requests)
             self._requests.clear()
         else:
             self.run()

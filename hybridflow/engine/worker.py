@@ -517,8 +517,8 @@ class RLHFWorker:
     def save_checkpoint_part(self, staging: str) -> list[str]:
         """Write the trained roles this group hosts (actor, critic, Safe-RLHF's cost critic) into a checkpoint's
         staging folder (see `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the
-        roles written (``stream`` for a streaming rollout's samples so far: ``<AHEAD_DIR>/<STREAM_FILE>``,
-        `stream_state`).
+        roles written (``stream`` for a streaming rollout's groups not handed over, with their samples' tokens so
+        far and the admission's bookkeeping: ``<AHEAD_DIR>/<STREAM_FILE>``, `StreamingGenerator.state_dict`).
 
         Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
         sharded model (``fsdp``, ``megatron``) is gathered from its shards first, so every rank takes part."""

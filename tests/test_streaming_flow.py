@@ -16,14 +16,15 @@ from test_rollout_pool import HF, OFF, ROOT, _run, needs_vllm
 
 from hybridflow.engine.config import ConfigError, load_config
 
+TWO_ENGINES = {**OFF, "generate": {**OFF["generate"], "tasks_per_node": 2}}  # a stream on each rollout rank
 STREAM = [
     "trainer.mode=async",
     "rollout.streaming=true",
     "rollout.max_staleness=2",
     "trainer.total_iterations=6",
     "trainer.log_train_generations=16",
-    "trainer.test_freq=3",  # a validation generates on the engine while the stream holds prompts
-    f"placement.pools={json.dumps(OFF)}",
+    "trainer.test_freq=3",  # a validation generates on the engines while the streams hold prompts
+    f"placement.pools={json.dumps(TWO_ENGINES)}",
 ]
 
 
@@ -35,6 +36,10 @@ STREAM = [
         (
             ["rollout.multi_turn.enable=true", "rollout.multi_turn.default_agent_loop=single_turn"],
             r"agent loops do not stream yet",
+        ),
+        (
+            ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", f"placement.pools={json.dumps(TWO_ENGINES)}"],
+            r"data.train_batch_size=3 divisible by the 2 ranks of placement.pools.generate",
         ),
     ],
 )
@@ -99,10 +104,11 @@ def test_a_streamed_run_trains_every_prompt_once_within_its_bound_and_resumes_it
     db = killed.url
     checkpoint = Path(killed.latest_checkpoint(killed_id).path)
     assert checkpoint.name == "global_step_3"
-    saved = json.loads((checkpoint / "rollout_ahead" / "stream.json").read_text())
-    assert saved["admission"]["trained"] == 3 and saved["admission"]["admitted_total"] > 12  # ahead of training
-    in_stream = {g["uid"]: g for g in saved["groups"]}
-    assert len(in_stream) == saved["admission"]["admitted_total"] - 12
+    streams = [json.loads((checkpoint / "rollout_ahead" / f"stream-{r}.json").read_text()) for r in (0, 1)]
+    for saved in streams:  # each engine's share: 2 of every batch's 4 prompts
+        assert saved["admission"]["trained"] == 3 and saved["admission"]["admitted_total"] > 6  # ahead of training
+        assert len(saved["groups"]) == saved["admission"]["admitted_total"] - 6
+    in_stream = {g["uid"]: g for saved in streams for g in saved["groups"]}
     env = {**os.environ, "COLUMNS": "250"}
     resumed = subprocess.run(
         [HF, "resume", killed_id, "--db", db, "--prefect-api", prefect_api],

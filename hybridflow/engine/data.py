@@ -487,12 +487,13 @@ def collate_prompts(items: Sequence[dict[str, Any]], tokenizer: Any, width: int 
 # ---------------------------------------------------------------------------------------------------- sampler
 def train_sampler(dataset: PromptDataset, cfg: HybridFlowConfig) -> PromptSampler:
     """The run's training-prompt sampler: `HybridFlowConfig.prompts_per_draw` prompts per batch, ``data.seed`` and
-    ``data.shuffle``, fixed-width batches with dynamic sampling (``algorithm.filter_groups.enable``).
+    ``data.shuffle``, fixed-width batches with dynamic sampling (``algorithm.filter_groups.enable``) and a streaming
+    rollout (``rollout.streaming``: a batch joins groups of several draws and of several engines).
 
     Raises:
         ValueError: as `PromptSampler`.
     """
-    fixed = cfg.algorithm.filter_groups.enable
+    fixed = cfg.algorithm.filter_groups.enable or cfg.rollout.streaming
     return PromptSampler(dataset, cfg.prompts_per_draw(), cfg.data.seed, cfg.data.shuffle, fixed_width=fixed)
 
 

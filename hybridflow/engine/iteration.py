@@ -38,6 +38,7 @@ class StageMethod:
         method: the worker method.
         doc: what the stage computes (the Prefect task's description).
         takes_batch: the first argument of a `Call` is the batch (else the method takes none).
+        gathers: every rank returns its share of a batch, which the stage joins in rank order (one batch).
         names: keyword names of a `Call`'s arguments after the batch (``generate``'s random ``stream``).
         fixed: keyword arguments every call passes (ReMax's greedy generation).
         columns: the batch columns the method reads; a data handle sends only these (None: every column).
@@ -47,6 +48,7 @@ class StageMethod:
     method: str
     doc: str
     takes_batch: bool = True
+    gathers: bool = False
     names: tuple[str, ...] = ()
     fixed: dict[str, Any] = field(default_factory=dict)
     columns: tuple[str, ...] | None = None
@@ -99,8 +101,9 @@ STAGE_METHODS: dict[str, StageMethod] = {
     "stream_batch": StageMethod(
         "stream_batch",
         "rollout.streaming: the next batch of whole finished groups within rollout.max_staleness, B*n sequences with "
-        "rollout_token_versions [B*n, T].",
+        "rollout_token_versions [B*n, T]: each rank's share, joined in rank order.",
         takes_batch=False,
+        gathers=True,
     ),
     "publish_weights": StageMethod(
         "publish_weights",

@@ -364,8 +364,8 @@ class RLHFWorker:
 
     # ------------------------------------------------------------------ streaming rollout (rollout.streaming)
     def _streaming(self) -> StreamingGenerator:
-        """The stream of this rollout's engine, made at its first use: admission control by
-        ``data.train_batch_size`` groups a batch, ``rollout.max_staleness`` and the run's
+        """The stream of this rank's engine, made at its first use: admission control of its share of each batch
+        (``data.train_batch_size`` / the rollout pool's ranks groups), ``rollout.max_staleness`` and the run's
         ``trainer.total_iterations``."""
         from hybridflow.engine.rollout.admission import StreamAdmission
         from hybridflow.engine.rollout.streaming import StreamingGenerator
@@ -373,8 +373,8 @@ class RLHFWorker:
         self._need("rollout")
         if self.stream is None:
             cfg = self.config
-            batch = cfg.data.train_batch_size
-            admission = StreamAdmission(batch, cfg.max_staleness(), cfg.trainer.total_iterations * batch)
+            share = cfg.data.train_batch_size // self.world_size  # the config checks it divides
+            admission = StreamAdmission(share, cfg.max_staleness(), cfg.trainer.total_iterations * share)
             self.rollout.wake()  # generating from now on, between calls too
             self.stream = StreamingGenerator(
                 self.rollout, cfg.rollout.partial_rollout, self.rollout_version, admission=admission
@@ -394,12 +394,13 @@ class RLHFWorker:
         """
         self._streaming().admit(prompts)
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL)
     def stream_batch(self) -> DataProto:
-        """The next training batch of the stream: ``data.train_batch_size`` whole groups of ``rollout.n`` samples
-        (`StreamAdmission.next_batch`), generating until they have finished. The layout of
-        `generate_sequences`, plus ``rollout_token_versions`` int64 [B*n, T] (the version that sampled each
-        response token, -1 past its end); ``rollout_version`` int64 [B*n] is that of each row's oldest token.
+        """This rank's share of the next training batch of the stream: its ``data.train_batch_size`` / ranks
+        whole groups of ``rollout.n`` samples (`StreamAdmission.next_batch`), generating until they have finished
+        (the stage joins the ranks' shares in rank order: the batch's rows in the order of its prompts' shares).
+        The layout of `generate_sequences`, plus ``rollout_token_versions`` int64 [B*n, T] (the version that sampled
+        each response token, -1 past its end); ``rollout_version`` int64 [B*n] is that of each row's oldest token.
 
         Raises:
             RuntimeError: nothing generates and no batch can be formed (fewer groups admitted than a batch).
@@ -518,7 +519,8 @@ class RLHFWorker:
         """Write the trained roles this group hosts (actor, critic, Safe-RLHF's cost critic) into a checkpoint's
         staging folder (see `checkpoint.begin_checkpoint`); the controller finishes the checkpoint. Returns the
         roles written (``stream`` for a streaming rollout's groups not handed over, with their samples' tokens so
-        far and the admission's bookkeeping: ``<AHEAD_DIR>/<STREAM_FILE>``, `StreamingGenerator.state_dict`).
+        far and the admission's bookkeeping: ``<AHEAD_DIR>/stream-<rank>.json``, `StreamingGenerator.state_dict`;
+        every rank of a rollout pool its own).
 
         Data-parallel replicas hold identical weights and optimizer states: rank 0 writes, the others return. A
         sharded model (``fsdp``, ``megatron``) is gathered from its shards first, so every rank takes part."""
@@ -526,9 +528,10 @@ class RLHFWorker:
         for role, trained in self._trained():  # a sharded model is gathered: every rank takes part
             tokenizer = self.tokenizer if role == "actor" else None
             written += self._backend(role).save(staging, role, trained, tokenizer, self.rank)
-        if self.stream is not None and self.rank == 0:
+        if self.stream is not None:  # each engine's stream, its share of the prompts
             (Path(staging) / AHEAD_DIR).mkdir(exist_ok=True)
-            (Path(staging) / AHEAD_DIR / STREAM_FILE).write_text(json.dumps(self.stream.state_dict()))
+            saved = Path(staging) / AHEAD_DIR / STREAM_FILE.format(rank=self.rank)
+            saved.write_text(json.dumps(self.stream.state_dict()))
             written.append("stream")
         return written
 
@@ -541,7 +544,7 @@ class RLHFWorker:
             states.update(self._backend(role).load(path, role, trained))
         load_checkpoint(path, verify=False, restore_rng=False, **states)
         self.version = int(read_trainer_state(path)["global_steps"])
-        saved_stream = Path(path) / AHEAD_DIR / STREAM_FILE
+        saved_stream = Path(path) / AHEAD_DIR / STREAM_FILE.format(rank=self.rank)
         if "rollout" in self.roles and saved_stream.exists():  # continued once the engine has the restored weights
             self._streaming().load_state_dict(json.loads(saved_stream.read_text()), paused=True)
         if self.rollout is not None and self.actor is not None:  # a rollout with weights of its own serves the

@@ -622,9 +622,10 @@ def _resume(
         baseline = DataHandle.put(DataProto.load(greedy), data_dir, "ahead") if greedy.exists() else None
         if queue is not None:
             queue.ahead.append(Ahead(step, None, ahead, greedy=baseline))
-    if queue is not None and (ahead_dir / STREAM_FILE).exists():  # admitted to the stream, not handed over yet
-        admission = json.loads((ahead_dir / STREAM_FILE).read_text())["admission"]
-        batches = admission["admitted_total"] // cfg.data.train_batch_size
+    first_stream = ahead_dir / STREAM_FILE.format(rank=0)
+    if queue is not None and first_stream.exists():  # admitted to the stream, not handed over yet
+        admission = json.loads(first_stream.read_text())["admission"]  # every rank admits its share of each batch
+        batches = admission["admitted_total"] // admission["batch_groups"]
         queue.ahead.extend(Ahead(t, None, None) for t in range(admission["trained"], batches))
     logger.info("run %s resumes after iteration %d from %s", run_id, start, path)
     notify("resumed", step=start, path=str(path))

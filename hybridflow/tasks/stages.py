@@ -120,7 +120,8 @@ def advantage(
 
 def _worker_task(name: str) -> Any:
     """The task of stage `name`: one call of its worker method (`iteration.STAGE_METHODS`) on the group, the batch
-    handle narrowed to the columns the method reads; per-rank metrics averaged over the ranks."""
+    handle narrowed to the columns the method reads; per-rank metrics averaged over the ranks, per-rank shares of a
+    batch joined in rank order."""
     spec = STAGE_METHODS[name]
 
     def call(group: WorkerGroup, *args: Any) -> Any:
@@ -128,6 +129,8 @@ def _worker_task(name: str) -> Any:
         if spec.columns is not None:
             args = (args[0].select(list(spec.columns)), *args[1:])
         result = getattr(group, spec.method)(*args, **kwargs)
+        if spec.gathers:  # each rank's share of one batch
+            return DataHandle.concat(result)
         return _mean_metrics(result) if spec.metrics else result
 
     call.__name__, call.__doc__ = name, spec.doc

@@ -442,8 +442,9 @@ class HybridFlowConfig(_Section):
             )
 
     def _check_streaming(self) -> None:
-        """``rollout.streaming`` streams on one vLLM engine of the async mode's rollout pool; what it does not carry
-        yet (agent loops, DAPO's further draws, ReMax's greedy baseline) is refused by its key."""
+        """``rollout.streaming`` streams on the vLLM engines of the async mode's rollout pool, one per rank, each an
+        equal share of every batch; what it does not carry yet (agent loops, DAPO's further draws, ReMax's greedy
+        baseline, an engine over several ranks) is refused by its key."""
         from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
 
         rollout = self.rollout
@@ -455,7 +456,12 @@ class HybridFlowConfig(_Section):
         refused = [
             (self.trainer.mode != "async", f"trainer.mode=async (got {self.trainer.mode})"),
             (rollout.name != "vllm", f"rollout.name=vllm (got {rollout.name})"),
-            (pool.world_size != 1, f"one rank in placement.pools.{pool.name} (nodes x tasks_per_node = 1: one engine)"),
+            (engine_tp(self) != 1, f"rollout.gen_tp=1: one engine per rank of placement.pools.{pool.name}"),
+            (
+                self.data.train_batch_size % pool.world_size != 0,
+                f"data.train_batch_size={self.data.train_batch_size} divisible by the {pool.world_size} ranks of "
+                f"placement.pools.{pool.name} (each engine streams an equal share of every batch)",
+            ),
             (rollout.multi_turn.enable, "rollout.multi_turn.enable=false: agent loops do not stream yet"),
             (self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=false: DAPO draws batches"),
             (uses_greedy_baseline(self.algorithm.adv_estimator), "an estimator without ReMax's greedy baseline"),

@@ -140,6 +140,7 @@ class StreamAdmission:
     def state_dict(self) -> dict[str, Any]:
         """The bookkeeping as JSON types, for the checkpoint beside the stream's samples."""
         return {
+            "batch_groups": self.batch_groups,
             "trained": self.trained,
             "admitted_total": self.admitted_total,
             "admitted": list(self.admitted.items()),

@@ -40,7 +40,8 @@ from hybridflow.engine.rollout.vllm import VLLMRollout, eager_on_cpu
 class StreamSample:
     """One sample in the stream: the `row`-th of the stream `stream`'s iteration `global_steps` (its seed's key),
     its prompt's ids, and what it has sampled so far: ids, the engine's log-prob of each (after temperature) and the
-    weight version that sampled each. `segments`: the requests it has had (one more after each interrupt)."""
+    weight version that sampled each. `segments`: the requests it has had (one more after each interrupt);
+    `prompt_width`: the width its prompt batch was padded to (the hand-over pads to the widest of its samples')."""
 
     uid: str
     row: int
@@ -51,6 +52,7 @@ class StreamSample:
     versions: list[int] = field(default_factory=list)
     segments: int = 0
     done: bool = False
+    prompt_width: int = 0
 
     @property
     def oldest_version(self) -> int | None:
@@ -134,8 +136,10 @@ class StreamingGenerator:
             self.admission.admit(uids, self.version)
         for g, uid in enumerate(uids):
             rows = range(g * n, (g + 1) * n)
+            width = ids.shape[1]
             samples = [
-                StreamSample(uid, row_offset * n + i, global_steps, ids[i][mask[i].bool()].tolist()) for i in rows
+                StreamSample(uid, row_offset * n + i, global_steps, ids[i][mask[i].bool()].tolist(), prompt_width=width)
+                for i in rows
             ]
             columns = {k: [v[i] for i in rows] for k, v in batch.non_tensor_batch.items()}
             self.groups[uid] = StreamGroup(uid, self.version, samples, columns)
@@ -222,7 +226,9 @@ class StreamingGenerator:
     # ------------------------------------------------------------------ hand-over
     def take(self, uids: list[str]) -> DataProto:
         """Remove the finished groups `uids` from the stream and return their samples as the rollout's batch, in
-        `uids`' order: the layout of `VLLMRollout.generate_sequences` (prompts left-padded to the widest of them),
+        `uids`' order: the layout of `VLLMRollout.generate_sequences` (prompts left-padded to the widest of their
+        batches: the sampler pads every batch to the dataset's longest prompt when streaming, so the shares of several
+        engines join),
         plus ``rollout_token_versions`` int64 [B, T] (the version that sampled each response token; -1 past its
         end) and ``rollout_version`` int64 [B] (that of the row's oldest token).
 
@@ -235,7 +241,7 @@ class StreamingGenerator:
         groups = [self.groups.pop(u) for u in uids]
         samples = [s for g in groups for s in g.samples]
         length, pad = self.engine.config.response_length, self.engine.tokenizer.pad_token_id
-        width = max(len(s.prompt_ids) for s in samples)
+        width = max(max(len(s.prompt_ids), s.prompt_width) for s in samples)
         prompt_ids = torch.full((len(samples), width), pad, dtype=torch.long)
         prompt_mask = torch.zeros((len(samples), width), dtype=torch.long)
         responses = torch.full((len(samples), length), pad, dtype=torch.long)

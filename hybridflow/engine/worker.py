@@ -211,6 +211,7 @@ class RLHFWorker:
         self.weight_link: WeightSender | WeightReceiver | None = None  # rollout.checkpoint_engine.backend=gloo
         self.stream: StreamingGenerator | None = None  # rollout.streaming: the prompts generating across calls
         self._stream_clock = (0.0, 0.0)  # (time.perf_counter(), stream.busy_s) at the last push
+        self._stream_error: Exception | None = None  # raised by a background step: the next stream call raises it
         self.ref: RefPolicy | LoraReference | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
@@ -371,6 +372,9 @@ class RLHFWorker:
         from hybridflow.engine.rollout.streaming import StreamingGenerator
 
         self._need("rollout")
+        if self._stream_error is not None:
+            error, self._stream_error = self._stream_error, None
+            raise RuntimeError(f"the stream's engine failed between calls: {error!r}") from error
         if self.stream is None:
             cfg = self.config
             share = cfg.data.train_batch_size // self.world_size  # the config checks it divides
@@ -417,10 +421,15 @@ class RLHFWorker:
 
     def background_step(self) -> bool:
         """Between calls (`hybridflow.slurm.rank`): one engine step of the stream's samples in flight. Returns
-        whether there was one."""
-        if self.stream is None or not self.stream.in_flight:
+        whether there was one; an engine error stops the background steps and is raised by the next stream call
+        (`stream_admit`, `stream_batch`), as that stage's failure."""
+        if self.stream is None or not self.stream.in_flight or self._stream_error is not None:
             return False
-        self.stream.step()
+        try:
+            self.stream.step()
+        except Exception as error:  # the rank keeps serving calls; the stage that needs the stream fails
+            self._stream_error = error
+            return False
         return True
 
     @register(Dispatch.DP_COMPUTE_PROTO)

@@ -44,12 +44,13 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from async_simulation import GPUS_PER_NODE, stage_seconds
+
 from hybridflow.engine.rollout.admission import StreamAdmission
 from hybridflow.engine.shapes import PRESETS
-from hybridflow.flows.placement.cost import Strategy, Workload, estimate
+from hybridflow.flows.placement.cost import Workload
 from hybridflow.flows.placement.hardware import hardware_profile
 
-GPUS_PER_NODE = 8
 PROMPT = 512
 PUBLISHED = [
     ("verl fully-async (Qwen2.5-7B, 64 rollout + 64 train GPUs vs 128 colocated)", "2.35-2.67x"),
@@ -70,7 +71,6 @@ class Engine:
     now: float = 0.0
     running: list[list] = field(default_factory=list)  # [group, context tokens, tokens left]
     waiting: list[list] = field(default_factory=list)
-    busy: float = 0.0
     kv_seconds: float = 0.0  # the KV cache's tokens held, integrated over decode time (token-seconds)
 
     def start_waiting(self, allowed) -> None:
@@ -80,19 +80,12 @@ class Engine:
             sample = self.waiting.pop(0)
             self.running.append(sample)
             context += sample[1]
-            self._spend(sample[1] / self.prefill_rate)
-
-    def _spend(self, seconds: float) -> None:
-        self.now += seconds
-        self.busy += seconds
+            self.now += sample[1] / self.prefill_rate
 
     def advance(self, until: float) -> list[int]:
         """Decode until the next sample finishes, the cache would overflow, or `until` (seconds); returns the groups
         of the samples that finished. Between those events every step costs ``a + b x context``, with the context
         growing by one token per running sample per step: the steps are summed in closed form."""
-        if not self.running:
-            self.now = max(self.now, until)
-            return []
         count, context = len(self.running), sum(s[1] for s in self.running)
         a = (self.weight_bytes / self.read_rate) + self.step_overhead
         b = self.kv_per_token / self.read_rate
@@ -108,7 +101,7 @@ class Engine:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if self.now + cost(mid) <= until else (lo, mid - 1)
             steps = lo
-        self._spend(cost(steps))
+        self.now += cost(steps)
         self.kv_seconds += cost(steps) * (context + count * steps / 2)
         done = []
         for s in self.running:
@@ -135,9 +128,9 @@ def engine_for(hw, shape) -> Engine:
     return Engine(weight_bytes, kv_per_token, capacity, read_rate, hw.decode_step_overhead_s, prefill)
 
 
-def train_seconds(devices: int, prompts: int, n: int, mean_response: float, longest: int) -> float:
-    """The cost model's old_log_prob + update + ref seconds for one batch on `devices` (FSDP)."""
-    hw, shape = hardware_profile("h100-80gb"), PRESETS["llama-7b"]
+def train_and_push(devices: int, prompts: int, n: int, mean_response: float, longest: int) -> tuple[float, float]:
+    """The seconds of one batch's training (old_log_prob, update, ref) on `devices` and of one weight push, as
+    `async_simulation.stage_seconds` has the cost model give them."""
     work = Workload(
         sequences=prompts * n,
         prompt_length=PROMPT,
@@ -147,9 +140,8 @@ def train_seconds(devices: int, prompts: int, n: int, mean_response: float, long
         samples=n,
         response_mean=mean_response,
     )
-    actor = estimate("actor", shape, Strategy("fsdp", dp=devices), work, hw, GPUS_PER_NODE).stage_s
-    ref = estimate("ref", shape, Strategy("fsdp", dp=devices), work, hw, GPUS_PER_NODE).stage_s
-    return sum(v for k, v in actor.items() if k != "gen") + sum(ref.values())
+    stages = stage_seconds(devices, devices, work)
+    return stages.train, stages.push
 
 
 def lengths(groups: int, n: int, longest: int, sigma: float, rng: random.Random) -> list[list[int]]:
@@ -168,8 +160,7 @@ def simulate(mode: str, gpus: int, gen_gpus: int, args, longest: int) -> tuple[f
     work = [lengths(per_engine, args.n, longest, args.sigma, rng) for _ in range(args.iterations)]
     mean_response = sum(sum(map(sum, w)) for w in work) / (args.iterations * per_engine * args.n)
     train_devices = gpus if mode == "sync" else gpus - gen_gpus
-    train_s = train_seconds(train_devices, args.prompts, args.n, mean_response, longest)
-    push_s = shape.params("lm") * hw.dtype_bytes / hw.inter_node_bandwidth
+    train_s, push_s = train_and_push(train_devices, args.prompts, args.n, mean_response, longest)
     engine = engine_for(hw, shape)
     k = args.staleness if mode != "sync" else 0
     admission = StreamAdmission(per_engine, k, args.iterations * per_engine)

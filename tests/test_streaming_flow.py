@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_rollout_pool import HF, OFF, ROOT, _run, needs_vllm
+from test_rollout_pool import HF, OFF, ROOT, SAMPLED, _run, needs_vllm
 
 from hybridflow.engine.config import ConfigError, load_config
 
@@ -34,10 +34,6 @@ STREAM = [
         (["trainer.mode=one_step_off"], r"rollout.streaming=true needs trainer.mode=async \(got one_step_off\)"),
         (["algorithm.filter_groups.enable=true"], r"needs algorithm.filter_groups.enable=false"),
         (
-            ["rollout.multi_turn.enable=true", "rollout.multi_turn.default_agent_loop=single_turn"],
-            r"agent loops do not stream yet",
-        ),
-        (
             ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", f"placement.pools={json.dumps(TWO_ENGINES)}"],
             r"data.train_batch_size=3 divisible by the 2 ranks of placement.pools.generate",
         ),
@@ -56,8 +52,6 @@ def test_streaming_refuses_what_it_does_not_carry_by_its_key(extra, error):
 def test_streaming_at_staleness_0_samples_what_sync_samples(prefect_api, tmp_path):
     """At staleness 0 the stream admits a batch only once the engine holds the weights it is trained with and
     hands it over whole: each sample its own request with its row's seed, the same tokens as one batched call."""
-    from test_rollout_pool import SAMPLED
-
     from hybridflow.flows.store.run_store import RunStore
 
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
@@ -157,3 +151,31 @@ def test_the_store_keeps_each_samples_tokens_by_version_and_hf_runs_samples_show
     assert shown.returncode == 0, shown.stderr
     assert "sampled by version 2 (5 tokens), then version 3 (7 tokens)" in shown.stdout, shown.stdout
     assert shown.stdout.count("sampled by") == 1  # the sample of one call says nothing more
+
+
+def _agent_extra(tmp_path: Path) -> list[str]:
+    """Multi-turn rollouts with a tool on the rollout's own pool (`tiny_runs.agent_overrides`), on a tiny model that
+    holds the tool schemas' ~500-token prompts."""
+    from tiny_runs import agent_overrides
+
+    from hybridflow.engine.tiny import build_tiny_model
+
+    long_model = build_tiny_model(tmp_path / "tiny32-1024", hidden_size=64, head_dim=32, max_positions=1024)
+    return [f"placement.pools={json.dumps(OFF)}", *agent_overrides(tmp_path), f"model.path={long_model}"]
+
+
+@needs_vllm
+def test_agent_loops_stream_at_staleness_0_as_sync_samples_them(prefect_api, tmp_path):
+    """Each turn of each trajectory is one stream request seeded as the batch call seeds it: at staleness 0 the
+    streamed agent loops sample and train what sync's do."""
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    agents = _agent_extra(tmp_path)
+    _, sync = _run(store, tmp_path, "sync", agents)
+    zero = ["trainer.mode=async", "rollout.streaming=true", "rollout.max_staleness=0"]
+    _, streamed = _run(store, tmp_path, "zero", [*agents, *zero])
+    keys = (*SAMPLED, "num_turns/mean", "tool_calls/echo/mean", "response_length/tool_tokens/mean")
+    for step in (1, 2, 3):
+        assert {k: streamed[step][k] for k in keys} == {k: sync[step][k] for k in keys}
+        assert streamed[step]["num_turns/min"] > 2 and streamed[step]["off_policy/staleness_max"] == 0.0

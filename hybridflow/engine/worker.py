@@ -380,9 +380,11 @@ class RLHFWorker:
             share = cfg.data.train_batch_size // self.world_size  # the config checks it divides
             admission = StreamAdmission(share, cfg.max_staleness(), cfg.trainer.total_iterations * share)
             self.rollout.wake()  # generating from now on, between calls too
-            self.stream = StreamingGenerator(
-                self.rollout, cfg.rollout.partial_rollout, self.rollout_version, admission=admission
-            )
+            if cfg.rollout.multi_turn.enable:  # agent loops: a trajectory's turns span pushes
+                from hybridflow.engine.agent.streaming import AgentStream as Stream
+            else:
+                Stream = StreamingGenerator
+            self.stream = Stream(self.rollout, cfg.rollout.partial_rollout, self.rollout_version, admission=admission)
             self._stream_clock = (time.perf_counter(), 0.0)
         return self.stream
 
@@ -411,7 +413,7 @@ class RLHFWorker:
         """
         stream = self._streaming()
         while (batch := stream.next_batch()) is None:
-            if not stream.in_flight:
+            if not stream.working:
                 raise RuntimeError(
                     f"the stream holds {len(stream.groups)} groups, none generating, and no batch of "
                     f"{stream.admission.batch_groups} can be formed: admit prompts (stream_admit) first"
@@ -420,10 +422,10 @@ class RLHFWorker:
         return batch
 
     def background_step(self) -> bool:
-        """Between calls (`hybridflow.slurm.rank`): one engine step of the stream's samples in flight. Returns
-        whether there was one; an engine error stops the background steps and is raised by the next stream call
-        (`stream_admit`, `stream_batch`), as that stage's failure."""
-        if self.stream is None or not self.stream.in_flight or self._stream_error is not None:
+        """Between calls (`hybridflow.slurm.rank`): one engine step of the stream's samples in flight (an agent
+        stream's loops run their tools then). Returns whether there was one; an engine error stops the background
+        steps and is raised by the next stream call (`stream_admit`, `stream_batch`), as that stage's failure."""
+        if self.stream is None or not self.stream.working or self._stream_error is not None:
             return False
         try:
             self.stream.step()

@@ -197,12 +197,8 @@ class AgentLoopRollout:
         global_steps = int(prompts.meta_info.get("global_steps", 0))
         first_row = int(prompts.meta_info.get("row_offset", 0)) * n
         batch = expand_prompts(prompts, n, stream)
-        names = batch.non_tensor_batch.get("agent_name")
-        default = self.config.multi_turn.default_agent_loop
-        names = [str(x) if x else default for x in (names if names is not None else [None] * len(batch))]
-        loops = [agent_loop(name) for name in names]  # unknown names fail before any generation
-        if self.chat_format is None and any(_observes(loop) for loop in loops):
-            self.chat_format = ChatFormat(self.tokenizer, list(self.engine.eos_token_ids))
+        names = self.loop_names(batch.non_tensor_batch.get("agent_name"), len(batch))
+        loops = self.loops(names)  # unknown names fail before any generation
 
         def seed(row: int, turn: int) -> int:
             return sampling_seed(self.seed, global_steps, f"{stream}/turn{turn}", first_row + row)
@@ -215,10 +211,44 @@ class AgentLoopRollout:
                 outputs = self._lead(block, batch, loops, serve, seed, temperature)
             else:
                 outputs = _follow(block, serve)
-        out = self._assemble(batch, outputs, names)
+        out = self.assemble(batch, outputs, names)
         out.meta_info.update(prompts.meta_info)
         out.meta_info["temperature"] = temperature
         return out
+
+    def loop_names(self, agent_names: Any, rows: int) -> list[str]:
+        """The loop of each of `rows` rows: its ``agent_name`` (`agent_names`, a column or None), else
+        ``rollout.multi_turn.default_agent_loop``."""
+        default = self.config.multi_turn.default_agent_loop
+        return [str(x) if x else default for x in (agent_names if agent_names is not None else [None] * rows)]
+
+    def loops(self, names: list[str]) -> list[type]:
+        """The loop classes of `names` (and the template's turn ids, made once a loop observes an environment).
+
+        Raises:
+            ValueError: an unknown name (`hybridflow.engine.agent.loop.agent_loop`); the template is not
+                prefix-stable.
+        """
+        loops = [agent_loop(name) for name in names]
+        if self.chat_format is None and any(_observes(loop) for loop in loops):
+            self.chat_format = ChatFormat(self.tokenizer, list(self.engine.eos_token_ids))
+        return loops
+
+    def context(self, engine: Any) -> AgentContext:
+        """What a trajectory's loop shares with the rollout, generating with `engine` (its `TokenEngine`); its own
+        tool session."""
+        multi_turn = self.config.multi_turn
+        return AgentContext(
+            engine,
+            self.tokenizer,
+            self.chat_format,
+            self.tools.session(),
+            self.parser,
+            multi_turn.max_assistant_turns,
+            multi_turn.max_user_turns,
+            multi_turn.env_config,
+            multi_turn.tool_timeout_s,
+        )
 
     async def _run(self, batch: DataProto, loops: list, serve, seed, temperature: float) -> list[AgentLoopOutput]:
         batcher = _Batcher()
@@ -228,18 +258,7 @@ class AgentLoopRollout:
         for i, loop_cls in enumerate(loops):
             row = {key: column[i] for key, column in batch.non_tensor_batch.items()}
             row["prompt_ids"] = ids[i][mask[i]].tolist()
-            context = AgentContext(
-                batcher.engine(i),
-                self.tokenizer,
-                self.chat_format,
-                self.tools.session(),
-                self.parser,
-                self.config.multi_turn.max_assistant_turns,
-                self.config.multi_turn.max_user_turns,
-                self.config.multi_turn.env_config,
-                self.config.multi_turn.tool_timeout_s,
-            )
-            task = asyncio.ensure_future(_trajectory(loop_cls(context), params, row))
+            task = asyncio.ensure_future(trajectory(loop_cls(self.context(batcher.engine(i))), params, row))
             task.add_done_callback(lambda _: batcher.changed.set())
             tasks.append(task)
         while True:
@@ -279,7 +298,13 @@ class AgentLoopRollout:
         block.send(("done", outputs))
         return outputs
 
-    def _assemble(self, batch: DataProto, outputs: list[AgentLoopOutput], names: list[str]) -> DataProto:
+    def assemble(self, batch: DataProto, outputs: list[AgentLoopOutput], names: list[str]) -> DataProto:
+        """The rollout's batch (the module docstring's layout) of the trajectories `outputs` of `batch`'s rows
+        (left-padded ``input_ids``, ``attention_mask`` int64 [B, P] and the rows' columns), run by loops `names`.
+
+        Raises:
+            ValueError: a trajectory is not its row's (`_check_output`).
+        """
         length, pad = self.config.response_length, self.tokenizer.pad_token_id
         prompt_ids, prompt_mask = batch.batch["input_ids"], batch.batch["attention_mask"]
         b = len(batch)
@@ -325,7 +350,7 @@ def _observes(loop: type) -> bool:
     return issubclass(loop, EnvironmentLoop) and loop.environment is not ToolEnvironment
 
 
-async def _trajectory(loop: Any, params: SamplingParams, row: dict[str, Any]) -> AgentLoopOutput:
+async def trajectory(loop: Any, params: SamplingParams, row: dict[str, Any]) -> AgentLoopOutput:
     """`loop`'s trajectory of `row`; its tools' instances (an interpreter, a sandbox) closed when it ends, however."""
     try:
         return await loop.run(params, **row)

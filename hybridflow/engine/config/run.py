@@ -443,8 +443,8 @@ class HybridFlowConfig(_Section):
 
     def _check_streaming(self) -> None:
         """``rollout.streaming`` streams on the vLLM engines of the async mode's rollout pool, one per rank, each an
-        equal share of every batch; what it does not carry yet (agent loops, DAPO's further draws, ReMax's greedy
-        baseline, an engine over several ranks) is refused by its key."""
+        equal share of every batch (agent loops too: `hybridflow.engine.agent.streaming`); what it does not carry yet
+        (DAPO's further draws, ReMax's greedy baseline, an engine over several ranks) is refused by its key."""
         from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
 
         rollout = self.rollout
@@ -462,7 +462,6 @@ class HybridFlowConfig(_Section):
                 f"data.train_batch_size={self.data.train_batch_size} divisible by the {pool.world_size} ranks of "
                 f"placement.pools.{pool.name} (each engine streams an equal share of every batch)",
             ),
-            (rollout.multi_turn.enable, "rollout.multi_turn.enable=false: agent loops do not stream yet"),
             (self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=false: DAPO draws batches"),
             (uses_greedy_baseline(self.algorithm.adv_estimator), "an estimator without ReMax's greedy baseline"),
         ]

@@ -22,6 +22,7 @@ exactly where the saved one was.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -41,7 +42,9 @@ class StreamSample:
     """One sample in the stream: the `row`-th of the stream `stream`'s iteration `global_steps` (its seed's key),
     its prompt's ids, and what it has sampled so far: ids, the engine's log-prob of each (after temperature) and the
     weight version that sampled each. `segments`: the requests it has had (one more after each interrupt);
-    `prompt_width`: the width its prompt batch was padded to (the hand-over pads to the widest of its samples')."""
+    `prompt_width`: the width its prompt batch was padded to (the hand-over pads to the widest of its samples').
+    `key`: what its seeds' stream name adds to the generator's (an agent turn's ``"/turn<k>"``); `max_tokens`: its
+    budget in tokens (0: ``rollout.response_length``)."""
 
     uid: str
     row: int
@@ -53,6 +56,8 @@ class StreamSample:
     segments: int = 0
     done: bool = False
     prompt_width: int = 0
+    key: str = ""
+    max_tokens: int = 0
 
     @property
     def oldest_version(self) -> int | None:
@@ -108,6 +113,7 @@ class StreamingGenerator:
         self.admission = admission
         self.groups: dict[str, StreamGroup] = {}  # admitted and not taken, in admission order
         self._requests: dict[str, StreamSample] = {}  # in flight: vLLM request id -> sample
+        self._pending: list[StreamSample] = []  # unfinished, waiting for `resume` to be sent to the engine
         self._paused = False
         self._delta = RequestOutputKind.DELTA
         self.busy_s = 0.0  # seconds spent in engine steps, all told
@@ -136,27 +142,42 @@ class StreamingGenerator:
             self.admission.admit(uids, self.version)
         for g, uid in enumerate(uids):
             rows = range(g * n, (g + 1) * n)
-            width = ids.shape[1]
-            samples = [
-                StreamSample(uid, row_offset * n + i, global_steps, ids[i][mask[i].bool()].tolist(), prompt_width=width)
+            columns = {k: [v[i] for i in rows] for k, v in batch.non_tensor_batch.items()}
+            members = [
+                self._member(uid, row_offset * n + i, global_steps, ids[i][mask[i].bool()].tolist(), ids.shape[1])
                 for i in rows
             ]
-            columns = {k: [v[i] for i in rows] for k, v in batch.non_tensor_batch.items()}
-            self.groups[uid] = StreamGroup(uid, self.version, samples, columns)
-            for sample in samples:
-                if not self._paused:
-                    self._submit(sample)
+            self.groups[uid] = StreamGroup(uid, self.version, members, columns)
+            self._started(self.groups[uid])
         return uids
 
+    def _member(self, uid: str, row: int, global_steps: int, prompt_ids: list[int], width: int) -> Any:
+        """One sample of a new group: here a `StreamSample`, one request (an agent stream's: a trajectory)."""
+        return StreamSample(uid, row, global_steps, prompt_ids, prompt_width=width)
+
+    def _started(self, group: StreamGroup) -> None:
+        """A new (or restored) group's samples start: each unfinished one sends its request."""
+        for sample in group.samples:
+            if not sample.done:
+                self._start(sample)
+
+    def _start(self, sample: StreamSample) -> None:
+        """Send `sample`'s next segment to the engine now, or at `resume` while paused."""
+        if self._paused:
+            self._pending.append(sample)
+        else:
+            self._submit(sample)
+
     def _submit(self, sample: StreamSample) -> None:
-        """Send `sample`'s next segment to the engine: its prompt and tokens so far, for what remains of
-        ``rollout.response_length``, seeded by its row and segment."""
-        stream = self.stream if sample.segments == 0 else f"{self.stream}/continued-{sample.segments}"
+        """Send `sample`'s next segment to the engine: its prompt and tokens so far, for what remains of its budget,
+        seeded by its row, key and segment."""
+        name = self.stream + sample.key
+        stream = name if sample.segments == 0 else f"{name}/continued-{sample.segments}"
         seed = sampling_seed(self.engine.seed, sample.global_steps, stream, sample.row)
-        remaining = self.engine.config.response_length - len(sample.ids)
+        remaining = (sample.max_tokens or self.engine.config.response_length) - len(sample.ids)
         params = self.engine._sampling_params(self.temperature, remaining, seed, self.stream)
         params.output_kind = self._delta
-        request_id = f"{sample.uid}/{sample.row}/{sample.segments}"
+        request_id = f"{sample.uid}/{sample.row}{sample.key}/{sample.segments}"
         prompt = self.engine._vllm.inputs.TokensPrompt(prompt_token_ids=sample.prompt_ids + sample.ids)
         self.engine.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self.engine._lora_request)
         self._requests[request_id] = sample
@@ -165,12 +186,19 @@ class StreamingGenerator:
     # ------------------------------------------------------------------ generation
     @property
     def in_flight(self) -> int:
-        """Samples generating now."""
+        """Requests generating now (one per sample)."""
         return len(self._requests)
+
+    @property
+    def working(self) -> bool:
+        """Whether `step` makes progress: requests are in flight."""
+        return bool(self._requests)
 
     def step(self) -> None:
         """One engine step: every request in flight samples its next token (or its prompt is prefilled); its
         seconds add to `busy_s`."""
+        if not self._requests:
+            return
         started = time.perf_counter()
         with eager_on_cpu(self.engine.on_gpu):
             outputs = self.engine.llm.llm_engine.step()
@@ -186,12 +214,20 @@ class StreamingGenerator:
             if out.finished:
                 sample.done = True
                 del self._requests[out.request_id]
-                if self.admission is not None and self.groups[sample.uid].done:
-                    self.admission.finish([sample.uid])
+                self._answered(sample)
+
+    def _answered(self, sample: StreamSample) -> None:
+        """`sample`'s request has finished (here: the sample has; the admission hears of its group once whole)."""
+        self._group_progress(sample.uid)
+
+    def _group_progress(self, uid: str) -> None:
+        """Tell the admission that group `uid` has finished, once it has."""
+        if self.admission is not None and self.groups[uid].done:
+            self.admission.finish([uid])
 
     def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Step while samples are in flight, until `until()` holds (checked before every step; None: until none is
-        in flight)."""
+        """Step while requests are in flight, until `until()` holds (checked before every step; None: until none
+        is in flight)."""
         while self._requests and not (until is not None and until()):
             self.step()
 
@@ -204,24 +240,23 @@ class StreamingGenerator:
         """Before the engine loads new weights: with partial rollouts, abort the requests in flight (each sample
         keeps its tokens); without, let them finish under the weights that began them. Admissions wait for
         `resume`."""
+        self._paused = True  # requests made from now on (an agent's next turn) wait for `resume`
         if self.partial_rollout:
             self.engine.llm.llm_engine.abort_request(list(self._requests))
             self.interrupted += len(self._requests)
+            self._pending += self._requests.values()
             self._requests.clear()
         else:
             self.run()
-        self._paused = True
 
     def resume(self, version: int) -> None:
         """After the engine has loaded weight `version`: every unfinished sample continues from its tokens so far,
         its new tokens recording `version`."""
         self.version = version
         self._paused = False
-        flying = {id(s) for s in self._requests.values()}
-        for group in self.groups.values():
-            for sample in group.samples:
-                if not sample.done and id(sample) not in flying:
-                    self._submit(sample)
+        pending, self._pending = self._pending, []
+        for sample in pending:
+            self._submit(sample)
 
     # ------------------------------------------------------------------ hand-over
     def take(self, uids: list[str]) -> DataProto:
@@ -238,7 +273,10 @@ class StreamingGenerator:
         missing = [u for u in uids if u not in self.groups or not self.groups[u].done]
         if not uids or missing:
             raise ValueError(f"take needs finished groups of the stream; not finished or not in it: {missing or uids}")
-        groups = [self.groups.pop(u) for u in uids]
+        return self._assemble([self.groups.pop(u) for u in uids])
+
+    def _assemble(self, groups: list[StreamGroup]) -> DataProto:
+        """The batch of finished `groups` (`take`'s layout)."""
         samples = [s for g in groups for s in g.samples]
         length, pad = self.engine.config.response_length, self.engine.tokenizer.pad_token_id
         width = max(max(len(s.prompt_ids), s.prompt_width) for s in samples)
@@ -285,7 +323,7 @@ class StreamingGenerator:
                 {
                     "uid": g.uid,
                     "admitted": g.admitted,
-                    "samples": [asdict(s) for s in g.samples],
+                    "samples": [self._saved(s) for s in g.samples],
                     "columns": {k: _plain(v) for k, v in g.columns.items()},
                 }
                 for g in self.groups.values()
@@ -302,16 +340,26 @@ class StreamingGenerator:
         """
         if self.groups:
             raise RuntimeError("load_state_dict needs an empty stream")
+        state = copy.deepcopy(state)  # its samples' lists grow here
         self.version = int(state["version"])
         if self.admission is not None and state.get("admission") is not None:
             self.admission.load_state_dict(state["admission"])
+        self._paused = True  # whatever restarts, starts at `resume`
         for g in state["groups"]:
-            samples = [StreamSample(**s) for s in g["samples"]]
-            self.groups[g["uid"]] = StreamGroup(g["uid"], int(g["admitted"]), samples, dict(g["columns"]))
-        if paused:
-            self._paused = True
-        else:
+            samples = [self._restored(s) for s in g["samples"]]
+            group = StreamGroup(g["uid"], int(g["admitted"]), samples, dict(g["columns"]))
+            self.groups[g["uid"]] = group
+            self._started(group)
+        if not paused:
             self.resume(self.version)
+
+    def _saved(self, sample: StreamSample) -> dict[str, Any]:
+        """A group member as `state_dict` saves it (JSON types)."""
+        return asdict(sample)
+
+    def _restored(self, saved: dict[str, Any]) -> StreamSample:
+        """A group member from what `_saved` wrote."""
+        return StreamSample(**saved)
 
 
 def _plain(values: list[Any]) -> list[Any]:

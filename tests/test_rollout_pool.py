@@ -50,30 +50,35 @@ def test_a_rollout_pool_apart_needs_an_engine_fed_by_a_hugging_face_actor(extra,
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
 
 
+def run_config(tmp_path: Path, name: str, extra: list[str]):
+    """The config of `_run`'s runs: a 3-iteration GRPO run of the tiny vLLM-compatible model, checkpointed every
+    iteration, with `extra` overrides."""
+    from tiny_runs import write_reward
+
+    return load_config(
+        ROOT / "examples" / "grpo_tiny.yaml",
+        [
+            f"model.path={build_tiny_model(tmp_path / 'tiny32', hidden_size=64, head_dim=32)}",
+            "rollout.name=vllm",
+            "rollout.vllm_kv_cache_gb=0.25",
+            "rollout.vllm_dtype=float32",  # the probe's tight bound (bf16 is the same path, half the bytes)
+            "trainer.total_iterations=3",
+            "trainer.save_freq=1",
+            "actor.optim.lr=1e-3",
+            f"trainer.output_dir={tmp_path / name}",
+            f"reward.custom_function={write_reward(tmp_path)}",
+            *extra,
+        ],
+    )
+
+
 def _run(store, tmp_path: Path, name: str, extra: list[str], resume_from_step: int | None = None, run_id=None):
     """Train (or, with `run_id`, resume) a 3-iteration GRPO run of the tiny vLLM-compatible model; returns the run
     id and its metrics by step."""
-    from tiny_runs import write_reward
-
     from hybridflow.flows.rlhf import rlhf_flow
 
     if run_id is None:
-        cfg = load_config(
-            ROOT / "examples" / "grpo_tiny.yaml",
-            [
-                f"model.path={build_tiny_model(tmp_path / 'tiny32', hidden_size=64, head_dim=32)}",
-                "rollout.name=vllm",
-                "rollout.vllm_kv_cache_gb=0.25",
-                "rollout.vllm_dtype=float32",  # the probe's tight bound (bf16 is the same path, half the bytes)
-                "trainer.total_iterations=3",
-                "trainer.save_freq=1",
-                "actor.optim.lr=1e-3",
-                f"trainer.output_dir={tmp_path / name}",
-                f"reward.custom_function={write_reward(tmp_path)}",
-                *extra,
-            ],
-        )
-        run_id = store.create_run(cfg.model_dump(mode="json"), name)
+        run_id = store.create_run(run_config(tmp_path, name, extra).model_dump(mode="json"), name)
     rlhf_flow(run_id=run_id, db_url=store.url, resume_from_step=resume_from_step)
     assert store.get_run(run_id).status == "completed"
     metrics: dict[int, dict[str, float]] = {}

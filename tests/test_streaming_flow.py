@@ -17,6 +17,7 @@ from test_rollout_pool import HF, OFF, ROOT, SAMPLED, _run, needs_vllm, run_conf
 from hybridflow.engine.config import ConfigError, load_config
 
 TWO_ENGINES = {**OFF, "generate": {**OFF["generate"], "tasks_per_node": 2}}  # a stream on each rollout rank
+SINGLE_TURN_AGENTS = ["rollout.multi_turn.enable=true", "rollout.multi_turn.default_agent_loop=single_turn"]
 STREAM = [
     "trainer.mode=async",
     "rollout.streaming=true",
@@ -35,7 +36,11 @@ STREAM = [
         (["algorithm.filter_groups.enable=true"], r"needs algorithm.filter_groups.enable=false"),
         (
             ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3", f"placement.pools={json.dumps(TWO_ENGINES)}"],
-            r"data.train_batch_size=3 divisible by the 2 ranks of placement.pools.generate",
+            r"data.train_batch_size=3 divisible by the 2 engines of placement.pools.generate",
+        ),
+        (
+            ["rollout.gen_tp=2", f"placement.pools={json.dumps(TWO_ENGINES)}", *SINGLE_TURN_AGENTS],
+            r"rollout.gen_tp=1 with rollout.multi_turn.enable",
         ),
     ],
 )
@@ -222,3 +227,27 @@ def test_streamed_agent_loops_span_pushes_and_resume_their_trajectories_after_a_
         first = tokenizer.decode(turns[0]["ids"], skip_special_tokens=True)
         model_tokens = sum(len(t["ids"]) for t in turns)
         assert any(r.startswith(first) and n >= model_tokens for r, n in by_uid[uid]), (uid, first, model_tokens)
+
+
+@needs_vllm
+def test_a_stream_on_an_engine_over_two_ranks_steps_them_in_lockstep(prefect_api, tmp_path):
+    """``rollout.gen_tp=2`` on a rollout pool of 2 ranks: one engine tensor-parallel over both, each rank stepping
+    its shard of every request in lockstep (`hybridflow.engine.rollout.lockstep`), the first rank's batch the
+    engine's. At staleness 0 it trains what sync trains on the same engine; at staleness 2 every prompt once."""
+    from hybridflow.flows.store.run_store import RunStore
+
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    tp2 = [f"placement.pools={json.dumps(TWO_ENGINES)}", "rollout.gen_tp=2"]
+    _, sync = _run(store, tmp_path, "sync", tp2)
+    zero = ["trainer.mode=async", "rollout.streaming=true", "rollout.max_staleness=0"]
+    _, streamed = _run(store, tmp_path, "zero", [*tp2, *zero])
+    for step in (1, 2, 3):
+        assert {k: streamed[step][k] for k in SAMPLED} == {k: sync[step][k] for k in SAMPLED}
+    ahead = ["trainer.mode=async", "rollout.streaming=true", "rollout.max_staleness=2"]
+    run_id, metrics = _run(
+        store, tmp_path, "ahead", [*tp2, *ahead, "trainer.total_iterations=5", "trainer.log_train_generations=16"]
+    )
+    samples = store.samples(run_id, kind="train")
+    trained = Counter(s.uid for s in samples)
+    assert len(trained) == 20 and set(trained.values()) == {4}, trained  # 5 batches of 4 prompts, each once, whole
+    assert max(metrics[step]["off_policy/staleness_max"] for step in range(1, 6)) >= 1  # generated ahead

@@ -38,7 +38,8 @@ class StageMethod:
         method: the worker method.
         doc: what the stage computes (the Prefect task's description).
         takes_batch: the first argument of a `Call` is the batch (else the method takes none).
-        gathers: every rank returns its share of a batch, which the stage joins in rank order (one batch).
+        gathers: every rank returns its share of a batch (or None where another rank returns it), which the stage
+            joins in rank order (one batch).
         names: keyword names of a `Call`'s arguments after the batch (``generate``'s random ``stream``).
         fixed: keyword arguments every call passes (ReMax's greedy generation).
         columns: the batch columns the method reads; a data handle sends only these (None: every column).

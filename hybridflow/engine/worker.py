@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from hybridflow.engine.backends.lora import LoraReference
     from hybridflow.engine.backends.megatron_critic import MegatronCritic
     from hybridflow.engine.reward.judge import JudgeRewardModel
+    from hybridflow.engine.rollout.lockstep import Lockstep
     from hybridflow.engine.rollout.streaming import StreamingGenerator
 
 
@@ -212,6 +213,7 @@ class RLHFWorker:
         self.stream: StreamingGenerator | None = None  # rollout.streaming: the prompts generating across calls
         self._stream_clock = (0.0, 0.0)  # (time.perf_counter(), stream.busy_s) at the last push
         self._stream_error: Exception | None = None  # raised by a background step: the next stream call raises it
+        self._lockstep: Lockstep | None = None  # a stream on an engine over several ranks: their background steps
         self.ref: RefPolicy | LoraReference | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
@@ -366,9 +368,11 @@ class RLHFWorker:
     # ------------------------------------------------------------------ streaming rollout (rollout.streaming)
     def _streaming(self) -> StreamingGenerator:
         """The stream of this rank's engine, made at its first use: admission control of its share of each batch
-        (``data.train_batch_size`` / the rollout pool's ranks groups), ``rollout.max_staleness`` and the run's
-        ``trainer.total_iterations``."""
+        (``data.train_batch_size`` / the rollout pool's engines groups), ``rollout.max_staleness`` and the run's
+        ``trainer.total_iterations``; an engine over a block of ranks (``rollout.gen_tp`` > 1) streams the same
+        share on each, their background steps in `Lockstep`."""
         from hybridflow.engine.rollout.admission import StreamAdmission
+        from hybridflow.engine.rollout.lockstep import Lockstep
         from hybridflow.engine.rollout.streaming import StreamingGenerator
 
         self._need("rollout")
@@ -377,7 +381,7 @@ class RLHFWorker:
             raise RuntimeError(f"the stream's engine failed between calls: {error!r}") from error
         if self.stream is None:
             cfg = self.config
-            share = cfg.data.train_batch_size // self.world_size  # the config checks it divides
+            share = cfg.data.train_batch_size * engine_tp(cfg) // self.world_size  # the config checks it divides
             admission = StreamAdmission(share, cfg.max_staleness(), cfg.trainer.total_iterations * share)
             self.rollout.wake()  # generating from now on, between calls too
             if cfg.rollout.multi_turn.enable:  # agent loops: a trajectory's turns span pushes
@@ -386,6 +390,8 @@ class RLHFWorker:
                 Stream = StreamingGenerator
             self.stream = Stream(self.rollout, cfg.rollout.partial_rollout, self.rollout_version, admission=admission)
             self._stream_clock = (time.perf_counter(), 0.0)
+            block = getattr(self.rollout, "block", None)
+            self._lockstep = Lockstep(block) if block is not None else None
         return self.stream
 
     @register(Dispatch.DP_COMPUTE_PROTO, mesh="generate")
@@ -401,10 +407,12 @@ class RLHFWorker:
         self._streaming().admit(prompts)
 
     @register(Dispatch.ONE_TO_ALL)
-    def stream_batch(self) -> DataProto:
-        """This rank's share of the next training batch of the stream: its ``data.train_batch_size`` / ranks
+    def stream_batch(self) -> DataProto | None:
+        """This engine's share of the next training batch of the stream: its ``data.train_batch_size`` / engines
         whole groups of ``rollout.n`` samples (`StreamAdmission.next_batch`), generating until they have finished
-        (the stage joins the ranks' shares in rank order: the batch's rows in the order of its prompts' shares).
+        (the stage joins the engines' shares in rank order: the batch's rows in the order of its prompts' shares).
+        On the other ranks of an engine's block: the same batch taken, None returned (its first rank's is the
+        engine's).
         The layout of `generate_sequences`, plus ``rollout_token_versions`` int64 [B*n, T] (the version that sampled
         each response token, -1 past its end); ``rollout_version`` int64 [B*n] is that of each row's oldest token.
 
@@ -412,27 +420,39 @@ class RLHFWorker:
             RuntimeError: nothing generates and no batch can be formed (fewer groups admitted than a batch).
         """
         stream = self._streaming()
-        while (batch := stream.next_batch()) is None:
+        while (batch := stream.next_batch()) is None:  # on every rank of an engine's block alike
             if not stream.working:
                 raise RuntimeError(
                     f"the stream holds {len(stream.groups)} groups, none generating, and no batch of "
                     f"{stream.admission.batch_groups} can be formed: admit prompts (stream_admit) first"
                 )
             stream.step()
-        return batch
+        return batch if self._lockstep is None or self._lockstep.block.is_leader else None
 
     def background_step(self) -> bool:
         """Between calls (`hybridflow.slurm.rank`): one engine step of the stream's samples in flight (an agent
-        stream's loops run their tools then). Returns whether there was one; an engine error stops the background
-        steps and is raised by the next stream call (`stream_admit`, `stream_batch`), as that stage's failure."""
-        if self.stream is None or not self.stream.working or self._stream_error is not None:
+        stream's loops run their tools then; on an engine over several ranks, the steps its first rank makes:
+        `Lockstep.background`). Returns whether to look for the next call without waiting; an engine error stops
+        the background steps and is raised by the next stream call (`stream_admit`, `stream_batch`), as that stage's
+        failure."""
+        if self.stream is None:
             return False
+        working = self.stream.working and self._stream_error is None
         try:
-            self.stream.step()
+            if self._lockstep is not None:
+                return self._lockstep.background(working, self.stream.step)
+            if working:
+                self.stream.step()
         except Exception as error:  # the rank keeps serving calls; the stage that needs the stream fails
             self._stream_error = error
             return False
-        return True
+        return working
+
+    def before_call(self) -> None:
+        """A call has come (`hybridflow.slurm.rank`): on an engine over several ranks, their background steps stop
+        (`Lockstep.before_call`)."""
+        if self._lockstep is not None:
+            self._lockstep.before_call()
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto, costs: bool = True) -> DataProto:

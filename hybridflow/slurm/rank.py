@@ -245,6 +245,7 @@ def _loop(
     world_size: int,
 ) -> None:
     background = getattr(worker, "background_step", None)
+    before_call = getattr(worker, "before_call", None)
     while True:
         # between calls a worker with background work (a streaming rollout's engine) does one step of it at a time,
         # and looks for the next call after each
@@ -257,6 +258,8 @@ def _loop(
         if message.get("type") != "call":
             continue
         call_id, name = message["id"], message["method"]
+        if before_call is not None:  # the background work stops for the call (an engine block's ranks together)
+            before_call()
         try:
             if name not in methods:
                 raise AttributeError(

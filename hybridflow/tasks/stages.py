@@ -129,8 +129,8 @@ def _worker_task(name: str) -> Any:
         if spec.columns is not None:
             args = (args[0].select(list(spec.columns)), *args[1:])
         result = getattr(group, spec.method)(*args, **kwargs)
-        if spec.gathers:  # each rank's share of one batch
-            return DataHandle.concat(result)
+        if spec.gathers:  # each rank's share of one batch (None: a rank whose share another rank returns)
+            return DataHandle.concat([part for part in result if part is not None])
         return _mean_metrics(result) if spec.metrics else result
 
     call.__name__, call.__doc__ = name, spec.doc

@@ -442,9 +442,10 @@ class HybridFlowConfig(_Section):
             )
 
     def _check_streaming(self) -> None:
-        """``rollout.streaming`` streams on the vLLM engines of the async mode's rollout pool, one per rank, each an
-        equal share of every batch (agent loops too: `hybridflow.engine.agent.streaming`); what it does not carry yet
-        (DAPO's further draws, ReMax's greedy baseline, an engine over several ranks) is refused by its key."""
+        """``rollout.streaming`` streams on the vLLM engines of the async mode's rollout pool (one per block of
+        ``rollout.gen_tp`` ranks), each an equal share of every batch (agent loops too, on engines of one rank:
+        `hybridflow.engine.agent.streaming`); what it does not carry yet (DAPO's further draws, ReMax's greedy
+        baseline, agent loops on an engine over several ranks) is refused by its key."""
         from hybridflow.engine.algorithms.estimators import uses_greedy_baseline
 
         rollout = self.rollout
@@ -453,14 +454,20 @@ class HybridFlowConfig(_Section):
                 raise ValueError("rollout.partial_rollout=false applies to rollout.streaming=true: set both")
             return
         pool = self.pool_of("rollout")
+        engines = max(1, pool.world_size // engine_tp(self))
         refused = [
             (self.trainer.mode != "async", f"trainer.mode=async (got {self.trainer.mode})"),
             (rollout.name != "vllm", f"rollout.name=vllm (got {rollout.name})"),
-            (engine_tp(self) != 1, f"rollout.gen_tp=1: one engine per rank of placement.pools.{pool.name}"),
             (
-                self.data.train_batch_size % pool.world_size != 0,
-                f"data.train_batch_size={self.data.train_batch_size} divisible by the {pool.world_size} ranks of "
-                f"placement.pools.{pool.name} (each engine streams an equal share of every batch)",
+                self.data.train_batch_size % engines != 0,
+                f"data.train_batch_size={self.data.train_batch_size} divisible by the {engines} engines of "
+                f"placement.pools.{pool.name} (its ranks / rollout.gen_tp: each engine streams an equal share of "
+                "every batch)",
+            ),
+            (
+                rollout.multi_turn.enable and engine_tp(self) > 1,
+                "rollout.gen_tp=1 with rollout.multi_turn.enable (the tools of a stream's trajectories run on one "
+                "rank; an engine over several ranks steps them in lockstep)",
             ),
             (self.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=false: DAPO draws batches"),
             (uses_greedy_baseline(self.algorithm.adv_estimator), "an estimator without ReMax's greedy baseline"),

@@ -13,10 +13,8 @@ This module never imports Prefect or submitit; the worker group (``hybridflow.sl
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,7 +24,7 @@ import torch.distributed as dist
 from hybridflow.engine.backends.actor import Actor, RefPolicy
 from hybridflow.engine.backends.critic import Critic
 from hybridflow.engine.backends.engines import TrainingBackend
-from hybridflow.engine.checkpoint import AHEAD_DIR, STREAM_FILE, load_checkpoint, read_trainer_state
+from hybridflow.engine.checkpoint import load_checkpoint, read_trainer_state
 from hybridflow.engine.config import ROLES, HybridFlowConfig
 from hybridflow.engine.embedded_models import resolve_model_path
 from hybridflow.engine.extensions import (
@@ -55,6 +53,7 @@ from hybridflow.engine.rollout.published import (
     remove_published,
     weights_folder,
 )
+from hybridflow.engine.stream_worker import StreamingRollout
 from hybridflow.engine.transfer import Dispatch, register
 
 if TYPE_CHECKING:
@@ -62,8 +61,6 @@ if TYPE_CHECKING:
     from hybridflow.engine.backends.lora import LoraReference
     from hybridflow.engine.backends.megatron_critic import MegatronCritic
     from hybridflow.engine.reward.judge import JudgeRewardModel
-    from hybridflow.engine.rollout.lockstep import Lockstep
-    from hybridflow.engine.rollout.streaming import StreamingGenerator
 
 
 @dataclass
@@ -184,8 +181,8 @@ def _joined(parts: list[DataProto]) -> DataProto:
     return out
 
 
-class RLHFWorker:
-    """One rank hosting the given roles.
+class RLHFWorker(StreamingRollout):
+    """One rank hosting the given roles (a streaming rollout's methods: `StreamingRollout`).
 
     Args:
         rank, world_size, data_dir: set by the worker group.
@@ -210,10 +207,7 @@ class RLHFWorker:
         self.version = 0  # the actor's weight version: the updates applied (= the global step)
         self.rollout_version = 0  # the version the rollout's engine serves (stamped on each generated row)
         self.weight_link: WeightSender | WeightReceiver | None = None  # rollout.checkpoint_engine.backend=gloo
-        self.stream: StreamingGenerator | None = None  # rollout.streaming: the prompts generating across calls
-        self._stream_clock = (0.0, 0.0)  # (time.perf_counter(), stream.busy_s) at the last push
-        self._stream_error: Exception | None = None  # raised by a background step: the next stream call raises it
-        self._lockstep: Lockstep | None = None  # a stream on an engine over several ranks: their background steps
+        self._init_stream()  # rollout.streaming (`StreamingRollout`)
         self.ref: RefPolicy | LoraReference | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
@@ -291,8 +285,7 @@ class RLHFWorker:
         # vLLM on GPU: its KV cache exists only while generating (a stream's engine stays awake)
         with awake(self.rollout) if self.stream is None else contextlib.nullcontext():
             out = self.rollout.generate_sequences(prompts, n=n, temperature=temperature, stream=stream)
-        if self.stream is not None:
-            self.stream.resume(self.rollout_version)
+        self._resume_stream(self.rollout_version)
         # a rollout that generates from the actor's own weights serves the actor's version
         version = self.rollout_version if rollout_spec(self.config.rollout.name).syncs_weights else self.version
         return out.union(DataProto.from_dict({"rollout_version": torch.full((len(out),), version, dtype=torch.int64)}))
@@ -330,11 +323,7 @@ class RLHFWorker:
         the caller times the stage (``timing_s/weight_sync``). `version`: the weights' (the actor updates they
         hold), stamped on the rows the rollout generates from now on."""
         self._need("rollout")
-        streamed: dict[str, float] = {}
-        if self.stream is not None:  # partial rollouts: interrupted; else the requests in flight finish first
-            interrupted, streamed = self.stream.interrupted, self._stream_metrics()
-            self.stream.pause()
-            streamed["rollout/stream_interrupted"] = float(self.stream.interrupted - interrupted)
+        streamed = self._pause_stream()  # partial rollouts: interrupted; else the requests in flight finish first
         if published is None:
             metrics = self.rollout.update_weights()
         elif "path" in published:
@@ -348,111 +337,8 @@ class RLHFWorker:
                 self.weight_link = WeightReceiver(published, self.rank)
             metrics = self.rollout.load_weights(*self.weight_link.receive(published["version"]))
         self.rollout_version = version
-        if self.stream is not None:  # every unfinished sample continues, its new tokens recording `version`
-            self.stream.resume(version)
+        self._resume_stream(version)  # every unfinished sample continues, its new tokens recording `version`
         return {**metrics, **streamed}
-
-    def _stream_metrics(self) -> dict[str, float]:
-        """The stream's engine since the last push (the previous call of this): ``rollout/stream_busy_s`` and
-        ``rollout/stream_idle_s`` (seconds in and out of engine steps), ``rollout/stream_in_flight`` (samples
-        generating now)."""
-        now, (since, busy_before) = time.perf_counter(), self._stream_clock
-        self._stream_clock = (now, self.stream.busy_s)
-        busy = self.stream.busy_s - busy_before
-        return {
-            "rollout/stream_busy_s": busy,
-            "rollout/stream_idle_s": max(0.0, now - since - busy),
-            "rollout/stream_in_flight": float(self.stream.in_flight),
-        }
-
-    # ------------------------------------------------------------------ streaming rollout (rollout.streaming)
-    def _streaming(self) -> StreamingGenerator:
-        """The stream of this rank's engine, made at its first use: admission control of its share of each batch
-        (``data.train_batch_size`` / the rollout pool's engines groups), ``rollout.max_staleness`` and the run's
-        ``trainer.total_iterations``; an engine over a block of ranks (``rollout.gen_tp`` > 1) streams the same
-        share on each, their background steps in `Lockstep`."""
-        from hybridflow.engine.rollout.admission import StreamAdmission
-        from hybridflow.engine.rollout.lockstep import Lockstep
-        from hybridflow.engine.rollout.streaming import StreamingGenerator
-
-        self._need("rollout")
-        if self._stream_error is not None:
-            error, self._stream_error = self._stream_error, None
-            raise RuntimeError(f"the stream's engine failed between calls: {error!r}") from error
-        if self.stream is None:
-            cfg = self.config
-            share = cfg.data.train_batch_size * engine_tp(cfg) // self.world_size  # the config checks it divides
-            admission = StreamAdmission(share, cfg.max_staleness(), cfg.trainer.total_iterations * share)
-            self.rollout.wake()  # generating from now on, between calls too
-            if cfg.rollout.multi_turn.enable:  # agent loops: a trajectory's turns span pushes
-                from hybridflow.engine.agent.streaming import AgentStream as Stream
-            else:
-                Stream = StreamingGenerator
-            self.stream = Stream(self.rollout, cfg.rollout.partial_rollout, self.rollout_version, admission=admission)
-            self._stream_clock = (time.perf_counter(), 0.0)
-            block = getattr(self.rollout, "block", None)
-            self._lockstep = Lockstep(block) if block is not None else None
-        return self.stream
-
-    @register(Dispatch.DP_COMPUTE_PROTO, mesh="generate")
-    def stream_admit(self, prompts: DataProto) -> None:
-        """Start generating ``rollout.n`` samples of each prompt of `prompts` (left-padded ``input_ids`` and
-        ``attention_mask`` int64 [B, P]) on the stream, under the weights the engine serves now; they generate
-        between calls (`background_step`) until `stream_batch` hands them over.
-
-        Raises:
-            ValueError: more prompts than the staleness bound admits now (`StreamAdmission.room`), or a prompt
-                admitted twice.
-        """
-        self._streaming().admit(prompts)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def stream_batch(self) -> DataProto | None:
-        """This engine's share of the next training batch of the stream: its ``data.train_batch_size`` / engines
-        whole groups of ``rollout.n`` samples (`StreamAdmission.next_batch`), generating until they have finished
-        (the stage joins the engines' shares in rank order: the batch's rows in the order of its prompts' shares).
-        On the other ranks of an engine's block: the same batch taken, None returned (its first rank's is the
-        engine's).
-        The layout of `generate_sequences`, plus ``rollout_token_versions`` int64 [B*n, T] (the version that sampled
-        each response token, -1 past its end); ``rollout_version`` int64 [B*n] is that of each row's oldest token.
-
-        Raises:
-            RuntimeError: nothing generates and no batch can be formed (fewer groups admitted than a batch).
-        """
-        stream = self._streaming()
-        while (batch := stream.next_batch()) is None:  # on every rank of an engine's block alike
-            if not stream.working:
-                raise RuntimeError(
-                    f"the stream holds {len(stream.groups)} groups, none generating, and no batch of "
-                    f"{stream.admission.batch_groups} can be formed: admit prompts (stream_admit) first"
-                )
-            stream.step()
-        return batch if self._lockstep is None or self._lockstep.block.is_leader else None
-
-    def background_step(self) -> bool:
-        """Between calls (`hybridflow.slurm.rank`): one engine step of the stream's samples in flight (an agent
-        stream's loops run their tools then; on an engine over several ranks, the steps its first rank makes:
-        `Lockstep.background`). Returns whether to look for the next call without waiting; an engine error stops
-        the background steps and is raised by the next stream call (`stream_admit`, `stream_batch`), as that stage's
-        failure."""
-        if self.stream is None:
-            return False
-        working = self.stream.working and self._stream_error is None
-        try:
-            if self._lockstep is not None:
-                return self._lockstep.background(working, self.stream.step)
-            if working:
-                self.stream.step()
-        except Exception as error:  # the rank keeps serving calls; the stage that needs the stream fails
-            self._stream_error = error
-            return False
-        return working
-
-    def before_call(self) -> None:
-        """A call has come (`hybridflow.slurm.rank`): on an engine over several ranks, their background steps stop
-        (`Lockstep.before_call`)."""
-        if self._lockstep is not None:
-            self._lockstep.before_call()
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto, costs: bool = True) -> DataProto:
@@ -559,12 +445,7 @@ class RLHFWorker:
         for role, trained in self._trained():  # a sharded model is gathered: every rank takes part
             tokenizer = self.tokenizer if role == "actor" else None
             written += self._backend(role).save(staging, role, trained, tokenizer, self.rank)
-        if self.stream is not None:  # each engine's stream, its share of the prompts
-            (Path(staging) / AHEAD_DIR).mkdir(exist_ok=True)
-            saved = Path(staging) / AHEAD_DIR / STREAM_FILE.format(rank=self.rank)
-            saved.write_text(json.dumps(self.stream.state_dict()))
-            written.append("stream")
-        return written
+        return written + self._save_stream(staging)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
@@ -575,9 +456,8 @@ class RLHFWorker:
             states.update(self._backend(role).load(path, role, trained))
         load_checkpoint(path, verify=False, restore_rng=False, **states)
         self.version = int(read_trainer_state(path)["global_steps"])
-        saved_stream = Path(path) / AHEAD_DIR / STREAM_FILE.format(rank=self.rank)
-        if "rollout" in self.roles and saved_stream.exists():  # continued once the engine has the restored weights
-            self._streaming().load_state_dict(json.loads(saved_stream.read_text()), paused=True)
+        if "rollout" in self.roles:  # a stream continues once the engine has the restored weights
+            self._load_stream(path)
         if self.rollout is not None and self.actor is not None:  # a rollout with weights of its own serves the
             self.rollout.update_weights()  # restored actor (a pool of its own gets them published: the flow)
             self.rollout_version = self.version

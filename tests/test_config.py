@@ -15,10 +15,12 @@ MINIMAL = ["data.reasoning_gym.name=basic_arithmetic"]
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_validate(path):
-    from hybridflow.engine.config import RMTrainingConfig, SFTTrainingConfig
+    from hybridflow.engine.config import DPOTrainingConfig, RMTrainingConfig, SFTTrainingConfig
 
     if path.name.startswith("rm_"):  # hf rm train's configs
         assert isinstance(load_config(path, schema=RMTrainingConfig), RMTrainingConfig)
+    elif path.name.startswith("dpo_"):  # hf dpo train's configs
+        assert isinstance(load_config(path, schema=DPOTrainingConfig), DPOTrainingConfig)
     elif "_sft_" in path.name:  # hf sft train's configs
         assert isinstance(load_config(path, schema=SFTTrainingConfig), SFTTrainingConfig)
     elif "reward_model:" in path.read_text():  # its reward model is the one a user trained: the path is theirs

@@ -43,6 +43,10 @@ PrefectOption = Annotated[
         "--prefect-api", help="use this Prefect API instead of starting a local server, e.g. http://host:4200/api"
     ),
 ]
+OverrideOption = Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")]
+ExecutorOption = Annotated[
+    str | None, typer.Option(help="where the worker group runs: local or slurm (-o placement.executor=...)")
+]
 DryRunOption = Annotated[
     bool,
     typer.Option("--dry-run", help="check everything, print the resolved config and exit without recording a run"),

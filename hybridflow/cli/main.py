@@ -24,7 +24,7 @@ from typing import Annotated
 
 import typer
 
-from hybridflow.cli import deploy, models, plan, rm, run, run_log, server, sft, training, verl, warm_start
+from hybridflow.cli import deploy, dpo, models, plan, rm, run, run_log, server, sft, training, verl, warm_start
 from hybridflow.cli.common import console
 from hybridflow.cli.config_show import config_app
 from hybridflow.cli.data_check import data_app
@@ -44,6 +44,7 @@ for command in (deploy.deploy, run.resume, plan.plan):
 for name, group in (
     ("config", config_app),
     ("data", data_app),
+    ("dpo", dpo.dpo_app),
     ("models", models.models_app),
     ("plans", plan.plans_app),
     ("rm", rm.rm_app),

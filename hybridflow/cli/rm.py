@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from hybridflow.cli.common import DbOption, PrefectOption, console
+from hybridflow.cli.common import DbOption, ExecutorOption, OverrideOption, PrefectOption, console
 from hybridflow.cli.training import check_inputs, checked_config, start_workers_early, train_new
 
 rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_args_is_help=True)
@@ -16,10 +16,8 @@ rm_app = typer.Typer(help="Reward models: train one on preference pairs.", no_ar
 @rm_app.command("train")
 def rm_train(
     config: Annotated[Path, typer.Argument(help="YAML reward-model training config", exists=True, dir_okay=False)],
-    override: Annotated[list[str] | None, typer.Option("-o", "--override", help="key.sub=value (repeatable)")] = None,
-    executor: Annotated[
-        str | None, typer.Option(help="where the worker group runs: local or slurm (-o placement.executor=...)")
-    ] = None,
+    override: OverrideOption = None,
+    executor: ExecutorOption = None,
     db: DbOption = None,
     prefect_api: PrefectOption = None,
 ) -> None:

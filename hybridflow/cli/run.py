@@ -135,7 +135,7 @@ def resume(
     train(store, run_id, resume_from_step=from_step)
 
 
-_SUPERVISED = {"rm": "RMTrainingConfig", "sft": "SFTTrainingConfig"}
+_SUPERVISED = {"rm": "RMTrainingConfig", "sft": "SFTTrainingConfig", "dpo": "DPOTrainingConfig"}
 """The run kinds that train on a fixed set of rows (`hybridflow.flows.supervised`), and their config classes."""
 
 

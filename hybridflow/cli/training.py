@@ -60,14 +60,19 @@ def with_executor(override: list[str] | None, executor: str | None) -> list[str]
 def check_inputs(cfg) -> None:
     """The pre-flight check (`hybridflow.flows.preflight`) of an RL, reward-model or SFT config; on a problem: its
     message, exit 2."""
-    from hybridflow.engine.config import RMTrainingConfig, SFTTrainingConfig
-    from hybridflow.flows.preflight import InputError, check_rm_inputs, check_run_inputs, check_sft_inputs
+    from hybridflow.engine.config import DPOTrainingConfig, RMTrainingConfig, SFTTrainingConfig
+    from hybridflow.flows import preflight
 
-    check = {RMTrainingConfig: check_rm_inputs, SFTTrainingConfig: check_sft_inputs}.get(type(cfg), check_run_inputs)
+    checks = {
+        RMTrainingConfig: preflight.check_rm_inputs,
+        SFTTrainingConfig: preflight.check_sft_inputs,
+        DPOTrainingConfig: preflight.check_dpo_inputs,
+    }
+    check = checks.get(type(cfg), preflight.check_run_inputs)
     try:
         with console.status("checking the model, data and reward function..."):
             check(cfg)
-    except InputError as e:
+    except preflight.InputError as e:
         console.print(f"{e}", style="red")
         raise typer.Exit(2) from None
 
@@ -99,7 +104,7 @@ def train(store, run_id: str, resume_from_step: int | None = None) -> None:
     ``sft``) with the live display; exit 1 (failed), 2 (another controller), 3 (stopped on Slurm's warning),
     130/143 (interrupted)."""
     from hybridflow.cli.progress import LiveProgress
-    from hybridflow.flows import lifecycle, rlhf, rm, sft
+    from hybridflow.flows import dpo, lifecycle, rlhf, rm, sft
     from hybridflow.flows.store.run_store import LeaseHeldError, LeaseLostError
 
     def say(line: str) -> None:
@@ -115,6 +120,8 @@ def train(store, run_id: str, resume_from_step: int | None = None) -> None:
                 rm.run_rm_flow(run_id=run_id)
             elif kind == "sft":
                 sft.run_sft_flow(run_id=run_id)
+            elif kind == "dpo":
+                dpo.run_dpo_flow(run_id=run_id)
             else:
                 rlhf.run_flow(run_id=run_id, resume_from_step=resume_from_step)
         except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the flow has recorded the run as interrupted

@@ -40,9 +40,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-COMMANDS = ("run", "resume", "verl", "sft", "rm")
+COMMANDS = ("run", "resume", "verl", "sft", "rm", "dpo")
 """The ``hf`` commands a warm process serves: those that start a run's controller (``hf run``, ``hf resume``,
-``hf verl``, ``hf sft train``, ``hf rm train``; the groups' other subcommands, such as ``--help``, too)."""
+``hf verl``, ``hf sft train``, ``hf rm train``, ``hf dpo train``; the groups' other subcommands, such as
+``--help``, too)."""
 
 IMPORT_TIME_ENV = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "TORCH", "PYTORCH", "OMP_", "MKL_")
 IMPORT_TIME_ENV += ("CUDA", "NCCL", "LD_", "SQLALCHEMY", "TENSORDICT", "VLLM", "MPL")

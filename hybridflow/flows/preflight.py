@@ -55,6 +55,7 @@ from hybridflow.engine.config import (
     SFTTrainingConfig,
     load_config,
 )
+from hybridflow.engine.config.dpo import DPOTrainingConfig
 from hybridflow.engine.data import PromptDataset, build_prompt_rows, train_sampler
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.epochs import split_held_out
@@ -341,6 +342,28 @@ def check_rm_inputs(cfg: RMTrainingConfig) -> None:
         InputError: the first problem found, naming the key and the fix.
     """
     _check_one_group_run(cfg, preference_sets, "reward_model")
+
+
+def check_dpo_inputs(cfg: DPOTrainingConfig) -> None:
+    """What ``hf dpo train`` needs that the config alone cannot tell: those of ``hf rm train`` for its pairs
+    (`check_rm_inputs`, the group hosting the policy), the reference's folder (``dpo.ref_model_path``), and that the
+    policy's chat template renders each conversation starting with its prompt (the first pairs'
+    `hybridflow.engine.dpo.pairs.pair_token_ids`).
+
+    Raises:
+        InputError: the first problem found, naming the key and the fix.
+    """
+    from hybridflow.engine.dpo.pairs import pair_token_ids
+
+    _check_one_group_run(cfg, preference_sets, "actor")
+    if cfg.dpo.ref_model_path:
+        model_folder("dpo.ref_model_path", cfg.dpo.ref_model_path)
+    sets = preference_sets(cfg)
+    for row in (sets.train + sets.val)[:8]:
+        try:
+            pair_token_ids(row, sets.tokenizer, cfg.data.max_length)
+        except ValueError as e:
+            raise InputError(f"data.train_files: {e}") from None
 
 
 def _check_one_group_run(cfg: RMTrainingConfig | SFTTrainingConfig, load_sets: Any, role: str) -> None:

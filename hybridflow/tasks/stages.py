@@ -28,6 +28,7 @@ from hybridflow.engine.algorithms.kl import KLController
 from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier
 from hybridflow.engine.checkpoint import AHEAD_DIR, begin_checkpoint, finish_checkpoint
 from hybridflow.engine.config import AlgorithmConfig
+from hybridflow.engine.dpo.loss import reward_metrics
 from hybridflow.engine.dynamic_sampling import kept_rows, metric_columns
 from hybridflow.engine.generations import GENERATION_KEYS
 from hybridflow.engine.iteration import STAGE_METHODS, TIMING
@@ -220,17 +221,39 @@ def update_reward_model(group: WorkerGroup, pairs: DataHandle) -> dict[str, floa
     return _mean_metrics(group.update_reward_model(pairs))
 
 
+def _scored(group: WorkerGroup, method: str, batches: list[DataHandle]) -> Any:
+    """The columns worker method `method` returns for every batch of an evaluation, joined (a `TensorDict` of
+    [sum of the batches' rows]); each batch's result file deleted once read."""
+    scored = []
+    for batch in batches:
+        handle = getattr(group, method)(batch)
+        scored.append(handle.load())
+        handle.delete()
+    return DataProto.concat(scored).batch
+
+
 @_stage("evaluate_reward_model")
 def evaluate_reward_model(group: WorkerGroup, batches: list[DataHandle]) -> dict[str, float]:
     """Score every held-out pair: ``val/rm/acc`` (share with chosen above rejected), ``val/rm/margin``,
     ``val/rm/loss`` (`hybridflow.engine.reward.preference.pair_scores`)."""
-    scored = []
-    for batch in batches:
-        handle = group.compute_pair_scores(batch)
-        scored.append(handle.load())
-        handle.delete()
-    both = DataProto.concat(scored).batch
+    both = _scored(group, "compute_pair_scores", batches)
     return {f"val/rm/{k}": v for k, v in pair_scores(both["chosen_scores"], both["rejected_scores"]).items()}
+
+
+@_stage("update_dpo")
+def update_dpo(group: WorkerGroup, pairs: DataHandle) -> dict[str, float]:
+    """One DPO optimizer step on a step's preference pairs; ``train/*`` metrics averaged over the ranks' equal
+    shares."""
+    return _mean_metrics(group.update_dpo(pairs))
+
+
+@_stage("evaluate_dpo")
+def evaluate_dpo(group: WorkerGroup, batches: list[DataHandle]) -> dict[str, float]:
+    """Every held-out pair's loss and implicit rewards: ``val/loss`` and TRL's ``val/rewards/{chosen,rejected,
+    margins,accuracies}`` (`hybridflow.engine.dpo.loss.reward_metrics`)."""
+    both = _scored(group, "compute_dpo_scores", batches)
+    metrics = reward_metrics(both["chosen_rewards"], both["rejected_rewards"])
+    return {"val/loss": float(both["loss"].double().mean()), **{f"val/{k}": v for k, v in metrics.items()}}
 
 
 @_stage("update_sft")

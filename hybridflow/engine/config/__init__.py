@@ -12,6 +12,7 @@ sections), `loading` (YAML, overrides, resume); the names other modules use are 
 
 from __future__ import annotations
 
+from hybridflow.engine.config.dpo import DPOConfig, DPOTrainingConfig
 from hybridflow.engine.config.loading import (
     ConfigError,
     apply_overrides,
@@ -51,6 +52,8 @@ __all__ = [
     "dotted_leaves",
     "CriticConfig",
     "DataConfig",
+    "DPOConfig",
+    "DPOTrainingConfig",
     "HybridFlowConfig",
     "GroupOfOneWarning",
     "OffPolicyWarning",

@@ -614,13 +614,19 @@ class PreferenceDataConfig(_Files):
     seed: int = 0
 
 
-class RMTrainerConfig(_RunTrainer):
-    """Epochs, evaluation, checkpoints and outputs of a reward-model training run (``hf rm train``)."""
+class EpochTrainerConfig(_RunTrainer):
+    """Epochs, evaluation, checkpoints and outputs of a run over a fixed set of rows (``hf rm train``, ``hf sft
+    train``, ``hf dpo train``)."""
 
-    experiment_name: str = "reward_model"
-    total_epochs: int = Field(1, ge=0, description="passes over the training pairs")
+    total_epochs: int = Field(1, ge=0, description="passes over the training rows")
     val_before_train: bool = Field(True, description="evaluate the initial model (step 0)")
     save_freq: int = Field(0, ge=0, description="also checkpoint every K steps (always: at each epoch's end)")
+
+
+class RMTrainerConfig(EpochTrainerConfig):
+    """The ``trainer`` section of a reward-model training run (``hf rm train``)."""
+
+    experiment_name: str = "reward_model"
 
 
 class _OneGroupRun(_Section):
@@ -698,13 +704,10 @@ class SFTDataConfig(_Files):
         return self
 
 
-class SFTTrainerConfig(_RunTrainer):
-    """Epochs, evaluation, checkpoints and outputs of a supervised fine-tuning run (``hf sft train``)."""
+class SFTTrainerConfig(EpochTrainerConfig):
+    """The ``trainer`` section of a supervised fine-tuning run (``hf sft train``)."""
 
     experiment_name: str = "sft"
-    total_epochs: int = Field(1, ge=0, description="passes over the training conversations")
-    val_before_train: bool = Field(True, description="evaluate the initial model (step 0)")
-    save_freq: int = Field(0, ge=0, description="also checkpoint every K steps (always: at each epoch's end)")
 
 
 class SFTTrainingConfig(_OneGroupRun):

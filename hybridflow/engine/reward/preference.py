@@ -88,7 +88,9 @@ def load_preference_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _render(prompt: Any, response: Any, tokenizer: Any) -> str:
+def render_pair(prompt: Any, response: Any, tokenizer: Any) -> str:
+    """The text of a prompt (None, a string or a chat list) and one response (a string, or a chat list of the
+    response's messages): prompt + response for strings, else the conversation in the tokenizer's chat template."""
     if isinstance(prompt, str) or (prompt is None and isinstance(response, str)):
         return (prompt or "") + response
     messages = list(prompt or [])
@@ -98,7 +100,7 @@ def _render(prompt: Any, response: Any, tokenizer: Any) -> str:
 
 def pair_texts(row: dict[str, Any], tokenizer: Any) -> tuple[str, str]:
     """The texts the reward model reads for a pair: ``(chosen, rejected)`` (see the module docstring)."""
-    return _render(row["prompt"], row["chosen"], tokenizer), _render(row["prompt"], row["rejected"], tokenizer)
+    return render_pair(row["prompt"], row["chosen"], tokenizer), render_pair(row["prompt"], row["rejected"], tokenizer)
 
 
 def collate_pairs(rows: Sequence[dict[str, Any]], tokenizer: Any, max_length: int) -> DataProto:

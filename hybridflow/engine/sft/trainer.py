@@ -21,16 +21,12 @@ from hybridflow.engine.backends.training import (
     optimizer_step,
     sync_gradients,
 )
-from hybridflow.engine.checkpoint import load_role, save_role
 from hybridflow.engine.config import SFTTrainingConfig
-from hybridflow.engine.embedded_models import resolve_model_path
-from hybridflow.engine.models import autocast, load_model, load_tokenizer, pick_device, pick_dtype
+from hybridflow.engine.models import autocast, pick_dtype
+from hybridflow.engine.policy_rank import PolicyRank
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import logprobs_from_logits
 from hybridflow.engine.transfer import Dispatch, register
-
-ROLE = "actor"
-"""The checkpoint folder of the model being fine-tuned: the policy an RL run starts from."""
 
 
 class _TokenNLL(torch.nn.Module):
@@ -48,41 +44,19 @@ class _TokenNLL(torch.nn.Module):
         return torch.nn.functional.pad(nll * loss_mask[:, 1:], (1, 0))
 
 
-class SFTTrainer:
-    """One rank of a supervised fine-tuning group.
+class SFTTrainer(PolicyRank):
+    """One rank of a supervised fine-tuning group (`PolicyRank`: its config an `SFTTrainingConfig`)."""
 
-    Args:
-        rank, world_size, data_dir: set by the worker group.
-        config: the run's `SFTTrainingConfig` as a dict (validated again here).
-        roles: ``["actor"]``, its one role.
-
-    Raises:
-        ValueError: another role.
-    """
-
-    def __init__(
-        self, rank: int, world_size: int, data_dir: str, config: dict[str, Any], roles: list[str] | None = None
-    ):
-        if roles not in (None, [ROLE]):
-            raise ValueError(f"an SFT rank hosts the role {ROLE} only, not {roles}")
-        self.rank, self.world_size, self.data_dir = rank, world_size, data_dir
-        self.config = SFTTrainingConfig.model_validate(config)
+    CONFIG = SFTTrainingConfig
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
         """Load ``model.path`` (fp32 weights, ``model.dtype`` compute), wrap it for data parallelism, build the
         optimizer. Returns its parameter count."""
-        cfg = self.config
-        if cfg.trainer.num_threads:
-            torch.set_num_threads(cfg.trainer.num_threads)
-        device = pick_device(cfg.trainer.device)
-        path = resolve_model_path(cfg.model.path)
-        torch.manual_seed(cfg.trainer.seed)
-        self.model = load_model(path, torch.float32, device, trainable=True)
-        self.tokenizer = load_tokenizer(path)
-        self.nll = _TokenNLL(self.model, pick_dtype(cfg.model.dtype, device))
+        device = self._load_policy()
+        self.nll = _TokenNLL(self.model, pick_dtype(self.config.model.dtype, device))
         self.train_module, _ = data_parallel(self.nll, "ddp")
-        self.optimizer, self.lr_scheduler = build_optimizer(self.model, cfg.optim)
+        self.optimizer, self.lr_scheduler = build_optimizer(self.model, self.config.optim)
         return {"actor_params": sum(p.numel() for p in self.model.parameters())}
 
     def _micro_tensors(self, micro: DataProto) -> tuple[torch.Tensor, ...]:
@@ -134,17 +108,3 @@ class SFTTrainer:
         finally:
             self.model.train()
         return DataProto.from_dict({"nll_sum": torch.cat(sums), "tokens": torch.cat(counts)})
-
-    @register(Dispatch.RANK_ZERO)
-    def save_checkpoint_part(self, staging: str) -> list[str]:
-        """Write the model (Hugging Face layout, with its tokenizer: ``model.path`` of an RL run loads it) and its
-        optimizer state into a checkpoint's ``actor/``. The replicas are identical: rank 0 writes."""
-        if self.rank != 0:
-            return []
-        save_role(staging, ROLE, self.model, self.optimizer, self.lr_scheduler, self.tokenizer)
-        return [ROLE]
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> None:
-        """Restore weights, optimizer and scheduler states from a checkpoint's ``actor/`` on every rank."""
-        load_role(path, ROLE, self.model, self.optimizer, self.lr_scheduler)

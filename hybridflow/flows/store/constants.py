@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 """Alembic's script folder (env.py, script.py.mako, versions/); shipped as package data, loaded by path."""
 
-RUN_KINDS = ("rl", "rm", "sft")
+RUN_KINDS = ("rl", "rm", "sft", "dpo")
 """What a run trains: ``rl`` a policy (``hf run``, flow ``hybridflow-rlhf``), ``rm`` a reward model (``hf rm train``,
-flow ``hybridflow-rm``), ``sft`` a policy by supervised fine-tuning (``hf sft train``, flow ``hybridflow-sft``)."""
+flow ``hybridflow-rm``), ``sft`` a policy by supervised fine-tuning (``hf sft train``, flow ``hybridflow-sft``),
+``dpo`` a policy on preference pairs (``hf dpo train``, flow ``hybridflow-dpo``)."""
 RUN_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
 FINAL_STATUSES = ("completed", "failed", "interrupted")
 ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")

@@ -317,8 +317,8 @@ class RunStore:
     ) -> str:
         """Record a new run with status ``pending`` and return its id (``run-YYYYmmdd-HHMMSS-<6 hex>``, UTC).
 
-        ``kind`` is what it trains (`RUN_KINDS`: ``rl``, ``rm``); ``plan_id`` the placement plan its placement came
-        from (``placement.plan``), if any.
+        ``kind`` is what it trains (`RUN_KINDS`: ``rl``, ``rm``, ``sft``, ``dpo``); ``plan_id`` the placement plan
+        its placement came from (``placement.plan``), if any.
 
         ``config`` is the full validated config as plain JSON data (e.g. a pydantic model's
         ``model_dump(mode="json")``); it is stored as JSON and read back equal to ``json.loads(json.dumps(config))``.

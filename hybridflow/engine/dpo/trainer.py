@@ -1,0 +1,140 @@
+"""DPO on the ranks of a worker group (worker class of ``hf dpo train``).
+
+Each rank holds the policy (fp32 weights, ``model.dtype`` compute, trained) and the frozen reference (the same
+folder, or ``dpo.ref_model_path``; eval mode, no gradient). A step's pairs are split evenly over the ranks; each
+rank computes, micro-batch by micro-batch, the log-probability of every chosen and rejected response under both
+models (one forward of 2m sequences each), the per-pair loss (`hybridflow.engine.dpo.loss.dpo_loss`) and
+backpropagates ``mean loss x pairs_in_micro_batch / pairs_on_rank``; DDP's gradient average over the ranks gives the
+gradient of the whole step's mean loss. AdamW with the ``optim`` section's warm-up and clipping (the actor's
+optimizer).
+
+This module never imports Prefect or submitit; ``hybridflow.flows.dpo`` drives it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridflow.engine.backends.training import build_optimizer, data_parallel, optimizer_step, sync_gradients
+from hybridflow.engine.config.dpo import DPOTrainingConfig
+from hybridflow.engine.dpo.loss import dpo_loss, reward_metrics, sequence_log_probs
+from hybridflow.engine.dpo.pairs import SIDES
+from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.models import autocast, load_model, pick_dtype
+from hybridflow.engine.policy_rank import PolicyRank
+from hybridflow.engine.protocol import DataProto
+from hybridflow.engine.torch_ops import logprobs_from_logits
+from hybridflow.engine.transfer import Dispatch, register
+
+
+class _SequenceLogProbs(torch.nn.Module):
+    """Each response's summed and per-token mean log-probability, float32 [N] each (`sequence_log_probs`), as a
+    module of its own so that DDP's forward arms its gradient all-reduce."""
+
+    def __init__(self, model: torch.nn.Module, compute_dtype: torch.dtype | None):
+        super().__init__()
+        self.model, self.compute_dtype = model, compute_dtype
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with autocast(input_ids.device, self.compute_dtype):
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        tokens = logprobs_from_logits(logits[:, :-1].float(), input_ids[:, 1:])  # token t given those before it
+        return sequence_log_probs(torch.nn.functional.pad(tokens, (1, 0)), loss_mask)
+
+
+class DPOTrainer(PolicyRank):
+    """One rank of a DPO group (`PolicyRank`: its config a `DPOTrainingConfig`); the reference is frozen, never
+    checkpointed (its folder is read again on a resume)."""
+
+    CONFIG = DPOTrainingConfig
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        """Load the policy (trainable) and the reference (frozen) from their folders, wrap the policy for data
+        parallelism, build the optimizer. Returns the policy's parameter count."""
+        cfg = self.config
+        device = self._load_policy()
+        compute = pick_dtype(cfg.model.dtype, device)
+        reference_path = resolve_model_path(cfg.dpo.ref_model_path or cfg.model.path)
+        reference = load_model(reference_path, torch.float32, device, trainable=False)
+        self.reference = _SequenceLogProbs(reference.eval().requires_grad_(False), compute)
+        self.policy = _SequenceLogProbs(self.model, compute)
+        self.train_module, _ = data_parallel(self.policy, "ddp")
+        self.optimizer, self.lr_scheduler = build_optimizer(self.model, cfg.optim)
+        return {"actor_params": sum(p.numel() for p in self.model.parameters())}
+
+    def _log_probs(self, module: torch.nn.Module, micro: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen and rejected responses' log-probabilities [m] under `module` (sums; per-token means for
+        ``ipo``), in one forward of the 2m sequences."""
+        device = next(self.model.parameters()).device
+        b = micro.batch
+        sequences = [
+            torch.cat([b[f"{side}_{key}"] for side in SIDES]).to(device)
+            for key in ("input_ids", "attention_mask", "loss_mask")
+        ]
+        summed, mean = module(*sequences)
+        both = mean if self.config.dpo.loss_type == "ipo" else summed
+        return both[: len(micro)], both[len(micro) :]
+
+    def _pair_losses(self, micro: DataProto, module: torch.nn.Module):
+        dpo = self.config.dpo
+        with torch.no_grad():
+            ref_chosen, ref_rejected = self._log_probs(self.reference, micro)
+        chosen, rejected = self._log_probs(module, micro)
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss_type, dpo.label_smoothing)
+        return out, chosen.detach(), rejected.detach()
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_dpo(self, data: DataProto) -> dict[str, float]:
+        """One optimizer step on this rank's share of a step's pairs (`hybridflow.engine.dpo.pairs.PAIR_KEYS`).
+
+        Returns:
+            over this rank's pairs (the flow averages the ranks' equal shares): ``train/loss``, TRL's
+            ``train/rewards/{chosen,rejected,margins,accuracies}`` and ``train/logps/{chosen,rejected}``; and
+            ``train/grad_norm`` (before clipping), ``train/lr``.
+
+        Raises:
+            NonFiniteError: the gradient norm is NaN or infinite (nothing stepped).
+        """
+        sums: dict[str, float] = {}
+        micros = data.split(self.config.data.micro_batch_size)
+        for i, micro in enumerate(micros):
+            share = len(micro) / len(data)
+            with sync_gradients(self.train_module, i == len(micros) - 1):
+                out, chosen, rejected = self._pair_losses(micro, self.train_module)
+                loss = out.losses.mean()
+                (loss * share).backward()
+            metrics = {
+                "loss": float(loss.detach()),
+                **reward_metrics(out.chosen_rewards, out.rejected_rewards),
+                "logps/chosen": float(chosen.mean()),
+                "logps/rejected": float(rejected.mean()),
+            }
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value * share
+        step = optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.config.optim.grad_clip)
+        return {
+            **{f"train/{k}": v for k, v in sums.items()},
+            "train/grad_norm": step["grad_norm"],
+            "train/lr": step["lr"],
+        }
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    @torch.no_grad()
+    def compute_dpo_scores(self, data: DataProto) -> DataProto:
+        """``loss``, ``chosen_rewards`` and ``rejected_rewards`` float32 [B] of this rank's pairs (eval mode, no
+        gradient): the held-out loss and the implicit rewards' pairwise accuracy."""
+        self.model.eval()
+        parts = []
+        try:  # the unwrapped policy: evaluation runs no collective
+            for micro in data.split(self.config.data.micro_batch_size):
+                out, _, _ = self._pair_losses(micro, self.policy)
+                parts.append((out.losses, out.chosen_rewards, out.rejected_rewards))
+        finally:
+            self.model.train()
+        loss, chosen, rejected = (torch.cat([p[k] for p in parts]).cpu() for k in range(3))
+        return DataProto.from_dict({"loss": loss, "chosen_rewards": chosen, "rejected_rewards": rejected})

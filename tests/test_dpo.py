@@ -1,0 +1,148 @@
+"""DPO (``hf dpo train``): the loss and its metrics against hand-computed values and TRL's definitions, the pairs'
+token layout (the response's tokens after the prompt's, masked), and ``hf dpo train`` end to end on the tiny model
+(real CLI, Prefect server, SQLite store, two DDP ranks): the held-out implicit reward's pairwise accuracy rises on a
+separable set, the run is on record as kind ``dpo``, and ``hf resume -o trainer.total_epochs=2`` continues it as an
+uninterrupted 2-epoch run does, step for step."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_rm_training import _jsonl, _pairs
+from tiny_runs import hf_cli, metrics_by_step
+from transformers import AutoTokenizer
+
+from hybridflow.engine.config import ConfigError, DPOTrainingConfig, load_config
+from hybridflow.engine.dpo.loss import dpo_loss, reward_metrics, sequence_log_probs
+from hybridflow.engine.dpo.pairs import collate_dpo_pairs, pair_token_ids, prompt_text
+from hybridflow.flows.store.run_store import RunStore
+
+
+def test_the_dpo_and_ipo_losses_and_their_rewards_by_hand():
+    pc, pr, rc, rr = (torch.tensor([x]) for x in (-10.0, -12.0, -11.0, -11.0))  # h = 2
+    out = dpo_loss(pc, pr, rc, rr, beta=0.1)
+    assert out.losses.item() == pytest.approx(math.log(1 + math.exp(-0.2)), rel=1e-6)  # -log sigmoid(0.2)
+    smoothed = dpo_loss(pc, pr, rc, rr, beta=0.1, label_smoothing=0.1).losses.item()
+    assert smoothed == pytest.approx(0.9 * math.log(1 + math.exp(-0.2)) + 0.1 * math.log(1 + math.exp(0.2)))
+    assert dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="ipo").losses.item() == pytest.approx((2 - 5) ** 2)
+    assert out.chosen_rewards.item() == pytest.approx(0.1) and out.rejected_rewards.item() == pytest.approx(-0.1)
+    metrics = reward_metrics(torch.tensor([0.1, -0.3]), torch.tensor([-0.1, 0.2]))
+    assert metrics == pytest.approx(
+        {"rewards/chosen": -0.1, "rewards/rejected": 0.05, "rewards/margins": -0.15, "rewards/accuracies": 0.5}
+    )
+    with pytest.raises(ValueError, match="dpo.loss_type='kto' is not a loss here"):
+        dpo_loss(pc, pr, rc, rr, beta=0.1, loss_type="kto")
+
+
+def test_the_loss_is_trls_on_random_pairs_and_its_gradient_flows_to_the_policy_only():
+    """TRL's ``DPOTrainer.dpo_loss`` (sigmoid: ``-logsigmoid(beta * logits) * (1 - ls) - logsigmoid(-beta * logits)
+    * ls`` with ``logits = (pi_w - pi_l) - (ref_w - ref_l)``; ipo: ``(logits - 1 / (2 * beta)) ** 2``), written out
+    here independently."""
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(64, generator=g, dtype=torch.float64) * 5 - 30 for _ in range(4))
+    pc.requires_grad_(True)
+    logits = (pc - pr) - (rc - rr)
+    for beta, smoothing in ((0.1, 0.0), (0.5, 0.2)):
+        trl = -torch.nn.functional.logsigmoid(beta * logits) * (1 - smoothing)
+        trl = trl - torch.nn.functional.logsigmoid(-beta * logits) * smoothing
+        ours = dpo_loss(pc, pr, rc, rr, beta, "sigmoid", smoothing).losses
+        torch.testing.assert_close(ours, trl.float(), rtol=1e-6, atol=1e-6)
+    ipo = dpo_loss(pc, pr, rc, rr, 0.25, "ipo").losses
+    torch.testing.assert_close(ipo, ((logits - 2.0) ** 2).float(), rtol=1e-6, atol=1e-5)
+    ipo.mean().backward()
+    assert pc.grad is not None and pc.grad.abs().sum() > 0
+    summed, mean = sequence_log_probs(torch.tensor([[9.0, -1.0, -2.0, -3.0]]), torch.tensor([[1, 0, 1, 1]]))
+    assert summed.item() == -5.0 and mean.item() == -2.5  # position 0 predicts nothing; the prompt is not scored
+
+
+def test_a_pairs_response_tokens_follow_its_prompts_and_only_they_are_scored(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = {"prompt": [{"role": "user", "content": "Is it good?"}], "chosen": "It is good.", "rejected": "No."}
+    plain = {"prompt": "Q: 2+2? A:", "chosen": " 4", "rejected": " 5"}
+    batch = collate_dpo_pairs([chat, plain], tokenizer, 512).batch
+    for i, row in enumerate((chat, plain)):
+        head = tokenizer(prompt_text(row["prompt"], tokenizer), add_special_tokens=False)["input_ids"]
+        for side in ("chosen", "rejected"):
+            ids, mask = batch[f"{side}_input_ids"][i], batch[f"{side}_loss_mask"][i].bool()
+            real = batch[f"{side}_attention_mask"][i].bool()
+            assert ids[: len(head)].tolist() == head and not mask[: len(head)].any()
+            response = tokenizer.decode(ids[mask])
+            assert response.startswith(row[side]) and (mask == (real & (torch.arange(len(ids)) >= len(head)))).all()
+    assert tokenizer.decode(batch["chosen_input_ids"][0][batch["chosen_loss_mask"][0].bool()]).endswith("<|im_end|>\n")
+    long = {"prompt": "x " * 300, "chosen": "y " * 300, "rejected": "z"}
+    (chosen, kept), (rejected, kept_rejected) = pair_token_ids(long, tokenizer, 64)
+    assert len(chosen) == 64 and kept == 32  # the prompt keeps its end (half the room), the response its start
+    assert kept_rejected == len(rejected) - 1 and len(rejected) <= 64  # a short response leaves the prompt more
+
+
+def test_dpo_configs_refuse_what_they_do_not_carry(tmp_path):
+    train = _jsonl(tmp_path / "train.jsonl", _pairs(8, seed=0))
+    with pytest.raises(ConfigError, match="LoRA DPO is not carried yet"):
+        load_config(None, [f"data.train_files={train}", "model.lora_rank=8"], DPOTrainingConfig)
+    with pytest.raises(ConfigError, match="dpo.loss_type"):
+        load_config(None, [f"data.train_files={train}", "dpo.loss_type=kto"], DPOTrainingConfig)
+
+
+def _config(tmp_path: Path, tiny_model_dir: Path, *extra: str) -> DPOTrainingConfig:
+    train = _jsonl(tmp_path / "train.jsonl", _pairs(64, seed=0))
+    val = _jsonl(tmp_path / "val.jsonl", _pairs(32, seed=1))
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "model.dtype=float32",
+            f"data.train_files={train}",
+            f"data.val_files={val}",
+            "data.train_batch_size=8",
+            "data.micro_batch_size=2",
+            "optim.lr=1e-3",
+            "dpo.beta=0.5",
+            "trainer.num_threads=1",
+            "placement.tasks_per_node=2",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            *extra,
+        ],
+        DPOTrainingConfig,
+    )
+
+
+def test_hf_dpo_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir):
+    from hybridflow.flows.dpo import dpo_flow
+
+    (tmp_path / "ref").mkdir()  # the uninterrupted 2-epoch run, in process
+    reference_cfg = _config(tmp_path / "ref", tiny_model_dir, "trainer.total_epochs=2")
+    reference_store = RunStore(f"sqlite:///{tmp_path / 'ref' / 'runs.db'}")
+    reference_id = reference_store.create_run(reference_cfg.model_dump(mode="json"), "dpo", kind="dpo")
+    dpo_flow(run_id=reference_id, db_url=reference_store.url)
+    reference = metrics_by_step(reference_store, reference_id)
+
+    cfg = _config(tmp_path, tiny_model_dir, "trainer.total_epochs=1")
+    config_file = tmp_path / "dpo.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    trained = hf_cli(prefect_api, "dpo", "train", str(config_file), "--db", db)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    store = RunStore(db)
+    [run] = store.list_runs()
+    assert run.kind == "dpo" and run.status == "completed"
+    metrics = metrics_by_step(store, run.id)
+    assert sorted(metrics) == list(range(9))  # step 0: the initial policy's evaluation; 8 steps of 8 pairs
+    assert metrics[0]["val/loss"] == pytest.approx(math.log(2), rel=1e-5)  # the policy is the reference
+    assert metrics[0]["val/rewards/accuracies"] == 0.0 and metrics[0]["val/rewards/margins"] == 0.0
+    assert metrics[8]["val/rewards/accuracies"] >= 0.9 and metrics[8]["val/loss"] < 0.5, metrics[8]
+    assert metrics[8]["val/rewards/margins"] > 0 and {p.role for p in store.placements(run.id)} == {"actor"}
+    for name in ("train/loss", "train/rewards/chosen", "train/rewards/accuracies", "train/logps/chosen"):
+        assert name in metrics[1]
+    folder = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / run.id / "model"
+    assert f"model.path={folder.resolve()}" in " ".join(trained.stdout.split())
+
+    resumed = hf_cli(prefect_api, "resume", run.id, "--db", db, "-o", "trainer.total_epochs=2")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    metrics = metrics_by_step(store, run.id)
+    assert sorted(metrics) == list(range(17)) and [c.step for c in store.checkpoints(run.id)] == [8, 16]
+    for step in range(1, 17):  # the same run as the uninterrupted one, step for step
+        for name in ("train/loss", "train/rewards/margins", "train/grad_norm"):
+            assert metrics[step][name] == pytest.approx(reference[step][name], rel=1e-5, abs=1e-7), (step, name)
+    assert metrics[16]["val/rewards/accuracies"] == pytest.approx(reference[16]["val/rewards/accuracies"])

@@ -132,6 +132,7 @@ def test_hf_dpo_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, 
     assert metrics[0]["val/loss"] == pytest.approx(math.log(2), rel=1e-5)  # the policy is the reference
     assert metrics[0]["val/rewards/accuracies"] == 0.0 and metrics[0]["val/rewards/margins"] == 0.0
     assert metrics[8]["val/rewards/accuracies"] >= 0.9 and metrics[8]["val/loss"] < 0.5, metrics[8]
+    assert metrics[8]["val/logps/accuracies"] > metrics[0]["val/logps/accuracies"]  # the policy's own preference
     assert metrics[8]["val/rewards/margins"] > 0 and {p.role for p in store.placements(run.id)} == {"actor"}
     for name in ("train/loss", "train/rewards/chosen", "train/rewards/accuracies", "train/logps/chosen"):
         assert name in metrics[1]

@@ -249,11 +249,17 @@ def update_dpo(group: WorkerGroup, pairs: DataHandle) -> dict[str, float]:
 
 @_stage("evaluate_dpo")
 def evaluate_dpo(group: WorkerGroup, batches: list[DataHandle]) -> dict[str, float]:
-    """Every held-out pair's loss and implicit rewards: ``val/loss`` and TRL's ``val/rewards/{chosen,rejected,
-    margins,accuracies}`` (`hybridflow.engine.dpo.loss.reward_metrics`)."""
+    """Every held-out pair's loss and implicit rewards: ``val/loss``, TRL's ``val/rewards/{chosen,rejected,
+    margins,accuracies}`` (`hybridflow.engine.dpo.loss.reward_metrics`), and ``val/logps/accuracies``: the share
+    of pairs whose chosen response the policy itself finds likelier (at step 0: the base model's)."""
     both = _scored(group, "compute_dpo_scores", batches)
     metrics = reward_metrics(both["chosen_rewards"], both["rejected_rewards"])
-    return {"val/loss": float(both["loss"].double().mean()), **{f"val/{k}": v for k, v in metrics.items()}}
+    prefers = float((both["chosen_logps"] > both["rejected_logps"]).double().mean())  # the policy's own choice
+    return {
+        "val/loss": float(both["loss"].double().mean()),
+        **{f"val/{k}": v for k, v in metrics.items()},
+        "val/logps/accuracies": prefers,
+    }
 
 
 @_stage("update_sft")

@@ -126,15 +126,16 @@ class DPOTrainer(PolicyRank):
     @register(Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
     def compute_dpo_scores(self, data: DataProto) -> DataProto:
-        """``loss``, ``chosen_rewards`` and ``rejected_rewards`` float32 [B] of this rank's pairs (eval mode, no
-        gradient): the held-out loss and the implicit rewards' pairwise accuracy."""
+        """``loss``, ``chosen_rewards``, ``rejected_rewards``, ``chosen_logps`` and ``rejected_logps`` float32 [B] of
+        this rank's pairs (eval mode, no gradient): the held-out loss, the implicit rewards' pairwise accuracy, and
+        the policy's own preference (before training: the base model's)."""
         self.model.eval()
         parts = []
         try:  # the unwrapped policy: evaluation runs no collective
             for micro in data.split(self.config.data.micro_batch_size):
-                out, _, _ = self._pair_losses(micro, self.policy)
-                parts.append((out.losses, out.chosen_rewards, out.rejected_rewards))
+                out, chosen, rejected = self._pair_losses(micro, self.policy)
+                parts.append((out.losses, out.chosen_rewards, out.rejected_rewards, chosen, rejected))
         finally:
             self.model.train()
-        loss, chosen, rejected = (torch.cat([p[k] for p in parts]).cpu() for k in range(3))
-        return DataProto.from_dict({"loss": loss, "chosen_rewards": chosen, "rejected_rewards": rejected})
+        keys = ("loss", "chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")
+        return DataProto.from_dict({key: torch.cat([p[k] for p in parts]).cpu() for k, key in enumerate(keys)})

@@ -18,9 +18,7 @@ from hybridflow.flows.store.run_store import RunStore
 
 ROOT = Path(__file__).resolve().parent.parent
 RL_EXAMPLES = sorted(  # hf rm train's, hf dpo train's and hf sft train's configs have no RL prompts to audit
-    p
-    for p in (ROOT / "examples").glob("*.yaml")
-    if not p.name.startswith(("rm_", "dpo_")) and "_sft_" not in p.name
+    p for p in (ROOT / "examples").glob("*.yaml") if not p.name.startswith(("rm_", "dpo_")) and "_sft_" not in p.name
 )
 # The main job's task before issue 29: reasoning-gym's generator without parentheses, all four operators.
 OLD_MAIN_JOB = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "allow_parentheses": False,

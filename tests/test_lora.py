@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from peft import PeftModel
-from tiny_runs import HF, metrics_by_step, tiny_run_config
+from tiny_runs import HF, metrics_by_step, resumed_runs, tiny_run_config
 
 from hybridflow.engine.backends.actor import RefPolicy
 from hybridflow.engine.backends.lora import ADAPTER_WEIGHTS, LoraAdapter, LoraReference
@@ -73,17 +73,9 @@ def test_lora_settings_are_checked_before_any_work(tmp_path, tiny_model_dir):
 def runs(tmp_path_factory, tiny_model_dir):
     """GRPO with a rank-8 adapter and the KL loss, 3 iterations uninterrupted (saved at 2 and 3), and 1 iteration
     then a resumed trainer for iterations 2 and 3."""
-    a_root, b_root = tmp_path_factory.mktemp("lora_a"), tmp_path_factory.mktemp("lora_b")
-    a = SingleProcessTrainer(
-        tiny_run_config(a_root, tiny_model_dir, "grpo", [*LORA, "trainer.total_iterations=3", "trainer.save_freq=2"])
-    )
-    records_a = a.fit(log=lambda r: None)
-    b1 = SingleProcessTrainer(tiny_run_config(b_root, tiny_model_dir, "grpo", [*LORA, "trainer.total_iterations=1"]))
-    b1.fit(log=lambda r: None)
-    resumed = [*LORA, "trainer.total_iterations=3", "trainer.resume_from=auto"]
-    b2 = SingleProcessTrainer(tiny_run_config(b_root, tiny_model_dir, "grpo", resumed))
-    records_b2 = b2.fit(log=lambda r: None)
-    return SimpleNamespace(a=a, records_a=records_a, b1=b1, b2=b2, records_b2=records_b2)
+    roots = tmp_path_factory.mktemp("lora_a"), tmp_path_factory.mktemp("lora_b")
+    a, records_a, b2, records_b2 = resumed_runs(roots, tiny_model_dir, LORA, 3, 1, saves=["trainer.save_freq=2"])
+    return SimpleNamespace(a=a, records_a=records_a, b2=b2, records_b2=records_b2)
 
 
 def test_only_the_adapter_trains_and_the_reference_is_not_loaded(runs, tiny_model_dir):

@@ -166,6 +166,23 @@ def tiny_run_config(root: Path, model_dir: Path, estimator: str, extra: list[str
     )
 
 
+def resumed_runs(roots: tuple[Path, Path], model_dir: Path, extra: list[str], total: int, cut: int, saves=()):
+    """The single-process trainer (GRPO, `tiny_run_config` with `extra`) for `total` iterations uninterrupted
+    (`saves`: its further overrides, e.g. a save_freq) in ``roots[0]``, and for `cut` iterations then resumed to
+    `total` by a new trainer in ``roots[1]``. Returns (uninterrupted trainer, its records, resumed trainer, its
+    records)."""
+    from hybridflow.engine.trainer import SingleProcessTrainer
+
+    def fit(root: Path, *more: str):
+        trainer = SingleProcessTrainer(tiny_run_config(root, model_dir, "grpo", [*extra, *more]))
+        return trainer, trainer.fit(log=lambda r: None)
+
+    a, records_a = fit(roots[0], f"trainer.total_iterations={total}", *saves)
+    fit(roots[1], f"trainer.total_iterations={cut}")
+    b, records_b = fit(roots[1], f"trainer.total_iterations={total}", "trainer.resume_from=auto")
+    return a, records_a, b, records_b
+
+
 AGENT = '''
 from hybridflow.engine.agent.loop import AgentLoop, AgentLoopOutput
 

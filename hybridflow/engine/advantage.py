@@ -20,7 +20,7 @@ from hybridflow.engine.algorithms.estimators import (
 )
 from hybridflow.engine.algorithms.kl import KLController, apply_kl_penalty, get_kl_controller
 from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier, lagrangian_advantages
-from hybridflow.engine.config import AlgorithmConfig, HybridFlowConfig, OverlongBufferConfig
+from hybridflow.engine.config import AlgorithmConfig, HybridFlowConfig, OverlongBufferConfig, TeacherConfig
 from hybridflow.engine.guards import check_finite
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import last_positions, masked_mean, masked_whiten
@@ -330,6 +330,7 @@ ADVANTAGE_INPUTS = (
     "rollout_log_probs",
     "entropys",
     "sum_pi_squared",
+    "teacher_log_prob",
 )
 """The columns `advantage_stage` reads, those present (the controller loads only these)."""
 
@@ -341,6 +342,7 @@ def advantage_stage(
     kl_ctrl: KLController | None,
     shaping: dict[str, Any],
     lagrangian: LagrangeMultiplier | None = None,
+    teacher: TeacherConfig | None = None,
 ) -> tuple[DataProto, dict[str, float]]:
     """The iteration's ``adv`` stage, run by the controller: `compute_advantage` (`shaping`: `reward_shaping`'s
     keywords; `greedy`: ReMax's scored greedy batch) plus ``rollout/*`` (`hybridflow.engine.metrics.
@@ -349,7 +351,10 @@ def advantage_stage(
     (``algorithm.rollout_correction.rollout_rs``, not ``bypass_mode``) the rejected tokens leave ``response_mask``
     first (`rollout_correction.decoupled_mask`, ``rollout_corr/rollout_rs_*``), as verl's driver does: the
     advantages, the critic and the actor see the new mask. In bypass mode the rollout's log-probs stand for
-    ``old_log_probs`` (the in-reward KL penalty's).
+    ``old_log_probs`` (the in-reward KL penalty's). With a distillation `teacher` (``teacher.model_path``) the
+    advantages are weighed by ``teacher.task_coef`` and, with ``teacher.use_as: reward``, each token's gets the
+    teacher's dense reward (`hybridflow.engine.algorithms.distillation.distilled_advantages`); ``distill/*``
+    (`distillation_metrics`) whenever the student's log-probs of the batch are at hand.
 
     Returns:
         (DataProto of ``token_level_rewards``, ``advantages``, ``returns`` [B, T] float32 (and ``cost_returns``;
@@ -376,8 +381,35 @@ def advantage_stage(
         metrics.update(rejection)
     out, more = compute_advantage(data, algorithm, kl_ctrl, **shaping, greedy=greedy, lagrangian=lagrangian)
     metrics.update(more)
+    if teacher is not None:
+        out, more = _distilled(data, out, teacher, correction.bypass_mode)
+        metrics.update(more)
     if rejected is not None:
         out = out.union(DataProto.from_dict({"response_mask": rejected}))
     if "entropys" in data.keys:
         metrics["actor/entropy"] = float(masked_mean(data.batch["entropys"], data.batch["response_mask"]))
     return out, metrics
+
+
+def _distilled(
+    data: DataProto, out: DataProto, teacher: TeacherConfig, bypass: bool
+) -> tuple[DataProto, dict[str, float]]:
+    """`advantage_stage`'s distillation step: `out`'s ``advantages`` weighed by ``teacher.task_coef`` plus, with
+    ``teacher.use_as: reward``, the teacher's dense reward of each token against the student's log-probs that
+    sampled it (``old_log_probs``; the rollout engine's in bypass mode, where no old_log_prob stage runs)."""
+    from hybridflow.engine.algorithms.distillation import distillation_metrics, distilled_advantages
+
+    batch = data.batch
+    student = "rollout_log_probs" if bypass else "old_log_probs"
+    mask = out.batch["response_mask"] if "response_mask" in out.keys else batch["response_mask"]
+    advantages = out.batch["advantages"]
+    metrics = {}
+    if student in data.keys:  # (loss mode on-policy skips the old_log_prob stage: the update reports its KL)
+        metrics = distillation_metrics(batch[student], batch["teacher_log_prob"], mask)
+    if teacher.use_as == "reward":
+        log_probs = batch[student]
+        coefs = {"kl_coef": teacher.kl_coef, "task_coef": teacher.task_coef}
+        advantages = distilled_advantages(advantages, log_probs, batch["teacher_log_prob"], mask, **coefs)
+    else:
+        advantages = teacher.task_coef * advantages
+    return out.drop(["advantages"]).union(DataProto.from_dict({"advantages": advantages})), metrics

@@ -87,6 +87,9 @@ STAGE_METHODS: dict[str, StageMethod] = {
     ),
     "old_log_prob": StageMethod("compute_log_prob", "old_log_probs and entropys under the actor that generated."),
     "ref_log_prob": StageMethod("compute_ref_log_prob", "ref_log_prob under the frozen reference policy."),
+    "teacher_log_prob": StageMethod(
+        "compute_teacher_log_prob", "teacher_log_prob under on-policy distillation's teacher (teacher.model_path)."
+    ),
     "values": StageMethod(
         "compute_values", "Critic values for each response token (and Safe-RLHF's cost critic's cost_values), [B, T]."
     ),
@@ -134,6 +137,7 @@ TIMING = {
     "stream_batch": "gen",
     "generate_greedy": "gen_max",
     "ref_log_prob": "ref",
+    "teacher_log_prob": "teacher",
     "advantage": "adv",
 }
 """A stage's name in ``timing_s/<name>`` where it differs from the stage's (verl's names)."""
@@ -293,6 +297,7 @@ def run_iteration(
             Call("reward", "reward", (rollout,), when=not dapo),
             Call("old_log_prob", "actor", (rollout,), when=not cfg.skips_old_log_prob()),
             Call("ref_log_prob", "ref", (rollout,), when="ref" in roles),
+            Call("teacher_log_prob", "teacher", (rollout,), when="teacher" in roles),
             Call("values", "critic", (rollout,), when="critic" in roles),
             Call("rm_score", "reward_model", (greedy,), when=remax and scored_by_rm),
             Call("reward", "reward", (greedy,), when=remax),

@@ -308,7 +308,9 @@ class LocalStages:
         trainer = self.trainer
         with self.timer(TIMING["advantage"]):
             shaping = reward_shaping(self.cfg)
-            return advantage_stage(batch, greedy, self.cfg.algorithm, trainer.kl_ctrl, shaping, trainer.lagrangian)
+            teacher = self.cfg.teacher if self.cfg.teacher.enabled else None
+            algorithm, lagrangian = self.cfg.algorithm, trainer.lagrangian
+            return advantage_stage(batch, greedy, algorithm, trainer.kl_ctrl, shaping, lagrangian, teacher)
 
     def policy_filtration(self, batch: DataProto, step: int) -> tuple[list[int], dict[str, float]]:
         with self.timer(TIMING["advantage"]):

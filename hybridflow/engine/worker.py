@@ -72,6 +72,7 @@ class Roles:
     weights: WeightSource | None = None  # where the actor's current full weights are read (its rollout's source)
     rollout: Rollout | None = None
     ref: RefPolicy | LoraReference | None = None
+    teacher: RefPolicy | None = None  # on-policy distillation's teacher (teacher.model_path)
     critic: Critic | MegatronCritic | None = None
     cost_critic: Critic | None = None  # Safe-RLHF: a second value model in the critic's processes
     reward_fn: RewardManager | None = None
@@ -127,6 +128,12 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
             compute_dtype=compute_dtype,
             share_prompts=cfg.actor.shares_prompts,
         )
+    if "teacher" in roles:  # on-policy distillation: scores the actor's tokens in the actor's numerics
+        teacher = cfg.teacher
+        teacher_model = load_model(resolve_model_path(teacher.model_path), compute_dtype, device, trainable=False)
+        share = cfg.actor.shares_prompts
+        micro = teacher.log_prob_micro_batch_size
+        out.teacher = RefPolicy(teacher_model, micro, compute_dtype, share, column="teacher_log_prob")
     if "critic" in roles:
         backend = training_backend(cfg.critic.strategy, "critic.strategy")
         critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)
@@ -209,6 +216,7 @@ class RLHFWorker(StreamingRollout):
         self.weight_link: WeightSender | WeightReceiver | None = None  # rollout.checkpoint_engine.backend=gloo
         self._init_stream()  # rollout.streaming (`StreamingRollout`)
         self.ref: RefPolicy | LoraReference | None = None
+        self.teacher: RefPolicy | None = None
         self.critic: Critic | MegatronCritic | None = None
         self.cost_critic: Critic | None = None
         self.reward_fn: RewardManager | None = None
@@ -256,7 +264,7 @@ class RLHFWorker(StreamingRollout):
         self.weights = roles.weights
         self.ref, self.critic, self.reward_fn = roles.ref, roles.critic, roles.reward_fn
         self.cost_critic, self.cost_fn = roles.cost_critic, roles.cost_fn
-        self.reward_model = roles.reward_model
+        self.reward_model, self.teacher = roles.reward_model, roles.teacher
         self.critics, self.scorers = roles.critics(), roles.scorers()
         info = {}
         for role, trained in self._trained():
@@ -402,6 +410,12 @@ class RLHFWorker(StreamingRollout):
         """``ref_log_prob`` float32 [B, T] under the frozen reference policy."""
         self._need("ref")
         return self.ref.compute_ref_log_prob(data)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
+        """``teacher_log_prob`` float32 [B, T]: each response token's log-prob under the distillation teacher."""
+        self._need("teacher")
+        return self.teacher.compute_ref_log_prob(data)
 
     @register(Dispatch.DP_COMPUTE_PROTO, mesh="critic")
     def compute_values(self, data: DataProto) -> DataProto:

@@ -100,6 +100,8 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     model_folder("model.path", cfg.model.path)
     if cfg.critic.model_path:
         model_folder("critic.model_path", cfg.critic.model_path)
+    if cfg.teacher.enabled:
+        _check_teacher(cfg)
     rm = cfg.reward_model
     classifier = rm.path if rm.enable and not rm.judge.enable else None
     scorers = {"reward_model.path": classifier, "reward_model.cost_path": rm.cost_path}
@@ -244,6 +246,26 @@ def _check_trackers(trainer: Any) -> None:
         )
     if "mlflow" in trainer.logger:
         _check_mlflow_server(mlflow_tracking_uri(trainer.mlflow_tracking_uri, trainer.output_dir))
+
+
+def _check_teacher(cfg: HybridFlowConfig) -> None:
+    """The teacher scores the actor's tokens by their ids: its tokenizer must be the actor's (the same vocabulary,
+    token for id, and the same end-of-sequence token).
+
+    Raises:
+        InputError: the teacher's folder cannot be used, or its tokenizer is another one (the first token that
+            differs named)."""
+    student = load_tokenizer(model_folder("model.path", cfg.model.path))
+    teacher = load_tokenizer(model_folder("teacher.model_path", cfg.teacher.model_path))
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    if ours != theirs or student.eos_token_id != teacher.eos_token_id:
+        differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])
+        first = f"token id {differing[0][1]}: {differing[0][0]!r}" if differing else "the end-of-sequence token"
+        raise InputError(
+            f"teacher.model_path: the teacher's tokenizer is not the actor's ({len(theirs)} tokens vs {len(ours)} "
+            f"of model.path; they differ at {first}), and the teacher scores the actor's tokens by their ids: "
+            "distil from a teacher of the actor's tokenizer (its family's models)"
+        )
 
 
 def model_folder(key: str, value: str) -> Path:

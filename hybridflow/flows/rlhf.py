@@ -227,7 +227,10 @@ class StageRunner:
         enter_stage("advantage", step + 1, step)
         shaping = reward_shaping(self.cfg)
         algorithm = self.cfg.algorithm
-        return stages.advantage(batch, algorithm, self.kl_ctrl, self.data_dir, shaping, greedy, self.lagrangian)
+        teacher = self.cfg.teacher if self.cfg.teacher.enabled else None
+        return stages.advantage(
+            batch, algorithm, self.kl_ctrl, self.data_dir, shaping, greedy, self.lagrangian, teacher
+        )
 
     def policy_filtration(self, batch: DataHandle, step: int) -> tuple[list[int], dict[str, float]]:
         """PF-PPO's redraw (`hybridflow.tasks.stages.policy_filtration`), in the controller."""

@@ -27,7 +27,7 @@ from hybridflow.engine.advantage import policy_filtration as engine_policy_filtr
 from hybridflow.engine.algorithms.kl import KLController
 from hybridflow.engine.algorithms.lagrangian import LagrangeMultiplier
 from hybridflow.engine.checkpoint import AHEAD_DIR, begin_checkpoint, finish_checkpoint
-from hybridflow.engine.config import AlgorithmConfig
+from hybridflow.engine.config import AlgorithmConfig, TeacherConfig
 from hybridflow.engine.dpo.loss import reward_metrics
 from hybridflow.engine.dynamic_sampling import kept_rows, metric_columns
 from hybridflow.engine.generations import GENERATION_KEYS
@@ -103,10 +103,12 @@ def advantage(
     shaping: dict[str, Any],
     greedy: DataHandle | None = None,
     lagrangian: LagrangeMultiplier | None = None,
+    teacher: TeacherConfig | None = None,
 ) -> tuple[DataHandle, dict[str, float]]:
     """``token_level_rewards``, ``advantages``, ``returns`` (`algorithms.advantage.advantage_stage`; `shaping`:
     its reward keywords, `algorithms.advantage.reward_shaping`; `greedy`: the scored greedy responses of ReMax's
-    baseline; `lagrangian`: Safe-RLHF's multiplier, stepped here, which adds ``cost_returns``).
+    baseline; `lagrangian`: Safe-RLHF's multiplier, stepped here, which adds ``cost_returns``; `teacher`: on-policy
+    distillation's, which weighs the advantages and adds its dense reward).
 
     Runs in the controller: it reads only the [B, T] columns it needs, and writes its three columns as a new part.
     """
@@ -115,7 +117,7 @@ def advantage(
     if greedy is not None:
         columns = ["uid", "token_level_scores", "response_mask", *(["rm_scores"] if "rm_scores" in greedy.keys else [])]
         baseline = greedy.select(columns).load()
-    out, metrics = advantage_stage(data, baseline, algorithm, kl_ctrl, shaping, lagrangian)
+    out, metrics = advantage_stage(data, baseline, algorithm, kl_ctrl, shaping, lagrangian, teacher)
     return DataHandle.put(out, data_dir, "advantage"), metrics
 
 

@@ -12,6 +12,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from hybridflow.engine.algorithms.distillation import distillation_loss
 from hybridflow.engine.algorithms.kl import kl_penalty
 from hybridflow.engine.algorithms.losses import get_policy_loss_fn
 from hybridflow.engine.algorithms.rollout_correction import batch_mean_weight, bypass_policy_loss, rollout_is_weights
@@ -26,7 +27,7 @@ from hybridflow.engine.backends.training import (
     update_random_stream,
     update_steps,
 )
-from hybridflow.engine.config import ActorConfig, RolloutCorrectionConfig
+from hybridflow.engine.config import ActorConfig, RolloutCorrectionConfig, TeacherConfig
 from hybridflow.engine.models import compute_log_probs, compute_token_stats, response_log_probs
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import agg_loss
@@ -79,19 +80,23 @@ def actor_loss(
     entropy: torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
     pg: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    teacher: TeacherConfig | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
     """The actor's loss on one micro-batch, as both training engines (this one and megatron's) assemble it: the
     `policy_loss`, minus ``actor.entropy_coeff`` x the entropy bonus when `entropy` [b, T] is given (its
     ``loss_agg_mode`` aggregate), plus ``actor.kl_loss_coef`` x the KL loss to ``ref_log_prob`` when
-    ``actor.use_kl_loss`` (``actor.kl_loss_type``, aggregated alike).
+    ``actor.use_kl_loss`` (``actor.kl_loss_type``, aggregated alike), plus ``teacher.kl_coef`` x the KL loss to
+    ``teacher_log_prob`` with a `teacher` (``teacher.use_as: loss``,
+    `hybridflow.engine.algorithms.distillation.distillation_loss`).
 
     Args:
-        batch: the micro-batch's tensors (``advantages``, ``response_mask`` [b, T], ``ref_log_prob`` for the KL loss).
+        batch: the micro-batch's tensors (``advantages``, ``response_mask`` [b, T], ``ref_log_prob`` for the KL loss,
+            ``teacher_log_prob`` for the distillation loss).
         pg: the policy loss's four terms when computed already (bypass mode's, `corrected_actor_loss`).
 
     Returns:
         The loss (0-dim, carrying the gradient of `log_prob` and `entropy`) and its terms for the metrics, named as
-        ``actor/<name>``: ``entropy``, ``kl_loss``, ``kl_coef`` where they apply, then ``pg_loss``,
+        ``actor/<name>``: ``entropy``, ``kl_loss``, ``kl_coef``, ``distill_loss`` where they apply, then ``pg_loss``,
         ``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower``.
     """
     mask = batch["response_mask"]
@@ -107,6 +112,12 @@ def actor_loss(
         kl_loss = agg_loss(kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type), mask, config.loss_agg_mode)
         loss = loss + config.kl_loss_coef * kl_loss
         terms.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
+    if teacher is not None:
+        distill = distillation_loss(
+            log_prob, batch["teacher_log_prob"], mask, teacher.kl_loss_type, config.loss_agg_mode
+        )
+        loss = loss + teacher.kl_coef * distill
+        terms["distill_loss"] = distill
     terms.update(pg_loss=pg_loss, pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
     return loss, terms
 
@@ -120,6 +131,7 @@ def corrected_actor_loss(
     entropy: torch.Tensor | None = None,
     is_factor: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
+    teacher: TeacherConfig | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | float], dict[str, torch.Tensor]]:
     """`actor_loss` with ``algorithm.rollout_correction`` applied to one micro-batch, as both training engines run
     it (`hybridflow.engine.algorithms.rollout_correction`):
@@ -131,6 +143,8 @@ def corrected_actor_loss(
       rejection already applied to ``response_mask`` before the advantages;
     - `correction` None: `actor_loss` as it is.
 
+    `teacher`: the distillation loss's (``teacher.use_as: loss``), added by `actor_loss`.
+
     Args:
         old_log_prob: float [b, T], the proximal policy's (the batch's ``old_log_probs``, or on-policy this
             forward's, detached); unused in bypass mode.
@@ -140,20 +154,20 @@ def corrected_actor_loss(
         (loss, `actor_loss`'s terms, the correction's stats named without the ``rollout_corr/`` prefix).
     """
     if correction is None:
-        return (*actor_loss(config, old_log_prob, log_prob, batch, entropy), {})
+        return (*actor_loss(config, old_log_prob, log_prob, batch, entropy, teacher=teacher), {})
     rollout_log_prob = batch["rollout_log_probs"]
     if correction.bypass_mode:
         pg, stats = bypass_policy_loss(
             config, correction, log_prob, rollout_log_prob, batch["advantages"], batch["response_mask"], group
         )
-        return (*actor_loss(config, rollout_log_prob, log_prob, batch, entropy, pg=pg), stats)
+        return (*actor_loss(config, rollout_log_prob, log_prob, batch, entropy, pg=pg, teacher=teacher), stats)
     is_weights, stats = None, {}
     if correction.rollout_is is not None:
         level, threshold = correction.rollout_is, correction.rollout_is_threshold
         is_weights, stats = rollout_is_weights(old_log_prob, rollout_log_prob, batch["response_mask"], level, threshold)
         if is_factor is not None:
             is_weights, stats["rollout_is_batch_norm_factor"] = is_weights / is_factor, is_factor
-    return (*actor_loss(config, old_log_prob, log_prob, batch, entropy, is_weights), stats)
+    return (*actor_loss(config, old_log_prob, log_prob, batch, entropy, is_weights, teacher=teacher), stats)
 
 
 def batch_is_factor(
@@ -203,8 +217,10 @@ class Actor:
         compute_dtype: torch.dtype | None = None,
         lora=None,
         rollout_correction: RolloutCorrectionConfig | None = None,
+        teacher: TeacherConfig | None = None,
     ):
         self.model = model
+        self.teacher = teacher  # teacher.use_as: loss (the distillation loss in every micro-batch's), else None
         self.correction = rollout_correction if rollout_correction and rollout_correction.enabled() else None
         self.lora = lora  # the LoRA adapter injected into `model` (`hybridflow.engine.backends.lora`), or None
         self.config = config
@@ -254,6 +270,7 @@ class Actor:
 
         Args:
             data: needs the keys in `UPDATE_KEYS` (and ``ref_log_prob`` [B, T] when ``actor.use_kl_loss``,
+                ``teacher_log_prob`` [B, T] with the distillation loss,
                 ``rollout_log_probs`` [B, T] with the rollout correction on). Without ``old_log_probs`` the update is
                 on-policy (HybridFlowConfig.skips_old_log_prob): one optimizer step, whose ratio's denominator is its
                 own forward's log-probs, detached; in bypass mode (``algorithm.rollout_correction.bypass_mode``) the
@@ -261,7 +278,8 @@ class Actor:
 
         Returns:
             metrics averaged over micro-batches: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
-            ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss`` (if used), ``rollout_corr/*`` (with the
+            ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss``, ``actor/distill_loss`` (if used),
+            ``rollout_corr/*`` (with the
             rollout correction: `corrected_actor_loss`'s statistics), and per optimizer step ``actor/grad_norm``,
             ``actor/lr``; on-policy also the old_log_prob stage's token means (`_micro_step`).
 
@@ -275,6 +293,7 @@ class Actor:
         on_policy = "old_log_probs" not in data.keys and not bypass
         keys = [k for k in UPDATE_KEYS if k != "old_log_probs" or ("old_log_probs" in data.keys and not bypass)]
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
+        keys += ["teacher_log_prob"] if self.teacher is not None else []
         if self.correction is not None and "rollout_log_probs" not in data.keys:
             raise KeyError(
                 "algorithm.rollout_correction needs the rollout engine's log-probs (rollout_log_probs), which this "
@@ -351,6 +370,7 @@ class Actor:
             entropy if calculate_entropy else None,
             is_factor,
             self.dp_group,
+            self.teacher,
         )
         (loss * loss_scale).backward()
         log.add(**terms)
@@ -358,26 +378,36 @@ class Actor:
 
 
 class RefPolicy:
-    """The frozen reference policy: log-probs only, for the KL term.
+    """A frozen policy that only scores: the reference (log-probs for the KL term) or the distillation teacher.
 
     Args:
-        model: a copy of the initial policy (never updated; may be stored in bf16, ``load_model(trainable=False)``).
-        micro_batch_size: sequences per forward (``ref.log_prob_micro_batch_size``).
+        model: a copy of the initial policy, or the teacher (never updated; may be stored in bf16,
+            ``load_model(trainable=False)``).
+        micro_batch_size: sequences per forward (``ref.log_prob_micro_batch_size``,
+            ``teacher.log_prob_micro_batch_size``).
         compute_dtype: dtype of the forwards, as for `Actor` (pass the actor's, so both see the same numerics).
         share_prompts: compute a repeated prompt once (`hybridflow.engine.packing.pack_rows`).
+        column: the name of the log-probs it returns (``ref_log_prob``, the teacher's ``teacher_log_prob``).
     """
 
     def __init__(
-        self, model, micro_batch_size: int, compute_dtype: torch.dtype | None = None, share_prompts: bool = True
+        self,
+        model,
+        micro_batch_size: int,
+        compute_dtype: torch.dtype | None = None,
+        share_prompts: bool = True,
+        column: str = "ref_log_prob",
     ):
         self.model = model.eval().requires_grad_(False)
         self.micro_batch_size = micro_batch_size
         self.compute_dtype = compute_dtype
         self.share_prompts = share_prompts
+        self.column = column
 
     @torch.no_grad()
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """Returns DataProto with ``ref_log_prob`` float32 [B, T] (logits divided by the rollout temperature)."""
+        """Returns DataProto with `column` (``ref_log_prob``) float32 [B, T] of each response token (logits divided by
+        the rollout temperature)."""
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
         log_probs, _ = compute_log_probs(
             self.model,
@@ -387,4 +417,4 @@ class RefPolicy:
             compute_dtype=self.compute_dtype,
             share_prompts=self.share_prompts,
         )
-        return DataProto.from_dict({"ref_log_prob": log_probs})
+        return DataProto.from_dict({self.column: log_probs})

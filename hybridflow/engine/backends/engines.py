@@ -231,6 +231,7 @@ class HFBackend(TrainingBackend):
             compute_dtype=compute_dtype,
             lora=lora,
             rollout_correction=cfg.algorithm.rollout_correction,
+            teacher=cfg.teacher if cfg.distills_in_loss() else None,
         )
         return actor, GatheredWeights(policy, lora) if self.sharded else ModelWeights(policy, lora)
 

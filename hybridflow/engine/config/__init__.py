@@ -43,6 +43,7 @@ from hybridflow.engine.config.sections import (
     RewardModelConfig,
     RolloutConfig,
     RolloutCorrectionConfig,
+    TeacherConfig,
 )
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "RewardModelConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
+    "TeacherConfig",
     "apply_overrides",
     "load_config",
     "resume_config",

@@ -1,6 +1,6 @@
 """The config's sections (pydantic models): ``model``, ``data``, ``rollout``, ``actor``, ``ref``, ``critic``,
-``algorithm``, ``reward``, ``reward_model``, ``trainer``, ``placement``; each checks its own keys and names the
-registered choices (`hybridflow.engine.extensions`, the estimator and loss registries)."""
+``teacher``, ``algorithm``, ``reward``, ``reward_model``, ``trainer``, ``placement``; each checks its own keys and
+names the registered choices (`hybridflow.engine.extensions`, the estimator and loss registries)."""
 
 from __future__ import annotations
 
@@ -424,6 +424,54 @@ class RefConfig(_Section):
     """The frozen reference policy (log-probs for the KL term)."""
 
     log_prob_micro_batch_size: int = Field(16, gt=0)
+
+
+class TeacherConfig(_Section):
+    """On-policy distillation's teacher (the ``teacher`` role): a frozen model scoring every token the actor
+    samples, and how its per-token reverse KL, KL(actor || teacher) estimated on the sampled tokens, trains the
+    actor (Agarwal et al. 2024, GKD, eq. 2 at lambda = 1, beta = 1; Thinking Machines' on-policy distillation):
+
+    - ``use_as: reward``: a dense reward. Each response token's advantage becomes ``task_coef`` x the estimator's
+      advantage + ``kl_coef`` x (log pi_teacher - log pi_actor) of that token, the actor's log-probs the old
+      policy's (the old_log_prob stage's), as Tinker's cookbook and slime's ``--use-opd`` add it;
+    - ``use_as: loss``: a loss. The actor's loss adds ``kl_coef`` x the ``kl_loss_type`` estimate of the per-token
+      KL to the teacher (the actor's ``loss_agg_mode`` aggregate), with the gradient of the actor's log-probs, as
+      ``actor.use_kl_loss`` does against ref; the advantages are ``task_coef`` x the estimator's. The default k2's
+      gradient on the actor's own samples is the reverse KL's; k3's is the forward KL's (Tang and Munos 2025).
+
+    ``task_coef: 0`` trains on the teacher alone (pure distillation); the task reward is still computed (the
+    ``val/`` scores and the metrics). The teacher's tokenizer must be the actor's (checked before any work)."""
+
+    model_path: str | None = Field(
+        None, description="the teacher's folder or hub name (resolved as model.path); None: no teacher"
+    )
+    log_prob_micro_batch_size: int = Field(16, gt=0, description="sequences per teacher forward")
+    use_as: Literal["reward", "loss"] = Field("reward", description="the KL as a dense per-token reward, or a loss")
+    kl_coef: float = Field(1.0, gt=0.0, description="the weight of the per-token reverse KL")
+    kl_loss_type: KLType = Field(
+        "k2",
+        description="use_as: loss: the per-token estimator (actor.kl_loss_type's names); k2's gradient on the actor's "
+        "samples is the reverse KL's, k3's (low_var_kl) the forward KL(teacher || actor)'s",
+    )
+    task_coef: float = Field(1.0, ge=0.0, description="the weight of the task reward's advantages; 0: the teacher's")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run distils from a teacher (``model_path`` set)."""
+        return self.model_path is not None
+
+    @model_validator(mode="after")
+    def _path_for_settings(self) -> TeacherConfig:
+        """Settings of a teacher (other than their defaults, as a recorded config holds them) without its folder
+        would silently train without one: refused."""
+        fields = type(self).model_fields
+        settings = [k for k in fields if k != "model_path" and getattr(self, k) != fields[k].default]
+        if self.model_path is None and settings:
+            raise ValueError(
+                f"teacher.{', teacher.'.join(settings)} set without teacher.model_path: give the teacher's folder "
+                "(-o teacher.model_path=DIR, e.g. a checkpoint's actor/ folder), or remove the teacher's settings"
+            )
+        return self
 
 
 class CriticConfig(_Section):
@@ -856,8 +904,9 @@ class SlurmConfig(_Section):
     )
 
 
-ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
-"""The roles of an RLHF run: the models (actor, its rollout, the frozen ref, critic, reward model) and ``reward``, the
+ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model", "teacher")
+"""The roles of an RLHF run: the models (actor, its rollout, the frozen ref, critic, reward model, the distillation
+teacher) and ``reward``, the
 score function (a CPU function; it lives with the rollout unless a pool names it)."""
 
 

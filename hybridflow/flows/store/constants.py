@@ -19,7 +19,7 @@ flow ``hybridflow-rm``), ``sft`` a policy by supervised fine-tuning (``hf sft tr
 ``dpo`` a policy on preference pairs (``hf dpo train``, flow ``hybridflow-dpo``)."""
 RUN_STATUSES = ("pending", "running", "completed", "failed", "interrupted")
 FINAL_STATUSES = ("completed", "failed", "interrupted")
-ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model")
+ROLES = ("actor", "rollout", "ref", "critic", "reward", "reward_model", "teacher")
 EXECUTORS = ("local", "slurm")
 SAMPLE_KINDS = ("train", "val")
 LEASE_TTL_S = 60.0

@@ -1,0 +1,86 @@
+"""On-policy distillation: the student (the actor) samples, a frozen teacher scores each sampled token, and the
+student is trained on the per-token reverse KL, KL(student || teacher), estimated on its own tokens (Agarwal et al.
+2024, "On-Policy Distillation of Language Models" (GKD), eq. 2 with lambda = 1 and the reverse KL; Lu and Thinking
+Machines 2025, "On-Policy Distillation": the negative per-token reverse KL as each token's advantage).
+
+The two ways the KL trains (``teacher.use_as``):
+
+- `distilled_advantages` (``reward``): each response token's advantage becomes
+  ``task_coef * A_t - kl_coef * (log pi_old(y_t) - log pi_teacher(y_t))``: the k1 estimate of the reverse KL of the
+  token the student sampled, as a dense reward of that token only (no discounting across tokens, no normalisation),
+  added after the estimator's advantages as slime's ``--use-opd`` and Tinker's cookbook add it. Its policy-gradient
+  expectation is the gradient of the sequence's reverse KL (GKD, section 3).
+- `distillation_loss` (``loss``): ``kl_coef`` x the ``kl_loss_type`` estimate of the per-token KL to the teacher,
+  aggregated as the policy loss is, with the gradient of the student's log-probs: the way ``actor.use_kl_loss`` keeps
+  the actor near ref, pointed at the teacher. On the student's own samples the gradient of k2,
+  ``(log p - log q)^2 / 2``, is in expectation the reverse KL's, hence the default; k3's (``low_var_kl``) is the
+  forward KL(teacher || student)'s (Tang and Munos 2025, "On a few pitfalls in KL divergence gradient estimation
+  for RL", section 4).
+
+Shapes: B sequences, T padded response tokens; masks [B, T], 1 on real response tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.engine.algorithms.kl import kl_penalty
+from hybridflow.engine.torch_ops import agg_loss, check_same_shape, masked_mean, masked_values
+
+
+def reverse_kl_tokens(log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The k1 estimate of each sampled token's reverse KL: ``log pi_student(y_t) - log pi_teacher(y_t)``, float32
+    [B, T], 0 off the mask. Its mean over the student's own samples is KL(student || teacher) per token."""
+    check_same_shape(log_probs=log_probs, teacher_log_probs=teacher_log_probs, mask=mask)
+    return masked_values(log_probs.float() - teacher_log_probs.float(), mask)[0]
+
+
+def distilled_advantages(
+    advantages: torch.Tensor,
+    log_probs: torch.Tensor,
+    teacher_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    task_coef: float,
+) -> torch.Tensor:
+    """``task_coef * advantages - kl_coef * reverse_kl_tokens(...)``, float32 [B, T], 0 off the mask (the dense
+    reward of ``teacher.use_as: reward``).
+
+    Args:
+        advantages: float [B, T], the advantage estimator's (of the task reward).
+        log_probs: float [B, T], the student's log-probs of its sampled tokens under the policy that sampled them
+            (the old_log_prob stage's ``old_log_probs``; in bypass mode the rollout engine's).
+        teacher_log_probs: float [B, T], the teacher's of the same tokens (``teacher_log_prob``).
+        mask: [B, T], 1 on response tokens.
+        kl_coef, task_coef: ``teacher.kl_coef``, ``teacher.task_coef``.
+    """
+    kl = reverse_kl_tokens(log_probs, teacher_log_probs, mask)
+    return masked_values(task_coef * advantages.float() - kl_coef * kl, mask)[0]
+
+
+def distillation_loss(
+    log_prob: torch.Tensor,
+    teacher_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    kl_loss_type: str,
+    loss_agg_mode: str,
+) -> torch.Tensor:
+    """The per-token KL to the teacher as a loss (``teacher.use_as: loss``): `kl_penalty` of the student's
+    log-probs `log_prob` [B, T] (carrying the gradient) against the teacher's [B, T], estimator `kl_loss_type`
+    (``teacher.kl_loss_type``), reduced by `agg_loss` with ``actor.loss_agg_mode``. Returns a 0-dim tensor; the
+    caller weighs it by ``teacher.kl_coef``."""
+    return agg_loss(kl_penalty(log_prob, teacher_log_prob, kl_loss_type), mask, loss_agg_mode)
+
+
+def distillation_metrics(
+    log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """``distill/reverse_kl``: the mean k1 reverse KL per response token (nats; the student's samples);
+    ``distill/teacher_log_prob``: the teacher's mean log-prob of the student's tokens (higher: the teacher would
+    have said it too); ``distill/seq_reverse_kl``: the mean over sequences of their summed per-token KL (nats)."""
+    kl = reverse_kl_tokens(log_probs, teacher_log_probs, mask)
+    return {
+        "distill/reverse_kl": float(masked_mean(kl, mask)),
+        "distill/teacher_log_prob": float(masked_mean(teacher_log_probs.float(), mask)),
+        "distill/seq_reverse_kl": float(kl.sum(-1).mean()),
+    }

@@ -1,0 +1,190 @@
+"""On-policy distillation (``teacher``, issue 56): the per-token reverse KL and its two uses checked against an
+independent full-vocabulary computation; the single-process trainer distilling a trained tiny teacher into the tiny
+student (the exact KL to the teacher on fixed sequences falls) and resuming exactly; the Prefect flow with the
+teacher in a pool of its own and the KL as a loss; a teacher of another tokenizer refused before any work."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_runs import metrics_by_step, resumed_runs, tiny_run_config
+
+from hybridflow.engine.algorithms.distillation import (
+    distillation_loss,
+    distillation_metrics,
+    distilled_advantages,
+    reverse_kl_tokens,
+)
+from hybridflow.engine.config import ConfigError, load_config
+from hybridflow.engine.models import load_model
+from hybridflow.engine.trainer import SingleProcessTrainer
+
+VOLATILE = ("timing_s/", "perf/")
+PURE = ["teacher.task_coef=0", "actor.optim.lr=1e-2", "actor.ppo_mini_batch_size=4", "rollout.temperature=1.0"]
+TEACHER = ["actor.optim.lr=1e-2", "trainer.total_iterations=6", "actor.ppo_mini_batch_size=4"]
+
+
+def trained_teacher(student_dir: Path, root: Path) -> Path:
+    """A teacher of the student's tokenizer that knows something the student does not: the tiny model after 6
+    iterations of GRPO on the tiny runs' reward (lr 1e-2), saved under `root` with the tokenizer."""
+    trainer = SingleProcessTrainer(tiny_run_config(root, student_dir, "grpo", TEACHER))
+    trainer.fit(log=lambda r: None)
+    folder = root / "teacher"
+    trainer.actor.model.save_pretrained(folder)
+    trainer.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def exact_reverse_kl(student, teacher, batch) -> float:
+    """KL(student || teacher) per response token from the full next-token distributions of both models on the
+    batch's sequences (no sampling): the figure distillation lowers, computed apart from the code under test."""
+    with torch.no_grad():
+        ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+        t = batch.batch["responses"].shape[1]
+        s = torch.log_softmax(student(input_ids=ids, attention_mask=mask).logits[:, -t - 1 : -1].float(), -1)
+        q = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits[:, -t - 1 : -1].float(), -1)
+        kl = (s.exp() * (s - q)).sum(-1)
+        response = batch.batch["response_mask"].float()
+        return float((kl * response).sum() / response.sum())
+
+
+# ---------------------------------------------------------------------------------------------------- the loss
+
+
+def test_the_reverse_kl_and_its_uses_match_an_independent_computation():
+    """On hand values: the dense reward is task_coef x A - kl_coef x (log p - log q), 0 off the mask. Over a small
+    vocabulary: the k1 and k3 estimates on the student's own samples average to the exact KL(p || q); the
+    policy-gradient surrogate with the dense reward as each token's advantage has, in expectation over the student's
+    tokens (enumerated, not sampled), the gradient of -KL(p || q) (GKD, section 3); as a loss, k2's gradient in
+    expectation is that of KL(p || q) too (the default), while k3's is the forward KL(q || p)'s (Tang and Munos 2025,
+    "On a few pitfalls in KL divergence gradient estimation for RL")."""
+    adv = torch.tensor([[1.0, 1.0, 7.0]])
+    lp, lq = torch.tensor([[-1.0, -2.0, 5.0]]), torch.tensor([[-0.5, -3.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    out = distilled_advantages(adv, lp, lq, mask, kl_coef=2.0, task_coef=0.5)
+    assert out.tolist() == [[1.5, -1.5, 0.0]]
+    assert reverse_kl_tokens(lp, lq, mask).tolist() == [[-0.5, 1.0, 0.0]]
+    metrics = distillation_metrics(lp, lq, mask)
+    assert metrics["distill/reverse_kl"] == pytest.approx(0.25) and metrics["distill/seq_reverse_kl"] == 0.5
+    assert metrics["distill/teacher_log_prob"] == pytest.approx(-1.75)
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, generator=generator, requires_grad=True)
+    teacher = torch.randn(7, generator=generator) * 2
+    q = torch.log_softmax(teacher, -1)
+
+    def student():  # log p, a fresh graph for each gradient
+        return torch.log_softmax(logits, -1)
+
+    def grad(value: torch.Tensor) -> torch.Tensor:
+        return torch.autograd.grad(value, logits)[0]
+
+    p = student().detach()
+    exact = float((p.exp() * (p - q)).sum())
+    n = 400_000
+    tokens = torch.multinomial(p.exp(), n, replacement=True, generator=generator)
+    ones = torch.ones(1, n)
+    k1 = float(reverse_kl_tokens(p[tokens][None], q[tokens][None], ones).mean())
+    k3 = float(distillation_loss(p[tokens][None], q[tokens][None], ones, "low_var_kl", "token-mean"))
+    assert k1 == pytest.approx(exact, abs=0.02) and k3 == pytest.approx(exact, abs=0.02)
+
+    reverse = grad((student().exp() * (student() - q)).sum())  # d KL(p || q)
+    forward = grad((q.exp() * (q - student())).sum())  # d KL(q || p)
+    reward = distilled_advantages(torch.zeros(1, 7), p[None], q[None], torch.ones(1, 7), 1.0, 0.0)[0]
+    # E_y~p[A(y) d log p(y)], each token once weighted by its probability (enumerated, not sampled), A held fixed
+    assert torch.allclose(grad((p.exp() * reward * student()).sum()), -reverse, atol=1e-6)
+    weights = p.exp()[None]  # as the mask, with token-sum: the expectation over the student's tokens
+    k2_loss = distillation_loss(student()[None], q[None], weights, "k2", "token-sum")
+    assert torch.allclose(grad(k2_loss), reverse, atol=1e-6)  # teacher.kl_loss_type's default: the reverse KL's
+    k3_loss = distillation_loss(student()[None], q[None], weights, "k3", "token-sum")
+    assert torch.allclose(grad(k3_loss), forward, atol=1e-6)  # k3 as a loss: the forward KL's (Tang & Munos 2025)
+
+
+def test_teacher_settings_are_checked_before_any_work(tmp_path, tiny_model_dir):
+    """A teacher of another tokenizer (the embedded SmolLM2's) stops hf run's checks naming teacher.model_path; the
+    loss on megatron, and hf plan with a teacher, are refused naming the key and the fix."""
+    from hybridflow.flows.preflight import InputError, check_run_inputs
+
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["teacher.model_path=smollm2"])
+    assert cfg.roles()[-1] == "teacher" and not cfg.skips_old_log_prob()
+    with pytest.raises(InputError, match=r"teacher.model_path: the teacher's tokenizer is not the actor's"):
+        check_run_inputs(cfg)
+    with pytest.raises(ConfigError, match=r"teacher.use_as=loss .* actor.strategy=megatron"):
+        tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["teacher.model_path=x", "teacher.use_as=loss",
+                                                           "actor.strategy=megatron"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"teacher.use_as: Input should be 'reward' or 'loss'"):
+        load_config(None, [f"model.path={tiny_model_dir}", "data.train_files=x.parquet", "teacher.use_as=both"])
+
+
+# ---------------------------------------------------------------------------------------------------- one process
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """Pure distillation (the dense reward alone) from the trained teacher: 4 iterations uninterrupted (saved at 2
+    and 4), and 2 iterations then a resumed trainer for iterations 3 and 4."""
+    teacher = trained_teacher(tiny_model_dir, tmp_path_factory.mktemp("teacher"))
+    roots = tmp_path_factory.mktemp("distil_a"), tmp_path_factory.mktemp("distil_b")
+    extra = [*PURE, f"teacher.model_path={teacher}", "trainer.save_freq=2"]
+    a, records_a, _, records_b2 = resumed_runs(roots, tiny_model_dir, extra, total=4, cut=2)
+    return SimpleNamespace(a=a, records_a=records_a, b2=records_b2, teacher=teacher)
+
+
+def test_distillation_moves_the_student_toward_the_teacher(runs, tiny_model_dir):
+    """The exact per-token KL(student || teacher) on fixed sampled sequences is lower after 4 iterations of the
+    dense reward alone than at the start; the teacher role is the teacher's model, not the student's; each
+    iteration reports distill/reverse_kl, and the task reward did not train (task_coef 0: every advantage is the
+    teacher's)."""
+    from hybridflow.engine.data import collate_prompts
+
+    trainer = runs.a
+    prompts = collate_prompts([trainer.train_dataset[i] for i in range(4)], trainer.tokenizer)
+    prompts.meta_info["global_steps"] = 1
+    batch = trainer.rollout.generate_sequences(prompts, n=2)
+    teacher = load_model(runs.teacher, torch.float32, "cpu")
+    student0 = load_model(tiny_model_dir, torch.float32, "cpu")
+    before, after = exact_reverse_kl(student0, teacher, batch), exact_reverse_kl(trainer.actor.model, teacher, batch)
+    assert after < 0.5 * before, (before, after)  # measured: 0.44 -> 0.06 at 8 iterations
+    assert trainer.worker.teacher.column == "teacher_log_prob"
+    assert torch.equal(trainer.worker.teacher.model.model.norm.weight, teacher.model.norm.weight)
+    trained = [r for r in runs.records_a if "actor/pg_loss" in r]
+    assert len(trained) == 4 and all("distill/teacher_log_prob" in r for r in trained)
+    for record in trained:  # every advantage is the teacher's dense reward: their token mean is minus the KL's
+        assert record["critic/advantages/mean"] == pytest.approx(-record["distill/reverse_kl"], abs=1e-5)
+
+
+def test_a_distillation_run_resumes_exactly(runs):
+    """Iterations 3 and 4 of the resumed run equal the uninterrupted run's, metric for metric (timings aside)."""
+    assert len(runs.b2) == 2
+    for a, b in zip(runs.records_a[-2:], runs.b2, strict=True):
+        keep = sorted(k for k in a if not k.startswith(VOLATILE))
+        assert {k: a[k] for k in keep} == {k: b[k] for k in keep}
+
+
+# ---------------------------------------------------------------------------------------------------- the flow
+
+
+def test_the_teacher_in_a_pool_of_its_own_trains_the_actor_by_its_loss(prefect_api, tmp_path, tiny_model_dir):
+    """The Prefect flow with the teacher in a pool of its own and the KL as the actor's loss (combined with the task
+    reward): the run completes, the placement records the teacher's pool, the distillation loss is in every
+    update's metrics and positive (k3 >= 0; the models differ), the advantages are the task's alone (reward/score
+    trains, distill/* reported from the old log-probs)."""
+    from hybridflow.flows.rlhf import rlhf_flow
+    from hybridflow.flows.store.run_store import RunStore
+
+    teacher = trained_teacher(tiny_model_dir, tmp_path)
+    pools = "{actor_rollout_ref: {roles: [actor, rollout, reward]}, teacher: {roles: [teacher]}}"
+    extra = [f"teacher.model_path={teacher}", "teacher.use_as=loss", "teacher.kl_coef=0.5", f"placement.pools={pools}"]
+    extra += ["trainer.total_iterations=2", "trainer.num_threads=1", "actor.recompute_log_prob=true"]
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
+    store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
+    run_id = store.create_run(cfg.model_dump(mode="json"), "distil")
+    rlhf_flow(run_id=run_id, db_url=store.url)
+    assert store.get_run(run_id).status == "completed"
+    placed = {p.role: p.group_name for p in store.placements(run_id)}
+    assert placed["teacher"] == "teacher" and placed["actor"] == "actor_rollout_ref"
+    metrics = metrics_by_step(store, run_id)
+    for step in (1, 2):
+        assert metrics[step]["actor/distill_loss"] > 0 and metrics[step]["distill/reverse_kl"] != 0
+        assert "timing_s/teacher" in metrics[step]

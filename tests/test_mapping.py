@@ -43,6 +43,7 @@ def _ppo(*extra: str):
         (["algorithm.adv_estimator=grpo"], ["actor", "ref"], 2),
         ([], ["actor", "critic", "ref"], 5),
         (["reward_model.enable=true", "reward_model.path=x"], ["actor", "critic", "ref", "reward_model"], 15),
+        (["teacher.model_path=x"], ["actor", "critic", "ref", "teacher"], 15),  # on-policy distillation's teacher
     ],
 )
 def test_placements_are_the_bell_number_of_the_models_with_actor_and_rollout_together(extra, models, bell):
@@ -460,6 +461,26 @@ def test_a_lora_actor_pays_for_its_adapter_and_its_reference_for_nothing():
     result = Planner(models, lora, A100, nodes=4, gpus_per_node=8, space="all").search()
     assert result.placements == 2  # {actor, ref, critic} and {actor, ref} + {critic}
     assert all("ref" in c.placement[0] for c in result.candidates)
+
+
+def test_a_teacher_is_a_forward_only_model_of_its_own_shape_whose_stage_overlaps_the_other_scorers():
+    """The distillation teacher holds its whole weights (a copy per rank, as ref) and runs one forward stage,
+    ``teacher``, priced as ref's on its own shape; apart from the actor, it runs beside the old log-probs."""
+    from hybridflow.flows.placement.dataflow import iteration_stages, simulate
+
+    small, big, ddp = PRESETS["llama-7b"], PRESETS["llama-13b"], Strategy("ddp", dp=8)
+    teacher = estimate("teacher", big, ddp, PAPER, A100, 8)
+    assert teacher.static_bytes == pytest.approx(big.params() * A100.dtype_bytes)
+    assert set(teacher.stage_s) == {"teacher"}
+    assert teacher.stage_s["teacher"] > estimate("ref", small, ddp, PAPER, A100, 8).stage_s["ref"]
+    stages = iteration_stages({"actor", "teacher"})
+    assert [s.name for s in stages] == ["gen", "old_log_prob", "teacher", "adv", "update_actor"]
+    seconds = {"gen": 3.0, "old_log_prob": 1.0, "teacher": 2.0, "adv": 0.0, "update_actor": 1.0}
+    apart, _ = simulate(stages, {"actor": 0, "teacher": 1}, seconds)
+    together, _ = simulate(stages, {"actor": 0, "teacher": 0}, seconds)
+    assert (apart, together) == (6.0, 7.0)
+    cfg = _ppo("teacher.model_path=x", "algorithm.adv_estimator=grpo", "actor.use_kl_loss=false")
+    assert list(run_models(cfg, "llama-7b")) == ["actor", "teacher"]
 
 
 def test_colocated_models_leave_the_rollout_less_kv_cache_so_it_decodes_fewer_sequences_at_once():

@@ -96,7 +96,8 @@ def run_models(cfg, preset: str | None = None) -> dict[str, ModelShape]:
     """The models of a run config (`HybridFlowConfig`) the planner places: the actor (with its rollout) and ref
     from ``model.path``, the critic from ``critic.model_path`` (else ``model.path``), the reward model from
     ``reward_model.path`` (or, with only Safe-RLHF's cost model, ``reward_model.cost_path``: `Workload.scorers`
-    counts both); only those the run uses. `preset` replaces every model's shape (e.g. ``llama-7b``).
+    counts both), the distillation teacher from ``teacher.model_path``; only those the run uses. `preset` replaces
+    every model's shape (e.g. ``llama-7b``).
 
     Raises:
         KeyError: `preset` is not a preset name (the message lists them)."""
@@ -106,7 +107,8 @@ def run_models(cfg, preset: str | None = None) -> dict[str, ModelShape]:
     paths = {"actor": cfg.model.path, "ref": cfg.model.path, "critic": cfg.critic.model_path or cfg.model.path}
     rm = cfg.reward_model
     paths["reward_model"] = rm.path if rm.enable else rm.cost_path
-    wanted = ["actor"] + [m for m in ("critic", "ref", "reward_model") if m in roles]
+    paths["teacher"] = cfg.teacher.model_path
+    wanted = ["actor"] + [m for m in ("critic", "ref", "reward_model", "teacher") if m in roles]
     shapes: dict[str, ModelShape] = {}
     for model in wanted:
         source = preset or paths[model]

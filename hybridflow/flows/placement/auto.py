@@ -60,14 +60,9 @@ def plan_config(
     Raises:
         PlanError: nothing fits (the message names the memory needed and available per device).
         KeyError, FileNotFoundError, ValueError: an unknown preset, a missing model folder, a config without
-            decoder dimensions, a teacher (not planned yet)."""
+            decoder dimensions."""
     from hybridflow.engine.config import ConfigError, validate_config
 
-    if cfg.teacher.enabled:  # the cost model has no teacher's stage yet
-        raise ValueError(
-            "hf plan and placement.auto do not place on-policy distillation's teacher (teacher.model_path) yet: "
-            "write placement.pools with teacher in one pool's roles (the actor's, or one of its own)"
-        )
     models = run_models(cfg, preset)
     planner = Planner(
         models, Workload.from_config(cfg, prompt_length), hardware, nodes, gpus_per_node, space,

@@ -20,7 +20,7 @@ from hybridflow.flows.placement.cost import Strategy, Workload
 from hybridflow.flows.placement.hardware import HardwareProfile
 from hybridflow.flows.placement.planner import MODELS, Candidate, Planner
 
-MODEL_STAGES = ("update_actor", "update_critic", "old_log_prob", "ref", "values", "rm_score", "gen")
+MODEL_STAGES = ("update_actor", "update_critic", "old_log_prob", "ref", "teacher", "values", "rm_score", "gen")
 """The stages a model runs (``timing_s/<name>``): the ones calibration fits and the benchmark compares."""
 
 

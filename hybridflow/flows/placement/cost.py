@@ -223,12 +223,13 @@ def estimate(
     hw: HardwareProfile,
     gpus_per_node: int,
 ) -> ModelCost:
-    """Seconds per stage and bytes per device of `role`'s model (``actor``, ``critic``, ``ref``, ``reward_model``)
+    """Seconds per stage and bytes per device of `role`'s model (``actor``, ``critic``, ``ref``, ``reward_model``,
+    ``teacher``)
     with `strategy` on ``strategy.devices`` devices of nodes with `gpus_per_node` devices each. The ddp and fsdp
     passes of the actor, critic and ref compute packed rows (`Workload.packed_groups`: the mean lengths, a prompt
     once per micro-batch for its samples); megatron and the reward model compute every sequence padded to the
     longest prompt and response. Activation and logit memory is sized for the longest."""
-    head = "lm" if role in ("actor", "ref") else "value"
+    head = "lm" if role in ("actor", "ref", "teacher") else "value"
     w = hw.dtype_bytes
     params = shape.params(head)
     s, t, p, d = strategy, strategy.tp, strategy.pp, strategy.dp
@@ -325,7 +326,7 @@ def estimate(
     else:
         # LoRA's reference is the actor's model with the adapter off: no weights of its own (it shares the pool)
         static = 0.0 if role == "ref" and workload.lora_rank > 0 else params * w / model_shards
-        stage = "ref" if role == "ref" else "rm_score"
+        stage = {"ref": "ref", "teacher": "teacher"}.get(role, "rm_score")  # forward-only models
         stage_s[stage] = forward_s(workload.infer_micro_batch)
         gathered = params * w * (1 - 1 / d) if s.kind == "fsdp" else 0.0  # fsdp scores with whole weights
         transient[stage] = logits_bytes(workload.infer_micro_batch) + gathered

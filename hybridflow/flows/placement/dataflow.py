@@ -19,7 +19,7 @@ class Stage:
 
 def iteration_stages(models: set[str] | frozenset[str], greedy: bool = False) -> list[Stage]:
     """The stages of one iteration of a run with `models` (``actor`` always; ``critic``, ``ref``,
-    ``reward_model`` when the run has them), in the flow's order (`hybridflow.flows.rlhf._iteration`); with
+    ``reward_model``, ``teacher`` when the run has them), in the flow's order (`hybridflow.flows.rlhf._iteration`); with
     `greedy`, ReMax's greedy generation ``gen_max`` after ``gen`` on the actor's pool."""
     scoring = [
         Stage(name, model, ("gen",))
@@ -27,6 +27,7 @@ def iteration_stages(models: set[str] | frozenset[str], greedy: bool = False) ->
             ("rm_score", "reward_model"),
             ("old_log_prob", "actor"),
             ("ref", "ref"),
+            ("teacher", "teacher"),
             ("values", "critic"),
         )
         if model in models

@@ -23,7 +23,7 @@ from hybridflow.flows.placement.cost import ModelCost, Strategy, Workload, estim
 from hybridflow.flows.placement.dataflow import iteration_stages, simulate
 from hybridflow.flows.placement.hardware import GB, HardwareProfile
 
-MODELS = ("actor", "critic", "ref", "reward_model")
+MODELS = ("actor", "critic", "ref", "reward_model", "teacher")
 StrategySpace = Literal["runtime", "all"]
 Objective = Literal["latency", "throughput-per-gpu"]
 OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
@@ -33,6 +33,7 @@ TOLERANCE = 0.05  # plans within this fraction of the fastest count as equally f
 # the reward model ddp or fsdp. "all" is the paper's space: every model in any 3D layout.
 RUNTIME_KINDS = {"actor": ("ddp", "fsdp", "megatron"), "critic": ("ddp", "fsdp"), "ref": ("ddp",)}
 RUNTIME_KINDS["reward_model"] = ("ddp", "fsdp")
+RUNTIME_KINDS["teacher"] = ("ddp",)  # a whole copy per rank, as ref
 PER_MODEL = 4  # fastest strategies per model tried in a colocated set (plus its smallest)
 
 
@@ -403,7 +404,7 @@ class Planner:
         ]
         for role, shape in self.models.items():
             alone = self.smallest_peak((role,), self.total)
-            params = shape.params("lm" if role in ("actor", "ref") else "value") / 1e9
+            params = shape.params("lm" if role in ("actor", "ref", "teacher") else "value") / 1e9
             lines.append(
                 f"  {role} ({shape.name}, {params:.2f} B parameters) alone: {alone / GB:.1f} GB per device "
                 f"on {self.total} devices"

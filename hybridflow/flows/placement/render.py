@@ -17,6 +17,7 @@ from hybridflow.flows.placement.planner import Candidate, PlanResult, Rejected
 KEPT = 100  # candidates a stored plan keeps (fastest first; the count of all is stored beside them)
 
 ROLES_OF = {"actor": ("actor", "rollout"), "critic": ("critic",), "ref": ("ref",), "reward_model": ("reward_model",)}
+ROLES_OF["teacher"] = ("teacher",)
 REPLACED = ("colocate", "critic_nodes", "critic_tasks_per_node", "nodes", "tasks_per_node", "auto")  # pools carry these
 
 

@@ -79,8 +79,6 @@ def test_a_pairs_response_tokens_follow_its_prompts_and_only_they_are_scored(tin
 
 def test_dpo_configs_refuse_what_they_do_not_carry(tmp_path):
     train = _jsonl(tmp_path / "train.jsonl", _pairs(8, seed=0))
-    with pytest.raises(ConfigError, match="LoRA DPO is not carried yet"):
-        load_config(None, [f"data.train_files={train}", "model.lora_rank=8"], DPOTrainingConfig)
     with pytest.raises(ConfigError, match="dpo.loss_type"):
         load_config(None, [f"data.train_files={train}", "dpo.loss_type=kto"], DPOTrainingConfig)
 
@@ -147,3 +145,53 @@ def test_hf_dpo_train_raises_held_out_accuracy_and_resumes_exactly(prefect_api, 
         for name in ("train/loss", "train/rewards/margins", "train/grad_norm"):
             assert metrics[step][name] == pytest.approx(reference[step][name], rel=1e-5, abs=1e-7), (step, name)
     assert metrics[16]["val/rewards/accuracies"] == pytest.approx(reference[16]["val/rewards/accuracies"])
+
+
+def test_lora_dpo_trains_the_adapter_alone_against_the_base_model_and_resumes_exactly(
+    prefect_api, tmp_path, tiny_model_dir
+):
+    """``model.lora_rank=8``: the reference is the policy with its adapter disabled (no second model: at step 0 the
+    loss is log 2 exactly), only the adapter trains (the placement's trainable parameters; every base weight of the
+    result unchanged), the held-out accuracy rises, the result is the adapter in PEFT's layout, and a run resumed
+    after its first epoch trains its second as the uninterrupted 2-epoch run does, step for step."""
+    from peft import PeftModel
+    from test_lora import _adapter_bytes
+
+    from hybridflow.engine.backends.lora import ADAPTER_WEIGHTS
+    from hybridflow.engine.models import load_model
+    from hybridflow.flows.dpo import dpo_flow
+
+    lora = ["model.lora_rank=8", "model.lora_alpha=16", "optim.lr=1e-2"]
+    runs = {}
+    for name, epochs in (("whole", 2), ("cut", 1)):
+        (tmp_path / name).mkdir()
+        cfg = _config(tmp_path / name, tiny_model_dir, *lora, f"trainer.total_epochs={epochs}")
+        store = RunStore(f"sqlite:///{tmp_path / name / 'runs.db'}")
+        run_id = store.create_run(cfg.model_dump(mode="json"), "dpo-lora", kind="dpo")
+        dpo_flow(run_id=run_id, db_url=store.url)
+        runs[name] = (cfg, store, run_id)
+    cfg, store, run_id = runs["cut"]
+    metrics = metrics_by_step(store, run_id)
+    assert metrics[0]["val/loss"] == pytest.approx(math.log(2), rel=1e-6)  # the adapter starts as the identity
+    assert metrics[8]["val/rewards/accuracies"] >= 0.9, metrics[8]
+    [placed] = store.placements(run_id)
+    base = load_model(tiny_model_dir, torch.float32, "cpu")
+    adapter = _adapter_bytes(base, 8) // 4  # fp32 elements of a rank-8 adapter on every decoder linear layer
+    assert placed.parallel["trainable_params"] == adapter
+    assert placed.parallel["params"] == sum(p.numel() for p in base.parameters()) + adapter
+    folder = Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / run_id / "model"
+    assert (folder / ADAPTER_WEIGHTS).is_file() and not (folder / "model.safetensors").exists()
+    trained = PeftModel.from_pretrained(load_model(tiny_model_dir, torch.float32, "cpu"), str(folder))
+    names = {k: k.replace("base_model.model.", "").replace(".base_layer", "") for k in trained.state_dict()}
+    weights = {names[k]: v for k, v in trained.state_dict().items()}
+    assert all(torch.equal(weights[name], tensor) for name, tensor in base.state_dict().items())
+
+    cfg, store, run_id = runs["cut"]  # the second epoch, resumed from the first's checkpoint
+    resumed = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"total_epochs": 2})})
+    store.update_config(run_id, resumed.model_dump(mode="json"))
+    dpo_flow(run_id=run_id, db_url=store.url)
+    whole = metrics_by_step(runs["whole"][1], runs["whole"][2])
+    metrics = metrics_by_step(store, run_id)
+    for step in range(9, 17):
+        for name in ("train/loss", "train/rewards/margins", "train/grad_norm"):
+            assert metrics[step][name] == pytest.approx(whole[step][name], rel=1e-5, abs=1e-7), (step, name)

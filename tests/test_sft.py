@@ -130,6 +130,19 @@ def test_conversation_files_and_config_errors(tmp_path):
         load_config(None, ["data.val_fraction=0.1"], SFTTrainingConfig)
 
 
+def hf_sft_train(prefect_api: str, tmp_path: Path, cfg: SFTTrainingConfig):
+    """``hf sft train`` of `cfg` written to a file, into a store under `tmp_path`; asserts that it succeeded.
+    Returns (the process, the store's URL, the store, the run's record)."""
+    config_file = tmp_path / "sft.yaml"
+    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    trained = hf_cli(prefect_api, "sft", "train", str(config_file), "--db", db)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    store = RunStore(db)
+    [run] = store.list_runs()
+    return trained, db, store, run
+
+
 def test_hf_sft_train_lowers_the_held_out_loss_and_resumes_exactly(prefect_api, tmp_path, tiny_model_dir):
     from hybridflow.flows.sft import sft_flow
 
@@ -141,13 +154,7 @@ def test_hf_sft_train_lowers_the_held_out_loss_and_resumes_exactly(prefect_api, 
     reference = metrics_by_step(reference_store, reference_id)
 
     cfg = sft_config(tmp_path, tiny_model_dir, "trainer.total_epochs=1")
-    config_file = tmp_path / "sft.yaml"
-    config_file.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    db = f"sqlite:///{tmp_path / 'runs.db'}"
-    trained = hf_cli(prefect_api, "sft", "train", str(config_file), "--db", db)
-    assert trained.returncode == 0, trained.stdout + trained.stderr
-    store = RunStore(db)
-    [run] = store.list_runs()
+    trained, db, store, run = hf_sft_train(prefect_api, tmp_path, cfg)
     assert run.kind == "sft" and run.status == "completed"
     metrics = metrics_by_step(store, run.id)
     steps = max(metrics)  # one epoch of whole batches of 8 demonstrations (about 60 of them)
@@ -176,3 +183,26 @@ def test_hf_sft_train_lowers_the_held_out_loss_and_resumes_exactly(prefect_api, 
     assert any(
         not torch.equal(a, b) for a, b in zip(model.state_dict().values(), initial.state_dict().values(), strict=True)
     )
+
+
+def test_lora_sft_trains_an_adapter_that_an_rl_run_starts_from(prefect_api, tmp_path, tiny_model_dir):
+    """``hf sft train -o model.lora_rank=8``: the held-out loss falls with only the adapter trained, the result is the
+    adapter in PEFT's layout, and the command prints the overrides an RL run starts from it with; an RL config with
+    them loads the adapter onto the base model."""
+    from hybridflow.engine.backends.lora import ADAPTER_WEIGHTS, LoraAdapter
+    from hybridflow.engine.models import load_model
+
+    cfg = sft_config(tmp_path, tiny_model_dir, "trainer.total_epochs=1", "model.lora_rank=8", "optim.lr=1e-2")
+    trained, db, store, run = hf_sft_train(prefect_api, tmp_path, cfg)
+    metrics = metrics_by_step(store, run.id)
+    assert metrics[max(metrics)]["val/loss"] < metrics[0]["val/loss"] - 0.2, metrics
+    [placed] = store.placements(run.id)
+    assert 0 < placed.parallel["trainable_params"] < placed.parallel["params"]
+    folder = (Path(cfg.trainer.output_dir) / cfg.trainer.experiment_name / run.id / "model").resolve()
+    assert (folder / ADAPTER_WEIGHTS).is_file() and not (folder / "model.safetensors").exists()
+    printed = " ".join(trained.stdout.split())
+    assert f"-o model.lora_rank=8 -o model.lora_adapter_path={folder}" in printed, printed[-2000:]
+    start = load_config(None, [f"model.path={tiny_model_dir}", "model.lora_rank=8", f"model.lora_adapter_path={folder}",
+                               "data.train_files=x.parquet"])  # fmt: skip
+    adapter = LoraAdapter(load_model(tiny_model_dir, torch.float32, "cpu"), start.model)
+    assert adapter.trainable_parameters() == placed.parallel["trainable_params"]

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from hybridflow.cli.common import DbOption, ExecutorOption, OverrideOption, PrefectOption, console
-from hybridflow.cli.training import check_inputs, checked_config, start_workers_early, train_new
+from hybridflow.cli.training import check_inputs, checked_config, print_policy, start_workers_early, train_new
 
 sft_app = typer.Typer(help="Supervised fine-tuning: train a policy on conversations.", no_args_is_help=True)
 
@@ -33,4 +33,4 @@ def sft_train(
     sets = conversation_sets(cfg)
     console.print(f"{len(sets.train)} training and {len(sets.val)} held-out conversations {sets.counts}")
     folder = train_new(cfg, "sft", "model", db, prefect_api, "SFT run")
-    console.print(f"model: {folder} (start an RL run from it with -o model.path={folder})")
+    print_policy(cfg, folder, "model")

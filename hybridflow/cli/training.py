@@ -179,6 +179,19 @@ def _recorded(store, run_id: str) -> bool:
     return True
 
 
+def print_policy(cfg, folder: Path, what: str) -> None:
+    """Print the trained policy's folder of an ``hf sft train`` / ``hf dpo train`` run (`what`: its name) and the
+    overrides an RL run starts from it with: ``model.path`` (with ``model.lora_rank`` > 0 the folder is the adapter,
+    on ``model.path``'s model: ``model.lora_adapter_path``)."""
+    if cfg.model.lora:
+        start = f"-o model.path={cfg.model.path} -o model.lora_rank={cfg.model.lora_rank}"
+        console.print(
+            f"{what} adapter: {folder} (start an RL run from it with {start} -o model.lora_adapter_path={folder})"
+        )
+    else:
+        console.print(f"{what}: {folder} (start an RL run from it with -o model.path={folder})")
+
+
 def train_new(cfg, kind: str, result: str, db: str | None, prefect_api: str | None, what: str) -> Path:
     """Record a new run of `kind` with `cfg` (checked) and train it (`train`); returns its result folder."""
     store = _store(db)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from hybridflow.engine.config.run import EpochTrainerConfig, PreferenceDataConfig, _OneGroupRun
 from hybridflow.engine.config.sections import ModelConfig, OptimConfig, PlacementConfig, _Section
@@ -43,11 +43,3 @@ class DPOTrainingConfig(_OneGroupRun):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-6))
     trainer: DPOTrainerConfig = Field(default_factory=DPOTrainerConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
-
-    @model_validator(mode="after")
-    def _every_weight(self) -> DPOTrainingConfig:
-        if self.model.lora:
-            raise ValueError(
-                "hf dpo train trains every weight of the policy (model.lora_rank=0); LoRA DPO is not carried yet"
-            )
-        return self

@@ -1,12 +1,13 @@
 """DPO on the ranks of a worker group (worker class of ``hf dpo train``).
 
-Each rank holds the policy (fp32 weights, ``model.dtype`` compute, trained) and the frozen reference (the same
-folder, or ``dpo.ref_model_path``; eval mode, no gradient). A step's pairs are split evenly over the ranks; each
-rank computes, micro-batch by micro-batch, the log-probability of every chosen and rejected response under both
-models (one forward of 2m sequences each), the per-pair loss (`hybridflow.engine.dpo.loss.dpo_loss`) and
-backpropagates ``mean loss x pairs_in_micro_batch / pairs_on_rank``; DDP's gradient average over the ranks gives the
-gradient of the whole step's mean loss. AdamW with the ``optim`` section's warm-up and clipping (the actor's
-optimizer).
+Each rank holds the policy (fp32 weights, ``model.dtype`` compute, trained; with ``model.lora_rank`` > 0 a PEFT
+adapter on it, the only weights trained) and the frozen reference (the same folder, or ``dpo.ref_model_path``; eval
+mode, no gradient; with LoRA and no ``dpo.ref_model_path``, the policy with its adapter disabled). A step's pairs
+are split evenly over the ranks; each rank computes, micro-batch by micro-batch, the log-probability of every chosen
+and rejected response under both models (one forward of 2m sequences each), the per-pair loss
+(`hybridflow.engine.dpo.loss.dpo_loss`) and backpropagates ``mean loss x pairs_in_micro_batch / pairs_on_rank``;
+DDP's gradient average over the ranks gives the gradient of the whole step's mean loss. AdamW with the ``optim``
+section's warm-up and clipping (the actor's optimizer).
 
 This module never imports Prefect or submitit; ``hybridflow.flows.dpo`` drives it.
 """
@@ -54,18 +55,22 @@ class DPOTrainer(PolicyRank):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
-        """Load the policy (trainable) and the reference (frozen) from their folders, wrap the policy for data
-        parallelism, build the optimizer. Returns the policy's parameter count."""
+        """Load the policy (trainable; with LoRA its adapter only) and the reference (frozen: its folder, or with LoRA
+        and no ``dpo.ref_model_path`` the policy with its adapter disabled, no second copy), wrap the policy for data
+        parallelism, build the optimizer. Returns the parameter counts (`PolicyRank._parameter_counts`)."""
         cfg = self.config
         device = self._load_policy()
         compute = pick_dtype(cfg.model.dtype, device)
-        reference_path = resolve_model_path(cfg.dpo.ref_model_path or cfg.model.path)
-        reference = load_model(reference_path, torch.float32, device, trainable=False)
-        self.reference = _SequenceLogProbs(reference.eval().requires_grad_(False), compute)
         self.policy = _SequenceLogProbs(self.model, compute)
+        if self.lora is not None and cfg.dpo.ref_model_path is None:  # the base model, exactly, as in RL
+            self.reference = None
+        else:
+            reference_path = resolve_model_path(cfg.dpo.ref_model_path or cfg.model.path)
+            reference = load_model(reference_path, torch.float32, device, trainable=False)
+            self.reference = _SequenceLogProbs(reference.eval().requires_grad_(False), compute)
         self.train_module, _ = data_parallel(self.policy, "ddp")
         self.optimizer, self.lr_scheduler = build_optimizer(self.model, cfg.optim)
-        return {"actor_params": sum(p.numel() for p in self.model.parameters())}
+        return self._parameter_counts()
 
     def _log_probs(self, module: torch.nn.Module, micro: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen and rejected responses' log-probabilities [m] under `module` (sums; per-token means for
@@ -83,7 +88,11 @@ class DPOTrainer(PolicyRank):
     def _pair_losses(self, micro: DataProto, module: torch.nn.Module):
         dpo = self.config.dpo
         with torch.no_grad():
-            ref_chosen, ref_rejected = self._log_probs(self.reference, micro)
+            if self.reference is None:  # LoRA: the policy with its adapter off
+                with self.lora.disabled():
+                    ref_chosen, ref_rejected = self._log_probs(self.policy, micro)
+            else:
+                ref_chosen, ref_rejected = self._log_probs(self.reference, micro)
         chosen, rejected = self._log_probs(module, micro)
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss_type, dpo.label_smoothing)
         return out, chosen.detach(), rejected.detach()

@@ -57,7 +57,7 @@ class SFTTrainer(PolicyRank):
         self.nll = _TokenNLL(self.model, pick_dtype(self.config.model.dtype, device))
         self.train_module, _ = data_parallel(self.nll, "ddp")
         self.optimizer, self.lr_scheduler = build_optimizer(self.model, self.config.optim)
-        return {"actor_params": sum(p.numel() for p in self.model.parameters())}
+        return self._parameter_counts()
 
     def _micro_tensors(self, micro: DataProto) -> tuple[torch.Tensor, ...]:
         device = next(self.model.parameters()).device

@@ -102,17 +102,25 @@ def test_the_reverse_kl_and_its_uses_match_an_independent_computation():
 
 
 def test_teacher_settings_are_checked_before_any_work(tmp_path, tiny_model_dir):
-    """A teacher of another tokenizer (the embedded SmolLM2's) stops hf run's checks naming teacher.model_path; the
-    loss on megatron, and hf plan with a teacher, are refused naming the key and the fix."""
+    """A teacher of another tokenizer (the embedded SmolLM2's), or a dead symbolic link, stops hf run's checks naming
+    teacher.model_path; the loss on megatron, teacher settings without the teacher and an unknown use are refused
+    naming the key and the fix."""
     from hybridflow.flows.preflight import InputError, check_run_inputs
 
     cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["teacher.model_path=smollm2"])
     assert cfg.roles()[-1] == "teacher" and not cfg.skips_old_log_prob()
     with pytest.raises(InputError, match=r"teacher.model_path: the teacher's tokenizer is not the actor's"):
         check_run_inputs(cfg)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "teacher").symlink_to(Path("links") / "elsewhere")  # read from links/: a dead link
+    dead = tiny_run_config(tmp_path, tiny_model_dir, "grpo", [f"teacher.model_path={tmp_path / 'links' / 'teacher'}"])
+    with pytest.raises(InputError, match=r"teacher.model_path: .* is a symbolic link to links/elsewhere, which does"):
+        check_run_inputs(dead)
     with pytest.raises(ConfigError, match=r"teacher.use_as=loss .* actor.strategy=megatron"):
         tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["teacher.model_path=x", "teacher.use_as=loss",
                                                            "actor.strategy=megatron"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"teacher.task_coef set without teacher.model_path"):
+        tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["teacher.task_coef=0"])
     with pytest.raises(ConfigError, match=r"teacher.use_as: Input should be 'reward' or 'loss'"):
         load_config(None, [f"model.path={tiny_model_dir}", "data.train_files=x.parquet", "teacher.use_as=both"])
 

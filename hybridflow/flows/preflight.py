@@ -275,6 +275,11 @@ def model_folder(key: str, value: str) -> Path:
         InputError: for a hub id, a missing or unprepared model, or a folder without a usable tokenizer.
     """
     folder = Path(value).expanduser()
+    if folder.is_symlink() and not folder.exists():  # a relative link resolves from the link's own folder
+        raise InputError(
+            f"{key}: {value} is a symbolic link to {folder.readlink()}, which does not exist (a relative target is "
+            f"read from {folder.parent}/): link it to an absolute path, or set {key} to the folder itself"
+        )
     if value not in EMBEDDED_MODELS and not folder.exists() and _HUB_ID.match(value):
         raise InputError(
             f"{key}: {value!r} looks like a model hub id, and there is no model hub here: download it elsewhere "

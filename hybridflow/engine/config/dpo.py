@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from hybridflow.engine.config.run import EpochTrainerConfig, PreferenceDataConfig, _OneGroupRun
-from hybridflow.engine.config.sections import ModelConfig, OptimConfig, PlacementConfig, _Section
+from hybridflow.engine.config.sections import OptimConfig, PlacementConfig, PolicyModelConfig, _Section
 
 
 class DPOConfig(_Section):
@@ -37,7 +37,7 @@ class DPOTrainingConfig(_OneGroupRun):
 
     COMMAND: ClassVar[str] = "hf dpo train"
     ROWS: ClassVar[str] = "pairs"
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: PolicyModelConfig = Field(default_factory=PolicyModelConfig)
     data: PreferenceDataConfig
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-6))

@@ -18,6 +18,7 @@ from hybridflow.engine.config.sections import (
     ModelConfig,
     OptimConfig,
     PlacementConfig,
+    PolicyModelConfig,
     Pool,
     RefConfig,
     RewardConfig,
@@ -743,7 +744,7 @@ class SFTTrainingConfig(_OneGroupRun):
 
     COMMAND: ClassVar[str] = "hf sft train"
     ROWS: ClassVar[str] = "conversations"
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: PolicyModelConfig = Field(default_factory=PolicyModelConfig)
     data: SFTDataConfig
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5))
     trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)

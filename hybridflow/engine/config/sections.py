@@ -97,6 +97,17 @@ def _adapter_rank(folder: Path) -> tuple[int, float]:
         ) from None
 
 
+class PolicyModelConfig(ModelConfig):
+    """The policy that ``hf sft train`` and ``hf dpo train`` train: `ModelConfig` and how the group's ranks hold it
+    (verl's SFT trainer's ``model.strategy``)."""
+
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: a whole replica on every rank; fsdp: weights, gradients and Adam states sharded over the "
+        "ranks (FSDP2, ZeRO-3: 1/N of ddp's memory each), gathered one decoder layer at a time",
+    )
+
+
 class ReasoningGymConfig(_Section):
     """Prompts from a reasoning-gym generator: train and held-out validation items from one seeded set."""
 

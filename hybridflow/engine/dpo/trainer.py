@@ -6,8 +6,9 @@ mode, no gradient; with LoRA and no ``dpo.ref_model_path``, the policy with its 
 are split evenly over the ranks; each rank computes, micro-batch by micro-batch, the log-probability of every chosen
 and rejected response under both models (one forward of 2m sequences each), the per-pair loss
 (`hybridflow.engine.dpo.loss.dpo_loss`) and backpropagates ``mean loss x pairs_in_micro_batch / pairs_on_rank``;
-DDP's gradient average over the ranks gives the gradient of the whole step's mean loss. AdamW with the ``optim``
-section's warm-up and clipping (the actor's optimizer).
+the gradient average over the ranks (``model.strategy``: DDP's all-reduce, or FSDP's reduce-scatter into each rank's
+shard) gives the gradient of the whole step's mean loss. AdamW with the ``optim`` section's warm-up and clipping
+(the actor's optimizer). The reference is a whole frozen copy on every rank, as an RL run's ref.
 
 This module never imports Prefect or submitit; ``hybridflow.flows.dpo`` drives it.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.engine.backends.training import build_optimizer, data_parallel, optimizer_step, sync_gradients
+from hybridflow.engine.backends.training import build_optimizer, optimizer_step
 from hybridflow.engine.config.dpo import DPOTrainingConfig
 from hybridflow.engine.dpo.loss import dpo_loss, reward_metrics, sequence_log_probs
 from hybridflow.engine.dpo.pairs import SIDES
@@ -56,8 +57,9 @@ class DPOTrainer(PolicyRank):
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
         """Load the policy (trainable; with LoRA its adapter only) and the reference (frozen: its folder, or with LoRA
-        and no ``dpo.ref_model_path`` the policy with its adapter disabled, no second copy), wrap the policy for data
-        parallelism, build the optimizer. Returns the parameter counts (`PolicyRank._parameter_counts`)."""
+        and no ``dpo.ref_model_path`` the policy with its adapter disabled, no second copy), wrap or shard the policy
+        over the ranks (``model.strategy``), build the optimizer. Returns the parameter counts
+        (`PolicyRank._parameter_counts`)."""
         cfg = self.config
         device = self._load_policy()
         compute = pick_dtype(cfg.model.dtype, device)
@@ -68,7 +70,7 @@ class DPOTrainer(PolicyRank):
             reference_path = resolve_model_path(cfg.dpo.ref_model_path or cfg.model.path)
             reference = load_model(reference_path, torch.float32, device, trainable=False)
             self.reference = _SequenceLogProbs(reference.eval().requires_grad_(False), compute)
-        self.train_module, _ = data_parallel(self.policy, "ddp")
+        self._data_parallel(self.policy)
         self.optimizer, self.lr_scheduler = build_optimizer(self.model, cfg.optim)
         return self._parameter_counts()
 
@@ -113,7 +115,7 @@ class DPOTrainer(PolicyRank):
         micros = data.split(self.config.data.micro_batch_size)
         for i, micro in enumerate(micros):
             share = len(micro) / len(data)
-            with sync_gradients(self.train_module, i == len(micros) - 1):
+            with self._gradient_sync(i == len(micros) - 1):
                 out, chosen, rejected = self._pair_losses(micro, self.train_module)
                 loss = out.losses.mean()
                 (loss * share).backward()
@@ -140,10 +142,11 @@ class DPOTrainer(PolicyRank):
         the policy's own preference (before training: the base model's)."""
         self.model.eval()
         parts = []
-        try:  # the unwrapped policy: evaluation runs no collective
-            for micro in data.split(self.config.data.micro_batch_size):
-                out, chosen, rejected = self._pair_losses(micro, self.policy)
-                parts.append((out.losses, out.chosen_rewards, out.rejected_rewards, chosen, rejected))
+        try:  # the unwrapped (or gathered) policy: evaluation runs no collective
+            with self._whole_policy():
+                for micro in data.split(self.config.data.micro_batch_size):
+                    out, chosen, rejected = self._pair_losses(micro, self.policy)
+                    parts.append((out.losses, out.chosen_rewards, out.rejected_rewards, chosen, rejected))
         finally:
             self.model.train()
         keys = ("loss", "chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")

@@ -3,7 +3,8 @@
 The loss is the token-mean cross-entropy of the tokens whose ``loss_mask`` is 1 (the assistant turns), over the
 whole step's tokens: each micro-batch's mean is weighted by its share of the step's tokens, counted over every rank
 (`hybridflow.engine.backends.training.micro_batch_weights`), so every token weighs the same however the step is
-split. AdamW with the ``optim`` section's warm-up and clipping (the actor's optimizer); ``ddp`` over the ranks.
+split. AdamW with the ``optim`` section's warm-up and clipping (the actor's optimizer); ``model.strategy`` ddp
+(replicas) or fsdp (shards) over the ranks.
 
 This module never imports Prefect or submitit; ``hybridflow.flows.sft`` drives it.
 """
@@ -14,13 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.engine.backends.training import (
-    build_optimizer,
-    data_parallel,
-    micro_batch_weights,
-    optimizer_step,
-    sync_gradients,
-)
+from hybridflow.engine.backends.training import build_optimizer, micro_batch_weights, optimizer_step
 from hybridflow.engine.config import SFTTrainingConfig
 from hybridflow.engine.models import autocast, pick_dtype
 from hybridflow.engine.policy_rank import PolicyRank
@@ -51,11 +46,11 @@ class SFTTrainer(PolicyRank):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
-        """Load ``model.path`` (fp32 weights, ``model.dtype`` compute), wrap it for data parallelism, build the
-        optimizer. Returns its parameter count."""
+        """Load ``model.path`` (fp32 weights, ``model.dtype`` compute), wrap or shard it over the ranks
+        (``model.strategy``), build the optimizer. Returns its parameter count."""
         device = self._load_policy()
         self.nll = _TokenNLL(self.model, pick_dtype(self.config.model.dtype, device))
-        self.train_module, _ = data_parallel(self.nll, "ddp")
+        self._data_parallel(self.nll)
         self.optimizer, self.lr_scheduler = build_optimizer(self.model, self.config.optim)
         return self._parameter_counts()
 
@@ -81,7 +76,7 @@ class SFTTrainer(PolicyRank):
         for i, (micro, weight) in enumerate(zip(micros, weights, strict=True)):
             input_ids, attention_mask, loss_mask = self._micro_tensors(micro)
             count = float(loss_mask[:, 1:].sum())
-            with sync_gradients(self.train_module, i == len(micros) - 1):
+            with self._gradient_sync(i == len(micros) - 1):
                 nll = self.train_module(input_ids, attention_mask, loss_mask)
                 (nll.sum() / max(count, 1.0) * weight).backward()
             total, tokens = total + float(nll.detach().sum()), tokens + count
@@ -100,11 +95,12 @@ class SFTTrainer(PolicyRank):
         count (eval mode, no gradient), for the held-out token-mean loss."""
         self.model.eval()
         sums, counts = [], []
-        try:  # the unwrapped module: evaluation runs no collective
-            for micro in data.split(self.config.data.micro_batch_size):
-                input_ids, attention_mask, loss_mask = self._micro_tensors(micro)
-                sums.append(self.nll(input_ids, attention_mask, loss_mask).sum(-1).cpu())
-                counts.append(loss_mask[:, 1:].sum(-1).float().cpu())
+        try:  # the unwrapped (or gathered) module: evaluation runs no collective
+            with self._whole_policy():
+                for micro in data.split(self.config.data.micro_batch_size):
+                    input_ids, attention_mask, loss_mask = self._micro_tensors(micro)
+                    sums.append(self.nll(input_ids, attention_mask, loss_mask).sum(-1).cpu())
+                    counts.append(loss_mask[:, 1:].sum(-1).float().cpu())
         finally:
             self.model.train()
         return DataProto.from_dict({"nll_sum": torch.cat(sums), "tokens": torch.cat(counts)})

@@ -97,11 +97,11 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
     """
     _check_trackers(cfg.trainer)
     _check_dtype(cfg)
-    model_folder("model.path", cfg.model.path)
+    _, tokenizer = model_tokenizer("model.path", cfg.model.path)
     if cfg.critic.model_path:
         model_folder("critic.model_path", cfg.critic.model_path)
     if cfg.teacher.enabled:
-        _check_teacher(cfg)
+        _check_teacher(cfg, tokenizer)
     rm = cfg.reward_model
     classifier = rm.path if rm.enable and not rm.judge.enable else None
     scorers = {"reward_model.path": classifier, "reward_model.cost_path": rm.cost_path}
@@ -248,15 +248,14 @@ def _check_trackers(trainer: Any) -> None:
         _check_mlflow_server(mlflow_tracking_uri(trainer.mlflow_tracking_uri, trainer.output_dir))
 
 
-def _check_teacher(cfg: HybridFlowConfig) -> None:
-    """The teacher scores the actor's tokens by their ids: its tokenizer must be the actor's (the same vocabulary,
-    token for id, and the same end-of-sequence token).
+def _check_teacher(cfg: HybridFlowConfig, student: Any) -> None:
+    """The teacher scores the actor's tokens by their ids: its tokenizer must be the actor's, `student` (the same
+    vocabulary, token for id, and the same end-of-sequence token).
 
     Raises:
         InputError: the teacher's folder cannot be used, or its tokenizer is another one (the first token that
             differs named)."""
-    student = load_tokenizer(model_folder("model.path", cfg.model.path))
-    teacher = load_tokenizer(model_folder("teacher.model_path", cfg.teacher.model_path))
+    _, teacher = model_tokenizer("teacher.model_path", cfg.teacher.model_path)
     ours, theirs = student.get_vocab(), teacher.get_vocab()
     if ours != theirs or student.eos_token_id != teacher.eos_token_id:
         differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])
@@ -274,6 +273,15 @@ def model_folder(key: str, value: str) -> Path:
     Raises:
         InputError: for a hub id, a missing or unprepared model, or a folder without a usable tokenizer.
     """
+    return model_tokenizer(key, value)[0]
+
+
+def model_tokenizer(key: str, value: str) -> tuple[Path, Any]:
+    """`model_folder` and the tokenizer it loaded from there to check the folder (`load_tokenizer`).
+
+    Raises:
+        InputError: as `model_folder`.
+    """
     folder = Path(value).expanduser()
     if folder.is_symlink() and not folder.exists():  # a relative link resolves from the link's own folder
         raise InputError(
@@ -288,12 +296,12 @@ def model_folder(key: str, value: str) -> Path:
         )
     try:
         folder = resolve_model_path(value)
-        load_tokenizer(folder)
+        tokenizer = load_tokenizer(folder)
     except FileNotFoundError as e:
         raise InputError(str(e).replace("model.path", key)) from None
     except (OSError, ValueError) as e:
         raise InputError(f"{key}: the folder {folder} has no tokenizer transformers can load ({e})") from None
-    return folder
+    return folder, tokenizer
 
 
 def prompt_sets(cfg: HybridFlowConfig) -> PromptSets:

@@ -170,17 +170,18 @@ def test_hf_dpo_train_under_fsdp_raises_held_out_accuracy_and_resumes_as_the_ddp
 def test_lora_dpo_trains_the_adapter_alone_against_the_base_model_and_resumes_exactly(
     prefect_api, tmp_path, tiny_model_dir
 ):
-    """``model.lora_rank=8``: the reference is the policy with its adapter disabled (no second model: at step 0 the
-    loss is log 2 exactly), only the adapter trains (the placement's trainable parameters; every base weight of the
-    result unchanged), the held-out accuracy rises, the result is the adapter in PEFT's layout, and a run resumed
-    after its first epoch trains its second as the uninterrupted 2-epoch run does, step for step."""
+    """``model.lora_rank=8`` on two fsdp ranks (the adapter sharded with the frozen base): the reference is the policy
+    with its adapter disabled (no second model: at step 0 the loss is log 2 exactly), only the adapter trains (the
+    placement's trainable parameters; every base weight of the result unchanged), the held-out accuracy rises, the
+    result is the adapter in PEFT's layout, and a run resumed after its first epoch trains its second as the
+    uninterrupted 2-epoch run does, step for step."""
     from peft import PeftModel
     from test_lora import _adapter_bytes
 
     from hybridflow.engine.backends.lora import ADAPTER_WEIGHTS
     from hybridflow.flows.dpo import dpo_flow
 
-    lora = ["model.lora_rank=8", "model.lora_alpha=16", "optim.lr=1e-2"]
+    lora = ["model.lora_rank=8", "model.lora_alpha=16", "optim.lr=1e-2", "model.strategy=fsdp"]
     runs = {}
     for name, epochs in (("whole", 2), ("cut", 1)):
         (tmp_path / name).mkdir()
@@ -194,6 +195,7 @@ def test_lora_dpo_trains_the_adapter_alone_against_the_base_model_and_resumes_ex
     assert metrics[0]["val/loss"] == pytest.approx(math.log(2), rel=1e-6)  # the adapter starts as the identity
     assert metrics[8]["val/rewards/accuracies"] >= 0.9, metrics[8]
     [placed] = store.placements(run_id)
+    assert placed.parallel["strategy"] == "fsdp"
     base = load_model(tiny_model_dir, torch.float32, "cpu")
     adapter = _adapter_bytes(base, 8) // 4  # fp32 elements of a rank-8 adapter on every decoder linear layer
     assert placed.parallel["trainable_params"] == adapter

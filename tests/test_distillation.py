@@ -1,8 +1,10 @@
-"""On-policy distillation (``teacher``, issue 56): the per-token reverse KL and its two uses checked against an
-independent full-vocabulary computation; the single-process trainer distilling a trained tiny teacher into the tiny
-student (the exact KL to the teacher on fixed sequences falls) and resuming exactly; the Prefect flow with the
-teacher in a pool of its own and the KL as a loss; a teacher of another tokenizer refused before any work."""
+"""On-policy distillation (``teacher``, issue 56): the per-token reverse KL, its two uses and the top-k KL checked
+against an independent full-vocabulary computation (on hand tensors and on the tiny models); the single-process
+trainer distilling a trained tiny teacher into the tiny student (the exact KL to the teacher on fixed sequences
+falls) and resuming exactly; the Prefect flow with the teacher in a pool of its own and the top-k KL as a loss; a
+teacher of another tokenizer refused before any work."""
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +17,7 @@ from hybridflow.engine.algorithms.distillation import (
     distillation_metrics,
     distilled_advantages,
     reverse_kl_tokens,
+    top_k_reverse_kl,
 )
 from hybridflow.engine.config import ConfigError, load_config
 from hybridflow.engine.models import load_model
@@ -101,6 +104,39 @@ def test_the_reverse_kl_and_its_uses_match_an_independent_computation():
     assert torch.allclose(grad(k3_loss), forward, atol=1e-6)  # k3 as a loss: the forward KL's (Tang & Munos 2025)
 
 
+def test_the_top_k_reverse_kl_is_the_exact_kl_of_the_merged_distributions():
+    """``teacher.top_k``: over the whole vocabulary the top-k KL is the exact KL(p || q) and its gradient the exact
+    KL's; over fewer tokens it is the KL of p and q merged onto the k tokens and the rest, computed here apart (so
+    between 0 and the full KL), and the student's mass outside the teacher's support counts."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 11, generator=generator, requires_grad=True)
+    q = torch.log_softmax(torch.randn(3, 5, 11, generator=generator) * 2, -1)
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0
+    p = torch.log_softmax(logits, -1)
+    exact = (p.exp() * (p - q)).sum(-1) * mask
+    order = q.argsort(-1, descending=True)  # the teacher's likeliest first
+    full = top_k_reverse_kl(p.gather(-1, order), q.gather(-1, order), mask)
+    assert torch.allclose(full, exact, atol=1e-5) and full[2, 3:].eq(0).all()
+    (grad_full,) = torch.autograd.grad(full.sum(), logits, retain_graph=True)
+    (grad_exact,) = torch.autograd.grad(exact.sum(), logits, retain_graph=True)
+    assert torch.allclose(grad_full, grad_exact, atol=1e-5)
+    top = order[..., :4]
+    kl = top_k_reverse_kl(p.gather(-1, top), q.gather(-1, top), mask)
+    ps, qs = p.exp().gather(-1, top), q.exp().gather(-1, top)
+    merged_p = torch.cat([ps, 1 - ps.sum(-1, keepdim=True)], -1)
+    merged_q = torch.cat([qs, 1 - qs.sum(-1, keepdim=True)], -1)
+    merged = (merged_p * (merged_p.log() - merged_q.log())).sum(-1) * mask
+    assert torch.allclose(kl, merged, atol=1e-5)
+    assert (kl >= -1e-6).all() and (kl <= exact + 1e-5).all() and (kl < exact - 1e-3).any()
+    # a student that puts its mass where the teacher's top-2 do not: paid for in the rest's bucket
+    student = torch.log(torch.tensor([[[0.05, 0.05, 0.9]]]))
+    teacher = torch.log(torch.tensor([[[0.6, 0.39, 0.01]]]))
+    paid = top_k_reverse_kl(student[..., :2], teacher[..., :2], torch.ones(1, 1))
+    by_hand = 0.05 * math.log(0.05 / 0.6) + 0.05 * math.log(0.05 / 0.39) + 0.9 * math.log(0.9 / 0.01)
+    assert float(paid) == pytest.approx(by_hand, rel=1e-5)  # 3.82 nats; over the two tokens alone: -0.23
+
+
 def test_teacher_settings_are_checked_before_any_work(tmp_path, tiny_model_dir):
     """A teacher of another tokenizer (the embedded SmolLM2's), or a dead symbolic link, stops hf run's checks naming
     teacher.model_path; the loss on megatron, teacher settings without the teacher and an unknown use are refused
@@ -119,6 +155,11 @@ def test_teacher_settings_are_checked_before_any_work(tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"teacher.use_as=loss .* actor.strategy=megatron"):
         tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["teacher.model_path=x", "teacher.use_as=loss",
                                                            "actor.strategy=megatron"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"teacher.top_k=8 needs teacher.use_as=loss"):
+        tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["teacher.model_path=x", "teacher.top_k=8"])
+    wide = [f"teacher.model_path={tiny_model_dir}", "teacher.use_as=loss", "teacher.top_k=100000"]
+    with pytest.raises(InputError, match=r"teacher.top_k=100000: the teacher's vocabulary has \d+ tokens"):
+        check_run_inputs(tiny_run_config(tmp_path, tiny_model_dir, "grpo", wide))
     with pytest.raises(ConfigError, match=r"teacher.task_coef set without teacher.model_path"):
         tiny_run_config(tmp_path, tiny_model_dir, "grpo", ["teacher.task_coef=0"])
     with pytest.raises(ConfigError, match=r"teacher.use_as: Input should be 'reward' or 'loss'"):
@@ -139,19 +180,25 @@ def runs(tmp_path_factory, tiny_model_dir):
     return SimpleNamespace(a=a, records_a=records_a, b2=records_b2, teacher=teacher)
 
 
-def test_distillation_moves_the_student_toward_the_teacher(runs, tiny_model_dir):
-    """The exact per-token KL(student || teacher) on fixed sampled sequences is lower after 4 iterations of the
-    dense reward alone than at the start; the teacher role is the teacher's model, not the student's; each
-    iteration reports distill/reverse_kl, and the task reward did not train (task_coef 0: every advantage is the
-    teacher's)."""
+def sampled(runs, student_dir: Path):
+    """Sequences the distilled student samples for 4 training prompts (2 each), the teacher and the untrained
+    student, both loaded afresh in float32."""
     from hybridflow.engine.data import collate_prompts
 
     trainer = runs.a
     prompts = collate_prompts([trainer.train_dataset[i] for i in range(4)], trainer.tokenizer)
     prompts.meta_info["global_steps"] = 1
     batch = trainer.rollout.generate_sequences(prompts, n=2)
-    teacher = load_model(runs.teacher, torch.float32, "cpu")
-    student0 = load_model(tiny_model_dir, torch.float32, "cpu")
+    return batch, load_model(runs.teacher, torch.float32, "cpu"), load_model(student_dir, torch.float32, "cpu")
+
+
+def test_distillation_moves_the_student_toward_the_teacher(runs, tiny_model_dir):
+    """The exact per-token KL(student || teacher) on fixed sampled sequences is lower after 4 iterations of the
+    dense reward alone than at the start; the teacher role is the teacher's model, not the student's; each
+    iteration reports distill/reverse_kl, and the task reward did not train (task_coef 0: every advantage is the
+    teacher's)."""
+    trainer = runs.a
+    batch, teacher, student0 = sampled(runs, tiny_model_dir)
     before, after = exact_reverse_kl(student0, teacher, batch), exact_reverse_kl(trainer.actor.model, teacher, batch)
     assert after < 0.5 * before, (before, after)  # measured: 0.44 -> 0.06 at 8 iterations
     assert trainer.worker.teacher.column == "teacher_log_prob"
@@ -160,6 +207,27 @@ def test_distillation_moves_the_student_toward_the_teacher(runs, tiny_model_dir)
     assert len(trained) == 4 and all("distill/teacher_log_prob" in r for r in trained)
     for record in trained:  # every advantage is the teacher's dense reward: their token mean is minus the KL's
         assert record["critic/advantages/mean"] == pytest.approx(-record["distill/reverse_kl"], abs=1e-5)
+
+
+def test_the_top_k_loss_on_real_models_is_their_exact_kl(runs, tiny_model_dir):
+    """The teacher stage's top-k support (``teacher.top_k``) and the actor's log-probs at it, on the tiny models and
+    sampled sequences: over the whole vocabulary the loss's per-token KL averages to the exact KL of the two
+    models' full distributions (computed apart, unpacked); over 16 tokens it is less, and more than 0."""
+    from hybridflow.engine.backends.actor import RefPolicy
+    from hybridflow.engine.models import response_token_stats
+    from hybridflow.engine.torch_ops import masked_mean
+
+    batch, teacher, student = sampled(runs, tiny_model_dir)
+    mask = batch.batch["response_mask"]
+    exact = exact_reverse_kl(student, teacher, batch)
+    kls = {}
+    for k in (teacher.config.vocab_size, 16):
+        scored = RefPolicy(teacher, 3, column="teacher_log_prob", top_k=k).compute_ref_log_prob(batch).batch
+        assert scored["teacher_top_k_ids"].shape == (*mask.shape, k)
+        ours = response_token_stats(student, batch, support=scored["teacher_top_k_ids"])["support_log_probs"]
+        kls[k] = float(masked_mean(top_k_reverse_kl(ours, scored["teacher_top_k_log_probs"], mask), mask))
+    assert kls[teacher.config.vocab_size] == pytest.approx(exact, rel=1e-4, abs=1e-6), (kls, exact)
+    assert 0 < kls[16] < exact
 
 
 def test_a_distillation_run_resumes_exactly(runs):
@@ -174,16 +242,18 @@ def test_a_distillation_run_resumes_exactly(runs):
 
 
 def test_the_teacher_in_a_pool_of_its_own_trains_the_actor_by_its_loss(prefect_api, tmp_path, tiny_model_dir):
-    """The Prefect flow with the teacher in a pool of its own and the KL as the actor's loss (combined with the task
-    reward): the run completes, the placement records the teacher's pool, the distillation loss is in every
-    update's metrics and positive (k3 >= 0; the models differ), the advantages are the task's alone (reward/score
-    trains, distill/* reported from the old log-probs)."""
+    """The Prefect flow with the teacher in a pool of its own and the KL as the actor's loss (``teacher.top_k=8``,
+    combined with the task reward): the teacher's support travels to the actor's pool, the run completes, the
+    placement records the teacher's pool, the distillation loss is in every update's metrics and positive (a KL;
+    the models differ), the advantages are the task's alone (reward/score trains, distill/* reported from the old
+    log-probs)."""
     from hybridflow.flows.rlhf import rlhf_flow
     from hybridflow.flows.store.run_store import RunStore
 
     teacher = trained_teacher(tiny_model_dir, tmp_path)
     pools = "{actor_rollout_ref: {roles: [actor, rollout, reward]}, teacher: {roles: [teacher]}}"
-    extra = [f"teacher.model_path={teacher}", "teacher.use_as=loss", "teacher.kl_coef=0.5", f"placement.pools={pools}"]
+    extra = [f"teacher.model_path={teacher}", "teacher.use_as=loss", "teacher.kl_coef=0.5", "teacher.top_k=8"]
+    extra += [f"placement.pools={pools}"]
     extra += ["trainer.total_iterations=2", "trainer.num_threads=1", "actor.recompute_log_prob=true"]
     cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")

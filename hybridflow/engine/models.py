@@ -33,7 +33,7 @@ from transformers import (
 
 from hybridflow.engine.packing import PACKED_ATTENTION, PackedRows, pack_rows
 from hybridflow.engine.protocol import DataProto
-from hybridflow.engine.torch_ops import logprobs_and_entropy, sum_pi_squared
+from hybridflow.engine.torch_ops import log_probs_at, logprobs_and_entropy, sum_pi_squared, top_k_log_probs
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -263,33 +263,49 @@ def response_log_probs(
         (log_probs float32 [b, T], entropy float32 [b, T] or None), 0 where ``response_mask`` is 0 (padding, and
         the tool tokens of agent trajectories: never computed).
     """
-    log_probs, entropy, _ = _token_stats(
+    stats = response_token_stats(
         model, micro, temperature, calculate_entropy, compute_dtype, entropy_grad, share_prompts
     )
-    return log_probs, entropy
+    return stats["log_probs"], stats.get("entropy")
 
 
-def _token_stats(
+def response_token_stats(
     model: PreTrainedModel,
     micro: DataProto,
-    temperature: float,
-    calculate_entropy: bool,
-    compute_dtype: torch.dtype | None,
-    entropy_grad: bool,
-    share_prompts: bool,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    entropy_grad: bool = True,
+    share_prompts: bool = True,
     calculate_sum_pi_squared: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`response_log_probs`' forward, and from the same logits sum_v pi(v)^2 per response token when asked
-    (`torch_ops.sum_pi_squared`, without gradient): (log_probs, entropy or None, sum_pi_squared or None) [b, T]."""
+    top_k: int = 0,
+    support: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """`response_log_probs`' one forward, and from the same logits what else is asked, each 0 off the response:
+
+    - ``log_probs`` float32 [b, T] (differentiable), ``entropy`` float32 [b, T] with `calculate_entropy`;
+    - ``sum_pi_squared`` float32 [b, T]: sum_v pi(v)^2 (`torch_ops.sum_pi_squared`, no gradient);
+    - ``top_k_ids`` int64 [b, T, k] and ``top_k_log_probs`` float32 [b, T, k] with `top_k` = k > 0: each
+      position's k likeliest tokens and their log-probs (`torch_ops.top_k_log_probs`, no gradient);
+    - ``support_log_probs`` float32 [b, T, k] with `support` (int [b, T, k] token ids, e.g. the teacher's
+      ``teacher_top_k_ids``): the log-probs at those ids (`torch_ops.log_probs_at`, differentiable).
+    """
     packed = pack_rows(micro, share_prompts)
     logits = response_logits(model, packed, temperature, compute_dtype)
     targets = micro.batch["responses"][packed.rows, packed.cols]
     log_probs, entropy = logprobs_and_entropy(logits, targets, calculate_entropy, entropy_grad)
-    squared = None
-    if calculate_sum_pi_squared:
-        with torch.no_grad():
-            squared = packed.scatter(sum_pi_squared(logits))
-    return packed.scatter(log_probs), (packed.scatter(entropy) if entropy is not None else None), squared
+    stats = {"log_probs": packed.scatter(log_probs)}
+    if entropy is not None:
+        stats["entropy"] = packed.scatter(entropy)
+    with torch.no_grad():
+        if calculate_sum_pi_squared:
+            stats["sum_pi_squared"] = packed.scatter(sum_pi_squared(logits))
+        if top_k:
+            ids, values = top_k_log_probs(logits, top_k)
+            stats.update(top_k_ids=packed.scatter(ids), top_k_log_probs=packed.scatter(values))
+    if support is not None:
+        stats["support_log_probs"] = packed.scatter(log_probs_at(logits, support[packed.rows, packed.cols]))
+    return stats
 
 
 @torch.no_grad()
@@ -323,19 +339,28 @@ def compute_token_stats(
     compute_dtype: torch.dtype | None = None,
     share_prompts: bool = True,
     calculate_sum_pi_squared: bool = False,
+    top_k: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Per-token statistics of the responses over a whole batch, one forward per micro-batch of
     `micro_batch_size` sequences: ``log_probs``, with `calculate_entropy` ``entropy``, with
     `calculate_sum_pi_squared` ``sum_pi_squared`` (sum over the vocabulary of pi^2 at each response token, the
-    optimal token baseline's input); each float32 [B, T] on the model's device, 0 off the response."""
+    optimal token baseline's input), with `top_k` = k > 0 ``top_k_ids`` int64 [B, T, k] and ``top_k_log_probs``
+    float32 [B, T, k] (`response_token_stats`); each on the model's device, 0 off the response."""
     stats: dict[str, list[torch.Tensor]] = {}
     for micro in data.split(micro_batch_size):
-        values = _token_stats(
-            model, micro, temperature, calculate_entropy, compute_dtype, False, share_prompts, calculate_sum_pi_squared
+        values = response_token_stats(
+            model,
+            micro,
+            temperature,
+            calculate_entropy,
+            compute_dtype,
+            False,
+            share_prompts,
+            calculate_sum_pi_squared,
+            top_k,
         )
-        for name, value in zip(("log_probs", "entropy", "sum_pi_squared"), values, strict=True):
-            if value is not None:
-                stats.setdefault(name, []).append(value)
+        for name, value in values.items():
+            stats.setdefault(name, []).append(value)
     return {name: torch.cat(parts) for name, parts in stats.items()}
 
 

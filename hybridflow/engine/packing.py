@@ -73,8 +73,9 @@ class PackedRows:
     shape: tuple[int, int]
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` [K] into the padded layout: float [b, T], zero where no response token is (differentiable)."""
-        out = values.new_zeros(self.shape)
+        """``values`` [K, ...] into the padded layout: [b, T, ...] of their dtype, zero where no response token is
+        (differentiable)."""
+        out = values.new_zeros((*self.shape, *values.shape[1:]))
         return out.index_put((self.rows, self.cols), values)
 
 

@@ -271,6 +271,48 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return flat.reshape(labels.shape)
 
 
+def _fp32(z: torch.Tensor) -> torch.Tensor:
+    return z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+
+
+@torch.no_grad()
+def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` likeliest tokens of each row's softmax and their log-probs, in fp32 chunks of rows as
+    `logprobs_and_entropy` (no gradient: the distillation teacher's support, ``teacher.top_k``).
+
+    Args:
+        logits: float [N, V].
+        k: tokens per row, 1 <= k <= V.
+
+    Returns:
+        (ids int64 [N, k], log_probs float32 [N, k]), likeliest first.
+    """
+    ids, values = [], []
+    for z in logits.split(_LOGPROB_CHUNK_ROWS):
+        top = torch.log_softmax(_fp32(z), dim=-1).topk(k, dim=-1)
+        ids.append(top.indices)
+        values.append(top.values)
+    return torch.cat(ids), torch.cat(values)
+
+
+def log_probs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(z)[ids]`` of each row at its own `k` token ids, differentiable, without keeping a [N, V]
+    log-softmax for backward: ``z[ids] - logsumexp(z)`` in fp32 chunks of rows.
+
+    Args:
+        logits: float [N, V].
+        ids: integer [N, k] with values in [0, V).
+
+    Returns:
+        float32 [N, k] (fp64 for fp64 logits).
+    """
+    parts = []
+    for z, at in zip(logits.split(_LOGPROB_CHUNK_ROWS), ids.long().split(_LOGPROB_CHUNK_ROWS), strict=True):
+        z = _fp32(z)
+        parts.append(z.gather(-1, at) - torch.logsumexp(z, dim=-1, keepdim=True))
+    return torch.cat(parts)
+
+
 def sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
     """sum_v pi(v)^2 of each row's softmax, exp(logsumexp(2 z) - 2 logsumexp(z)), in fp32 chunks of rows as
     `logprobs_and_entropy` (verl's ``calculate_sum_pi_squared_from_logits``; the optimal token baseline's

@@ -133,7 +133,7 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
         teacher_model = load_model(resolve_model_path(teacher.model_path), compute_dtype, device, trainable=False)
         share = cfg.actor.shares_prompts
         micro = teacher.log_prob_micro_batch_size
-        out.teacher = RefPolicy(teacher_model, micro, compute_dtype, share, column="teacher_log_prob")
+        out.teacher = RefPolicy(teacher_model, micro, compute_dtype, share, "teacher_log_prob", teacher.top_k)
     if "critic" in roles:
         backend = training_backend(cfg.critic.strategy, "critic.strategy")
         critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)
@@ -413,7 +413,8 @@ class RLHFWorker(StreamingRollout):
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
-        """``teacher_log_prob`` float32 [B, T]: each response token's log-prob under the distillation teacher."""
+        """``teacher_log_prob`` float32 [B, T]: each response token's log-prob under the distillation teacher; with
+        ``teacher.top_k`` = k also ``teacher_top_k_ids`` int64 and ``teacher_top_k_log_probs`` float32 [B, T, k]."""
         self._need("teacher")
         return self.teacher.compute_ref_log_prob(data)
 

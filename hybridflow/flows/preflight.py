@@ -254,7 +254,7 @@ def _check_teacher(cfg: HybridFlowConfig, student: Any) -> None:
 
     Raises:
         InputError: the teacher's folder cannot be used, or its tokenizer is another one (the first token that
-            differs named)."""
+            differs named), or ``teacher.top_k`` exceeds its vocabulary."""
     _, teacher = model_tokenizer("teacher.model_path", cfg.teacher.model_path)
     ours, theirs = student.get_vocab(), teacher.get_vocab()
     if ours != theirs or student.eos_token_id != teacher.eos_token_id:
@@ -264,6 +264,11 @@ def _check_teacher(cfg: HybridFlowConfig, student: Any) -> None:
             f"teacher.model_path: the teacher's tokenizer is not the actor's ({len(theirs)} tokens vs {len(ours)} "
             f"of model.path; they differ at {first}), and the teacher scores the actor's tokens by their ids: "
             "distil from a teacher of the actor's tokenizer (its family's models)"
+        )
+    if cfg.teacher.top_k > len(theirs):
+        raise InputError(
+            f"teacher.top_k={cfg.teacher.top_k}: the teacher's vocabulary has {len(theirs)} tokens, fewer than its "
+            f"top_k: set teacher.top_k to at most {len(theirs)} (tens are the usual choice)"
         )
 
 

@@ -17,7 +17,11 @@ The two ways the KL trains (``teacher.use_as``):
   forward KL(teacher || student)'s (Tang and Munos 2025, "On a few pitfalls in KL divergence gradient estimation
   for RL", section 4).
 
-Shapes: B sequences, T padded response tokens; masks [B, T], 1 on real response tokens.
+With ``teacher.top_k`` = k > 0 the loss is instead the reverse KL itself at each position, computed exactly over
+the teacher's k likeliest tokens and one bucket for the rest of the vocabulary (`top_k_reverse_kl`): no sampling
+noise, and the gradient reaches k + 1 logits per position instead of one.
+
+Shapes: B sequences, T padded response tokens, k support tokens; masks [B, T], 1 on real response tokens.
 """
 
 from __future__ import annotations
@@ -84,3 +88,34 @@ def distillation_metrics(
         "distill/teacher_log_prob": float(masked_mean(teacher_log_probs.float(), mask)),
         "distill/seq_reverse_kl": float(kl.sum(-1).mean()),
     }
+
+
+def _log_rest(log_probs: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum_k p_k) of [..., k] log-probs: the log-probability of every token outside the k, float32 [..., 1]
+    (its probability floored at 1e-30: a support that holds all the mass leaves an empty bucket, 0 in the KL)."""
+    inside = torch.logsumexp(log_probs.float(), dim=-1, keepdim=True).clamp(max=0.0)
+    return torch.log((-torch.expm1(inside)).clamp(min=1e-30))
+
+
+def top_k_reverse_kl(log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(student || teacher) at each position over the teacher's top-k tokens and one bucket for the rest:
+    ``sum_{v in S} p(v) (log p(v) - log q(v)) + p(R) (log p(R) - log q(R))``, with R the tokens outside S and
+    p(R) = 1 - sum_S p. The KL of the two distributions merged onto these k + 1 outcomes, so it is >= 0, at most the
+    full-vocabulary KL (merging outcomes never raises a KL: the data-processing inequality), equal to it when S holds
+    all the mass, and the student's mass on tokens the teacher leaves out is paid for in R (a KL over S alone, or
+    renormalised on S, would not see it).
+
+    Args:
+        log_probs: float [B, T, k], the student's log-probs of the teacher's support tokens (differentiable: the
+            actor's forward, `hybridflow.engine.models.response_token_stats` with ``support``).
+        teacher_log_probs: float [B, T, k], the teacher's (``teacher_top_k_log_probs``).
+        mask: [B, T], 1 on response tokens.
+
+    Returns:
+        float32 [B, T] in nats, 0 off the mask.
+    """
+    check_same_shape(log_probs=log_probs, teacher_log_probs=teacher_log_probs)
+    check_same_shape(log_probs=log_probs[..., 0], mask=mask)
+    p = torch.cat([log_probs.float(), _log_rest(log_probs)], dim=-1)
+    q = torch.cat([teacher_log_probs.float(), _log_rest(teacher_log_probs)], dim=-1)
+    return masked_values((p.exp() * (p - q)).sum(-1), mask)[0]

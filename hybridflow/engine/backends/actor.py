@@ -12,7 +12,7 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.algorithms.distillation import distillation_loss
+from hybridflow.engine.algorithms.distillation import distillation_loss, top_k_reverse_kl
 from hybridflow.engine.algorithms.kl import kl_penalty
 from hybridflow.engine.algorithms.losses import get_policy_loss_fn
 from hybridflow.engine.algorithms.rollout_correction import batch_mean_weight, bypass_policy_loss, rollout_is_weights
@@ -28,7 +28,7 @@ from hybridflow.engine.backends.training import (
     update_steps,
 )
 from hybridflow.engine.config import ActorConfig, RolloutCorrectionConfig, TeacherConfig
-from hybridflow.engine.models import compute_log_probs, compute_token_stats, response_log_probs
+from hybridflow.engine.models import compute_token_stats, response_token_stats
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import agg_loss
 
@@ -87,11 +87,13 @@ def actor_loss(
     ``loss_agg_mode`` aggregate), plus ``actor.kl_loss_coef`` x the KL loss to ``ref_log_prob`` when
     ``actor.use_kl_loss`` (``actor.kl_loss_type``, aggregated alike), plus ``teacher.kl_coef`` x the KL loss to
     ``teacher_log_prob`` with a `teacher` (``teacher.use_as: loss``,
-    `hybridflow.engine.algorithms.distillation.distillation_loss`).
+    `hybridflow.engine.algorithms.distillation.distillation_loss`; with ``teacher.top_k`` the exact KL over the
+    teacher's support, `hybridflow.engine.algorithms.distillation.top_k_reverse_kl`).
 
     Args:
         batch: the micro-batch's tensors (``advantages``, ``response_mask`` [b, T], ``ref_log_prob`` for the KL loss,
-            ``teacher_log_prob`` for the distillation loss).
+            ``teacher_log_prob`` for the distillation loss; with ``teacher.top_k`` ``teacher_top_k_log_probs`` and
+            ``support_log_probs`` [b, T, k], the teacher's and the policy's at the teacher's support).
         pg: the policy loss's four terms when computed already (bypass mode's, `corrected_actor_loss`).
 
     Returns:
@@ -112,7 +114,12 @@ def actor_loss(
         kl_loss = agg_loss(kl_penalty(log_prob, batch["ref_log_prob"], config.kl_loss_type), mask, config.loss_agg_mode)
         loss = loss + config.kl_loss_coef * kl_loss
         terms.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
-    if teacher is not None:
+    if teacher is not None and teacher.top_k:
+        kl = top_k_reverse_kl(batch["support_log_probs"], batch["teacher_top_k_log_probs"], mask)
+        distill = agg_loss(kl, mask, config.loss_agg_mode)
+        loss = loss + teacher.kl_coef * distill
+        terms["distill_loss"] = distill
+    elif teacher is not None:
         distill = distillation_loss(
             log_prob, batch["teacher_log_prob"], mask, teacher.kl_loss_type, config.loss_agg_mode
         )
@@ -294,6 +301,7 @@ class Actor:
         keys = [k for k in UPDATE_KEYS if k != "old_log_probs" or ("old_log_probs" in data.keys and not bypass)]
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
         keys += ["teacher_log_prob"] if self.teacher is not None else []
+        keys += ["teacher_top_k_ids", "teacher_top_k_log_probs"] if self.teacher and self.teacher.top_k else []
         if self.correction is not None and "rollout_log_probs" not in data.keys:
             raise KeyError(
                 "algorithm.rollout_correction needs the rollout engine's log-probs (rollout_log_probs), which this "
@@ -344,7 +352,8 @@ class Actor:
         batch = micro.batch
         mask = batch["response_mask"]
         calculate_entropy = cfg.entropy_coeff != 0
-        log_prob, entropy = response_log_probs(
+        top_k = self.teacher is not None and self.teacher.top_k
+        stats = response_token_stats(
             self.train_module,
             micro,
             temperature,
@@ -352,7 +361,12 @@ class Actor:
             self.compute_dtype,
             entropy_grad=calculate_entropy,
             share_prompts=cfg.shares_prompts,
+            support=batch["teacher_top_k_ids"] if top_k else None,
         )
+        log_prob, entropy = stats["log_probs"], stats.get("entropy")
+        if top_k:  # the policy at the teacher's support, for the distillation loss (`actor_loss`)
+            batch = batch.clone(recurse=False)
+            batch["support_log_probs"] = stats["support_log_probs"]
         old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
         if measured is not None:
             if not calculate_entropy:
@@ -388,6 +402,9 @@ class RefPolicy:
         compute_dtype: dtype of the forwards, as for `Actor` (pass the actor's, so both see the same numerics).
         share_prompts: compute a repeated prompt once (`hybridflow.engine.packing.pack_rows`).
         column: the name of the log-probs it returns (``ref_log_prob``, the teacher's ``teacher_log_prob``).
+        top_k: > 0 (the teacher's ``teacher.top_k``): also each position's `top_k` likeliest tokens,
+            ``<column stem>_top_k_ids`` int64 [B, T, k] and ``<column stem>_top_k_log_probs`` float32 [B, T, k]
+            (``teacher_top_k_ids``, ``teacher_top_k_log_probs``).
     """
 
     def __init__(
@@ -397,8 +414,10 @@ class RefPolicy:
         compute_dtype: torch.dtype | None = None,
         share_prompts: bool = True,
         column: str = "ref_log_prob",
+        top_k: int = 0,
     ):
         self.model = model.eval().requires_grad_(False)
+        self.top_k = top_k
         self.micro_batch_size = micro_batch_size
         self.compute_dtype = compute_dtype
         self.share_prompts = share_prompts
@@ -407,14 +426,19 @@ class RefPolicy:
     @torch.no_grad()
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Returns DataProto with `column` (``ref_log_prob``) float32 [B, T] of each response token (logits divided by
-        the rollout temperature)."""
+        the rollout temperature), and with `top_k` the support's ids and log-probs [B, T, k]."""
         temperature = data.meta_info.get("temperature", 1.0) or 1.0
-        log_probs, _ = compute_log_probs(
+        stats = compute_token_stats(
             self.model,
             data,
             self.micro_batch_size,
             temperature,
             compute_dtype=self.compute_dtype,
             share_prompts=self.share_prompts,
+            top_k=self.top_k,
         )
-        return DataProto.from_dict({self.column: log_probs})
+        stem = self.column.removesuffix("_log_prob")
+        out = {self.column: stats["log_probs"]}
+        if self.top_k:
+            out.update({f"{stem}_top_k_ids": stats["top_k_ids"], f"{stem}_top_k_log_probs": stats["top_k_log_probs"]})
+        return DataProto.from_dict(out)

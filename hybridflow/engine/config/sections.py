@@ -449,6 +449,8 @@ class TeacherConfig(_Section):
       KL to the teacher (the actor's ``loss_agg_mode`` aggregate), with the gradient of the actor's log-probs, as
       ``actor.use_kl_loss`` does against ref; the advantages are ``task_coef`` x the estimator's. The default k2's
       gradient on the actor's own samples is the reverse KL's; k3's is the forward KL's (Tang and Munos 2025).
+      With ``top_k`` > 0 the term is the exact reverse KL over the teacher's ``top_k`` likeliest tokens of each
+      position and one bucket for the rest (`hybridflow.engine.algorithms.distillation.top_k_reverse_kl`).
 
     ``task_coef: 0`` trains on the teacher alone (pure distillation); the task reward is still computed (the
     ``val/`` scores and the metrics). The teacher's tokenizer must be the actor's (checked before any work)."""
@@ -465,6 +467,12 @@ class TeacherConfig(_Section):
         "samples is the reverse KL's, k3's (low_var_kl) the forward KL(teacher || actor)'s",
     )
     task_coef: float = Field(1.0, ge=0.0, description="the weight of the task reward's advantages; 0: the teacher's")
+    top_k: int = Field(
+        0,
+        ge=0,
+        description="use_as: loss: > 0 replaces the kl_loss_type estimate of the sampled token by the exact reverse KL "
+        "over the teacher's top_k tokens and a bucket for the rest (distillation.top_k_reverse_kl); 0: the estimate",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -481,6 +489,12 @@ class TeacherConfig(_Section):
             raise ValueError(
                 f"teacher.{', teacher.'.join(settings)} set without teacher.model_path: give the teacher's folder "
                 "(-o teacher.model_path=DIR, e.g. a checkpoint's actor/ folder), or remove the teacher's settings"
+            )
+        if self.top_k and self.use_as != "loss":
+            raise ValueError(
+                f"teacher.top_k={self.top_k} needs teacher.use_as=loss: the KL over the teacher's top-k tokens belongs "
+                "to a position, not to the token sampled there, so it is no token's reward; set teacher.use_as=loss, "
+                "or teacher.top_k=0"
             )
         return self
 

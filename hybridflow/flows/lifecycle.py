@@ -117,11 +117,10 @@ def checkpoint_dir_of(cfg: HybridFlowConfig, run_id: str) -> Path:
 def parallel_record(cfg: HybridFlowConfig | RMTrainingConfig | SFTTrainingConfig, role: str) -> dict[str, Any] | None:
     """How `role`'s model is split over its pool's ranks, for the run store (``placements.parallel``): the
     strategy of the trained and scoring models (actor, critic, reward model; a reward model in training: ddp; the
-    policy of an SFT or DPO run: ``model.strategy``)
-    and, for the actor, its training layout and, with ``megatron``, the generation layout, the resharding mode
-    and the rank groups (`HybridLayout.describe`); for a rollout in a pool of its own, its engine, replicas and
-    how its weights arrive (``rollout.checkpoint_engine.backend``);
-    None for ref and the score function (whole on every rank)."""
+    policy of an SFT or DPO run: ``model.strategy``) and, for the actor, its training layout and, with
+    ``megatron``, the generation layout, the resharding mode and the rank groups (`HybridLayout.describe`); for a
+    rollout in a pool of its own, its engine, replicas and how its weights arrive
+    (``rollout.checkpoint_engine.backend``); None for ref and the score function (whole on every rank)."""
     if not isinstance(cfg, HybridFlowConfig):  # one group: a reward model (ddp), a policy (SFT, DPO: model.strategy)
         return {"strategy": getattr(cfg.model, "strategy", "ddp")}
     if role == "critic":

@@ -271,10 +271,6 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return flat.reshape(labels.shape)
 
 
-def _fp32(z: torch.Tensor) -> torch.Tensor:
-    return z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
-
-
 @torch.no_grad()
 def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` likeliest tokens of each row's softmax and their log-probs, in fp32 chunks of rows as
@@ -326,9 +322,15 @@ def sum_pi_squared(logits: torch.Tensor) -> torch.Tensor:
     """
     parts = []
     for z in logits.split(_LOGPROB_CHUNK_ROWS):
-        z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+        z = _fp32(z)
         parts.append(torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)))
     return torch.cat(parts)
+
+
+def _fp32(z: torch.Tensor) -> torch.Tensor:
+    """16-bit logits upcast to fp32 (a log-sum-exp over a large vocabulary in 16 bits loses too much); others as
+    they are."""
+    return z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
 
 
 def logprobs_and_entropy(
@@ -353,7 +355,7 @@ def logprobs_and_entropy(
     labels = labels.long()
     log_probs, entropies = [], []
     for z, y in zip(logits.split(_LOGPROB_CHUNK_ROWS), labels.split(_LOGPROB_CHUNK_ROWS), strict=True):
-        log_p = torch.log_softmax(z.float() if z.dtype in (torch.float16, torch.bfloat16) else z, dim=-1)
+        log_p = torch.log_softmax(_fp32(z), dim=-1)
         log_probs.append(log_p.gather(-1, y.unsqueeze(-1)).squeeze(-1))
         if calculate_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

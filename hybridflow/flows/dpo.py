@@ -12,19 +12,77 @@ The result: ``<trainer.output_dir>/<experiment_name>/<run_id>/model/``, a Huggin
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 from prefect import flow, tags
 
 from hybridflow.engine.config.dpo import DPOTrainingConfig
-from hybridflow.engine.dpo.pairs import collate_dpo_pairs
-from hybridflow.flows.preflight import preference_sets
+from hybridflow.engine.dpo.pairs import REF_KEYS, collate_dpo_pairs
+from hybridflow.engine.embedded_models import resolve_model_path
+from hybridflow.engine.protocol import DataProto
+from hybridflow.flows.preflight import PreferenceSets, preference_sets
 from hybridflow.flows.reporting import untagged_task_runs
 from hybridflow.flows.store.run_store import RunStore
 from hybridflow.flows.supervised import SupervisedRun, train_supervised
+from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.worker_group import WorkerGroup
 from hybridflow.tasks import stages
 
+logger = logging.getLogger(__name__)
+
 DPO_WORKER_CLS = "hybridflow.engine.dpo.trainer:DPOTrainer"
+REFERENCE_DIR = "reference_logps"
+"""The run folder's precomputed reference log-probs: ``train.safetensors`` and ``val.safetensors``."""
+
+
+def precompute_reference(
+    group: WorkerGroup, sets: PreferenceSets, cfg: DPOTrainingConfig, run_dir: Path, data_dir: Path
+) -> PreferenceSets:
+    """With ``dpo.precompute_ref_log_probs`` (TRL's key), every training and held-out pair scored once under the
+    frozen reference and the reference then freed on the ranks; `sets` as it is without.
+
+    The scores (`REF_KEYS`, float32 [pairs], in the rows' order; sums, or per-token means for ``ipo``) are computed in
+    batches of ``data.val_batch_size`` (`stages.precompute_ref_log_probs`) and kept in ``<run folder>/
+    reference_logps/{train,val}.safetensors`` (written atomically), with what they depend on (``dpo.loss_type``,
+    ``data.max_length``, the reference's folder, the rows' count): a resumed or recovered session reads them back and
+    scores no pair again; one whose settings differ scores them anew. Returns the sets with each row carrying its
+    two scores, which `collate_dpo_pairs` hands to the batches.
+    """
+    if not cfg.dpo.precompute_ref_log_probs:
+        return sets
+    reference = str(resolve_model_path(cfg.dpo.ref_model_path or cfg.model.path))
+    scored = {}
+    for split in ("train", "val"):
+        rows = getattr(sets, split)
+        if not rows:
+            scored[split] = rows
+            continue
+        meta = {"loss_type": cfg.dpo.loss_type, "max_length": cfg.data.max_length, "reference": reference}
+        meta["rows"] = len(rows)
+        path = run_dir / REFERENCE_DIR / f"{split}.safetensors"
+        saved = DataProto.load(path) if path.is_file() else None
+        if saved is None or saved.meta_info != meta:
+            size = cfg.data.val_batch_size
+            batches = [
+                DataHandle.put(collate_dpo_pairs(rows[i : i + size], sets.tokenizer, cfg.data.max_length), data_dir)
+                for i in range(0, len(rows), size)
+            ]
+            both = stages.precompute_ref_log_probs(group, batches)
+            for batch in batches:
+                batch.delete()
+            saved = DataProto.from_dict({key: both[key] for key in REF_KEYS}, meta_info=meta)
+            saved.save(path)
+            logger.info("the reference scored the %d %s pairs into %s", len(rows), split, path)
+        chosen, rejected = (saved.batch[key].tolist() for key in REF_KEYS)
+        scored[split] = [
+            {**row, REF_KEYS[0]: c, REF_KEYS[1]: r} for row, c, r in zip(rows, chosen, rejected, strict=True)
+        ]
+    freed = group.free_reference()
+    logger.info("the reference is freed on every rank (%d parameters each)", freed[0])
+    return dataclasses.replace(sets, **scored)
+
 
 DPO_RUN = SupervisedRun(
     kind="dpo",
@@ -38,6 +96,7 @@ DPO_RUN = SupervisedRun(
     evaluate=stages.evaluate_dpo,
     update_stage="update_dpo",
     evaluate_stage="evaluate_dpo",
+    prepare=precompute_reference,
 )
 """DPO as a `SupervisedRun`: one worker group hosting the policy (role ``actor``) and its frozen reference."""
 

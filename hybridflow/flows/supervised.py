@@ -1,6 +1,6 @@
 """The training loop of the runs that train one model on a fixed set of rows with one worker group: reward-model
-training (``hf rm train``, `hybridflow.flows.rm`) and supervised fine-tuning (``hf sft train``,
-`hybridflow.flows.sft`).
+training (``hf rm train``, `hybridflow.flows.rm`), DPO (``hf dpo train``, `hybridflow.flows.dpo`) and supervised
+fine-tuning (``hf sft train``, `hybridflow.flows.sft`).
 
 The controller reads the rows, cuts each step's batch (a pure function of the seed, the epoch and the step, so a
 resumed run needs only its step count: `hybridflow.engine.epochs.epoch_batches`) and hands it to the worker group as
@@ -63,6 +63,8 @@ class SupervisedRun:
         update: the step's Prefect task, ``(group, handle) -> metrics``.
         evaluate: the evaluation's Prefect task, ``(group, [handles]) -> metrics``.
         update_stage, evaluate_stage: their stage names (task-run names, timings).
+        prepare: ``(group, sets, cfg, run_dir, data_dir) -> sets``, run in each session once the worker group is up
+            and before its first step or evaluation (DPO's precomputed reference log-probs), or None.
     """
 
     kind: str
@@ -76,6 +78,7 @@ class SupervisedRun:
     evaluate: Callable[[WorkerGroup, list[DataHandle]], dict[str, float]]
     update_stage: str
     evaluate_stage: str
+    prepare: Callable[[WorkerGroup, Any, Any, Path, Path], Any] | None = None
 
 
 def steps_per_epoch(cfg: Any, sets: Any) -> int:
@@ -125,14 +128,16 @@ def _session(store: RunStore, cfg: Any, run_id: str, spec: SupervisedRun) -> dic
         sets = spec.load_sets(cfg)
         per_epoch = steps_per_epoch(cfg, sets)
         total = cfg.trainer.total_epochs * per_epoch
+        pools = {spec.role: cfg.placement.pool(spec.role, [spec.role])}
+        workers = launch_workers(cfg, run_id, store, run_dir, pools, spec.worker_cls)
+        group = workers[spec.role]
+        if spec.prepare is not None:
+            sets = spec.prepare(group, sets, cfg, run_dir, data_dir)
         size = cfg.data.val_batch_size
         val_batches = [
             DataHandle.put(spec.collate(sets.val[i : i + size], sets, cfg), data_dir, "val")
             for i in range(0, len(sets.val), size)
         ]
-        pools = {spec.role: cfg.placement.pool(spec.role, [spec.role])}
-        workers = launch_workers(cfg, run_id, store, run_dir, pools, spec.worker_cls)
-        group = workers[spec.role]
         logs.pump()
         start = _resume(store, run_id, workers, spec.role)
         report = RunReport(store, run_id, cfg, run_dir, sets.tokenizer, start + 1 if start else 0)

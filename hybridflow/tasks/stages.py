@@ -264,6 +264,13 @@ def evaluate_dpo(group: WorkerGroup, batches: list[DataHandle]) -> dict[str, flo
     }
 
 
+@_stage("precompute_ref_log_prob")
+def precompute_ref_log_probs(group: WorkerGroup, batches: list[DataHandle]) -> Any:
+    """Every pair's log-probabilities under the frozen reference (``dpo.precompute_ref_log_probs``):
+    ``ref_chosen_logps`` and ``ref_rejected_logps``, float32 [the batches' pairs, in their order] (a `TensorDict`)."""
+    return _scored(group, "compute_ref_log_probs", batches)
+
+
 @_stage("update_sft")
 def update_sft(group: WorkerGroup, conversations: DataHandle) -> dict[str, float]:
     """One optimizer step of supervised fine-tuning on a step's conversations; ``train/loss`` the token-mean over

@@ -23,6 +23,11 @@ class DPOConfig(_Section):
     ref_model_path: str | None = Field(
         None, description="the frozen reference's folder (None: model.path, the policy's starting point)"
     )
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="score every pair under the reference once, before the first step (kept in the run folder), "
+        "then free the reference: each step and evaluation runs the policy alone",
+    )
 
 
 class DPOTrainerConfig(EpochTrainerConfig):

@@ -23,6 +23,9 @@ from hybridflow.engine.reward.preference import render_pair
 SIDES = ("chosen", "rejected")
 PAIR_KEYS = tuple(f"{side}_{key}" for side in SIDES for key in ("input_ids", "attention_mask", "loss_mask"))
 """A batch of pairs: per side, int64 [B, W], right-padded, both sides to one width."""
+REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+"""The reference's log-probabilities of each pair's responses, float32 [B] (``dpo.precompute_ref_log_probs``: a row
+that carries them hands them to the batch, and no step runs the reference)."""
 
 
 def prompt_text(prompt: Any, tokenizer: Any) -> str:
@@ -62,7 +65,8 @@ def pair_token_ids(row: dict[str, Any], tokenizer: Any, max_length: int) -> list
 
 
 def collate_dpo_pairs(rows: Sequence[dict[str, Any]], tokenizer: Any, max_length: int) -> DataProto:
-    """A batch of pairs: `PAIR_KEYS`; ``*_loss_mask`` is 1 on the response's tokens (`pair_token_ids`).
+    """A batch of pairs: `PAIR_KEYS`; ``*_loss_mask`` is 1 on the response's tokens (`pair_token_ids`); and
+    `REF_KEYS` where the rows carry them (precomputed).
 
     Raises:
         ValueError: the errors of `pair_token_ids`.
@@ -80,4 +84,6 @@ def collate_dpo_pairs(rows: Sequence[dict[str, Any]], tokenizer: Any, max_length
             attention[i, : len(tokens)] = 1
             loss[i, prompt : len(tokens)] = 1
         tensors.update({f"{side}_input_ids": ids, f"{side}_attention_mask": attention, f"{side}_loss_mask": loss})
+    if rows and REF_KEYS[0] in rows[0]:
+        tensors.update({key: torch.tensor([row[key] for row in rows], dtype=torch.float32) for key in REF_KEYS})
     return DataProto.from_dict(tensors)

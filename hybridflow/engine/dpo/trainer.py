@@ -8,13 +8,17 @@ and rejected response under both models (one forward of 2m sequences each), the 
 (`hybridflow.engine.dpo.loss.dpo_loss`) and backpropagates ``mean loss x pairs_in_micro_batch / pairs_on_rank``;
 the gradient average over the ranks (``model.strategy``: DDP's all-reduce, or FSDP's reduce-scatter into each rank's
 shard) gives the gradient of the whole step's mean loss. AdamW with the ``optim`` section's warm-up and clipping
-(the actor's optimizer). The reference is a whole frozen copy on every rank, as an RL run's ref.
+(the actor's optimizer). The reference is a whole frozen copy on every rank, as an RL run's ref; with
+``dpo.precompute_ref_log_probs`` it scores every pair once before the first step (`compute_ref_log_probs`) and is
+freed (`free_reference`), and the batches carry its log-probs (`hybridflow.engine.dpo.pairs.REF_KEYS`).
 
 This module never imports Prefect or submitit; ``hybridflow.flows.dpo`` drives it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Any
 
 import torch
@@ -22,7 +26,7 @@ import torch
 from hybridflow.engine.backends.training import build_optimizer, optimizer_step
 from hybridflow.engine.config.dpo import DPOTrainingConfig
 from hybridflow.engine.dpo.loss import dpo_loss, reward_metrics, sequence_log_probs
-from hybridflow.engine.dpo.pairs import SIDES
+from hybridflow.engine.dpo.pairs import REF_KEYS, SIDES
 from hybridflow.engine.embedded_models import resolve_model_path
 from hybridflow.engine.models import autocast, load_model, pick_dtype
 from hybridflow.engine.policy_rank import PolicyRank
@@ -70,6 +74,7 @@ class DPOTrainer(PolicyRank):
             reference_path = resolve_model_path(cfg.dpo.ref_model_path or cfg.model.path)
             reference = load_model(reference_path, torch.float32, device, trainable=False)
             self.reference = _SequenceLogProbs(reference.eval().requires_grad_(False), compute)
+        self.reference_freed = False
         self._data_parallel(self.policy)
         self.optimizer, self.lr_scheduler = build_optimizer(self.model, cfg.optim)
         return self._parameter_counts()
@@ -87,17 +92,55 @@ class DPOTrainer(PolicyRank):
         both = mean if self.config.dpo.loss_type == "ipo" else summed
         return both[: len(micro)], both[len(micro) :]
 
+    @torch.no_grad()
+    def _reference_log_probs(self, micro: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen and rejected responses' log-probabilities [m] under the reference: the batch's precomputed
+        `REF_KEYS` where it carries them, else a forward of the reference (with LoRA: the policy, adapter off).
+
+        Raises:
+            RuntimeError: the reference was freed (`free_reference`) and the batch carries no precomputed values.
+        """
+        if REF_KEYS[0] in micro.keys:
+            device = next(self.model.parameters()).device
+            return micro.batch[REF_KEYS[0]].to(device), micro.batch[REF_KEYS[1]].to(device)
+        if self.reference_freed:
+            raise RuntimeError(
+                "the reference was freed once its log-probs were precomputed (dpo.precompute_ref_log_probs), and "
+                f"this batch carries no {REF_KEYS}: collate its rows from the precomputed sets"
+            )
+        if self.reference is None:  # LoRA: the policy with its adapter off
+            with self.lora.disabled():
+                return self._log_probs(self.policy, micro)
+        return self._log_probs(self.reference, micro)
+
     def _pair_losses(self, micro: DataProto, module: torch.nn.Module):
         dpo = self.config.dpo
-        with torch.no_grad():
-            if self.reference is None:  # LoRA: the policy with its adapter off
-                with self.lora.disabled():
-                    ref_chosen, ref_rejected = self._log_probs(self.policy, micro)
-            else:
-                ref_chosen, ref_rejected = self._log_probs(self.reference, micro)
+        ref_chosen, ref_rejected = self._reference_log_probs(micro)
         chosen, rejected = self._log_probs(module, micro)
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, dpo.beta, dpo.loss_type, dpo.label_smoothing)
         return out, chosen.detach(), rejected.detach()
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    @torch.no_grad()
+    def compute_ref_log_probs(self, data: DataProto) -> DataProto:
+        """`REF_KEYS`, float32 [B]: this rank's pairs' log-probabilities under the reference (sums; per-token means
+        for ``ipo``), micro-batch by micro-batch (``dpo.precompute_ref_log_probs``). With LoRA the reference is the
+        policy, gathered whole first (as in `compute_dpo_scores`: no collective whatever a rank's share)."""
+        whole = self._whole_policy() if self.reference is None else contextlib.nullcontext()
+        with whole:
+            parts = [self._reference_log_probs(micro) for micro in data.split(self.config.data.micro_batch_size)]
+        return DataProto.from_dict({key: torch.cat([p[k] for p in parts]).cpu() for k, key in enumerate(REF_KEYS)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def free_reference(self) -> int:
+        """Drop the reference once every pair's log-probs are precomputed; from now on every batch must carry
+        `REF_KEYS`. Returns the parameters freed (0 with LoRA and no ``dpo.ref_model_path``: no second copy)."""
+        freed = 0 if self.reference is None else sum(p.numel() for p in self.reference.parameters())
+        self.reference, self.reference_freed = None, True
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return freed
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def update_dpo(self, data: DataProto) -> dict[str, float]:

@@ -44,16 +44,30 @@ from pathlib import Path
 import yaml
 
 HF = str(Path(sys.executable).parent / "hf")
-ENTRY = "verl.trainer.main_ppo"
+ENTRIES = ("verl.trainer.main_ppo", "verl.trainer.main_ppo_sync")
+"""verl's PPO entry points (``main_ppo_sync``: the same trainer, run synchronously; both take the same overrides)."""
 
-# The stand-in for python3 / python / torchrun: records main_ppo's arguments (one JSON list per call) in $CAPTURE.
+# The stand-in for python3 / python / torchrun: records main_ppo's arguments (one JSON list per call) in $CAPTURE;
+# ``python3 -c CODE`` runs for real (scripts probe ``import torch_npu`` to pick the device: it fails here, as on a GPU
+# machine).
 STAND_IN_PYTHON = f"""#!{sys.executable}
 import json, os, sys
 args = sys.argv[1:]
-if "{ENTRY}" in args:
-    rest = args[args.index("{ENTRY}") + 1:]
+if args[:1] == ["-c"]:
+    os.execv({sys.executable!r}, [{sys.executable!r}, *args])
+entry = next((a for a in args if a in {ENTRIES!r}), None)
+if entry:
+    rest = args[args.index(entry) + 1:]
     with open(os.environ["CAPTURE"], "a") as out:
         out.write(json.dumps(rest) + "\\n")
+"""
+# uv run [options] python3 -m ...: run the command from its program on (verl's scripts launch through uv).
+STAND_IN_UV = """#!/bin/bash
+while [ $# -gt 0 ]; do
+  case "$1" in python|python3) exec "$@";; esac
+  shift
+done
+exit 0
 """
 # ray job submit ... -- python3 -m verl.trainer.main_ppo ...: hand what follows "--" to the python3 stand-in.
 STAND_IN_RAY = """#!/bin/bash
@@ -75,7 +89,14 @@ NO_OPS += ("sbatch", "scontrol", "squeue", "sinfo")
 DATA_KEYS = ("data.train_files", "data.val_files")
 VERL_DATA_DEFAULTS = ("data/rlhf/gsm8k/train.parquet", "data/rlhf/gsm8k/test.parquet")
 """verl's defaults of `DATA_KEYS` (``ppo_trainer.yaml``: ``~/data/rlhf/gsm8k/...``), under the script's home."""
-MODEL_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path")
+MODEL_KEYS = (
+    "actor_rollout_ref.model.path",
+    "critic.model.path",
+    "reward_model.model.path",
+    "reward.reward_model.model_path",
+)
+TEACHER_PATH = re.compile(r"distillation\.teacher_models\.[^.]+\.model_path")
+"""verl main's teachers (``distillation.teacher_models.<name>.model_path``): the tiny model stands in for each."""
 ADAPTER_KEY = "actor_rollout_ref.model.lora_adapter_path"
 
 
@@ -97,6 +118,7 @@ def stand_ins(folder: Path) -> Path:
         (folder / name).write_text(text)
     (folder / "ray").write_text(STAND_IN_RAY)
     (folder / "srun").write_text(STAND_IN_SRUN)
+    (folder / "uv").write_text(STAND_IN_UV)
     for name in NO_OPS:
         (folder / name).write_text("#!/bin/sh\nexit 0\n")
     for program in folder.iterdir():
@@ -155,6 +177,8 @@ def out_of_scope(name: str, given: dict[str, object]) -> str | None:
     model = str(given.get("actor_rollout_ref.model.path", ""))
     data = " ".join(str(given.get(k, "")) for k in DATA_KEYS)
     if re.search(r"(?i)([-_.]vl([-_.]|$)|minicpm-?o|glm-?4\.?1v)", model + " " + Path(name).stem) or "geo3k" in data:
+        return "vision-language"
+    if any(key in given for key in ("data.image_key", "data.video_key")):  # it names its images' column
         return "vision-language"
     return None
 
@@ -307,9 +331,10 @@ def check_script(
             path = path if path.is_absolute() else tree / path
             if file.strip() and not path.is_dir():  # an unset variable names no file: hf verl says so
                 make_data(path)
+    model_keys = [*MODEL_KEYS, *(key for key in given if TEACHER_PATH.fullmatch(key))]
     models = {
-        key: local_model(str(given[key]), reward_model if key.startswith("reward_model") else model, home, tree)
-        for key in MODEL_KEYS
+        key: local_model(str(given[key]), reward_model if "reward_model" in key else model, home, tree)
+        for key in model_keys
         if given.get(key)
     }
     if given.get(ADAPTER_KEY):  # a folder the user saved with a LoRA run: the tiny model's adapter stands in

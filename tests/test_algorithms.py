@@ -34,6 +34,7 @@ VARIANTS = {
     "gae": ("gae", []),
     "pf_ppo": ("gae", ["algorithm.use_pf_ppo=true", "algorithm.pf_ppo.weight_pow=4"]),
     "otb": ("optimal_token_baseline", ["actor.calculate_sum_pi_squared=true"]),
+    "gdpo": ("gdpo", ["algorithm.gdpo_reward_keys=[score, acc]", "algorithm.gdpo_reward_weights=[1.0, 0.5]"]),
 }
 
 
@@ -86,6 +87,18 @@ def test_the_same_rollout_gives_each_estimator_its_own_advantages(first_steps):
     same_lengths = opo["response_length/min"] == opo["response_length/max"]
     for key in ("critic/advantages/max", "critic/advantages/min"):
         assert (abs(opo[key] - dr_grpo[key]) < 1e-6) == same_lengths, (key, opo[key], dr_grpo[key])
+
+
+def test_gdpo_whitens_the_group_normalised_components_of_the_score_functions_dict(
+    first_steps, tmp_path, tiny_model_dir
+):
+    """GDPO on the dense reward's dict ({score, acc}): acc is 0 everywhere, so it normalises to 0, and the
+    advantages are GRPO's of the score, whitened over the batch's response tokens: mean 0, another spread."""
+    gdpo, grpo = first_steps["gdpo"][0], first_steps["grpo"][0]
+    assert abs(gdpo["critic/advantages/mean"]) < 1e-5
+    assert gdpo["critic/advantages/max"] != pytest.approx(grpo["critic/advantages/max"], abs=1e-4)
+    with pytest.raises(ValueError, match="algorithm.adv_estimator=gdpo normalises the score function's reward"):
+        tiny_run_config(tmp_path, tiny_model_dir, "gdpo")
 
 
 def test_the_same_advantages_give_each_policy_loss_its_own_value(first_steps):

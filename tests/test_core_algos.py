@@ -321,7 +321,7 @@ def test_registry_uniform_calling_convention():
 
 
 def test_registry_errors():
-    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*'gae', 'gpg', 'grpo', 'opo'.*'rloo'"):
+    with pytest.raises(ValueError, match=r"algorithm\.adv_estimator.*'gae', 'gdpo', 'gpg', 'grpo', 'opo'.*'rloo'"):
         estimators.get_adv_estimator_fn("ppo2")
     with pytest.raises(ValueError, match=r"needs \['values'\]"):
         estimators.get_adv_estimator_fn("gae")(torch.zeros(2, 2), torch.ones(2, 2))
@@ -1243,3 +1243,39 @@ def test_sum_pi_squared_of_logits_is_the_softmaxs():
     logits = torch.randn(5, 11, dtype=torch.float64) * 3
     assert_close(torch_ops.sum_pi_squared(logits), torch.softmax(logits, -1).square().sum(-1))
     assert torch_ops.sum_pi_squared(logits.bfloat16()).dtype == torch.float32
+
+
+def test_gdpo_normalises_each_reward_component_in_its_group_then_whitens_their_weighted_sum():
+    """GDPO (verl's ``gdpo`` estimator): a component of tiny spread (a 0/1 format reward) weighs as much as one of
+    large spread (a -3..3 accuracy reward) once each is normalised within its group; the weighted sum is whitened
+    over the batch's response tokens. Checked against an independent numpy computation; a missing component is
+    refused naming the keys the score function returned."""
+    accuracy = np.array([3.0, -3.0, 1.0, 2.0])  # two groups of two (uids a, a, b, b)
+    fmt = np.array([1.0, 0.0, 0.0, 0.0])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.float32)
+    uids = np.array(["a", "a", "b", "b"], dtype=object)
+
+    def normalised(r):  # per group: (r - mean) / (unbiased std + 1e-6)
+        out = np.empty_like(r)
+        for g in ("a", "b"):
+            sel = uids == g
+            out[sel] = (r[sel] - r[sel].mean()) / (r[sel].std(ddof=1) + 1e-6)
+        return out
+
+    combined = 1.0 * normalised(accuracy) + 0.5 * normalised(fmt)
+    tokens = np.repeat(combined, mask.sum(-1).int().numpy())  # each response token holds its response's value
+    whitened = (combined - tokens.mean()) / np.sqrt(tokens.var(ddof=1) + 1e-8)
+    components = torch.tensor(np.stack([accuracy, fmt], -1))
+    adv, ret = estimators.get_adv_estimator_fn("gdpo")(
+        torch.zeros(4, 3), mask, index=uids, reward_components=components, reward_weights=[1.0, 0.5]
+    )
+    expected = torch.tensor(whitened, dtype=torch.float32)[:, None] * mask
+    assert_close(adv, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(adv, ret)
+    assert abs(float(torch_ops.masked_mean(adv, mask))) < 1e-6  # whitened over the tokens
+    from hybridflow.engine.protocol import DataProto
+
+    data = DataProto.from_dict({"reward_extra/accuracy": torch.tensor(accuracy), "response_mask": mask})
+    assert advantage.reward_components(data, ["accuracy"]).shape == (4, 1)
+    with pytest.raises(ValueError, match=r"names \['format'\], which the score function did not return: it returned"):
+        advantage.reward_components(data, ["accuracy", "format"])

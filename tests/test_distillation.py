@@ -104,6 +104,25 @@ def test_the_reverse_kl_and_its_uses_match_an_independent_computation():
     assert torch.allclose(grad(k3_loss), forward, atol=1e-6)  # k3 as a loss: the forward KL's (Tang & Munos 2025)
 
 
+def test_kl_clamp_bounds_each_tokens_kl_as_verls_loss_max_clamp():
+    """``teacher.kl_clamp`` = c (verl's ``distillation_loss.loss_max_clamp``) clamps each token's KL estimate to
+    [-c, c] before it is a reward or a loss: a token the teacher finds unlikely by 30 nats weighs c, not 30, and
+    passes no gradient; within the bound nothing changes. It is refused with top_k (the KL there is exact)."""
+    adv, mask = torch.zeros(1, 3), torch.ones(1, 3)
+    lp, lq = torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([[-31.0, -1.0, -0.5]])  # log p - log q: 30, -1, 0
+    assert distilled_advantages(adv, lp, lq, mask, 1.0, 0.0).tolist() == [[-30.0, 1.0, 0.0]]
+    assert distilled_advantages(adv, lp, lq, mask, 1.0, 0.0, kl_clamp=10.0).tolist() == [[-10.0, 1.0, 0.0]]
+    student = lp.clone().requires_grad_(True)
+    loss = distillation_loss(student, lq, mask, "k1", "token-sum", kl_clamp=10.0)
+    assert float(loss) == pytest.approx(10.0 - 1.0)
+    (grad,) = torch.autograd.grad(loss, student)
+    assert grad.tolist() == [[0.0, 1.0, 1.0]]  # the clamped token passes none
+    from hybridflow.engine.config import TeacherConfig
+
+    with pytest.raises(ValueError, match="teacher.kl_clamp clamps the estimate"):
+        TeacherConfig(model_path="/m", use_as="loss", top_k=4, kl_clamp=10.0)
+
+
 def test_the_top_k_reverse_kl_is_the_exact_kl_of_the_merged_distributions():
     """``teacher.top_k``: over the whole vocabulary the top-k KL is the exact KL(p || q) and its gradient the exact
     KL's; over fewer tokens it is the KL of p and q merged onto the k tokens and the rest, computed here apart (so

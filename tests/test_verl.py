@@ -335,9 +335,9 @@ def test_the_docs_table_of_verl_keys_is_the_codes():
     assert len(key_table().splitlines()) == len(VERL_KEYS) + 2
 
 
-def test_a_verl_config_file_is_read_with_its_interpolations_and_overridden_by_the_command_line(tmp_path):
-    """A ``ppo_trainer.yaml``-style file (Hydra's defaults list and ``_target_`` classes dropped, ``${a.b}``
-    resolved from the file) under the command line's overrides; an interpolation of anything else is refused."""
+def test_a_verl_config_file_is_read_with_its_interpolations_and_overridden_by_the_command_line(tmp_path, monkeypatch):
+    """A ``ppo_trainer.yaml``-style file (Hydra's defaults list and ``_target_`` classes dropped, ``${a.b}`` and
+    ``${oc.env:NAME}`` resolved) under the command line's overrides; an interpolation of nothing given is refused."""
     train, _ = _data(tmp_path)
     verl_file = tmp_path / "my_trainer.yaml"
     verl_file.write_text(
@@ -357,8 +357,11 @@ def test_a_verl_config_file_is_read_with_its_interpolations_and_overridden_by_th
     assert overrides["actor.optim.lr"] == "3.0e-06" and overrides["rollout.top_k"] == "0"
     assert overrides["rollout.n"] == "6" and overrides["data.max_prompt_length"] == "96"
     assert overrides["trainer.total_iterations"] == "4"  # 2 epochs of 8 rows // 4
-    verl_file.write_text("data:\n  train_files: ${oc.env:HOME}/x.parquet\n")
-    with pytest.raises(ConfigError, match=r"data.train_files: .* interpolates what hf verl cannot resolve"):
+    verl_file.write_text("data:\n  train_files: ${oc.env:HYBRIDFLOW_TEST_DATA}\n  train_batch_size: 4\n")
+    monkeypatch.setenv("HYBRIDFLOW_TEST_DATA", str(train))  # OmegaConf's oc.env resolver, as verl reads its files
+    assert f"data.train_files={train}" in translate(["trainer.total_epochs=1"], verl_file).overrides
+    verl_file.write_text("data:\n  train_files: ${data.nope}/x.parquet\n")
+    with pytest.raises(ConfigError, match=r"data.train_files=.*\$\{data.nope\} names no key given"):
         translate([], verl_file)
 
 
@@ -416,3 +419,191 @@ def test_unset_data_files_are_verls_default_paths_in_the_home_folder(tmp_path, m
     assert cfg.data.train_files == [str(folder / "train.parquet")]
     assert cfg.data.val_files == [str(folder / "test.parquet")]
     assert cfg.trainer.total_iterations == 3 * 8 // 4  # the default file's rows counted
+
+
+def _ours(command_line: list[str]) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in translate(command_line).overrides)
+
+
+def test_hydras_override_syntax_in_verl_mains_scripts_is_read_or_refused_in_one_line(tmp_path, tiny_model_dir):
+    """verl main's scripts write Hydra's whole grammar: ``+key`` / ``++key``, ``~key``, ``group@package=option``,
+    dict values with escaped braces (``'{model.visual.blocks.\\{*\\}:{},lm_head:{}}'``), lists, ``${...}``
+    interpolations. Each is read as Hydra reads it; a sweep or a malformed override is refused in one line naming
+    it, before anything runs (never a traceback)."""
+    arr = "actor_rollout_ref"
+    ours = _ours(
+        [
+            f"+{arr}.actor.fsdp_config.turbo_config.distributed.fsdp_plan.apply_modules="
+            r"{model.visual.blocks.\{*\}:{},lm_head:{}}",
+            f"++{arr}.actor.optim.lr=3e-6",
+            f"{arr}.actor.optim={{weight_decay:0.05,betas:[0.9,0.95]}}",  # a section as a dict: its keys
+            f"actor@{arr}.actor=megatron_actor",  # one role's engine in verl's defaults list
+            "data.max_response_length=48",
+            "reward.reward_kwargs.max_resp_len=${data.max_response_length}",  # OmegaConf's interpolation
+            "reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "trainer.logger=[console,'file']",
+            "trainer.total_training_steps=3",
+        ]
+    )
+    assert ours["actor.optim.lr"] == "3.0e-06" and ours["actor.optim.weight_decay"] == "0.05"
+    assert ours["actor.optim.betas"] == "[0.9, 0.95]" and ours["actor.strategy"] == "megatron"
+    assert ours["reward.overlong_buffer.enable"] == "true" and ours["trainer.logger"] == "[console, jsonl]"
+    assert _ours(["~actor_rollout_ref.rollout.n", "trainer.total_training_steps=3"])["rollout.n"] == "1"  # verl's
+    refused = {
+        "actor_rollout_ref.rollout.n=4,8": r"is a sweep \(Hydra's multirun, one run per value\): give one value",
+        "actor_rollout_ref.rollout.n=range(2,8)": "is a sweep",
+        "trainer.logger=[console": "is not Hydra's syntax",
+        "trainer.project_name=${nope.key}": r"\$\{nope.key\} names no key given on the command line",
+        f"actor@{arr}.actor=mlite_actor": "a config group of another package .* is not known here",
+    }
+    for override, why in refused.items():
+        with pytest.raises(ConfigError, match=why):
+            translate([override, "trainer.total_training_steps=3"])
+    shown = _hf("verl", "--dry-run", f"{arr}.model.path={tiny_model_dir}", "trainer.logger=[console", "x=1,2")
+    assert shown.returncode == 2, shown.stdout + shown.stderr
+    assert "Traceback" not in shown.stdout + shown.stderr
+    assert "override 'trainer.logger=[console' is not Hydra's syntax" in shown.stdout, shown.stdout
+    assert "override 'x=1,2' is a sweep" in shown.stdout
+
+
+def test_verl_mains_engine_reward_and_checkpoint_engine_keys_translate_or_are_refused(tmp_path):
+    """verl main's schema beside the older one: ``model_engine`` (the defaults group that replaced
+    ``--config-name=ppo_megatron_trainer``) sets every role's strategy beneath an explicit one; the ``reward.*``
+    section means what ``reward_model.*`` and ``custom_reward_function.*`` meant; the checkpoint engine's bucket
+    size is ours; VeOmni's and FSDP's engine knobs are accepted as tuning, their parallelism refused (and VeOmni's
+    default cosine lr decay, which is not implemented)."""
+    arr, steps = "actor_rollout_ref", "trainer.total_training_steps=3"
+    megatron = _ours(["model_engine=megatron", steps])
+    assert (megatron["actor.strategy"], megatron["critic.strategy"]) == ("megatron", "megatron")
+    assert _ours(["model_engine=megatron", "critic.strategy=fsdp", steps])["critic.strategy"] == "fsdp"
+    assert _ours([f"{arr}.actor.model_engine=megatron", steps])["actor.strategy"] == "megatron"
+    assert _ours(["model_engine=dp", steps])["actor.strategy"] == "fsdp"
+    constant = [f"{role}.optim.lr_scheduler_type=constant" for role in (f"{arr}.actor", "critic")]
+    assert _ours(["model_engine=veomni", *constant, steps])["actor.strategy"] == "fsdp"
+    with pytest.raises(ConfigError, match="VeOmni's optimizer decays the lr by a cosine"):  # verl's veomni default
+        translate(["model_engine=veomni", steps])
+    with pytest.raises(ConfigError, match="verl key model_engine='torchtitan' is not supported here"):
+        translate(["model_engine=torchtitan", steps])
+
+    reward = _ours(
+        [
+            "reward.custom_reward_function.path=/r/score.py",
+            "reward.custom_reward_function.name=my_score",
+            "reward.reward_manager.name=dapo",
+            "reward.num_workers=8",
+            "reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "reward.reward_kwargs.overlong_buffer_cfg.len=128",
+            "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            "reward.reward_kwargs.max_resp_len=512",
+            "reward.reward_model.enable=True",
+            "reward.reward_model.model_path=/m/rm",
+            "reward.reward_model.rollout.tensor_model_parallel_size=2",
+            f"{arr}.rollout.checkpoint_engine.update_weights_bucket_megabytes=2048",
+            f"{arr}.actor.veomni.param_offload=True",
+            "critic.fsdp.optimizer_offload=True",
+            f"{arr}.model.lora.merge=True",
+            steps,
+        ]
+    )
+    expected = {
+        "reward.custom_function": "/r/score.py:my_score",
+        "reward.overlong_buffer.enable": "true",
+        "reward.overlong_buffer.len": "128",
+        "reward.overlong_buffer.penalty": "1.0",
+        "reward_model.enable": "true",
+        "reward_model.path": "/m/rm",
+        "rollout.checkpoint_engine.update_weights_bucket_megabytes": "2048",
+    }
+    assert {k: reward.get(k) for k in expected} == expected
+    gdpo = _ours(  # examples/gdpo_trainer/run_qwen3_8b_fsdp.sh
+        [
+            "algorithm.adv_estimator=gdpo",
+            "+algorithm.gdpo_reward_keys=[accuracy_reward,format_reward]",
+            "reward.reward_manager.name=gdpo",
+            steps,
+        ]
+    )
+    assert gdpo["algorithm.gdpo_reward_keys"] == "[accuracy_reward, format_reward]"
+    assert gdpo["algorithm.adv_estimator"] == "gdpo"
+    resumed = _ours(["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ck/global_step_20", steps])
+    assert resumed["trainer.resume_from"] == "/ck/global_step_20"  # a new run from that checkpoint, as verl's
+    assert "trainer.resume_from" not in _ours(["trainer.resume_from_path=/ck/global_step_20", steps])  # auto: ignored
+    with pytest.raises(ConfigError, match="resume_mode=resume_path needs trainer.resume_from_path"):
+        translate(["trainer.resume_mode=resume_path", steps])
+    said = {key for key, _ in translate(["reward.num_workers=8", "critic.fsdp.param_offload=True", steps]).no_effect}
+    assert said == {"reward.num_workers", "critic.fsdp.param_offload"}
+    refused = {
+        "reward.reward_manager.name=prime": "reward.reward_manager.name='prime' is not supported here",
+        "reward.reward_manager.module.path=/my/manager.py": "write a score function",
+        "reward.reward_kwargs.max_resp_len=256": "the overlong buffer ends at data.max_response_length",
+        f"{arr}.actor.veomni.expert_parallel_size=8": "mixture-of-experts parallelism",
+        f"{arr}.actor.fsdp_config.ulysses_sequence_parallel_size=4": f"{arr}.actor.fsdp_config.ulysses_sequence_par",
+        "trainer.v1.trainer_mode=separate_async": "trainer.mode=one_step_off",
+    }
+    for key_value, why in refused.items():
+        with pytest.raises(ConfigError, match=why):
+            translate([key_value, "data.max_response_length=512", steps])
+    from hybridflow.engine.config.verl_keys import find_key
+
+    assert {find_key(k).schema for k in ("model_engine", "reward.num_workers", "distillation.enabled")} == {"current"}
+    assert find_key("reward_model.micro_batch_size_per_gpu").schema == "legacy"
+    assert find_key("data.train_files").schema == "both"
+
+
+def test_verl_mains_distillation_section_is_our_teacher_or_refused_naming_what_is_not_implemented():
+    """``distillation.*`` (verl main's examples/on_policy_distillation_trainer): one teacher is our teacher role.
+    Policy-gradient k1 is ``teacher.use_as=reward``, the supervised k2/k3/abs ``use_as=loss``; use_task_rewards
+    False trains on the teacher alone (and drops the entropy bonus and KL loss, as verl drops the PPO loss);
+    loss_max_clamp clamps each token's KL. Several teachers, forward top-k KL, a policy-gradient term over several
+    mini-batches and a rollout temperature other than 1 are refused with what to do."""
+    arr, loss = "actor_rollout_ref", "distillation.distillation_loss"
+    script = [  # run_qwen3_8b_fsdp.sh's distillation keys
+        "distillation.enabled=True",
+        "distillation.n_gpus_per_node=4",
+        "distillation.nnodes=1",
+        "distillation.teacher_models.teacher_model.model_path=/m/teacher",
+        "distillation.teacher_models.teacher_model.inference.name=vllm",
+        "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size=4",
+        "distillation.teacher_models.teacher_model.inference.gpu_memory_utilization=0.4",
+        f"{loss}.loss_mode=k1",
+        f"{loss}.topk=64",
+        f"{loss}.use_task_rewards=False",
+        f"{loss}.use_policy_gradient=True",
+        f"{loss}.loss_max_clamp=10.0",
+        f"{loss}.log_prob_min_clamp=-10.0",
+        "data.train_batch_size=128",
+        f"{arr}.actor.ppo_mini_batch_size=128",
+        f"{arr}.actor.entropy_coeff=0.01",
+        "trainer.total_training_steps=3",
+    ]
+    ours = _ours(script)
+    expected = {
+        "teacher.model_path": "/m/teacher",
+        "teacher.use_as": "reward",
+        "teacher.task_coef": "0.0",
+        "teacher.kl_coef": "1.0",
+        "teacher.kl_clamp": "10.0",
+        "actor.entropy_coeff": "0.0",  # verl's use_task_rewards=False replaces the whole PPO loss
+        "actor.use_kl_loss": "false",
+    }
+    assert {k: ours.get(k) for k in expected} == expected
+    supervised = _ours(
+        [*script, f"{loss}.use_policy_gradient=False", f"{loss}.loss_mode=low_var_kl", f"{loss}.use_task_rewards=True"]
+        + [f"{loss}.distillation_loss_coef=0.5"]
+    )
+    assert (supervised["teacher.use_as"], supervised["teacher.kl_loss_type"]) == ("loss", "k3")
+    assert (supervised["teacher.task_coef"], supervised["teacher.kl_coef"]) == ("1.0", "0.5")
+    assert "teacher.model_path" not in _ours(["distillation.enabled=False", *script[3:]])  # verl ignores the rest
+    single_named = [k.replace("teacher_models.teacher_model.", "teacher_models.gsm8k.") for k in script]  # named
+    assert _ours(["+distillation.teacher_models.gsm8k.key=openai/gsm8k", *single_named])["teacher.model_path"]
+    refused = {
+        "+distillation.teacher_models.math.model_path=/m/math": "2 teachers .* several teachers are not implemented",
+        f"{loss}.loss_mode=k3": "the policy-gradient term takes k1",
+        f"{arr}.actor.ppo_mini_batch_size=32": "one mini-batch of one epoch",
+        f"{arr}.rollout.temperature=0.7": "verl's teacher scores at temperature 1",
+    }
+    for key_value, why in refused.items():
+        with pytest.raises(ConfigError, match=why):
+            translate([*(single_named if "math" in key_value else script), key_value])
+    with pytest.raises(ConfigError, match="forward_kl_topk is not implemented"):
+        translate([*script, f"{loss}.use_policy_gradient=False", f"{loss}.loss_mode=forward_kl_topk"])

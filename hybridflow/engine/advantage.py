@@ -107,9 +107,16 @@ def _estimator_advantages(
         weights = decoupled_is_weights(
             batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], correction
         )
+    components = {}
+    if "reward_components" in inputs:  # GDPO: the score function's components, one column each
+        components = {
+            "reward_components": reward_components(data, algorithm.gdpo_reward_keys),
+            "reward_weights": algorithm.gdpo_reward_weights,
+        }
     advantages, returns = get_adv_estimator_fn(algorithm.adv_estimator)(
         rewards,
         batch["response_mask"],
+        **components,
         index=uids,
         values=batch.get("values", None),
         gamma=algorithm.gamma,
@@ -121,6 +128,22 @@ def _estimator_advantages(
         rollout_is_weights=weights,
     )
     return {"token_level_rewards": rewards, "advantages": advantages, "returns": returns}, metrics
+
+
+def reward_components(data: DataProto, keys: list[str]) -> torch.Tensor:
+    """The score function's components `keys` (its returned dict's keys, the ``reward_extra/<key>`` columns) as
+    float32 [B, K].
+
+    Raises:
+        ValueError: a key the score function did not return (the keys it did are listed)."""
+    missing = [key for key in keys if f"reward_extra/{key}" not in data.keys]
+    if missing:
+        returned = sorted(k.removeprefix("reward_extra/") for k in data.keys if k.startswith("reward_extra/"))
+        raise ValueError(
+            f"algorithm.gdpo_reward_keys names {missing}, which the score function did not return: it returned "
+            f"{returned}; return a dict with those keys (and 'score'), or name its keys"
+        )
+    return torch.stack([data.batch[f"reward_extra/{key}"].float() for key in keys], dim=-1)
 
 
 def build_lagrangian(algorithm: AlgorithmConfig) -> LagrangeMultiplier | None:
@@ -408,7 +431,7 @@ def _distilled(
         metrics = distillation_metrics(batch[student], batch["teacher_log_prob"], mask)
     if teacher.use_as == "reward":
         log_probs = batch[student]
-        coefs = {"kl_coef": teacher.kl_coef, "task_coef": teacher.task_coef}
+        coefs = {"kl_coef": teacher.kl_coef, "task_coef": teacher.task_coef, "kl_clamp": teacher.kl_clamp}
         advantages = distilled_advantages(advantages, log_probs, batch["teacher_log_prob"], mask, **coefs)
     else:
         advantages = teacher.task_coef * advantages

@@ -46,9 +46,11 @@ def distilled_advantages(
     mask: torch.Tensor,
     kl_coef: float,
     task_coef: float,
+    kl_clamp: float | None = None,
 ) -> torch.Tensor:
     """``task_coef * advantages - kl_coef * reverse_kl_tokens(...)``, float32 [B, T], 0 off the mask (the dense
-    reward of ``teacher.use_as: reward``).
+    reward of ``teacher.use_as: reward``); with `kl_clamp` = c each token's KL clamped to [-c, c] first (verl's
+    ``distillation.distillation_loss.loss_max_clamp``, ``verl/trainer/distillation/losses.py``).
 
     Args:
         advantages: float [B, T], the advantage estimator's (of the task reward).
@@ -58,8 +60,13 @@ def distilled_advantages(
         mask: [B, T], 1 on response tokens.
         kl_coef, task_coef: ``teacher.kl_coef``, ``teacher.task_coef``.
     """
-    kl = reverse_kl_tokens(log_probs, teacher_log_probs, mask)
+    kl = clamped(reverse_kl_tokens(log_probs, teacher_log_probs, mask), kl_clamp)
     return masked_values(task_coef * advantages.float() - kl_coef * kl, mask)[0]
+
+
+def clamped(kl: torch.Tensor, bound: float | None) -> torch.Tensor:
+    """`kl` [B, T] clamped to [-bound, bound] (no gradient where clamped); None: as it is (``teacher.kl_clamp``)."""
+    return kl if bound is None else kl.clamp(-bound, bound)
 
 
 def distillation_loss(
@@ -68,12 +75,13 @@ def distillation_loss(
     mask: torch.Tensor,
     kl_loss_type: str,
     loss_agg_mode: str,
+    kl_clamp: float | None = None,
 ) -> torch.Tensor:
     """The per-token KL to the teacher as a loss (``teacher.use_as: loss``): `kl_penalty` of the student's
     log-probs `log_prob` [B, T] (carrying the gradient) against the teacher's [B, T], estimator `kl_loss_type`
-    (``teacher.kl_loss_type``), reduced by `agg_loss` with ``actor.loss_agg_mode``. Returns a 0-dim tensor; the
-    caller weighs it by ``teacher.kl_coef``."""
-    return agg_loss(kl_penalty(log_prob, teacher_log_prob, kl_loss_type), mask, loss_agg_mode)
+    (``teacher.kl_loss_type``), each token's clamped to [-kl_clamp, kl_clamp] when given (`clamped`), reduced by
+    `agg_loss` with ``actor.loss_agg_mode``. Returns a 0-dim tensor; the caller weighs it by ``teacher.kl_coef``."""
+    return agg_loss(clamped(kl_penalty(log_prob, teacher_log_prob, kl_loss_type), kl_clamp), mask, loss_agg_mode)
 
 
 def distillation_metrics(

@@ -290,6 +290,14 @@ def compute_grpo_outcome_advantage(
         ValueError: shapes differ or ``index`` does not have B entries.
     """
     scores = _outcome_scores(token_level_rewards, response_mask)
+    adv = _group_normalised(scores, index, epsilon, norm_adv_by_std_in_grpo)
+    advantages = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return advantages, advantages
+
+
+def _group_normalised(scores: torch.Tensor, index: Sequence[Any] | np.ndarray, epsilon: float, by_std: bool):
+    """GRPO's per-group normalisation of one score per sequence, float [B]: ``(r - mean_g) / (std_g + epsilon)``
+    (``by_std``; else ``r - mean_g``), the unbiased std; a group of one keeps its score (mean 0, std 1)."""
     ids, n_groups = group_ids(index, scores.shape[0])
     ids = ids.to(scores.device)
     counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, ids, torch.ones_like(scores))
@@ -298,11 +306,57 @@ def compute_grpo_outcome_advantage(
     mean = torch.where(singleton, 0.0, sums / counts)
     sq_dev = torch.zeros_like(counts).index_add_(0, ids, (scores - mean[ids]) ** 2)
     std = torch.where(singleton, 1.0, torch.sqrt(sq_dev / (counts - 1).clamp(min=1)))
-
     adv = scores - mean[ids]
-    if norm_adv_by_std_in_grpo:
-        adv = adv / (std[ids] + epsilon)
-    advantages = adv.unsqueeze(-1) * response_mask.to(adv.dtype)
+    return adv / (std[ids] + epsilon) if by_std else adv
+
+
+@register_adv_est("gdpo")
+@torch.no_grad()
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Any] | np.ndarray,
+    reward_components: torch.Tensor,
+    reward_weights: Sequence[float] | None = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (group reward-decoupled normalisation): each reward component normalised within its group on its own,
+    then summed with weights and whitened over the batch, so a component of small spread is not drowned by one of
+    large spread (verl's ``gdpo`` estimator, ``verl/trainer/ppo/core_algos.py``):
+
+    ``A_k = (r_k - mean_g(r_k)) / (std_g(r_k) + epsilon)`` per component k (GRPO's, `_group_normalised`),
+    ``A = sum_k w_k A_k`` given to every token of the response, then ``A`` whitened over all response tokens of the
+    batch (`masked_whiten`: the token-weighted mean and unbiased variance, + 1e-8). `token_level_rewards` (the summed
+    score) is not used.
+
+    Args:
+        token_level_rewards: float [B, T] (unused: the components stand in for it).
+        response_mask: [B, T].
+        index: B prompt uids; equal uids form a group.
+        reward_components: float [B, K], the score function's components (``algorithm.gdpo_reward_keys``: the
+            ``reward_extra/<key>`` columns of its returned dict).
+        reward_weights: K weights (``algorithm.gdpo_reward_weights``); None: all 1.
+        epsilon, norm_adv_by_std_in_grpo: as GRPO's.
+
+    Returns:
+        ``(advantages, returns)``, identical float [B, T], 0 at masked positions.
+
+    Raises:
+        ValueError: `reward_components` is not [B, K], or `reward_weights` has other than K entries."""
+    batch = response_mask.shape[0]
+    if reward_components.dim() != 2 or reward_components.shape[0] != batch:
+        raise ValueError(f"reward_components must be [B={batch}, K], got {list(reward_components.shape)}")
+    k = reward_components.shape[1]
+    weights = [1.0] * k if reward_weights is None else list(reward_weights)
+    if len(weights) != k:
+        raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} entries for {k} reward components")
+    components = reward_components.to(torch.float32)
+    combined = sum(
+        w * _group_normalised(components[:, i], index, epsilon, norm_adv_by_std_in_grpo) for i, w in enumerate(weights)
+    )
+    mask = response_mask.to(torch.float32)
+    advantages = masked_whiten(combined.unsqueeze(-1) * mask, mask) * mask
     return advantages, advantages
 
 

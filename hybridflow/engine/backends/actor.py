@@ -121,7 +121,7 @@ def actor_loss(
         terms["distill_loss"] = distill
     elif teacher is not None:
         distill = distillation_loss(
-            log_prob, batch["teacher_log_prob"], mask, teacher.kl_loss_type, config.loss_agg_mode
+            log_prob, batch["teacher_log_prob"], mask, teacher.kl_loss_type, config.loss_agg_mode, teacher.kl_clamp
         )
         loss = loss + teacher.kl_coef * distill
         terms["distill_loss"] = distill

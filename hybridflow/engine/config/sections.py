@@ -473,6 +473,12 @@ class TeacherConfig(_Section):
         description="use_as: loss: > 0 replaces the kl_loss_type estimate of the sampled token by the exact reverse KL "
         "over the teacher's top_k tokens and a bucket for the rest (distillation.top_k_reverse_kl); 0: the estimate",
     )
+    kl_clamp: float | None = Field(
+        None,
+        gt=0.0,
+        description="each token's KL estimate clamped to [-kl_clamp, kl_clamp] before it is a reward or a loss (verl's "
+        "distillation_loss.loss_max_clamp; not with top_k); None: unclamped",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -489,6 +495,11 @@ class TeacherConfig(_Section):
             raise ValueError(
                 f"teacher.{', teacher.'.join(settings)} set without teacher.model_path: give the teacher's folder "
                 "(-o teacher.model_path=DIR, e.g. a checkpoint's actor/ folder), or remove the teacher's settings"
+            )
+        if self.top_k and self.kl_clamp is not None:
+            raise ValueError(
+                "teacher.kl_clamp clamps the estimate of the sampled token's KL; with teacher.top_k the KL is exact "
+                "over the teacher's top-k tokens: unset teacher.kl_clamp, or set teacher.top_k=0"
             )
         if self.top_k and self.use_as != "loss":
             raise ValueError(
@@ -640,11 +651,19 @@ class AlgorithmConfig(_Section):
         description="a registered advantage estimator (algorithms.estimators.register_adv_est): gae (needs the "
         "critic), grpo (norm_adv_by_std_in_grpo false: Dr. GRPO), rloo, reinforce_plus_plus, "
         "reinforce_plus_plus_baseline, opo, remax (baseline: the greedy response's score), optimal_token_baseline "
-        "(needs actor.calculate_sum_pi_squared)",
+        "(needs actor.calculate_sum_pi_squared), gdpo (needs algorithm.gdpo_reward_keys)",
     )
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(1.0, ge=0.0, le=1.0)
     norm_adv_by_std_in_grpo: bool = True
+    gdpo_reward_keys: list[str] = Field(
+        default_factory=list,
+        description="adv_estimator=gdpo: the score function's reward components, keys of the dict it returns "
+        "(reward_extra/<key>), each normalised within its group on its own",
+    )
+    gdpo_reward_weights: list[float] | None = Field(
+        None, description="adv_estimator=gdpo: one weight per gdpo_reward_keys entry (None: all 1)"
+    )
     use_kl_in_reward: bool = False
     kl_penalty: KLType = "kl"
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
@@ -677,6 +696,21 @@ class AlgorithmConfig(_Section):
         from hybridflow.engine.algorithms.estimators import adv_estimators
 
         return _registered_name(value, adv_estimators(), "algorithm.adv_estimator")
+
+    @model_validator(mode="after")
+    def _gdpo_components(self) -> AlgorithmConfig:
+        if (self.adv_estimator == "gdpo") != bool(self.gdpo_reward_keys):
+            raise ValueError(
+                "algorithm.adv_estimator=gdpo normalises the score function's reward components one by one: name them "
+                "with algorithm.gdpo_reward_keys (keys of the dict it returns), and give those keys only with gdpo"
+            )
+        weights = self.gdpo_reward_weights
+        if weights is not None and len(weights) != len(self.gdpo_reward_keys):
+            raise ValueError(
+                f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(self.gdpo_reward_keys)} "
+                "algorithm.gdpo_reward_keys: give one weight per key"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pf_ppo_with_gae(self) -> AlgorithmConfig:

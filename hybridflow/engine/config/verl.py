@@ -22,8 +22,9 @@ from typing import Any
 
 import yaml
 
-from hybridflow.engine.config.loading import ConfigError, _yaml_problem, dotted_leaves, parse_overrides
-from hybridflow.engine.config.verl_keys import ARR, UNSAID, VERL_KEYS, find_key
+from hybridflow.engine.config.hydra_overrides import parse_hydra_overrides, resolve_interpolations
+from hybridflow.engine.config.loading import ConfigError, _yaml_problem, dotted_leaves
+from hybridflow.engine.config.verl_keys import ARR, MODEL_ENGINES, UNSAID, VERL_KEYS, find_key
 
 VERL_DEFAULTS: dict[str, Any] = {
     "algorithm.adv_estimator": "gae",
@@ -68,12 +69,11 @@ the left takes the value of the one on the right unless it is set itself."""
 
 def read_verl_file(path: str | Path) -> dict[str, Any]:
     """The dotted keys and values of a verl config file (``ppo_trainer.yaml`` layout; Hydra's ``defaults`` list
-    and ``hydra`` section dropped: verl's defaults are `VERL_DEFAULTS` here). ``${a.b}`` values are resolved from
-    the file's own keys.
+    and ``hydra`` section dropped: verl's defaults are `VERL_DEFAULTS` here). ``${a.b}`` values are kept as written:
+    `translate` resolves them with the command line's keys.
 
     Raises:
-        ConfigError: the file is not YAML of sections, or a value interpolates something other than a key of the
-            file (``${oc.env:...}`` and the like: write the value)."""
+        ConfigError: the file is not YAML of sections."""
     path = Path(path)
     try:
         tree = yaml.safe_load(path.read_text()) or {}
@@ -83,14 +83,7 @@ def read_verl_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: the top level must be a mapping of verl's sections (data, actor_rollout_ref, ...)")
     tree.pop("defaults", None)
     tree.pop("hydra", None)
-    flat = {k: v for k, v in dotted_leaves(tree).items() if not k.endswith("_target_")}  # Hydra's classes
-    for key, value in flat.items():
-        if isinstance(value, str) and "${" in value:
-            match = re.fullmatch(r"\$\{([\w.]+)\}", value.strip())
-            if not match or match.group(1) not in flat:
-                raise ConfigError(f"{path}: {key}: {value!r} interpolates what hf verl cannot resolve; write the value")
-            flat[key] = flat[match.group(1)]
-    return flat
+    return {k: v for k, v in dotted_leaves(tree).items() if not k.endswith("_target_")}  # Hydra's classes
 
 
 @dataclass(frozen=True)
@@ -121,10 +114,15 @@ def translate(
     Raises:
         ConfigError: listing every unsupported key (with the nearest supported one) or unsupported value, or a
             malformed override; nothing is run."""
+    command_line = parse_hydra_overrides(overrides)
     given = dict(VERL_CONFIG_NAMES[config_name]) if config_name else {}
     given.update(read_verl_file(config_file) if config_file else {})
-    given.update({k.lstrip("+"): v for k, v in parse_overrides(overrides).items()})
-    values = {**VERL_DEFAULTS, **given}
+    given.update(_engine_choices(command_line.values))  # Hydra's defaults list, beneath the values given
+    for deleted in command_line.deleted:  # ~key: back to verl's default
+        given = {k: v for k, v in given.items() if k != deleted and not k.startswith(f"{deleted}.")}
+    given.update(_flattened(command_line.values))
+    values = resolve_interpolations({**VERL_DEFAULTS, **given})
+    given = {key: values[key] for key in given}
     for key, source in _INHERITED.items():
         if key not in values and source in values:
             values[key] = values[source]
@@ -134,18 +132,22 @@ def translate(
     for key, value in values.items():
         try:
             entry = find_key(key)
-            ours.update(entry.convert(value))
+            ours.update(entry.convert(value, key))
         except (ConfigError, TypeError, ValueError) as e:
             errors.append(str(e) if isinstance(e, ConfigError) else f"verl key {key}={value!r}: {e}")
             continue
         if not entry.ours and not entry.via and key in given:
             no_effect.append((key, entry.note))
     errors += _cross_checks(values)
+    distilled, distill_errors = _distillation(values)
+    ours.update(distilled)
+    errors += distill_errors
     if errors:
         raise ConfigError("hf verl cannot run this command line:\n  " + "\n  ".join(errors))
-    if "custom_reward_function.path" in values:
-        name = values.get("custom_reward_function.name") or "compute_score"
-        ours["reward.custom_function"] = f"{values['custom_reward_function.path']}:{name}"
+    for section in ("custom_reward_function", "reward.custom_reward_function"):  # verl's older and current spelling
+        if values.get(f"{section}.path"):
+            name = values.get(f"{section}.name") or "compute_score"
+            ours["reward.custom_function"] = f"{values[f'{section}.path']}:{name}"
     if "trainer.total_training_steps" not in given or given["trainer.total_training_steps"] is None:
         ours["trainer.total_iterations"] = _epochs_to_iterations(values)
     for role, section in (("actor", f"{ARR}.actor"), ("critic", "critic")):  # verl's ratio, of the whole run
@@ -157,6 +159,13 @@ def translate(
         granularity = values.get(f"{section}.megatron.override_transformer_config.recompute_granularity")
         if f"{model}.model.enable_gradient_checkpointing" not in given and granularity not in (None, "null"):
             ours[f"{ours_key}.gradient_checkpointing"] = True
+    if values.get("trainer.resume_mode") == "resume_path" and not _unset_path(values.get("trainer.resume_from_path")):
+        ours["trainer.resume_from"] = str(values["trainer.resume_from_path"])
+    elif values.get("trainer.resume_mode") == "resume_path":
+        raise ConfigError(
+            "hf verl cannot run this command line:\n  verl key trainer.resume_mode=resume_path needs "
+            "trainer.resume_from_path: a checkpoint folder global_step_N"
+        )
     for key in ("data.val_batch_size", "reward_model.max_length"):
         if ours.get(key) is None:
             ours.pop(key, None)
@@ -173,13 +182,158 @@ def _cross_checks(values: dict[str, Any]) -> list[str]:
             f"verl key {ARR}.rollout.val_kwargs.do_sample=False with val_kwargs.temperature={temperature} is not "
             "supported here: validation is greedy exactly when the temperature is 0; set val_kwargs.temperature=0"
         )
-    max_resp_len = values.get("reward_model.reward_kwargs.max_resp_len")
-    if max_resp_len is not None and int(max_resp_len) != int(values["data.max_response_length"]):
-        errors.append(
-            f"verl key reward_model.reward_kwargs.max_resp_len={max_resp_len} is not supported here: the overlong "
-            f"buffer ends at data.max_response_length ({values['data.max_response_length']}); give the same value"
-        )
+    engine = values.get("model_engine", values.get(f"{ARR}.actor.model_engine"))
+    for role in (f"{ARR}.actor", "critic"):
+        schedule = values.get(f"{role}.optim.lr_scheduler_type", values.get(f"{role}.optim.warmup_style"))
+        if engine == "veomni" and schedule in (None, "cosine"):
+            errors.append(
+                f"verl key model_engine=veomni: VeOmni's optimizer decays the lr by a cosine to 0 (verl's "
+                f"optim/veomni.yaml: lr_scheduler_type cosine), which is not implemented here: give "
+                f"{role}.optim.lr_scheduler_type=constant, or model_engine=dp"
+            )
+            break
+    for section in ("reward_model", "reward"):  # verl's older and current spelling
+        max_resp_len = values.get(f"{section}.reward_kwargs.max_resp_len")
+        if max_resp_len is not None and int(max_resp_len) != int(values["data.max_response_length"]):
+            errors.append(
+                f"verl key {section}.reward_kwargs.max_resp_len={max_resp_len} is not supported here: the overlong "
+                f"buffer ends at data.max_response_length ({values['data.max_response_length']}); give the same value"
+            )
     return errors
+
+
+_DISTILL_LOSS = "distillation.distillation_loss"
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+def _distillation(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Our ``teacher.*`` (and the actor's terms verl drops) for verl main's ``distillation.*`` section, and the
+    refusals of what is not implemented. verl's YAML defaults (``distillation/distillation.yaml``): ``loss_mode: k3``,
+    ``use_policy_gradient: false``, ``use_task_rewards: true``, ``distillation_loss_coef: 1.0``.
+
+    verl's distillation term (``verl/trainer/distillation/losses.py``): D per token is k1 = log p - log q, k2 =
+    (log p - log q)^2 / 2, k3 (low_var_kl) or abs, clamped to [-loss_max_clamp, loss_max_clamp]; with
+    use_policy_gradient a PPO-clip loss of advantage -D (current log-probs, detached), else agg(D); added to the PPO
+    loss x distillation_loss_coef, or alone with use_task_rewards false. Here: teacher.use_as reward (advantage
+    task_coef x A - kl_coef x D with the old log-probs: the same where one mini-batch of one epoch makes them the
+    current ones) or loss (kl_coef x agg(D))."""
+    if not values.get("distillation.enabled"):
+        return {}, []
+    teachers = {
+        key.split(".")[2]: value
+        for key, value in values.items()
+        if re.fullmatch(r"distillation\.teacher_models\.[^.]+\.model_path", key) and value
+    }
+    if len(teachers) > 1:  # verl drops its placeholder teacher_model once others are named
+        teachers.pop("teacher_model", None)
+    if len(teachers) != 1:
+        return {}, [
+            "verl key distillation.enabled=True needs one teacher: give distillation.teacher_models.teacher_model."
+            "model_path"
+            if not teachers
+            else f"verl key distillation.teacher_models has {len(teachers)} teachers ({', '.join(sorted(teachers))}), "
+            "routed by distillation.teacher_key: several teachers are not implemented here; distil from one "
+            "(one teacher_models entry), one run per teacher"
+        ]
+    errors = []
+    mode = str(values.get(f"{_DISTILL_LOSS}.loss_mode", "k3"))
+    mode = _KL_ALIASES.get(mode, mode)
+    policy_gradient = bool(values.get(f"{_DISTILL_LOSS}.use_policy_gradient", False))
+    with_task = bool(values.get(f"{_DISTILL_LOSS}.use_task_rewards", True))
+    coef = float(values.get(f"{_DISTILL_LOSS}.distillation_loss_coef", 1.0))
+    ours: dict[str, Any] = {"teacher.model_path": next(iter(teachers.values()))}
+    if policy_gradient and mode != "k1":
+        errors.append(
+            f"verl key {_DISTILL_LOSS}.loss_mode={mode} with use_policy_gradient=True is not supported here: the "
+            "policy-gradient term takes k1, the sampled token's log-ratio (teacher.use_as=reward); for k2, k3 or abs "
+            "set use_policy_gradient=False (a loss)"
+        )
+    elif not policy_gradient and mode not in ("k2", "k3", "abs"):
+        errors.append(
+            f"verl key {_DISTILL_LOSS}.loss_mode={mode} with use_policy_gradient=False is not supported here: a "
+            "distillation loss takes k2 (mse), k3 (low_var_kl) or abs; k1 needs use_policy_gradient=True "
+            "(forward_kl_topk is not implemented: teacher.top_k is the reverse KL over the teacher's top-k tokens)"
+        )
+    ours["teacher.use_as"] = "reward" if policy_gradient else "loss"
+    if not policy_gradient:
+        ours["teacher.kl_loss_type"] = mode
+    if policy_gradient and not _one_on_policy_update(values):
+        errors.append(
+            f"verl key {_DISTILL_LOSS}.use_policy_gradient=True is taken with one mini-batch of one epoch here "
+            "(actor_rollout_ref.actor.ppo_mini_batch_size = data.train_batch_size, ppo_epochs=1): the distillation "
+            "reward uses the old log-probs, verl's the current mini-batch's"
+        )
+    if with_task and coef <= 0:
+        errors.append(
+            f"verl key {_DISTILL_LOSS}.distillation_loss_coef={coef} trains without the teacher: "
+            "set distillation.enabled=False"
+        )
+    ours["teacher.task_coef"], ours["teacher.kl_coef"] = (1.0, coef) if with_task else (0.0, 1.0)
+    if not with_task:  # verl replaces the whole PPO loss, its entropy bonus and KL loss with it
+        ours.update({"actor.entropy_coeff": 0.0, "actor.use_kl_loss": False})
+    temperature = float(values.get(f"{ARR}.rollout.temperature", 1.0))
+    if temperature != 1.0:
+        errors.append(
+            f"verl key {ARR}.rollout.temperature={temperature} with distillation is not supported here: verl's "
+            "teacher scores at temperature 1 and ours at the rollout's; set rollout.temperature=1"
+        )
+    return ours, errors
+
+
+def _unset_path(value: Any) -> bool:
+    return value in (None, "", "null")
+
+
+def _one_on_policy_update(values: dict[str, Any]) -> bool:
+    """Whether the actor updates once per batch (one mini-batch, one epoch): its old log-probs are then the current."""
+    batch = int(values.get("data.train_batch_size", 0))
+    mini = int(values.get(f"{ARR}.actor.ppo_mini_batch_size", batch))
+    return mini >= batch and int(values.get(f"{ARR}.actor.ppo_epochs", 1) or 1) == 1
+
+
+def _flattened(values: dict[str, Any]) -> dict[str, Any]:
+    """A Hydra dict value of a section (``actor_rollout_ref.actor.optim={lr:1e-6,betas:[0.9,0.99]}``) as its
+    dotted keys, as Hydra merges it into verl's config; a key the table takes whole keeps its value."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and value and not _taken_whole(key):
+            out.update(dotted_leaves(value, f"{key}."))
+        else:
+            out[key] = value
+    return out
+
+
+def _taken_whole(key: str) -> bool:
+    try:
+        find_key(key)
+    except ConfigError:
+        return False
+    return True
+
+
+_ENGINE_GROUPS = {
+    f"actor@{ARR}.actor": (f"{ARR}.actor.strategy", "_actor"),
+    f"ref@{ARR}.ref": (f"{ARR}.ref.strategy", "_ref"),
+    "critic@critic": ("critic.strategy", "_critic"),
+}
+"""verl's defaults-list groups that pick a training engine per role (``actor@actor_rollout_ref.actor=megatron_actor``):
+the strategy key each sets and the suffix of its options."""
+
+
+def _engine_choices(given: dict[str, Any]) -> dict[str, Any]:
+    """What verl main's defaults-list choices on the command line set beneath the values given: ``model_engine=E``
+    (`MODEL_ENGINES`) the actor's, ref's and critic's strategy; ``actor@actor_rollout_ref.actor=E_actor`` (and ref,
+    critic) one role's. Options `find_key` does not take are refused there."""
+    chosen: dict[str, Any] = {}
+    engine = given.get("model_engine", given.get(f"{ARR}.actor.model_engine"))
+    if engine in MODEL_ENGINES:
+        strategy = MODEL_ENGINES[engine]
+        chosen.update({key: strategy for key, _ in _ENGINE_GROUPS.values()})
+    for group, (key, suffix) in _ENGINE_GROUPS.items():
+        option = str(given.get(group, ""))
+        if option.removesuffix(suffix) in MODEL_ENGINES and option.endswith(suffix):
+            chosen[key] = MODEL_ENGINES[option.removesuffix(suffix)]
+    return chosen
 
 
 def _epochs_to_iterations(values: dict[str, Any]) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridflow.engine.config.loading import ConfigError
@@ -41,6 +41,10 @@ class VerlKey:
         note: what differs, or why the key has no effect here (shown in the table and when the run starts).
         via: our key this one sets together with others (`translate` does it: ``trainer.total_epochs`` ->
             ``trainer.total_iterations``); such a key is not "no effect".
+        schema: which of verl's config schemas has the key: ``both``; ``legacy``: verl's 2025 one only (its
+            ``reward_model.*`` and top-level ``custom_reward_function.*``, keys its scripts added with ``+``);
+            ``current``: verl main's only (``model_engine``, ``reward.*``, ``distillation.*``, ``*.veomni.*``, ...),
+            as its ``verl/trainer/config/_generated_ppo_*.yaml`` list them.
     """
 
     verl: str
@@ -50,27 +54,34 @@ class VerlKey:
     accepts: Callable[[Any], bool] | None = None
     note: str = ""
     via: str = ""
+    schema: str = "both"
 
-    def convert(self, value: Any) -> dict[str, Any]:
-        """Our overrides for verl's `value` (empty for a no-effect key).
+    def convert(self, value: Any, key: str | None = None) -> dict[str, Any]:
+        """Our overrides for verl's `value` of `key` (one this entry matches; default `verl`), empty for a no-effect
+        key.
 
         Raises:
             ConfigError: `value` is one this key does not take here (the key, the value and why named)."""
         if self.accepts is not None and not self.accepts(value):
-            raise ConfigError(f"verl key {self.verl}={value!r} is not supported here: {self.note}")
+            raise ConfigError(f"verl key {key or self.verl}={value!r} is not supported here: {self.note}")
         if not self.ours:
             return {}
         values = self.to_ours(value) if self.to_ours else (value,) * len(self.ours)
         return dict(zip(self.ours, values, strict=True))
 
 
-def _same(verl: str, ours: str | None = None, note: str = "") -> VerlKey:
+def _same(verl: str, ours: str | None = None, note: str = "", schema: str = "both") -> VerlKey:
     """A key whose value carries over unchanged (to ``ours``, or to verl's name without ``actor_rollout_ref.``)."""
-    return VerlKey(verl, (ours or verl.removeprefix(f"{ARR}."),), note=note)
+    return VerlKey(verl, (ours or verl.removeprefix(f"{ARR}."),), note=note, schema=schema)
 
 
-def _no_effect(verl: str, note: str, accepts: Callable[[Any], bool] | None = None) -> VerlKey:
-    return VerlKey(verl, (), accepts=accepts, note=note)
+def _no_effect(verl: str, note: str, accepts: Callable[[Any], bool] | None = None, schema: str = "both") -> VerlKey:
+    return VerlKey(verl, (), accepts=accepts, note=note, schema=schema)
+
+
+def _current(entries: list[VerlKey]) -> list[VerlKey]:
+    """`entries` tagged as keys of verl main's schema only."""
+    return [replace(entry, schema="current") for entry in entries]
 
 
 def _strategy(verl: str, ours: str) -> VerlKey:
@@ -183,6 +194,30 @@ _MICRO_GLOBAL = (
     "verl's deprecated global micro-batch size only splits the same update into micro-batches (up to float "
     "rounding); to set ours give the per-GPU one (ppo_micro_batch_size_per_gpu / log_prob_micro_batch_size_per_gpu)"
 )
+
+_ENGINE = (
+    "verl's training engine, the Hydra defaults group of the actor, ref and critic (*.strategy): dp (FSDP) and veomni "
+    "(VeOmni's FSDP2 engine; its cosine lr decay is refused unless optim.lr_scheduler_type=constant is given) train "
+    "as our fsdp, megatron as ours; a *.strategy given with it wins, as in verl; torchtitan (its lr decays linearly "
+    "after warm-up) is not supported: use dp"
+)
+MODEL_ENGINES = {"dp": "fsdp", "veomni": "fsdp", "megatron": "megatron"}
+"""verl's ``model_engine`` choices (``verl/trainer/config/model_engine/*.yaml``) taken here -> our strategy."""
+_DISTILL = (
+    "on-policy distillation from one teacher (our teacher role): loss_mode and use_policy_gradient choose "
+    "teacher.use_as; a policy-gradient distillation term is taken with one mini-batch of one epoch "
+    "(ppo_mini_batch_size = train_batch_size, ppo_epochs 1), where verl's current log-probs are the old ones"
+)
+_DISTILL_CLIP = (
+    "the distillation term's PPO clip range: with one mini-batch of one epoch (required) its ratio is 1 and nothing "
+    "is clipped"
+)
+_TEACHER_ENGINE = (
+    "verl serves the teacher on an inference engine; here it scores with its own forward pass (the same log-probs, "
+    "at temperature 1: the rollout's must be 1, as verl's teacher ignores its own)"
+)
+_LORA_MERGE = "the rollout generates with the base weights plus the adapter either way (merged or as an adapter)"
+_TEXT_ONLY = "text prompts only: a file's image, video and audio columns are not read (a text model is trained)"
 
 VERL_KEYS: tuple[VerlKey, ...] = (
     # ------------------------------------------------------------------ data
@@ -459,6 +494,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     _no_effect("critic.optim.lr_decay_style", "linear warm-up, then constant", _only("constant")),
     _no_effect("critic.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
+    _no_effect("critic.optim.lr_scheduler_type", "linear warm-up, then constant", _only("constant")),
     _same("critic.ppo_mini_batch_size"),
     _same("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size", "sequences per rank"),
     _same("critic.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size", "sequences per rank"),
@@ -574,6 +610,14 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same("algorithm.gamma"),
     _same("algorithm.lam"),
     _same("algorithm.norm_adv_by_std_in_grpo"),
+    _same(
+        "algorithm.gdpo_reward_keys",
+        note="GDPO's reward components: keys of the score function's returned dict",
+        schema="current",
+    ),
+    _same(
+        "algorithm.gdpo_reward_weights", note="one weight per gdpo_reward_keys entry (null: all 1)", schema="current"
+    ),
     _same("algorithm.use_kl_in_reward"),
     _same("algorithm.kl_penalty"),
     _same("algorithm.kl_ctrl.type"),
@@ -653,8 +697,19 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     _no_effect("trainer.critic_warmup", "the actor updates from the first iteration", _only(0)),
     _no_effect("trainer.balance_batch", "rows are dealt to ranks in order; sequence balancing is speed only"),
-    _no_effect("trainer.resume_mode", "runs resume with hf resume RUN (exactly, from the newest usable checkpoint)"),
-    _no_effect("trainer.resume_from_path", "hf resume RUN --from global_step_N", _unset),
+    VerlKey(
+        "trainer.resume_mode",
+        accepts=_only("auto", "disable", "resume_path"),
+        note="resume_path: a new run starting from trainer.resume_from_path (our trainer.resume_from); auto and "
+        "disable start anew (a run of ours continues with hf resume RUN, exactly, from its newest usable checkpoint)",
+        via="trainer.resume_from",
+    ),
+    VerlKey(
+        "trainer.resume_from_path",
+        note="with trainer.resume_mode=resume_path (verl ignores it otherwise): a HybridFlow checkpoint folder "
+        "global_step_N to start a new run from, its weights, optimizer and data position (trainer.resume_from)",
+        via="trainer.resume_from",
+    ),
     _no_effect("trainer.default_hdfs_dir", "checkpoints are local files (trainer.checkpoint_dir)", _unset),
     _no_effect("trainer.del_local_ckpt_after_load", "checkpoints are kept"),
     _no_effect("trainer.max_actor_ckpt_to_keep", "checkpoints are kept (hf runs delete removes a run's)"),
@@ -665,7 +720,177 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect("trainer.esi_redundant_time", "Slurm's --signal warning: placement.slurm.signal_delay_s"),
     _no_effect("trainer.ray_wait_register_center_timeout", "no Ray here"),
     _no_effect("trainer.use_legacy_worker_impl", "one worker implementation here"),
+    # ------------------------------------------------------------------ verl main's current schema
+    *_current(
+        [
+            VerlKey(
+                "model_engine",
+                accepts=_only(*MODEL_ENGINES),
+                note=_ENGINE,
+                via="actor.strategy",
+            ),
+            VerlKey(
+                f"{ARR}.actor.model_engine",
+                accepts=_only(*MODEL_ENGINES),
+                note=_ENGINE,
+                via="actor.strategy",
+            ),
+            *[
+                VerlKey(
+                    f"{group}@{package}",
+                    accepts=lambda v, group=group: str(v) in {f"{e}_{group}" for e in MODEL_ENGINES},
+                    note=f"one role's engine in verl's defaults list (E_{group}, E one of model_engine's): as "
+                    "model_engine; a config group of another package (hydra.searchpath=[pkg://...]) is not known "
+                    "here: use model_engine=megatron or dp",
+                    via=f"{group}.strategy",
+                )
+                for group, package in (("actor", f"{ARR}.actor"), ("ref", f"{ARR}.ref"), ("critic", "critic"))
+            ],
+            _no_effect(
+                "hydra.searchpath",
+                "Hydra's config search path: hf verl reads --config-path/--config-name's file or verl's own config "
+                "names; a config group of another package is refused by its group's key",
+            ),
+            _no_effect("hydra.*", "Hydra's own output folders and logging: the run's folder is trainer.output_dir"),
+            _same(
+                f"{ARR}.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+                "rollout.checkpoint_engine.update_weights_bucket_megabytes",
+                "the most MiB one weight broadcast to a rollout pool of its own carries (checkpoint_engine.backend "
+                "gloo); colocated, the rollout reads the actor's weights in place",
+            ),
+            _no_effect(f"{ARR}.rollout.checkpoint_engine.*", _SPEED),
+            _same("reward.reward_model.enable", "reward_model.enable"),
+            _same("reward.reward_model.model_path", "reward_model.path"),
+            _no_effect("reward.reward_model.rollout.*", _REWARD_LOOP),
+            _no_effect(
+                "reward.reward_model.enable_resource_pool",
+                "the reward model's placement: its own pool with placement.pools (hf plan places it)",
+            ),
+            _no_effect("reward.reward_model.n_gpus_per_node", "the reward model's pool: placement.pools"),
+            _no_effect("reward.reward_model.nnodes", "the reward model's pool: placement.pools"),
+            _no_effect("reward.num_workers", _SPEED),
+            _no_effect(
+                "reward.reward_manager.name",
+                "scores come from the score function (reward.custom_reward_function or the data_source's); DAPO's "
+                "overlong penalty is reward.reward_kwargs.overlong_buffer_cfg; GDPO's components are the keys of "
+                "the dict the function returns (algorithm.gdpo_reward_keys)",
+                _only("naive", "dapo", "gdpo"),
+            ),
+            _no_effect("reward.reward_manager.source", "verl's registered reward managers", _only("register")),
+            _no_effect(
+                "reward.reward_manager.module.path",
+                "a reward manager class of your own is not run here: write a score function "
+                "(reward.custom_reward_function.path and .name)",
+                _unset,
+            ),
+            _no_effect("reward.reward_manager.module.name", "the class in reward.reward_manager.module.path"),
+            _same("reward.reward_kwargs.overlong_buffer_cfg.enable", "reward.overlong_buffer.enable", _DAPO_KWARGS),
+            _same("reward.reward_kwargs.overlong_buffer_cfg.len", "reward.overlong_buffer.len", _DAPO_KWARGS),
+            _same(
+                "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor",
+                "reward.overlong_buffer.penalty",
+                _DAPO_KWARGS,
+            ),
+            _no_effect("reward.reward_kwargs.overlong_buffer_cfg.log", "the penalty is always logged"),
+            VerlKey(
+                "reward.reward_kwargs.max_resp_len",
+                note="the length the overlong buffer ends at: taken when it is data.max_response_length (the buffer "
+                "ends at rollout.response_length here)",
+                via="reward.overlong_buffer",
+            ),
+            _same(
+                "reward.custom_reward_function.path",
+                "reward.custom_function",
+                "with .name: reward.custom_function=path:name",
+            ),
+            VerlKey(
+                "reward.custom_reward_function.name",
+                note="the function in reward.custom_reward_function.path (default compute_score)",
+                via="reward.custom_function",
+            ),
+            VerlKey("distillation.enabled", note=_DISTILL, via="teacher.model_path"),
+            VerlKey(
+                "distillation.teacher_models.*.model_path",
+                note="the teacher's folder; one teacher per run here (verl's lone teacher_model, or one named entry)",
+                via="teacher.model_path",
+            ),
+            _no_effect("distillation.teacher_models.*.key", "one teacher scores every row"),
+            _no_effect("distillation.teacher_models.*.num_replicas", "the teacher's pool: placement only"),
+            _no_effect("distillation.teacher_models.*.inference.*", _TEACHER_ENGINE),
+            _no_effect("distillation.teacher_key", "one teacher scores every row", _only("data_source")),
+            _no_effect("distillation.n_gpus_per_node", "the teacher's pool: placement only (the same log-probs)"),
+            _no_effect("distillation.nnodes", "the teacher's pool: placement only (the same log-probs)"),
+            VerlKey(
+                "distillation.distillation_loss.loss_mode",
+                note="with use_policy_gradient=True: k1 (kl), the sampled token's log-ratio as its reward "
+                "(teacher.use_as=reward); with False: k2 (mse), k3 (low_var_kl) or abs as a loss (teacher.use_as=loss, "
+                "teacher.kl_loss_type); forward_kl_topk is not implemented (teacher.top_k is the reverse KL)",
+                via="teacher.use_as",
+            ),
+            VerlKey("distillation.distillation_loss.use_policy_gradient", note=_DISTILL, via="teacher.use_as"),
+            VerlKey(
+                "distillation.distillation_loss.use_task_rewards",
+                note="True: teacher.task_coef=1 and teacher.kl_coef=distillation_loss_coef; False: the teacher alone "
+                "(task_coef 0, kl_coef 1, and no entropy bonus or KL loss, as verl drops the PPO loss with them)",
+                via="teacher.task_coef",
+            ),
+            VerlKey(
+                "distillation.distillation_loss.distillation_loss_coef",
+                note="teacher.kl_coef with use_task_rewards=True",
+                via="teacher.kl_coef",
+            ),
+            VerlKey(
+                "distillation.distillation_loss.loss_max_clamp",
+                ("teacher.kl_clamp",),
+                to_ours=lambda v: (None if _unset(v) else float(v),),
+                note="each token's KL clamped to [-c, c] before it is a reward or a loss",
+            ),
+            _no_effect("distillation.distillation_loss.topk", "only with loss_mode=forward_kl_topk, not implemented"),
+            _no_effect(
+                "distillation.distillation_loss.log_prob_min_clamp",
+                "only with loss_mode=forward_kl_topk, not implemented",
+            ),
+            _no_effect(
+                "distillation.distillation_loss.policy_loss_mode", "the distillation term's PPO loss", _only("vanilla")
+            ),
+            _no_effect("distillation.distillation_loss.clip_ratio*", _DISTILL_CLIP),
+            _no_effect(f"{ARR}.model.lora.merge", _LORA_MERGE),
+            _no_effect(f"{ARR}.ref.entropy_checkpointing", _CHECKPOINTING),
+            _no_effect(f"{ARR}.actor.megatron.use_remove_padding", _PADDING),
+            _no_effect(f"{ARR}.actor.megatron.use_megatron_fsdp", _OFFLOAD),
+            _no_effect(f"{ARR}.actor.megatron.use_distributed_optimizer", _OFFLOAD),
+            _no_effect(f"{ARR}.actor.megatron.sequence_parallel", _SPEED),
+            _no_effect(f"{ARR}.actor.optim.min_lr", "only with a cosine schedule, which is not implemented"),
+            _no_effect("*.veomni.expert_parallel_size", _MOE, _unset_or_one),
+            _no_effect("*.veomni.ulysses_parallel_size", _SEQUENCE, _unset_or_one),
+            _no_effect("*.veomni.*", "VeOmni's engine tuning (kernels, offload, sharding): " + _SPEED),
+            _no_effect("*.fsdp.ulysses_sequence_parallel_size", _SEQUENCE, _unset_or_one),
+            _no_effect("*.fsdp.*", _SPEED),
+            _no_effect("data.image_key", _TEXT_ONLY),
+            _no_effect("data.video_key", _TEXT_ONLY),
+            _no_effect("data.audio_key", _TEXT_ONLY),
+            _no_effect("data.image_patch_size", _TEXT_ONLY),
+            _no_effect("trainer.use_v1", "one trainer here"),
+            _no_effect(
+                "trainer.v1.trainer_mode",
+                "sync: generate, then train, every iteration; asynchronous modes are -o trainer.mode=one_step_off "
+                "or -o trainer.mode=streaming",
+                _only("sync"),
+            ),
+            _no_effect("trainer.v1.*", "settings of verl's asynchronous v1 trainer modes (trainer.v1.trainer_mode)"),
+            _no_effect(
+                "transfer_queue.*",
+                "no transfer queue: the flow passes handles and bulk tensors move between worker groups directly",
+            ),
+            _no_effect(
+                "skip.*",
+                "verl's rollout dump and replay (skip.*.enable) is not here",
+                lambda v: v in (False, [], None, ""),
+            ),
+        ]
+    ),
     # ------------------------------------------------------------------ families with no effect
+    _no_effect("*.fsdp_config.ulysses_sequence_parallel_size", _SEQUENCE, _unset_or_one),
     _no_effect("*.fsdp_config.*", _SPEED),
     _no_effect("*.profiler.*", "profiling: hf runs timeline RUN shows each stage's seconds"),
     _no_effect("global_profiler.*", "profiling: hf runs timeline RUN shows each stage's seconds"),
@@ -673,6 +898,23 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect("ray_kwargs.*", "no Ray here: worker groups are Slurm jobs or local processes"),
 )
 """Every verl key ``hf verl`` takes (see the module docstring); generated into docs/verl-keys.md."""
+
+_LEGACY_ONLY = {
+    *(f"reward_model.{k}" for k in ("micro_batch_size_per_gpu", "micro_batch_size", "max_length", "strategy")),
+    *(f"reward_model.{k}" for k in ("use_dynamic_bsz", "forward_max_token_len_per_gpu", "launch_reward_fn_async")),
+    *(f"reward_model.{k}" for k in ("use_reward_loop", "model.input_tokenizer", "model.use_remove_padding")),
+    *(f"reward_model.overlong_buffer.{k}" for k in ("enable", "len", "penalty_factor", "log")),
+    *(f"custom_reward_function.overlong_buffer.{k}" for k in ("enable", "len", "penalty_factor", "log")),
+    *(f"reward_model.reward_kwargs.overlong_buffer_cfg.{k}" for k in ("enable", "len", "penalty_factor", "log")),
+    "reward_model.reward_kwargs.max_resp_len",
+    f"{ARR}.actor.use_token_level_loss",
+    f"{ARR}.actor.sum_pi_squared_checkpointing",
+    f"{ARR}.rollout.update_weights_bucket_megabytes",
+    "trainer.use_legacy_worker_impl",
+}
+"""Keys of verl's 2025 schema that verl main's ``_generated_ppo_*.yaml`` no longer have (checked against verl
+``1dda039``, 2026-08-22, and ``b178a3c``, 2026-01-29)."""
+VERL_KEYS = tuple(replace(e, schema="legacy") if e.verl in _LEGACY_ONLY else e for e in VERL_KEYS)
 
 
 def find_key(verl_key: str) -> VerlKey:
@@ -702,10 +944,10 @@ def find_key(verl_key: str) -> VerlKey:
 def key_table() -> str:
     """The Markdown table of every verl key and what it is here (docs/verl-keys.md)."""
     lines = [
-        "| verl key | HybridFlow key | notes |",
-        "| --- | --- | --- |",
+        "| verl key | schema | HybridFlow key | notes |",
+        "| --- | --- | --- | --- |",
     ]
     for entry in VERL_KEYS:
         ours = ", ".join(f"`{k}`" for k in entry.ours) or (f"`{entry.via}`" if entry.via else "no effect")
-        lines.append(f"| `{entry.verl}` | {ours} | {entry.note.replace('|', '/')} |")
+        lines.append(f"| `{entry.verl}` | {entry.schema} | {ours} | {entry.note.replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ MAX_TOKENS = 6
 
 JUDGE = """
 import json
+import os
 from pathlib import Path
 
 LOG = Path(__file__).with_name("verdicts.jsonl")
@@ -40,7 +41,7 @@ def picky_prompt(data_source, solution_str, ground_truth, extra_info):
 
 def verdict(judge_text, data_source, solution_str, ground_truth, extra_info):
     with LOG.open("a") as f:
-        f.write(json.dumps({"judge_text": judge_text, "solution_str": solution_str}) + "\\n")
+        f.write(json.dumps({"judge_text": judge_text, "solution_str": solution_str, "pid": os.getpid()}) + "\\n")
     return {"score": len(judge_text) / 10, "words": len(judge_text.split())}
 
 
@@ -244,25 +245,33 @@ def test_a_judge_that_cannot_work_is_refused_before_any_work(tmp_path, tiny_mode
     assert not os.path.exists(path.with_name("verdicts.jsonl"))  # nothing was judged
 
 
-def test_a_judge_in_a_pool_of_its_own_scores_the_flows_iterations(prefect_api, tmp_path, tiny_model_dir, smollm2_dir):
-    """``hf run``'s flow with the judge (SmolLM2 on a vLLM engine) in a pool of its own: its ``rm_score`` stage runs
-    there on the columns the flow sends it, each iteration's ``critic/rm_score/mean`` is the mean of the verdicts
-    the verdict function gave for that iteration's samples, and the kept samples hold each verdict and its score."""
+def test_a_judge_engine_over_two_ranks_of_its_own_pool_scores_the_flows_iterations(
+    prefect_api, tmp_path, tiny_model_dir
+):
+    """``hf run``'s flow with the judge on a vLLM engine tensor-parallel over the two ranks of a pool of its own
+    (``reward_model.judge.tensor_parallel_size=2``, verl's ``reward.reward_model.rollout.tensor_model_parallel_size``;
+    a causal LM of 4 heads, split 2 a rank): its ``rm_score`` stage gives both ranks the same rows and takes the
+    first's verdicts, each once; each iteration's ``critic/rm_score/mean`` is the mean of the verdicts the verdict
+    function gave for that iteration's samples, and the kept samples hold each verdict and its score."""
+    from hybridflow.engine.tiny import build_tiny_model
     from hybridflow.flows.rlhf import rlhf_flow
     from hybridflow.flows.store.run_store import RunStore
 
+    judge_model = build_tiny_model(tmp_path / "judge128", hidden_size=128, head_dim=32, seed=1)
     path = _write_judge(tmp_path)
-    pools = "{train: {roles: [actor, rollout, reward]}, judge: {roles: [reward_model]}}"
-    extra = [*_judge_keys(path, "vllm", smollm2_dir), "trainer.total_iterations=2", f"placement.pools={pools}"]
-    extra += ["trainer.log_train_generations=3"]
+    pools = "{train: {roles: [actor, rollout, reward]}, judge: {roles: [reward_model], tasks_per_node: 2}}"
+    extra = [*_judge_keys(path, "vllm", judge_model), "trainer.total_iterations=2", f"placement.pools={pools}"]
+    extra += ["trainer.log_train_generations=3", "reward_model.judge.tensor_parallel_size=2"]
+    extra += ["reward_model.judge.vllm_kv_cache_gb=0.25", "trainer.num_threads=1"]
     cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     run_id = store.create_run(cfg.model_dump(mode="json"), "judge-pool")
     rlhf_flow(run_id=run_id, db_url=store.url)
-    placed = {p.role: p.group_name for p in store.placements(run_id)}
-    assert placed["reward_model"] == "judge" and placed["actor"] == "train"
+    placed = {p.role: p for p in store.placements(run_id)}
+    assert placed["reward_model"].group_name == "judge" and placed["actor"].group_name == "train"
     logged = [json.loads(line) for line in path.with_name("verdicts.jsonl").read_text().splitlines()]
-    assert len(logged) == 16  # 2 iterations x 4 prompts x 2 samples
+    assert len(logged) == 16  # 2 iterations x 4 prompts x 2 samples, each judged once
+    assert len({x["pid"] for x in logged}) == 1  # one engine over both ranks: its first rank gives every verdict
     metrics = {(m.step, m.name): m.value for m in store.metrics(run_id)}
     for step, judged in ((1, logged[:8]), (2, logged[8:])):
         verdict_mean = sum(len(x["judge_text"]) / 10 for x in judged) / len(judged)

@@ -513,6 +513,7 @@ def test_verl_mains_engine_reward_and_checkpoint_engine_keys_translate_or_are_re
         "reward_model.enable": "true",
         "reward_model.path": "/m/rm",
         "rollout.checkpoint_engine.update_weights_bucket_megabytes": "2048",
+        "reward_model.judge.tensor_parallel_size": "2",  # the judge's engine (tests/test_judge.py runs one over 2)
     }
     assert {k: reward.get(k) for k in expected} == expected
     gdpo = _ours(  # examples/gdpo_trainer/run_qwen3_8b_fsdp.sh

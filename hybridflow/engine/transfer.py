@@ -17,7 +17,8 @@ and collect (`hybridflow.slurm.dispatch`) read these marks. The names are verl's
   megatron's model-parallel groups do). The ranks of one replica get the same rows, and only the rank with
   ``collect`` (e.g. the last pipeline stage's first TP rank) returns the replica's result. This is verl's megatron
   protocol, generalised so that one worker uses the training layout for the actor's stages and the generation
-  layout for the rollout's.
+  layout for the rollout's. ``judge``: the reward model's scoring, whose generative judge may span blocks of
+  ranks (``reward_model.judge.tensor_parallel_size``); every rank its own replica otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 _ATTR = "__hybridflow_dispatch__"
 
-MESHES = ("train", "generate", "critic")
+MESHES = ("train", "generate", "critic", "judge")
 """The meshes a ``DP_COMPUTE_PROTO`` method may split its rows over (see the module docstring)."""
 
 PART_KEY = "__part__"  # a result batch written to the data folder: its `write_part` description

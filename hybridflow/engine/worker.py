@@ -63,6 +63,13 @@ if TYPE_CHECKING:
     from hybridflow.engine.reward.judge import JudgeRewardModel
 
 
+def judge_tp(cfg: HybridFlowConfig) -> int:
+    """The ranks one generative judge engine spans (``reward_model.judge.tensor_parallel_size`` of a vLLM judge);
+    1 without one."""
+    rm = cfg.reward_model
+    return rm.judge.tensor_parallel_size if rm.enable and rm.judge.enable and rm.judge.engine == "vllm" else 1
+
+
 @dataclass
 class Roles:
     """The role objects of one process (None where the role is not hosted)."""
@@ -240,9 +247,14 @@ class RLHFWorker(StreamingRollout):
                 return None
             mesh = "train"
         if mesh == "generate" and "actor" not in self.roles:  # a rollout pool of its own: engines side by side
-            tp = engine_tp(self.config)  # each engine over a block of ranks
-            return (self.rank // tp, self.world_size // tp, self.rank % tp == 0) if tp > 1 else None
+            return self._blocks(engine_tp(self.config))  # each engine over a block of ranks
+        if mesh == "judge":  # the reward model's scoring: a judge engine over a block, or each rank its own
+            return self._blocks(judge_tp(self.config))
         return self._backend("actor").mesh_coords(self.config, self.world_size, self.rank, mesh)
+
+    def _blocks(self, tp: int) -> tuple[int, int, bool] | None:
+        """This rank's coordinates among blocks of `tp` consecutive ranks, one replica each (None for tp 1)."""
+        return (self.rank // tp, self.world_size // tp, self.rank % tp == 0) if tp > 1 else None
 
     def _trained(self) -> list[tuple[str, Any]]:
         """The trained roles this rank hosts, in checkpoint order: (role, object)."""
@@ -388,7 +400,7 @@ class RLHFWorker(StreamingRollout):
         tensors["reward_extra/timed_out"] = torch.from_numpy(timed_out.astype(np.float64))
         return DataProto.from_dict(tensors, {"reward_error": np.array(errors, dtype=object)})
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, mesh="judge")
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` float32 [B, T]: the reward model's score on each row's last response token
         (`RewardModel.compute_rm_score`); Safe-RLHF's cost model's as ``token_level_costs``.

@@ -100,6 +100,7 @@ class HybridFlowConfig(_Section):
                 f"critic.ppo_mini_batch_size ({self.critic.ppo_mini_batch_size})"
             )
         self._check_pools()
+        self._check_judge_engine()
         if self.rollout.checkpoint_engine.backend != "file" and not self.rollout_apart():
             raise ValueError(
                 f"rollout.checkpoint_engine.backend={self.rollout.checkpoint_engine.backend} carries weights to a "
@@ -249,6 +250,27 @@ class HybridFlowConfig(_Section):
                 f"teacher.use_as=loss adds the distillation loss to the Hugging Face actors' loss (ddp, fsdp), not "
                 f"actor.strategy={self.actor.strategy}'s: set teacher.use_as=reward (the per-token reverse KL as a "
                 "dense reward, which every actor trains on) or actor.strategy=fsdp"
+            )
+
+    def _check_judge_engine(self) -> None:
+        """A judge engine over several ranks (``reward_model.judge.tensor_parallel_size``) is vLLM's, in blocks of
+        consecutive ranks of the reward model's pool."""
+        judge = self.reward_model.judge
+        tp = judge.tensor_parallel_size
+        if tp == 1 or not (self.reward_model.enable and judge.enable):
+            return
+        if judge.engine != "vllm":
+            raise ValueError(
+                f"reward_model.judge.tensor_parallel_size={tp} splits a vLLM engine over ranks, and "
+                f"reward_model.judge.engine={judge.engine}: set engine=vllm or tensor_parallel_size=1"
+            )
+        pool = self.pool_of("reward_model")
+        ranks = pool.nodes * pool.tasks_per_node
+        if ranks % tp:
+            raise ValueError(
+                f"reward_model.judge.tensor_parallel_size={tp} does not divide the {ranks} ranks of pool {pool.name!r} "
+                f"(the reward model's): give that pool a multiple of {tp} ranks (placement.pools.{pool.name}."
+                "tasks_per_node) or a tensor_parallel_size that divides it"
             )
 
     def _check_sum_pi_squared(self) -> None:

@@ -797,6 +797,12 @@ class JudgeConfig(_Section):
     )
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="CPU: the vLLM engine's KV cache, GiB")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="GPU: the vLLM engine's share of memory")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="engine=vllm: consecutive ranks of the reward model's pool one judge engine spans (vLLM tensor "
+        "parallel, verl's reward.reward_model.rollout.tensor_model_parallel_size); the pool's ranks a multiple of it",
+    )
 
 
 class RewardModelConfig(_Section):

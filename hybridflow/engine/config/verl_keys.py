@@ -79,6 +79,28 @@ def _no_effect(verl: str, note: str, accepts: Callable[[Any], bool] | None = Non
     return VerlKey(verl, (), accepts=accepts, note=note, schema=schema)
 
 
+def _judge_engine(prefix: str) -> list[VerlKey]:
+    """verl's serving engine of the reward model (``reward_model.rollout`` / ``reward.reward_model.rollout``): our
+    generative judge's vLLM engine (``reward_model.judge.*``); a discriminative reward model scores with its own
+    forward pass, which these keys do not change."""
+    return [
+        _same(f"{prefix}.tensor_model_parallel_size", "reward_model.judge.tensor_parallel_size", _JUDGE_ENGINE),
+        _same(f"{prefix}.gpu_memory_utilization", "reward_model.judge.gpu_memory_utilization", _JUDGE_ENGINE),
+        _same(f"{prefix}.response_length", "reward_model.judge.max_tokens", "the longest verdict, in tokens"),
+        _same(f"{prefix}.prompt_length", "reward_model.max_length", "the longest reward-model input, in tokens"),
+        _same(f"{prefix}.temperature", "reward_model.judge.temperature", _JUDGE_ENGINE),
+        _same(f"{prefix}.top_p", "reward_model.judge.top_p", _JUDGE_ENGINE),
+        VerlKey(
+            f"{prefix}.dtype",
+            ("reward_model.judge.vllm_dtype",),
+            accepts=_only("bfloat16", "float32"),
+            note="the judge engine's dtype",
+        ),
+        _no_effect(f"{prefix}.name", "the judge generates on vLLM (reward_model.judge.engine)", _only("vllm")),
+        _no_effect(f"{prefix}.*", _REWARD_LOOP),
+    ]
+
+
 def _current(entries: list[VerlKey]) -> list[VerlKey]:
     """`entries` tagged as keys of verl main's schema only."""
     return [replace(entry, schema="current") for entry in entries]
@@ -188,6 +210,11 @@ _REMOTE_CODE = (
 _REWARD_LOOP = (
     "verl's reward loop serves the reward model (reward_model.model.path) on an inference engine of its own; here "
     "it scores with its own forward pass in the rm_score stage: the same scores"
+)
+_JUDGE_ENGINE = (
+    "the reward model's serving engine: a generative judge's vLLM engine (-o reward_model.judge.enable=true with its "
+    "prompt_function and verdict_function); a discriminative reward model scores with its own forward pass (the "
+    "same scores)"
 )
 _DAPO_KWARGS = "DAPO's overlong buffer in verl's reward-manager spelling (reward_model.reward_kwargs)"
 _MICRO_GLOBAL = (
@@ -568,7 +595,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect("reward_model.launch_reward_fn_async", _SPEED),
     _no_effect("reward_model.use_reward_loop", _REWARD_LOOP),
     _no_effect("reward_model.num_workers", _REWARD_LOOP),
-    _no_effect("reward_model.rollout.*", _REWARD_LOOP),
+    *_judge_engine("reward_model.rollout"),
     _no_effect(
         "reward_model.reward_manager",
         "scores come from the score function (custom_reward_function or the data_source's); DAPO's overlong "
@@ -761,7 +788,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
             _no_effect(f"{ARR}.rollout.checkpoint_engine.*", _SPEED),
             _same("reward.reward_model.enable", "reward_model.enable"),
             _same("reward.reward_model.model_path", "reward_model.path"),
-            _no_effect("reward.reward_model.rollout.*", _REWARD_LOOP),
+            *_judge_engine("reward.reward_model.rollout"),
             _no_effect(
                 "reward.reward_model.enable_resource_pool",
                 "the reward model's placement: its own pool with placement.pools (hf plan places it)",

@@ -9,8 +9,10 @@ Two user functions say what is task-specific (``reward_model.judge``):
 - ``verdict_function(judge_text, data_source, solution_str, ground_truth, extra_info)`` -> the score: a float, or a
   dict with ``"score"`` whose other keys become ``reward_extra/judge_<key>`` columns (averaged into metrics).
 
-The judge generates on a vLLM engine in each rank of the reward model's pool (``judge.engine: vllm``; its own pool
-with ``placement.pools``, or beside other roles) or with transformers' ``generate`` (``hf``); a prompt longer than
+The judge generates (``judge.engine: vllm``) on a vLLM engine in each rank of the reward model's pool, or over
+each block of ``judge.tensor_parallel_size`` consecutive ranks (vLLM tensor parallel: the block's ranks get the
+same rows and its first returns them); its own pool with ``placement.pools``, or beside other roles. Or it
+generates with transformers' ``generate`` (``hf``). A prompt longer than
 ``reward_model.max_length`` tokens loses tokens from its start. Each row's sampling is seeded by the run's seed, the
 iteration and the row's index, so a resumed run judges alike. verl's reward loop lets the user's score function call
 a served judge over HTTP; here the engine lives in the worker and the two functions hold the task's parts.
@@ -117,18 +119,29 @@ class JudgeRewardModel:
         self.prompt_fn, self.verdict_fn = load_judge_functions(config)
         self.on_gpu = torch.device(device).type == "cuda"
         self.eos_token_ids = _eos_ids(self.tokenizer, path)
+        self.block_leader = True  # the rank that returns its engine block's scores (every rank without a block)
         if self.judge.engine == "vllm":
-            from hybridflow.engine.rollout.vllm import import_vllm, memory_options
+            from hybridflow.engine.rollout.vllm import import_vllm, memory_options, spmd_options, unlink_segments
 
             self._vllm = import_vllm()
+            options = memory_options(self.on_gpu, self.judge.gpu_memory_utilization, self.judge.vllm_kv_cache_gb)
+            segments = None
+            if self.judge.tensor_parallel_size > 1:  # one engine over a block of the pool's ranks
+                import torch.distributed as dist
+
+                spmd, segments = spmd_options(self.judge.tensor_parallel_size, self.on_gpu)
+                options.update(spmd)
+                self.block_leader = dist.get_rank() % self.judge.tensor_parallel_size == 0
             self.llm = self._vllm.LLM(
                 model=str(path),
                 dtype=dtype_name(self.judge.vllm_dtype, torch.device(device)),
                 enforce_eager=not self.on_gpu,
                 seed=self.seed,
                 max_model_len=config.max_length + self.judge.max_tokens,
-                **memory_options(self.on_gpu, self.judge.gpu_memory_utilization, self.judge.vllm_kv_cache_gb),
+                **options,
             )
+            if segments is not None:
+                unlink_segments(segments)
             self.model = None
         else:
             from transformers import AutoModelForCausalLM
@@ -238,6 +251,8 @@ class JudgeRewardModel:
         verdict_texts = self.generate(
             [self.prompt_ids(built[i]) for i in rows], data.meta_info.get("global_steps", 0), rows
         )
+        if not self.block_leader:  # the block's first rank scores its rows; this one only generated with it
+            return DataProto.from_dict({self.column: torch.zeros(data.batch["responses"].shape)})
         for i, text in zip(rows, verdict_texts, strict=True):
             texts[i] = text
         answers = iter(zip(built, texts, strict=True))

@@ -164,7 +164,7 @@ class VLLMRollout:
             weakref.finalize(self, shutil.rmtree, self._lora_dir, ignore_errors=True)
         segments = None
         if tensor_parallel > 1:
-            spmd, segments = _spmd_options(tensor_parallel, self.on_gpu)
+            spmd, segments = spmd_options(tensor_parallel, self.on_gpu)
             options.update(spmd)
         self.llm = vllm.LLM(
             model=str(model_path),
@@ -176,7 +176,7 @@ class VLLMRollout:
             **options,
         )
         if segments is not None:
-            _unlink_segments(segments)
+            unlink_segments(segments)
         self.block = EngineBlock.of_this_rank(tensor_parallel) if tensor_parallel > 1 else None
         self._vllm = vllm
         if self.lora is not None:  # an adapter that starts trained (model.lora_adapter_path) reaches the engine now
@@ -434,7 +434,7 @@ class _Counted:
             yield name, tensor
 
 
-def _spmd_options(tensor_parallel: int, on_gpu: bool) -> tuple[dict[str, Any], str | None]:
+def spmd_options(tensor_parallel: int, on_gpu: bool) -> tuple[dict[str, Any], str | None]:
     """`vllm.LLM` options of an engine tensor-parallel over blocks of `tensor_parallel` consecutive ranks of this
     process's ``torch.distributed`` world (vLLM's external launcher: its groups are built over that world, which
     vLLM's own layout treats as independent replicas of `tensor_parallel` ranks each, "ExternalDP"), and on CPU the
@@ -446,7 +446,7 @@ def _spmd_options(tensor_parallel: int, on_gpu: bool) -> tuple[dict[str, Any], s
     ``env://``: two engines on one node (two runs, or one run's next start after a crash left the segments behind)
     would open the same names and fail (``create shm in SHMManager failed. errno: 17``). The launcher is therefore
     vLLM's own with a name of this engine's (rank 0's random hex, the same on every rank) in its init method, whence
-    vLLM takes the segments' names; `_unlink_segments` removes the names once every rank has mapped them.
+    vLLM takes the segments' names; `unlink_segments` removes the names once every rank has mapped them.
 
     Raises:
         ValueError: no ``torch.distributed`` world, or one that is not a multiple of `tensor_parallel` (the config
@@ -457,7 +457,7 @@ def _spmd_options(tensor_parallel: int, on_gpu: bool) -> tuple[dict[str, Any], s
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % tensor_parallel:
-        raise ValueError(f"rollout.gen_tp={tensor_parallel} does not divide the actor pool's {world} ranks")
+        raise ValueError(f"a vLLM engine over {tensor_parallel} ranks does not divide this pool's {world} ranks")
     os.environ["RANK"] = str(dist.get_rank())
     os.environ["WORLD_SIZE"] = str(world)
     os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if on_gpu else 0)
@@ -483,7 +483,7 @@ def _named_launcher(name: str) -> type:
     return NamedExternalLauncher
 
 
-def _unlink_segments(name: str) -> None:
+def unlink_segments(name: str) -> None:
     """Remove the names of the shared-memory segments (``/dev/shm/<name>-...``) an engine's tensor-parallel group
     opened, once every rank has built its engine (a barrier of the world): the segments live on while mapped and
     go with the last process that maps them, so none is left behind by a rank that dies."""

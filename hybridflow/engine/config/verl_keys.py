@@ -94,6 +94,7 @@ def _judge_engine(prefix: str) -> list[VerlKey]:
             f"{prefix}.dtype",
             ("reward_model.judge.vllm_dtype",),
             accepts=_only("bfloat16", "float32"),
+            to_verl=lambda values: UNSAID if values[0] == "native" else values[0],
             note="the judge engine's dtype",
         ),
         _no_effect(f"{prefix}.name", "the judge generates on vLLM (reward_model.judge.engine)", _only("vllm")),

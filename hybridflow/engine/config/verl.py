@@ -142,6 +142,14 @@ def translate(
     distilled, distill_errors = _distillation(values)
     ours.update(distilled)
     errors += distill_errors
+    if values.get("trainer.resume_mode") == "resume_path":  # verl reads resume_from_path in this mode only
+        path = values.get("trainer.resume_from_path")
+        if path in (None, "", "null"):
+            errors.append(
+                "verl key trainer.resume_mode=resume_path needs trainer.resume_from_path: a checkpoint folder "
+                "global_step_N"
+            )
+        ours["trainer.resume_from"] = str(path)
     if errors:
         raise ConfigError("hf verl cannot run this command line:\n  " + "\n  ".join(errors))
     for section in ("custom_reward_function", "reward.custom_reward_function"):  # verl's older and current spelling
@@ -159,13 +167,6 @@ def translate(
         granularity = values.get(f"{section}.megatron.override_transformer_config.recompute_granularity")
         if f"{model}.model.enable_gradient_checkpointing" not in given and granularity not in (None, "null"):
             ours[f"{ours_key}.gradient_checkpointing"] = True
-    if values.get("trainer.resume_mode") == "resume_path" and not _unset_path(values.get("trainer.resume_from_path")):
-        ours["trainer.resume_from"] = str(values["trainer.resume_from_path"])
-    elif values.get("trainer.resume_mode") == "resume_path":
-        raise ConfigError(
-            "hf verl cannot run this command line:\n  verl key trainer.resume_mode=resume_path needs "
-            "trainer.resume_from_path: a checkpoint folder global_step_N"
-        )
     for key in ("data.val_batch_size", "reward_model.max_length"):
         if ours.get(key) is None:
             ours.pop(key, None)
@@ -278,10 +279,6 @@ def _distillation(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "teacher scores at temperature 1 and ours at the rollout's; set rollout.temperature=1"
         )
     return ours, errors
-
-
-def _unset_path(value: Any) -> bool:
-    return value in (None, "", "null")
 
 
 def _one_on_policy_update(values: dict[str, Any]) -> bool:

@@ -281,6 +281,23 @@ def test_resume_may_extend_a_run_but_not_change_its_computation():
             resume_config(stored, [change])
 
 
+def test_a_cosine_decays_over_the_run_as_first_started_and_only_rl_runs_take_it(tmp_path):
+    """``decay_iterations: 0`` is the run's ``trainer.total_iterations``, recorded so: a resume that extends the run
+    keeps the curve (the new iterations at the minimum); ``hf sft train`` schedules by optimizer step and refuses it."""
+    from hybridflow.engine.config import SFTTrainingConfig, resume_config
+
+    cosine = [*MINIMAL, "trainer.total_iterations=12", "actor.optim.lr_scheduler_type=cosine"]
+    cfg = load_config(None, [*cosine, "critic.optim.lr_scheduler_type=cosine", "critic.optim.decay_iterations=5"])
+    assert (cfg.actor.optim.decay_iterations, cfg.critic.optim.decay_iterations) == (12, 5)
+    assert load_config(None, MINIMAL).actor.optim.decay_iterations == 0  # constant: no horizon
+    extended = resume_config(cfg.model_dump(mode="json"), ["trainer.total_iterations=40"])
+    assert (extended.trainer.total_iterations, extended.actor.optim.decay_iterations) == (40, 12)
+    sft = tmp_path / "sft.yaml"
+    sft.write_text("data: {train_files: [/d.parquet]}\noptim: {lr_scheduler_type: cosine}\n")
+    with pytest.raises(ConfigError, match="optim.lr_scheduler_type=cosine decays by RL iteration"):
+        load_config(sft, schema=SFTTrainingConfig)
+
+
 # ------------------------------------------------------------------------------------------------ resource pools
 PPO = [*MINIMAL, "algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
 POOLS = {

@@ -496,6 +496,48 @@ def test_warmup_by_iterations_is_verls_schedule_whatever_the_steps_per_iteration
         OptimConfig(warmup_steps=2, warmup_iterations=2)
 
 
+def test_a_cosine_schedule_decays_by_iteration_as_verls_after_its_warmup(tiny_model_dir, rollout_batch):
+    """``optim.lr_scheduler_type: cosine`` (verl's ``get_cosine_schedule_with_warmup``, one scheduler step per
+    update): after w warm-up iterations, iteration i trains every optimizer step at lr x (r + (1 - r) (1 +
+    cos(2 pi c p)) / 2), p = (i - w) / (T - w), and from T on at lr x r; an iteration given again (a resumed run's)
+    gets its own rate. Expected rates written from verl's formula, not from ours."""
+    import math
+
+    lr, warmup, horizon, ratio = 1e-3, 2, 6, 0.1
+    actor = make_actor(
+        tiny_model_dir,
+        ppo_mini_batch_size=2,  # two optimizer steps per update
+        ppo_micro_batch_size=8,
+        optim=OptimConfig(
+            lr=lr,
+            warmup_iterations=warmup,
+            lr_scheduler_type="cosine",
+            decay_iterations=horizon,
+            min_lr_ratio=ratio,
+            weight_decay=0.0,
+        ),
+    )
+    data = with_old_log_probs(actor, rollout_batch)
+
+    def verl(step: int) -> float:  # verl/utils/torch_functional.py, with steps past T held at the minimum
+        if step < warmup:
+            return step / warmup
+        progress = min(1.0, (step - warmup) / (horizon - warmup))
+        return max(ratio, math.cos(math.pi * 0.5 * 2.0 * progress) * (1 - ratio) * 0.5 + (1 + ratio) * 0.5)
+
+    rates = []
+    for global_steps in (1, 2, 3, 4, 5, 6, 7, 8, 4):
+        data.meta_info["global_steps"] = global_steps
+        rates.append(actor.update_policy(data)["actor/lr"])
+    expected = [lr * verl(i) for i in (0, 1, 2, 3, 4, 5, 6, 7, 3)]
+    assert rates == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert rates[2] == pytest.approx(lr) and rates[6] == rates[7] == pytest.approx(lr * ratio)
+    with pytest.raises(ValueError, match="decays by training iteration"):
+        OptimConfig(lr_scheduler_type="cosine", warmup_steps=3)
+    with pytest.raises(ValueError, match="must come after the warm-up"):
+        OptimConfig(lr_scheduler_type="cosine", warmup_iterations=4, decay_iterations=4)
+
+
 def test_kl_loss_on_policy_and_missing_ref(tiny_model_dir, rollout_batch):
     actor = make_actor(
         tiny_model_dir,

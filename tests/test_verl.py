@@ -470,8 +470,8 @@ def test_verl_mains_engine_reward_and_checkpoint_engine_keys_translate_or_are_re
     """verl main's schema beside the older one: ``model_engine`` (the defaults group that replaced
     ``--config-name=ppo_megatron_trainer``) sets every role's strategy beneath an explicit one; the ``reward.*``
     section means what ``reward_model.*`` and ``custom_reward_function.*`` meant; the checkpoint engine's bucket
-    size is ours; VeOmni's and FSDP's engine knobs are accepted as tuning, their parallelism refused (and VeOmni's
-    default cosine lr decay, which is not implemented)."""
+    size is ours; VeOmni's and FSDP's engine knobs are accepted as tuning, their parallelism refused; VeOmni's
+    default lr schedule is its cosine decay."""
     arr, steps = "actor_rollout_ref", "trainer.total_training_steps=3"
     megatron = _ours(["model_engine=megatron", steps])
     assert (megatron["actor.strategy"], megatron["critic.strategy"]) == ("megatron", "megatron")
@@ -479,9 +479,14 @@ def test_verl_mains_engine_reward_and_checkpoint_engine_keys_translate_or_are_re
     assert _ours([f"{arr}.actor.model_engine=megatron", steps])["actor.strategy"] == "megatron"
     assert _ours(["model_engine=dp", steps])["actor.strategy"] == "fsdp"
     constant = [f"{role}.optim.lr_scheduler_type=constant" for role in (f"{arr}.actor", "critic")]
-    assert _ours(["model_engine=veomni", *constant, steps])["actor.strategy"] == "fsdp"
-    with pytest.raises(ConfigError, match="VeOmni's optimizer decays the lr by a cosine"):  # verl's veomni default
-        translate(["model_engine=veomni", steps])
+    assert _ours(["model_engine=veomni", *constant, steps])["actor.optim.lr_scheduler_type"] == "constant"
+    veomni = _ours(["model_engine=veomni", steps])  # verl's optim/veomni.yaml: cosine to lr_min 0 over the run
+    assert veomni["actor.strategy"] == "fsdp"
+    assert {k: veomni[f"actor.optim.{k}"] for k in ("lr_scheduler_type", "min_lr_ratio", "decay_iterations")} == {
+        "lr_scheduler_type": "cosine",
+        "min_lr_ratio": "0.0",
+        "decay_iterations": "3",
+    }
     with pytest.raises(ConfigError, match="verl key model_engine='torchtitan' is not supported here"):
         translate(["model_engine=torchtitan", steps])
 
@@ -549,6 +554,58 @@ def test_verl_mains_engine_reward_and_checkpoint_engine_keys_translate_or_are_re
     assert {find_key(k).schema for k in ("model_engine", "reward.num_workers", "distillation.enabled")} == {"current"}
     assert find_key("reward_model.micro_batch_size_per_gpu").schema == "legacy"
     assert find_key("data.train_files").schema == "both"
+
+
+def test_verls_three_spellings_of_a_cosine_lr_schedule_are_ours():
+    """FSDP's ``lr_scheduler_type`` (its older ``warmup_style`` winning when set), megatron-core's
+    ``lr_decay_style`` with an absolute ``min_lr`` and ``lr_decay_steps`` (its warm-up ratio of those steps), and
+    VeOmni's ``lr_min`` / ``lr_decay_ratio`` (its warm-up always the ratio's, ``lr_warmup_steps`` unread) are our
+    cosine by iteration; the decays we do not have are refused by name."""
+    actor, steps = "actor_rollout_ref.actor.optim", "trainer.total_training_steps=20"
+    keys = ("lr_scheduler_type", "min_lr_ratio", "decay_iterations", "warmup_iterations")
+
+    def schedule(*args: str) -> dict:
+        ours = _ours([*args, f"{actor}.lr=1e-6", steps])
+        return {k: ours[f"actor.optim.{k}"] for k in keys if f"actor.optim.{k}" in ours}
+
+    fsdp = schedule(f"{actor}.lr_scheduler_type=cosine", f"{actor}.min_lr_ratio=0.1", f"{actor}.lr_warmup_steps=2")
+    assert fsdp == {"lr_scheduler_type": "cosine", "min_lr_ratio": "0.1", "warmup_iterations": "2"}
+    older = schedule(f"{actor}.warmup_style=cosine", f"{actor}.lr_scheduler_type=constant")
+    assert older["lr_scheduler_type"] == "cosine"
+    assert schedule(f"{actor}.warmup_style=null", f"{actor}.lr_scheduler_type=cosine")["lr_scheduler_type"] == "cosine"
+    megatron = schedule(
+        "model_engine=megatron",
+        f"{actor}.lr_decay_style=cosine",
+        f"{actor}.min_lr=2e-7",
+        f"{actor}.lr_decay_steps=8",
+        f"{actor}.lr_warmup_steps_ratio=0.25",
+    )
+    assert megatron == {
+        "lr_scheduler_type": "cosine",
+        "min_lr_ratio": str(2e-7 / 1e-6),
+        "decay_iterations": "8",
+        "warmup_iterations": "2",  # int(0.25 x lr_decay_steps)
+    }
+    veomni = schedule(
+        "model_engine=veomni",
+        f"{actor}.lr_min=1e-7",
+        f"{actor}.lr_decay_ratio=0.5",
+        f"{actor}.lr_warmup_steps_ratio=0.1",
+        f"{actor}.lr_warmup_steps=7",  # VeOmni's build_lr_scheduler reads the ratio only
+    )
+    assert veomni == {
+        "lr_scheduler_type": "cosine",
+        "min_lr_ratio": str(1e-7 / 1e-6),
+        "decay_iterations": "10",
+        "warmup_iterations": "2",
+    }
+    for key_value, why in {
+        f"{actor}.lr_decay_style=linear": "linear, inverse-square-root and WSD decays are not implemented",
+        f"{actor}.lr_start=1e-8": "the warm-up starts at lr 0",
+        f"{actor}.zero_indexed_step=False": "counts iterations from 0",
+    }.items():
+        with pytest.raises(ConfigError, match=why):
+            translate([key_value, steps])
 
 
 def test_verl_mains_distillation_section_is_our_teacher_or_refused_naming_what_is_not_implemented():

@@ -89,6 +89,7 @@ class HybridFlowConfig(_Section):
     @model_validator(mode="after")
     def _batch_sizes(self) -> HybridFlowConfig:
         self._resolve_rollout()
+        self._resolve_decay()
         if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size ({self.data.train_batch_size}) must be a multiple of "
@@ -567,6 +568,13 @@ class HybridFlowConfig(_Section):
         megatron_tp = self.actor.strategy == "megatron" and (self.rollout.gen_tp or self.actor.tp) > 1
         self.rollout.name = "vllm" if vllm and not megatron_tp else "hf"
 
+    def _resolve_decay(self) -> None:
+        """A cosine lr schedule with ``decay_iterations: 0`` decays over the run's ``trainer.total_iterations`` (as
+        verl's ``optim.total_training_steps``, which its trainer sets); recorded so, a resumed run keeps its curve."""
+        for optim in (self.actor.optim, self.critic.optim):
+            if optim.lr_scheduler_type == "cosine" and optim.decay_iterations == 0:
+                optim.decay_iterations = max(self.trainer.total_iterations, optim.warmup_iterations + 1)
+
     def _parallel_layout(self) -> None:
         """The actor's layout as its backend allows (`TrainingBackend.check_layout`), and a critic hosted by the actor
         (megatron) only with a megatron actor in the actor's pool."""
@@ -692,6 +700,16 @@ class _OneGroupRun(_Section):
             raise ValueError(
                 f"{self.COMMAND} runs one data-parallel worker group: remove placement.pools and give its ranks with "
                 "placement.nodes x tasks_per_node"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_by_step(self) -> _OneGroupRun:
+        optim = getattr(self, "optim", None)
+        if optim is not None and optim.lr_scheduler_type == "cosine":
+            raise ValueError(
+                f"optim.lr_scheduler_type=cosine decays by RL iteration (hf run); {self.COMMAND} schedules by "
+                "optimizer step: set optim.lr_scheduler_type=constant (with optim.warmup_steps)"
             )
         return self
 

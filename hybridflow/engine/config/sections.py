@@ -313,8 +313,8 @@ class RolloutConfig(_Section):
 
 
 class OptimConfig(_Section):
-    """AdamW with linear warm-up to a constant LR (`hybridflow.engine.backends.training.LRSchedule`), and global
-    grad-norm clipping."""
+    """AdamW with linear warm-up to a constant LR or a cosine decay by iteration
+    (`hybridflow.engine.backends.training.LRSchedule`), and global grad-norm clipping."""
 
     lr: float = Field(1e-6, gt=0.0)
     weight_decay: float = Field(0.01, ge=0.0)
@@ -326,6 +326,20 @@ class OptimConfig(_Section):
         description="training iterations of linear warm-up from lr 0, then constant: iteration i (from 0) trains at "
         "lr x min(1, i / warmup_iterations), as verl's lr_warmup_steps (one scheduler step per update)",
     )
+    lr_scheduler_type: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="after the warm-up: constant, or cosine (verl's): iteration i trains at lr x (r + (1 - r) x (1 + "
+        "cos(2 pi num_cycles p)) / 2), p = min(1, (i - warmup_iterations) / (decay_iterations - warmup_iterations)), "
+        "r = min_lr_ratio",
+    )
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine: the lr it decays to, as a fraction of lr")
+    num_cycles: float = Field(0.5, gt=0.0, description="cosine: waves over the decay; 0.5 falls from lr to the minimum")
+    decay_iterations: int = Field(
+        0,
+        ge=0,
+        description="cosine: the iteration (from 0, warm-up included) at which the lr reaches its minimum, and stays; "
+        "0: the run's trainer.total_iterations as first started (a resume that extends the run keeps the curve)",
+    )
     grad_clip: float = Field(1.0, gt=0.0, description="max global grad norm")
 
     @model_validator(mode="after")
@@ -334,6 +348,16 @@ class OptimConfig(_Section):
             raise ValueError(
                 "optim.warmup_steps (per optimizer step) and optim.warmup_iterations (per iteration, verl's) are two "
                 "warm-ups: set one of them to 0"
+            )
+        if self.lr_scheduler_type == "cosine" and self.warmup_steps:
+            raise ValueError(
+                "optim.lr_scheduler_type=cosine decays by training iteration, and optim.warmup_steps warms up by "
+                "optimizer step: give the warm-up in iterations (optim.warmup_iterations) and set warmup_steps to 0"
+            )
+        if self.decay_iterations and self.decay_iterations <= self.warmup_iterations:
+            raise ValueError(
+                f"optim.decay_iterations ({self.decay_iterations}) must come after the warm-up's "
+                f"optim.warmup_iterations ({self.warmup_iterations}): raise decay_iterations, or 0 for the whole run"
             )
         return self
 

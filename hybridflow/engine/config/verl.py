@@ -158,11 +158,7 @@ def translate(
             ours["reward.custom_function"] = f"{values[f'{section}.path']}:{name}"
     if "trainer.total_training_steps" not in given or given["trainer.total_training_steps"] is None:
         ours["trainer.total_iterations"] = _epochs_to_iterations(values)
-    for role, section in (("actor", f"{ARR}.actor"), ("critic", "critic")):  # verl's ratio, of the whole run
-        steps = values.get(f"{section}.optim.lr_warmup_steps")
-        ratio = values.get(f"{section}.optim.lr_warmup_steps_ratio")
-        if ratio and (steps is None or int(steps) < 0):
-            ours[f"{role}.optim.warmup_iterations"] = int(float(ratio) * int(ours["trainer.total_iterations"]))
+    ours.update(_lr_schedules(values, int(ours["trainer.total_iterations"])))
     for section, model, ours_key in ((f"{ARR}.actor", ARR, "model"), ("critic", "critic", "critic")):
         granularity = values.get(f"{section}.megatron.override_transformer_config.recompute_granularity")
         if f"{model}.model.enable_gradient_checkpointing" not in given and granularity not in (None, "null"):
@@ -183,16 +179,6 @@ def _cross_checks(values: dict[str, Any]) -> list[str]:
             f"verl key {ARR}.rollout.val_kwargs.do_sample=False with val_kwargs.temperature={temperature} is not "
             "supported here: validation is greedy exactly when the temperature is 0; set val_kwargs.temperature=0"
         )
-    engine = values.get("model_engine", values.get(f"{ARR}.actor.model_engine"))
-    for role in (f"{ARR}.actor", "critic"):
-        schedule = values.get(f"{role}.optim.lr_scheduler_type", values.get(f"{role}.optim.warmup_style"))
-        if engine == "veomni" and schedule in (None, "cosine"):
-            errors.append(
-                f"verl key model_engine=veomni: VeOmni's optimizer decays the lr by a cosine to 0 (verl's "
-                f"optim/veomni.yaml: lr_scheduler_type cosine), which is not implemented here: give "
-                f"{role}.optim.lr_scheduler_type=constant, or model_engine=dp"
-            )
-            break
     for section in ("reward_model", "reward"):  # verl's older and current spelling
         max_resp_len = values.get(f"{section}.reward_kwargs.max_resp_len")
         if max_resp_len is not None and int(max_resp_len) != int(values["data.max_response_length"]):
@@ -331,6 +317,51 @@ def _engine_choices(given: dict[str, Any]) -> dict[str, Any]:
         if option.removesuffix(suffix) in MODEL_ENGINES and option.endswith(suffix):
             chosen[key] = MODEL_ENGINES[option.removesuffix(suffix)]
     return chosen
+
+
+def _role_engine(values: dict[str, Any], role: str) -> str | None:
+    """The verl engine training `role` (``actor`` or ``critic``): its defaults-list group's option
+    (``critic@critic=veomni_critic``), else ``model_engine``; None: verl's legacy workers (``*.strategy``)."""
+    group = {"actor": f"actor@{ARR}.actor", "critic": "critic@critic"}[role]
+    option = str(values.get(group, ""))
+    if option.endswith(f"_{role}"):
+        return option.removesuffix(f"_{role}")
+    return values.get("model_engine", values.get(f"{ARR}.actor.model_engine"))
+
+
+def _lr_schedules(values: dict[str, Any], total_iterations: int) -> dict[str, Any]:
+    """Our ``{actor,critic}.optim`` schedule keys for what verl computes from several of its keys together:
+
+    - the warm-up: ``lr_warmup_steps``, or with -1 ``int(lr_warmup_steps_ratio x T)``, T the run's iterations
+      (``verl/workers/engine/fsdp/transformer_impl.py::_build_lr_scheduler``); megatron-core's ratio is of its
+      ``lr_decay_steps`` when given (``verl/utils/megatron/optimizer.py``); VeOmni's is the ratio's always (its
+      ``build_lr_scheduler`` takes no step count);
+    - ``warmup_style`` (verl's older name) wins over ``lr_scheduler_type`` when set;
+    - the minimum as a ratio: megatron-core's ``min_lr`` and VeOmni's ``lr_min`` are absolute lrs;
+    - VeOmni: cosine unless ``lr_scheduler_type`` is given (verl's ``optim/veomni.yaml``), decaying over
+      ``int(lr_decay_ratio x T)`` iterations."""
+    ours: dict[str, Any] = {}
+    for role, section in (("actor", f"{ARR}.actor"), ("critic", "critic")):
+        optim, engine = f"{section}.optim", _role_engine(values, role)
+        lr = float(values.get(f"{optim}.lr", 1e-6 if role == "actor" else 1e-5))
+        steps, ratio = values.get(f"{optim}.lr_warmup_steps"), values.get(f"{optim}.lr_warmup_steps_ratio")
+        horizon = total_iterations
+        if values.get(f"{optim}.lr_decay_steps") not in (None, "null", -1):
+            horizon = int(values[f"{optim}.lr_decay_steps"])
+        if engine == "veomni":
+            ours[f"{role}.optim.warmup_iterations"] = int(float(ratio or 0) * total_iterations)
+            ours[f"{role}.optim.lr_scheduler_type"] = values.get(f"{optim}.lr_scheduler_type", "cosine")
+            ours[f"{role}.optim.min_lr_ratio"] = float(values.get(f"{optim}.lr_min", 0.0)) / lr
+            decay = int(float(values.get(f"{optim}.lr_decay_ratio", 1.0)) * total_iterations)
+            ours[f"{role}.optim.decay_iterations"] = max(decay, ours[f"{role}.optim.warmup_iterations"] + 1)
+        elif ratio and (steps is None or int(steps) < 0):
+            ours[f"{role}.optim.warmup_iterations"] = int(float(ratio) * horizon)
+        style = values.get(f"{optim}.warmup_style")
+        if style not in (None, "null", ""):
+            ours[f"{role}.optim.lr_scheduler_type"] = style
+        if f"{optim}.min_lr" in values:
+            ours[f"{role}.optim.min_lr_ratio"] = float(values[f"{optim}.min_lr"]) / lr
+    return ours
 
 
 def _epochs_to_iterations(values: dict[str, Any]) -> int:

@@ -167,6 +167,75 @@ def _minus_one_is_zero(value: Any) -> tuple:
     return (0 if value is None or int(value) < 0 else int(value),)
 
 
+_SCHEDULES = ("constant", "cosine")
+_COSINE = (
+    "after the warm-up: constant, or cosine by iteration as verl's get_cosine_schedule_with_warmup (its "
+    "zero-indexed steps, one per update)"
+)
+
+
+def _none_is(default: Any) -> Callable[[Any], tuple]:
+    return lambda v: (default if _unset(v) else v,)
+
+
+def _lr_schedule(section: str, role: str) -> list[VerlKey]:
+    """The lr schedule of a role's optimizer (``actor_rollout_ref.actor.optim`` or ``critic.optim``) in verl's three
+    spellings, all onto our ``{role}.optim`` cosine: FSDP's (``lr_scheduler_type``, its older ``warmup_style``,
+    ``min_lr_ratio``, ``num_cycles``), megatron-core's (``lr_decay_style``, ``lr_decay_steps``; ``min_lr`` is
+    absolute: `translate` divides it by the lr) and VeOmni's (``lr_min``, ``lr_decay_ratio``, ``lr_start``)."""
+    optim, ours = f"{section}.optim", f"{role}.optim"
+    schedule, minimum = f"{ours}.lr_scheduler_type", f"{ours}.min_lr_ratio"
+    return [
+        VerlKey(f"{optim}.lr_scheduler_type", (schedule,), accepts=_only(*_SCHEDULES), note=_COSINE),
+        VerlKey(
+            f"{optim}.warmup_style",
+            accepts=lambda v: _unset(v) or v in _SCHEDULES,
+            note="verl's older name of lr_scheduler_type: when set, it wins, as in verl",
+            via=schedule,
+        ),
+        VerlKey(
+            f"{optim}.lr_decay_style",
+            (schedule,),
+            accepts=_only(*_SCHEDULES),
+            note="megatron-core's name of lr_scheduler_type (linear, inverse-square-root and WSD decays are not "
+            "implemented)",
+        ),
+        VerlKey(f"{optim}.min_lr_ratio", (minimum,), to_ours=_none_is(0.0), note="cosine: lr x it"),
+        _same(f"{optim}.num_cycles", f"{ours}.num_cycles"),
+        VerlKey(
+            f"{optim}.lr_decay_steps",
+            (f"{ours}.decay_iterations",),
+            to_ours=_minus_one_is_zero,
+            to_verl=lambda values: values[0] or UNSAID,
+            note="the iteration the cosine reaches its minimum (megatron-core's; null: trainer.total_iterations)",
+        ),
+        VerlKey(f"{optim}.min_lr", note="megatron-core's minimum lr: min_lr_ratio = min_lr / lr", via=minimum),
+        _no_effect(f"{optim}.lr_warmup_init", "the warm-up starts at lr 0", lambda v: _unset(v) or float(v) == 0),
+        _no_effect(f"{optim}.weight_decay_incr_style", "a constant weight decay", _only("constant")),
+        _no_effect(f"{optim}.lr_wsd_decay_style", "only with lr_decay_style=WSD, which is not implemented"),
+        _no_effect(f"{optim}.lr_wsd_decay_steps", "only with lr_decay_style=WSD, which is not implemented", _unset),
+        _no_effect(f"{optim}.use_checkpoint_opt_param_scheduler", "the schedule is a function of the iteration"),
+        *_current(
+            [
+                VerlKey(
+                    f"{optim}.lr_min",
+                    note="VeOmni's minimum lr: min_lr_ratio = lr_min / lr",
+                    via=minimum,
+                ),
+                VerlKey(
+                    f"{optim}.lr_decay_ratio",
+                    note="VeOmni's: the cosine reaches its minimum at iteration int(ratio x trainer.total_iterations)",
+                    via=f"{ours}.decay_iterations",
+                ),
+                _no_effect(f"{optim}.lr_start", "the warm-up starts at lr 0", lambda v: _unset(v) or float(v) == 0),
+                _no_effect(
+                    f"{optim}.zero_indexed_step", "the schedule counts iterations from 0, as verl's", _only(True)
+                ),
+            ]
+        ),
+    ]
+
+
 _SPEED = "speed and memory only (verl's FSDP/vLLM tuning); the computation here is the same without it"
 _PADDING = "HybridFlow's trainers never compute on padding tokens; the values are the same either way"
 _CHECKPOINTING = (
@@ -225,9 +294,9 @@ _MICRO_GLOBAL = (
 
 _ENGINE = (
     "verl's training engine, the Hydra defaults group of the actor, ref and critic (*.strategy): dp (FSDP) and veomni "
-    "(VeOmni's FSDP2 engine; its cosine lr decay is refused unless optim.lr_scheduler_type=constant is given) train "
-    "as our fsdp, megatron as ours; a *.strategy given with it wins, as in verl; torchtitan (its lr decays linearly "
-    "after warm-up) is not supported: use dp"
+    "(VeOmni's FSDP2 engine, with its default cosine lr decay to optim.lr_min over optim.lr_decay_ratio of the run) "
+    "train as our fsdp, megatron as ours; a *.strategy given with it wins, as in verl; torchtitan (its lr decays "
+    "linearly after warm-up) is not supported: use dp"
 )
 MODEL_ENGINES = {"dp": "fsdp", "veomni": "fsdp", "megatron": "megatron"}
 """verl's ``model_engine`` choices (``verl/trainer/config/model_engine/*.yaml``) taken here -> our strategy."""
@@ -340,11 +409,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         note="with lr_warmup_steps -1 or unset: warmup_iterations = int(ratio x trainer.total_iterations), as verl",
         via="actor.optim.warmup_iterations",
     ),
-    _no_effect(f"{ARR}.actor.optim.lr_decay_style", "linear warm-up, then constant", _only("constant")),
-    _no_effect(f"{ARR}.actor.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
-    _no_effect(f"{ARR}.actor.optim.lr_scheduler_type", "linear warm-up, then constant", _only("constant")),
-    _no_effect(f"{ARR}.actor.optim.min_lr_ratio", "only with a cosine schedule, which is not implemented"),
-    _no_effect(f"{ARR}.actor.optim.num_cycles", "only with a cosine schedule, which is not implemented"),
+    *_lr_schedule(f"{ARR}.actor", "actor"),
     _no_effect(f"{ARR}.actor.optim.total_training_steps", "set by the trainer (trainer.total_training_steps)"),
     _same(f"{ARR}.actor.ppo_mini_batch_size", note="prompts per optimizer step, as in verl"),
     _same(f"{ARR}.actor.ppo_micro_batch_size_per_gpu", "actor.ppo_micro_batch_size", "sequences per rank"),
@@ -520,9 +585,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         note="with lr_warmup_steps -1 or unset: warmup_iterations = int(ratio x trainer.total_iterations), as verl",
         via="critic.optim.warmup_iterations",
     ),
-    _no_effect("critic.optim.lr_decay_style", "linear warm-up, then constant", _only("constant")),
-    _no_effect("critic.optim.warmup_style", "linear warm-up, then constant", _only("constant")),
-    _no_effect("critic.optim.lr_scheduler_type", "linear warm-up, then constant", _only("constant")),
+    *_lr_schedule("critic", "critic"),
     _same("critic.ppo_mini_batch_size"),
     _same("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size", "sequences per rank"),
     _same("critic.forward_micro_batch_size_per_gpu", "critic.forward_micro_batch_size", "sequences per rank"),
@@ -888,7 +951,6 @@ VERL_KEYS: tuple[VerlKey, ...] = (
             _no_effect(f"{ARR}.actor.megatron.use_megatron_fsdp", _OFFLOAD),
             _no_effect(f"{ARR}.actor.megatron.use_distributed_optimizer", _OFFLOAD),
             _no_effect(f"{ARR}.actor.megatron.sequence_parallel", _SPEED),
-            _no_effect(f"{ARR}.actor.optim.min_lr", "only with a cosine schedule, which is not implemented"),
             _no_effect("*.veomni.expert_parallel_size", _MOE, _unset_or_one),
             _no_effect("*.veomni.ulysses_parallel_size", _SEQUENCE, _unset_or_one),
             _no_effect("*.veomni.*", "VeOmni's engine tuning (kernels, offload, sharding): " + _SPEED),

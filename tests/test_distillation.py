@@ -285,3 +285,82 @@ def test_the_teacher_in_a_pool_of_its_own_trains_the_actor_by_its_loss(prefect_a
     for step in (1, 2):
         assert metrics[step]["actor/distill_loss"] > 0 and metrics[step]["distill/reverse_kl"] != 0
         assert "timing_s/teacher" in metrics[step]
+
+
+# ---------------------------------------------------------------------------------------------------- several teachers
+
+
+def two_source_prompts(path: Path, rows: int = 16) -> Path:
+    """A verl-layout prompt file whose rows alternate between two data sources, ``math`` and ``code``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = [
+        {
+            "data_source": "math" if i % 2 == 0 else "code",
+            "prompt": [{"role": "user", "content": f"What is {i} + {i + 1}?"}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
+            "extra_info": {"index": i},
+        }
+        for i in range(rows)
+    ]
+    pq.write_table(pa.Table.from_pylist(table), path)
+    return path
+
+
+def test_several_teachers_score_each_row_with_the_teacher_of_its_data_source(runs, tiny_model_dir):
+    """``teacher.routes``: rows of data source ``math`` get the trained teacher's log-probs (and top-k support),
+    rows of ``code`` the untrained model's, each equal to what that teacher alone gives the row; a data source
+    without a teacher is refused naming it."""
+    import numpy as np
+
+    from hybridflow.engine.backends.actor import RefPolicy
+    from hybridflow.engine.backends.teachers import RoutedTeachers
+
+    batch, teacher, student = sampled(runs, tiny_model_dir)
+    rows = len(batch)
+    batch.non_tensor_batch["data_source"] = np.array(["math", "math", "code", "code"] * (rows // 4), dtype=object)
+    alone = {
+        "math": RefPolicy(teacher, 3, column="teacher_log_prob", top_k=4),
+        "code": RefPolicy(student, 3, column="teacher_log_prob", top_k=4),
+    }
+    routed = RoutedTeachers(alone, "data_source").compute_ref_log_prob(batch).batch
+    for source, scorer in alone.items():
+        own = scorer.compute_ref_log_prob(batch).batch
+        picked = torch.as_tensor(np.flatnonzero(batch.non_tensor_batch["data_source"] == source))
+        for key in ("teacher_log_prob", "teacher_top_k_log_probs"):
+            torch.testing.assert_close(routed[key][picked], own[key][picked], rtol=1e-5, atol=1e-5)
+        assert torch.equal(routed["teacher_top_k_ids"][picked], own["teacher_top_k_ids"][picked])
+    mask = batch.batch["response_mask"].bool()
+    assert not torch.allclose(routed["teacher_log_prob"][0][mask[0]], routed["teacher_log_prob"][2][mask[2]])
+    batch.non_tensor_batch["data_source"][0] = "poetry"
+    with pytest.raises(ValueError, match=r"teacher.routes has no teacher for data_source 'poetry'"):
+        RoutedTeachers(alone, "data_source").compute_ref_log_prob(batch)
+
+
+def test_a_run_distils_from_two_teachers_routed_by_data_source(runs, tmp_path, tiny_model_dir):
+    """A run over prompts of two data sources with a teacher for each (``teacher.routes``) trains 2 iterations
+    with the distillation reward; its teacher role holds both teachers; a prompt file with a data source that has
+    no teacher is refused before any work, naming the source, its rows and the key to add."""
+    from hybridflow.flows.preflight import InputError, check_run_inputs
+
+    prompts = two_source_prompts(tmp_path / "two.parquet")
+    routes = f"teacher.routes={{math: {runs.teacher}, code: {tiny_model_dir}}}"
+    extra = [f"data.train_files=[{prompts}]", "data.reasoning_gym=null", "trainer.total_iterations=2", routes]
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, "grpo", extra)
+    check_run_inputs(cfg)
+    assert cfg.roles()[-1] == "teacher"
+    trainer = SingleProcessTrainer(cfg)
+    records = []
+    trainer.fit(log=records.append)
+    assert sorted(trainer.worker.teacher.teachers) == ["code", "math"]
+    trained = [r for r in records if "actor/pg_loss" in r]
+    assert len(trained) == 2 and all(r["distill/reverse_kl"] != 0 for r in trained)
+    one_teacher = tiny_run_config(
+        tmp_path, tiny_model_dir, "grpo", [*extra[:3], f"teacher.routes={{math: {runs.teacher}}}"]
+    )
+    with pytest.raises(InputError, match=r"data_source values 'code' \(8 rows\) have no teacher .* teacher.routes"):
+        check_run_inputs(one_teacher)
+    with pytest.raises(ConfigError, match=r"teacher.model_path .* and teacher.routes .* give one of them"):
+        tiny_run_config(tmp_path, tiny_model_dir, "grpo", [routes, f"teacher.model_path={tiny_model_dir}"])

@@ -612,7 +612,8 @@ def test_verl_mains_distillation_section_is_our_teacher_or_refused_naming_what_i
     """``distillation.*`` (verl main's examples/on_policy_distillation_trainer): one teacher is our teacher role.
     Policy-gradient k1 is ``teacher.use_as=reward``, the supervised k2/k3/abs ``use_as=loss``; use_task_rewards
     False trains on the teacher alone (and drops the entropy bonus and KL loss, as verl drops the PPO loss);
-    loss_max_clamp clamps each token's KL. Several teachers, forward top-k KL, a policy-gradient term over several
+    loss_max_clamp clamps each token's KL. Several teachers are ``teacher.routes`` by their keys (teacher_key: the
+    route column). Several teachers without keys, forward top-k KL, a policy-gradient term over several
     mini-batches and a rollout temperature other than 1 are refused with what to do."""
     arr, loss = "actor_rollout_ref", "distillation.distillation_loss"
     script = [  # run_qwen3_8b_fsdp.sh's distillation keys
@@ -654,8 +655,20 @@ def test_verl_mains_distillation_section_is_our_teacher_or_refused_naming_what_i
     assert "teacher.model_path" not in _ours(["distillation.enabled=False", *script[3:]])  # verl ignores the rest
     single_named = [k.replace("teacher_models.teacher_model.", "teacher_models.gsm8k.") for k in script]  # named
     assert _ours(["+distillation.teacher_models.gsm8k.key=openai/gsm8k", *single_named])["teacher.model_path"]
+    several = _ours(  # verl's multi-teacher: one teacher per teacher_key value, verl's placeholder teacher dropped
+        [
+            *script,
+            "+distillation.teacher_models.gsm8k.key=openai/gsm8k",
+            "+distillation.teacher_models.gsm8k.model_path=/m/math",
+            "+distillation.teacher_models.mbpp.key=mbpp",
+            "+distillation.teacher_models.mbpp.model_path=/m/code",
+        ]
+    )
+    assert several["teacher.routes"] == "{mbpp: /m/code, openai/gsm8k: /m/math}"
+    assert "teacher.model_path" not in several
+    assert _ours([*script, "distillation.teacher_key=ability"])["teacher.route_key"] == "ability"
     refused = {
-        "+distillation.teacher_models.math.model_path=/m/math": "2 teachers .* several teachers are not implemented",
+        "+distillation.teacher_models.math.model_path=/m/math": r"several teachers needs its own key, .* \(gsm8k, math",
         f"{loss}.loss_mode=k3": "the policy-gradient term takes k1",
         f"{arr}.actor.ppo_mini_batch_size=32": "one mini-batch of one epoch",
         f"{arr}.rollout.temperature=0.7": "verl's teacher scores at temperature 1",

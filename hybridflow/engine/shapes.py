@@ -96,8 +96,9 @@ def run_models(cfg, preset: str | None = None) -> dict[str, ModelShape]:
     """The models of a run config (`HybridFlowConfig`) the planner places: the actor (with its rollout) and ref
     from ``model.path``, the critic from ``critic.model_path`` (else ``model.path``), the reward model from
     ``reward_model.path`` (or, with only Safe-RLHF's cost model, ``reward_model.cost_path``: `Workload.scorers`
-    counts both), the distillation teacher from ``teacher.model_path``; only those the run uses. `preset` replaces
-    every model's shape (e.g. ``llama-7b``).
+    counts both), the distillation teacher from ``teacher.model_path`` (with ``teacher.routes`` the largest: each
+    row meets one teacher, so its forward is priced as the largest's over all rows); only those the run uses.
+    `preset` replaces every model's shape (e.g. ``llama-7b``).
 
     Raises:
         KeyError: `preset` is not a preset name (the message lists them)."""
@@ -107,7 +108,8 @@ def run_models(cfg, preset: str | None = None) -> dict[str, ModelShape]:
     paths = {"actor": cfg.model.path, "ref": cfg.model.path, "critic": cfg.critic.model_path or cfg.model.path}
     rm = cfg.reward_model
     paths["reward_model"] = rm.path if rm.enable else rm.cost_path
-    paths["teacher"] = cfg.teacher.model_path
+    teachers = [preset or path for path in cfg.teacher.model_paths().values()]
+    paths["teacher"] = max(teachers, key=lambda path: model_shape(path).params()) if teachers else None
     wanted = ["actor"] + [m for m in ("critic", "ref", "reward_model", "teacher") if m in roles]
     shapes: dict[str, ModelShape] = {}
     for model in wanted:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hybridflow.engine.backends.actor import Actor, RefPolicy
 from hybridflow.engine.backends.critic import Critic
 from hybridflow.engine.backends.engines import TrainingBackend
+from hybridflow.engine.backends.teachers import RoutedTeachers
 from hybridflow.engine.checkpoint import load_checkpoint, read_trainer_state
 from hybridflow.engine.config import ROLES, HybridFlowConfig
 from hybridflow.engine.embedded_models import resolve_model_path
@@ -79,7 +80,7 @@ class Roles:
     weights: WeightSource | None = None  # where the actor's current full weights are read (its rollout's source)
     rollout: Rollout | None = None
     ref: RefPolicy | LoraReference | None = None
-    teacher: RefPolicy | None = None  # on-policy distillation's teacher (teacher.model_path)
+    teacher: RefPolicy | RoutedTeachers | None = None  # distillation's teacher(s) (teacher.model_path / routes)
     critic: Critic | MegatronCritic | None = None
     cost_critic: Critic | None = None  # Safe-RLHF: a second value model in the critic's processes
     reward_fn: RewardManager | None = None
@@ -136,11 +137,19 @@ def build_roles(cfg: HybridFlowConfig, roles: set[str] | list[str]) -> Roles:
             share_prompts=cfg.actor.shares_prompts,
         )
     if "teacher" in roles:  # on-policy distillation: scores the actor's tokens in the actor's numerics
-        teacher = cfg.teacher
-        teacher_model = load_model(resolve_model_path(teacher.model_path), compute_dtype, device, trainable=False)
-        share = cfg.actor.shares_prompts
-        micro = teacher.log_prob_micro_batch_size
-        out.teacher = RefPolicy(teacher_model, micro, compute_dtype, share, "teacher_log_prob", teacher.top_k)
+        teacher, share = cfg.teacher, cfg.actor.shares_prompts
+        scorers = {
+            route: RefPolicy(
+                load_model(resolve_model_path(path), compute_dtype, device, trainable=False),
+                teacher.log_prob_micro_batch_size,
+                compute_dtype,
+                share,
+                "teacher_log_prob",
+                teacher.top_k,
+            )
+            for route, path in teacher.model_paths().items()
+        }
+        out.teacher = RoutedTeachers(scorers, teacher.route_key) if teacher.routes else scorers[""]
     if "critic" in roles:
         backend = training_backend(cfg.critic.strategy, "critic.strategy")
         critic_path = resolve_model_path(cfg.critic.model_path or cfg.model.path)

@@ -37,6 +37,7 @@ import json
 import re
 import tempfile
 import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,8 @@ def check_run_inputs(cfg: HybridFlowConfig) -> None:
         train_sampler(prompts.train, cfg)
     except ValueError as e:
         raise InputError(str(e)) from None
+    if cfg.teacher.routes:
+        _check_routes(cfg.teacher, prompts.train)
     for rm_tokenizer in scorers.values():
         _check_reward_model_length(rm.max_length, prompts.train, rm_tokenizer)
     if cfg.data.audit_labels:
@@ -249,26 +252,46 @@ def _check_trackers(trainer: Any) -> None:
 
 
 def _check_teacher(cfg: HybridFlowConfig, student: Any) -> None:
-    """The teacher scores the actor's tokens by their ids: its tokenizer must be the actor's, `student` (the same
-    vocabulary, token for id, and the same end-of-sequence token).
+    """A teacher scores the actor's tokens by their ids: each teacher's tokenizer (``teacher.model_path``, or every
+    one of ``teacher.routes``) must be the actor's, `student` (the same vocabulary, token for id, and the same
+    end-of-sequence token).
 
     Raises:
-        InputError: the teacher's folder cannot be used, or its tokenizer is another one (the first token that
+        InputError: a teacher's folder cannot be used, or its tokenizer is another one (the first token that
             differs named), or ``teacher.top_k`` exceeds its vocabulary."""
-    _, teacher = model_tokenizer("teacher.model_path", cfg.teacher.model_path)
-    ours, theirs = student.get_vocab(), teacher.get_vocab()
-    if ours != theirs or student.eos_token_id != teacher.eos_token_id:
-        differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])
-        first = f"token id {differing[0][1]}: {differing[0][0]!r}" if differing else "the end-of-sequence token"
+    for route, path in cfg.teacher.model_paths().items():
+        key = f"teacher.routes.{route}" if cfg.teacher.routes else "teacher.model_path"
+        _, teacher = model_tokenizer(key, path)
+        ours, theirs = student.get_vocab(), teacher.get_vocab()
+        if ours != theirs or student.eos_token_id != teacher.eos_token_id:
+            differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])
+            first = f"token id {differing[0][1]}: {differing[0][0]!r}" if differing else "the end-of-sequence token"
+            raise InputError(
+                f"{key}: the teacher's tokenizer is not the actor's ({len(theirs)} tokens vs {len(ours)} of "
+                f"model.path; they differ at {first}), and the teacher scores the actor's tokens by their ids: "
+                "distil from a teacher of the actor's tokenizer (its family's models)"
+            )
+        if cfg.teacher.top_k > len(theirs):
+            raise InputError(
+                f"teacher.top_k={cfg.teacher.top_k}: the teacher's vocabulary has {len(theirs)} tokens ({key}), fewer "
+                f"than its top_k: set teacher.top_k to at most {len(theirs)} (tens are the usual choice)"
+            )
+
+
+def _check_routes(teacher: Any, train: PromptDataset) -> None:
+    """With several teachers (``teacher.routes``) every training row's ``teacher.route_key`` value needs one (the
+    teachers score the training batches only, as verl's).
+
+    Raises:
+        InputError: naming the values without a teacher, how many rows hold them, and the key to add."""
+    values = Counter(str(row.get(teacher.route_key, "")) for row in train.rows)
+    missing = {value: n for value, n in values.items() if value not in teacher.routes}
+    if missing:
+        listed = ", ".join(f"{value!r} ({n} rows)" for value, n in sorted(missing.items()))
         raise InputError(
-            f"teacher.model_path: the teacher's tokenizer is not the actor's ({len(theirs)} tokens vs {len(ours)} "
-            f"of model.path; they differ at {first}), and the teacher scores the actor's tokens by their ids: "
-            "distil from a teacher of the actor's tokenizer (its family's models)"
-        )
-    if cfg.teacher.top_k > len(theirs):
-        raise InputError(
-            f"teacher.top_k={cfg.teacher.top_k}: the teacher's vocabulary has {len(theirs)} tokens, fewer than its "
-            f"top_k: set teacher.top_k to at most {len(theirs)} (tens are the usual choice)"
+            f"teacher.routes: the training prompts' {teacher.route_key} values {listed} have no teacher (teachers: "
+            f"{', '.join(map(repr, sorted(teacher.routes)))}): add teacher.routes.<value>=DIR for each, or drop those "
+            "rows from data.train_files"
         )
 
 

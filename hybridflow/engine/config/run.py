@@ -340,7 +340,7 @@ class HybridFlowConfig(_Section):
         """The roles this run uses: actor, rollout and reward (the score function: validation uses it) always; ref
         for a KL term (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``); critic for an advantage estimator
         that needs one (GAE); reward_model when ``reward_model.enable`` or a cost model (``reward_model.cost_path``);
-        teacher with ``teacher.model_path`` (on-policy distillation)."""
+        teacher with ``teacher.model_path`` or ``teacher.routes`` (on-policy distillation)."""
         from hybridflow.engine.algorithms.estimators import uses_critic
 
         roles = ["actor", "rollout", "reward"]
@@ -401,7 +401,7 @@ class HybridFlowConfig(_Section):
             "ref": "actor.use_kl_loss or algorithm.use_kl_in_reward",
             "critic": "algorithm.adv_estimator=gae",
             "reward_model": "reward_model.enable or reward_model.cost_path",
-            "teacher": "teacher.model_path",
+            "teacher": "teacher.model_path or teacher.routes",
         }
         pools = self.placement.pools
         owner = {role: name for name, pool in pools.items() for role in pool.roles}

@@ -477,10 +477,24 @@ class TeacherConfig(_Section):
       position and one bucket for the rest (`hybridflow.engine.algorithms.distillation.top_k_reverse_kl`).
 
     ``task_coef: 0`` trains on the teacher alone (pure distillation); the task reward is still computed (the
-    ``val/`` scores and the metrics). The teacher's tokenizer must be the actor's (checked before any work)."""
+    ``val/`` scores and the metrics). The teacher's tokenizer must be the actor's (checked before any work).
+
+    Several teachers (``routes``, verl's ``distillation.teacher_models`` with ``teacher_key``): each row is scored by
+    the teacher of its ``route_key`` column's value (its ``data_source``: a math teacher for the math prompts, a code
+    teacher for the code ones); every rank of the teacher's pool holds them all and scores its rows, each with its
+    own teacher (`hybridflow.engine.backends.teachers.RoutedTeachers`). Every value in the prompt files must have a
+    teacher (checked before any work)."""
 
     model_path: str | None = Field(
-        None, description="the teacher's folder or hub name (resolved as model.path); None: no teacher"
+        None, description="the teacher's folder or hub name (resolved as model.path); None: no teacher (or routes)"
+    )
+    routes: dict[str, str] = Field(
+        default_factory=dict,
+        description="several teachers: a value of the rows' route_key column -> the folder of the teacher scoring "
+        "those rows (verl's distillation.teacher_models.<name>.key and .model_path); instead of model_path",
+    )
+    route_key: Literal["data_source", "ability"] = Field(
+        "data_source", description="routes: the prompt column whose value picks a row's teacher (verl's teacher_key)"
     )
     log_prob_micro_batch_size: int = Field(16, gt=0, description="sequences per teacher forward")
     use_as: Literal["reward", "loss"] = Field("reward", description="the KL as a dense per-token reward, or a loss")
@@ -506,16 +520,26 @@ class TeacherConfig(_Section):
 
     @property
     def enabled(self) -> bool:
-        """Whether the run distils from a teacher (``model_path`` set)."""
-        return self.model_path is not None
+        """Whether the run distils from a teacher (``model_path`` or ``routes`` set)."""
+        return self.model_path is not None or bool(self.routes)
+
+    def model_paths(self) -> dict[str, str]:
+        """The teachers' folders by route (``{"": model_path}`` for one teacher scoring every row)."""
+        return dict(self.routes) if self.routes else {"": self.model_path} if self.model_path else {}
 
     @model_validator(mode="after")
     def _path_for_settings(self) -> TeacherConfig:
         """Settings of a teacher (other than their defaults, as a recorded config holds them) without its folder
         would silently train without one: refused."""
+        if self.model_path is not None and self.routes:
+            raise ValueError(
+                "teacher.model_path (one teacher for every row) and teacher.routes (a teacher per data source) are "
+                "two ways to name the teachers: give one of them"
+            )
         fields = type(self).model_fields
-        settings = [k for k in fields if k != "model_path" and getattr(self, k) != fields[k].default]
-        if self.model_path is None and settings:
+        default = {k: fields[k].get_default(call_default_factory=True) for k in fields}
+        settings = [k for k in fields if k not in ("model_path", "routes") and getattr(self, k) != default[k]]
+        if not self.enabled and settings:
             raise ValueError(
                 f"teacher.{', teacher.'.join(settings)} set without teacher.model_path: give the teacher's folder "
                 "(-o teacher.model_path=DIR, e.g. a checkpoint's actor/ folder), or remove the teacher's settings"

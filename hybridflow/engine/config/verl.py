@@ -203,7 +203,11 @@ def _distillation(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     use_policy_gradient a PPO-clip loss of advantage -D (current log-probs, detached), else agg(D); added to the PPO
     loss x distillation_loss_coef, or alone with use_task_rewards false. Here: teacher.use_as reward (advantage
     task_coef x A - kl_coef x D with the old log-probs: the same where one mini-batch of one epoch makes them the
-    current ones) or loss (kl_coef x agg(D))."""
+    current ones) or loss (kl_coef x agg(D)).
+
+    One teacher scores every row (verl's single-teacher path ignores its key); several are ``teacher.routes`` by
+    their ``key`` (verl's ``teacher_manager.py::_resolve_teacher_key``: a row's ``teacher_key`` value picks its
+    teacher), verl's placeholder ``teacher_model`` dropped once others are named, as verl drops it."""
     if not values.get("distillation.enabled"):
         return {}, []
     teachers = {
@@ -213,22 +217,30 @@ def _distillation(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     }
     if len(teachers) > 1:  # verl drops its placeholder teacher_model once others are named
         teachers.pop("teacher_model", None)
-    if len(teachers) != 1:
+    if not teachers:
         return {}, [
-            "verl key distillation.enabled=True needs one teacher: give distillation.teacher_models.teacher_model."
+            "verl key distillation.enabled=True needs a teacher: give distillation.teacher_models.teacher_model."
             "model_path"
-            if not teachers
-            else f"verl key distillation.teacher_models has {len(teachers)} teachers ({', '.join(sorted(teachers))}), "
-            "routed by distillation.teacher_key: several teachers are not implemented here; distil from one "
-            "(one teacher_models entry), one run per teacher"
         ]
     errors = []
+    ours: dict[str, Any] = {}
+    if len(teachers) == 1:  # verl's single teacher scores every row, whatever its key
+        ours["teacher.model_path"] = next(iter(teachers.values()))
+    else:
+        routes = {values.get(f"distillation.teacher_models.{name}.key"): path for name, path in teachers.items()}
+        unkeyed = sorted(name for name in teachers if values.get(f"distillation.teacher_models.{name}.key") is None)
+        if unkeyed or len(routes) < len(teachers):
+            errors.append(
+                f"verl key distillation.teacher_models: each of several teachers needs its own key, the "
+                f"distillation.teacher_key value of the rows it scores ({', '.join(unkeyed) or 'duplicate keys'}): "
+                "give distillation.teacher_models.<name>.key=<data_source>"
+            )
+        ours["teacher.routes"] = {str(k): v for k, v in routes.items() if k is not None}
     mode = str(values.get(f"{_DISTILL_LOSS}.loss_mode", "k3"))
     mode = _KL_ALIASES.get(mode, mode)
     policy_gradient = bool(values.get(f"{_DISTILL_LOSS}.use_policy_gradient", False))
     with_task = bool(values.get(f"{_DISTILL_LOSS}.use_task_rewards", True))
     coef = float(values.get(f"{_DISTILL_LOSS}.distillation_loss_coef", 1.0))
-    ours: dict[str, Any] = {"teacher.model_path": next(iter(teachers.values()))}
     if policy_gradient and mode != "k1":
         errors.append(
             f"verl key {_DISTILL_LOSS}.loss_mode={mode} with use_policy_gradient=True is not supported here: the "

@@ -905,10 +905,20 @@ VERL_KEYS: tuple[VerlKey, ...] = (
                 note="the teacher's folder; one teacher per run here (verl's lone teacher_model, or one named entry)",
                 via="teacher.model_path",
             ),
-            _no_effect("distillation.teacher_models.*.key", "one teacher scores every row"),
+            VerlKey(
+                "distillation.teacher_models.*.key",
+                note="with several teachers, the teacher_key value whose rows this one scores (teacher.routes); one "
+                "teacher scores every row",
+                via="teacher.routes",
+            ),
             _no_effect("distillation.teacher_models.*.num_replicas", "the teacher's pool: placement only"),
             _no_effect("distillation.teacher_models.*.inference.*", _TEACHER_ENGINE),
-            _no_effect("distillation.teacher_key", "one teacher scores every row", _only("data_source")),
+            VerlKey(
+                "distillation.teacher_key",
+                ("teacher.route_key",),
+                accepts=_only("data_source", "ability"),
+                note="the prompt column whose value picks a row's teacher (data_source or ability)",
+            ),
             _no_effect("distillation.n_gpus_per_node", "the teacher's pool: placement only (the same log-probs)"),
             _no_effect("distillation.nnodes", "the teacher's pool: placement only (the same log-probs)"),
             VerlKey(

@@ -126,12 +126,16 @@ def stand_ins(folder: Path) -> Path:
     return folder
 
 
-def captured_command(script: Path, tree: Path, home: Path, bin_dir: Path) -> list[str] | None:
+def captured_command(
+    script: Path, tree: Path, home: Path, bin_dir: Path, variables: dict[str, str] | None = None
+) -> list[str] | None:
     """The arguments the script gives ``python3 -m verl.trainer.main_ppo`` (the first such call), or None if it
-    makes none. The script runs from the tree's root, as verl's docs run them, for at most 60 s."""
+    makes none. The script runs from the tree's root, as verl's docs run them, for at most 60 s, with the
+    environment `variables` (``MODEL_PATH=...``: how verl's scripts take their settings) set."""
     capture = home / "capture.jsonl"
     capture.unlink(missing_ok=True)
     env = {
+        **(variables or {}),
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "HOME": str(home),
         "CAPTURE": str(capture),

@@ -27,6 +27,7 @@ VARIANTS = {
     "cispo": ("grpo", ["actor.policy_loss.loss_mode=cispo"]),
     "gpg": ("gpg", ["actor.policy_loss.loss_mode=gpg"]),
     "gmpo": ("grpo", ["actor.policy_loss.loss_mode=geo_mean", "actor.clip_ratio_low=0.4", "actor.clip_ratio_high=0.4"]),
+    "sapo": ("grpo", ["actor.policy_loss.loss_mode=sapo", "actor.policy_loss.tau_neg=2.0"]),
     "clip_cov": ("grpo", ["actor.policy_loss.loss_mode=clip_cov", "actor.policy_loss.clip_cov_ratio=0.2"]),
     "kl_cov": ("grpo", ["actor.policy_loss.loss_mode=kl_cov", "actor.policy_loss.kl_cov_ratio=0.2"]),
     "token_sum_k3plus": ("grpo", ["actor.loss_agg_mode=token-sum", "actor.use_kl_loss=true", "actor.kl_loss_type=k3+"]),

@@ -925,6 +925,45 @@ def test_gpg_loss_is_the_plain_policy_gradient():
     assert math.isclose(float(ppo_kl), (0.5 + 1.0 + 2.0 + 0.1 + 0.3) / 5, rel_tol=1e-6)
 
 
+def test_sapo_gates_the_ratio_smoothly_with_a_temperature_per_advantage_sign():
+    """SAPO (arXiv 2511.20347, verl's compute_policy_loss_sapo): loss_t = -A_t sigmoid(tau (r - 1)) 4 / tau, tau_pos
+    where A > 0 else tau_neg, a mean over sequences of their token means; at r = 1 the gate's slope is 1 whatever tau
+    (the plain policy gradient), away from it the gradient fades, faster for the larger tau; no clip is counted."""
+    old = torch.zeros(2, 3)
+    log_prob = torch.tensor([[0.0, 0.5, 3.0], [0.0, -0.7, -0.2]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    tau_pos, tau_neg = 1.0, 3.0
+    loss, clipfrac, ppo_kl, lower = losses.get_policy_loss_fn("sapo")(
+        old, log_prob, adv, mask, loss_agg_mode="token-mean", tau_pos=tau_pos, tau_neg=tau_neg
+    )
+
+    def gate(x: float, tau: float) -> float:  # the paper's f, written out
+        return 4.0 / tau / (1.0 + math.exp(-tau * (math.exp(x) - 1.0)))
+
+    seq0 = -(gate(0.0, tau_pos) + gate(0.5, tau_pos)) / 2
+    seq1 = 2.0 * (gate(0.0, tau_neg) + gate(-0.7, tau_neg) + gate(-0.2, tau_neg)) / 3
+    assert math.isclose(float(loss), (seq0 + seq1) / 2, rel_tol=1e-6)
+    loss.backward()
+
+    def slope(x: float, tau: float) -> float:  # d f(exp(x)) / dx
+        s = 1.0 / (1.0 + math.exp(-tau * (math.exp(x) - 1.0)))
+        return 4.0 * s * (1.0 - s) * math.exp(x)
+
+    assert math.isclose(slope(0.0, tau_pos), 1.0) and math.isclose(slope(0.0, tau_neg), 1.0)
+    want = torch.tensor(
+        [
+            [-1.0 * slope(0.0, tau_pos) / 4, -1.0 * slope(0.5, tau_pos) / 4, 0.0],
+            [2.0 * slope(0.0, tau_neg) / 6, 2.0 * slope(-0.7, tau_neg) / 6, 2.0 * slope(-0.2, tau_neg) / 6],
+        ]
+    )
+    assert_close(log_prob.grad, want, atol=1e-6, rtol=1e-5)
+    assert 0 < float(log_prob.grad[1, 1]) < float(log_prob.grad[1, 0])  # far from r = 1 the gradient fades
+    assert float(clipfrac) == float(lower) == 0.0
+    assert math.isclose(float(ppo_kl), (-0.5 + 0.7 + 0.2) / 5, rel_tol=1e-6, abs_tol=1e-7)
+    assert losses.update_agg_mode("token-mean", "sapo") == "seq-mean-token-mean"
+
+
 def test_gmpo_is_the_geometric_mean_of_sign_aware_clipped_ratios_times_the_sequence_advantage():
     old = torch.zeros(2, 3)
     # sequence 0 (A > 0): log-ratios 0.1, 0.9 (above the 0.4 clip: taken at 0.4, no gradient), padding 7.0

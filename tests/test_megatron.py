@@ -351,3 +351,85 @@ def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):
         assert got == pytest.approx(want_metrics["actor/grad_norm"], rel=1e-4), key
         if result["stage"] == pp - 1:  # the truncated importance weights of the same tokens (on this rank's rows)
             assert 0 < result["metrics"]["rollout_corr/rollout_is_ratio_fraction_high"] < 1, key
+
+
+def _distill_teacher():
+    from hybridflow.engine.config import TeacherConfig
+
+    return TeacherConfig(
+        model_path="teacher", use_as="loss", kl_coef=0.5, top_k=6, top_k_kl="forward", log_prob_floor=-7.0, kl_clamp=2.0
+    )
+
+
+def _distill_batch(hf_model):
+    """`_policy_batch` with a teacher's columns: its top-6 support (random ids, one of them the sampled token) and
+    its log-probs there, as the teacher stage returns them."""
+    batch = _policy_batch(hf_model, torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(2)
+    rows, width = batch.batch["responses"].shape
+    ids = torch.randint(0, hf_model.config.vocab_size, (rows, width, 6), generator=generator)
+    ids[..., 0] = batch.batch["responses"]
+    log_probs = torch.log_softmax(torch.randn(rows, width, 7, generator=generator) * 3, -1)[..., :6]
+    batch.batch["teacher_top_k_ids"], batch.batch["teacher_top_k_log_probs"] = ids, log_probs
+    batch.batch["teacher_log_prob"] = log_probs[..., 0]
+    return batch
+
+
+def _distill_worker(rank: int, store: str, model_dir: str, results) -> None:
+    _join(rank, store)
+    from megatron.core import parallel_state
+
+    from hybridflow.engine.backends.megatron_actor import policy_gradient
+    from hybridflow.engine.config import ActorConfig
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    data = _distill_batch(hf_model)
+    config = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    for tp, pp, model in _layouts(hf_model):
+        model.train()
+        metrics = policy_gradient(model, data.split(2), [0.5, 0.5], config, teacher=_distill_teacher())
+        results[f"{tp}-{pp}-{rank}"] = {
+            "grads": _unsharded(model, lambda p: p.grad),
+            "metrics": metrics,
+            "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        }
+    dist.destroy_process_group()
+
+
+def test_the_distillation_loss_on_megatron_equals_hugging_faces(tmp_path):
+    """The actor's loss with the teacher's top-k forward KL (verl's forward_kl_topk, floored log-probs, clamped), on
+    megatron with TP=1, TP=2 (the support's log-probs from vocabulary-parallel logits) and PP=2, gives the gradient
+    and the ``actor/distill_loss`` the Hugging Face actor's loss gives on the same batch."""
+    from hybridflow.engine.backends.actor import actor_loss
+    from hybridflow.engine.backends.megatron_bridge import stage_names
+    from hybridflow.engine.config import ActorConfig
+    from hybridflow.engine.models import response_token_stats
+
+    model_dir = build_tiny_model(tmp_path / "tiny", hidden_size=128, head_dim=16, num_layers=2)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    data = _distill_batch(hf_model)
+    losses, distills = [], []
+    for micro in data.split(2):
+        stats = response_token_stats(hf_model, micro, 0.7, support=micro.batch["teacher_top_k_ids"])
+        batch = {**dict(micro.batch.items()), "support_log_probs": stats["support_log_probs"]}
+        config = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28)
+        loss, terms = actor_loss(config, batch["old_log_probs"], stats["log_probs"], batch, teacher=_distill_teacher())
+        losses.append(loss)
+        distills.append(float(terms["distill_loss"]))
+    hf_model.zero_grad()
+    (sum(losses) / len(losses)).backward()
+    want = hf_to_mcore({n: p.grad.clone() for n, p in hf_model.named_parameters()}, hf_model.config)
+    assert sum(distills) > 0
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_distill_worker, args=(str(tmp_path / "store"), str(model_dir), results), nprocs=2, join=True)
+        results = dict(results)
+    assert len(results) == 2 * len(LAYOUTS)
+    for key, result in results.items():
+        tp, pp, _ = (int(x) for x in key.split("-"))
+        for name, grad in want.items():
+            stage, local = stage_names(name, hf_model.config.num_hidden_layers, pp)
+            if stage == result["stage"]:
+                torch.testing.assert_close(result["grads"][local], grad, rtol=1e-4, atol=1e-6, msg=f"{key} {name}")
+        if result["stage"] == pp - 1:
+            assert result["metrics"]["actor/distill_loss"] == pytest.approx(sum(distills) / 2, rel=1e-5), key

@@ -68,6 +68,20 @@ def test_one_iteration_trains(tmp_path, tiny_model_dir, estimator, extra):
         assert "actor/reward_kl_penalty" in metrics
     # validation ran before training and after the last iteration; every record reached metrics.jsonl
     assert "val/reasoning_gym/basic_arithmetic/acc" in records[0]
+    verl_named = {k: v for k, v in records[0].items() if k.startswith(("val-core/", "val-aux/"))}  # verl's names
+    assert verl_named in (
+        {
+            "val-core/reasoning_gym/basic_arithmetic/reward/mean@1": records[0][
+                "val/reasoning_gym/basic_arithmetic/score"
+            ]
+        },
+        {
+            "val-core/reasoning_gym/basic_arithmetic/acc/mean@1": records[0]["val/reasoning_gym/basic_arithmetic/acc"],
+            "val-aux/reasoning_gym/basic_arithmetic/reward/mean@1": records[0][
+                "val/reasoning_gym/basic_arithmetic/score"
+            ],
+        },
+    )
     lines = (tmp_path / "outputs" / "hybridflow" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == len(records) == 2
 

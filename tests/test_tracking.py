@@ -12,7 +12,7 @@ from hybridflow.engine.tracking import GENERATION_COLUMNS, Tracking, markdown_ta
 STEPS = {
     0: {"val/gsm8k/acc": 0.25},
     1: {"critic/score/mean": 0.5, "actor/pg_loss": -0.125, "val/gsm8k/acc": 0.5, "timing_s/gen": 1.5},
-    2: {"critic/score/mean": 0.75, "actor/pg_loss": 0.0625, "val/gsm8k/acc": 0.75, "timing_s/gen": 1.25},
+    2: {"critic/score/mean": 0.75, "actor/pg_loss": 0.0625, "val/gsm8k/acc": 0.75, "val-core/gsm8k/acc/mean@1": 0.75},
 }
 SAMPLES = [
     {"step": 2, "data_source": "gsm8k", "prompt": "1+1=?", "response": "2 | two\nlines", "score": 1.0,
@@ -102,6 +102,8 @@ def test_jsonl_tensorboard_wandb_mlflow_read_back(tmp_path, monkeypatch):
     assert run.info.status == "FINISHED" and run.data.params["actor.optim.lr"] == "1e-06"
     for name in ("critic/score/mean", "val/gsm8k/acc"):
         assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name)) == _expected(name)
+    verl_named = client.get_metric_history(run.info.run_id, "val-core/gsm8k/acc/mean_at_1")  # verl's '@' -> '_at_'
+    assert [(m.step, m.value) for m in verl_named] == [(2, 0.75)]
     saved = client.download_artifacts(run.info.run_id, "generations/val_step_2.json", str(tmp_path))
     table = json.loads(Path(saved).read_text())
     assert table["columns"] == list(GENERATION_COLUMNS) and [row[3] for row in table["data"]] == ["2 | two\nlines", "5"]

@@ -608,13 +608,25 @@ def test_verls_three_spellings_of_a_cosine_lr_schedule_are_ours():
             translate([key_value, steps])
 
 
+def test_sapo_takes_verls_actor_level_temperatures():
+    """SAPO (examples/sapo_trainer): ``policy_loss.loss_mode=sapo`` is ours; verl's loss reads ``actor.tau_pos`` /
+    ``tau_neg``, which are ours; the ``+policy_loss.tau_*`` its example scripts add are not read by verl, and are
+    accepted as having no effect (named when the run starts)."""
+    arr, steps = "actor_rollout_ref.actor", "trainer.total_training_steps=3"
+    given = [f"{arr}.policy_loss.loss_mode=sapo", f"{arr}.tau_neg=2.0", f"+{arr}.policy_loss.tau_pos=1.0", steps]
+    ours = _ours(given)
+    assert (ours["actor.policy_loss.loss_mode"], ours["actor.policy_loss.tau_neg"]) == ("sapo", "2.0")
+    assert "actor.policy_loss.tau_pos" not in ours
+    assert f"{arr}.policy_loss.tau_pos" in {key for key, _ in translate(given).no_effect}
+
+
 def test_verl_mains_distillation_section_is_our_teacher_or_refused_naming_what_is_not_implemented():
     """``distillation.*`` (verl main's examples/on_policy_distillation_trainer): one teacher is our teacher role.
     Policy-gradient k1 is ``teacher.use_as=reward``, the supervised k2/k3/abs ``use_as=loss``; use_task_rewards
     False trains on the teacher alone (and drops the entropy bonus and KL loss, as verl drops the PPO loss);
     loss_max_clamp clamps each token's KL. Several teachers are ``teacher.routes`` by their keys (teacher_key: the
-    route column). Several teachers without keys, forward top-k KL, a policy-gradient term over several
-    mini-batches and a rollout temperature other than 1 are refused with what to do."""
+    route column); forward_kl_topk is ``teacher.top_k_kl=forward``. Several teachers without keys, a policy-gradient
+    term over several mini-batches and a rollout temperature other than 1 are refused with what to do."""
     arr, loss = "actor_rollout_ref", "distillation.distillation_loss"
     script = [  # run_qwen3_8b_fsdp.sh's distillation keys
         "distillation.enabled=True",
@@ -676,5 +688,14 @@ def test_verl_mains_distillation_section_is_our_teacher_or_refused_naming_what_i
     for key_value, why in refused.items():
         with pytest.raises(ConfigError, match=why):
             translate([*(single_named if "math" in key_value else script), key_value])
-    with pytest.raises(ConfigError, match="forward_kl_topk is not implemented"):
-        translate([*script, f"{loss}.use_policy_gradient=False", f"{loss}.loss_mode=forward_kl_topk"])
+    forward = _ours(  # examples/on_policy_distillation_trainer/run_qwen3_8b_megatron.sh
+        [*script, f"{loss}.use_policy_gradient=False", f"{loss}.loss_mode=forward_kl_topk", f"{loss}.topk=16"]
+        + [f"{loss}.log_prob_min_clamp=-10.0", "model_engine=megatron"]
+    )
+    assert {k: forward.get(k) for k in ("teacher.use_as", "teacher.top_k", "teacher.top_k_kl")} == {
+        "teacher.use_as": "loss",
+        "teacher.top_k": "16",
+        "teacher.top_k_kl": "forward",
+    }
+    assert (forward["teacher.log_prob_floor"], forward["teacher.kl_clamp"]) == ("-10.0", "10.0")
+    assert forward["actor.strategy"] == "megatron"  # the loss on megatron (tests/test_megatron.py)

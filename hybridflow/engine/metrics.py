@@ -115,10 +115,15 @@ def batch_metrics(data: DataProto, response_limit: int, seconds: dict[str, float
 
 class ValidationTally:
     """The validation metrics over scored held-out batches: ``val/<data_source>/score`` (the mean score) and
-    ``val/<data_source>/acc`` (the mean of the score function's ``acc`` when it reports one, else of the score)."""
+    ``val/<data_source>/acc`` (the mean of the score function's ``acc`` when it reports one, else of the score);
+    and the same means under verl's names (``ray_trainer.py::_val_metrics_update``, one response per prompt):
+    ``val-core/<data_source>/acc/mean@1`` when the score function reports ``acc`` (then the score is
+    ``val-aux/<data_source>/reward/mean@1``), else ``val-core/<data_source>/reward/mean@1``, so a verl dashboard
+    finds its curves."""
 
     def __init__(self) -> None:
         self.per_source: dict[str, dict[str, list[float]]] = {}
+        self.reports_acc = False
 
     def add(self, scored: DataProto) -> None:
         """Count a scored batch: ``token_level_scores`` [B, T], ``reward_extra/acc`` [B] float64 if reported, and the
@@ -126,18 +131,23 @@ class ValidationTally:
         score = scored.batch["token_level_scores"].sum(-1).tolist()
         acc_key = "reward_extra/acc"
         acc = scored.batch[acc_key].tolist() if acc_key in scored.batch else score
+        self.reports_acc = self.reports_acc or acc_key in scored.batch
         for source, s, a in zip(scored.non_tensor_batch["data_source"], score, acc, strict=True):
             bucket = self.per_source.setdefault(source, {"score": [], "acc": []})
             bucket["score"].append(s)
             bucket["acc"].append(a)
 
     def metrics(self) -> dict[str, float]:
-        """The means, per data source."""
-        return {
-            f"val/{source}/{name}": float(np.mean(values))
-            for source, bucket in self.per_source.items()
-            for name, values in bucket.items()
-        }
+        """The means, per data source, under our names and verl's."""
+        out = {}
+        for source, bucket in self.per_source.items():
+            score, acc = float(np.mean(bucket["score"])), float(np.mean(bucket["acc"]))
+            out.update({f"val/{source}/score": score, f"val/{source}/acc": acc})
+            if self.reports_acc:
+                out.update({f"val-core/{source}/acc/mean@1": acc, f"val-aux/{source}/reward/mean@1": score})
+            else:
+                out[f"val-core/{source}/reward/mean@1"] = score
+        return out
 
 
 class Span(NamedTuple):

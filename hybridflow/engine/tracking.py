@@ -35,6 +35,12 @@ _LIBRARIES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"
 _MLFLOW_NAME = re.compile(r"[^\w\-. /:]")  # characters MLflow refuses in metric names
 
 
+def mlflow_name(metric: str) -> str:
+    """`metric` as MLflow takes it, as verl's tracker writes it (``verl/utils/tracking.py::_sanitize_key``): ``@`` as
+    ``_at_`` (``val-core/openai/gsm8k/reward/mean_at_1``), any other character MLflow refuses as ``_``."""
+    return _MLFLOW_NAME.sub("_", metric.replace("@", "_at_"))
+
+
 def missing_libraries(backends: Sequence[str]) -> list[str]:
     """The backends of `backends` whose library is not installed (to say so before a run starts)."""
     import importlib.util
@@ -202,7 +208,7 @@ class _MLflow:
         import time
 
         now = int(time.time() * 1000)
-        batch = [self.mlflow.entities.Metric(_MLFLOW_NAME.sub("_", k), float(v), now, step) for k, v in metrics.items()]
+        batch = [self.mlflow.entities.Metric(mlflow_name(k), float(v), now, step) for k, v in metrics.items()]
         for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per batch
             self.client.log_batch(self.run_id, metrics=batch[start : start + 1000])
 

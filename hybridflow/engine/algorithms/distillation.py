@@ -127,3 +127,30 @@ def top_k_reverse_kl(log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, m
     p = torch.cat([log_probs.float(), _log_rest(log_probs)], dim=-1)
     q = torch.cat([teacher_log_probs.float(), _log_rest(teacher_log_probs)], dim=-1)
     return masked_values((p.exp() * (p - q)).sum(-1), mask)[0]
+
+
+def top_k_forward_kl(
+    log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, mask: torch.Tensor, floor: float | None = None
+) -> torch.Tensor:
+    """verl's ``forward_kl_topk``: at each position ``max(0, sum_{v in S} q(v) (log q(v) - log p(v)))``, S the
+    teacher's top-k tokens, q the teacher, p the student, both log-probs floored at `floor` first when given
+    (``verl/trainer/distillation/fsdp/losses.py::compute_forward_kl_topk`` with ``log_prob_min_clamp``, and the
+    floor at 0 of ``losses.py::compute_forward_kl_topk``). The forward KL(teacher || student) restricted to S: a
+    mode-covering pull toward every token the teacher rates, unlike the reverse KL's mode seeking; the mass outside S
+    is not counted, so the sum can dip below 0, hence the floor (`top_k_reverse_kl` keeps a bucket for it instead).
+
+    Args:
+        log_probs: float [B, T, k], the student's log-probs of the teacher's support tokens (differentiable).
+        teacher_log_probs: float [B, T, k], the teacher's (``teacher_top_k_log_probs``).
+        mask: [B, T], 1 on response tokens.
+        floor: ``teacher.log_prob_floor`` (verl's ``log_prob_min_clamp``), or None.
+
+    Returns:
+        float32 [B, T] in nats, >= 0, 0 off the mask.
+    """
+    check_same_shape(log_probs=log_probs, teacher_log_probs=teacher_log_probs)
+    check_same_shape(log_probs=log_probs[..., 0], mask=mask)
+    p, q = log_probs.float(), teacher_log_probs.float()
+    if floor is not None:
+        p, q = p.clamp(min=floor), q.clamp(min=floor)
+    return masked_values((q.exp() * (q - p)).sum(-1).clamp(min=0.0), mask)[0]

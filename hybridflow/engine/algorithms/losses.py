@@ -349,7 +349,57 @@ def compute_policy_loss_geo_mean(
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
-SEQUENCE_MEAN_LOSSES = frozenset({"geo_mean"})
+@register_policy_loss("sapo")
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    is_weights: torch.Tensor | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SAPO: a smooth gate of the importance ratio in place of PPO's clip.
+
+    Source: Gao et al. 2025, "Soft Adaptive Policy Optimization" (arXiv 2511.20347), as verl computes it
+    (``core_algos.py::compute_policy_loss_sapo``): with ``r_t = exp(clamp(log_prob_t - old_log_prob_t, -20, 20))``
+    and tau_t = `tau_pos` where A_t > 0, else `tau_neg`::
+
+        f_t = sigmoid(tau_t (r_t - 1)) * 4 / tau_t          (df/dr = 1 at r = 1: the policy gradient there)
+        loss_t = -f_t * A_t (x is_weights_t)
+
+    aggregated by sequences (``seq-mean-token-mean``) whatever `loss_agg_mode`, as verl does (`update_agg_mode`).
+    Far from r = 1 the gate's gradient fades instead of stopping at a clip edge; a larger tau fades it faster
+    (verl's default tau_neg > tau_pos damps negative-advantage tokens sooner). The clip ratios are unused.
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: float [B, T] (``log_prob`` carries the gradient).
+        is_weights: optional float [B, T] per-token weights without gradient.
+        tau_pos, tau_neg: ``actor.policy_loss.tau_pos`` / ``tau_neg`` (> 0).
+
+    Returns:
+        ``(pg_loss, 0, ppo_kl, 0)``, 0-dim tensors (no clip to count, as verl reports).
+
+    Raises:
+        ValueError: shapes differ.
+    """
+    del clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode
+    check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(log_prob.dtype)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    pg_loss = _aggregate_policy_loss(-gate * advantages, response_mask, "seq-mean-token-mean", is_weights)
+    with torch.no_grad():
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    zero = torch.zeros_like(ppo_kl)
+    return pg_loss, zero, ppo_kl, zero
+
+
+SEQUENCE_MEAN_LOSSES = frozenset({"geo_mean", "sapo"})
 """Policy losses that are a mean over sequences whatever ``actor.loss_agg_mode`` (`update_agg_mode`)."""
 
 

@@ -12,7 +12,12 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.algorithms.distillation import distillation_loss, top_k_reverse_kl
+from hybridflow.engine.algorithms.distillation import (
+    clamped,
+    distillation_loss,
+    top_k_forward_kl,
+    top_k_reverse_kl,
+)
 from hybridflow.engine.algorithms.kl import kl_penalty
 from hybridflow.engine.algorithms.losses import get_policy_loss_fn
 from hybridflow.engine.algorithms.rollout_correction import batch_mean_weight, bypass_policy_loss, rollout_is_weights
@@ -87,8 +92,9 @@ def actor_loss(
     ``loss_agg_mode`` aggregate), plus ``actor.kl_loss_coef`` x the KL loss to ``ref_log_prob`` when
     ``actor.use_kl_loss`` (``actor.kl_loss_type``, aggregated alike), plus ``teacher.kl_coef`` x the KL loss to
     ``teacher_log_prob`` with a `teacher` (``teacher.use_as: loss``,
-    `hybridflow.engine.algorithms.distillation.distillation_loss`; with ``teacher.top_k`` the exact KL over the
-    teacher's support, `hybridflow.engine.algorithms.distillation.top_k_reverse_kl`).
+    `hybridflow.engine.algorithms.distillation.distillation_loss`; with ``teacher.top_k`` a KL over the teacher's
+    support, `hybridflow.engine.algorithms.distillation.top_k_reverse_kl` or, ``top_k_kl: forward``,
+    `hybridflow.engine.algorithms.distillation.top_k_forward_kl`).
 
     Args:
         batch: the micro-batch's tensors (``advantages``, ``response_mask`` [b, T], ``ref_log_prob`` for the KL loss,
@@ -115,7 +121,11 @@ def actor_loss(
         loss = loss + config.kl_loss_coef * kl_loss
         terms.update(kl_loss=kl_loss, kl_coef=config.kl_loss_coef)
     if teacher is not None and teacher.top_k:
-        kl = top_k_reverse_kl(batch["support_log_probs"], batch["teacher_top_k_log_probs"], mask)
+        support, teachers = batch["support_log_probs"], batch["teacher_top_k_log_probs"]
+        if teacher.top_k_kl == "forward":
+            kl = clamped(top_k_forward_kl(support, teachers, mask, teacher.log_prob_floor), teacher.kl_clamp)
+        else:
+            kl = top_k_reverse_kl(support, teachers, mask)
         distill = agg_loss(kl, mask, config.loss_agg_mode)
         loss = loss + teacher.kl_coef * distill
         terms["distill_loss"] = distill

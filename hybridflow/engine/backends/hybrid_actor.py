@@ -98,7 +98,8 @@ class HybridActorRollout:
         load_hf_weights(self.model, {n: p.detach() for n, p in hf_model.named_parameters()}, self.hf_config)
         del hf_model
         correction = cfg.algorithm.rollout_correction
-        self.actor = MegatronActor(self.model, cfg.actor, cfg.rollout.n, cfg.trainer.seed, correction)
+        teacher = cfg.teacher if cfg.distills_in_loss() else None
+        self.actor = MegatronActor(self.model, cfg.actor, cfg.rollout.n, cfg.trainer.seed, correction, teacher)
         names = global_names(self.model, self.hf_config, self.coords.pp, layout.p)
         params = {names[local]: p for local, p in self.model.named_parameters() if names.get(local) in specs}
         regroup = functools.partial(generation_order, config=self.hf_config)

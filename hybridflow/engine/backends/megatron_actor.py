@@ -62,6 +62,51 @@ def response_log_probs(model, micro: DataProto, temperature: float = 1.0) -> tor
     return -vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), responses.t().contiguous()).t()
 
 
+def support_log_probs(logits: torch.Tensor, support: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities at given token ids from vocabulary-parallel logits (differentiable): ``logit(v) - log Z``,
+    each rank's logit of v taken from the rank holding v's slice and log Z = logsumexp over the whole vocabulary,
+    both summed over the tensor-parallel group with megatron's ``reduce_from_tensor_model_parallel_region`` (an
+    all-reduce forward, the identity backward: each rank's gradient reaches its own slice).
+
+    Args:
+        logits: float [b, T, V/t], this rank's slice of the vocabulary (rank r holds ids [r V/t, (r + 1) V/t)).
+        support: int64 [b, T, k], token ids (the teacher's top-k, ``teacher_top_k_ids``).
+
+    Returns:
+        float32 [b, T, k].
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    logits = logits.float()
+    width = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * width
+    with torch.no_grad():  # the shift only steadies exp(); log Z does not depend on it
+        peak = logits.max(-1, keepdim=True).values
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(
+                peak, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+            )
+    log_z = peak + reduce_from_tensor_model_parallel_region((logits - peak).exp().sum(-1, keepdim=True)).log()
+    mine = (support >= start) & (support < start + width)
+    picked = logits.gather(-1, (support - start).clamp(0, width - 1)) * mine
+    return reduce_from_tensor_model_parallel_region(picked) - log_z
+
+
+def response_and_support_log_probs(model, micro: DataProto, temperature: float = 1.0) -> torch.Tensor:
+    """`response_log_probs` and, from the same logits, `support_log_probs` at the teacher's top-k
+    (``teacher_top_k_ids`` [b, T, k]), as one float32 tensor [b, T, 1 + k] (the schedule passes one tensor on):
+    ``[..., 0]`` the response tokens', ``[..., 1:]`` the support's (last pipeline stage only)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    responses = micro.batch["responses"]
+    logits = forward(model, micro)[:, -responses.shape[1] - 1 : -1].float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    log_probs = -vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), responses.t().contiguous()).t()
+    return torch.cat([log_probs[..., None], support_log_probs(logits, micro.batch["teacher_top_k_ids"])], dim=-1)
+
+
 def response_values(model, micro: DataProto, temperature: float = 1.0) -> torch.Tensor:
     """The critic's value for each response token, read at the position that predicts it, as
     `hybridflow.engine.models.response_values` does (last pipeline stage of a model built with ``value_head``).
@@ -121,11 +166,12 @@ def policy_gradient(
     config: ActorConfig,
     correction=None,
     is_factor: torch.Tensor | None = None,
+    teacher=None,
 ) -> dict[str, float]:
     """Accumulate into ``.grad`` the gradient of ``sum_i loss_scales[i] * loss_i`` over the micro-batches of one
     mini-batch, where ``loss_i`` is micro-batch i's actor loss (`hybridflow.engine.backends.actor.actor_loss`: the
-    policy
-    loss, plus the KL loss when ``actor.use_kl_loss``), through megatron's forward/backward schedule.
+    policy loss, plus the KL loss when ``actor.use_kl_loss``, plus the distillation loss with `teacher`, its top-k
+    KL from `response_and_support_log_probs`), through megatron's forward/backward schedule.
 
     Args:
         micros: micro-batches (of one size with pipeline parallelism, see `run_schedule`) with
@@ -134,6 +180,8 @@ def policy_gradient(
         correction: ``algorithm.rollout_correction`` (`hybridflow.engine.backends.actor.corrected_actor_loss`, as
             `Actor` applies it; bypass mode without ``rollout_is_batch_normalize``); None: off.
         is_factor: decoupled ``rollout_is_batch_normalize``'s batch mean weight (`batch_is_factor`), or None.
+        teacher: ``teacher`` with ``use_as: loss`` (the micro-batches then hold ``teacher_log_prob``, and with
+            ``top_k`` ``teacher_top_k_ids`` / ``teacher_top_k_log_probs``), else None.
 
     Returns:
         ``actor/pg_loss``, ``actor/ppo_kl``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` and, with the KL
@@ -143,18 +191,26 @@ def policy_gradient(
     """
     logged: list[dict[str, float]] = []  # per micro-batch, as computed (the schedule rescales what it returns)
 
-    def loss_func(index: int, log_prob: torch.Tensor):
+    top_k = teacher is not None and teacher.top_k > 0
+
+    def loss_func(index: int, values: torch.Tensor):
         batch = micros[index].batch
+        log_prob = values[..., 0] if top_k else values
+        if top_k:  # the policy at the teacher's support, for the distillation loss
+            batch = {**dict(batch.items()), "support_log_probs": values[..., 1:]}
         # without old_log_probs: one optimizer step, the old log-probs are this forward's (or bypass mode's rollout's)
         old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
         # (no entropy bonus on megatron yet)
-        loss, terms, stats = corrected_actor_loss(config, correction, old_log_prob, log_prob, batch, None, is_factor)
+        loss, terms, stats = corrected_actor_loss(
+            config, correction, old_log_prob, log_prob, batch, None, is_factor, teacher=teacher
+        )
         terms = {f"actor/{k}": v for k, v in terms.items()} | {f"rollout_corr/{k}": v for k, v in stats.items()}
         logged.append({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in terms.items()})
         # the schedule divides each micro-batch's loss by their number: undo it, then weigh
         return loss * loss_scales[index] * len(micros), {"pg_loss": terms["actor/pg_loss"].detach()}
 
-    run_schedule(model, micros, loss_func, forward_only=False)
+    head = response_and_support_log_probs if top_k else response_log_probs
+    run_schedule(model, micros, loss_func, forward_only=False, head=head)
     _sync_tied_embedding_grads(model)
     if not logged:
         return {}
@@ -235,13 +291,15 @@ class MegatronActor(MegatronRole):
     of ``ppo_mini_batch_size x n / D`` sequences per data-parallel rank, each one AdamW step; micro-batch losses
     weighted by `micro_batch_weights` over megatron's data-parallel group; gradients averaged over it; the global
     grad norm clipped to ``actor.optim.grad_clip``. Arguments as `MegatronRole` (``config``: the ``actor`` section),
-    and ``correction``: ``algorithm.rollout_correction`` (truncated importance sampling when its ``rollout_is`` is
-    set; `policy_gradient`).
+    ``correction``: ``algorithm.rollout_correction`` (truncated importance sampling when its ``rollout_is`` is
+    set; `policy_gradient`), and ``teacher``: the ``teacher`` section with ``use_as: loss`` (the distillation loss in
+    every micro-batch's, as `hybridflow.engine.backends.actor.Actor` adds it), else None.
     """
 
-    def __init__(self, model, config, rollout_n: int, seed: int = 0, correction=None):
+    def __init__(self, model, config, rollout_n: int, seed: int = 0, correction=None, teacher=None):
         super().__init__(model, config, rollout_n, seed)
         self.correction = correction if correction is not None and correction.enabled() else None
+        self.teacher = teacher
 
     def compute_log_prob(self, data: DataProto) -> DataProto | None:
         """Log-probs of the responses under the current weights (``old_log_probs`` float32 [B, T]) in micro-batches
@@ -258,6 +316,8 @@ class MegatronActor(MegatronRole):
         # none: on-policy (`Actor`); bypass mode: the rollout's
         keys = [k for k in UPDATE_KEYS if k != "old_log_probs" or ("old_log_probs" in data.keys and not bypass)]
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
+        keys += ["teacher_log_prob"] if self.teacher is not None else []
+        keys += ["teacher_top_k_ids", "teacher_top_k_log_probs"] if self.teacher and self.teacher.top_k else []
         data = data.select(batch_keys=keys + (["rollout_log_probs"] if self.correction else []))
         steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group, self.lr_scheduler))
         if "old_log_probs" not in keys and not bypass and len(steps) != 1:
@@ -270,7 +330,7 @@ class MegatronActor(MegatronRole):
         is_factor = batch_is_factor(self.correction, data, self.dp_group)
         with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
             for micros, scales in steps:
-                gradient = policy_gradient(self.model, micros, scales, cfg, self.correction, is_factor)
+                gradient = policy_gradient(self.model, micros, scales, cfg, self.correction, is_factor, self.teacher)
                 for prefix, into in (("actor/", log), ("rollout_corr/", corrections)):
                     into.add(**{k.removeprefix(prefix): v for k, v in gradient.items() if k.startswith(prefix)})
                 clip = cfg.optim.grad_clip

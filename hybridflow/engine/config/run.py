@@ -177,7 +177,6 @@ class HybridFlowConfig(_Section):
             )
         self._check_safe_rlhf()
         self._check_lora()
-        self._check_teacher()
         if uses_greedy_baseline(estimator) and self.rollout.temperature == 0:
             raise ValueError(
                 f"algorithm.adv_estimator={estimator} subtracts the greedy response's score, and rollout.temperature=0 "
@@ -241,16 +240,6 @@ class HybridFlowConfig(_Section):
             raise ValueError(
                 f"with model.lora_rank > 0 the reference policy is the actor's model with its adapter disabled: put "
                 f"ref in the actor's pool (placement.pools.{self.pool_of('actor').name}.roles)"
-            )
-
-    def _check_teacher(self) -> None:
-        """The distillation loss (``teacher.use_as: loss``) is a term of the Hugging Face actors' loss (ddp, fsdp);
-        the dense reward (``use_as: reward``) trains any actor."""
-        if self.distills_in_loss() and not training_backend(self.actor.strategy).hf_model:
-            raise ValueError(
-                f"teacher.use_as=loss adds the distillation loss to the Hugging Face actors' loss (ddp, fsdp), not "
-                f"actor.strategy={self.actor.strategy}'s: set teacher.use_as=reward (the per-token reverse KL as a "
-                "dense reward, which every actor trains on) or actor.strategy=fsdp"
             )
 
     def _check_judge_engine(self) -> None:

@@ -374,13 +374,16 @@ class PolicyLossConfig(_Section):
         description="a registered policy loss (algorithms.losses.register_policy_loss): vanilla (PPO clip "
         "with clip-higher and dual-clip), gspo (sequence-level ratio; its paper uses loss_agg_mode "
         "seq-mean-token-mean and clip ranges ~3e-4/4e-4), cispo (clipped importance weight, held constant), "
-        "clip_cov, kl_cov (Cui et al. 2025: high-covariance tokens lose their gradient / get a KL penalty)",
+        "clip_cov, kl_cov (Cui et al. 2025: high-covariance tokens lose their gradient / get a KL penalty), sapo "
+        "(a smooth gate of the ratio in place of the clip, tau_pos / tau_neg)",
     )
     clip_cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="clip_cov: share of tokens detached")
     clip_cov_lb: float = Field(1.0, description="clip_cov: lower bound of the covariance of a detachable token")
     clip_cov_ub: float = Field(5.0, description="clip_cov: upper bound of the covariance of a detachable token")
     kl_cov_ratio: float = Field(0.0002, gt=0.0, le=1.0, description="kl_cov: share of tokens KL-penalised")
     ppo_kl_coef: float = Field(1.0, ge=0.0, description="kl_cov: coefficient of the |log ratio| penalty")
+    tau_pos: float = Field(1.0, gt=0.0, description="sapo: the gate's temperature on tokens of positive advantage")
+    tau_neg: float = Field(1.05, gt=0.0, description="sapo: the gate's temperature on the others")
 
     @field_validator("loss_mode")
     @classmethod
@@ -508,14 +511,26 @@ class TeacherConfig(_Section):
     top_k: int = Field(
         0,
         ge=0,
-        description="use_as: loss: > 0 replaces the kl_loss_type estimate of the sampled token by the exact reverse KL "
-        "over the teacher's top_k tokens and a bucket for the rest (distillation.top_k_reverse_kl); 0: the estimate",
+        description="use_as: loss: > 0 replaces the kl_loss_type estimate of the sampled token by a KL over the "
+        "teacher's top_k tokens of each position (top_k_kl); 0: the estimate",
+    )
+    top_k_kl: Literal["reverse", "forward"] = Field(
+        "reverse",
+        description="top_k > 0: reverse: the exact KL(actor || teacher) over the top_k tokens and a bucket for the "
+        "rest (distillation.top_k_reverse_kl); forward: verl's forward_kl_topk, sum over the top_k of q (log q - log "
+        "p), floored at 0 (distillation.top_k_forward_kl)",
+    )
+    log_prob_floor: float | None = Field(
+        None,
+        lt=0.0,
+        description="top_k_kl: forward: both models' log-probs at the top_k tokens floored here first (verl's "
+        "distillation_loss.log_prob_min_clamp); None: not floored",
     )
     kl_clamp: float | None = Field(
         None,
         gt=0.0,
         description="each token's KL estimate clamped to [-kl_clamp, kl_clamp] before it is a reward or a loss (verl's "
-        "distillation_loss.loss_max_clamp; not with top_k); None: unclamped",
+        "distillation_loss.loss_max_clamp; with top_k only the forward KL's); None: unclamped",
     )
 
     @property
@@ -544,10 +559,11 @@ class TeacherConfig(_Section):
                 f"teacher.{', teacher.'.join(settings)} set without teacher.model_path: give the teacher's folder "
                 "(-o teacher.model_path=DIR, e.g. a checkpoint's actor/ folder), or remove the teacher's settings"
             )
-        if self.top_k and self.kl_clamp is not None:
+        if self.top_k and self.kl_clamp is not None and self.top_k_kl == "reverse":
             raise ValueError(
-                "teacher.kl_clamp clamps the estimate of the sampled token's KL; with teacher.top_k the KL is exact "
-                "over the teacher's top-k tokens: unset teacher.kl_clamp, or set teacher.top_k=0"
+                "teacher.kl_clamp clamps the estimate of the sampled token's KL; with teacher.top_k the reverse KL is "
+                "exact over the teacher's top-k tokens: unset teacher.kl_clamp, or set teacher.top_k=0 (or "
+                "teacher.top_k_kl=forward, verl's forward_kl_topk, which its loss_max_clamp clamps)"
             )
         if self.top_k and self.use_as != "loss":
             raise ValueError(

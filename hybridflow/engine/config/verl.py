@@ -199,7 +199,8 @@ def _distillation(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     ``use_policy_gradient: false``, ``use_task_rewards: true``, ``distillation_loss_coef: 1.0``.
 
     verl's distillation term (``verl/trainer/distillation/losses.py``): D per token is k1 = log p - log q, k2 =
-    (log p - log q)^2 / 2, k3 (low_var_kl) or abs, clamped to [-loss_max_clamp, loss_max_clamp]; with
+    (log p - log q)^2 / 2, k3 (low_var_kl), abs, or forward_kl_topk (``teacher.top_k_kl: forward`` over ``topk``
+    tokens, ``log_prob_min_clamp`` the floor), clamped to [-loss_max_clamp, loss_max_clamp]; with
     use_policy_gradient a PPO-clip loss of advantage -D (current log-probs, detached), else agg(D); added to the PPO
     loss x distillation_loss_coef, or alone with use_task_rewards false. Here: teacher.use_as reward (advantage
     task_coef x A - kl_coef x D with the old log-probs: the same where one mini-batch of one epoch makes them the
@@ -247,14 +248,20 @@ def _distillation(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "policy-gradient term takes k1, the sampled token's log-ratio (teacher.use_as=reward); for k2, k3 or abs "
             "set use_policy_gradient=False (a loss)"
         )
-    elif not policy_gradient and mode not in ("k2", "k3", "abs"):
+    elif not policy_gradient and mode not in ("k2", "k3", "abs", "forward_kl_topk"):
         errors.append(
             f"verl key {_DISTILL_LOSS}.loss_mode={mode} with use_policy_gradient=False is not supported here: a "
-            "distillation loss takes k2 (mse), k3 (low_var_kl) or abs; k1 needs use_policy_gradient=True "
-            "(forward_kl_topk is not implemented: teacher.top_k is the reverse KL over the teacher's top-k tokens)"
+            "distillation loss takes k2 (mse), k3 (low_var_kl), abs or forward_kl_topk; k1 needs "
+            "use_policy_gradient=True"
         )
     ours["teacher.use_as"] = "reward" if policy_gradient else "loss"
-    if not policy_gradient:
+    if mode == "forward_kl_topk" and not policy_gradient:  # verl/trainer/distillation/fsdp/losses.py
+        ours["teacher.top_k"] = int(values.get(f"{_DISTILL_LOSS}.topk", 32))
+        ours["teacher.top_k_kl"] = "forward"
+        floor = values.get(f"{_DISTILL_LOSS}.log_prob_min_clamp")
+        if floor not in (None, "null"):
+            ours["teacher.log_prob_floor"] = float(floor)
+    elif not policy_gradient:
         ours["teacher.kl_loss_type"] = mode
     if policy_gradient and not _one_on_policy_update(values):
         errors.append(

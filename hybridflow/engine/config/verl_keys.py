@@ -444,6 +444,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same(f"{ARR}.actor.policy_loss.clip_cov_ub"),
     _same(f"{ARR}.actor.policy_loss.kl_cov_ratio"),
     _same(f"{ARR}.actor.policy_loss.ppo_kl_coef"),
+    _same(f"{ARR}.actor.tau_pos", "actor.policy_loss.tau_pos", "SAPO's gate temperature (loss_mode=sapo)"),
+    _same(f"{ARR}.actor.tau_neg", "actor.policy_loss.tau_neg", "SAPO's gate temperature (loss_mode=sapo)"),
+    _no_effect(
+        f"{ARR}.actor.policy_loss.tau_*",
+        "verl's SAPO reads actor.tau_pos / tau_neg, not this key (its SAPO examples add it at verl's defaults)",
+    ),
     _same(f"{ARR}.actor.megatron.tensor_model_parallel_size", "actor.tp"),
     _same(f"{ARR}.actor.megatron.pipeline_model_parallel_size", "actor.pp"),
     _no_effect(f"{ARR}.actor.megatron.virtual_pipeline_model_parallel_size", _SCHEDULE, _unset_or_one),
@@ -925,7 +931,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
                 "distillation.distillation_loss.loss_mode",
                 note="with use_policy_gradient=True: k1 (kl), the sampled token's log-ratio as its reward "
                 "(teacher.use_as=reward); with False: k2 (mse), k3 (low_var_kl) or abs as a loss (teacher.use_as=loss, "
-                "teacher.kl_loss_type); forward_kl_topk is not implemented (teacher.top_k is the reverse KL)",
+                "teacher.kl_loss_type), or forward_kl_topk (teacher.top_k_kl=forward over teacher.top_k tokens)",
                 via="teacher.use_as",
             ),
             VerlKey("distillation.distillation_loss.use_policy_gradient", note=_DISTILL, via="teacher.use_as"),
@@ -946,10 +952,15 @@ VERL_KEYS: tuple[VerlKey, ...] = (
                 to_ours=lambda v: (None if _unset(v) else float(v),),
                 note="each token's KL clamped to [-c, c] before it is a reward or a loss",
             ),
-            _no_effect("distillation.distillation_loss.topk", "only with loss_mode=forward_kl_topk, not implemented"),
-            _no_effect(
+            VerlKey(
+                "distillation.distillation_loss.topk",
+                note="loss_mode=forward_kl_topk: the teacher's support size (teacher.top_k); unused otherwise",
+                via="teacher.top_k",
+            ),
+            VerlKey(
                 "distillation.distillation_loss.log_prob_min_clamp",
-                "only with loss_mode=forward_kl_topk, not implemented",
+                note="loss_mode=forward_kl_topk: the floor of both log-probs (teacher.log_prob_floor), else unused",
+                via="teacher.log_prob_floor",
             ),
             _no_effect(
                 "distillation.distillation_loss.policy_loss_mode", "the distillation term's PPO loss", _only("vanilla")

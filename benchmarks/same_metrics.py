@@ -10,8 +10,8 @@ that revision's code on ``PYTHONPATH`` (this venv's packages):
 - with ``--main-job``: ``examples/grpo_smollm2.yaml`` as the README's front door runs it (about 5 minutes each).
 
 Then it compares every recorded metric but the wall-clock ones (``timing_s/*``, ``perf/throughput``,
-``perf/gen_throughput``, ``perf/mfu/*``) and prints, per run, how many values it compared and how many differ.
-Exit status 1 when any differs.
+``perf/time_per_step``, ``perf/gen_throughput``, ``perf/mfu/*``) and prints, per run, how many values it compared
+and how many differ. Exit status 1 when any differs.
 
     .venv/bin/python benchmarks/same_metrics.py --before 3b4d0ea [--after HEAD] [--main-job] [--keep DIR]
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
-WALL_CLOCK = ("timing_s/", "perf/throughput", "perf/gen_throughput", "perf/mfu")
+WALL_CLOCK = ("timing_s/", "perf/throughput", "perf/gen_throughput", "perf/mfu", "perf/time_per_step")
 RUN_BODY = """
 import json, sys
 from pathlib import Path

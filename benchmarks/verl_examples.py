@@ -18,9 +18,9 @@ for every shell script under its ``examples/`` (and ``recipe/`` where the checko
 4. prints, per script, accepted or refused with the reasons, and the totals over the scripts in scope.
 
 In scope: the scripts that run ``verl.trainer.main_ppo`` with ``rollout.name=vllm`` on text. Left aside, as issue
-53 says, and listed as such: sglang and TRT-LLM rollouts, NPU scripts (``trainer.device=npu`` or ``npu`` in the
-name), vision-language models (``VL``/``-V``/``minicpmo``/``glm4.1v`` model ids, ``geo3k`` data), and scripts that
-run no PPO trainer (SFT, generation).
+53 says, and listed as such: sglang and TRT-LLM rollouts, NPU scripts (``trainer.device=npu``, or ``npu`` or
+``ascend`` in the path), vision-language models (``VL``/``-V``/``minicpmo``/``glm4.1v`` model ids, ``geo3k``
+data), and scripts that run no PPO trainer (SFT, generation).
 
     .venv/bin/python benchmarks/verl_examples.py /path/to/verl [--markdown] [--only SUBSTRING] [--jobs 2]
 
@@ -123,6 +123,8 @@ def stand_ins(folder: Path) -> Path:
         (folder / name).write_text("#!/bin/sh\nexit 0\n")
     for program in folder.iterdir():
         program.chmod(0o755)
+    # bash reads $BASH_ENV first: `ulimit -n 32768` (a GPU machine's raised limit) is a no-op, not the end of the script
+    (folder / "bash_env").write_text("ulimit() { return 0; }\n")
     return folder
 
 
@@ -140,6 +142,7 @@ def captured_command(
         "HOME": str(home),
         "CAPTURE": str(capture),
         "TERM": "dumb",
+        "BASH_ENV": str(bin_dir / "bash_env"),
     }
     subprocess.run(["bash", str(script)], cwd=tree, env=env, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
     if not capture.is_file() or not capture.read_text().strip():
@@ -176,7 +179,7 @@ def out_of_scope(name: str, given: dict[str, object]) -> str | None:
     rollout = str(given.get("actor_rollout_ref.rollout.name", "vllm"))
     if rollout != "vllm":
         return f"rollout {rollout}"
-    if "npu" in name.lower() or str(given.get("trainer.device", "")) == "npu":
+    if re.search(r"npu|ascend", name.lower()) or str(given.get("trainer.device", "")) == "npu":
         return "NPU"
     model = str(given.get("actor_rollout_ref.model.path", ""))
     data = " ".join(str(given.get(k, "")) for k in DATA_KEYS)
@@ -319,7 +322,12 @@ def check_script(
     name = str(script.relative_to(tree))
     home = scratch / re.sub(r"\W", "_", name)
     home.mkdir(parents=True)
-    args = captured_command(script, tree, home, bin_dir)
+    text = script.read_text(errors="replace")
+    # ${VAR:?must set VAR}: a setting the user must give (a folder): a placeholder path, swapped below as any path
+    required = {var: str(home / "required" / var) for var in re.findall(r"\$\{(\w+):\?", text)}
+    args = captured_command(script, tree, home, bin_dir, required)
+    if args is None and any(entry in text for entry in ENTRIES):
+        return {"script": name, "scope": "stopped by the script before main_ppo (a file or setting it checks for)"}
     if args is None:
         return {"script": name, "scope": "no PPO run (SFT, generation, or a helper script)"}
     options, overrides = split_args(args)

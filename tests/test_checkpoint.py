@@ -78,7 +78,7 @@ VARIANTS = {
     ),
 }
 # Timings (and the throughputs derived from them) are the only metrics allowed to differ between runs.
-VOLATILE = ("timing_s/", "perf/throughput", "perf/gen_throughput", "perf/mfu")  # wall-clock figures
+VOLATILE = ("timing_s/", "perf/throughput", "perf/gen_throughput", "perf/mfu", "perf/time_per_step")  # wall-clock
 
 
 def _config(root, tiny_model_dir, estimator, extra=()):

@@ -55,6 +55,10 @@ def test_one_iteration_trains(tmp_path, tiny_model_dir, estimator, extra):
         assert name in metrics, name
         assert math.isfinite(metrics[name]), (name, metrics[name])
     assert metrics["actor/grad_norm"] > 0
+    # verl's throughput figures (metric_utils.compute_throughout_metrics): tokens per second per device, one here
+    assert metrics["perf/time_per_step"] == metrics["timing_s/step"]
+    assert metrics["perf/throughput"] == pytest.approx(metrics["perf/total_num_tokens"] / metrics["timing_s/step"])
+    assert 0 <= metrics["prompt_length/clip_ratio"] <= 1
     assert _changed(actor_before, trainer.actor.model) > 0, "actor weights did not change"
     if estimator == "gae":
         assert math.isfinite(metrics["critic/vf_loss"])

@@ -341,7 +341,8 @@ def run_iteration(
             queue.syncs = []
     metrics.update(timer.metrics())
     view = stages.view(rollout)
-    metrics.update(batch_metrics(view, cfg.rollout.response_length, timer.seconds))
+    devices = sum(pool.world_size for pool in cfg.pools().values())
+    metrics.update(batch_metrics(view, cfg.rollout.response_length, timer.seconds, devices, cfg.data.max_prompt_length))
     metrics.update(staleness_metrics(view, step))
     whole = next(span for span in reversed(timer.spans) if span.name == "step")
     window = (whole.start, whole.end)

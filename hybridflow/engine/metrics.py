@@ -25,7 +25,7 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     }
 
 
-def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, float]:
+def compute_data_metrics(data: DataProto, response_limit: int, prompt_limit: int | None = None) -> dict[str, float]:
     """Score, reward, advantage, return, value and length statistics of a trained-on batch.
 
     Args:
@@ -37,6 +37,8 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
             trained on (the scores combined, minus the in-reward KL penalty).
         response_limit: ``rollout.response_length``, for ``response_length/clip_ratio`` (share of responses cut
             at the limit).
+        prompt_limit: ``data.max_prompt_length``, for ``prompt_length/clip_ratio`` (share of prompts at the limit);
+            None: not reported.
 
     Returns:
         metric name -> float. Lengths are in tokens: ``response_length/*`` counts the model's own tokens
@@ -57,6 +59,8 @@ def compute_data_metrics(data: DataProto, response_limit: int) -> dict[str, floa
         "response_length/clip_ratio": float((trajectory_len >= response_limit).float().mean()),
         **_stats("prompt_length", prompt_len),
     }
+    if prompt_limit is not None:  # verl's: the share of prompts at data.max_prompt_length
+        metrics["prompt_length/clip_ratio"] = float((prompt_len >= prompt_limit).float().mean())
     if "agent/num_turns" in batch:
         metrics.update(agent_metrics(data))
     if "rm_scores" in batch:
@@ -99,15 +103,20 @@ def agent_metrics(data: DataProto) -> dict[str, float]:
     return metrics
 
 
-def batch_metrics(data: DataProto, response_limit: int, seconds: dict[str, float]) -> dict[str, float]:
-    """`compute_data_metrics` of the trained batch plus its throughput: ``perf/total_num_tokens`` (prompt and
-    response tokens), ``perf/throughput`` (those tokens per second of the iteration, ``seconds["step"]``) and
-    ``perf/gen_throughput`` (response tokens per second of generation, ``seconds["gen"]``; one_step_off times the
-    next batch's generation there, of about as many tokens; none in an iteration that generated nothing)."""
-    metrics = compute_data_metrics(data, response_limit)
+def batch_metrics(
+    data: DataProto, response_limit: int, seconds: dict[str, float], devices: int = 1, prompt_limit: int | None = None
+) -> dict[str, float]:
+    """`compute_data_metrics` of the trained batch plus verl's throughput (``metric_utils.py::
+    compute_throughout_metrics``): ``perf/total_num_tokens`` (prompt and response tokens), ``perf/time_per_step``
+    (``seconds["step"]``), ``perf/throughput`` (those tokens per second of the iteration per device, `devices` the
+    ranks of all the run's pools, as verl divides by its GPUs); and ``perf/gen_throughput`` (response tokens per
+    second of generation, ``seconds["gen"]``; one_step_off times the next batch's generation there, of about as
+    many tokens; none in an iteration that generated nothing)."""
+    metrics = compute_data_metrics(data, response_limit, prompt_limit)
     total = float(data.batch["attention_mask"].sum())
     metrics["perf/total_num_tokens"] = total
-    metrics["perf/throughput"] = total / seconds["step"]
+    metrics["perf/time_per_step"] = seconds["step"]
+    metrics["perf/throughput"] = total / (seconds["step"] * max(1, devices))
     if seconds.get("gen"):
         metrics["perf/gen_throughput"] = float(data.batch["response_mask"].sum()) / seconds["gen"]
     return metrics

@@ -222,6 +222,8 @@ def test_unsupported_verl_keys_are_refused_with_the_nearest_one_before_anything_
     dry = _hf("verl", *command, "-o", "trainer.num_threads=1", "--dry-run", "--db", f"sqlite:///{db}")
     assert dry.returncode == 0, dry.stdout + dry.stderr
     assert "dry run: the config above is valid" in dry.stdout
+    assert "# placement (local executor):\n#   pool actor_rollout_ref: 1 x 1 ranks: actor, rollout" in dry.stdout
+    assert "#   actor: fsdp, training p1-t1-d1, generation p1-t1\n#   rollout: hf" in dry.stdout, dry.stdout
     body = [line for line in dry.stdout.splitlines() if not line.startswith(("verl key ", "dry run:"))]
     resolved = yaml.safe_load("\n".join(body))
     assert resolved["algorithm"]["adv_estimator"] == "grpo" and resolved["rollout"]["top_k"] == 0

@@ -40,9 +40,28 @@ def run(
     record_and_train(cfg, store, prefect_api)
 
 
+def placement_summary(cfg) -> list[str]:
+    """The placement a run config (`HybridFlowConfig`) would start: each pool's ranks and roles on its executor, the
+    actor's training and generation layouts (``p-t-d``, ``p_g-t_g``) and the rollout engine."""
+    from hybridflow.engine.extensions import engine_tp
+
+    lines = [f"placement ({cfg.placement.executor} executor):"]
+    for pool in cfg.pools().values():
+        lines.append(f"  pool {pool.name}: {pool.nodes} x {pool.tasks_per_node} ranks: {', '.join(pool.roles)}")
+    layout = cfg.actor_layout()
+    lines.append(
+        f"  actor: {cfg.actor.strategy}, training p{layout.p}-t{layout.t}-d{layout.d}, generation "
+        f"p{layout.p_g}-t{layout.t_g}"
+    )
+    tp = engine_tp(cfg)
+    engine = f", one engine per {tp} ranks (tensor parallel)" if tp > 1 else ""
+    lines.append(f"  rollout: {cfg.rollout.name}{engine}")
+    return lines
+
+
 def record_and_train(cfg, store, prefect_api: str | None) -> None:
-    """Check the inputs, then (no `store`: a dry run) print the resolved config and stop, or record the run and
-    train it."""
+    """Check the inputs, then (no `store`: a dry run) print the resolved config and its placement
+    (`placement_summary`) and stop, or record the run and train it."""
     if store is not None:
         start_workers_early(cfg)
     check_inputs(cfg)
@@ -50,6 +69,8 @@ def record_and_train(cfg, store, prefect_api: str | None) -> None:
         import yaml
 
         console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), markup=False, end="")
+        for line in placement_summary(cfg):  # YAML comments: the output stays the config
+            console.print(f"# {line}", markup=False)
         console.print("dry run: the config above is valid and its inputs are in place; no run recorded", style="dim")
         return
     connect_prefect(prefect_api)  # before the run is recorded: a server that cannot start leaves no stray run

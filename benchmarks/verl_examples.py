@@ -394,9 +394,46 @@ def main() -> None:
             rows = list(
                 pool.map(lambda s: checked(s, tree, scratch / "homes", bin_dir, models, opts.partition), scripts)
             )
+        coverage = schema_coverage(tree)
     report(rows, opts.markdown)
+    print(coverage)
     if opts.json:
         opts.json.write_text(json.dumps(rows, indent=1))
+
+
+def schema_coverage(tree: Path) -> str:
+    """How `hybridflow.engine.config.verl_keys` covers the leaf keys of the checkout's own generated configs
+    (``verl/trainer/config/_generated_ppo_*.yaml``, every key verl's trainers know, at verl's defaults): those not in
+    the table, and those whose default value the table refuses (a verl config file holding them would be refused)."""
+    from hybridflow.engine.config.loading import ConfigError, dotted_leaves
+    from hybridflow.engine.config.verl_keys import find_key
+
+    keys: dict[str, object] = {}
+    for path in sorted((tree / "verl" / "trainer" / "config").glob("_generated_ppo_*.yaml")):
+        for key, value in dotted_leaves(yaml.safe_load(path.read_text()) or {}).items():
+            keys.setdefault(key, value)
+    keys = {k: v for k, v in keys.items() if not k.endswith("_target_")}
+    missing, refused = [], []
+    for key, value in sorted(keys.items()):
+        try:
+            entry = find_key(key)
+        except ConfigError:
+            missing.append(key)
+            continue
+        if isinstance(value, str) and (value.startswith("${") or value == "???"):  # filled by interpolation or the user
+            continue
+        try:
+            entry.convert(value, key)
+        except (ConfigError, TypeError, ValueError):
+            refused.append(f"{key}={value!r}")
+    lines = [
+        f"verl's generated schema: {len(keys)} leaf keys; {len(missing)} not in the table; {len(refused)} refused at "
+        "verl's default value"
+    ]
+    lines += [f"  not in the table: {key}" for key in missing] + [
+        f"  refused at its default: {item}" for item in refused
+    ]
+    return "\n".join(lines)
 
 
 def report(rows: list[dict], markdown: bool) -> None:

@@ -93,11 +93,16 @@ def _judge_engine(prefix: str) -> list[VerlKey]:
         VerlKey(
             f"{prefix}.dtype",
             ("reward_model.judge.vllm_dtype",),
-            accepts=_only("bfloat16", "float32"),
+            to_ours=_none_is("native"),
+            accepts=lambda v: _unset(v) or v in ("bfloat16", "float32"),
             to_verl=lambda values: UNSAID if values[0] == "native" else values[0],
             note="the judge engine's dtype",
         ),
-        _no_effect(f"{prefix}.name", "the judge generates on vLLM (reward_model.judge.engine)", _only("vllm")),
+        _no_effect(
+            f"{prefix}.name",
+            "the judge generates on vLLM (reward_model.judge.engine)",
+            lambda v: _unset(v) or v == "vllm",
+        ),
         _no_effect(f"{prefix}.*", _REWARD_LOOP),
     ]
 
@@ -157,6 +162,10 @@ def _hf_module_names(value: Any) -> Any:
     if isinstance(value, str):
         return _MEGATRON_LORA_NAMES.get(value, value)
     return list(dict.fromkeys(n for name in value for n in _MEGATRON_LORA_NAMES.get(name, [name])))
+
+
+def _unset_or_zero(value: Any) -> bool:
+    return _unset(value) or value in (0, "0")
 
 
 def _unset_or_one(value: Any) -> bool:
@@ -234,6 +243,197 @@ def _lr_schedule(section: str, role: str) -> list[VerlKey]:
             ]
         ),
     ]
+
+
+def _off(verl: str, note: str, *values: Any) -> VerlKey:
+    """A key accepted only at `values` (verl's default: the feature off) or unset; any other value is refused with
+    `note` (what is not implemented, or what to do)."""
+    return _no_effect(verl, note, lambda v: _unset(v) or v in values or v in ({}, [], "{}", "[]"))
+
+
+_CURRENT_REST = {
+    "*.torchtitan.*",
+    "*.megatron.dist_ckpt_optim_fully_reshardable",
+    "*.megatron.distrib_optim_fully_reshardable_mem_efficient",
+    "*.megatron.pad_*",
+    "*.pad_to_length",
+    "*.megatron.entropy_from_logits_*",
+    "*.entropy_from_logits_chunk_size",
+    "*.megatron.max_seqlen_per_dp_cp_rank",
+    "*.megatron.dynamic_context_parallel",
+    "critic.megatron.use_megatron_fsdp",
+    "*.qat.enable",
+    "*.qat.*",
+    f"{ARR}.rollout.qat",
+    f"{ARR}.rollout.moe_load_balance_metrics_interval",
+    "*.optim.exp_avg_dtype",
+    "*.optim.exp_avg_sq_dtype",
+    "*.optim.main_grads_dtype",
+    "*.optim.use_precision_aware_optimizer",
+    "*.optim.use_layer_wise_distributed_optimizer",
+    "*.optim.muon_*",
+    f"{ARR}.ref.optim.*",
+    "*.optim.eps",
+    "*.optim.name",
+    "*.optim.decay_type",
+    "*.optim.min_lr_factor",
+    f"{ARR}.actor.policy_loss.dro_beta",
+    "critic.model.custom_chat_template",
+    "critic.model.fused_kernel_options.*",
+    "critic.model.use_fused_kernels",
+    "critic.model.use_liger",
+    f"{ARR}.rollout.multi_turn.function_tool_path",
+    f"{ARR}.rollout.disaggregation.*",
+    f"{ARR}.rollout.full_determinism",
+    f"{ARR}.rollout.n_gpus_per_node",
+    f"{ARR}.rollout.nnodes",
+    f"{ARR}.rollout.seed",
+    "algorithm.filter_groups.max_inflight_gen_batches",
+    "data.function_tool_path",
+    "data.mm_processor_kwargs",
+    "*sandbox_fusion.url",
+    "*sandbox_fusion.*",
+}
+"""The keys of `_schema_rest` that only verl main's schema has (checked against the leaf keys of its
+``_generated_ppo_*.yaml`` at ``1dda039`` and ``b178a3c``); the others are in both."""
+
+
+def _schema_rest() -> list[VerlKey]:
+    """The keys of verl main's ``_generated_ppo_*.yaml`` (``1dda039``) beyond its example scripts': engine tuning
+    accepted as such; features off by default taken only off (quantisation-aware training, multi-token prediction,
+    router replay, prefill/decode disaggregation, quantised rollout, the sandbox, custom dataset classes), each
+    refused otherwise naming what is not here."""
+    roles = (f"{ARR}.actor", f"{ARR}.ref", "critic")
+    mtp = "multi-token prediction (MTP heads, speculative decoding) is not implemented: leave it off"
+    entries = [
+        _no_effect(
+            "*.torchtitan.*", "the torchtitan engine's knobs: verl reads them only with model_engine=torchtitan"
+        ),
+        *[_no_effect(f"{role}.megatron.{k}", _SPEED) for role in roles for k in ("dist_checkpointing_prefix",)],
+        _no_effect("*.megatron.dist_ckpt_optim_fully_reshardable", "checkpoints are saved whole per role here"),
+        _no_effect("*.megatron.distrib_optim_fully_reshardable_mem_efficient", "checkpoints are saved whole here"),
+        _no_effect("*.megatron.override_ddp_config*", _SPEED),
+        _no_effect("*.megatron.pad_*", _PADDING),
+        _no_effect("*.pad_to_length", _PADDING),
+        _no_effect("*.megatron.entropy_from_logits_*", _SPEED),
+        _no_effect("*.entropy_from_logits_chunk_size", _SPEED),
+        _no_effect("*.megatron.max_seqlen_per_dp_cp_rank", _SEQUENCE, _unset),
+        _off("*.megatron.dynamic_context_parallel", _SEQUENCE, False),
+        _no_effect("*.megatron.dtype", "the compute dtype is model.dtype (auto: bf16 on CUDA, fp32 on CPU)"),
+        _off("*.megatron.forward_only", "a trained role here is trained", False),
+        _off("*.megatron.override_mcore_model_config", "the model's config.json is used as it is"),
+        _no_effect("critic.megatron.seed", "megatron's RNG seeds dropout only, which these models have none of"),
+        _no_effect("critic.megatron.vanilla_mbridge", "megatron-core models are built by our bridge"),
+        _no_effect("critic.megatron.use_megatron_fsdp", _OFFLOAD),
+        _no_effect("critic.megatron.use_distributed_optimizer", _OFFLOAD),
+        _no_effect("critic.megatron.use_remove_padding", _PADDING),
+        _no_effect("critic.megatron.sequence_parallel", _SPEED),
+        _no_effect("critic.megatron.override_transformer_config.attention_backend", _SPEED),
+        _off("critic.megatron.virtual_pipeline_model_parallel_size", _STAGES + ": leave it unset here"),
+        _off("*.qat.enable", "quantisation-aware training is not implemented: leave qat.enable off", False),
+        _no_effect("*.qat.*", "read only with qat.enable (quantisation-aware training, not implemented)"),
+        _off(f"{ARR}.rollout.qat", "quantisation-aware training is not implemented"),
+        _off("*.router_replay.*", _MOE, "disabled"),
+        _off(f"{ARR}.rollout.enable_rollout_routing_replay", _MOE, False),
+        _no_effect(f"{ARR}.rollout.moe_load_balance_metrics_interval", _MOE, lambda v: int(v or 0) == 0),
+        _off("*.model.mtp.enable*", mtp, False),
+        _off("*.model.mtp.detach_encoder", mtp, False),
+        _no_effect("*.model.mtp.*", mtp + " (read only with mtp.enable)"),
+        _off(f"{ARR}.rollout.mtp", mtp),
+        _no_effect("*.model.tiled_mlp.*", _SPEED),
+        _no_effect("*.optim.exp_avg_dtype", "AdamW's moments are kept in fp32", _only("fp32")),
+        _no_effect("*.optim.exp_avg_sq_dtype", "AdamW's moments are kept in fp32", _only("fp32")),
+        _no_effect("*.optim.main_grads_dtype", "gradients are accumulated in fp32", _only("fp32")),
+        _off("*.optim.use_precision_aware_optimizer", "the optimizer steps fp32 master weights", False),
+        _no_effect("*.optim.use_layer_wise_distributed_optimizer", _OFFLOAD),
+        _off("*.optim.override_optimizer_config", "AdamW with lr, betas and weight_decay: give those keys"),
+        _no_effect("*.optim.optimizer", "AdamW (torch's)", _only("AdamW", "adamw", "adam")),
+        _no_effect("*.optim.optimizer_impl", "AdamW (torch's)", _only("torch.optim")),
+        _no_effect("*.optim.muon_*", "only with optimizer=muon, which is not implemented (AdamW here)"),
+        _no_effect(f"{ARR}.ref.optim.*", "the reference policy is frozen: it has no optimizer"),
+        _no_effect("*.optim.eps", "AdamW's eps is torch's 1e-8", lambda v: float(v) == 1e-8),
+        _no_effect("*.optim.name", "AdamW (torch's)", _only("AdamW", "adamw")),
+        _no_effect("*.optim.decay_type", "torchtitan's lr decay: read only with model_engine=torchtitan (refused)"),
+        _no_effect("*.optim.min_lr_factor", "torchtitan's lr floor: read only with model_engine=torchtitan (refused)"),
+        _no_effect("critic.optim.total_training_steps", "set by the trainer (trainer.total_training_steps)"),
+        _no_effect(f"{ARR}.actor.calculate_entropy", "actor/entropy is reported every update"),
+        _no_effect("*.data_loader_seed", "mini-batches are shuffled from trainer.seed and the iteration"),
+        _no_effect(f"{ARR}.actor.freeze_vision_tower", _TEXT_ONLY),
+        _off("*.loss_scale_factor", "the loss is aggregated by loss_agg_mode alone here"),
+        _no_effect("*.rollout_n", "rollout.n (verl fills this from it)"),
+        _no_effect(f"{ARR}.actor.use_remove_padding", _PADDING),
+        _off(f"{ARR}.actor.policy_loss.dro_beta", "the DRO loss is not implemented (actor.policy_loss.loss_mode)"),
+        _off("*.model.exclude_modules", "LoRA targets model.target_modules; nothing is excluded"),
+        _off("*.model.hf_config_path", "the model's config.json (model.path) is used"),
+        _off(f"{ARR}.model.tokenizer_path", "the tokenizer is the model's (model.path)"),
+        _no_effect(f"{ARR}.model.lora.a2a_experimental", _SPEED),
+        _off(f"{ARR}.model.lora.adapter_path", "give actor_rollout_ref.model.lora_adapter_path"),
+        _off(f"{ARR}.model.lora.dtype", "the adapter is in the model's dtype"),
+        _off(f"{ARR}.model.lora.exclude_modules", "nothing is excluded from model.lora.target_modules"),
+        _no_effect(f"{ARR}.model.lora.freeze_*", _TEXT_ONLY + "; everything but the adapter is frozen", _only(True)),
+        _no_effect(f"{ARR}.model.lora.lora_B_init_method", "B starts at zero (PEFT's)", _only("zero")),
+        _no_effect(
+            "critic.model.lora_rank", "a LoRA critic is not implemented: the critic trains whole", _unset_or_zero
+        ),
+        _no_effect(
+            "critic.model.lora.rank", "a LoRA critic is not implemented: the critic trains whole", _unset_or_zero
+        ),
+        _no_effect("critic.model.lora*", "a LoRA critic is not implemented: read only with critic.model.lora_rank > 0"),
+        _no_effect("critic.model.target_modules", "read only with critic.model.lora_rank > 0 (not implemented)"),
+        _off("critic.model.custom_chat_template", "the tokenizer's own chat template is used"),
+        _off("critic.model.external_lib", "models load through transformers' Auto classes"),
+        _off("critic.model.override_config", "the model's config.json is used as it is"),
+        _no_effect("critic.model.enable_activation_offload", _SPEED),
+        _no_effect("critic.model.fused_kernel_options.*", _SPEED),
+        _no_effect("critic.model.use_fused_kernels", _SPEED),
+        _no_effect("critic.model.use_liger", _SPEED),
+        _no_effect("critic.model.use_shm", _SPEED),
+        _no_effect("critic.nccl_timeout", "placement.call_timeout_s limits a stage call here"),
+        _no_effect("critic.enable", "the critic runs exactly when the estimator needs one (gae)", _unset),
+        _no_effect("critic.forward_micro_batch_size", _MICRO_GLOBAL),
+        _off(f"{ARR}.rollout.agent.agent_loop_config_path", "agent loops are rollout.multi_turn here"),
+        _off(f"{ARR}.rollout.agent.custom_async_server.*", "the rollout engine is vLLM in process here"),
+        _no_effect(f"{ARR}.rollout.agent.default_agent_loop", "one response per prompt", _only("single_turn_agent")),
+        _no_effect(f"{ARR}.rollout.agent.num_workers", _SPEED),
+        _off(f"{ARR}.rollout.multi_turn.function_tool_path", "tools are given by rollout.multi_turn.tool_config_path"),
+        _no_effect(f"{ARR}.rollout.multi_turn.max_parallel_calls", _SPEED),
+        _off(f"{ARR}.rollout.multi_turn.num_repeat_rollouts", "rollout.n responses per prompt"),
+        _no_effect(f"{ARR}.rollout.multi_turn.tokenization_sanity_check_mode", "a check of verl's tokenization"),
+        _off(f"{ARR}.rollout.multi_turn.use_inference_chat_template", "the chat template is the tokenizer's", False),
+        _no_effect(f"{ARR}.rollout.disaggregation.*", "prefill/decode disaggregation of the serving engine: " + _SPEED),
+        _no_effect(f"{ARR}.rollout.full_determinism", _SPEED),
+        _no_effect(
+            f"{ARR}.rollout.logprobs_mode",
+            "the log-probs of the distribution sampled from",
+            _only("processed_logprobs"),
+        ),
+        _no_effect(f"{ARR}.rollout.n_gpus_per_node", "the rollout's pool: placement.pools here"),
+        _no_effect(f"{ARR}.rollout.nnodes", "the rollout's pool: placement.pools here"),
+        _off(f"{ARR}.rollout.over_sample_rate", "every sampled response is trained on", 0),
+        _no_effect(f"{ARR}.rollout.pipeline_model_parallel_size", "vLLM's pipeline parallelism is not used", _only(1)),
+        _off(f"{ARR}.rollout.quantization", "the rollout generates with the actor's weights, unquantised"),
+        _off(f"{ARR}.rollout.quantization_config_file", "the rollout generates with the actor's weights, unquantised"),
+        _no_effect(f"{ARR}.rollout.scheduling_policy", _SPEED),
+        _no_effect(f"{ARR}.rollout.seed", "sampling is seeded from trainer.seed, the iteration and the row"),
+        _no_effect(f"{ARR}.rollout.skip_tokenizer_init", _SPEED),
+        _no_effect("algorithm.filter_groups.max_inflight_gen_batches", _SPEED),
+        _off("data.apply_chat_template_kwargs", "the tokenizer's chat template with its defaults"),
+        _off("data.custom_cls.*", "prompt files in verl's layout (data.train_files)"),
+        _off("data.function_tool_path", "tools are given by rollout.multi_turn.tool_config_path"),
+        _off("data.tool_config_path", "tools are given by rollout.multi_turn.tool_config_path"),
+        _no_effect("data.mm_processor_kwargs", _TEXT_ONLY),
+        _no_effect("data.return_multi_modal_inputs", _TEXT_ONLY),
+        _off("data.train_max_samples", "every row of data.train_files is used: give a smaller file"),
+        _off("data.val_max_samples", "every row of data.val_files is used: give a smaller file"),
+        _off("*sandbox_fusion.url", "the sandbox-fusion reward is not implemented: a score function is run here"),
+        _no_effect("*sandbox_fusion.*", "read only with sandbox_fusion.url (not implemented)"),
+        _no_effect("reward_model.enable_resource_pool", "the reward model's pool: placement.pools here"),
+        _no_effect("reward_model.n_gpus_per_node", "the reward model's pool: placement.pools here"),
+        _no_effect("reward_model.nnodes", "the reward model's pool: placement.pools here"),
+        _off("reward_model.model.external_lib", "models load through transformers' Auto classes"),
+        _off("reward_model.reward_loop_*", "verl's reward loop: a score function or reward model scores here"),
+    ]
+    return [replace(entry, schema="current") if entry.verl in _CURRENT_REST else entry for entry in entries]
 
 
 _SPEED = "speed and memory only (verl's FSDP/vLLM tuning); the computation here is the same without it"
@@ -670,7 +870,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "reward_model.reward_manager",
         "scores come from the score function (custom_reward_function or the data_source's); DAPO's overlong "
         "penalty is reward_model.overlong_buffer",
-        _only("naive", "dapo"),
+        lambda v: _unset(v) or v in ("naive", "dapo"),
     ),
     _same("reward_model.overlong_buffer.enable", "reward.overlong_buffer.enable"),
     _same("reward_model.overlong_buffer.len", "reward.overlong_buffer.len"),
@@ -993,15 +1193,14 @@ VERL_KEYS: tuple[VerlKey, ...] = (
                 "transfer_queue.*",
                 "no transfer queue: the flow passes handles and bulk tensors move between worker groups directly",
             ),
-            _no_effect(
-                "skip.*",
-                "verl's rollout dump and replay (skip.*.enable) is not here",
-                lambda v: v in (False, [], None, ""),
-            ),
+            _off("skip.*.enable", "verl's rollout dump and replay (skip.*.enable) is not here", False),
+            _no_effect("skip.*", "read only with skip.*.enable (verl's rollout dump and replay, not here)"),
         ]
     ),
     # ------------------------------------------------------------------ families with no effect
     _no_effect("*.fsdp_config.ulysses_sequence_parallel_size", _SEQUENCE, _unset_or_one),
+    # ------------------------------------------------------------------ the rest of verl main's generated schema
+    *_schema_rest(),
     _no_effect("*.fsdp_config.*", _SPEED),
     _no_effect("*.profiler.*", "profiling: hf runs timeline RUN shows each stage's seconds"),
     _no_effect("global_profiler.*", "profiling: hf runs timeline RUN shows each stage's seconds"),

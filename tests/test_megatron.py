@@ -20,23 +20,41 @@ if os.environ.get("CI") != "true":  # CI installs megatron-core: there the tests
     pytest.importorskip("megatron.core", reason="megatron-core not installed (see .ci/setup)")
 
 
+_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+
+
 def _qwen2():
-    config = Qwen2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(Qwen2Config(**_TINY))
+
+
+def _qwen3():
+    """A tiny Qwen3 (per-head query and key RMSNorm before RoPE), its norms' weights random (not all ones)."""
+    from transformers import Qwen3Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**_TINY, head_dim=16, max_position_embeddings=64))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    return model
 
 
 def test_bridge_round_trips_exactly(tmp_path):
     tiny = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / "tiny", hidden_size=128, head_dim=16))
-    for model in (tiny, _qwen2()):
+    assert "decoder.layers.1.self_attention.q_layernorm.weight" in hf_to_mcore(
+        dict(_qwen3().named_parameters()), _qwen3().config
+    )
+    for model in (tiny, _qwen2(), _qwen3()):
         hf = {n: p.detach() for n, p in model.named_parameters()}
         mcore = hf_to_mcore(hf, model.config)
         assert ("output_layer.weight" in mcore) == (not model.config.tie_word_embeddings)
@@ -142,6 +160,23 @@ def test_tp2_and_pp2_losses_equal_tp1_and_hugging_face(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_worker, args=(str(tmp_path / "store"), str(model_dir), results), nprocs=2, join=True)
+        results = dict(results)
+    assert set(results) == {"1-1-0", "1-1-1", "2-1-0", "2-1-1", "1-2-1"}
+    for key, loss in results.items():
+        assert loss == pytest.approx(want, rel=1e-5, abs=1e-5), (key, loss, want)
+
+
+def test_a_qwen3_model_on_megatron_gives_hugging_faces_loss(tmp_path):
+    """Qwen3's per-head query and key RMSNorm (megatron-core's qk_layernorm, its weights mapped by the bridge): the
+    language-model loss with TP=1, TP=2 and PP=2 equals the Hugging Face model's."""
+    model = _qwen3().eval()
+    model.save_pretrained(tmp_path / "qwen3")
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = float(model(ids[:, :-1]).logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).neg().mean())
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path / "qwen3"), results), nprocs=2, join=True)
         results = dict(results)
     assert set(results) == {"1-1-0", "1-1-1", "2-1-0", "2-1-1", "1-2-1"}
     for key, loss in results.items():

@@ -1,4 +1,4 @@
-"""Weights between Hugging Face Llama / Qwen2 / Mistral and megatron-core's ``GPTModel`` (local layer spec),
+"""Weights between Hugging Face Llama / Qwen2 / Qwen3 / Mistral and megatron-core's ``GPTModel`` (local layer spec),
 exactly (every conversion is a permutation of rows: HF -> megatron -> HF is bit-identical).
 
 Names (HF -> megatron-core), per decoder layer i:
@@ -8,6 +8,7 @@ Names (HF -> megatron-core), per decoder layer i:
 ``model.layers.i.input_layernorm.weight``              ``decoder.layers.i.input_layernorm.weight``
 ``q_proj``, ``k_proj``, ``v_proj`` (weights, biases)   ``decoder.layers.i.self_attention.linear_qkv``
 ``model.layers.i.self_attn.o_proj.weight``             ``decoder.layers.i.self_attention.linear_proj.weight``
+``self_attn.q_norm``, ``k_norm`` (Qwen3)               ``self_attention.q_layernorm``, ``k_layernorm``  (replicated)
 ``model.layers.i.post_attention_layernorm.weight``     ``decoder.layers.i.pre_mlp_layernorm.weight``
 ``gate_proj``, ``up_proj``                             ``decoder.layers.i.mlp.linear_fc1.weight``
 ``model.layers.i.mlp.down_proj.weight``                ``decoder.layers.i.mlp.linear_fc2.weight``
@@ -37,6 +38,11 @@ _LAYER_MAP = {
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+# Qwen3's per-head RMSNorm of queries and keys (before RoPE), megatron-core's ``qk_layernorm`` (replicated over TP)
+_QK_NORM_MAP = {
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
 }
 _TOP_MAP = {
     "model.embed_tokens.weight": "embedding.word_embeddings.weight",
@@ -97,6 +103,10 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], config) -> dict[str, torch.Tenso
         for hf_name, mc_name in _LAYER_MAP.items():
             out[mp + mc_name] = hf[hp + hf_name]
             known.add(hp + hf_name)
+        for hf_name, mc_name in _QK_NORM_MAP.items():
+            if hp + hf_name in hf:
+                out[mp + mc_name] = hf[hp + hf_name]
+                known.add(hp + hf_name)
         attn = hp + "self_attn."
         for kind in ("weight", "bias"):
             names = [f"{attn}{p}_proj.{kind}" for p in "qkv"]
@@ -131,6 +141,9 @@ def mcore_to_hf(mcore: Mapping[str, torch.Tensor], config) -> dict[str, torch.Te
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
         for hf_name, mc_name in _LAYER_MAP.items():
             out[hp + hf_name] = mcore[mp + mc_name]
+        for hf_name, mc_name in _QK_NORM_MAP.items():
+            if mp + mc_name in mcore:
+                out[hp + hf_name] = mcore[mp + mc_name]
         for kind in ("weight", "bias"):
             name = f"{mp}self_attention.linear_qkv.{kind}"
             if name in mcore:
@@ -222,7 +235,7 @@ def generation_hf_weights(gen: Mapping[str, torch.Tensor], config) -> dict[str, 
     """Hugging Face names for generation shards in `generation_order` (full-model megatron names -> views of the same
     storage: nothing is copied). q/k/v and gate/up are row ranges of the fused tensors; a tied output layer is left
     to the model (it ties ``lm_head`` to the embedding)."""
-    layer_names = {mc: hf for hf, mc in _LAYER_MAP.items()}
+    layer_names = {mc: hf for hf, mc in {**_LAYER_MAP, **_QK_NORM_MAP}.items()}
     top_names = {mc: hf for hf, mc in _TOP_MAP.items()}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in gen.items():

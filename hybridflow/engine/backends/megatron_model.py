@@ -3,7 +3,8 @@
 `hybridflow.engine.backends.megatron_bridge`.
 
 The model uses megatron-core's local layer spec (no Transformer Engine): RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU MLP, no linear biases (q/k/v biases for Qwen2 through ``add_qkv_bias``). On CPU call
+attention, SwiGLU MLP, no linear biases (q/k/v biases for Qwen2 through ``add_qkv_bias``; Qwen3's per-head query
+and key RMSNorm through ``qk_layernorm``). On CPU call
 `hybridflow.engine.backends.megatron_cpu.install` before importing megatron.
 """
 
@@ -15,6 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engine.backends.megatron_bridge import hf_to_mcore, shard, stage_names
+
+QK_NORM_MODELS = ("qwen3",)
+"""Hugging Face model types whose attention RMS-normalises each query and key head before RoPE (megatron-core's
+``qk_layernorm``)."""
 
 
 def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype = torch.float32, recompute: bool = False):
@@ -43,6 +48,7 @@ def transformer_config(hf_config, tp: int, pp: int, dtype: torch.dtype = torch.f
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)) or hf_config.model_type == "qwen2",
+        qk_layernorm=hf_config.model_type in QK_NORM_MODELS,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         use_cpu_initialization=True,
@@ -95,7 +101,7 @@ def build_gpt_model(hf_config, dtype: torch.dtype = torch.float32, value_head: b
     rope = getattr(hf_config, "rope_parameters", None) or {}
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -108,3 +108,82 @@ def build_tiny_model(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_tiny_moe_model(
+    path: str | Path,
+    architecture: str = "qwen3_moe",
+    seed: int = 0,
+    num_experts: int = 8,
+    top_k: int = 2,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    head_dim: int = 16,
+) -> Path:
+    """Write a random tiny mixture-of-experts model of transformers' own classes, with the tiny tokenizer, to `path`.
+
+    Args:
+        architecture: ``qwen3_moe`` (`Qwen3MoeForCausalLM`: routed experts only, per-head q/k RMSNorm),
+            ``qwen2_moe`` (`Qwen2MoeForCausalLM`: routed experts plus a gated shared expert) or ``mixtral``
+            (`MixtralForCausalLM`).
+        num_experts: routed experts per layer; each token goes to `top_k` of them.
+        seed, hidden_size, num_layers, head_dim: as for `build_tiny_model`; each expert's width is hidden_size / 2.
+
+    Returns:
+        The folder, loadable with `hybridflow.engine.models.load_model`.
+
+    Raises:
+        ValueError: an `architecture` not listed above.
+    """
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    width = hidden_size // 2
+    kinds = {
+        "qwen3_moe": (
+            Qwen3MoeConfig,
+            Qwen3MoeForCausalLM,
+            {"num_experts": num_experts, "moe_intermediate_size": width},
+        ),
+        "qwen2_moe": (
+            Qwen2MoeConfig,
+            Qwen2MoeForCausalLM,
+            {"num_experts": num_experts, "moe_intermediate_size": width, "shared_expert_intermediate_size": 2 * width},
+        ),
+        "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": num_experts, "intermediate_size": width}),
+    }
+    if architecture not in kinds:
+        raise ValueError(f"unknown tiny MoE architecture {architecture!r}; choose one of {sorted(kinds)}")
+    config_class, model_class, experts = kinds[architecture]
+    path = Path(path)
+    tokenizer = build_tiny_tokenizer()
+    config = config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // head_dim,
+        num_key_value_heads=max(1, hidden_size // head_dim // 2),
+        head_dim=head_dim,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **experts,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

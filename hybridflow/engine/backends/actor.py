@@ -7,6 +7,7 @@ mini-batches (one optimizer step each), each accumulated over micro-batches (one
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -34,6 +35,7 @@ from hybridflow.engine.backends.training import (
 )
 from hybridflow.engine.config import ActorConfig, RolloutCorrectionConfig, TeacherConfig
 from hybridflow.engine.models import compute_token_stats, response_token_stats
+from hybridflow.engine.moe import RouterRecorder, moe_spec, router_losses
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import agg_loss
 
@@ -243,6 +245,9 @@ class Actor:
         self.config = config
         self.seed = seed
         self.compute_dtype = compute_dtype
+        # a mixture-of-experts policy: its routers' logits are recorded in the update's forwards, for their losses
+        self.moe = moe_spec(model.config)
+        self.routers = RouterRecorder(model) if self.moe is not None else None
         # DDP or FSDP2 across the group's ranks (see `training`), else `model`; FSDP shards the parameters, so the
         # optimizer is built on them afterwards
         self.train_module, self.dp_group = data_parallel(model, config.strategy, getattr(config, "tp", 1))
@@ -296,6 +301,8 @@ class Actor:
         Returns:
             metrics averaged over micro-batches: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``,
             ``actor/pg_clipfrac_lower``, ``actor/entropy``, ``actor/kl_loss``, ``actor/distill_loss`` (if used),
+            ``actor/moe/load_balancing_loss``, ``actor/moe/z_loss``, ``actor/moe/max_load/layer_<i>`` (an MoE policy,
+            `hybridflow.engine.moe.router_losses`; its losses added times ``actor.moe.*_coeff``),
             ``rollout_corr/*`` (with the
             rollout correction: `corrected_actor_loss`'s statistics), and per optimizer step ``actor/grad_norm``,
             ``actor/lr``; on-policy also the old_log_prob stage's token means (`_micro_step`).
@@ -363,16 +370,17 @@ class Actor:
         mask = batch["response_mask"]
         calculate_entropy = cfg.entropy_coeff != 0
         top_k = self.teacher is not None and self.teacher.top_k
-        stats = response_token_stats(
-            self.train_module,
-            micro,
-            temperature,
-            calculate_entropy or measured is not None,
-            self.compute_dtype,
-            entropy_grad=calculate_entropy,
-            share_prompts=cfg.shares_prompts,
-            support=batch["teacher_top_k_ids"] if top_k else None,
-        )
+        with self.routers.recording() if self.routers is not None else contextlib.nullcontext() as router_logits:
+            stats = response_token_stats(
+                self.train_module,
+                micro,
+                temperature,
+                calculate_entropy or measured is not None,
+                self.compute_dtype,
+                entropy_grad=calculate_entropy,
+                share_prompts=cfg.shares_prompts,
+                support=batch["teacher_top_k_ids"] if top_k else None,
+            )
         log_prob, entropy = stats["log_probs"], stats.get("entropy")
         if top_k:  # the policy at the teacher's support, for the distillation loss (`actor_loss`)
             batch = batch.clone(recurse=False)
@@ -396,6 +404,10 @@ class Actor:
             self.dp_group,
             self.teacher,
         )
+        if self.moe is not None:  # the routers' losses over this forward's packed tokens (`hybridflow.engine.moe`)
+            balance, z, moe_metrics = router_losses(router_logits, self.moe.top_k)
+            loss = loss + cfg.moe.aux_loss_coeff * balance + cfg.moe.z_loss_coeff * z
+            log.add(**moe_metrics)
         (loss * loss_scale).backward()
         log.add(**terms)
         corrections.add(**stats)

@@ -397,6 +397,21 @@ def _registered_backend(value: str, key: str) -> str:
     return _registered_name(value, backend_names(), key)
 
 
+class MoeLossConfig(_Section):
+    """The router's auxiliary losses of a mixture-of-experts actor (`hybridflow.engine.moe`; megatron-core's keys and
+    definitions); a dense actor ignores them."""
+
+    aux_loss_coeff: float = Field(
+        0.0,
+        ge=0.0,
+        description="load-balancing loss coefficient (megatron-core moe_aux_loss_coeff; Switch Transformer eqs. 4-6, "
+        "1.0 per layer when balanced), times the loss summed over the MoE layers",
+    )
+    z_loss_coeff: float = Field(
+        0.0, ge=0.0, description="router z-loss coefficient (megatron-core moe_z_loss_coeff; ST-MoE eq. 5)"
+    )
+
+
 class ActorConfig(_Section):
     """The PPO policy update: training backend, mini/micro-batches, clipping (clip-higher, dual-clip), loss
     aggregation, KL loss."""
@@ -428,6 +443,7 @@ class ActorConfig(_Section):
     clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip lower bound for negative advantages")
     loss_agg_mode: LossAggMode = "token-mean"
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    moe: MoeLossConfig = Field(default_factory=MoeLossConfig)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0.0)

@@ -1,0 +1,161 @@
+"""Mixture-of-experts actors (`hybridflow.engine.moe`): transformers' own MoE classes (Qwen3-MoE, Qwen2-MoE with its
+shared expert, Mixtral) built small and random, their routers' losses against transformers' own function and hand
+values, an FSDP2 update across two real processes (gloo) equal to the one-process update with the router losses on,
+the losses' coefficient changing the routers' update, and the inputs refused before any work."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_data_parallel import _batch
+from test_preflight import _run
+from tiny_runs import tiny_run_config
+
+from hybridflow.engine.models import load_model
+from hybridflow.engine.moe import RouterRecorder, load_balancing_loss, moe_spec, router_losses, z_loss
+from hybridflow.engine.tiny import build_tiny_moe_model
+from hybridflow.flows.groups import WORKER_CLS
+from hybridflow.slurm.channel import create_secret
+from hybridflow.slurm.handles import DataHandle
+from hybridflow.slurm.worker_group import GroupSpec, WorkerGroup
+
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe_models")
+    return {arch: build_tiny_moe_model(root / arch, arch) for arch in ARCHITECTURES}
+
+
+def test_load_balancing_and_z_loss_hand_values():
+    # 4 tokens, 4 experts, top 1: perfectly balanced choices with uniform probabilities give 1.0 (megatron's scale)
+    balanced = torch.zeros(4, 4)
+    balanced[torch.arange(4), torch.arange(4)] = 1e-3  # each token's argmax a different expert, probabilities ~1/4
+    loss, counts = load_balancing_loss(balanced, top_k=1)
+    assert counts.tolist() == [1.0, 1.0, 1.0, 1.0] and float(loss) == pytest.approx(1.0, abs=1e-3)
+    # every token to expert 0 with probability ~1: the worst case, E / k = 4
+    collapsed = torch.tensor([[20.0, 0, 0, 0]] * 4)
+    assert float(load_balancing_loss(collapsed, top_k=1)[0]) == pytest.approx(4.0, abs=1e-6)
+    # z-loss: logsumexp of [0, 0] is log 2 for both tokens
+    assert float(z_loss(torch.zeros(2, 2))) == pytest.approx(torch.log(torch.tensor(2.0)).item() ** 2)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_routers_are_recorded_and_the_loss_is_transformers_switch_loss_over_top_k(moe_dirs, arch):
+    """One forward records one [N, E] logits tensor per MoE layer; a layer's loss is transformers'
+    ``load_balancing_loss_func`` (Switch, E * sum f_i P_i with f summing to k) divided by k, megatron's scale."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = load_model(moe_dirs[arch])
+    spec = moe_spec(model.config)
+    assert (spec.num_experts, spec.top_k, spec.shared_experts) == (8, 2, int(arch == "qwen2_moe"))
+    recorder = RouterRecorder(model)
+    with recorder.recording() as logits:
+        model(torch.randint(3, 300, (1, 20)))
+    assert [tuple(t.shape) for t in logits] == [(20, 8), (20, 8)]
+    model(torch.randint(3, 300, (1, 5)))  # outside `recording`: nothing is kept
+    assert len(logits) == 2
+    for layer in logits:
+        ours = load_balancing_loss(layer, spec.top_k)[0]
+        theirs = load_balancing_loss_func((layer,), spec.num_experts, spec.top_k)
+        assert float(ours.detach()) == pytest.approx(float(theirs) / spec.top_k, rel=1e-6)
+    aux, _, metrics = router_losses(logits, spec.top_k)
+    assert metrics["moe/load_balancing_loss"] == pytest.approx(float(aux) / 2)
+    assert metrics["moe/max_load/layer_0"] >= 1.0
+    aux.backward()
+    assert all(router.weight.grad is not None and router.weight.grad.abs().sum() > 0 for router in recorder.routers)
+
+
+@pytest.fixture(scope="module")
+def moe_groups(tmp_path_factory, moe_dirs):
+    """The Qwen2-MoE actor (routed and shared experts) as three worker groups: one process, FSDP2 over two
+    processes (experts sharded as any weight), and one process without the router losses."""
+    tmp = tmp_path_factory.mktemp("moe_dp")
+    cfg = tiny_run_config(
+        tmp,
+        moe_dirs["qwen2_moe"],
+        "grpo",
+        [
+            "actor.ppo_mini_batch_size=4",
+            "actor.ppo_micro_batch_size=2",
+            "actor.optim.lr=1e-2",
+            "actor.moe.aux_loss_coeff=0.5",
+            "actor.moe.z_loss_coeff=0.01",
+            "actor.shuffle=false",
+            "trainer.num_threads=1",
+        ],
+    )
+    create_secret(tmp / "secret")
+    # the router losses are over each micro-batch's tokens (as megatron-core's): the one-process group runs the same
+    # micro-batches of 2 sequences, in order, that the two FSDP ranks split between them
+    unsplit = cfg.model_copy(deep=True)
+    fsdp = cfg.model_copy(deep=True)
+    fsdp.actor.strategy = "fsdp"
+    no_losses = unsplit.model_copy(deep=True)
+    no_losses.actor.moe.aux_loss_coeff = no_losses.actor.moe.z_loss_coeff = 0.0
+    made = {}
+    for name, ranks, config in (("one", 1, unsplit), ("fsdp", 2, fsdp), ("no-losses", 1, no_losses)):
+        made[name] = WorkerGroup(
+            GroupSpec(name=f"moe-{name}", worker_cls=WORKER_CLS, tasks_per_node=ranks),
+            run_dir=tmp,
+            data_dir=tmp / "data",
+            secret_path=tmp / "secret",
+            worker_kwargs={"config": config.model_dump(mode="json"), "roles": ["actor", "rollout"]},
+        )
+        made[name].init_model()
+    yield made, tmp
+    for group in made.values():
+        group.shutdown()
+
+
+def _actor_weights(group: WorkerGroup, folder: Path) -> dict[str, torch.Tensor]:
+    folder.mkdir()
+    assert group.save_checkpoint_part(str(folder)) == ["actor"]
+    return load_file(folder / "actor" / "model.safetensors")
+
+
+def test_fsdp_moe_update_equals_the_one_process_update_and_the_coefficients_move_the_routers(moe_groups):
+    made, tmp = moe_groups
+    initial = _actor_weights(made["one"], tmp / "initial")
+    data = DataHandle.put(_batch(vocab=256, pairs=True), tmp / "data")
+    batch = data.union(made["one"].compute_log_prob(data))
+    metrics = {name: made[name].update_actor(batch) for name in made}
+    one, fsdp = metrics["one"][0], metrics["fsdp"]
+    assert [m["actor/grad_norm"] for m in fsdp] == pytest.approx([one["actor/grad_norm"]] * 2, rel=1e-5)
+    for key in ("actor/moe/load_balancing_loss", "actor/moe/z_loss", "actor/moe/max_load/layer_0"):
+        assert key in one and all(key in m for m in fsdp), key
+    assert 1.0 <= one["actor/moe/load_balancing_loss"] <= 4.0  # between balanced and all on top_k of 8 experts
+    after = {name: _actor_weights(made[name], tmp / f"after-{name}") for name in made}
+    routers = [name for name in initial if name.endswith("mlp.gate.weight")]
+    experts = [name for name in initial if ".experts." in name]
+    assert len(routers) == 2 and len(experts) == 2 * 8 * 3  # saved in the checkpoint's per-expert format
+    moved = max((after["one"][k] - initial[k]).abs().max().item() for k in routers + experts)
+    assert moved > 1e-3, "the update did not move the routers or experts: the comparison would prove nothing"
+    for name, tensor in after["one"].items():  # tolerance as test_data_parallel's FSDP comparison
+        torch.testing.assert_close(after["fsdp"][name], tensor, rtol=0, atol=5e-4, msg=lambda m, n=name: f"{n}: {m}")
+    # the router losses reach the routers: with them off, the routers end elsewhere (by > 10x the FSDP tolerance)
+    apart = max((after["no-losses"][k] - after["one"][k]).abs().max().item() for k in routers)
+    assert apart > 5e-3, apart
+
+
+def test_an_moe_architecture_that_does_not_run_is_refused_before_work(tmp_path):
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(n_routed_experts=8, num_experts_per_tok=2, architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM is a mixture-of-experts model \(8 experts\)"):
+        moe_spec(config)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("actor.strategy=megatron", "actor.strategy=megatron has no expert parallelism yet"),
+        ("rollout.name=vllm", "use rollout.name=hf"),
+    ],
+)
+def test_hf_run_refuses_what_an_moe_actor_cannot_use_yet(tmp_path, moe_dirs, override, expected):
+    code, out = _run(tmp_path, moe_dirs["qwen3_moe"], override)
+    assert code == 2 and "mixture-of-experts model (Qwen3MoeForCausalLM, 8 experts, top 2)" in out, out
+    assert expected in out, out

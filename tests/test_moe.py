@@ -4,16 +4,20 @@ values, an FSDP2 update across two real processes (gloo) equal to the one-proces
 the losses' coefficient changing the routers' update, and the inputs refused before any work."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_data_parallel import _batch
 from test_preflight import _run
-from tiny_runs import tiny_run_config
+from tiny_runs import resumed_runs, tiny_run_config
 
+from hybridflow.engine.backends.actor import Actor
 from hybridflow.engine.models import load_model
-from hybridflow.engine.moe import RouterRecorder, load_balancing_loss, moe_spec, router_losses, z_loss
+from hybridflow.engine.moe import RouterRecorder, load_balancing_loss, moe_spec, router_losses, stack_routes, z_loss
+from hybridflow.engine.packing import pack_rows
+from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.tiny import build_tiny_moe_model
 from hybridflow.flows.groups import WORKER_CLS
 from hybridflow.slurm.channel import create_secret
@@ -159,3 +163,141 @@ def test_hf_run_refuses_what_an_moe_actor_cannot_use_yet(tmp_path, moe_dirs, ove
     code, out = _run(tmp_path, moe_dirs["qwen3_moe"], override)
     assert code == 2 and "mixture-of-experts model (Qwen3MoeForCausalLM, 8 experts, top 2)" in out, out
     assert expected in out, out
+
+
+# ---------------------------------------------------------------------------------------------------- router replay
+
+VOLATILE = ("timing_s/", "perf/")
+
+
+@pytest.fixture(scope="module")
+def replay_runs(tmp_path_factory, moe_dirs):
+    """GRPO on the Qwen3-MoE actor with R3 router replay and the load-balancing loss, two optimizer steps an
+    iteration (so the old_log_prob stage runs and the second step's weights have moved): 3 iterations
+    uninterrupted, and 1 iteration then a resumed trainer for iterations 2 and 3."""
+    roots = tmp_path_factory.mktemp("replay_a"), tmp_path_factory.mktemp("replay_b")
+    extra = ["actor.router_replay.mode=R3", "actor.moe.aux_loss_coeff=0.01", "actor.optim.lr=1e-2"]
+    a, records_a, b, records_b = resumed_runs(roots, moe_dirs["qwen3_moe"], extra, 3, 1, saves=["trainer.save_freq=2"])
+    return SimpleNamespace(a=a, records_a=records_a, b=b, records_b=records_b)
+
+
+def _perturbed_actor(trainer, mode: str, noise: float = 0.02, mini: int = 4, micro: int = 8) -> Actor:
+    """A new actor on `trainer`'s actor weights with its routers moved by seeded noise (so they choose other experts
+    than the rollout did), under ``actor.router_replay.mode`` `mode`, mini-batches of `mini` prompts and
+    micro-batches (and log-prob micro-batches) of `micro` sequences, in order."""
+    model = load_model(trainer.config.model.path, trainable=True)
+    model.load_state_dict(trainer.actor.model.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                weight.add_(torch.randn(weight.shape, generator=generator) * noise)
+    config = trainer.config.actor.model_copy(deep=True)
+    config.router_replay.mode = mode
+    config.ppo_mini_batch_size, config.ppo_micro_batch_size, config.shuffle = mini, micro, False
+    config.log_prob_micro_batch_size = micro
+    return Actor(model, config, rollout_n=2)
+
+
+def _rollout(trainer) -> DataProto:
+    from hybridflow.engine.data import collate_prompts
+
+    prompts = collate_prompts([trainer.train_dataset[i] for i in range(4)], trainer.tokenizer)
+    prompts.meta_info["global_steps"] = 7
+    return trainer.rollout.generate_sequences(prompts)
+
+
+def _same_experts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bool [...]: the same set of k experts (last dim) in `a` and `b`."""
+    return (a.long().sort(-1).values == b.long().sort(-1).values).all(-1)
+
+
+def test_r3_makes_the_training_forwards_choose_the_rollouts_experts_at_every_token_and_layer(replay_runs):
+    """The hf rollout records each token's experts in each MoE layer (``routed_experts`` [B, P+T, M, k], -1 at
+    padding and at a response's last token where no forward read it); an actor whose routers moved chooses other
+    experts by itself, and under R3 its old-policy forward and its update's forward choose the rollout's at every
+    recorded (token, layer)."""
+    trainer = replay_runs.a
+    batch = _rollout(trainer)
+    routes = batch.batch["routed_experts"]
+    real = batch.batch["attention_mask"].bool()
+    recorded = routes[..., 0] >= 0  # [B, P+T, M]
+    assert routes.dtype == torch.int16 and routes.shape[2:] == (2, 2)
+    assert torch.equal(recorded.all(-1), recorded.any(-1))  # a token is recorded in every layer or in none
+    # every real token is recorded but a row's last one when generation stopped there (no forward read it; a row
+    # that ended before the batch's last step had its EOS read by the next step)
+    last = torch.zeros_like(real)
+    last[torch.arange(len(real)), real.long().cumsum(1).argmax(1)] = True
+    unrecorded = real & ~recorded[..., 0]
+    assert not (recorded[..., 0] & ~real).any() and not (unrecorded & ~last).any() and unrecorded.any()
+
+    for mode in ("disabled", "R3"):
+        actor = _perturbed_actor(trainer, mode)
+        with actor.routers.choosing() as chosen:
+            old = actor.compute_log_prob(batch)
+        packed = pack_rows(batch, actor.config.shares_prompts)
+        forward = packed.spread(stack_routes(chosen), fill=-1)
+        same = _same_experts(forward, routes)[recorded]
+        if mode == "disabled":
+            assert same.float().mean() < 0.9, "the moved routers choose as the rollout did: the test proves nothing"
+            continue
+        assert bool(same.all()), f"{int((~same).sum())} of {same.numel()} (token, layer) routes not replayed"
+        update = batch.union(old)
+        update.batch["advantages"] = torch.randn(update.batch["response_mask"].shape, generator=torch.Generator())
+        with actor.routers.choosing() as chosen:
+            metrics = actor.update_policy(update)
+        assert bool(_same_experts(packed.spread(stack_routes(chosen), fill=-1), routes)[recorded].all())
+        assert 0.0 < metrics["actor/moe/replay_agreement"] < 0.9  # the share the moved routers would choose
+
+
+def test_r2_records_the_old_policy_forwards_experts_and_the_update_replays_them(replay_runs):
+    """R2: the old_log_prob stage returns the experts its forward chose; the update's forwards choose them even after
+    the first optimizer step moved the routers (agreement below 1: unreplayed, they would have chosen otherwise)."""
+    trainer = replay_runs.a
+    batch = _rollout(trainer)
+    del batch.batch["routed_experts"]  # the fixture's runs are R3: an R2 run's rollout records none
+    actor = _perturbed_actor(trainer, "R2", noise=0.0, mini=2, micro=4)  # 2 optimizer steps of 4 rows
+    actor.config.log_prob_micro_batch_size = 8
+    for group in actor.optimizer.param_groups:
+        group["lr"] = 0.05
+    with actor.routers.choosing() as chosen:
+        old = actor.compute_log_prob(batch)
+    packed = pack_rows(batch, actor.config.shares_prompts)
+    recorded = old.batch["routed_experts"]
+    assert recorded.dtype == torch.int16 and torch.equal(recorded, packed.spread(stack_routes(chosen), fill=-1))
+    assert torch.equal(recorded[..., 0, 0] >= 0, batch.batch["attention_mask"].bool())
+    update = batch.union(old)
+    update.batch["advantages"] = torch.randn(update.batch["response_mask"].shape, generator=torch.Generator())
+    with actor.routers.choosing() as chosen:
+        metrics = actor.update_policy(update)
+    for step, rows in enumerate((slice(0, 4), slice(4, 8))):
+        micro = update[rows]
+        routes = pack_rows(micro, actor.config.shares_prompts).spread(stack_routes(chosen[2 * step : 2 * step + 2]))
+        real = micro.batch["attention_mask"].bool()
+        assert bool(_same_experts(routes, micro.batch["routed_experts"])[real].all()), step
+    assert metrics["actor/moe/replay_agreement"] < 1.0
+
+
+def test_an_moe_run_with_router_replay_resumes_exactly(replay_runs):
+    """Iterations 2 and 3 of the resumed R3 run equal the uninterrupted run's, metric for metric (timings aside),
+    the router metrics included, and the actors end bit-equal."""
+    assert len(replay_runs.records_b) == 2
+    for a, b in zip(replay_runs.records_a[-2:], replay_runs.records_b, strict=True):
+        keep = sorted(k for k in a if not k.startswith(VOLATILE))
+        assert {k: a[k] for k in keep} == {k: b[k] for k in keep}
+        assert {"actor/moe/replay_agreement", "actor/moe/load_balancing_loss"} <= set(keep)
+    state_a, state_b = replay_runs.a.actor.model.state_dict(), replay_runs.b.actor.model.state_dict()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+def test_router_replay_is_refused_where_it_cannot_run(tmp_path, moe_dirs, tiny_model_dir):
+    (tmp_path / "dense").mkdir(), (tmp_path / "stream").mkdir()
+    code, out = _run(tmp_path / "dense", tiny_model_dir, "actor.router_replay.mode=R2")
+    assert code == 2 and "model.path is a dense model: set actor.router_replay.mode=disabled" in out, out
+    agents = (
+        "actor.router_replay.mode=R3",
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.default_agent_loop=single_turn",
+    )
+    code, out = _run(tmp_path / "stream", moe_dirs["qwen3_moe"], *agents)
+    assert code == 2 and "not the agent loops' token engine" in out, out

@@ -293,7 +293,7 @@ def test_the_keys_of_verls_7b_and_megatron_scripts_translate_or_are_refused_nami
 
     refused = {
         f"{arr}.actor.megatron.expert_model_parallel_size=8": "mixture-of-experts parallelism",
-        f"+{arr}.actor.megatron.override_transformer_config.moe_router_dtype=fp32": "train a dense model",
+        f"+{arr}.actor.megatron.override_transformer_config.moe_pad_expert_input_to_capacity=True": "not impl",
         f"{arr}.actor.megatron.context_parallel_size=2": "context parallelism is not implemented",
         f"{arr}.actor.ulysses_sequence_parallel_size=2": "split the model with tensor parallelism instead",
         "reward_model.reward_kwargs.max_resp_len=512": "the overlong buffer ends at data.max_response_length",
@@ -421,6 +421,13 @@ def test_unset_data_files_are_verls_default_paths_in_the_home_folder(tmp_path, m
     assert cfg.data.train_files == [str(folder / "train.parquet")]
     assert cfg.data.val_files == [str(folder / "test.parquet")]
     assert cfg.trainer.total_iterations == 3 * 8 // 4  # the default file's rows counted
+
+
+def _each_refused(refusals: dict[str, str], *rest: str) -> None:
+    """Each ``key=value`` of `refusals`, translated with `rest`, raises a ConfigError matching its reason."""
+    for key_value, why in refusals.items():
+        with pytest.raises(ConfigError, match=why):
+            translate([key_value, *rest])
 
 
 def _ours(command_line: list[str]) -> dict[str, str]:
@@ -601,19 +608,20 @@ def test_verls_three_spellings_of_a_cosine_lr_schedule_are_ours():
         "decay_iterations": "10",
         "warmup_iterations": "2",
     }
-    for key_value, why in {
-        f"{actor}.lr_decay_style=linear": "linear, inverse-square-root and WSD decays are not implemented",
-        f"{actor}.lr_start=1e-8": "the warm-up starts at lr 0",
-        f"{actor}.zero_indexed_step=False": "counts iterations from 0",
-    }.items():
-        with pytest.raises(ConfigError, match=why):
-            translate([key_value, steps])
+    _each_refused(
+        {
+            f"{actor}.lr_decay_style=linear": "linear, inverse-square-root and WSD decays are not implemented",
+            f"{actor}.lr_start=1e-8": "the warm-up starts at lr 0",
+            f"{actor}.zero_indexed_step=False": "counts iterations from 0",
+        },
+        steps,
+    )
 
 
 def test_the_rest_of_verl_mains_schema_is_tuning_or_a_feature_taken_only_off():
     """verl main's generated schema beyond its scripts' keys (benchmarks/verl_examples.py checks all 1234 leaf keys
     of verl 1dda039 against the table): engine tuning is accepted and named as having no effect; a feature that is
-    not here (MTP, quantisation-aware training, router replay, a LoRA critic, a row cap, the sandbox) is taken only
+    not here (MTP, quantisation-aware training, expert parallelism, a LoRA critic, a row cap, the sandbox) is taken only
     at verl's default, off, and refused otherwise naming it."""
     arr, steps = "actor_rollout_ref", "trainer.total_training_steps=3"
     tuning = [
@@ -632,7 +640,7 @@ def test_the_rest_of_verl_mains_schema_is_tuning_or_a_feature_taken_only_off():
     for key_value, why in {
         f"{arr}.model.mtp.enable=True": "multi-token prediction .* is not implemented",
         f"{arr}.actor.qat.enable=True": "quantisation-aware training is not implemented",
-        f"{arr}.actor.megatron.router_replay.mode=R3": "mixture-of-experts",
+        f"{arr}.actor.megatron.expert_model_parallel_size=2": "expert, expert-tensor\\) is not implemented yet",
         "critic.model.lora_rank=8": "a LoRA critic is not implemented",
         "data.train_max_samples=100": "give a smaller file",
         "reward.sandbox_fusion.url=http://127.0.0.1:8080": "the sandbox-fusion reward is not implemented",
@@ -646,6 +654,42 @@ def test_the_rest_of_verl_mains_schema_is_tuning_or_a_feature_taken_only_off():
     assert (find_key(f"{arr}.actor.torchtitan.compile").schema, find_key(f"{arr}.model.mtp.enable").schema) == (
         "current",
         "both",
+    )
+
+
+def test_verls_router_replay_and_moe_loss_keys_are_ours():
+    """verl's router replay (the legacy actor's key and the megatron engine's) is actor.router_replay.mode, its
+    rollout switch for R3 is said to have no effect (the hf rollout records whenever R3 asks), megatron-core's MoE
+    loss coefficients are actor.moe.*; replay files, another load-balancing type and expert parallelism are refused."""
+    arr, steps = "actor_rollout_ref", "trainer.total_training_steps=3"
+    tc = f"{arr}.actor.megatron.override_transformer_config"
+    megatron = [
+        f"{arr}.actor.megatron.router_replay.mode=R3",
+        f"{arr}.rollout.enable_rollout_routing_replay=True",
+        f"+{tc}.moe_aux_loss_coeff=0.01",
+        f"+{tc}.moe_z_loss_coeff=0.001",
+        f"+{tc}.moe_router_dtype=fp32",
+        f"+{tc}.moe_token_dispatcher_type=alltoall",
+        f"+{tc}.moe_permute_fusion=True",
+        steps,
+    ]
+    ours = _ours(megatron)
+    assert (ours["actor.router_replay.mode"], ours["actor.moe.aux_loss_coeff"], ours["actor.moe.z_loss_coeff"]) == (
+        "R3",
+        "0.01",
+        "0.001",
+    )
+    said = {key for key, _ in translate(megatron).no_effect}
+    assert {f"{arr}.rollout.enable_rollout_routing_replay", f"{tc}.moe_router_dtype"} <= said
+    assert _ours([f"{arr}.actor.router_replay.mode=R2", steps])["actor.router_replay.mode"] == "R2"
+    _each_refused(
+        {
+            f"{arr}.actor.router_replay.record_file=/tmp/routes.pt": "routes travel in the batch",
+            f"+{tc}.moe_router_load_balancing_type=seq_aux_loss": "megatron-core's aux_loss",
+            f"+{tc}.moe_router_dtype=bf16": "softmax in fp32",
+            f"{arr}.actor.megatron.expert_model_parallel_size=2": "an MoE actor trains under fsdp here",
+        },
+        steps,
     )
 
 

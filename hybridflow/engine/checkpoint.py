@@ -27,6 +27,7 @@ arbitrary objects.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import io
@@ -569,11 +570,51 @@ def read_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def model_layout(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` as ``save_pretrained`` wrote it (the checkpoint's names) in `model`'s own names and shapes: transformers
+    keeps some weights fused in memory that its files hold apart (an MoE layer's experts: one
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] for the files' ``mlp.experts.<e>.gate_proj.weight`` and
+    ``up_proj.weight``), and ``save_pretrained`` reverts that fusion. This applies the model's own conversions
+    forward, as ``from_pretrained`` does; `state` unchanged when its names are the model's already (a dense model)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    if not set(state) - set(model.state_dict()):
+        return state
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # a model built from a config: transformers' mapping for its class, as it saves with
+        conversions = [
+            c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
+        ]
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    targets: dict[str, Any] = {}
+    for key, tensor in sorted(state.items(), key=lambda item: dot_natural_key(item[0])):
+        renamed, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            entry, pattern = targets.setdefault(renamed, WeightRenaming(key, renamed)), key
+        else:
+            entry = targets.setdefault(renamed, copy.deepcopy(by_pattern[pattern]))
+        entry.add_tensor(renamed, key, pattern, tensor)
+    out = {}
+    for name, entry in targets.items():
+        for target, value in entry.convert(name, model=model, config=model.config).items():
+            out[target] = value[0] if isinstance(value, list) else value
+    return out
+
+
 def _load_sharded(folder: Path, model, optimizer, scheduler) -> None:
     """`_load_weights` + `_load_optim` for an FSDP-sharded model: the full tensors are scattered to the shards."""
     from hybridflow.engine.sharded_state import load_full_state
 
-    state = read_weights(folder)
+    state = model_layout(model, read_weights(folder))
     first_name: dict[int, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():  # save_pretrained writes a tied weight once
         alias = first_name.setdefault(id(tensor), name)
@@ -590,7 +631,7 @@ def _load_sharded(folder: Path, model, optimizer, scheduler) -> None:
 def _load_weights(folder: Path, model) -> None:
     """Copy the safetensors weights in `folder` into `model` in place (parameters keep their identity, so
     optimizers and a rollout sharing the model see the loaded values)."""
-    state = read_weights(folder)
+    state = model_layout(model, read_weights(folder))
     own = model.state_dict()
     unexpected = sorted(set(state) - set(own))
     # save_pretrained writes tied weights (e.g. lm_head.weight = embed_tokens.weight) once; a key missing from the

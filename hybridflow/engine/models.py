@@ -31,6 +31,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from hybridflow.engine.moe import RouterRecorder, stack_routes
 from hybridflow.engine.packing import PACKED_ATTENTION, PackedRows, pack_rows
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import log_probs_at, logprobs_and_entropy, sum_pi_squared, top_k_log_probs
@@ -280,8 +281,10 @@ def response_token_stats(
     calculate_sum_pi_squared: bool = False,
     top_k: int = 0,
     support: torch.Tensor | None = None,
+    packed: PackedRows | None = None,
 ) -> dict[str, torch.Tensor]:
-    """`response_log_probs`' one forward, and from the same logits what else is asked, each 0 off the response:
+    """`response_log_probs`' one forward (over `packed`, `micro` packed by `pack_rows` when None), and from the same
+    logits what else is asked, each 0 off the response:
 
     - ``log_probs`` float32 [b, T] (differentiable), ``entropy`` float32 [b, T] with `calculate_entropy`;
     - ``sum_pi_squared`` float32 [b, T]: sum_v pi(v)^2 (`torch_ops.sum_pi_squared`, no gradient);
@@ -290,7 +293,7 @@ def response_token_stats(
     - ``support_log_probs`` float32 [b, T, k] with `support` (int [b, T, k] token ids, e.g. the teacher's
       ``teacher_top_k_ids``): the log-probs at those ids (`torch_ops.log_probs_at`, differentiable).
     """
-    packed = pack_rows(micro, share_prompts)
+    packed = pack_rows(micro, share_prompts) if packed is None else packed
     logits = response_logits(model, packed, temperature, compute_dtype)
     targets = micro.batch["responses"][packed.rows, packed.cols]
     log_probs, entropy = logprobs_and_entropy(logits, targets, calculate_entropy, entropy_grad)
@@ -340,25 +343,40 @@ def compute_token_stats(
     share_prompts: bool = True,
     calculate_sum_pi_squared: bool = False,
     top_k: int = 0,
+    routers: RouterRecorder | None = None,
+    routing: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token statistics of the responses over a whole batch, one forward per micro-batch of
     `micro_batch_size` sequences: ``log_probs``, with `calculate_entropy` ``entropy``, with
     `calculate_sum_pi_squared` ``sum_pi_squared`` (sum over the vocabulary of pi^2 at each response token, the
     optimal token baseline's input), with `top_k` = k > 0 ``top_k_ids`` int64 [B, T, k] and ``top_k_log_probs``
-    float32 [B, T, k] (`response_token_stats`); each on the model's device, 0 off the response."""
+    float32 [B, T, k] (`response_token_stats`); each on the model's device, 0 off the response.
+
+    An MoE model's `routers` (`hybridflow.engine.moe.RouterRecorder`) with `routing` ``"record"``: also
+    ``routed_experts`` int16 [B, P+T, M, k], the experts each real token went to in each MoE layer (-1 at padding);
+    ``"replay"``: the forwards route every token to `data`'s ``routed_experts`` (`RouterRecorder.replaying`)."""
     stats: dict[str, list[torch.Tensor]] = {}
     for micro in data.split(micro_batch_size):
-        values = response_token_stats(
-            model,
-            micro,
-            temperature,
-            calculate_entropy,
-            compute_dtype,
-            False,
-            share_prompts,
-            calculate_sum_pi_squared,
-            top_k,
-        )
+        packed = pack_rows(micro, share_prompts)
+        replay = packed.gather(micro.batch["routed_experts"]) if routing == "replay" else None
+        with (
+            routers.replaying(replay) if routers is not None else contextlib.nullcontext(),
+            routers.choosing() if routing == "record" else contextlib.nullcontext() as chosen,
+        ):
+            values = response_token_stats(
+                model,
+                micro,
+                temperature,
+                calculate_entropy,
+                compute_dtype,
+                False,
+                share_prompts,
+                calculate_sum_pi_squared,
+                top_k,
+                packed=packed,
+            )
+        if routing == "record":
+            values["routed_experts"] = packed.spread(stack_routes(chosen), fill=-1)
         for name, value in values.items():
             stats.setdefault(name, []).append(value)
     return {name: torch.cat(parts) for name, parts in stats.items()}

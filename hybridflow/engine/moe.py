@@ -16,6 +16,17 @@ model to compute its own loss. The losses are megatron-core's definitions, so ve
 Both are summed over the MoE layers when added to the loss, each times its coefficient (``actor.moe.aux_loss_coeff``,
 ``actor.moe.z_loss_coeff``: megatron-core's ``moe_aux_loss_coeff`` / ``moe_z_loss_coeff``), and reported as the mean
 over layers, as megatron-core's MoE metrics are.
+
+Router replay (verl's ``router_replay.mode``; Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning
+Training and Inference Routers", R3). A token's experts are a discrete choice: the rollout engine, the old-policy
+forward and the update's forward may each pick different experts for the same token (other kernels, other batch
+shapes, weights moved by the previous mini-batch), so the PPO ratio of a token compares two different networks.
+`RouterRecorder.choosing` records the experts each forward picks; `RouterRecorder.replaying` makes a forward pick
+the recorded ones instead, keeping the gate weights its own router gives those experts (softmax over its logits,
+gathered at the recorded experts and renormalised as the architecture does), so the gradient still reaches the
+router. ``routed_experts`` int16 [B, P+T, M, k] carries the choices in the batch: for each column of ``input_ids``
+and each of the M MoE layers, the k experts that token went to; -1 where none was recorded (padding; the last
+response token, which no forward of the rollout reads), which a replaying forward routes as its router chooses.
 """
 
 from __future__ import annotations
@@ -74,7 +85,12 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 class RouterRecorder:
     """Forward hooks on every router module of a transformers MoE model (the class its
-    ``_can_record_outputs["router_logits"]`` names): inside `recording`, each router call appends its logits.
+    ``_can_record_outputs["router_logits"]`` names), in layer order: they record the routers' logits (`recording`),
+    the experts they choose (`choosing`), or make them choose given experts (`replaying`).
+
+    Every router of the four `MOE_ARCHITECTURES` returns ``(logits [N, E], gate weights [N, k], experts [N, k])``
+    for the N tokens of its call; the experts are the top-k of softmax(logits) and the gate weights their
+    probabilities, renormalised to sum to 1 where the config's ``norm_topk_prob`` says (Mixtral: always).
 
     Args:
         model: the transformers MoE model (or a DDP wrapper of it; FSDP2-sharded is fine).
@@ -90,14 +106,46 @@ class RouterRecorder:
             raise ValueError(f"{type(inner).__name__} names no router outputs: it is not a transformers MoE model")
         self.index = recorder.index
         self.routers = [m for m in inner.modules() if isinstance(m, recorder.target_class)]
+        self.layer_of = {id(router): i for i, router in enumerate(self.routers)}
         self.logits: list[torch.Tensor] = []
+        self._choosing: list[list[torch.Tensor]] = []  # one list per open `choosing` (they may nest)
         self._on = False
-        for router in self.routers:
-            router.register_forward_hook(self._hook)
+        self._targets: torch.Tensor | None = None
+        self.replayed = self.agreed = 0
+        self.handles = [router.register_forward_hook(self._hook) for router in self.routers]
 
-    def _hook(self, module, inputs, output) -> None:
+    def remove(self) -> None:
+        """Take the hooks off the model (a recorder on a model lent for one call)."""
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, module, inputs, output):
         if self._on:
             self.logits.append(output[self.index] if isinstance(output, tuple) else output)
+        if self._targets is not None:
+            output = self._replayed(module, output, self._targets[:, self.layer_of[id(module)]])
+        for chosen in self._choosing:
+            chosen.append(output[2].detach())
+        return output
+
+    def _replayed(self, module, output, target: torch.Tensor):
+        logits, weights, experts = output
+        if target.shape != experts.shape:
+            raise ValueError(
+                f"router replay: the forward routes {tuple(experts.shape)} (tokens, top-k) in a layer, the recorded "
+                f"routes are {tuple(target.shape)}: the batch's routed_experts do not belong to this model or batch"
+            )
+        target = target.to(experts.device, torch.long)
+        recorded = target[:, 0] >= 0  # -1: nothing recorded, the router chooses
+        with torch.no_grad():
+            same = (experts.sort(-1).values == target.sort(-1).values).all(-1)
+            self.replayed += int(recorded.sum())
+            self.agreed += int((same & recorded).sum())
+        chosen = torch.where(recorded[:, None], target, experts)
+        gate = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
+        if getattr(module, "norm_topk_prob", True):  # Mixtral's router has no flag and always renormalises
+            gate = gate / gate.sum(-1, keepdim=True)
+        return logits, gate.to(weights.dtype), chosen
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[torch.Tensor]]:
@@ -108,6 +156,77 @@ class RouterRecorder:
             yield self.logits
         finally:
             self._on = False
+
+    @contextlib.contextmanager
+    def choosing(self) -> Iterator[list[torch.Tensor]]:
+        """Record the experts the routers choose in the forwards inside (after any replay): a list, one int64
+        [N, k] tensor per MoE layer call, in call order. Nests: an inner `choosing` records into its own list too."""
+        chosen: list[torch.Tensor] = []
+        self._choosing.append(chosen)
+        try:
+            yield chosen
+        finally:
+            self._choosing = [other for other in self._choosing if other is not chosen]
+
+    @contextlib.contextmanager
+    def replaying(self, routes: torch.Tensor | None) -> Iterator[None]:
+        """Inside, each router call over N tokens sends them to `routes` (int [N, M, k]: token, MoE layer, experts;
+        rows of -1 route as the router chooses) instead of its own top-k; None: no replay. Counts the replayed
+        (token, layer) routes and those the router would have chosen itself (`agreement`). Keep it open through
+        the backward pass when activation checkpointing re-runs the forward there.
+
+        Raises:
+            ValueError: (at a router call) `routes` does not have that call's tokens and top-k.
+        """
+        if routes is not None and routes.shape[1] != len(self.routers):
+            raise ValueError(
+                f"router replay: the batch's routed_experts have {routes.shape[1]} MoE layers, the model "
+                f"{len(self.routers)}: they were recorded with another model"
+            )
+        self._targets = routes
+        try:
+            yield
+        finally:
+            self._targets = None
+
+    def agreement(self) -> float | None:
+        """The share of the (token, layer) routes replayed since the last call that the router would have chosen
+        itself (the same set of k experts); None when nothing was replayed. Resets the counts."""
+        share = self.agreed / self.replayed if self.replayed else None
+        self.replayed = self.agreed = 0
+        return share
+
+
+def stack_routes(chosen: list[torch.Tensor]) -> torch.Tensor:
+    """`RouterRecorder.choosing`'s experts of one forward (one int [N, k] tensor per MoE layer) as int16 [N, M, k]:
+    token, MoE layer, experts."""
+    return torch.stack(chosen, dim=1).to(torch.int16)
+
+
+def generation_routes(
+    chosen: list[torch.Tensor], layers: int, rows: int, prompt_length: int, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """The experts a generation chose, in the batch's ``routed_experts`` layout (module docstring).
+
+    Args:
+        chosen: `RouterRecorder.choosing`'s list over one ``generate`` call of `rows` left-padded prompts of
+            `prompt_length` tokens: the prefill's [rows * P, k] per MoE layer, then each decoding step's [rows, k]
+            per layer (step j reads response token j - 1).
+        layers: M, the model's MoE layers.
+        attention_mask: int [rows, P+T] of the rollout's rows (0: padding).
+
+    Returns:
+        int16 [rows, P+T, M, k]; -1 at padding and at the last generated token (no forward read it).
+    """
+    calls = [torch.stack(chosen[i : i + layers], dim=1) for i in range(0, len(chosen), layers)]
+    k = calls[0].shape[-1]
+    out = torch.full((rows, attention_mask.shape[1], layers, k), -1, dtype=torch.int16)
+    out[:, :prompt_length] = calls[0].view(rows, prompt_length, layers, k).cpu().to(torch.int16)
+    for step, routes in enumerate(calls[1:]):
+        if prompt_length + step < out.shape[1]:
+            out[:, prompt_length + step] = routes.cpu().to(torch.int16)
+    out[attention_mask.cpu() == 0] = -1
+    return out
 
 
 def load_balancing_loss(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,8 @@ class PackedRows:
         rows, cols: int64 [K]: where each predicted token sits in the padded [b, T] layout.
         spans: [start, end) of each prompt group in the L positions (`packed_sdpa`).
         shape: (b, T).
+        index: int64 [b, P+T]: the packed position of each real token of the padded rows (a shared prompt's tokens:
+            the same position in each of its rows), -1 at padding.
     """
 
     input_ids: torch.Tensor
@@ -71,6 +73,24 @@ class PackedRows:
     cols: torch.Tensor
     spans: list[tuple[int, int]]
     shape: tuple[int, int]
+    index: torch.Tensor
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` [b, P+T, ...] of the padded rows at the L packed positions: [L, ...] (a shared prompt token's
+        from the first of its rows)."""
+        flat = self.index.flatten()
+        real = torch.nonzero(flat >= 0).flatten()
+        source = torch.empty(self.input_ids.shape[1], dtype=torch.long, device=flat.device)
+        source[flat[real].flip(0)] = real.flip(0)  # written last to first: a shared position keeps its first row
+        return values.flatten(0, 1)[source.to(values.device)]
+
+    def spread(self, values: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """``values`` [L, ...] of the packed positions into the padded rows: [b, P+T, ...], a shared prompt's in each
+        of its rows, `fill` at padding."""
+        index = self.index.to(values.device)
+        out = values[index.clamp(min=0)]
+        out[index < 0] = fill
+        return out
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` [K, ...] into the padded layout: [b, T, ...] of their dtype, zero where no response token is
@@ -98,12 +118,15 @@ def pack_rows(micro: DataProto, share_prompts: bool = True) -> PackedRows:
     counts = prompt_groups(micro).tolist() if share_prompts else [1] * b
     tokens, places, group_of, sample_of, predict, rows, cols = [], [], [], [], [], [], []
     length, row, spans = 0, 0, []
+    index = torch.full(ids.shape, -1, dtype=torch.long)
+    cpu_mask = mask.cpu()
     for group, count in enumerate(counts):
         start = length
         keep = mask[row, :p]
         tokens.append(ids[row, :p][keep])
         places.append(positions[row, :p][keep])
         size = len(tokens[-1])
+        index[row : row + count, :p][:, cpu_mask[row, :p]] = torch.arange(length, length + size)
         group_of.append(torch.full((size,), group))
         sample_of.append(torch.full((size,), -1))
         length += size
@@ -113,6 +136,7 @@ def pack_rows(micro: DataProto, share_prompts: bool = True) -> PackedRows:
             tokens.append(ids[r, p:][keep])
             places.append(positions[r, p:][keep])
             size = len(tokens[-1])
+            index[r, p:][cpu_mask[r, p:]] = torch.arange(length, length + size)
             group_of.append(torch.full((size,), group))
             sample_of.append(torch.full((size,), r))
             previous = torch.arange(length - 1, length + size - 1)  # token k is predicted at position k - 1 ...
@@ -141,6 +165,7 @@ def pack_rows(micro: DataProto, share_prompts: bool = True) -> PackedRows:
         cols=torch.cat(cols).to(device),
         spans=spans,
         shape=(b, t),
+        index=index.to(device),
     )
 
 

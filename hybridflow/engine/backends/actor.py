@@ -36,6 +36,7 @@ from hybridflow.engine.backends.training import (
 from hybridflow.engine.config import ActorConfig, RolloutCorrectionConfig, TeacherConfig
 from hybridflow.engine.models import compute_token_stats, response_token_stats
 from hybridflow.engine.moe import RouterRecorder, moe_spec, router_losses
+from hybridflow.engine.packing import pack_rows
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import agg_loss
 
@@ -279,9 +280,26 @@ class Actor:
             self.compute_dtype,
             cfg.shares_prompts,
             cfg.calculate_sum_pi_squared,
+            routers=self.routers,
+            routing=self._routing(data),
         )
         names = {"log_probs": "old_log_probs", "entropy": "entropys", "sum_pi_squared": "sum_pi_squared"}
+        names["routed_experts"] = "routed_experts"
         return DataProto.from_dict({names[name]: value for name, value in stats.items()})
+
+    def _routing(self, data: DataProto) -> str | None:
+        """What the old-policy forward does with the routers under ``actor.router_replay.mode``: R2 records the
+        experts it chooses (``routed_experts``, replayed by the update), R3 replays the rollout's.
+
+        Raises:
+            KeyError: R3 and the batch has no ``routed_experts`` (the rollout recorded none)."""
+        mode = self.config.router_replay.mode if self.moe is not None else "disabled"
+        if mode == "R3" and "routed_experts" not in data.batch:
+            raise KeyError(
+                "actor.router_replay.mode=R3 replays the rollout's expert choices, but the batch has no "
+                "routed_experts: this rollout engine records none (use rollout.name=hf, or router_replay.mode=R2)"
+            )
+        return {"R2": "record", "R3": "replay"}.get(mode)
 
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on a batch with advantages.
@@ -319,6 +337,8 @@ class Actor:
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
         keys += ["teacher_log_prob"] if self.teacher is not None else []
         keys += ["teacher_top_k_ids", "teacher_top_k_log_probs"] if self.teacher and self.teacher.top_k else []
+        replay = self.moe is not None and cfg.router_replay.mode != "disabled" and "routed_experts" in data.keys
+        keys += ["routed_experts"] if replay else []  # R2: the old-policy forward's choices; R3: the rollout's
         if self.correction is not None and "rollout_log_probs" not in data.keys:
             raise KeyError(
                 "algorithm.rollout_correction needs the rollout engine's log-probs (rollout_log_probs), which this "
@@ -370,47 +390,62 @@ class Actor:
         mask = batch["response_mask"]
         calculate_entropy = cfg.entropy_coeff != 0
         top_k = self.teacher is not None and self.teacher.top_k
-        with self.routers.recording() if self.routers is not None else contextlib.nullcontext() as router_logits:
-            stats = response_token_stats(
-                self.train_module,
-                micro,
-                temperature,
-                calculate_entropy or measured is not None,
-                self.compute_dtype,
-                entropy_grad=calculate_entropy,
-                share_prompts=cfg.shares_prompts,
-                support=batch["teacher_top_k_ids"] if top_k else None,
+        packed = pack_rows(micro, cfg.shares_prompts)
+        routes = packed.gather(batch["routed_experts"]) if "routed_experts" in batch else None
+        moe = self.routers is not None
+        replay = self.routers.replaying(routes) if moe else contextlib.nullcontext()
+        with replay:  # through the backward too: activation checkpointing re-runs the forward there
+            with self.routers.recording() if moe else contextlib.nullcontext() as router_logits:
+                stats = self._forward(micro, packed, temperature, calculate_entropy or measured is not None)
+            log_prob, entropy = stats["log_probs"], stats.get("entropy")
+            if top_k:  # the policy at the teacher's support, for the distillation loss (`actor_loss`)
+                batch = batch.clone(recurse=False)
+                batch["support_log_probs"] = stats["support_log_probs"]
+            old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
+            if measured is not None:
+                if not calculate_entropy:
+                    measured.add("actor/entropy", entropy, mask)
+                if "rollout_log_probs" in batch:
+                    drift = batch["rollout_log_probs"] - old_log_prob
+                    measured.add("rollout/log_prob_diff_mean", drift.abs(), mask)
+                    measured.add("rollout/kl", drift, mask)
+            loss, terms, stats = corrected_actor_loss(
+                cfg,
+                self.correction,
+                old_log_prob,
+                log_prob,
+                batch,
+                entropy if calculate_entropy else None,
+                is_factor,
+                self.dp_group,
+                self.teacher,
             )
-        log_prob, entropy = stats["log_probs"], stats.get("entropy")
-        if top_k:  # the policy at the teacher's support, for the distillation loss (`actor_loss`)
-            batch = batch.clone(recurse=False)
-            batch["support_log_probs"] = stats["support_log_probs"]
-        old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
-        if measured is not None:
-            if not calculate_entropy:
-                measured.add("actor/entropy", entropy, mask)
-            if "rollout_log_probs" in batch:
-                drift = batch["rollout_log_probs"] - old_log_prob
-                measured.add("rollout/log_prob_diff_mean", drift.abs(), mask)
-                measured.add("rollout/kl", drift, mask)
-        loss, terms, stats = corrected_actor_loss(
-            cfg,
-            self.correction,
-            old_log_prob,
-            log_prob,
-            batch,
-            entropy if calculate_entropy else None,
-            is_factor,
-            self.dp_group,
-            self.teacher,
-        )
-        if self.moe is not None:  # the routers' losses over this forward's packed tokens (`hybridflow.engine.moe`)
-            balance, z, moe_metrics = router_losses(router_logits, self.moe.top_k)
-            loss = loss + cfg.moe.aux_loss_coeff * balance + cfg.moe.z_loss_coeff * z
-            log.add(**moe_metrics)
-        (loss * loss_scale).backward()
+            if self.moe is not None:  # the routers' losses over this forward's packed tokens (`hybridflow.engine.moe`)
+                balance, z, moe_metrics = router_losses(router_logits, self.moe.top_k)
+                loss = loss + cfg.moe.aux_loss_coeff * balance + cfg.moe.z_loss_coeff * z
+                agreement = self.routers.agreement()
+                if agreement is not None:
+                    moe_metrics["moe/replay_agreement"] = agreement
+                log.add(**moe_metrics)
+            (loss * loss_scale).backward()
         log.add(**terms)
         corrections.add(**stats)
+
+    def _forward(self, micro: DataProto, packed, temperature: float, entropy: bool) -> dict[str, torch.Tensor]:
+        """The update's forward of `micro` over `packed` (`hybridflow.engine.models.response_token_stats`)."""
+        cfg = self.config
+        top_k = self.teacher is not None and self.teacher.top_k
+        return response_token_stats(
+            self.train_module,
+            micro,
+            temperature,
+            entropy,
+            self.compute_dtype,
+            entropy_grad=cfg.entropy_coeff != 0,
+            share_prompts=cfg.shares_prompts,
+            support=micro.batch["teacher_top_k_ids"] if top_k else None,
+            packed=packed,
+        )
 
 
 class RefPolicy:

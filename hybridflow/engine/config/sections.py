@@ -412,6 +412,19 @@ class MoeLossConfig(_Section):
     )
 
 
+class RouterReplayConfig(_Section):
+    """Router replay of a mixture-of-experts actor (verl's ``actor.router_replay``; `hybridflow.engine.moe`): which
+    forward's expert choices the policy update's forwards reuse, so that a token's PPO ratio compares the same
+    experts; a dense actor ignores it."""
+
+    mode: Literal["disabled", "R2", "R3"] = Field(
+        "disabled",
+        description="disabled: every forward routes as its router chooses; R2: the old_log_prob stage records its "
+        "choices and the update replays them; R3: the rollout records the experts each token went to and both the "
+        "old_log_prob stage and the update replay them (needs rollout.name=hf); the reference policy never replays",
+    )
+
+
 class ActorConfig(_Section):
     """The PPO policy update: training backend, mini/micro-batches, clipping (clip-higher, dual-clip), loss
     aggregation, KL loss."""
@@ -444,6 +457,7 @@ class ActorConfig(_Section):
     loss_agg_mode: LossAggMode = "token-mean"
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     moe: MoeLossConfig = Field(default_factory=MoeLossConfig)
+    router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0.0)

@@ -333,8 +333,11 @@ def _schema_rest() -> list[VerlKey]:
         _off("*.qat.enable", "quantisation-aware training is not implemented: leave qat.enable off", False),
         _no_effect("*.qat.*", "read only with qat.enable (quantisation-aware training, not implemented)"),
         _off(f"{ARR}.rollout.qat", "quantisation-aware training is not implemented"),
-        _off("*.router_replay.*", _MOE, "disabled"),
-        _off(f"{ARR}.rollout.enable_rollout_routing_replay", _MOE, False),
+        _off("*.router_replay.*", "only the actor replays routes (actor.router_replay.mode)", "disabled"),
+        _no_effect(
+            f"{ARR}.rollout.enable_rollout_routing_replay",
+            "the hf rollout records each token's experts whenever actor.router_replay.mode=R3",
+        ),
         _no_effect(f"{ARR}.rollout.moe_load_balance_metrics_interval", _MOE, lambda v: int(v or 0) == 0),
         _off("*.model.mtp.enable*", mtp, False),
         _off("*.model.mtp.detach_encoder", mtp, False),
@@ -460,9 +463,11 @@ _DIST_CKPT = (
 )
 _SCHEDULE = "megatron's interleaved pipeline schedule is speed only; the update is the same"
 _STAGES = "how layers are split over pipeline stages is speed and memory only; the update is the same"
+_ACTOR_TC = f"{ARR}.actor.megatron.override_transformer_config"
+_ROUTES_IN_BATCH = "routes travel in the batch (routed_experts), not in files: leave it unset"
 _MOE = (
-    "mixture-of-experts parallelism (expert, expert-tensor) is not implemented: HybridFlow trains dense models; "
-    "train a dense model, or MoE models with verl"
+    "mixture-of-experts parallelism (expert, expert-tensor) is not implemented yet: an MoE actor trains under fsdp "
+    "here (experts sharded as any weight; docs/moe.md); leave it at 1"
 )
 _CONTEXT = (
     "context parallelism is not implemented: split the model with actor_rollout_ref.actor.megatron."
@@ -672,7 +677,39 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     _no_effect(f"{ARR}.actor.megatron.override_transformer_config.recompute_*", _RECOMPUTE),
     _no_effect(f"{ARR}.actor.megatron.override_transformer_config.*_fusion", _SPEED),
-    _no_effect(f"{ARR}.actor.megatron.override_transformer_config.moe_*", _MOE, lambda v: False),
+    _same(
+        f"{_ACTOR_TC}.moe_aux_loss_coeff",
+        "actor.moe.aux_loss_coeff",
+        note="megatron-core's definition",
+    ),
+    _same(
+        f"{_ACTOR_TC}.moe_z_loss_coeff",
+        "actor.moe.z_loss_coeff",
+        note="megatron-core's definition",
+    ),
+    _off(
+        f"{_ACTOR_TC}.moe_router_load_balancing_type",
+        "the load-balancing loss is megatron-core's aux_loss (Switch Transformer's); others are not implemented",
+        "aux_loss",
+    ),
+    _no_effect(
+        f"{_ACTOR_TC}.moe_router_dtype",
+        "transformers' routers take their softmax in fp32 (their logits in model.dtype)",
+        _only("fp32"),
+    ),
+    _no_effect(
+        f"{_ACTOR_TC}.moe_token_dispatcher_type",
+        "how megatron moves tokens to experts: " + _SPEED,
+    ),
+    _no_effect(f"{_ACTOR_TC}.moe_grouped_gemm", _SPEED),
+    _no_effect(f"{_ACTOR_TC}.moe_enable_deepep", _SPEED),
+    _no_effect(f"{_ACTOR_TC}.moe_shared_expert_overlap", _SPEED),
+    _no_effect(
+        f"{_ACTOR_TC}.moe_*",
+        "this megatron-core MoE setting is not implemented here (the MoE settings taken: moe_aux_loss_coeff, "
+        "moe_z_loss_coeff, moe_router_dtype=fp32 and the dispatch and fusion tuning; docs/moe.md)",
+        lambda v: False,
+    ),
     _no_effect(f"{ARR}.actor.megatron.override_transformer_config.deallocate_pipeline_outputs", _SPEED),
     _no_effect(f"{ARR}.actor.megatron.override_transformer_config.persist_layer_norm", _SPEED),
     _no_effect(f"{ARR}.actor.megatron.override_transformer_config.attention_backend", _SPEED),
@@ -693,7 +730,26 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         f"{ARR}.actor.use_prefix_grouper",
         "a prompt is computed once for its group's responses here already (actor.share_prompts)",
     ),
-    _no_effect(f"{ARR}.actor.router_replay.*", _MOE, lambda v: v in (None, "disabled")),
+    _same(f"{ARR}.actor.router_replay.mode", note="R3's routes are recorded by the hf rollout"),
+    _same(
+        f"{ARR}.actor.megatron.router_replay.mode",
+        "actor.router_replay.mode",
+        note="the actor's router replay, whatever its engine (an MoE actor trains under fsdp or ddp here)",
+        schema="current",
+    ),
+    _same(
+        f"{ARR}.actor.veomni.router_replay.mode",
+        "actor.router_replay.mode",
+        note="the actor's router replay, whatever its engine (an MoE actor trains under fsdp or ddp here)",
+        schema="current",
+    ),
+    _off(f"{ARR}.actor.*router_replay.record_file", _ROUTES_IN_BATCH, None),
+    _off(f"{ARR}.actor.*router_replay.replay_file", _ROUTES_IN_BATCH, None),
+    _no_effect(
+        f"{ARR}.ref.*router_replay.*",
+        "the reference policy never replays routes, as verl's compute_ref_log_prob does not",
+        schema="current",
+    ),
     _no_effect(f"{ARR}.actor.checkpoint.*", "checkpoints always hold the model, the optimizer and the trainer state"),
     # ------------------------------------------------------------------ rollout
     VerlKey(

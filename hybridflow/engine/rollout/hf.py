@@ -41,6 +41,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
 from hybridflow.engine.models import autocast
+from hybridflow.engine.moe import RouterRecorder, generation_routes, moe_spec
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest, cut_at_eos
 
@@ -207,6 +208,9 @@ class HFRollout:
             micro-batch index it fixes every sample (see the module docstring).
         compute_dtype: run ``generate`` under ``torch.autocast`` in this dtype (bfloat16: fp32 weights, bf16
             matmuls, as the actor's forward). None or float32: no autocast.
+        record_routes: an MoE model's rows also carry ``routed_experts`` int16 [B, P+T, M, k], the experts each
+            token went to in each MoE layer (``actor.router_replay.mode: R3``;
+            `hybridflow.engine.moe.generation_routes`).
 
     Raises:
         ValueError: the model's generation config sets a sampling option that cannot be switched off (one of
@@ -220,9 +224,11 @@ class HFRollout:
         config: RolloutConfig,
         seed: int = 0,
         compute_dtype: torch.dtype | None = None,
+        record_routes: bool = False,
     ):
         from hybridflow.engine.backends.weights import ModelWeights
 
+        self.record_routes = record_routes  # R3 router replay: each row's experts (`_generate_micro`)
         self.weights = ModelWeights(model) if isinstance(model, torch.nn.Module) else model
         self.tokenizer = tokenizer
         self.config = config
@@ -401,10 +407,18 @@ class HFRollout:
     ) -> DataProto:
         prompt_ids = micro.batch["input_ids"].to(device)
         prompt_mask = micro.batch["attention_mask"].to(device)
-        with autocast(device, self.compute_dtype):
-            output = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
-            )
+        routers = RouterRecorder(model) if self.record_routes and moe_spec(model.config) is not None else None
+        try:
+            with (
+                routers.choosing() if routers else contextlib.nullcontext() as chosen,
+                autocast(device, self.compute_dtype),
+            ):
+                output = model.generate(
+                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+                )
+        finally:
+            if routers is not None:
+                routers.remove()
         tensors = assemble_rollout(
             prompt_ids,
             prompt_mask,
@@ -413,6 +427,11 @@ class HFRollout:
             self.tokenizer.pad_token_id,
             self.config.response_length,
         )
+        if routers is not None:
+            layers, (rows, prompt_length) = len(routers.routers), prompt_ids.shape
+            tensors["routed_experts"] = generation_routes(
+                chosen, layers, rows, prompt_length, tensors["attention_mask"]
+            )
         return DataProto.from_dict(tensors, dict(micro.non_tensor_batch), dict(micro.meta_info))
 
 
@@ -445,4 +464,7 @@ class _SampledLogProbs(LogitsProcessor):
 
 def build(cfg: HybridFlowConfig, weights: WeightSource, tokenizer, model_path, compute_dtype) -> HFRollout:
     """``rollout.name: hf`` (registered in `hybridflow.engine.extensions`): `HFRollout` on `weights`."""
-    return HFRollout(weights, tokenizer, cfg.rollout, seed=cfg.trainer.seed, compute_dtype=compute_dtype)
+    record_routes = cfg.actor.router_replay.mode == "R3"
+    return HFRollout(
+        weights, tokenizer, cfg.rollout, seed=cfg.trainer.seed, compute_dtype=compute_dtype, record_routes=record_routes
+    )

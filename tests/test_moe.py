@@ -301,3 +301,32 @@ def test_router_replay_is_refused_where_it_cannot_run(tmp_path, moe_dirs, tiny_m
     )
     code, out = _run(tmp_path / "stream", moe_dirs["qwen3_moe"], *agents)
     assert code == 2 and "not the agent loops' token engine" in out, out
+
+
+# ---------------------------------------------------------------------------------------------------- upcycling, cost
+
+
+def test_upcycled_and_widened_models_compute_the_dense_models_function_and_the_planner_counts_them(
+    tmp_path, tiny_model_dir, moe_dirs
+):
+    """Sparse upcycling (8 copies of each MLP, top 2, random routers) and the twice-as-wide dense twin give the dense
+    model's logits; the planner's shapes count every parameter of each (all experts, the routers, Qwen2-MoE's shared
+    expert and its gate) and price a token's FLOPs at its top-k experts: the upcycled model's active weights are the
+    wide twin's plus its routers."""
+    from hybridflow.engine.shapes import model_shape
+    from hybridflow.engine.upcycling import upcycle, widen
+
+    moe, wide = upcycle(tiny_model_dir, tmp_path / "moe"), widen(tiny_model_dir, tmp_path / "wide")
+    ids = torch.randint(3, 250, (2, 16))
+    models = {name: load_model(path) for name, path in (("dense", tiny_model_dir), ("moe", moe), ("wide", wide))}
+    with torch.no_grad():
+        logits = {name: model(ids).logits for name, model in models.items()}
+    assert type(models["moe"]).__name__ == "MixtralForCausalLM" and moe_spec(models["moe"].config).num_experts == 8
+    for name in ("moe", "wide"):
+        torch.testing.assert_close(logits[name], logits["dense"], rtol=0, atol=1e-5)
+    folders = {"moe": moe, "wide": wide, **{arch: moe_dirs[arch] for arch in ARCHITECTURES}}
+    for name, folder in folders.items():
+        model = models.get(name) or load_model(folder)
+        assert model_shape(str(folder)).params() == sum(p.numel() for p in model.parameters()), name
+    up, twin = model_shape(str(moe)), model_shape(str(wide))
+    assert (up.experts, up.top_k) == (8, 2) and up.active_layer_params == twin.layer_params + up.hidden * 8

@@ -4,6 +4,10 @@
 Loading GGUF takes ~40 s, so `prepare_model("smollm2")` converts it once into a plain Hugging Face folder
 (fp32 safetensors, ~517 MB) under the cache and later loads take seconds.
 `tiny`: a random 2-layer Llama built from config (`hybridflow.engine.tiny`), for tests and smoke runs.
+`smollm2-moe`: SmolLM2 sparse-upcycled into a Mixtral of 8 experts, top 2 (`hybridflow.engine.upcycling.upcycle`:
+the same function as SmolLM2 until training parts the experts; fp32, ~2.8 GB); `smollm2-wide`: SmolLM2 with MLPs
+twice as wide (`hybridflow.engine.upcycling.widen`), the dense model of the same active parameters. Both are made
+from the prepared `smollm2`.
 
 The cache is ``$HYBRIDFLOW_HOME/models`` (default ``~/.cache/hybridflow/models``).
 """
@@ -76,7 +80,24 @@ def _build_tiny(target: Path) -> None:
     build_tiny_model(target, seed=0)
 
 
-EMBEDDED_MODELS: dict[str, Callable[[Path], None]] = {"smollm2": _convert_smollm2, "tiny": _build_tiny}
+def _upcycle_smollm2(target: Path) -> None:
+    from hybridflow.engine.upcycling import upcycle
+
+    upcycle(prepare_model("smollm2"), target, num_experts=8, top_k=2)
+
+
+def _widen_smollm2(target: Path) -> None:
+    from hybridflow.engine.upcycling import widen
+
+    widen(prepare_model("smollm2"), target, factor=2)
+
+
+EMBEDDED_MODELS: dict[str, Callable[[Path], None]] = {
+    "smollm2": _convert_smollm2,
+    "tiny": _build_tiny,
+    "smollm2-moe": _upcycle_smollm2,
+    "smollm2-wide": _widen_smollm2,
+}
 
 
 def prepare_model(name: str, cache_dir: Path | None = None, force: bool = False) -> Path:

@@ -24,15 +24,15 @@ the planner's built-in hardware profiles (`hybridflow.flows.placement.hardware`)
 def needed_flops(shape: ModelShape, groups: list[tuple[float, list[float]]], head: str) -> float:
     """FLOPs one forward pass over a batch needs, each prompt computed once for its samples: `groups` holds, per
     prompt, its tokens and each of its samples' response tokens (padding excluded; a row counted alone is a group
-    of one). The blocks cost 2 per weight per token; causal attention 2·L²·h per layer over a sequence of L tokens
-    (QK^T and AV over half the context on average), so a prompt of P tokens costs P² once and a response of R
-    tokens (P+R)² - P²; the output head runs only where it is read, at the response positions (``lm``: 2·V·h per
-    token; ``value``: 2·h)."""
+    of one). The blocks cost 2 per weight per token (an MoE block's active weights: its top-k experts); causal
+    attention 2·L²·h per layer over a sequence of L tokens (QK^T and AV over half the context on average), so a
+    prompt of P tokens costs P² once and a response of R tokens (P+R)² - P²; the output head runs only where it is
+    read, at the response positions (``lm``: 2·V·h per token; ``value``: 2·h)."""
     out = shape.vocab * shape.hidden if head == "lm" else shape.hidden
     tokens = sum(prompt + sum(responses) for prompt, responses in groups)
     squares = sum(prompt**2 + sum((prompt + r) ** 2 - prompt**2 for r in responses) for prompt, responses in groups)
     response_tokens = sum(sum(responses) for _, responses in groups)
-    return 2 * shape.layers * (shape.layer_params * tokens + shape.hidden * squares) + 2 * out * response_tokens
+    return 2 * shape.layers * (shape.active_layer_params * tokens + shape.hidden * squares) + 2 * out * response_tokens
 
 
 def matmul_flops(threads: int | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> float:

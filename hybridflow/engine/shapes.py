@@ -8,7 +8,17 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer's dimensions (a Llama-style block: attention with grouped KV heads, gated MLP)."""
+    """A decoder-only transformer's dimensions (a Llama-style block: attention with grouped KV heads, gated MLP).
+
+    A mixture-of-experts block (`hybridflow.engine.moe`) has `experts` > 1 gated MLPs of width `intermediate`, a
+    router of ``hidden x experts`` weights, each token through `top_k` of them and through `shared_intermediate`
+    columns of shared expert (Qwen2-MoE's, with its one-output gate). Its memory holds every expert
+    (`layer_params`); a token's FLOPs meet only its top-k (`active_layer_params`, as megatron-core's and verl's MoE
+    MFU count them).
+
+    `attention_head_dim` is the config's ``head_dim`` (0: hidden / heads); `qk_norm` adds Qwen3's per-head query and
+    key RMSNorm weights, `qkv_bias` Qwen2's q, k and v biases.
+    """
 
     name: str
     layers: int
@@ -18,16 +28,38 @@ class ModelShape:
     kv_heads: int
     vocab: int
     tied_embeddings: bool = False
+    experts: int = 1
+    top_k: int = 1
+    shared_intermediate: int = 0
+    attention_head_dim: int = 0
+    qk_norm: bool = False
+    qkv_bias: bool = False
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """The config's ``head_dim`` where it sets one (Qwen3: 128 at hidden 2048 / 32 heads), else hidden / heads."""
+        return self.attention_head_dim or self.hidden // self.heads
+
+    def _block(self, mlps: int) -> int:
+        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
+        attention += 2 * self.head_dim if self.qk_norm else 0  # Qwen3's per-head query and key RMSNorm weights
+        attention += (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0  # Qwen2's
+        mlp = 3 * self.hidden * self.intermediate * mlps
+        if self.experts > 1:  # the router, and the shared expert with its gate
+            mlp += self.hidden * self.experts + 3 * self.hidden * self.shared_intermediate
+            mlp += self.hidden if self.shared_intermediate else 0
+        return attention + mlp + 2 * self.hidden
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one block: q and o projections, k and v (grouped), the gated MLP, two norms."""
-        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * self.kv_heads * self.head_dim
-        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        """Parameters of one block: q and o projections, k and v (grouped), the gated MLP (every expert, the router
+        and the shared expert of an MoE block), two norms."""
+        return self._block(self.experts)
+
+    @property
+    def active_layer_params(self) -> int:
+        """The weights of one block a token's forward multiplies with: `layer_params` with only `top_k` experts."""
+        return self._block(self.top_k if self.experts > 1 else 1)
 
     def lora_params(self, rank: int) -> int:
         """Parameters of a rank-`rank` LoRA adapter on every linear layer of the blocks (PEFT's ``all-linear``):
@@ -67,26 +99,39 @@ def model_shape(name_or_path: str) -> ModelShape:
 
     Raises:
         FileNotFoundError: the folder does not exist (or an embedded model is not prepared), naming the fix.
-        ValueError: its config lacks a transformer dimension the cost model needs."""
+        ValueError: its config lacks a transformer dimension the cost model needs, or is an MoE architecture that
+            does not run here (`hybridflow.engine.moe.moe_spec`)."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     from transformers import AutoConfig
 
     from hybridflow.engine.embedded_models import resolve_model_path
+    from hybridflow.engine.moe import moe_spec
 
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path)
+    spec = moe_spec(config)
     try:
         heads = config.num_attention_heads
+        width = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+        moe = {}
+        if spec is not None:  # experts of moe_intermediate_size where the config has one (Qwen), else intermediate
+            width = getattr(config, "moe_intermediate_size", None) or width
+            shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+            moe = {"experts": spec.num_experts, "top_k": spec.top_k, "shared_intermediate": shared}
         return ModelShape(
             name=Path(name_or_path).name,
             layers=config.num_hidden_layers,
             hidden=config.hidden_size,
-            intermediate=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+            intermediate=width,
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             vocab=config.vocab_size,
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_head_dim=getattr(config, "head_dim", None) or 0,
+            qk_norm=config.model_type in ("qwen3", "qwen3_moe"),
+            qkv_bias=bool(getattr(config, "qkv_bias", None) or getattr(config, "attention_bias", False)),
+            **moe,
         )
     except AttributeError as e:
         raise ValueError(f"{path}/config.json: the planner needs a decoder's dimensions, missing {e.name!r}") from None

@@ -40,7 +40,10 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The policy model: a local Hugging Face folder or an embedded model, and the compute dtype."""
 
-    path: str = Field("tiny", description="local Hugging Face folder, or an embedded model: 'smollm2', 'tiny'")
+    path: str = Field(
+        "tiny",
+        description="local Hugging Face folder, or an embedded model: 'smollm2', 'tiny', 'smollm2-moe', 'smollm2-wide'",
+    )
     dtype: Literal["auto", "native", "float32", "bfloat16"] = Field(
         "auto",
         description="auto: fp32 on CPU, bf16 on CUDA; native: bf16 where the device computes it (CUDA, a CPU "

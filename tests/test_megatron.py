@@ -324,16 +324,12 @@ def _update_worker(rank: int, store: str, model_dir: str, results) -> None:
 _CORRECTION = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
 
 
-def _update_config():
+def _update_config(**overrides):
+    """Two AdamW steps (lr 1e-2) over one global mini-batch of the 4 sequences; `overrides`: other ActorConfig keys."""
     from hybridflow.engine.config import ActorConfig
 
-    return ActorConfig(
-        ppo_mini_batch_size=2,  # x n=2: the 4 sequences are one global mini-batch
-        ppo_micro_batch_size=2,
-        ppo_epochs=2,
-        clip_ratio_high=0.28,
-        optim={"lr": 1e-2, "grad_clip": 1.0},
-    )
+    defaults = {"ppo_mini_batch_size": 2, "ppo_micro_batch_size": 2, "ppo_epochs": 2, "clip_ratio_high": 0.28}
+    return ActorConfig(**{**defaults, "optim": {"lr": 1e-2, "grad_clip": 1.0}, **overrides})
 
 
 def test_megatron_actor_update_equals_the_hugging_face_actor(tmp_path):

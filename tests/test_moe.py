@@ -156,7 +156,13 @@ def test_an_moe_architecture_that_does_not_run_is_refused_before_work(tmp_path):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        (("actor.strategy=megatron",), "actor.strategy=megatron has no expert parallelism yet"),
+        (("actor.strategy=megatron", "actor.router_replay.mode=R2"), "is not implemented on megatron-core here"),
+        (
+            ("actor.strategy=megatron", "actor.ep=3", "placement.tasks_per_node=3", "data.train_batch_size=6")
+            + ("actor.ppo_mini_batch_size=3",),
+            "actor.ep=3 does not divide its 8",
+        ),
+        (("actor.strategy=megatron", "actor.tp=2", "placement.tasks_per_node=2"), "only under sequence parallelism"),
         (("rollout.name=vllm", "actor.router_replay.mode=R3"), "rollout.name=vllm records none here"),
     ],
 )

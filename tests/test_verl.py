@@ -292,7 +292,7 @@ def test_the_keys_of_verls_7b_and_megatron_scripts_translate_or_are_refused_nami
     assert "model.gradient_checkpointing=false" in explicit and "model.gradient_checkpointing=true" not in explicit
 
     refused = {
-        f"{arr}.actor.megatron.expert_model_parallel_size=8": "mixture-of-experts parallelism",
+        f"{arr}.rollout.expert_parallel_size=8": "expert parallelism is the megatron actor's here",
         f"+{arr}.actor.megatron.override_transformer_config.moe_pad_expert_input_to_capacity=True": "not impl",
         f"{arr}.actor.megatron.context_parallel_size=2": "context parallelism is not implemented",
         f"{arr}.actor.ulysses_sequence_parallel_size=2": "split the model with tensor parallelism instead",
@@ -551,7 +551,7 @@ def test_verl_mains_engine_reward_and_checkpoint_engine_keys_translate_or_are_re
         "reward.reward_manager.name=prime": "reward.reward_manager.name='prime' is not supported here",
         "reward.reward_manager.module.path=/my/manager.py": "write a score function",
         "reward.reward_kwargs.max_resp_len=256": "the overlong buffer ends at data.max_response_length",
-        f"{arr}.actor.veomni.expert_parallel_size=8": "mixture-of-experts parallelism",
+        f"{arr}.actor.veomni.expert_parallel_size=8": "this one is not implemented: leave it at 1",
         f"{arr}.actor.fsdp_config.ulysses_sequence_parallel_size=4": f"{arr}.actor.fsdp_config.ulysses_sequence_par",
         "trainer.v1.trainer_mode=separate_async": "trainer.mode=one_step_off",
     }
@@ -621,8 +621,8 @@ def test_verls_three_spellings_of_a_cosine_lr_schedule_are_ours():
 def test_the_rest_of_verl_mains_schema_is_tuning_or_a_feature_taken_only_off():
     """verl main's generated schema beyond its scripts' keys (benchmarks/verl_examples.py checks all 1234 leaf keys
     of verl 1dda039 against the table): engine tuning is accepted and named as having no effect; a feature that is
-    not here (MTP, quantisation-aware training, expert parallelism, a LoRA critic, a row cap, the sandbox) is taken only
-    at verl's default, off, and refused otherwise naming it."""
+    not here (MTP, quantisation-aware training, a critic's expert parallelism, a LoRA critic, a row cap, the
+    sandbox) is taken only at verl's default, off, and refused otherwise naming it."""
     arr, steps = "actor_rollout_ref", "trainer.total_training_steps=3"
     tuning = [
         f"{arr}.actor.torchtitan.compile=True",
@@ -640,7 +640,7 @@ def test_the_rest_of_verl_mains_schema_is_tuning_or_a_feature_taken_only_off():
     for key_value, why in {
         f"{arr}.model.mtp.enable=True": "multi-token prediction .* is not implemented",
         f"{arr}.actor.qat.enable=True": "quantisation-aware training is not implemented",
-        f"{arr}.actor.megatron.expert_model_parallel_size=2": "expert, expert-tensor\\) is not implemented yet",
+        "critic.megatron.expert_model_parallel_size=2": "this one is not implemented: leave it at 1",
         "critic.model.lora_rank=8": "a LoRA critic is not implemented",
         "data.train_max_samples=100": "give a smaller file",
         "reward.sandbox_fusion.url=http://127.0.0.1:8080": "the sandbox-fusion reward is not implemented",
@@ -660,7 +660,8 @@ def test_the_rest_of_verl_mains_schema_is_tuning_or_a_feature_taken_only_off():
 def test_verls_router_replay_and_moe_loss_keys_are_ours():
     """verl's router replay (the legacy actor's key and the megatron engine's) is actor.router_replay.mode, its
     rollout switch for R3 is said to have no effect (the hf rollout records whenever R3 asks), megatron-core's MoE
-    loss coefficients are actor.moe.*; replay files, another load-balancing type and expert parallelism are refused."""
+    loss coefficients are actor.moe.*, its expert parallelism and dispatcher actor.ep and
+    actor.moe.token_dispatcher_type; replay files and another load-balancing type are refused."""
     arr, steps = "actor_rollout_ref", "trainer.total_training_steps=3"
     tc = f"{arr}.actor.megatron.override_transformer_config"
     megatron = [
@@ -671,6 +672,8 @@ def test_verls_router_replay_and_moe_loss_keys_are_ours():
         f"+{tc}.moe_router_dtype=fp32",
         f"+{tc}.moe_token_dispatcher_type=alltoall",
         f"+{tc}.moe_permute_fusion=True",
+        f"{arr}.actor.megatron.expert_model_parallel_size=4",
+        f"{arr}.actor.megatron.expert_tensor_parallel_size=null",
         steps,
     ]
     ours = _ours(megatron)
@@ -679,6 +682,9 @@ def test_verls_router_replay_and_moe_loss_keys_are_ours():
         "0.01",
         "0.001",
     )
+    assert (ours["actor.ep"], ours["actor.moe.token_dispatcher_type"]) == ("4", "alltoall")
+    flex = _ours([f"+{tc}.moe_token_dispatcher_type=flex", steps])
+    assert flex["actor.moe.token_dispatcher_type"] == "alltoall"  # DeepEP's path moves the same tokens
     said = {key for key, _ in translate(megatron).no_effect}
     assert {f"{arr}.rollout.enable_rollout_routing_replay", f"{tc}.moe_router_dtype"} <= said
     assert _ours([f"{arr}.actor.router_replay.mode=R2", steps])["actor.router_replay.mode"] == "R2"
@@ -687,7 +693,6 @@ def test_verls_router_replay_and_moe_loss_keys_are_ours():
             f"{arr}.actor.router_replay.record_file=/tmp/routes.pt": "routes travel in the batch",
             f"+{tc}.moe_router_load_balancing_type=seq_aux_loss": "megatron-core's aux_loss",
             f"+{tc}.moe_router_dtype=bf16": "softmax in fp32",
-            f"{arr}.actor.megatron.expert_model_parallel_size=2": "an MoE actor trains under fsdp here",
         },
         steps,
     )

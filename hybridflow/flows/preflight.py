@@ -156,9 +156,10 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
     architectures that run, trained by ddp or fsdp.
 
     Raises:
-        InputError: an MoE architecture that does not run, ``actor.strategy=megatron`` (expert parallelism is not
-            built yet); ``actor.router_replay.mode`` other than disabled with a dense model, or R3 with an agent
-            loop (its token engine records no routes) or another rollout than hf.
+        InputError: an MoE architecture that does not run; on megatron, router replay (not built there yet),
+            ``actor.tp > 1`` (megatron-core's MoE layers need sequence parallelism then) or an ``actor.ep`` not
+            dividing the experts; ``actor.router_replay.mode`` other than disabled with a dense
+            model, or R3 with an agent loop (its token engine records no routes) or another rollout than hf.
     """
     from transformers import AutoConfig
 
@@ -177,11 +178,23 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
     what = (
         f"model.path is a mixture-of-experts model ({spec.architecture}, {spec.num_experts} experts, top {spec.top_k})"
     )
-    if cfg.actor.strategy == "megatron":
+    if cfg.actor.strategy == "megatron" and replay != "disabled":
         raise InputError(
-            f"{what}, and actor.strategy=megatron has no expert parallelism yet: use actor.strategy=fsdp (experts "
-            "sharded as any weight) or ddp"
+            f"{what}, and actor.router_replay.mode={replay} is not implemented on megatron-core here: use "
+            "actor.strategy=fsdp for router replay, or set actor.router_replay.mode=disabled"
         )
+    if cfg.actor.strategy == "megatron" and cfg.actor.tp > 1:
+        raise InputError(
+            f"{what}, and megatron-core trains MoE layers with actor.tp > 1 only under sequence parallelism, which "
+            "the megatron actor does not use yet: set actor.tp=1 and split the experts with actor.ep"
+        )
+    if cfg.actor.strategy == "megatron" and spec.num_experts % cfg.actor.ep:
+        raise InputError(
+            f"{what}, and actor.ep={cfg.actor.ep} does not divide its {spec.num_experts} experts: every "
+            f"expert-parallel rank holds the same number; pick actor.ep dividing {spec.num_experts}"
+        )
+    if cfg.actor.strategy != "megatron" and cfg.actor.ep > 1:
+        raise InputError(f"{what}: actor.ep needs actor.strategy=megatron (fsdp shards experts as any weight)")
     if replay == "R3" and cfg.rollout.name != "hf":
         raise InputError(
             f"{what}, and actor.router_replay.mode=R3 replays the experts the rollout chose, which "

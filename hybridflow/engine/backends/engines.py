@@ -56,6 +56,7 @@ class TrainingBackend:
             ValueError: naming the keys and the fix.
         """
         actor, rollout = cfg.actor, cfg.rollout
+        _check_expert_parallel(cfg, world, megatron=False)
         if (actor.tp, actor.pp, _generation_tp(cfg) or 1, rollout.gen_pp) != (1, 1, 1, 1):
             raise ValueError(
                 "actor.tp, actor.pp, rollout.gen_tp and rollout.gen_pp split the model for the 3D-HybridEngine and "
@@ -162,6 +163,7 @@ class HFBackend(TrainingBackend):
     def check_layout(self, cfg, world):
         """``ddp``: every rank a whole replica (no tp/pp). ``fsdp``: tensor parallelism (``actor.tp``) only, and
         generation in the training layout."""
+        _check_expert_parallel(cfg, world, megatron=False)
         if engine_tp(cfg) > 1 and not cfg.rollout_apart():
             return self._check_engine_tp(cfg, world)
         if not self.sharded:
@@ -274,6 +276,7 @@ class MegatronBackend(TrainingBackend):
                 f"the actor pool's {world} ranks (nodes x tasks_per_node) are not a multiple of "
                 f"actor.tp x actor.pp = {actor.tp * actor.pp}"
             )
+        _check_expert_parallel(cfg, world, megatron=True)
         if actor.entropy_coeff != 0:
             raise ValueError(
                 "actor.strategy=megatron does not compute the vocabulary-parallel entropy bonus yet: set "
@@ -331,6 +334,39 @@ def _generation_tp(cfg: HybridFlowConfig) -> int | None:
     """``rollout.gen_tp`` where the actor's ranks generate; None where the rollout has a pool of its own (its
     engines' tensor parallelism is over that pool, `engine_tp`)."""
     return None if cfg.rollout_apart() else cfg.rollout.gen_tp
+
+
+def _check_expert_parallel(cfg: HybridFlowConfig, world: int, megatron: bool) -> None:
+    """``actor.ep`` / ``actor.etp`` only on megatron, and as megatron-core lays out its expert ranks: the pool a
+    multiple of etp x ep x pp, and ep dividing the data-parallel size (each EP group lies inside the replicas, as
+    ``parallel_state.initialize_model_parallel`` builds it). The expert count is checked against the model's
+    config before work (`hybridflow.engine.preflight`)."""
+    actor = cfg.actor
+    if actor.ep == 1 and actor.etp is None:
+        return
+    if not megatron:
+        raise ValueError(
+            f"actor.ep / actor.etp split experts over megatron-core's expert-parallel ranks; actor.strategy="
+            f"{actor.strategy} shards experts as any weight: set actor.strategy=megatron or remove actor.ep / actor.etp"
+        )
+    etp = actor.etp or actor.tp
+    if etp != actor.tp:
+        raise ValueError(
+            f"actor.etp={actor.etp} differs from actor.tp={actor.tp}: the 3D-HybridEngine reshards experts split as "
+            "the dense layers are; leave actor.etp unset (it is then actor.tp)"
+        )
+    if actor.ep > 1 and cfg.rollout.reshard != "hybridflow":
+        raise ValueError(
+            f"actor.ep={actor.ep} reshards only with rollout.reshard=hybridflow (the naive all-gather over the "
+            "model-parallel group does not reach other ranks' experts): set rollout.reshard=hybridflow"
+        )
+    dp = world // (actor.tp * actor.pp)
+    if dp % actor.ep or world % (etp * actor.ep * actor.pp):
+        raise ValueError(
+            f"actor.ep={actor.ep} must divide the actor's data-parallel size ({dp} = {world} ranks / (actor.tp x "
+            f"actor.pp)) and actor.etp x actor.ep x actor.pp ({etp} x {actor.ep} x {actor.pp}) the pool's {world} "
+            "ranks: change actor.ep (or actor.etp), or the ranks (placement.nodes x tasks_per_node)"
+        )
 
 
 def _check_engine_blocks(cfg: HybridFlowConfig, world: int) -> None:

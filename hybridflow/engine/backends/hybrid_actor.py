@@ -74,7 +74,9 @@ class HybridActorRollout:
         self.layout = layout = cfg.actor_layout()
         self.rank = dist.get_rank()
         self.coords = layout.coords(self.rank)
-        parallel_state.initialize_model_parallel(layout.t, layout.p)
+        parallel_state.initialize_model_parallel(
+            layout.t, layout.p, expert_model_parallel_size=cfg.actor.ep, expert_tensor_parallel_size=cfg.actor.etp
+        )
         model_parallel_cuda_manual_seed(cfg.trainer.seed)
         mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
         if mine != (self.coords.pp, self.coords.tp):
@@ -86,7 +88,7 @@ class HybridActorRollout:
         self.hf_config = hf_model.config
         self.generation_config = hf_model.generation_config
         self.device = device
-        specs = megatron_shard_specs(self.hf_config, layout.p)
+        specs = megatron_shard_specs(self.hf_config, layout.p, cfg.actor.ep)
         for key, value in (
             ("query groups (num_key_value_heads)", self.hf_config.num_key_value_heads),
             ("attention heads", self.hf_config.num_attention_heads),
@@ -94,7 +96,9 @@ class HybridActorRollout:
         ):
             if value % layout.t:
                 raise ValueError(f"the model's {key} ({value}) do not split into actor.tp={layout.t} parts")
-        self.model = build_gpt_model(self.hf_config, recompute=cfg.model.gradient_checkpointing).to(device)
+        self.model = build_gpt_model(self.hf_config, recompute=cfg.model.gradient_checkpointing, moe=cfg.actor.moe).to(
+            device
+        )
         load_hf_weights(self.model, {n: p.detach() for n, p in hf_model.named_parameters()}, self.hf_config)
         del hf_model
         correction = cfg.algorithm.rollout_correction
@@ -103,7 +107,8 @@ class HybridActorRollout:
         names = global_names(self.model, self.hf_config, self.coords.pp, layout.p)
         params = {names[local]: p for local, p in self.model.named_parameters() if names.get(local) in specs}
         regroup = functools.partial(generation_order, config=self.hf_config)
-        self.engine = HybridEngine(params, specs, layout, cfg.rollout.reshard, regroup=regroup)
+        experts = (parallel_state.get_expert_model_parallel_group(), parallel_state.get_expert_model_parallel_rank())
+        self.engine = HybridEngine(params, specs, layout, cfg.rollout.reshard, regroup=regroup, expert_group=experts)
         self.tokenizer = tokenizer
         self.last_transition: dict[str, float] = {}
         self.critic = self.critic_config = None
@@ -130,7 +135,8 @@ class HybridActorRollout:
         """The weights in the generation layout, as a (tensor-parallel) Hugging Face model over the generation
         shards, for the duration of the context; back in the training layout after it (`hybridflow.engine.extensions.
         WeightSource`). ``last_transition`` gets ``hybrid_engine/to_generation_s``, ``/to_training_s``,
-        ``/received_mib`` and ``/gen_param_mib`` (this rank's), reported with the next update."""
+        ``/received_mib``, ``/gen_param_mib`` and ``/training_copy_mib`` (this rank's; the last: training weights
+        held besides the generation ones, 0 when resharding holds no weight twice), reported with the next update."""
         from hybridflow.engine.backends.tp_generation import build_tp_generation_model
 
         stats = self.engine.to_generation()
@@ -149,6 +155,7 @@ class HybridActorRollout:
             "hybrid_engine/to_training_s": back,
             "hybrid_engine/received_mib": stats.received_bytes / mib,
             "hybrid_engine/gen_param_mib": stats.gen_param_bytes / mib,
+            "hybrid_engine/training_copy_mib": stats.training_copy_bytes / mib,
         }
 
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False) -> DataProto | None:

@@ -54,14 +54,21 @@ class ShardSpec:
         dim: the tensor-parallel split dimension (0: column-parallel and vocab-parallel, 1: row-parallel), or None
             for a parameter every TP rank holds whole.
         stage: the training pipeline stage that holds it.
+        stack: a routed expert's weight: the name of its layer's stacked generation tensor ([E, ...], every expert
+            of the layer, the layout Hugging Face's MoE layers read), else None.
+        expert: the expert's index in that stack.
+        ep_owner: the expert-parallel rank that trains it (0 without expert parallelism).
     """
 
     shape: tuple[int, ...]
     dim: int | None
     stage: int
+    stack: str | None = None
+    expert: int = 0
+    ep_owner: int = 0
 
 
-def megatron_shard_specs(hf_config, p: int) -> dict[str, ShardSpec]:
+def megatron_shard_specs(hf_config, p: int, ep: int = 1) -> dict[str, ShardSpec]:
     """The `ShardSpec` of every parameter of megatron-core's ``GPTModel`` for a Hugging Face Llama-family config,
     keyed by full-model megatron names (``decoder.layers.<global layer>...``): the split dimensions are
     `hybridflow.engine.backends.megatron_bridge.tp_dim`'s, the stages `stage_names`'.
@@ -70,12 +77,16 @@ def megatron_shard_specs(hf_config, p: int) -> dict[str, ShardSpec]:
     has no spec: the generation model ties its output layer to the gathered embedding, and that copy stays where it
     is during generation.
 
+    A routed expert's weight (``...local_experts.<e>...``, e global) is a slot of its layer's stack
+    (`hybridflow.engine.backends.megatron_bridge.expert_stack`), trained by EP rank ``e // (E / ep)``.
+
     Raises:
         ValueError: layers do not split evenly into `p` stages.
     """
     from transformers import AutoModelForCausalLM
 
-    from hybridflow.engine.backends.megatron_bridge import hf_to_mcore, stage_names, tp_dim
+    from hybridflow.engine.backends.megatron_bridge import expert_stack, hf_to_mcore, stage_names, tp_dim
+    from hybridflow.engine.moe import moe_spec
 
     layers = hf_config.num_hidden_layers
     if layers % p:
@@ -83,7 +94,13 @@ def megatron_shard_specs(hf_config, p: int) -> dict[str, ShardSpec]:
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
     full = hf_to_mcore(dict(hf_model.named_parameters()), hf_config)
-    return {name: ShardSpec(tuple(t.shape), tp_dim(name), stage_names(name, layers, p)[0]) for name, t in full.items()}
+    moe = moe_spec(hf_config)
+    specs = {}
+    for name, t in full.items():
+        stack, expert = expert_stack(name)
+        owner = expert // (moe.num_experts // ep) if stack else 0
+        specs[name] = ShardSpec(tuple(t.shape), tp_dim(name), stage_names(name, layers, p)[0], stack, expert, owner)
+    return specs
 
 
 def to_stored(tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -145,11 +162,16 @@ class HybridEngine:
             made of ``blocks = s_t`` consecutive training shards) in place into the layout the generation model
             reads, and back with ``inverse=True`` (`hybridflow.engine.backends.megatron_bridge.generation_order`); None
             keeps the training shards' layout.
+        expert_group: with expert parallelism, ``(group, ep rank)``: this rank's expert-parallel group (the ranks
+            of one pipeline stage and TP rank whose experts together make every layer's) and its index in it.
+            ``params`` then holds only this rank's experts; each generation rank gets every expert (its TP slice),
+            the missing ones broadcast from their owners in the group into their slots of the layer's stacked
+            buffer (`ShardSpec.stack`), the rank's own re-pointed into theirs: still no weight held twice.
 
     Must be constructed on every rank of the world at the same time (it creates process groups: a collective).
 
     Raises:
-        ValueError: an unknown mode, or the world size is not the layout's.
+        ValueError: an unknown mode, the world size is not the layout's, or expert parallelism with the naive mode.
     """
 
     def __init__(
@@ -159,9 +181,15 @@ class HybridEngine:
         layout: HybridLayout,
         mode: str = "hybridflow",
         regroup: Callable[[str, torch.Tensor, int, bool], None] | None = None,
+        expert_group: tuple[dist.ProcessGroup, int] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"unknown resharding mode {mode!r}; choose one of {MODES}")
+        if expert_group is not None and dist.get_world_size(expert_group[0]) > 1 and mode != "hybridflow":
+            raise ValueError(
+                "expert parallelism (actor.ep > 1) reshards only with rollout.reshard=hybridflow: the naive "
+                "all-gather over the model-parallel group does not reach the other ranks' experts"
+            )
         world = dist.get_world_size()
         if world != layout.world_size:
             raise ValueError(f"the layout needs {layout.world_size} ranks (p*t*d), the world has {world}")
@@ -170,6 +198,7 @@ class HybridEngine:
         self.layout = layout
         self.mode = mode
         self.regroup = regroup
+        self.expert_group = expert_group
         self.rank = dist.get_rank()
         self.coords = layout.coords(self.rank)
         self._micro = self._new_groups(layout.micro_dp_groups())
@@ -177,6 +206,7 @@ class HybridEngine:
         self._gen_tp = self._new_groups(layout.gen_tp_groups())
         self.gen_weights: dict[str, torch.Tensor] | None = None
         self._gathered: dict[str, torch.Tensor] = {}  # name -> generation shard, stored layout
+        self._stacks: dict[str, torch.Tensor] = {}  # stack name -> every expert's generation shard, stored layout
 
     def _new_groups(self, groups: list[list[int]]) -> tuple[list[int], dist.ProcessGroup]:
         mine = None
@@ -213,7 +243,11 @@ class HybridEngine:
         else:
             self._gather_model_parallel(stats)
         self._regroup(inverse=False)
-        self.gen_weights = {n: from_stored(t, self.specs[n]) for n, t in self._gathered.items()}
+        experts = {n for n in self._gathered if self.specs[n].stack is not None}
+        self.gen_weights = {n: from_stored(t, self.specs[n]) for n, t in self._gathered.items() if n not in experts}
+        for n in experts:  # the stacked tensor in the parameters' orientation: [E, out, in / t_g] for dim 1
+            stack, spec = self.specs[n].stack, self.specs[n]
+            self.gen_weights[stack] = self._stacks[stack].transpose(1, 2) if spec.dim == 1 else self._stacks[stack]
         stats.gen_param_bytes = sum(t.numel() * t.element_size() for t in self._gathered.values())
         stats.training_copy_bytes = self._bytes_outside_gathered()
         stats.seconds = time.perf_counter() - start
@@ -236,6 +270,7 @@ class HybridEngine:
                     param.data = param.data.clone(memory_format=torch.contiguous_format)
                 self._gathered.pop(name, None)  # free that parameter's buffer before the next copy
         self._gathered.clear()
+        self._stacks.clear()
         return time.perf_counter() - start
 
     def _regroup(self, inverse: bool) -> None:
@@ -265,13 +300,20 @@ class HybridEngine:
             else:
                 stored_shape = list(to_stored(torch.empty(spec.shape, device="meta"), spec).shape)
                 stored_shape[0] //= layout.t_g
-                buffer = torch.empty(stored_shape, dtype=self._dtype(), device=self._device())
+                buffer = self._buffer(name, stored_shape)
                 slots = list(buffer.chunk(layout.s_t, dim=0))
-                if c.micro_pp == owner_pp:  # reuse the training shard in place: it becomes a slot of the buffer
+                if c.micro_pp == owner_pp and name in self.params:  # the training shard becomes a slot, in place
                     param = self.params[name]
                     slots[c.micro_tp].copy_(to_stored(param.data, spec))
                     param.data = from_stored(slots[c.micro_tp], spec)  # its old storage is freed here
-            live += buffer.numel() * buffer.element_size()
+                if c.micro_pp == owner_pp and spec.stack is not None and self.expert_group is not None:
+                    group, _ = self.expert_group  # another EP rank's expert: its owner sends this TP slice
+                    if dist.get_world_size(group) > 1:
+                        dist.broadcast(slots[c.micro_tp], group_src=spec.ep_owner, group=group)
+                    if name not in self.params:
+                        stats.received_bytes += slots[c.micro_tp].numel() * slots[c.micro_tp].element_size()
+            if spec.stack is None or spec.expert == 0:  # a layer's stack is counted once
+                live += (self._stacks[spec.stack] if spec.stack else buffer).numel() * buffer.element_size()
             for slot, src in zip(slots, owners, strict=True):
                 if len(members) > 1:
                     dist.broadcast(slot, src=src, group=group)
@@ -279,6 +321,17 @@ class HybridEngine:
                     stats.received_bytes += slot.numel() * slot.element_size()
             self._gathered[name] = buffer
         stats.peak_gathered_bytes = max(stats.peak_gathered_bytes, live)
+
+    def _buffer(self, name: str, stored_shape: list[int]) -> torch.Tensor:
+        """A new generation buffer of `stored_shape` for parameter `name`; a routed expert's is its slot of the
+        layer's stacked buffer (allocated with the layer's first expert, `ShardSpec.stack`)."""
+        spec = self.specs[name]
+        if spec.stack is None:
+            return torch.empty(stored_shape, dtype=self._dtype(), device=self._device())
+        if spec.stack not in self._stacks:
+            experts = sum(s.stack == spec.stack for s in self.specs.values())
+            self._stacks[spec.stack] = torch.empty([experts, *stored_shape], dtype=self._dtype(), device=self._device())
+        return self._stacks[spec.stack][spec.expert]
 
     def _gather_model_parallel(self, stats: TransitionStats) -> None:
         """HybridFlow-V: the full model on every rank of the model-parallel group, then cut the generation shard."""

@@ -38,7 +38,10 @@ def forward(model, micro: DataProto) -> torch.Tensor:
     """One forward of this rank's stage: vocabulary-parallel logits [b, S, V/t] on the last pipeline stage, the
     hidden states megatron passes on elsewhere (the schedule feeds earlier stages' outputs in)."""
     batch = micro.batch
-    return model(batch["input_ids"], batch["position_ids"], attention_mask=causal_padding_mask(batch["attention_mask"]))
+    mask = batch["attention_mask"]
+    # an MoE model's routers (their auxiliary losses, token counts) skip padding: megatron's padding_mask, True = pad
+    padding = {"padding_mask": ~mask.bool()} if getattr(model.config, "num_moe_experts", None) else {}
+    return model(batch["input_ids"], batch["position_ids"], attention_mask=causal_padding_mask(mask), **padding)
 
 
 def response_log_probs(model, micro: DataProto, temperature: float = 1.0) -> torch.Tensor:
@@ -226,17 +229,19 @@ def clip_grad_norm(model, max_norm: float) -> float:
     from megatron.core.transformer.module import param_is_not_shared
 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    counted = [
-        p.grad
-        for p in model.parameters()
-        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
-    ]
     device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.zeros(1, dtype=torch.float64, device=device)  # on the GPU with NCCL
-    for g in counted:
-        squares += g.double().pow(2).sum()
-    torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-    total = float(squares.sqrt())
+    # dense parameters once per model over the model-parallel group; routed experts (megatron marks them
+    # allreduce=False) once each over the group holding distinct experts and shards (expert TP x EP x PP)
+    squares = torch.zeros(2, dtype=torch.float64, device=device)  # on the GPU with NCCL
+    for p in model.parameters():
+        if p.grad is None or not param_is_not_shared(p) or not param_is_not_tensor_parallel_duplicate(p):
+            continue
+        squares[0 if getattr(p, "allreduce", True) else 1] += p.grad.double().pow(2).sum()
+    torch.distributed.all_reduce(squares[:1], group=parallel_state.get_model_parallel_group())
+    if getattr(model.config, "num_moe_experts", None):
+        group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        torch.distributed.all_reduce(squares[1:], group=group)
+    total = float(squares.sum().sqrt())
     coefficient = max_norm / (total + 1e-6)
     if coefficient < 1.0:
         for g in grads:
@@ -351,11 +356,20 @@ def averaged_optimizer_step(
     Raises:
         NonFiniteError: the norm is NaN or infinite: the weights are not stepped.
     """
+    from megatron.core import parallel_state
+
     dp = torch.distributed.get_world_size(dp_group)
+    # a routed expert's gradient already holds every token routed to it from its EP group's ranks: summed over the
+    # ranks holding the same experts (expert data parallel, D / ep of them) it has all D ranks' tokens, so / D too
+    experts = (
+        parallel_state.get_expert_data_parallel_group() if getattr(model.config, "num_moe_experts", None) else None
+    )
     if dp > 1:
         for p in model.parameters():
             if p.grad is not None:
-                torch.distributed.all_reduce(p.grad, group=dp_group)
+                dense = getattr(p, "allreduce", True)
+                if dense or torch.distributed.get_world_size(experts) > 1:
+                    torch.distributed.all_reduce(p.grad, group=dp_group if dense else experts)
                 p.grad.div_(dp)
     return optimizer_step(model, optimizer, scheduler, grad_clip, role, log, clip=clip_grad_norm)
 

@@ -14,8 +14,19 @@ Names (HF -> megatron-core), per decoder layer i:
 ``model.layers.i.mlp.down_proj.weight``                ``decoder.layers.i.mlp.linear_fc2.weight``
 ``model.norm.weight``                                  ``decoder.final_layernorm.weight``
 ``lm_head.weight`` (absent when tied)                  ``output_layer.weight``
+``model.layers.i.mlp.gate.weight`` (MoE router)        ``decoder.layers.i.mlp.router.weight``  (replicated)
+``mlp.experts.gate_up_proj`` [E, 2F, H] (expert e)     ``mlp.experts.local_experts.e.linear_fc1.weight``
+``mlp.experts.down_proj`` [E, H, F] (expert e)         ``mlp.experts.local_experts.e.linear_fc2.weight``
+``mlp.shared_expert.*`` (Qwen2-MoE)                    ``mlp.shared_experts.linear_fc1`` / ``linear_fc2``
+``mlp.shared_expert_gate.weight`` (Qwen2-MoE)          ``mlp.shared_experts.gate_weight``  (replicated)
 ``score.weight``, ``score.bias`` (a critic)            ``output_layer.head.weight``, ``.bias``  (replicated)
 ====================================================  =====================================================
+
+Mixture-of-experts layers (megatron-core's ``MoELayer`` with ``SequentialMLP`` experts, no grouped GEMM): the
+full-model names number experts globally; expert parallelism gives EP rank r the experts
+``[r E / ep, (r + 1) E / ep)`` as its ``local_experts.0 ...`` (`expert_local_name`), and expert tensor parallelism
+splits each expert's ``linear_fc1`` / ``linear_fc2`` as a dense MLP's over the expert-TP group. transformers 5 keeps
+an MoE layer's experts stacked (``gate_up_proj`` [E, 2F, H], gate rows first, as megatron's ``linear_fc1``).
 
 Layouts. ``linear_qkv`` is ``[ng * (h / ng + 2) * d, H]`` (ng query groups, h heads of width d): per query group,
 its ``h / ng`` query heads, then its key head, then its value head; tensor parallelism gives each rank whole groups
@@ -37,8 +48,8 @@ _LAYER_MAP = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
+_DENSE_DOWN = {"mlp.down_proj.weight": "mlp.linear_fc2.weight"}
 # Qwen3's per-head RMSNorm of queries and keys (before RoPE), megatron-core's ``qk_layernorm`` (replicated over TP)
 _QK_NORM_MAP = {
     "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
@@ -62,6 +73,51 @@ TP_DIM = {
     "linear_proj.weight": 1,
     "linear_fc2.weight": 1,
 }
+
+
+# Qwen2-MoE's shared expert (every token passes it, scaled by a sigmoid gate), megatron-core's ``shared_experts``
+_SHARED_MAP = {
+    "mlp.shared_expert.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_expert_gate.weight": "mlp.shared_experts.gate_weight",
+}
+_EXPERTS = ".mlp.experts.local_experts."
+
+
+def is_expert(mcore_name: str) -> bool:
+    """Whether a megatron-core parameter belongs to a routed expert (split over expert parallelism)."""
+    return _EXPERTS in mcore_name
+
+
+def expert_local_name(mcore_name: str, ep_rank: int, ep_size: int, num_experts: int) -> str | None:
+    """The name EP rank `ep_rank` gives a full-model routed-expert parameter (its experts renumbered from 0), or
+    None when another EP rank holds that expert; other parameters keep their names."""
+    if not is_expert(mcore_name):
+        return mcore_name
+    head, rest = mcore_name.split(_EXPERTS)
+    index, tail = rest.split(".", 1)
+    per_rank = num_experts // ep_size
+    local = int(index) - ep_rank * per_rank
+    return f"{head}{_EXPERTS}{local}.{tail}" if 0 <= local < per_rank else None
+
+
+def expert_global_name(local_name: str, ep_rank: int, ep_size: int, num_experts: int) -> str:
+    """Inverse of `expert_local_name`: the full-model name of EP rank `ep_rank`'s parameter `local_name`."""
+    if not is_expert(local_name):
+        return local_name
+    head, rest = local_name.split(_EXPERTS)
+    index, tail = rest.split(".", 1)
+    return f"{head}{_EXPERTS}{int(index) + ep_rank * (num_experts // ep_size)}.{tail}"
+
+
+def expert_stack(mcore_name: str) -> tuple[str | None, int]:
+    """``(stack, e)`` of a full-model routed-expert parameter: the name of its layer's stacked tensor over the
+    experts (``decoder.layers.i.mlp.experts.linear_fc1.weight``, Hugging Face's ``gate_up_proj`` layout) and its
+    index e in it; ``(None, 0)`` for other parameters."""
+    if not is_expert(mcore_name):
+        return None, 0
+    head, rest = mcore_name.split(_EXPERTS)
+    index, tail = rest.split(".", 1)
+    return f"{head}.mlp.experts.{tail}", int(index)
 
 
 def tp_dim(mcore_name: str) -> int | None:
@@ -113,9 +169,13 @@ def hf_to_mcore(hf: Mapping[str, torch.Tensor], config) -> dict[str, torch.Tenso
             if names[0] in hf:
                 out[f"{mp}self_attention.linear_qkv.{kind}"] = _qkv_merge(*(hf[n] for n in names), groups)
                 known.update(names)
-        gate, up = hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"
-        out[mp + "mlp.linear_fc1.weight"] = torch.cat([hf[gate], hf[up]], dim=0)
-        known.update((gate, up))
+        if hp + "mlp.gate.weight" in hf:  # a mixture-of-experts layer
+            known.update(_moe_to_mcore(hf, hp, mp, out))
+        else:
+            gate, up = hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"
+            out[mp + "mlp.linear_fc1.weight"] = torch.cat([hf[gate], hf[up]], dim=0)
+            out[mp + "mlp.linear_fc2.weight"] = hf[hp + "mlp.down_proj.weight"]
+            known.update((gate, up, hp + "mlp.down_proj.weight"))
     for hf_name, mc_name in _TOP_MAP.items():
         if hf_name == "lm_head.weight" and (getattr(config, "tie_word_embeddings", False) or "score.weight" in hf):
             known.add(hf_name)
@@ -150,12 +210,54 @@ def mcore_to_hf(mcore: Mapping[str, torch.Tensor], config) -> dict[str, torch.Te
                 q, k, v = _qkv_split(mcore[name], groups, heads, head_dim)
                 for proj, t in zip("qkv", (q, k, v), strict=True):
                     out[f"{hp}self_attn.{proj}_proj.{kind}"] = t
-        gate, up = mcore[mp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+        if mp + "mlp.router.weight" in mcore:
+            _moe_to_hf(mcore, hp, mp, out)
+        else:
+            gate, up = mcore[mp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+            out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+            out[hp + "mlp.down_proj.weight"] = mcore[mp + "mlp.linear_fc2.weight"]
     for hf_name, mc_name in {**_TOP_MAP, **_CRITIC_MAP}.items():
         if mc_name in mcore:
             out[hf_name] = mcore[mc_name]
     return out
+
+
+def _moe_to_mcore(hf: Mapping[str, torch.Tensor], hp: str, mp: str, out: dict[str, torch.Tensor]) -> list[str]:
+    """One MoE layer's router, routed experts (unstacked, expert e -> ``local_experts.e``) and shared expert from
+    Hugging Face names (prefix `hp`) into `out` (prefix `mp`); returns the Hugging Face names read."""
+    out[mp + "mlp.router.weight"] = hf[hp + "mlp.gate.weight"]
+    gate_up, down = hf[hp + "mlp.experts.gate_up_proj"], hf[hp + "mlp.experts.down_proj"]
+    for e in range(gate_up.shape[0]):
+        out[f"{mp}mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e]
+        out[f"{mp}mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e]
+    read = [hp + "mlp.gate.weight", hp + "mlp.experts.gate_up_proj", hp + "mlp.experts.down_proj"]
+    shared_gate, shared_up = hp + "mlp.shared_expert.gate_proj.weight", hp + "mlp.shared_expert.up_proj.weight"
+    if shared_gate in hf:
+        out[mp + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([hf[shared_gate], hf[shared_up]], dim=0)
+        read += [shared_gate, shared_up]
+        for hf_name, mc_name in _SHARED_MAP.items():
+            out[mp + mc_name] = hf[hp + hf_name]
+            read.append(hp + hf_name)
+    return read
+
+
+def _moe_to_hf(mcore: Mapping[str, torch.Tensor], hp: str, mp: str, out: dict[str, torch.Tensor]) -> None:
+    """Inverse of `_moe_to_mcore` for one layer (the experts stacked again)."""
+    out[hp + "mlp.gate.weight"] = mcore[mp + "mlp.router.weight"]
+    prefix = mp + "mlp.experts.local_experts."
+    experts = sorted({int(n.removeprefix(prefix).split(".")[0]) for n in mcore if n.startswith(prefix)})
+    out[hp + "mlp.experts.gate_up_proj"] = torch.stack(
+        [mcore[f"{mp}mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in experts]
+    )
+    out[hp + "mlp.experts.down_proj"] = torch.stack(
+        [mcore[f"{mp}mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in experts]
+    )
+    if mp + "mlp.shared_experts.linear_fc1.weight" in mcore:
+        gate, up = mcore[mp + "mlp.shared_experts.linear_fc1.weight"].chunk(2, dim=0)
+        out[hp + "mlp.shared_expert.gate_proj.weight"] = gate.contiguous()
+        out[hp + "mlp.shared_expert.up_proj.weight"] = up.contiguous()
+        for hf_name, mc_name in _SHARED_MAP.items():
+            out[hp + hf_name] = mcore[mp + mc_name]
 
 
 def shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
@@ -235,7 +337,7 @@ def generation_hf_weights(gen: Mapping[str, torch.Tensor], config) -> dict[str, 
     """Hugging Face names for generation shards in `generation_order` (full-model megatron names -> views of the same
     storage: nothing is copied). q/k/v and gate/up are row ranges of the fused tensors; a tied output layer is left
     to the model (it ties ``lm_head`` to the embedding)."""
-    layer_names = {mc: hf for hf, mc in {**_LAYER_MAP, **_QK_NORM_MAP}.items()}
+    layer_names = {mc: hf for hf, mc in {**_LAYER_MAP, **_QK_NORM_MAP, **_DENSE_DOWN}.items()}
     top_names = {mc: hf for hf, mc in _TOP_MAP.items()}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in gen.items():
@@ -252,6 +354,24 @@ def generation_hf_weights(gen: Mapping[str, torch.Tensor], config) -> dict[str, 
                 out[f"{prefix}self_attn.{proj}_proj.{kind}"] = part
         elif rest == "mlp.linear_fc1.weight":
             out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = tensor.chunk(2, dim=0)
+        elif rest in _MOE_GENERATION:  # a stack of every expert, or the router
+            out[prefix + _MOE_GENERATION[rest]] = tensor
+        elif rest == "mlp.shared_experts.linear_fc1.weight":
+            gate, up = tensor.chunk(2, dim=0)
+            out[prefix + "mlp.shared_expert.gate_proj.weight"], out[prefix + "mlp.shared_expert.up_proj.weight"] = (
+                gate,
+                up,
+            )
+        elif rest.startswith("mlp.shared_experts."):
+            out[prefix + {mc: hf for hf, mc in _SHARED_MAP.items()}[rest]] = tensor
         else:
             out[prefix + layer_names[rest]] = tensor
     return out
+
+
+# generation names of an MoE layer (the experts stacked by the 3D-HybridEngine, `expert_stack`) -> Hugging Face's
+_MOE_GENERATION = {
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.experts.linear_fc1.weight": "mlp.experts.gate_up_proj",
+    "mlp.experts.linear_fc2.weight": "mlp.experts.down_proj",
+}

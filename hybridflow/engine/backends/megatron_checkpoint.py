@@ -14,18 +14,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridflow.engine.backends.megatron_bridge import mcore_to_hf, unshard
-from hybridflow.engine.checkpoint import CheckpointError, read_weights
+from hybridflow.engine.backends.megatron_bridge import expert_global_name, is_expert, mcore_to_hf, unshard
+from hybridflow.engine.checkpoint import CheckpointError, model_layout, read_weights
+from hybridflow.engine.moe import moe_spec
 from hybridflow.engine.parallel_layout import HybridLayout
 
 OPTIM_DIR = "megatron_optim"
 
 
 def global_names(model, hf_config, pp_rank: int, p: int) -> dict[str, str]:
-    """This stage's local parameter names -> full-model megatron names (layers renumbered from the stage's first).
-    A tied output layer's last-stage copy is left out (the Hugging Face model ties it to the embedding)."""
+    """This stage's local parameter names -> full-model megatron names (layers renumbered from the stage's first,
+    this EP rank's experts renumbered globally, `expert_global_name`). A tied output layer's last-stage copy is
+    left out (the Hugging Face model ties it to the embedding)."""
+    from megatron.core import parallel_state
+
     per_stage = hf_config.num_hidden_layers // p
     tied = getattr(hf_config, "tie_word_embeddings", False)
+    spec = moe_spec(hf_config)
+    ep_rank, ep = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
     out = {}
     for local, _ in model.named_parameters():
         if local == "output_layer.weight" and tied:
@@ -34,6 +40,8 @@ def global_names(model, hf_config, pp_rank: int, p: int) -> dict[str, str]:
         if local.startswith("decoder.layers."):
             index, rest = local.removeprefix("decoder.layers.").split(".", 1)
             name = f"decoder.layers.{int(index) + pp_rank * per_stage}.{rest}"
+        if spec is not None:
+            name = expert_global_name(name, ep_rank, ep, spec.num_experts)
         out[local] = name
     return out
 
@@ -52,12 +60,18 @@ def save_sharded_role(
     """Write one megatron role into `folder` (``<staging>/actor`` or ``/critic``). Every rank of the group calls
     it: the shards are gathered to rank 0 (``torch.distributed.gather_object``), which writes the Hugging Face
     folder with `auto_class` (``AutoModelForCausalLM`` / ``AutoModelForTokenClassification``)."""
+    from megatron.core import parallel_state
+
     rank = dist.get_rank()
     c = layout.coords(rank)
     names = global_names(model, hf_config, c.pp, layout.p)
     local = {}
-    if c.dp == 0:
-        local = {names[n]: (c.tp, p.detach().cpu()) for n, p in model.named_parameters() if n in names}
+    # dense weights from data-parallel replica 0, each EP rank's experts from its first replica (expert DP rank 0)
+    first_experts = parallel_state.get_expert_data_parallel_rank() == 0
+    expert_tp = parallel_state.get_expert_tensor_parallel_rank()
+    for n, p in model.named_parameters():
+        if n in names and (first_experts if is_expert(names[n]) else c.dp == 0):
+            local[names[n]] = (expert_tp if is_expert(names[n]) else c.tp, p.detach().cpu())
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(local, gathered, dst=0)
     if rank == 0:
@@ -77,13 +91,23 @@ def save_sharded_role(
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
     dist.barrier()  # the folder exists before the shards' optimizer files go in
-    if c.dp == 0:
+    if first_experts:  # dp == 0 without expert parallelism; with it, one replica of each EP rank's experts
         optim_dir = folder / OPTIM_DIR
         optim_dir.mkdir(parents=True, exist_ok=True)
         state = {"optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict()}
-        torch.save(state, optim_dir / f"pp{c.pp}_tp{c.tp}.pt")
+        torch.save(state, optim_dir / _optim_file(c))
         if rank == 0:
-            (optim_dir / "layout.json").write_text(json.dumps({"tp": layout.t, "pp": layout.p}))
+            ep = parallel_state.get_expert_model_parallel_world_size()
+            (optim_dir / "layout.json").write_text(json.dumps({"tp": layout.t, "pp": layout.p, "ep": ep}))
+
+
+def _optim_file(c) -> str:
+    """This shard's optimizer-state file: ``pp<P>_tp<T>.pt``, ``pp<P>_tp<T>_ep<E>.pt`` with expert parallelism."""
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    suffix = f"_ep{parallel_state.get_expert_model_parallel_rank()}" if ep > 1 else ""
+    return f"pp{c.pp}_tp{c.tp}{suffix}.pt"
 
 
 def load_sharded_role(folder: Path, model, optimizer, scheduler, hf_config, layout: HybridLayout) -> None:
@@ -100,14 +124,22 @@ def load_sharded_role(folder: Path, model, optimizer, scheduler, hf_config, layo
             f"{folder} holds no megatron optimizer states ({OPTIM_DIR}/): it was saved with another strategy; "
             "resume with that strategy"
         )
+    from megatron.core import parallel_state
+    from transformers import AutoModelForCausalLM
+
     saved = json.loads(layout_file.read_text())
-    if (saved["tp"], saved["pp"]) != (layout.t, layout.p):
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if (saved["tp"], saved["pp"], saved.get("ep", 1)) != (layout.t, layout.p, ep):
+        keys = f"actor.tp={saved['tp']} actor.pp={saved['pp']} actor.ep={saved.get('ep', 1)}"
         raise CheckpointError(
-            f"{folder} was saved with actor.tp={saved['tp']}, actor.pp={saved['pp']}; its optimizer states fit only "
-            f"that layout: set actor.tp={saved['tp']} actor.pp={saved['pp']} to resume"
+            f"{folder} was saved with {keys}; its optimizer states fit only that layout: set {keys} to resume"
         )
-    load_hf_weights(model, read_weights(folder), hf_config)
+    weights = read_weights(folder)
+    if moe_spec(hf_config) is not None:  # the files hold experts apart; the bridge reads them stacked
+        with torch.device("meta"):
+            weights = model_layout(AutoModelForCausalLM.from_config(hf_config), weights)
+    load_hf_weights(model, weights, hf_config)
     c = layout.coords(dist.get_rank())
-    state = torch.load(folder / OPTIM_DIR / f"pp{c.pp}_tp{c.tp}.pt", weights_only=True)
+    state = torch.load(folder / OPTIM_DIR / _optim_file(c), weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["lr_scheduler"])

@@ -9,7 +9,9 @@ and CUDA streams/events in its DDP. `install` redirects each to CPU equivalents 
   CPU RNG);
 - ``synchronize`` / ``empty_cache`` are no-ops, streams and events are inert stand-ins;
 - a `torch.overrides.TorchFunctionMode` rewrites ``device="cuda..."`` arguments and ``.cuda()`` / ``.to("cuda")``
-  to CPU.
+  to CPU;
+- the alltoall MoE token dispatcher's split sizes become host arrays as on a GPU (megatron's
+  ``maybe_move_tensor_to_cpu`` converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses tensor splits).
 
 Only for CPU processes (tests, CPU benchmarks): a process with a GPU never calls `install`. Known limit: megatron's
 distributed optimizer does not run on CPU even so; use the plain optimizer.
@@ -71,6 +73,12 @@ class _InertStream:
         return True
 
 
+def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron's ``maybe_move_tensor_to_cpu`` for tensors already on the CPU: a numpy array when asked, as the
+    CUDA path returns (the dispatcher passes it to ``all_to_all_single`` as split sizes)."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 def install() -> None:
     """Patch this process for megatron-core on CPU (idempotent). Import megatron only after calling it."""
     if _installed or torch.cuda.is_available():
@@ -91,6 +99,9 @@ def install() -> None:
 
     mcore_random._get_cuda_rng_state = lambda *args, clone=False, **kwargs: generator.get_state()
     mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: generator.set_state(state)
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
+
+    dispatcher.maybe_move_tensor_to_cpu = _host_splits
     mode = _CudaToCpu()
     mode.__enter__()
     _installed.append(mode)

@@ -5,6 +5,8 @@ TP group the Megatron way (Shoeybi et al. 2019, section 3):
 - q/k/v/gate/up are column-parallel: each rank computes its heads and its slice of the MLP (HF's attention infers
   the local head count from the weight shapes);
 - o_proj and down_proj are row-parallel: their outputs are partial sums, all-reduced over the group;
+- an MoE layer's router is replicated, its experts (stacked, ``gate_up_proj`` [E, 2F/t, H], ``down_proj``
+  [E, H, F/t]) each a column- then row-parallel MLP: the experts' summed output is all-reduced;
 - the embedding is vocabulary-parallel: each rank looks up the ids in its vocabulary range, the rest are zero,
   all-reduced; ``lm_head`` produces this rank's vocabulary slice of the logits, all-gathered.
 
@@ -97,7 +99,9 @@ def build_tp_generation_model(
     if size > 1:
         reduce = _all_reduce_output(tp_group)
         for name, module in model.named_modules():
-            if name.endswith(("self_attn.o_proj", "mlp.down_proj")):
+            # a mixture-of-experts layer: each rank's experts hold 1/t of every expert's width (a partial sum,
+            # like a dense down_proj), and so does a shared expert's down_proj
+            if name.endswith(("self_attn.o_proj", "mlp.down_proj", "mlp.experts", "mlp.shared_expert.down_proj")):
                 module.register_forward_hook(reduce)
         embed = model.model.embed_tokens
         rows = embed.weight.shape[0]

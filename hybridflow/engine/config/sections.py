@@ -413,6 +413,11 @@ class MoeLossConfig(_Section):
     z_loss_coeff: float = Field(
         0.0, ge=0.0, description="router z-loss coefficient (megatron-core moe_z_loss_coeff; ST-MoE eq. 5)"
     )
+    token_dispatcher_type: Literal["allgather", "alltoall"] = Field(
+        "allgather",
+        description="actor.strategy=megatron with actor.ep > 1: how tokens reach their experts' ranks "
+        "(megatron-core moe_token_dispatcher_type; the same numbers either way, docs/moe.md)",
+    )
 
 
 class RouterReplayConfig(_Section):
@@ -442,6 +447,19 @@ class ActorConfig(_Section):
     )
     tp: int = Field(1, ge=1, description="actor.strategy=megatron or fsdp: tensor-parallel size")
     pp: int = Field(1, ge=1, description="actor.strategy=megatron: pipeline-parallel size (stages)")
+    ep: int = Field(
+        1,
+        ge=1,
+        description="actor.strategy=megatron, an MoE model: expert-parallel size (megatron-core "
+        "expert_model_parallel_size): the data-parallel ranks are split into groups of ep, each rank holding "
+        "1/ep of every layer's experts; divides the data-parallel size and the expert count",
+    )
+    etp: int | None = Field(
+        None,
+        ge=1,
+        description="actor.strategy=megatron, an MoE model: expert tensor-parallel size (megatron-core "
+        "expert_tensor_parallel_size); null: actor.tp",
+    )
 
     @field_validator("strategy")
     @classmethod

@@ -466,8 +466,8 @@ _STAGES = "how layers are split over pipeline stages is speed and memory only; t
 _ACTOR_TC = f"{ARR}.actor.megatron.override_transformer_config"
 _ROUTES_IN_BATCH = "routes travel in the batch (routed_experts), not in files: leave it unset"
 _MOE = (
-    "mixture-of-experts parallelism (expert, expert-tensor) is not implemented yet: an MoE actor trains under fsdp "
-    "here (experts sharded as any weight; docs/moe.md); leave it at 1"
+    "expert parallelism is the megatron actor's here (actor_rollout_ref.actor.megatron.expert_model_parallel_size; "
+    "fsdp shards experts as any weight; docs/moe.md); this one is not implemented: leave it at 1"
 )
 _CONTEXT = (
     "context parallelism is not implemented: split the model with actor_rollout_ref.actor.megatron."
@@ -658,8 +658,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same(f"{ARR}.actor.megatron.tensor_model_parallel_size", "actor.tp"),
     _same(f"{ARR}.actor.megatron.pipeline_model_parallel_size", "actor.pp"),
     _no_effect(f"{ARR}.actor.megatron.virtual_pipeline_model_parallel_size", _SCHEDULE, _unset_or_one),
-    _no_effect(f"{ARR}.actor.megatron.expert_model_parallel_size", _MOE, _unset_or_one),
-    _no_effect(f"{ARR}.actor.megatron.expert_tensor_parallel_size", _MOE, _unset_or_one),
+    _same(f"{ARR}.actor.megatron.expert_model_parallel_size", "actor.ep"),
+    VerlKey(
+        f"{ARR}.actor.megatron.expert_tensor_parallel_size",
+        ("actor.etp",),
+        to_ours=lambda v: ("null" if _unset(v) else int(v),),
+        note="null: actor.tp, as megatron-core's default",
+    ),
     _no_effect(f"{ARR}.actor.megatron.context_parallel_size", _CONTEXT, _unset_or_one),
     _no_effect(f"{ARR}.actor.megatron.param_offload", _OFFLOAD),
     _no_effect(f"{ARR}.actor.megatron.grad_offload", _OFFLOAD),
@@ -697,9 +702,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "transformers' routers take their softmax in fp32 (their logits in model.dtype)",
         _only("fp32"),
     ),
-    _no_effect(
+    VerlKey(
         f"{_ACTOR_TC}.moe_token_dispatcher_type",
-        "how megatron moves tokens to experts: " + _SPEED,
+        ("actor.moe.token_dispatcher_type",),
+        to_ours=lambda v: ("alltoall" if v == "flex" else v,),
+        accepts=_only("allgather", "alltoall", "flex"),
+        note="flex (DeepEP's fused all-to-all, GPUs only) runs as alltoall: the same tokens reach the same experts",
     ),
     _no_effect(f"{_ACTOR_TC}.moe_grouped_gemm", _SPEED),
     _no_effect(f"{_ACTOR_TC}.moe_enable_deepep", _SPEED),

@@ -162,7 +162,6 @@ def test_an_moe_architecture_that_does_not_run_is_refused_before_work(tmp_path):
             + ("actor.ppo_mini_batch_size=3",),
             "actor.ep=3 does not divide its 8",
         ),
-        (("actor.strategy=megatron", "actor.tp=2", "placement.tasks_per_node=2"), "only under sequence parallelism"),
         (("rollout.name=vllm", "actor.router_replay.mode=R3"), "rollout.name=vllm records none here"),
     ],
 )

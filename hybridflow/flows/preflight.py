@@ -156,9 +156,8 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
     architectures that run, trained by ddp or fsdp.
 
     Raises:
-        InputError: an MoE architecture that does not run; on megatron, router replay (not built there yet),
-            ``actor.tp > 1`` (megatron-core's MoE layers need sequence parallelism then) or an ``actor.ep`` not
-            dividing the experts; ``actor.router_replay.mode`` other than disabled with a dense
+        InputError: an MoE architecture that does not run; on megatron, router replay (not built there yet) or an
+            ``actor.ep`` not dividing the experts; ``actor.router_replay.mode`` other than disabled with a dense
             model, or R3 with an agent loop (its token engine records no routes) or another rollout than hf.
     """
     from transformers import AutoConfig
@@ -182,11 +181,6 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
         raise InputError(
             f"{what}, and actor.router_replay.mode={replay} is not implemented on megatron-core here: use "
             "actor.strategy=fsdp for router replay, or set actor.router_replay.mode=disabled"
-        )
-    if cfg.actor.strategy == "megatron" and cfg.actor.tp > 1:
-        raise InputError(
-            f"{what}, and megatron-core trains MoE layers with actor.tp > 1 only under sequence parallelism, which "
-            "the megatron actor does not use yet: set actor.tp=1 and split the experts with actor.ep"
         )
     if cfg.actor.strategy == "megatron" and spec.num_experts % cfg.actor.ep:
         raise InputError(

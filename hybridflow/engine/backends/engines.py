@@ -350,10 +350,10 @@ def _check_expert_parallel(cfg: HybridFlowConfig, world: int, megatron: bool) ->
             f"{actor.strategy} shards experts as any weight: set actor.strategy=megatron or remove actor.ep / actor.etp"
         )
     etp = actor.etp or actor.tp
-    if etp != actor.tp:
+    if etp not in (1, actor.tp):
         raise ValueError(
-            f"actor.etp={actor.etp} differs from actor.tp={actor.tp}: the 3D-HybridEngine reshards experts split as "
-            "the dense layers are; leave actor.etp unset (it is then actor.tp)"
+            f"actor.etp={actor.etp}: the 3D-HybridEngine reshards experts split as the dense layers are (actor.etp "
+            f"unset, or {actor.tp}) or whole on their ranks (actor.etp=1); pick one of those"
         )
     if actor.ep > 1 and cfg.rollout.reshard != "hybridflow":
         raise ValueError(

@@ -88,7 +88,8 @@ class HybridActorRollout:
         self.hf_config = hf_model.config
         self.generation_config = hf_model.generation_config
         self.device = device
-        specs = megatron_shard_specs(self.hf_config, layout.p, cfg.actor.ep)
+        self.whole_experts = cfg.actor.etp == 1 and layout.t > 1  # each expert whole on its rank, as trained
+        specs = megatron_shard_specs(self.hf_config, layout.p, cfg.actor.ep, self.whole_experts)
         for key, value in (
             ("query groups (num_key_value_heads)", self.hf_config.num_key_value_heads),
             ("attention heads", self.hf_config.num_attention_heads),
@@ -142,7 +143,13 @@ class HybridActorRollout:
         stats = self.engine.to_generation()
         try:
             weights = generation_hf_weights(self.engine.gen_weights, self.hf_config)
-            model = build_tp_generation_model(self.hf_config, weights, self.engine.gen_tp_group, self.coords.gen_tp)
+            model = build_tp_generation_model(
+                self.hf_config,
+                weights,
+                self.engine.gen_tp_group,
+                self.coords.gen_tp,
+                split_experts=not self.whole_experts,
+            )
             model.generation_config = self.generation_config
             del weights
             yield model

@@ -68,7 +68,7 @@ class ShardSpec:
     ep_owner: int = 0
 
 
-def megatron_shard_specs(hf_config, p: int, ep: int = 1) -> dict[str, ShardSpec]:
+def megatron_shard_specs(hf_config, p: int, ep: int = 1, whole_experts: bool = False) -> dict[str, ShardSpec]:
     """The `ShardSpec` of every parameter of megatron-core's ``GPTModel`` for a Hugging Face Llama-family config,
     keyed by full-model megatron names (``decoder.layers.<global layer>...``): the split dimensions are
     `hybridflow.engine.backends.megatron_bridge.tp_dim`'s, the stages `stage_names`'.
@@ -78,7 +78,9 @@ def megatron_shard_specs(hf_config, p: int, ep: int = 1) -> dict[str, ShardSpec]
     is during generation.
 
     A routed expert's weight (``...local_experts.<e>...``, e global) is a slot of its layer's stack
-    (`hybridflow.engine.backends.megatron_bridge.expert_stack`), trained by EP rank ``e // (E / ep)``.
+    (`hybridflow.engine.backends.megatron_bridge.expert_stack`), trained by EP rank ``e // (E / ep)``; with
+    `whole_experts` (``actor.etp: 1``: each expert whole on its rank in training) it is not TP-split (dim None),
+    and generation keeps it whole too.
 
     Raises:
         ValueError: layers do not split evenly into `p` stages.
@@ -99,7 +101,8 @@ def megatron_shard_specs(hf_config, p: int, ep: int = 1) -> dict[str, ShardSpec]
     for name, t in full.items():
         stack, expert = expert_stack(name)
         owner = expert // (moe.num_experts // ep) if stack else 0
-        specs[name] = ShardSpec(tuple(t.shape), tp_dim(name), stage_names(name, layers, p)[0], stack, expert, owner)
+        dim = None if stack and whole_experts else tp_dim(name)
+        specs[name] = ShardSpec(tuple(t.shape), dim, stage_names(name, layers, p)[0], stack, expert, owner)
     return specs
 
 
@@ -266,7 +269,7 @@ class HybridEngine:
         if self.mode == "hybridflow":  # training shards live inside the generation buffers: copy each out
             self._regroup(inverse=True)
             for name, param in self.params.items():
-                if self.specs[name].dim is not None:
+                if self.specs[name].dim is not None or self.specs[name].stack is not None:
                     param.data = param.data.clone(memory_format=torch.contiguous_format)
                 self._gathered.pop(name, None)  # free that parameter's buffer before the next copy
         self._gathered.clear()
@@ -289,29 +292,32 @@ class HybridEngine:
             spec = self.specs[name]
             owner_pp = spec.stage - c.gen_pp * layout.s_p  # the micro-DP stage index that trains it
             owners = [members[owner_pp * layout.s_t + b] for b in range(layout.s_t)]
-            if spec.dim is None:  # replicated across TP: the owning stage's first member sends it to other stages
-                mine = c.micro_pp == owner_pp
+            if spec.dim is None and spec.stack is None:  # replicated over TP: the owning stage's first member sends
+                mine = c.micro_pp == owner_pp  # it to the other stages
                 buffer = (
                     self.params[name].data
                     if mine
                     else torch.empty(spec.shape, dtype=self._dtype(), device=self._device())
                 )
                 slots, owners = ([buffer], owners[:1]) if layout.s_p > 1 else ([], [])
-            else:
+            else:  # TP-split, or a routed expert (whole on its rank when the experts are not TP-split: dim None)
                 stored_shape = list(to_stored(torch.empty(spec.shape, device="meta"), spec).shape)
-                stored_shape[0] //= layout.t_g
+                stored_shape[0] //= layout.t_g if spec.dim is not None else 1
                 buffer = self._buffer(name, stored_shape)
-                slots = list(buffer.chunk(layout.s_t, dim=0))
+                slots = list(buffer.chunk(layout.s_t, dim=0)) if spec.dim is not None else [buffer]
+                own = slots[c.micro_tp] if spec.dim is not None else buffer
                 if c.micro_pp == owner_pp and name in self.params:  # the training shard becomes a slot, in place
                     param = self.params[name]
-                    slots[c.micro_tp].copy_(to_stored(param.data, spec))
-                    param.data = from_stored(slots[c.micro_tp], spec)  # its old storage is freed here
+                    own.copy_(to_stored(param.data, spec))
+                    param.data = from_stored(own, spec)  # its old storage is freed here
                 if c.micro_pp == owner_pp and spec.stack is not None and self.expert_group is not None:
-                    group, _ = self.expert_group  # another EP rank's expert: its owner sends this TP slice
-                    if dist.get_world_size(group) > 1:
-                        dist.broadcast(slots[c.micro_tp], group_src=spec.ep_owner, group=group)
+                    experts, _ = self.expert_group  # another EP rank's expert: its owner sends this rank's part
+                    if dist.get_world_size(experts) > 1:
+                        dist.broadcast(own, group_src=spec.ep_owner, group=experts)
                     if name not in self.params:
-                        stats.received_bytes += slots[c.micro_tp].numel() * slots[c.micro_tp].element_size()
+                        stats.received_bytes += own.numel() * own.element_size()
+                if spec.dim is None:  # a whole expert: the owning stage's first member sends it to other stages
+                    slots, owners = ([buffer], owners[:1]) if layout.s_p > 1 else ([], [])
             if spec.stack is None or spec.expert == 0:  # a layer's stack is counted once
                 live += (self._stacks[spec.stack] if spec.stack else buffer).numel() * buffer.element_size()
             for slot, src in zip(slots, owners, strict=True):

@@ -38,10 +38,28 @@ def forward(model, micro: DataProto) -> torch.Tensor:
     """One forward of this rank's stage: vocabulary-parallel logits [b, S, V/t] on the last pipeline stage, the
     hidden states megatron passes on elsewhere (the schedule feeds earlier stages' outputs in)."""
     batch = micro.batch
-    mask = batch["attention_mask"]
+    ids, positions, mask = batch["input_ids"], batch["position_ids"], batch["attention_mask"]
+    pad = padded_length(model.config, ids.shape[1]) - ids.shape[1]
+    if pad:  # sequence parallelism splits the sequence over the TP ranks; padding on the left keeps the end in place
+        ids, positions, mask = (torch.nn.functional.pad(t, (pad, 0)) for t in (ids, positions, mask))
     # an MoE model's routers (their auxiliary losses, token counts) skip padding: megatron's padding_mask, True = pad
     padding = {"padding_mask": ~mask.bool()} if getattr(model.config, "num_moe_experts", None) else {}
-    return model(batch["input_ids"], batch["position_ids"], attention_mask=causal_padding_mask(mask), **padding)
+    out = model(ids, positions, attention_mask=causal_padding_mask(mask), **padding)
+    return out[:, pad:] if pad and parallel_last_stage() else out
+
+
+def padded_length(config, length: int) -> int:
+    """The sequence length megatron runs for `length` tokens: a multiple of the TP size under sequence parallelism
+    (each TP rank holds 1/t of the sequence between the tensor-parallel blocks), else `length`."""
+    tp = config.tensor_model_parallel_size
+    return length + (-length % tp if config.sequence_parallel else 0)
+
+
+def parallel_last_stage() -> bool:
+    """Whether this rank is its model's last pipeline stage (it holds the logits)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage()
 
 
 def response_log_probs(model, micro: DataProto, temperature: float = 1.0) -> torch.Tensor:
@@ -156,7 +174,7 @@ def run_schedule(model, micros: list[DataProto], loss_of, forward_only: bool, he
         data_iterator=iter(list(enumerate(micros))),
         model=[model],
         num_microbatches=len(micros),
-        seq_length=micros[0].batch["input_ids"].shape[1],
+        seq_length=padded_length(model.config, micros[0].batch["input_ids"].shape[1]),
         micro_batch_size=len(micros[0]),
         forward_only=forward_only,
     )
@@ -358,6 +376,7 @@ def averaged_optimizer_step(
     """
     from megatron.core import parallel_state
 
+    _sum_tensor_parallel_partial_grads(model)
     dp = torch.distributed.get_world_size(dp_group)
     # a routed expert's gradient already holds every token routed to it from its EP group's ranks: summed over the
     # ranks holding the same experts (expert data parallel, D / ep of them) it has all D ranks' tokens, so / D too
@@ -372,6 +391,25 @@ def averaged_optimizer_step(
                     torch.distributed.all_reduce(p.grad, group=dp_group if dense else experts)
                 p.grad.div_(dp)
     return optimizer_step(model, optimizer, scheduler, grad_clip, role, log, clip=clip_grad_norm)
+
+
+def _sum_tensor_parallel_partial_grads(model) -> None:
+    """Weights every TP rank holds whole but computes from part of the work: under sequence parallelism the norms,
+    routers and shared-expert gates (megatron marks them ``sequence_parallel``) see 1/t of the tokens, and Qwen3's
+    q/k norms see 1/t of the heads; their gradients are summed over the TP group, as megatron-core's
+    ``finalize_model_grads`` does."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return
+    sequence_parallel = model.config.sequence_parallel
+    for name, param in model.named_parameters():
+        partial = (sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+            model.config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+        )
+        if partial and param.grad is not None:
+            torch.distributed.all_reduce(param.grad, group=group)
 
 
 def _sync_tied_embedding_grads(model) -> None:

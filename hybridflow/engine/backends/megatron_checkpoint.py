@@ -91,7 +91,10 @@ def save_sharded_role(
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
     dist.barrier()  # the folder exists before the shards' optimizer files go in
-    if first_experts:  # dp == 0 without expert parallelism; with it, one replica of each EP rank's experts
+    # one writer per optimizer-state file: the first rank holding each (stage, TP shard, EP rank)
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, _optim_file(c))
+    if keys.index(_optim_file(c)) == rank:
         optim_dir = folder / OPTIM_DIR
         optim_dir.mkdir(parents=True, exist_ok=True)
         state = {"optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict()}

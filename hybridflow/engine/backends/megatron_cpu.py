@@ -11,7 +11,10 @@ and CUDA streams/events in its DDP. `install` redirects each to CPU equivalents 
 - a `torch.overrides.TorchFunctionMode` rewrites ``device="cuda..."`` arguments and ``.cuda()`` / ``.to("cuda")``
   to CPU;
 - the alltoall MoE token dispatcher's split sizes become host arrays as on a GPU (megatron's
-  ``maybe_move_tensor_to_cpu`` converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses tensor splits).
+  ``maybe_move_tensor_to_cpu`` converts only CUDA tensors, and gloo's ``all_to_all_single`` refuses tensor splits);
+- gathers and reduce-scatters of uneven sizes along the first dimension (the dispatcher's over expert-TP ranks)
+  run as gloo can: gloo's ``all_gather`` and ``reduce_scatter`` take only equal sizes, so the pieces are padded to
+  the largest and cut after the gather, and the reduce-scatter is an all-reduce of which each rank keeps its piece.
 
 Only for CPU processes (tests, CPU benchmarks): a process with a GPU never calls `install`. Known limit: megatron's
 distributed optimizer does not run on CPU even so; use the plain optimizer.
@@ -79,6 +82,31 @@ def _host_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _uneven_collectives(mappings) -> None:
+    """Route megatron's uneven first-dimension gather and reduce-scatter through equal-size gloo collectives."""
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1 or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        widest = max(output_split_sizes)
+        padded = input_.new_zeros((widest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes, strict=True)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or len(set(input_split_sizes)) <= 1 or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        summed = input_.contiguous().clone()
+        torch.distributed.all_reduce(summed, group=group)
+        return summed.split(list(input_split_sizes))[group.rank()].clone()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+
+
 def install() -> None:
     """Patch this process for megatron-core on CPU (idempotent). Import megatron only after calling it."""
     if _installed or torch.cuda.is_available():
@@ -99,9 +127,11 @@ def install() -> None:
 
     mcore_random._get_cuda_rng_state = lambda *args, clone=False, **kwargs: generator.get_state()
     mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: generator.set_state(state)
+    import megatron.core.tensor_parallel.mappings as mappings
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
     dispatcher.maybe_move_tensor_to_cpu = _host_splits
+    _uneven_collectives(mappings)
     mode = _CudaToCpu()
     mode.__enter__()
     _installed.append(mode)

@@ -126,6 +126,8 @@ def transformer_config(
             if recompute
             else {}
         ),
+        # megatron-core trains MoE layers under tensor parallelism only with the sequence split over the TP ranks
+        sequence_parallel=tp > 1 and moe_spec(hf_config) is not None,
         **moe_settings(hf_config, moe, ep, etp),
     )
 
@@ -134,11 +136,16 @@ class ValueHead(torch.nn.Module):
     """A critic's output layer, in place of ``GPTModel``'s vocabulary projection (called as megatron calls it):
     hidden states [s, b, H] -> values [s, b, 1]. Every TP rank holds it whole (their hidden states are equal)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.head = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:  # [s/t, b, H] -> [s, b, H], as megatron's output layer gathers
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
         return self.head(hidden_states), None
 
 
@@ -171,6 +178,8 @@ def build_gpt_model(
         normalization="RMSNorm",
         qk_layernorm=config.qk_layernorm,
     )
+    if config.sequence_parallel:
+        layer_spec = _sequence_parallel_block(layer_spec, config)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -183,8 +192,43 @@ def build_gpt_model(
         rotary_base=int(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
     )
     if value_head and parallel_state.is_pipeline_last_stage():
-        model.output_layer = ValueHead(hf_config.hidden_size, dtype)
+        model.output_layer = ValueHead(hf_config.hidden_size, dtype, config.sequence_parallel)
     return model
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm in megatron-core's local layer spec under sequence parallelism, where megatron's own wrapper
+    (``WrappedTorchNorm``) refuses to run: the same normalisation of [s/t, b, H] activations, its weight marked
+    ``sequence_parallel`` so that its gradient, computed from 1/t of the tokens (or, as a q/k norm, of the heads),
+    is summed over the TP group (`hybridflow.engine.backends.megatron_actor`). Arguments as megatron passes them."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = True
+
+
+def _sequence_parallel_block(layer_spec, config):
+    """The decoder block's spec for `layer_spec` with every torch norm (layers, q/k norms, the final norm) a
+    `SequenceParallelRMSNorm`."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    def swapped(node):
+        if node is WrappedTorchNorm:
+            return SequenceParallelRMSNorm
+        if isinstance(node, ModuleSpec) or (dataclasses.is_dataclass(node) and not isinstance(node, type)):
+            return dataclasses.replace(
+                node, **{f.name: swapped(getattr(node, f.name)) for f in dataclasses.fields(node)}
+            )
+        return node
+
+    layer = swapped(layer_spec)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=SequenceParallelRMSNorm
+    )
 
 
 @torch.no_grad()

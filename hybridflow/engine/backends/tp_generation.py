@@ -67,6 +67,7 @@ def build_tp_generation_model(
     tp_group: dist.ProcessGroup | None,
     tp_rank: int = 0,
     dtype: torch.dtype = torch.float32,
+    split_experts: bool = True,
 ) -> torch.nn.Module:
     """An eval-mode causal LM (``AutoModelForCausalLM`` of `config`) over this rank's generation shards.
 
@@ -77,6 +78,8 @@ def build_tp_generation_model(
         tp_group: the generation TP group (None or one rank: no tensor parallelism).
         tp_rank: this rank's index in `tp_group` (= ``Coords.gen_tp``): which vocabulary slice it holds.
         dtype: dtype of the model's buffers (rotary frequencies).
+        split_experts: an MoE model's experts are TP-split like its MLPs (their output all-reduced); False: every
+            rank holds them whole (``actor.etp: 1``) and computes their output itself.
 
     Returns:
         The model; drop it (and every reference to `gen_weights`) before `HybridEngine.to_training`.
@@ -101,7 +104,8 @@ def build_tp_generation_model(
         for name, module in model.named_modules():
             # a mixture-of-experts layer: each rank's experts hold 1/t of every expert's width (a partial sum,
             # like a dense down_proj), and so does a shared expert's down_proj
-            if name.endswith(("self_attn.o_proj", "mlp.down_proj", "mlp.experts", "mlp.shared_expert.down_proj")):
+            partial = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj")
+            if name.endswith(partial + (("mlp.experts",) if split_experts else ())):
                 module.register_forward_hook(reduce)
         embed = model.model.embed_tokens
         rows = embed.weight.shape[0]

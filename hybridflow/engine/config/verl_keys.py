@@ -662,7 +662,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey(
         f"{ARR}.actor.megatron.expert_tensor_parallel_size",
         ("actor.etp",),
-        to_ours=lambda v: ("null" if _unset(v) else int(v),),
+        to_ours=lambda v: (None if _unset(v) or v == "None" else int(v),),
+        to_verl=lambda ours: "null" if ours[0] is None else ours[0],
         note="null: actor.tp, as megatron-core's default",
     ),
     _no_effect(f"{ARR}.actor.megatron.context_parallel_size", _CONTEXT, _unset_or_one),

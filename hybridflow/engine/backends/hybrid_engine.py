@@ -33,6 +33,7 @@ Memory. During a transition a rank holds at most one parameter's training shard 
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -210,6 +211,7 @@ class HybridEngine:
         self.gen_weights: dict[str, torch.Tensor] | None = None
         self._gathered: dict[str, torch.Tensor] = {}  # name -> generation shard, stored layout
         self._stacks: dict[str, torch.Tensor] = {}  # stack name -> every expert's generation shard, stored layout
+        self._stack_sizes = collections.Counter(s.stack for s in self.specs.values() if s.stack is not None)
 
     def _new_groups(self, groups: list[list[int]]) -> tuple[list[int], dist.ProcessGroup]:
         mine = None
@@ -335,7 +337,7 @@ class HybridEngine:
         if spec.stack is None:
             return torch.empty(stored_shape, dtype=self._dtype(), device=self._device())
         if spec.stack not in self._stacks:
-            experts = sum(s.stack == spec.stack for s in self.specs.values())
+            experts = self._stack_sizes[spec.stack]
             self._stacks[spec.stack] = torch.empty([experts, *stored_shape], dtype=self._dtype(), device=self._device())
         return self._stacks[spec.stack][spec.expert]
 

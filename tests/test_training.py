@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 
 import numpy as np
 import pytest
@@ -376,8 +377,12 @@ def test_megatron_schedule_refuses_uneven_micro_batches_only_with_pipelines(monk
     monkeypatch.setattr(
         "megatron.core.pipeline_parallel.get_forward_backward_func", lambda: lambda **kw: reached.append(kw)
     )
-    run_schedule(None, micros, None, forward_only=True)
+    from megatron.core.transformer import TransformerConfig
+
+    model = types.SimpleNamespace(config=TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1))
+    run_schedule(model, micros, None, forward_only=True)
     assert reached[0]["num_microbatches"] == 2
+    assert reached[0]["seq_length"] == 5  # no sequence parallelism: megatron runs the unpadded length
 
 
 def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, rollout_batch):

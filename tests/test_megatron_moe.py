@@ -314,8 +314,8 @@ def test_an_expert_parallel_megatron_run_generates_through_the_hybrid_engine_and
     rank holding half of the dense weights and, whole, half of the experts, the router losses
     on): the 3D-HybridEngine gathers every expert into each rank's stacked generation buffers (received bytes > 0,
     no weight held twice: ``hybrid_engine/training_copy_mib`` 0) for the hf rollout generating at TP 2 with whole
-    experts, the checkpoint holds the optimizer states of each TP shard and EP rank, and a run resumed from
-    iteration 1 repeats iteration 2."""
+    experts, R3 router replays the rollout's routes in the update, the checkpoint holds the optimizer states of
+    each TP shard and EP rank, and a run resumed from iteration 1 repeats iteration 2."""
     from test_flow import COMPARED, _by_step, _cfg
 
     from hybridflow.flows.rlhf import rlhf_flow
@@ -323,7 +323,7 @@ def test_an_expert_parallel_megatron_run_generates_through_the_hybrid_engine_and
 
     extra = ["trainer.total_iterations=2", "trainer.save_freq=1", "trainer.val_before_train=false"]
     extra += ["actor.strategy=megatron", "actor.tp=2", "actor.ep=2", "actor.etp=1", "placement.tasks_per_node=4"]
-    extra += ["actor.moe.aux_loss_coeff=0.01"]
+    extra += ["actor.moe.aux_loss_coeff=0.01", "actor.router_replay.mode=R3"]
     extra += ["actor.moe.token_dispatcher_type=alltoall", "actor.ppo_micro_batch_size=2"]
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     (tmp_path / "reference").mkdir()
@@ -336,6 +336,8 @@ def test_an_expert_parallel_megatron_run_generates_through_the_hybrid_engine_and
         assert reference[step]["hybrid_engine/received_mib"] > 0, step  # the other EP rank's experts came in
         assert reference[step]["hybrid_engine/training_copy_mib"] == 0.0, step
         assert math.isfinite(reference[step]["actor/pg_loss"]), step
+        # R3: the update replays the hf rollout's routes (a share of them its routers would choose by themselves)
+        assert 0.0 < reference[step]["actor/moe/replay_agreement"] <= 1.0, step
     ckpt = Path(store.checkpoints(reference_id)[0].path)
     # one file per distinct (TP shard, EP rank) the 4 ranks hold; with expert TP 1 megatron pairs them up
     files = sorted(p.name for p in (ckpt / "actor" / "megatron_optim").glob("*.pt"))
@@ -351,3 +353,111 @@ def test_an_expert_parallel_megatron_run_generates_through_the_hybrid_engine_and
     for name in COMPARED:
         if name in reference[2]:
             assert resumed[2][name] == pytest.approx(reference[2][name], rel=1e-6, abs=1e-9), name
+
+
+def _replay_worker(rank: int, world: int, store: str, dirs: dict, routes_file: str, layouts, results) -> None:
+    """For each ``(tp, ep)`` of `layouts` on `world` gloo processes, with megatron's router replay installed: R2's
+    recording on the unmoved model (``dirs["unmoved"]``), then on the moved one (``dirs["moved"]``) R3's forward
+    under the batch's routes (the experts it chose, the agreement), its old log-probs and its update."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from hybridflow.engine.backends.megatron_cpu import install
+
+    install()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from hybridflow.engine.backends.megatron_actor import MegatronActor, response_log_probs
+    from hybridflow.engine.backends.megatron_model import build_gpt_model, load_hf_weights
+    from hybridflow.engine.backends.megatron_replay import MegatronRouterReplay
+
+    routes = torch.load(routes_file)
+    for tp, ep in layouts:
+        parallel_state.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+        model_parallel_cuda_manual_seed(0)
+        dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        out = {}
+        for which, mode in (("unmoved", "R2"), ("moved", "R3")):
+            hf_model = AutoModelForCausalLM.from_pretrained(dirs[which])
+            data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
+            data.meta_info["global_steps"] = 3
+            data.batch["routed_experts"] = routes
+            rows = len(data) // dp
+            mine = data[dp_rank * rows : (dp_rank + 1) * rows]
+            config = _dense_update_config(ppo_micro_batch_size=1, router_replay={"mode": mode})
+            model = build_gpt_model(hf_model.config, moe=config.moe)
+            load_hf_weights(model, {n: p.detach() for n, p in hf_model.named_parameters()}, hf_model.config)
+            model.router_replay = MegatronRouterReplay(model)
+            actor = MegatronActor(model, config, rollout_n=2, seed=0)
+            if mode == "R2":
+                out["r2_routes"] = actor.compute_log_prob(
+                    mine.select(batch_keys=["input_ids", "attention_mask", "position_ids", "responses"])
+                ).batch["routed_experts"]
+                continue
+            with model.router_replay.routing("replay") as chosen:
+                actor.forward_only(mine, 1, response_log_probs, "log_probs")
+            out["chosen"] = torch.cat(chosen)
+            out["agreement"] = model.router_replay.agreement()
+            out["old_log_probs"] = actor.compute_log_prob(mine).batch["old_log_probs"]
+            model.router_replay.agreement()  # the update's own share below
+            out["metrics"] = actor.update_policy(mine)
+            out["weights"] = _gathered(model, hf_model.config)
+        out["rows"] = (dp_rank * rows, (dp_rank + 1) * rows)
+        results[f"{tp}-{ep}-{rank}"] = out
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def test_router_replay_on_megatron_routes_every_token_as_recorded_and_updates_as_hugging_face(moe_models, tmp_path):
+    """verl's router replay on the megatron actor (2 real processes: EP 2, and TP 2 with sequence parallelism).
+    R2: the old-policy forward records the experts each token chose in every layer, equal to what the Hugging Face
+    actor's R2 records (-1 at padding). R3, with the routers then moved by noise (left alone they would choose
+    other experts: agreement below 0.9): the forward sends every recorded token of every layer to the recorded
+    experts; its old log-probs equal the Hugging Face actor's under the same replay to 1e-5, and two AdamW steps
+    of the replayed update equal the Hugging Face `Actor`'s within 1e-3 of the update (the tolerances of
+    `test_expert_parallel_2_updates_as_expert_parallel_1_and_hugging_face`)."""
+    from hybridflow.engine.backends.actor import Actor
+
+    model_dir = moe_models["qwen3_moe"]
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    data = _policy_batch(hf_model, torch.Generator().manual_seed(1))
+    data.meta_info["global_steps"] = 3
+    r2 = _dense_update_config(ppo_micro_batch_size=1, router_replay={"mode": "R2"})
+    routes = Actor(hf_model, r2, rollout_n=2, seed=0).compute_log_prob(data).batch["routed_experts"]
+    torch.save(routes, tmp_path / "routes.pt")
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, weight in hf_model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                weight.add_(torch.randn(weight.shape, generator=generator) * 0.5)
+    hf_model.save_pretrained(tmp_path / "moved")
+    before = hf_to_mcore({n: p.detach().clone() for n, p in hf_model.named_parameters()}, hf_model.config)
+    data.batch["routed_experts"] = routes
+    r3 = _dense_update_config(ppo_micro_batch_size=1, router_replay={"mode": "R3"})
+    hf_actor = Actor(hf_model, r3, rollout_n=2, seed=0)
+    want_log_probs = hf_actor.compute_log_prob(data).batch["old_log_probs"]
+    hf_actor.update_policy(data)
+    want = hf_to_mcore({n: p.detach() for n, p in hf_model.named_parameters()}, hf_model.config)
+
+    dirs = {"unmoved": str(model_dir), "moved": str(tmp_path / "moved")}
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        args = (2, str(tmp_path / "store"), dirs, str(tmp_path / "routes.pt"), [(1, 2), (2, 1)], shared)
+        mp.spawn(_replay_worker, args=args, nprocs=2, join=True)
+        results = dict(shared)
+    recorded = routes >= 0
+    assert recorded.any() and (~recorded).any()  # padding is -1
+    for key, result in results.items():
+        start, end = result["rows"]
+        assert torch.equal(result["r2_routes"], routes[start:end]), key
+        mask = recorded[start:end]
+        assert torch.equal(result["chosen"][mask], routes[start:end][mask].to(result["chosen"].dtype)), key
+        assert result["agreement"] < 0.9, "the moved routers choose as recorded: the test proves nothing"
+        assert 0.0 < result["metrics"]["actor/moe/replay_agreement"] < 1.0, key
+        response = data.batch["response_mask"][start:end].bool()
+        got = result["old_log_probs"][response]
+        torch.testing.assert_close(got, want_log_probs[start:end][response], rtol=1e-5, atol=1e-5)
+        for name, weight in want.items():
+            moved = float((weight - before[name]).norm())
+            assert float((result["weights"][name] - weight).norm()) <= 1e-3 * moved + 1e-7, (key, name)
+            torch.testing.assert_close(result["weights"][name], weight, rtol=1e-4, atol=1e-3)

@@ -156,7 +156,10 @@ def test_an_moe_architecture_that_does_not_run_is_refused_before_work(tmp_path):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        (("actor.strategy=megatron", "actor.router_replay.mode=R2"), "is not implemented on megatron-core here"),
+        (
+            ("actor.strategy=megatron", "actor.pp=2", "placement.tasks_per_node=2", "actor.router_replay.mode=R2"),
+            "without pipeline parallelism",
+        ),
         (
             ("actor.strategy=megatron", "actor.ep=3", "placement.tasks_per_node=3", "data.train_batch_size=6")
             + ("actor.ppo_mini_batch_size=3",),

@@ -197,6 +197,21 @@ class RouterRecorder:
         return share
 
 
+def old_log_prob_routing(mode: str, data) -> str | None:
+    """What the old-policy forward (the old_log_prob stage) does with the routers under ``actor.router_replay.mode``
+    `mode`: ``"record"`` under R2 (its choices become the batch's ``routed_experts``, which the update replays),
+    ``"replay"`` under R3 (the rollout's), None when disabled.
+
+    Raises:
+        KeyError: R3 and `data` (a DataProto) has no ``routed_experts`` (the rollout recorded none)."""
+    if mode == "R3" and "routed_experts" not in data.batch:
+        raise KeyError(
+            "actor.router_replay.mode=R3 replays the rollout's expert choices, but the batch has no "
+            "routed_experts: this rollout engine records none (use rollout.name=hf, or router_replay.mode=R2)"
+        )
+    return {"R2": "record", "R3": "replay"}.get(mode)
+
+
 def stack_routes(chosen: list[torch.Tensor]) -> torch.Tensor:
     """`RouterRecorder.choosing`'s experts of one forward (one int [N, k] tensor per MoE layer) as int16 [N, M, k]:
     token, MoE layer, experts."""

@@ -156,9 +156,10 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
     architectures that run, trained by ddp or fsdp.
 
     Raises:
-        InputError: an MoE architecture that does not run; on megatron, router replay (not built there yet) or an
-            ``actor.ep`` not dividing the experts; ``actor.router_replay.mode`` other than disabled with a dense
-            model, or R3 with an agent loop (its token engine records no routes) or another rollout than hf.
+        InputError: an MoE architecture that does not run; on megatron, router replay with pipeline parallelism
+            (not built there yet) or an ``actor.ep`` not dividing the experts; ``actor.router_replay.mode`` other
+            than disabled with a dense model, or R3 with an agent loop (its token engine records no routes) or
+            another rollout than hf.
     """
     from transformers import AutoConfig
 
@@ -177,10 +178,11 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
     what = (
         f"model.path is a mixture-of-experts model ({spec.architecture}, {spec.num_experts} experts, top {spec.top_k})"
     )
-    if cfg.actor.strategy == "megatron" and replay != "disabled":
+    if cfg.actor.strategy == "megatron" and replay != "disabled" and cfg.actor.pp > 1:
         raise InputError(
-            f"{what}, and actor.router_replay.mode={replay} is not implemented on megatron-core here: use "
-            "actor.strategy=fsdp for router replay, or set actor.router_replay.mode=disabled"
+            f"{what}, and actor.router_replay.mode={replay} on megatron-core is built without pipeline parallelism "
+            f"here (actor.pp={cfg.actor.pp}): set actor.pp=1 (tensor and expert parallelism replay), use "
+            "actor.strategy=fsdp, or set actor.router_replay.mode=disabled"
         )
     if cfg.actor.strategy == "megatron" and spec.num_experts % cfg.actor.ep:
         raise InputError(

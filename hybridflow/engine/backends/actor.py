@@ -35,7 +35,7 @@ from hybridflow.engine.backends.training import (
 )
 from hybridflow.engine.config import ActorConfig, RolloutCorrectionConfig, TeacherConfig
 from hybridflow.engine.models import compute_token_stats, response_token_stats
-from hybridflow.engine.moe import RouterRecorder, moe_spec, router_losses
+from hybridflow.engine.moe import RouterRecorder, moe_spec, old_log_prob_routing, router_losses
 from hybridflow.engine.packing import pack_rows
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.torch_ops import agg_loss
@@ -288,18 +288,8 @@ class Actor:
         return DataProto.from_dict({names[name]: value for name, value in stats.items()})
 
     def _routing(self, data: DataProto) -> str | None:
-        """What the old-policy forward does with the routers under ``actor.router_replay.mode``: R2 records the
-        experts it chooses (``routed_experts``, replayed by the update), R3 replays the rollout's.
-
-        Raises:
-            KeyError: R3 and the batch has no ``routed_experts`` (the rollout recorded none)."""
-        mode = self.config.router_replay.mode if self.moe is not None else "disabled"
-        if mode == "R3" and "routed_experts" not in data.batch:
-            raise KeyError(
-                "actor.router_replay.mode=R3 replays the rollout's expert choices, but the batch has no "
-                "routed_experts: this rollout engine records none (use rollout.name=hf, or router_replay.mode=R2)"
-            )
-        return {"R2": "record", "R3": "replay"}.get(mode)
+        """What the old-policy forward does with the routers (`hybridflow.engine.moe.old_log_prob_routing`)."""
+        return old_log_prob_routing(self.config.router_replay.mode if self.moe is not None else "disabled", data)
 
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on a batch with advantages.

@@ -38,6 +38,7 @@ from hybridflow.engine.backends.megatron_checkpoint import global_names, load_sh
 from hybridflow.engine.checkpoint import CheckpointError
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.models import load_model
+from hybridflow.engine.moe import moe_spec
 from hybridflow.engine.protocol import DataProto
 
 
@@ -102,6 +103,10 @@ class HybridActorRollout:
         )
         load_hf_weights(self.model, {n: p.detach() for n, p in hf_model.named_parameters()}, self.hf_config)
         del hf_model
+        if cfg.actor.router_replay.mode != "disabled" and moe_spec(self.hf_config) is not None:
+            from hybridflow.engine.backends.megatron_replay import MegatronRouterReplay
+
+            self.model.router_replay = MegatronRouterReplay(self.model)  # read by megatron_actor.forward
         correction = cfg.algorithm.rollout_correction
         teacher = cfg.teacher if cfg.distills_in_loss() else None
         self.actor = MegatronActor(self.model, cfg.actor, cfg.rollout.n, cfg.trainer.seed, correction, teacher)

@@ -10,6 +10,7 @@ causal default when one is passed; True = masked).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -23,6 +24,7 @@ from hybridflow.engine.backends.training import (
     update_steps,
 )
 from hybridflow.engine.config import ActorConfig
+from hybridflow.engine.moe import old_log_prob_routing
 from hybridflow.engine.protocol import DataProto
 
 
@@ -44,7 +46,12 @@ def forward(model, micro: DataProto) -> torch.Tensor:
         ids, positions, mask = (torch.nn.functional.pad(t, (pad, 0)) for t in (ids, positions, mask))
     # an MoE model's routers (their auxiliary losses, token counts) skip padding: megatron's padding_mask, True = pad
     padding = {"padding_mask": ~mask.bool()} if getattr(model.config, "num_moe_experts", None) else {}
+    replay = getattr(model, "router_replay", None)  # a `MegatronRouterReplay` under actor.router_replay.mode
+    if replay is not None:
+        replay.before(batch, pad)
     out = model(ids, positions, attention_mask=causal_padding_mask(mask), **padding)
+    if replay is not None:
+        replay.after(batch, pad)
     return out[:, pad:] if pad and parallel_last_stage() else out
 
 
@@ -327,8 +334,20 @@ class MegatronActor(MegatronRole):
     def compute_log_prob(self, data: DataProto) -> DataProto | None:
         """Log-probs of the responses under the current weights (``old_log_probs`` float32 [B, T]) in micro-batches
         of ``actor.log_prob_micro_batch_size``, the logits divided by ``meta_info["temperature"]``; last pipeline
-        stage only (see `MegatronRole.forward_only`)."""
-        return self.forward_only(data, self.config.log_prob_micro_batch_size, response_log_probs, "old_log_probs")
+        stage only (see `MegatronRole.forward_only`). Under ``actor.router_replay.mode`` R2 also the experts chosen
+        (``routed_experts`` int16 [B, P+T, M, k]); under R3 the forward replays the batch's.
+
+        Raises:
+            KeyError: R3 and the batch has no ``routed_experts``."""
+        replay = getattr(self.model, "router_replay", None)
+        if replay is None:
+            return self.forward_only(data, self.config.log_prob_micro_batch_size, response_log_probs, "old_log_probs")
+        routing = old_log_prob_routing(self.config.router_replay.mode, data)
+        with replay.routing(routing) as recorded:
+            out = self.forward_only(data, self.config.log_prob_micro_batch_size, response_log_probs, "old_log_probs")
+        if out is not None and routing == "record":
+            out.batch["routed_experts"] = torch.cat(recorded)
+        return out
 
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on this data-parallel rank's rows; returns ``actor/pg_loss``, ``actor/ppo_kl`` (last stage),
@@ -341,6 +360,8 @@ class MegatronActor(MegatronRole):
         keys += ["ref_log_prob"] if cfg.use_kl_loss else []
         keys += ["teacher_log_prob"] if self.teacher is not None else []
         keys += ["teacher_top_k_ids", "teacher_top_k_log_probs"] if self.teacher and self.teacher.top_k else []
+        replay = getattr(self.model, "router_replay", None)
+        keys += ["routed_experts"] if replay is not None and "routed_experts" in data.keys else []
         data = data.select(batch_keys=keys + (["rollout_log_probs"] if self.correction else []))
         steps = list(update_steps(data, self.mini_batch_size, cfg, self.seed, 0, self.dp_group, self.lr_scheduler))
         if "old_log_probs" not in keys and not bypass and len(steps) != 1:
@@ -351,7 +372,8 @@ class MegatronActor(MegatronRole):
         self.model.train()
         log, corrections = MetricLog(), MetricLog()
         is_factor = batch_is_factor(self.correction, data, self.dp_group)
-        with update_random_stream(self.seed, data, self.dp_group):  # Clip-Cov's draws: the same on a resumed run
+        routing = replay.routing("replay") if replay is not None else contextlib.nullcontext()
+        with update_random_stream(self.seed, data, self.dp_group), routing:  # Clip-Cov: the same on a resumed run
             for micros, scales in steps:
                 gradient = policy_gradient(self.model, micros, scales, cfg, self.correction, is_factor, self.teacher)
                 for prefix, into in (("actor/", log), ("rollout_corr/", corrections)):
@@ -359,7 +381,11 @@ class MegatronActor(MegatronRole):
                 clip = cfg.optim.grad_clip
                 step = averaged_optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
                 log.add(**step)
-        return {**log.mean("actor"), **corrections.mean("rollout_corr")}
+        metrics = {**log.mean("actor"), **corrections.mean("rollout_corr")}
+        agreement = replay.agreement() if replay is not None else None  # over every rank: each routes its own tokens
+        if agreement is not None:
+            metrics["actor/moe/replay_agreement"] = agreement
+        return metrics
 
 
 def averaged_optimizer_step(

@@ -743,13 +743,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _same(
         f"{ARR}.actor.megatron.router_replay.mode",
         "actor.router_replay.mode",
-        note="the actor's router replay, whatever its engine (an MoE actor trains under fsdp or ddp here)",
+        note="the actor's router replay, whatever its engine (fsdp, ddp, or megatron at actor.pp=1)",
         schema="current",
     ),
     _same(
         f"{ARR}.actor.veomni.router_replay.mode",
         "actor.router_replay.mode",
-        note="the actor's router replay, whatever its engine (an MoE actor trains under fsdp or ddp here)",
+        note="the actor's router replay, whatever its engine (fsdp, ddp, or megatron at actor.pp=1)",
         schema="current",
     ),
     _off(f"{ARR}.actor.*router_replay.record_file", _ROUTES_IN_BATCH, None),

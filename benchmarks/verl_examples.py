@@ -11,10 +11,12 @@ for every shell script under its ``examples/`` (and ``recipe/`` where the checko
 2. swaps the entry point: the same overrides to ``hf verl --dry-run``;
 3. makes the data files the overrides name (``data.train_files``, ``data.val_files``: parquet files of 64 rows in
    verl's layout: ``prompt`` chat messages, ``data_source``, ``reward_model.ground_truth``) and a stand-in model at
-   ``actor_rollout_ref.model.path`` (and the critic's and reward model's): the tiny model of the test suite, saved
-   where a local path points; a hub id (``Qwen/Qwen2-7B-Instruct``) is swapped for a local folder of that name, as a
-   user gives the folder they downloaded it to (there is no model hub here); the hardware a script asks for (8 GPUs a
-   node, 7B) is its own business, but a script across nodes (``trainer.nnodes`` > 1) gets ``--executor=slurm``;
+   ``actor_rollout_ref.model.path`` (and the critic's and reward model's): the tiny model of the test suite, or
+   for a mixture-of-experts model (``Qwen3-30B-A3B``, ``Moonlight-16B-A3B``, ...: `MOE_MODELS`) a tiny one of its
+   architecture, saved where a local path points; a hub id (``Qwen/Qwen2-7B-Instruct``) is swapped for a local
+   folder of that name, as a user gives the folder they downloaded it to (there is no model hub here); the hardware
+   a script asks for (8 GPUs a node, 7B) is its own business, but a script across nodes (``trainer.nnodes`` > 1)
+   gets ``--executor=slurm``;
 4. prints, per script, accepted or refused with the reasons, and the totals over the scripts in scope.
 
 In scope: the scripts that run ``verl.trainer.main_ppo`` with ``rollout.name=vllm`` on text. Left aside, as issue
@@ -288,6 +290,55 @@ def tiny_model(folder: Path) -> Path:
     return build_tiny_model(folder, seed=0)
 
 
+MOE_MODELS = (
+    (r"Qwen3\.5-.*A\d+B|Qwen3_5.*a\d+b", "qwen3_5_moe"),
+    (r"Qwen3-Next|qwen3_next", "qwen3_next"),
+    (r"Qwen3-.*A\d+B|qwen3_.*a\d+b", "qwen3_moe"),
+    (r"Qwen1\.5-MoE|Qwen2-57B-A14B", "qwen2_moe"),
+    (r"Mixtral", "mixtral"),
+    (r"Moonlight|DeepSeek-V3|Kimi-K2", "deepseek_v3"),
+    (r"DeepSeek-V4", "deepseek_v4"),
+    (r"gpt-oss|gpt_oss", "gpt_oss"),
+    (r"GLM-4\.[56]|GLM-5", "glm4_moe"),
+    (r"Nemotron-H|Nemotron-Nano-3|NVIDIA-Nemotron-3", "nemotron_h"),
+)
+"""Mixture-of-experts model ids (or folder names) in verl's scripts, and the transformers ``model_type`` of the
+architecture each names (first match wins); the stand-in of such a model path is a tiny model of that architecture
+(`moe_stand_ins`), so ``hf verl`` sees what the user's folder holds."""
+
+RUNNABLE_MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""The architectures of `MOE_MODELS` that `hybridflow.engine.tiny.build_tiny_moe_model` builds (and HybridFlow runs)."""
+
+
+def moe_stand_ins(model: Path, folder: Path) -> dict[str, Path]:
+    """One tiny stand-in per architecture of `MOE_MODELS`: for those HybridFlow runs, a random tiny MoE model of
+    transformers' own classes; for the others, the tiny dense `model`'s folder with a ``config.json`` of that
+    architecture (transformers' defaults, its ``architectures`` set), as much as ``hf verl`` reads before it refuses
+    the architecture."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from hybridflow.engine.tiny import build_tiny_moe_model
+
+    out = {}
+    for model_type in dict.fromkeys(kind for _, kind in MOE_MODELS):
+        target = folder / model_type
+        if model_type in RUNNABLE_MOE:
+            out[model_type] = build_tiny_moe_model(target, architecture=model_type)
+            continue
+        shutil.copytree(model, target)
+        config = CONFIG_MAPPING[model_type](architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]])
+        config.save_pretrained(target)
+        out[model_type] = target
+    return out
+
+
+def stand_in_for(name: str, model: Path, moe: dict[str, Path]) -> Path:
+    """The stand-in for a script's model path `name`: the MoE stand-in of the architecture `name` names
+    (`MOE_MODELS`), else `model`."""
+    return next((moe[kind] for pattern, kind in MOE_MODELS if re.search(pattern, name, re.IGNORECASE)), model)
+
+
 def tiny_reward_model(model: Path, folder: Path) -> Path:
     """The tiny model with a one-label sequence-classification head (a reward model's layout), saved in `folder`."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -316,6 +367,7 @@ def check_script(
     model: Path,
     reward_model: Path,
     adapter: Path,
+    moe: dict[str, Path],
     partition: str | None = None,
 ) -> dict:
     """One script's row: its name, scope, and (in scope) the dry run's verdict and reasons."""
@@ -345,7 +397,12 @@ def check_script(
                 make_data(path)
     model_keys = [*MODEL_KEYS, *(key for key in given if TEACHER_PATH.fullmatch(key))]
     models = {
-        key: local_model(str(given[key]), reward_model if "reward_model" in key else model, home, tree)
+        key: local_model(
+            str(given[key]),
+            reward_model if "reward_model" in key else stand_in_for(str(given[key]), model, moe),
+            home,
+            tree,
+        )
         for key in model_keys
         if given.get(key)
     }
@@ -360,9 +417,7 @@ def check_script(
     return {"script": name, "scope": "in", "accepted": rc == 0, "reasons": [] if rc == 0 else reasons(output)}
 
 
-def checked(
-    script: Path, tree: Path, scratch: Path, bin_dir: Path, models: tuple[Path, Path, Path], partition: str | None
-) -> dict:
+def checked(script: Path, tree: Path, scratch: Path, bin_dir: Path, models: tuple, partition: str | None) -> dict:
     """`check_script`, a failure of the benchmark itself on one script reported as that script's row."""
     try:
         return check_script(script, tree, scratch, bin_dir, *models, partition)
@@ -389,6 +444,7 @@ def main() -> None:
         bin_dir = stand_ins(scratch / "bin")
         tiny = tiny_model(scratch / "tiny")
         models = tiny, tiny_reward_model(tiny, scratch / "tiny_rm"), tiny_adapter(tiny, scratch / "tiny_lora")
+        models += (moe_stand_ins(tiny, scratch / "moe"),)
         scripts = sorted(p for top in ("examples", "recipe") for p in (tree / top).rglob("*.sh") if opts.only in str(p))
         with ThreadPoolExecutor(opts.jobs) as pool:
             rows = list(

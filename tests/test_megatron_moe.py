@@ -271,9 +271,11 @@ def _assert_same_update(results, reference, keys, before, arch) -> None:
 
 def test_tensor_and_expert_parallel_updates_on_four_ranks_equal_data_parallel_ones(moe_models, tmp_path):
     """On 4 ranks, Qwen3-MoE (q/k norms, router losses on): TP 2 (megatron's sequence parallelism, which it needs
-    for MoE layers under TP, with the sequence padded to a multiple of 2), TP 2 with EP 2, and TP 2 with EP 2 and
-    expert TP 1 (each expert whole on its rank) all give Hugging Face's log-probs and the update of plain data
-    parallelism (DP 4), within the tolerances above; the engine reshards the TP 2 layouts bit-exactly."""
+    for MoE layers under TP, with the sequence padded to a multiple of 2), TP 2 with EP 2, TP 2 with EP 2 and
+    expert TP 1 (each expert whole on its rank), and TP 2 with EP 4 and expert TP 1 (an expert group larger than
+    the data-parallel size, as megatron-core allows: 2 experts a rank) all give Hugging Face's log-probs and the
+    update of plain data parallelism (DP 4), within the tolerances above; the engine reshards the TP 2 layouts
+    bit-exactly."""
     model_dir = moe_models["qwen3_moe"]
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     before = hf_to_mcore({n: p.detach().clone() for n, p in hf_model.named_parameters()}, hf_model.config)
@@ -284,6 +286,7 @@ def test_tensor_and_expert_parallel_updates_on_four_ranks_equal_data_parallel_on
         (2, 1, None, "allgather", 0.01, 0.0),
         (2, 2, None, "alltoall", 0.01, 0.0),
         (2, 2, 1, "alltoall", 0.01, 0.0),
+        (2, 4, 1, "alltoall", 0.01, 0.0),  # EP 4 > DP 2: the expert group spans both replicas' TP ranks
         (2, 1, None, "allgather", 0.01, 0.001),
         (2, 2, 1, "alltoall", 0.01, 0.001),
     ]
@@ -292,6 +295,7 @@ def test_tensor_and_expert_parallel_updates_on_four_ranks_equal_data_parallel_on
     reference = results["1-1-None-allgather-0.01-0.0-0"]
     _assert_resharded(results, reference["weights"])
     others = ["2-1-None-allgather-0.01-0.0", "2-2-None-alltoall-0.01-0.0", "2-2-1-alltoall-0.01-0.0"]
+    others += ["2-4-1-alltoall-0.01-0.0"]
     _assert_same_update(results, reference, [f"{k}-{r}" for k in others for r in range(4)], before, "qwen3_moe")
     # the z-loss under sequence parallelism is megatron-core's: each TP rank's mean over its part of the sequence,
     # averaged over the TP ranks (not the mean over the whole sequence): compared within the TP 2 layouts
@@ -461,3 +465,21 @@ def test_router_replay_on_megatron_routes_every_token_as_recorded_and_updates_as
             moved = float((weight - before[name]).norm())
             assert float((result["weights"][name] - weight).norm()) <= 1e-3 * moved + 1e-7, (key, name)
             torch.testing.assert_close(result["weights"][name], weight, rtol=1e-4, atol=1e-3)
+
+
+def test_the_expert_layout_is_checked_as_megatron_core_lays_it_out():
+    """Before any work: ``actor.etp x actor.ep`` must divide each pipeline stage's ranks (megatron-core's rule; an
+    expert group may be larger than the data-parallel size), ``actor.etp`` is 1 or ``actor.tp``, and expert
+    parallelism needs the megatron actor. The messages name the keys."""
+    from hybridflow.engine.config import ConfigError, load_config
+
+    path = Path(__file__).parents[1] / "examples" / "grpo_tiny.yaml"
+    four = ["actor.strategy=megatron", "actor.tp=2", "placement.tasks_per_node=4"]
+    cfg = load_config(path, [*four, "actor.ep=4", "actor.etp=1"])  # EP 4 over DP 2 x TP 2
+    assert (cfg.actor.ep, cfg.actor.etp) == (4, 1)
+    with pytest.raises(ConfigError, match=r"actor.etp x actor.ep \(1 x 8\) must divide the 4 ranks of each pipeline"):
+        load_config(path, [*four, "actor.ep=8", "actor.etp=1"])
+    with pytest.raises(ConfigError, match=r"actor.etp=3: .* pick one of those"):
+        load_config(path, [*four, "actor.tp=4", "actor.etp=3"])
+    with pytest.raises(ConfigError, match=r"actor.strategy=fsdp shards experts as any weight"):
+        load_config(path, ["actor.strategy=fsdp", "placement.tasks_per_node=2", "actor.ep=2"])

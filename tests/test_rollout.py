@@ -24,14 +24,14 @@ from hybridflow.engine.extensions import (
     rollout_names,
     rollout_spec,
 )
-from hybridflow.engine.models import load_model, load_tokenizer, response_logits
+from hybridflow.engine.models import load_model, load_tokenizer, response_log_probs, response_logits
 from hybridflow.engine.packing import pack_rows
 from hybridflow.engine.protocol import DataProto
 from hybridflow.engine.rollout.hf import HFRollout, position_ids_from_mask, response_mask_from_eos
 
 GRPO_TINY = Path(__file__).parents[1] / "examples" / "grpo_tiny.yaml"
 QUESTIONS = ["What is 3 + 4?", "Hi", "Compute 12 - 5 and give the result: 7"]
-KEYS = {"prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"}
+KEYS = {"prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs"}
 
 
 # ------------------------------------------------------------------------------------------------ masks, positions
@@ -134,6 +134,7 @@ def test_generate_sequences_layout(tiny_model_dir, tokenizer):
         "attention_mask": (b * n, p + t),
         "position_ids": (b * n, p + t),
         "response_mask": (b * n, t),
+        "rollout_log_probs": (b * n, t),
     }
     # samples of one prompt are adjacent: rows 3i..3i+2 hold prompt i
     rows = torch.arange(b).repeat_interleave(n)
@@ -227,6 +228,27 @@ def test_validation_samples_with_its_own_top_k_and_top_p(sharpened_dir, tokenize
         greedy_streams = {s for s, out in outputs.items() if torch.equal(out.batch["responses"], expected)}
         assert greedy_streams == ({"val-0"} if val_k == 1 else {"train"}), (train_k, val_k)
     assert RolloutConfig(top_p=0.9, val_top_p=0.7).filters("val") == (0, 0.7)
+
+
+def test_rollout_log_probs_are_those_of_the_distribution_each_token_was_drawn_from(sharpened_dir, tokenizer):
+    """``rollout_log_probs``: each response token's log-prob under softmax(logits / temperature), as the actor
+    computes it from the same weights (fp32, 1e-5), 0 past the response; under top-k the distribution drawn from
+    is renormalised over the k kept tokens, so each sampled token's log-prob is the actor's plus log(1 / kept mass),
+    never below it."""
+    model = load_model(sharpened_dir)
+    prompts = prompt_batch(tokenizer, QUESTIONS)
+    for top_k in (0, 5):
+        config = RolloutConfig(n=2, response_length=6, temperature=0.7, top_k=top_k)
+        out = HFRollout(model, tokenizer, config, seed=1).generate_sequences(prompts)
+        mask = out.batch["response_mask"].bool()
+        engine = out.batch["rollout_log_probs"]
+        with torch.no_grad():
+            actor, _ = response_log_probs(model, out, temperature=0.7)
+        assert (engine[~mask] == 0).all()
+        if top_k == 0:
+            torch.testing.assert_close(engine[mask], actor[mask], rtol=0, atol=1e-5)
+        else:
+            assert (engine[mask] >= actor[mask] - 1e-5).all() and (engine[mask] - actor[mask]).max() > 1e-3
 
 
 @pytest.mark.parametrize("training", [True, False])

@@ -118,8 +118,16 @@ def test_the_modes_keys_are_checked_together():
         load_config(path, [vllm, f"{key}.rollout_is_batch_normalize=true"])
     with pytest.raises(ConfigError, match=r"loss_type=reinforce is bypass mode's loss"):
         load_config(path, [vllm, f"{key}.loss_type=reinforce"])
-    with pytest.raises(ConfigError, match=r"bypass_mode corrects .* the hf rollout reports none"):
-        load_config(path, [f"{key}.bypass_mode=true"])
+    # a registered rollout that returns no rollout_log_probs (the hf and vllm rollouts both do)
+    from hybridflow.engine.extensions import _ROLLOUTS, register_rollout
+
+    register_rollout("test_no_log_probs", "hybridflow.engine.rollout.hf:build", syncs_weights=False)
+    try:
+        with pytest.raises(ConfigError, match=r"bypass_mode corrects .* the test_no_log_probs rollout reports none"):
+            load_config(path, ["rollout.name=test_no_log_probs", f"{key}.bypass_mode=true"])
+    finally:
+        _ROLLOUTS.pop("test_no_log_probs")
+    assert load_config(path, [f"{key}.bypass_mode=true", f"{key}.loss_type=reinforce"]).skips_old_log_prob()
     with pytest.raises(
         ConfigError, match=r"bypass_mode trains with its own loss .*, not actor.policy_loss.loss_mode=gspo"
     ):

@@ -228,7 +228,9 @@ def training_backend(name: str, key: str = "actor.strategy") -> Any:
     return backend
 
 
-register_rollout("hf", "hybridflow.engine.rollout.hf:build", syncs_weights=False, tensor_parallel=True)
+register_rollout(
+    "hf", "hybridflow.engine.rollout.hf:build", syncs_weights=False, reports_log_probs=True, tensor_parallel=True
+)
 register_rollout(
     "vllm", "hybridflow.engine.rollout.vllm:build", syncs_weights=True, reports_log_probs=True, engine_tp=True
 )

@@ -194,8 +194,9 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
     if replay == "R3" and cfg.rollout.name != "hf":
         raise InputError(
             f"{what}, and actor.router_replay.mode=R3 replays the experts the rollout chose, which "
-            f"rollout.name={cfg.rollout.name} records none here (vLLM's enable_return_routed_experts is not wired "
-            "yet): use rollout.name=hf, or actor.router_replay.mode=R2"
+            f"rollout.name={cfg.rollout.name} records none here (vLLM 0.32 returns routes only from its V2 model "
+            "runner, which needs Triton: vLLM-CPU refuses it; not wired for GPUs yet): use rollout.name=hf, or "
+            "actor.router_replay.mode=R2"
         )
     if replay == "R3" and cfg.rollout.multi_turn.enable:
         raise InputError(

@@ -337,10 +337,11 @@ def _generation_tp(cfg: HybridFlowConfig) -> int | None:
 
 
 def _check_expert_parallel(cfg: HybridFlowConfig, world: int, megatron: bool) -> None:
-    """``actor.ep`` / ``actor.etp`` only on megatron, and as megatron-core lays out its expert ranks: the pool a
-    multiple of etp x ep x pp, and ep dividing the data-parallel size (each EP group lies inside the replicas, as
-    ``parallel_state.initialize_model_parallel`` builds it). The expert count is checked against the model's
-    config before work (`hybridflow.engine.preflight`)."""
+    """``actor.ep`` / ``actor.etp`` only on megatron, and as megatron-core lays out its expert ranks
+    (``parallel_state.initialize_model_parallel``): each pipeline stage's tp x dp ranks are also etp x ep x expert-DP
+    ranks, so etp x ep divides tp x dp; an EP group may span TP ranks and replicas (with etp 1 at tp 2, EP 4 spans
+    two replicas of 2 TP ranks each). The expert count is checked against the model's config before work
+    (`hybridflow.engine.preflight`)."""
     actor = cfg.actor
     if actor.ep == 1 and actor.etp is None:
         return
@@ -360,12 +361,13 @@ def _check_expert_parallel(cfg: HybridFlowConfig, world: int, megatron: bool) ->
             f"actor.ep={actor.ep} reshards only with rollout.reshard=hybridflow (the naive all-gather over the "
             "model-parallel group does not reach other ranks' experts): set rollout.reshard=hybridflow"
         )
-    dp = world // (actor.tp * actor.pp)
-    if dp % actor.ep or world % (etp * actor.ep * actor.pp):
+    stage = world // actor.pp  # tp x dp ranks per pipeline stage
+    if stage % (etp * actor.ep):
         raise ValueError(
-            f"actor.ep={actor.ep} must divide the actor's data-parallel size ({dp} = {world} ranks / (actor.tp x "
-            f"actor.pp)) and actor.etp x actor.ep x actor.pp ({etp} x {actor.ep} x {actor.pp}) the pool's {world} "
-            "ranks: change actor.ep (or actor.etp), or the ranks (placement.nodes x tasks_per_node)"
+            f"actor.etp x actor.ep ({etp} x {actor.ep}) must divide the {stage} ranks of each pipeline stage "
+            f"({world} ranks / actor.pp={actor.pp}), which megatron-core splits into expert-tensor, expert and "
+            "expert-data-parallel ranks: change actor.ep (or actor.etp), or the ranks (placement.nodes x "
+            "tasks_per_node)"
         )
 
 

@@ -5,7 +5,10 @@ transformers. (A vLLM engine is the fast alternative, added with ``rollout.name:
 
 Output layout, as in verl: ``prompts`` [B, P] left-padded, ``responses`` [B, T] right-padded to exactly
 T = ``rollout.response_length`` with the pad id, ``input_ids`` = prompts ++ responses [B, P+T],
-``attention_mask`` and ``position_ids`` [B, P+T], ``response_mask`` [B, T] (1 up to and including the first EOS).
+``attention_mask`` and ``position_ids`` [B, P+T], ``response_mask`` [B, T] (1 up to and including the first EOS),
+``rollout_log_probs`` float32 [B, T] (each response token's log-prob under the distribution it was drawn from:
+after temperature, top-k and top-p, as vLLM's ``processed_logprobs``; 0 past the response), the engine side of the
+``rollout/*`` mismatch metrics.
 
 Sampling distribution. Each token is drawn from exactly ``softmax(logits / temperature)``, restricted only by the
 configured ``rollout.top_k`` / ``rollout.top_p`` (0 and 1.0 = off). transformers fills every generation setting left
@@ -269,6 +272,23 @@ class HFRollout:
             **options,
         )
 
+    def _sampling(self, temperature: float, stream: str) -> tuple[GenerationConfig, list[LogitsProcessor]]:
+        """`_generation_config` with its sampling warpers (temperature, top-k, top-p, in transformers' order) taken
+        out into a list, for a ``logits_processor`` list that ends in a `_SampledLogProbs`: it then sees the
+        distribution each token is drawn from. The draws are those of `_generation_config` alone."""
+        generation_config = self._generation_config(temperature, stream)
+        warpers: list[LogitsProcessor] = []
+        if generation_config.do_sample:
+            top_k, top_p = self.config.filters(stream)
+            if temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(temperature))
+            if top_k:
+                warpers.append(TopKLogitsWarper(top_k))
+            if top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p))
+            generation_config.temperature, generation_config.top_k, generation_config.top_p = 1.0, 0, 1.0
+        return generation_config, warpers
+
     @torch.no_grad()
     def generate_sequences(
         self,
@@ -299,14 +319,14 @@ class HFRollout:
         global_steps = int(prompts.meta_info.get("global_steps", 0))
         row_offset = int(prompts.meta_info.get("row_offset", 0))
         batch = expand_prompts(prompts, n, stream)
-        generation_config = self._generation_config(temperature, stream)
+        generation_config, warpers = self._sampling(temperature, stream)
         parts = []
         with self._lent_model() as (model, device):
             size = self.config.micro_batch_size
             for i, micro in enumerate(batch.split(size)):
                 first = row_offset * n + i * size
                 torch.manual_seed(sampling_seed(self.seed, global_steps, stream, first))
-                parts.append(self._generate_micro(model, micro, generation_config, device))
+                parts.append(self._generate_micro(model, micro, generation_config, warpers, device))
             del model  # a generation model lent by the 3D-HybridEngine must not outlive the context
         out = DataProto.concat(parts)
         out.meta_info.update(prompts.meta_info)
@@ -325,17 +345,7 @@ class HFRollout:
         seeded with its first request's seed) and reports each sampled id's log-prob under the distribution it was
         drawn from (`_SampledLogProbs`).
         """
-        generation_config = self._generation_config(temperature, stream)
-        warpers = []  # applied by the recorder's list, so that it sees the distribution the token is drawn from
-        if generation_config.do_sample:
-            top_k, top_p = self.config.filters(stream)
-            if temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(temperature))
-            if top_k:
-                warpers.append(TopKLogitsWarper(top_k))
-            if top_p < 1.0:
-                warpers.append(TopPLogitsWarper(top_p))
-            generation_config.temperature, generation_config.top_k, generation_config.top_p = 1.0, 0, 1.0
+        generation_config, warpers = self._sampling(temperature, stream)
         with self._lent_model() as (model, device), torch.no_grad():
 
             def serve(requests: list[TokenRequest], lent: torch.nn.Module = model) -> list[TokenOutput]:
@@ -403,30 +413,33 @@ class HFRollout:
         """Nothing to take back (see `sleep`)."""
 
     def _generate_micro(
-        self, model: torch.nn.Module, micro: DataProto, generation_config: GenerationConfig, device
+        self, model: torch.nn.Module, micro: DataProto, generation_config: GenerationConfig, warpers: list, device
     ) -> DataProto:
         prompt_ids = micro.batch["input_ids"].to(device)
         prompt_mask = micro.batch["attention_mask"].to(device)
         routers = RouterRecorder(model) if self.record_routes and moe_spec(model.config) is not None else None
+        recorder = _SampledLogProbs()
         try:
             with (
                 routers.choosing() if routers else contextlib.nullcontext() as chosen,
                 autocast(device, self.compute_dtype),
             ):
                 output = model.generate(
-                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    generation_config=generation_config,
+                    logits_processor=LogitsProcessorList([*warpers, recorder]),
                 )
         finally:
             if routers is not None:
                 routers.remove()
+        new = output[:, prompt_ids.shape[1] :]
         tensors = assemble_rollout(
-            prompt_ids,
-            prompt_mask,
-            output[:, prompt_ids.shape[1] :],
-            self.eos_token_ids,
-            self.tokenizer.pad_token_id,
-            self.config.response_length,
+            prompt_ids, prompt_mask, new, self.eos_token_ids, self.tokenizer.pad_token_id, self.config.response_length
         )
+        log_probs = torch.zeros(tensors["responses"].shape, dtype=torch.float32)
+        log_probs[:, : new.shape[1]] = recorder.finish(new.cpu())
+        tensors["rollout_log_probs"] = log_probs * tensors["response_mask"].cpu()
         if routers is not None:
             layers, (rows, prompt_length) = len(routers.routers), prompt_ids.shape
             tensors["routed_experts"] = generation_routes(

@@ -17,22 +17,16 @@ quiet machine: run nothing heavy beside it.
 from __future__ import annotations
 
 import argparse
-import re
-import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from hf_runs import hf_run, metric_medians
+
 STAGES = ("gen", "old_log_prob", "ref", "adv", "update_actor", "step")
 
 
 def run(model: str, iterations: int, folder: Path) -> dict[str, float]:
     """Median seconds per stage (``timing_s/<stage>``) of `iterations` GRPO iterations on `model`, first dropped."""
-    from hybridflow.flows.store.run_store import RunStore
-
-    db = f"sqlite:///{folder / 'runs.db'}"
     overrides = [
         f"model.path={model}",
         f"trainer.total_iterations={iterations}",
@@ -43,20 +37,9 @@ def run(model: str, iterations: int, folder: Path) -> dict[str, float]:
     ]
     if model != "smollm2-moe":
         overrides += ["actor.router_replay.mode=disabled", "actor.moe.aux_loss_coeff=0"]
-    command = [str(ROOT / ".venv/bin/hf"), "run", str(ROOT / "examples/grpo_smollm2_moe.yaml"), "--db", db]
-    for item in overrides:
-        command += ["-o", item]
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        sys.exit(f"{model}: hf run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    run_id = re.search(r"run (run-\S+) recorded", out.stdout).group(1)
-    points = RunStore(db).metrics(run_id)
-    medians = {}
-    for stage in STAGES:
-        values = [p.value for p in points if p.name == f"timing_s/{stage}" and p.step > 1 and p.value is not None]
-        if values:
-            medians[stage] = statistics.median(values)
-    return medians
+    db, run_id = hf_run("grpo_smollm2_moe.yaml", overrides, folder, model)
+    medians = metric_medians(db, run_id, [f"timing_s/{stage}" for stage in STAGES], first_step=2)
+    return {name.removeprefix("timing_s/"): value for name, value in medians.items()}
 
 
 def main() -> None:

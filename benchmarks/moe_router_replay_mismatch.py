@@ -22,14 +22,11 @@ quiet machine.
 from __future__ import annotations
 
 import argparse
-import re
-import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from hf_runs import hf_run, metric_medians
+
 MODES = ("disabled", "R2", "R3")
 METRICS = (
     "rollout/log_prob_diff_mean",
@@ -42,9 +39,6 @@ METRICS = (
 
 def run(mode: str, iterations: int, folder: Path) -> dict[str, float]:
     """Medians of `METRICS` over `iterations` GRPO iterations with ``actor.router_replay.mode`` `mode`."""
-    from hybridflow.flows.store.run_store import RunStore
-
-    db = f"sqlite:///{folder / 'runs.db'}"
     overrides = [
         f"actor.router_replay.mode={mode}",
         "model.dtype=bfloat16",
@@ -55,20 +49,8 @@ def run(mode: str, iterations: int, folder: Path) -> dict[str, float]:
         f"trainer.output_dir={folder / 'outputs'}",
         "trainer.logger=[console]",
     ]
-    command = [str(ROOT / ".venv/bin/hf"), "run", str(ROOT / "examples/grpo_smollm2_moe.yaml"), "--db", db]
-    for item in overrides:
-        command += ["-o", item]
-    out = subprocess.run(command, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        sys.exit(f"{mode}: hf run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    run_id = re.search(r"run (run-\S+) recorded", out.stdout).group(1)
-    points = RunStore(db).metrics(run_id)
-    medians = {}
-    for name in METRICS:
-        values = [p.value for p in points if p.name == name and p.value is not None]
-        if values:
-            medians[name] = statistics.median(values)
-    return medians
+    db, run_id = hf_run("grpo_smollm2_moe.yaml", overrides, folder, mode)
+    return metric_medians(db, run_id, list(METRICS))
 
 
 def main() -> None:

@@ -341,6 +341,43 @@ def test_upcycled_and_widened_models_compute_the_dense_models_function_and_the_p
     assert (up.experts, up.top_k) == (8, 2) and up.active_layer_params == twin.layer_params + up.hidden * 8
 
 
+def test_the_planner_prices_expert_parallelism_and_places_a_30b_moe_with_it():
+    """Qwen3-30B-A3B's shape (48 layers of 128 experts, top 8: 30.5 B parameters, 29.0 B of them routed experts)
+    under megatron: expert parallelism divides the experts' memory ep ways more (the dense weights are unchanged)
+    and adds the alltoall dispatcher's traffic to every pass, not to generation. On one node of 8 A100s the actor
+    fits only with its experts split over ranks, so `hf plan`'s search places it with ep > 1 and the plan sets
+    actor.ep with the alltoall dispatcher."""
+    from hybridflow.engine.shapes import ModelShape
+    from hybridflow.flows.placement.cost import Strategy, Workload, dispatch_s, estimate
+    from hybridflow.flows.placement.hardware import BUILTIN
+    from hybridflow.flows.placement.planner import Planner
+    from hybridflow.flows.placement.render import apply_plan
+
+    a100 = BUILTIN["a100-80gb"]
+    shape = ModelShape(
+        "qwen3-30b-a3b", layers=48, hidden=2048, intermediate=768, heads=32, kv_heads=4, vocab=151936,
+        experts=128, top_k=8, attention_head_dim=128, qk_norm=True,
+    )  # fmt: skip
+    assert round(shape.params() / 1e9, 1) == 30.5 and round(shape.expert_params / 1e9, 1) == 29.0
+    workload = Workload(
+        sequences=1024, prompt_length=1024, response_length=1024, actor_steps=1, critic_steps=1,
+        train_micro_batch=2, critic_micro_batch=2, infer_micro_batch=8, gen_micro_batch=64,
+    )  # fmt: skip
+    costs = {ep: estimate("actor", shape, Strategy("megatron", 2, 1, 4, 2, ep=ep), workload, a100, 8) for ep in (1, 4)}
+    dense_part = costs[1].static_bytes * (1 - shape.expert_params / shape.params())
+    expected = dense_part + (costs[1].static_bytes - dense_part) / 4
+    assert costs[4].static_bytes == pytest.approx(expected, rel=1e-9)
+    assert dispatch_s(shape, Strategy("megatron", 2, 1, 4, 2, ep=4), 1e6, a100, False) > 0
+    assert dispatch_s(shape, Strategy("megatron", 2, 1, 4, 2, ep=1), 1e6, a100, False) == 0
+    assert costs[4].stage_s["update_actor"] > costs[1].stage_s["update_actor"] * 0.9  # traffic, no compute saved
+    assert costs[4].stage_s["gen"] == costs[1].stage_s["gen"]
+    best = Planner({"actor": shape}, workload, a100, nodes=1, gpus_per_node=8).search().best
+    actor = best.strategies["actor"]
+    assert actor.kind == "megatron" and actor.ep > 1 and max(best.peak_bytes) <= a100.capacity_bytes
+    tree = apply_plan({"actor": {"strategy": "fsdp"}}, best, 8)
+    assert tree["actor"]["ep"] == actor.ep and tree["actor"]["moe"]["token_dispatcher_type"] == "alltoall"
+
+
 # ---------------------------------------------------------------------------------------------------- vLLM
 
 

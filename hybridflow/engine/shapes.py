@@ -61,6 +61,11 @@ class ModelShape:
         """The weights of one block a token's forward multiplies with: `layer_params` with only `top_k` experts."""
         return self._block(self.top_k if self.experts > 1 else 1)
 
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' parameters over all blocks (0 for a dense model): what expert parallelism splits."""
+        return self.layers * 3 * self.hidden * self.intermediate * self.experts if self.experts > 1 else 0
+
     def lora_params(self, rank: int) -> int:
         """Parameters of a rank-`rank` LoRA adapter on every linear layer of the blocks (PEFT's ``all-linear``):
         ``r x (in + out)`` per projection (A: r x in, B: out x r; Hu et al. 2021, section 4.1)."""

@@ -108,7 +108,10 @@ def run_mapping(cfg) -> tuple[tuple[tuple[str, ...], ...], tuple[int, ...], dict
                 a = cfg.actor
                 dp = size // (a.tp * a.pp)
                 gen_tp = cfg.rollout.gen_tp or a.tp
-                strategies[model] = Strategy(a.strategy, a.tp, a.pp, dp, gen_tp if a.strategy == "megatron" else 1)
+                megatron = a.strategy == "megatron"
+                strategies[model] = Strategy(
+                    a.strategy, a.tp, a.pp, dp, gen_tp if megatron else 1, ep=a.ep if megatron else 1
+                )
             elif model == "critic":
                 strategies[model] = Strategy(cfg.critic.strategy, dp=size)
             elif model == "reward_model":

@@ -127,9 +127,11 @@ class Workload:
 @dataclass(frozen=True)
 class Strategy:
     """A model's parallel strategy on its pool: ``ddp`` (a whole copy per rank), ``fsdp`` (sharded over the ranks),
-    ``megatron`` (tensor x pipeline x data parallel); for the actor also the generation tensor-parallel size t_g and
+    ``megatron`` (tensor x pipeline x data parallel); for the actor also the generation tensor-parallel size t_g,
     the rollout's batch: sequences a replica decodes at once (0: the workload's ``gen_micro_batch``; fewer where the
-    pool's memory leaves its KV cache no room for that many, `kv_room_batch`)."""
+    pool's memory leaves its KV cache no room for that many, `kv_room_batch`), and for a megatron mixture-of-experts
+    actor the expert-parallel size ``ep`` (``actor.ep``; experts split as the dense layers over TP, and over ``ep``
+    of the data-parallel ranks, which the alltoall dispatcher links)."""
 
     kind: str
     tp: int = 1
@@ -137,6 +139,7 @@ class Strategy:
     dp: int = 1
     gen_tp: int = 1
     gen_batch: int = 0
+    ep: int = 1
 
     @property
     def devices(self) -> int:
@@ -157,7 +160,8 @@ class Strategy:
         if self.kind != "megatron":
             return f"{self.kind} x{self.dp}{batch}"
         gen = f" gen-tp{self.gen_tp}" if self.gen_tp != self.tp else ""
-        return f"megatron tp{self.tp} pp{self.pp} dp{self.dp}{gen}{batch}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"megatron tp{self.tp} pp{self.pp} dp{self.dp}{ep}{gen}{batch}"
 
 
 @dataclass
@@ -195,6 +199,20 @@ def _all_gather_s(nbytes: float, group: int, spans_nodes: bool, hw: HardwareProf
     if group <= 1:
         return 0.0
     return hw.collective_latency_s + (group - 1) / group * nbytes / _bandwidth(group, spans_nodes, hw)
+
+
+def dispatch_s(shape: ModelShape, s: Strategy, replica_tokens: float, hw: HardwareProfile, spans: bool) -> float:
+    """One forward pass's token dispatch of a mixture-of-experts model under expert parallelism (``s.ep`` > 1,
+    megatron-core's alltoall dispatcher): in each MoE layer a rank sends each of its tokens' `top_k` copies
+    ([hidden] each) that go to experts on the other ``ep - 1`` ranks, a share (ep - 1) / ep, and receives their
+    outputs back: two all-to-alls of ``tokens x k x hidden x (ep - 1) / ep`` bytes a rank, over the link, plus their
+    latency. A rank's tokens are its replica's over the TP ranks (sequence parallelism splits them). 0 without
+    expert parallelism."""
+    if s.ep <= 1 or shape.experts <= 1:
+        return 0.0
+    nbytes = replica_tokens / s.tp * shape.top_k * shape.hidden * hw.dtype_bytes * (s.ep - 1) / s.ep
+    one = hw.collective_latency_s + nbytes / _bandwidth(s.ep, spans, hw)
+    return 2 * (shape.layers / s.pp) * one
 
 
 TRAIN_CALL_OVERHEADS = 4
@@ -237,6 +255,9 @@ def estimate(
     devices = s.devices
     spans = devices > gpus_per_node  # data-parallel groups cross nodes; tensor-parallel groups stay in one
     model_shards = t * p if s.kind == "megatron" else (d if s.kind == "fsdp" else 1)
+    # expert parallelism splits the routed experts ep ways more (megatron: experts over tp x ep x pp ranks)
+    expert_share = shape.expert_params / params * (1 - 1 / s.ep) if s.kind == "megatron" and s.ep > 1 else 0.0
+    ep_spans = t * s.ep > gpus_per_node  # an expert group beyond a node: its all-to-alls cross the network
     seq = workload.seq_length
     packed = s.kind != "megatron" and role != "reward_model"  # megatron and the reward model pad to the longest
     shared = workload.critic_shares_prompts if role == "critic" else workload.actor_shares_prompts
@@ -281,6 +302,7 @@ def estimate(
         bubble = 1 + (p - 1) / micro_batches
         comm = 2 * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
         comm += p2p_s(micro_batch, 1, micro_batches)
+        comm += dispatch_s(shape, s, replica_tokens, hw, ep_spans)
         if s.kind == "fsdp":
             comm += micro_batches * _all_gather_s(params * w, d, spans, hw)
         return compute * bubble + comm + hw.stage_overhead_s
@@ -294,7 +316,7 @@ def estimate(
     if role in ("actor", "critic"):
         # LoRA: the frozen weights stay fp32 as loaded, with no gradients or optimizer states
         frozen_bytes = params * 4 if lora else 0
-        static = (frozen_bytes + trained * TRAINED_BYTES_PER_PARAM) / model_shards
+        static = (frozen_bytes + trained * TRAINED_BYTES_PER_PARAM) / model_shards * (1 - expert_share)
         epochs = workload.actor_epochs if role == "actor" else workload.critic_epochs
         steps = workload.actor_steps if role == "actor" else workload.critic_steps
         micro = workload.train_micro_batch if role == "actor" else workload.critic_micro_batch
@@ -308,11 +330,16 @@ def estimate(
         compute *= 1 + (p - 1) / micro_batches
         comm = 4 * epochs * (shape.layers / p) * _all_reduce_s(replica_tokens * shape.hidden * w, t, False, hw)
         comm += 2 * epochs * p2p_s(micro, max(1, steps // epochs), calls)  # activations on, gradients back
+        comm += 2 * epochs * dispatch_s(shape, s, replica_tokens, hw, ep_spans)  # the backward's all-to-alls too
         if s.kind == "fsdp":
             gathers = epochs * calls
             comm += gathers * 2 * _all_gather_s(params * w, d, spans, hw) + steps * _all_gather_s(
                 trained * 4, d, spans, hw
             )
+        elif expert_share:  # dense gradients over the d replicas, each expert's over the d / ep holding it
+            dense = trained * (1 - shape.expert_params / params)
+            comm += steps * _all_reduce_s(dense / (t * p) * 4, d, spans, hw)
+            comm += steps * _all_reduce_s(shape.expert_params / (t * p * s.ep) * 4, d // s.ep, spans, hw)
         else:
             comm += steps * _all_reduce_s(trained / (t * p) * 4, d, spans, hw)
         optimizer = steps * 2 * trained * TRAINED_BYTES_PER_PARAM / model_shards / hw.memory_bandwidth

@@ -67,7 +67,8 @@ def pool_sizes(nodes: int, gpus_per_node: int) -> list[int]:
 def strategies(role: str, shape: ModelShape, devices: int, gpus_per_node: int, space: StrategySpace) -> list[Strategy]:
     """The parallel strategies of `role`'s model on `devices` devices: ddp and fsdp (data parallel over all of
     them) and megatron tp x pp x dp with tp inside a node dividing the attention heads and pp dividing the layers;
-    for the actor, every generation t_g dividing tp."""
+    for the actor, every generation t_g dividing tp, and for a mixture-of-experts actor every expert-parallel size
+    ep dividing both dp and the expert count (`hybridflow.engine.backends.engines`' rule at expert TP = tp)."""
     kinds = RUNTIME_KINDS[role] if space == "runtime" else ("ddp", "fsdp", "megatron")
     out = [Strategy("ddp", dp=devices)] if "ddp" in kinds else []
     if "fsdp" in kinds and devices > 1:
@@ -79,8 +80,11 @@ def strategies(role: str, shape: ModelShape, devices: int, gpus_per_node: int, s
             for pp in range(1, devices // tp + 1):
                 if (devices // tp) % pp or shape.layers % pp or tp * pp == 1:
                     continue
+                dp = devices // (tp * pp)
                 gen = [g for g in range(1, tp + 1) if tp % g == 0] if role == "actor" else [tp]
-                out += [Strategy("megatron", tp, pp, devices // (tp * pp), g) for g in gen]
+                moe = role == "actor" and shape.experts > 1
+                eps = [e for e in range(1, dp + 1) if dp % e == 0 and shape.experts % e == 0] if moe else [1]
+                out += [Strategy("megatron", tp, pp, dp, g, ep=e) for g in gen for e in eps]
     return out
 
 

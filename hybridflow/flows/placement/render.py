@@ -1,7 +1,7 @@
 """A plan as run configuration (the ``placement.pools`` section and the strategy keys ``actor.strategy``,
-``actor.tp``, ``actor.pp``, ``rollout.gen_tp``, ``rollout.micro_batch_size`` where memory cuts the rollout's batch,
-``critic.strategy``, ``reward_model.strategy``) and as the run
-store's record (plain JSON data: `plan_record`, `candidate_from_dict`)."""
+``actor.tp``, ``actor.pp``, ``actor.ep`` (with the alltoall dispatcher), ``rollout.gen_tp``,
+``rollout.micro_batch_size`` where memory cuts the rollout's batch, ``critic.strategy``, ``reward_model.strategy``)
+and as the run store's record (plain JSON data: `plan_record`, `candidate_from_dict`)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ def apply_plan(tree: dict[str, Any], plan: Candidate, gpus_per_node: int) -> dic
     placement["pools"] = pools
     actor = plan.strategies["actor"]
     out.setdefault("actor", {}).update({"strategy": actor.kind, "tp": actor.tp, "pp": actor.pp})
+    if actor.ep > 1:  # the cost model prices megatron-core's alltoall dispatcher (cost.dispatch_s)
+        out["actor"]["ep"] = actor.ep
+        out["actor"].setdefault("moe", {})["token_dispatcher_type"] = "alltoall"
+    else:
+        out["actor"].pop("ep", None)
     rollout = out.setdefault("rollout", {})
     if actor.kind == "megatron":
         rollout["gen_tp"] = actor.gen_tp

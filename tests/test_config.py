@@ -130,8 +130,8 @@ def test_data_parallel_batch_sizes_and_nodes_are_checked_up_front():
     earlier = load_config(None, [*MINIMAL, "placement.world_size=2"])  # configs recorded before nodes x tasks
     assert earlier.placement.tasks_per_node == 2 and earlier.placement.world_size == 2
     tis = "algorithm.rollout_correction.rollout_is=token"
-    with pytest.raises(ConfigError, match=r"rollout_correction.rollout_is corrects .* rollout.name=vllm"):
-        load_config(None, [*MINIMAL, tis])
+    # both built-in rollouts report their log-probs (the hf rollout too: its rollout_log_probs)
+    assert load_config(None, [*MINIMAL, tis]).algorithm.rollout_correction.rollout_is == "token"
     assert load_config(None, [*MINIMAL, "rollout.name=vllm", tis]).algorithm.rollout_correction.rollout_is == "token"
     with pytest.raises(ConfigError, match=r"rollout_correction.rollout_is: Input should be 'token' or 'sequence'"):
         load_config(None, [*MINIMAL, "rollout.name=vllm", "algorithm.rollout_correction.rollout_is=geometric"])

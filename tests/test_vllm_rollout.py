@@ -71,9 +71,12 @@ def _assert_greedy_equal(model, tokenizer, config, rollout) -> None:
     prompts = _prompts(tokenizer)
     hf = HFRollout(model, tokenizer, config).generate_sequences(prompts, n=1, temperature=0.0)
     engine = rollout.generate_sequences(prompts, n=1, temperature=0.0)
-    assert set(hf.batch.keys()) | {"rollout_log_probs"} == set(engine.batch.keys())
+    assert set(hf.batch.keys()) == set(engine.batch.keys())
     for key in list(hf.batch.keys()):
-        assert torch.equal(engine.batch[key], hf.batch[key]), key
+        if key != "rollout_log_probs":  # two engines' kernels: equal within rounding (below)
+            assert torch.equal(engine.batch[key], hf.batch[key]), key
+    mask = hf.batch["response_mask"].bool()
+    assert (engine.batch["rollout_log_probs"][mask] - hf.batch["rollout_log_probs"][mask]).abs().max() < 1e-3
     assert len(set(map(tuple, engine.batch["responses"].tolist()))) > 1  # context-dependent, not one token repeated
 
 

@@ -372,7 +372,8 @@ class MegatronActor(MegatronRole):
         self.model.train()
         log, corrections = MetricLog(), MetricLog()
         is_factor = batch_is_factor(self.correction, data, self.dp_group)
-        routing = replay.routing("replay") if replay is not None else contextlib.nullcontext()
+        # the update reads no routes back: no gather of them over the TP ranks
+        routing = replay.routing("replay", collect=False) if replay is not None else contextlib.nullcontext()
         with update_random_stream(self.seed, data, self.dp_group), routing:  # Clip-Cov: the same on a resumed run
             for micros, scales in steps:
                 gradient = policy_gradient(self.model, micros, scales, cfg, self.correction, is_factor, self.teacher)

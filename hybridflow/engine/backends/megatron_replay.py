@@ -5,7 +5,8 @@ the semantics of `hybridflow.engine.moe.RouterRecorder` on the Hugging Face acto
 
 megatron-core's ``TopKRouter`` takes its top-k through the object in its ``router_replay`` attribute when there is one
 (``topk_routing_with_score_function(..., router_replay=...)`` calls its ``get_replay_topk``; verl's R2/R3 on megatron
-use that hook with megatron's own ``RouterReplay``). `install` puts a `LayerReplay` there in each MoE layer, which
+use that hook with megatron's own ``RouterReplay``). `MegatronRouterReplay` puts a `LayerReplay` there in each MoE
+layer, which
 differs from megatron's ``RouterReplay`` where the batch layout needs it: a token recorded as -1 (padding, a response's
 last token no rollout forward read) routes as its router chooses, and the share of replayed routes the router would
 have chosen itself is counted (``actor/moe/replay_agreement``).
@@ -99,15 +100,16 @@ class MegatronRouterReplay:
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.mode: str | None = None  # "record" / "replay" inside `routing`
+        self.collect = False
         self.recorded: list[torch.Tensor] = []
 
     @contextlib.contextmanager
-    def routing(self, mode: str | None) -> Iterator[list[torch.Tensor]]:
+    def routing(self, mode: str | None, collect: bool = True) -> Iterator[list[torch.Tensor]]:
         """Inside, `before` / `after` around each forward: ``"replay"``: route each micro-batch's tokens to its
-        ``routed_experts`` (when it has them); ``"record"``: route freely; either way the experts chosen are
-        collected, one int16 [b, L, M, k] per micro-batch in forward order, into the list yielded (-1 at
-        padding); None: route freely and collect nothing."""
-        self.mode, self.recorded = mode, []
+        ``routed_experts`` (when it has them); ``"record"``: route freely; either way, with `collect`, the experts
+        chosen are collected, one int16 [b, L, M, k] per micro-batch in forward order, into the list yielded (-1
+        at padding); None: route freely and collect nothing."""
+        self.mode, self.collect, self.recorded = mode, collect, []
         try:
             yield self.recorded
         finally:
@@ -131,12 +133,12 @@ class MegatronRouterReplay:
             tokens = routes.reshape(-1, *routes.shape[2:])
         for i, layer in enumerate(self.layers):
             layer.target = None if tokens is None else tokens[:, i]
-            layer.recording, layer.recorded = self.mode is not None, None
+            layer.recording, layer.recorded = self.mode is not None and self.collect, None
 
     def after(self, batch, pad: int) -> None:
         """After the forward `before` set up: append the micro-batch's routes (gathered over the TP ranks under
         sequence parallelism) to the recording."""
-        if self.mode is None:
+        if self.mode is None or not self.collect:
             return
         rows = batch["input_ids"].shape[0]
         routes = torch.stack([layer.recorded for layer in self.layers], dim=1)  # [S_local * b, M, k]

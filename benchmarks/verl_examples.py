@@ -24,7 +24,7 @@ In scope: the scripts that run ``verl.trainer.main_ppo`` with ``rollout.name=vll
 ``ascend`` in the path), vision-language models (``VL``/``-V``/``minicpmo``/``glm4.1v`` model ids, ``geo3k``
 data), and scripts that run no PPO trainer (SFT, generation).
 
-    .venv/bin/python benchmarks/verl_examples.py /path/to/verl [--markdown] [--only SUBSTRING] [--jobs 2]
+    .venv/bin/python benchmarks/verl_examples.py /path/to/verl [--markdown] [--only SUBSTRING ...] [--jobs 2]
 
 The checkout is not fetched by the script (no internet here): clone verl where you can and pass its path.
 """
@@ -428,7 +428,9 @@ def checked(script: Path, tree: Path, scratch: Path, bin_dir: Path, models: tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("verl", type=Path, help="a verl checkout (working tree or bare git directory)")
-    parser.add_argument("--only", default="", help="only the scripts whose path contains this")
+    parser.add_argument(
+        "--only", action="append", default=[], help="only the scripts whose path contains this (repeatable: any)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="dry runs at once")
     parser.add_argument("--markdown", action="store_true", help="print the per-script table in Markdown")
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -445,7 +447,12 @@ def main() -> None:
         tiny = tiny_model(scratch / "tiny")
         models = tiny, tiny_reward_model(tiny, scratch / "tiny_rm"), tiny_adapter(tiny, scratch / "tiny_lora")
         models += (moe_stand_ins(tiny, scratch / "moe"),)
-        scripts = sorted(p for top in ("examples", "recipe") for p in (tree / top).rglob("*.sh") if opts.only in str(p))
+        scripts = sorted(
+            p
+            for top in ("examples", "recipe")
+            for p in (tree / top).rglob("*.sh")
+            if not opts.only or any(part in str(p) for part in opts.only)
+        )
         with ThreadPoolExecutor(opts.jobs) as pool:
             rows = list(
                 pool.map(lambda s: checked(s, tree, scratch / "homes", bin_dir, models, opts.partition), scripts)

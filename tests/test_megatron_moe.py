@@ -144,6 +144,7 @@ def _moe_update_worker(rank: int, world: int, store: str, model_dir: str, layout
 
     from hybridflow.engine.backends.megatron_actor import MegatronActor
     from hybridflow.engine.backends.megatron_model import build_gpt_model, load_hf_weights
+    from hybridflow.engine.backends.megatron_router_stats import MegatronRouterStats
 
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     state = {n: p.detach() for n, p in hf_model.named_parameters()}
@@ -156,6 +157,7 @@ def _moe_update_worker(rank: int, world: int, store: str, model_dir: str, layout
         model = build_gpt_model(hf_model.config, moe=config.moe)
         load_hf_weights(model, state, hf_model.config)
         local_experts = sum(".local_experts." in n for n, _ in model.named_parameters())
+        model.router_stats = MegatronRouterStats(model, hf_model.config.num_experts_per_tok)  # as hybrid_actor
         actor = MegatronActor(model, config, rollout_n=2, seed=0)
         dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         rows = len(data) // dp
@@ -225,6 +227,7 @@ def test_expert_parallel_2_updates_as_expert_parallel_1_and_hugging_face(moe_mod
     _assert_resharded(results, want)
     plain = results["1-1-None-allgather-0.0-0.0-0"]
     assert plain["metrics"]["actor/grad_norm"] == pytest.approx(want_metrics["actor/grad_norm"], rel=1e-4)
+    _assert_router_metrics(results, "1-1-None-allgather-0.0-0.0", 2, want_metrics)
     for name, weight in want.items():
         moved = float((weight - before[name]).norm())
         assert float((plain["weights"][name] - weight).norm()) <= 1e-3 * moved, name
@@ -234,6 +237,17 @@ def test_expert_parallel_2_updates_as_expert_parallel_1_and_hugging_face(moe_mod
     assert moved_by_losses > 1e-5  # the router losses changed the update
     others = ["1-2-None-allgather-0.01-0.001", "1-2-None-alltoall-0.01-0.001"]
     _assert_same_update(results, reference, [f"{k}-{r}" for k in others for r in (0, 1)], before, arch)
+
+
+def _assert_router_metrics(results, layout: str, world: int, want: dict, rel: float = 1e-4) -> None:
+    """The megatron update's router metrics (`hybridflow.engine.backends.megatron_router_stats`), averaged over
+    the `world` ranks of `layout`, equal `want`'s (the Hugging Face actor's, or another layout's) within `rel`:
+    the same micro-batches of one sequence, so the mean over ranks of each rank's mean is the whole batch's."""
+    names = [n for n in want if n.startswith("actor/moe/") and n != "actor/moe/replay_agreement"]
+    assert {"actor/moe/load_balancing_loss", "actor/moe/z_loss", "actor/moe/max_load/layer_0"} <= set(names), names
+    for name in names:
+        mine = sum(results[f"{layout}-{rank}"]["metrics"][name] for rank in range(world)) / world
+        assert mine == pytest.approx(want[name], rel=rel), name
 
 
 def _assert_log_probs(results, data, want_log_probs) -> None:
@@ -297,6 +311,13 @@ def test_tensor_and_expert_parallel_updates_on_four_ranks_equal_data_parallel_on
     others = ["2-1-None-allgather-0.01-0.0", "2-2-None-alltoall-0.01-0.0", "2-2-1-alltoall-0.01-0.0"]
     others += ["2-4-1-alltoall-0.01-0.0"]
     _assert_same_update(results, reference, [f"{k}-{r}" for k in others for r in range(4)], before, "qwen3_moe")
+    # the router metrics: each TP rank routes half of the positions, summed over the TP group
+    plain = {
+        n: sum(results[f"1-1-None-allgather-0.01-0.0-{r}"]["metrics"][n] for r in range(4)) / 4
+        for n in reference["metrics"]
+    }
+    for layout in others:
+        _assert_router_metrics(results, layout, 4, plain)
     # the z-loss under sequence parallelism is megatron-core's: each TP rank's mean over its part of the sequence,
     # averaged over the TP ranks (not the mean over the whole sequence): compared within the TP 2 layouts
     reference = results["2-1-None-allgather-0.01-0.001-0"]
@@ -329,6 +350,7 @@ def test_an_expert_parallel_megatron_run_generates_through_the_hybrid_engine_and
     extra += ["actor.strategy=megatron", "actor.tp=2", "actor.ep=2", "actor.etp=1", "placement.tasks_per_node=4"]
     extra += ["actor.moe.aux_loss_coeff=0.01", "actor.router_replay.mode=R3"]
     extra += ["actor.moe.token_dispatcher_type=alltoall", "actor.ppo_micro_batch_size=2"]
+    extra += ["trainer.log_train_generations=2", "trainer.log_routed_experts=true"]
     store = RunStore(f"sqlite:///{tmp_path / 'runs.db'}")
     (tmp_path / "reference").mkdir()
     cfg = _cfg(tmp_path / "reference", moe_models["qwen3_moe"], extra=extra)
@@ -342,6 +364,7 @@ def test_an_expert_parallel_megatron_run_generates_through_the_hybrid_engine_and
         assert math.isfinite(reference[step]["actor/pg_loss"]), step
         # R3: the update replays the hf rollout's routes (a share of them its routers would choose by themselves)
         assert 0.0 < reference[step]["actor/moe/replay_agreement"] <= 1.0, step
+    _assert_sample_routes(store, reference_id, model_dir=moe_models["qwen3_moe"])
     ckpt = Path(store.checkpoints(reference_id)[0].path)
     # one file per distinct (TP shard, EP rank) the 4 ranks hold; with expert TP 1 megatron pairs them up
     files = sorted(p.name for p in (ckpt / "actor" / "megatron_optim").glob("*.pt"))
@@ -357,6 +380,36 @@ def test_an_expert_parallel_megatron_run_generates_through_the_hybrid_engine_and
     for name in COMPARED:
         if name in reference[2]:
             assert resumed[2][name] == pytest.approx(reference[2][name], rel=1e-6, abs=1e-9), name
+
+
+def _assert_sample_routes(store, run_id: str, model_dir) -> None:
+    """The kept rollout samples hold the experts (``trainer.log_routed_experts``) each of their response tokens
+    went to in every MoE layer, as the rollout recorded them for R3 (-1 only at a response's last token, which no
+    forward read), and ``hf runs samples --routes`` prints them."""
+    from transformers import AutoConfig
+    from typer.testing import CliRunner
+
+    from hybridflow.cli.main import app
+
+    config = AutoConfig.from_pretrained(model_dir)
+    length = store.get_run(run_id).config["rollout"]["response_length"]
+    samples = [s for s in store.samples(run_id) if s.kind == "train"]
+    assert len(samples) == 4  # 2 a step
+    for sample in samples:
+        routes = torch.tensor(sample.routed_experts)  # [T, M, k]
+        assert routes.shape[1:] == (config.num_hidden_layers, config.num_experts_per_tok), routes.shape
+        assert 0 < routes.shape[0] <= length  # the response's tokens (the tiny model's text does not re-tokenize)
+        recorded = routes[..., 0] >= 0
+        assert bool(recorded[:-1].all()) and torch.equal(recorded.all(-1), recorded.any(-1))
+        chosen = routes[recorded]
+        assert bool(((chosen >= 0) & (chosen < config.num_experts)).all())
+        assert bool((chosen[:, 0] != chosen[:, 1]).all())  # k distinct experts a token
+    out = CliRunner().invoke(app, ["runs", "samples", run_id, "--db", store.url, "--step", "1", "--routes"])
+    assert out.exit_code == 0, out.output
+    first = torch.tensor(samples[0].routed_experts)
+    shown = " ".join(f"{i}:{','.join(str(int(e)) for e in first[0, i])}" for i in range(first.shape[1]))
+    assert f"routed experts of {first.shape[0]} response tokens in {first.shape[1]} MoE layers" in out.output
+    assert f"token 0: {shown}" in out.output, out.output
 
 
 def _replay_worker(rank: int, world: int, store: str, dirs: dict, routes_file: str, layouts, results) -> None:

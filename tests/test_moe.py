@@ -310,6 +310,12 @@ def test_router_replay_is_refused_where_it_cannot_run(tmp_path, moe_dirs, tiny_m
     )
     code, out = _run(tmp_path / "stream", moe_dirs["qwen3_moe"], *agents)
     assert code == 2 and "not the agent loops' token engine" in out, out
+    (tmp_path / "routes").mkdir()
+    keep = ("trainer.log_train_generations=2", "trainer.log_routed_experts=true")
+    code, out = _run(tmp_path / "routes", moe_dirs["qwen3_moe"], *keep)
+    assert code == 2 and "actor.router_replay.mode=disabled records none: set it to R2 or R3" in out, out
+    code, out = _run(tmp_path / "routes", moe_dirs["qwen3_moe"], "trainer.log_routed_experts=true")
+    assert code == 2 and "trainer.log_train_generations is 0 (none kept)" in out, out
 
 
 # ---------------------------------------------------------------------------------------------------- upcycling, cost

@@ -325,11 +325,16 @@ def runs_samples(
     step: Annotated[int | None, typer.Option("--step", help="only this step (0: validation before training)")] = None,
     kind: Annotated[str | None, typer.Option("--kind", help="train or val; default both")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object per line")] = False,
+    routes: Annotated[
+        bool,
+        typer.Option("--routes", help="each response token's experts per MoE layer (trainer.log_routed_experts)"),
+    ] = False,
     db: DbOption = None,
 ) -> None:
     """A run's sample generations (prompt, response, score, ground truth; a reward model's score, a judge's verdict
     and the score function's error where there is one), kept with trainer.log_val_generations=N
-    and trainer.log_train_generations=N."""
+    and trainer.log_train_generations=N; with --routes, the experts each response token went to in each MoE layer
+    (kept with trainer.log_routed_experts)."""
     store = _store(db)
     record = _get_run(store, run_id)
     if kind not in (None, "train", "val"):
@@ -371,6 +376,24 @@ def runs_samples(
         if s.token_versions is not None and len(s.token_versions) > 1:  # a partial rollout continued across pushes
             runs = ", then ".join(f"version {version} ({tokens} tokens)" for version, tokens in s.token_versions)
             console.print(styled(("sampled by", "bold"), f" {runs}"))
+        if s.routed_experts is not None:
+            _print_routes(s.routed_experts, routes)
+    if routes and not any(s.routed_experts is not None for s in samples):
+        console.print("no routed experts kept: run with trainer.log_routed_experts=true (and router replay R2 or R3)")
+
+
+def _print_routes(routes: list[list[list[int]]], each_token: bool) -> None:
+    """A sample's routed experts (``[token][MoE layer][k]``): a line saying how many were kept, and with
+    `each_token` one line per response token, ``layer:experts`` for each MoE layer (-1: nothing recorded)."""
+    layers = len(routes[0]) if routes else 0
+    console.print(
+        styled(("routed experts", "bold"), f" of {len(routes)} response tokens in {layers} MoE layers"),
+        highlight=False,
+    )
+    if each_token:
+        for j, token in enumerate(routes):
+            cells = " ".join(f"{i}:{','.join(str(e) for e in chosen)}" for i, chosen in enumerate(token))
+            console.print(f"  token {j}: {cells}", highlight=False)
 
 
 @runs_app.command("timeline")

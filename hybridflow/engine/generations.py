@@ -42,7 +42,8 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
         data: rows with ``prompts`` int64 [B, P] (left-padded), ``responses`` int64 [B, T], ``response_mask``
             [B, T], ``attention_mask`` [B, P + T], ``token_level_scores`` float [B, T]; optional
             ``rollout_version`` int64 [B], ``rollout_token_versions`` int64 [B, T] (a streaming rollout's; -1
-            past a response's end), ``rm_scores`` float [B, T] and non-tensor ``uid``, ``data_source``,
+            past a response's end), ``routed_experts`` int16 [B, P+T, M, k] (router replay's routes,
+            `hybridflow.engine.moe`), ``rm_scores`` float [B, T] and non-tensor ``uid``, ``data_source``,
             ``reward_model`` (``{"ground_truth": ...}``) and ``judge_text``.
         tokenizer: the actor's tokenizer (special tokens are skipped).
         step: the iteration the samples belong to (0: the validation before training).
@@ -55,7 +56,9 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
         ``rollout_version`` (int: the actor updates in the weights that generated it), ``rm_score`` (the reward
         model's score: ``rm_scores`` summed), ``judge_text`` (a generative reward model's verdict) and
         ``token_versions`` (the response's tokens by the version that sampled them, ``[(version, tokens), ...]``
-        in order, `version_runs`); None without the column.
+        in order, `version_runs`) and ``routed_experts`` (the experts each response token went to,
+        ``[token][MoE layer][k]`` over the response's tokens, -1 where nothing was recorded); None without the
+        column.
     """
     batch, extra = data.batch, data.non_tensor_batch
     prompt_len = batch["prompts"].shape[1]
@@ -66,6 +69,7 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
     versions = batch["rollout_version"].tolist() if "rollout_version" in batch else [None] * len(data)
     rm_scores = batch["rm_scores"].sum(-1).tolist() if "rm_scores" in batch else [None] * len(data)
     token_versions = batch.get("rollout_token_versions", None)
+    routes = batch.get("routed_experts", None)
     verdicts = extra.get("judge_text")
     samples = []
     for i in range(len(data)):
@@ -83,6 +87,7 @@ def decode_generations(data: DataProto, tokenizer: Any, step: int) -> list[dict[
                 "rm_score": rm_scores[i],
                 "judge_text": None if verdicts is None else str(verdicts[i]),
                 "token_versions": None if token_versions is None else version_runs(token_versions[i]),
+                "routed_experts": None if routes is None else routes[i, prompt_len:][real[i]].tolist(),
             }
         )
     return samples

@@ -258,9 +258,15 @@ def load_balancing_loss(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor,
     probs = torch.softmax(logits.float(), dim=-1)
     chosen = probs.topk(top_k, dim=-1).indices
     counts = torch.bincount(chosen.reshape(-1), minlength=probs.shape[-1]).float()
-    tokens = probs.shape[0]
-    loss = (probs.sum(0) * counts).sum() * probs.shape[-1] / (top_k * tokens * tokens)
-    return loss, counts
+    return balance_from_sums(probs.sum(0), counts, probs.shape[0], top_k), counts
+
+
+def balance_from_sums(prob_sums: torch.Tensor, counts: torch.Tensor, tokens, top_k: int) -> torch.Tensor:
+    """The load-balancing loss of one layer (module docstring: ``E / k * sum_i f_i P_i``, Switch Transformer eqs.
+    4-6 over k) from its sums over N `tokens`: `prob_sums` float [E], each expert's router probability summed over
+    the tokens, and `counts` float [E], the tokens sent to each (summing to N k). 0-dim float32; 1.0 when
+    balanced. Sums add over the parts of a batch, so parts held by different ranks give the whole batch's loss."""
+    return (prob_sums * counts).sum() * prob_sums.shape[-1] / (top_k * tokens * tokens)
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:

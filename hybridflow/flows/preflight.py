@@ -159,7 +159,7 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
         InputError: an MoE architecture that does not run; on megatron, router replay with pipeline parallelism
             (not built there yet) or an ``actor.ep`` not dividing the experts; ``actor.router_replay.mode`` other
             than disabled with a dense model, or R3 with an agent loop (its token engine records no routes) or
-            another rollout than hf.
+            another rollout than hf; ``trainer.log_routed_experts`` with a dense model or without router replay.
     """
     from transformers import AutoConfig
 
@@ -168,6 +168,15 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
     except ValueError as e:
         raise InputError(f"model.path: {e}") from None
     replay = cfg.actor.router_replay.mode
+    if cfg.trainer.log_routed_experts and (spec is None or replay == "disabled"):
+        raise InputError(
+            "trainer.log_routed_experts keeps the routed_experts that router replay carries in the batch, and "
+            + (
+                "model.path is a dense model: set trainer.log_routed_experts=false"
+                if spec is None
+                else "actor.router_replay.mode=disabled records none: set it to R2 or R3"
+            )
+        )
     if spec is None:
         if replay != "disabled":
             raise InputError(

@@ -558,7 +558,7 @@ def _iteration(
     kept = None
     if keep:  # before the batch files go: the first rows as scored, for the sample generations
         wanted = ("data_source", "reward_model", "uid", "rollout_version", "rm_scores", "judge_text", "reward_error")
-        wanted += ("rollout_token_versions",)
+        wanted += ("rollout_token_versions", *(("routed_experts",) if cfg.trainer.log_routed_experts else ()))
         columns = [*GENERATION_KEYS, *_present(done.batch, *wanted)]
         kept = done.batch.select(columns).load(slice(0, keep))
     for handle in (done.batch, done.greedy, *done.drawn):  # this iteration's batch files: no stage reads them again

@@ -35,6 +35,8 @@ import torch.distributed as dist
 from hybridflow.engine.backends.hybrid_engine import HybridEngine, megatron_shard_specs
 from hybridflow.engine.backends.megatron_bridge import generation_hf_weights, generation_order
 from hybridflow.engine.backends.megatron_checkpoint import global_names, load_sharded_role, save_sharded_role
+from hybridflow.engine.backends.megatron_replay import MegatronRouterReplay
+from hybridflow.engine.backends.megatron_router_stats import MegatronRouterStats
 from hybridflow.engine.checkpoint import CheckpointError
 from hybridflow.engine.config import HybridFlowConfig
 from hybridflow.engine.models import load_model
@@ -103,9 +105,10 @@ class HybridActorRollout:
         )
         load_hf_weights(self.model, {n: p.detach() for n, p in hf_model.named_parameters()}, self.hf_config)
         del hf_model
-        if cfg.actor.router_replay.mode != "disabled" and moe_spec(self.hf_config) is not None:
-            from hybridflow.engine.backends.megatron_replay import MegatronRouterReplay
-
+        spec = moe_spec(self.hf_config)
+        if spec is not None:  # the update's router metrics, read by MegatronActor.update_policy
+            self.model.router_stats = MegatronRouterStats(self.model, spec.top_k)
+        if cfg.actor.router_replay.mode != "disabled" and spec is not None:
             self.model.router_replay = MegatronRouterReplay(self.model)  # read by megatron_actor.forward
         correction = cfg.algorithm.rollout_correction
         teacher = cfg.teacher if cfg.distills_in_loss() else None

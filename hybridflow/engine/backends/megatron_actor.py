@@ -352,7 +352,9 @@ class MegatronActor(MegatronRole):
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO update on this data-parallel rank's rows; returns ``actor/pg_loss``, ``actor/ppo_kl`` (last stage),
         ``actor/grad_norm``, ``actor/lr`` and with a correction ``rollout_corr/*`` (last stage), averaged as
-        `Actor.update_policy` does."""
+        `Actor.update_policy` does; an MoE model's router metrics (``actor/moe/*``,
+        `hybridflow.engine.backends.megatron_router_stats`) and under router replay
+        ``actor/moe/replay_agreement``."""
         cfg = self.config
         bypass = self.correction is not None and self.correction.bypass_mode
         # none: on-policy (`Actor`); bypass mode: the rollout's
@@ -374,7 +376,9 @@ class MegatronActor(MegatronRole):
         is_factor = batch_is_factor(self.correction, data, self.dp_group)
         # the update reads no routes back: no gather of them over the TP ranks
         routing = replay.routing("replay", collect=False) if replay is not None else contextlib.nullcontext()
-        with update_random_stream(self.seed, data, self.dp_group), routing:  # Clip-Cov: the same on a resumed run
+        stats = getattr(self.model, "router_stats", None)  # an MoE model's (`megatron_router_stats`)
+        counting = stats.collecting() if stats is not None else contextlib.nullcontext()
+        with update_random_stream(self.seed, data, self.dp_group), routing, counting:  # Clip-Cov: same on resume
             for micros, scales in steps:
                 gradient = policy_gradient(self.model, micros, scales, cfg, self.correction, is_factor, self.teacher)
                 for prefix, into in (("actor/", log), ("rollout_corr/", corrections)):
@@ -383,6 +387,8 @@ class MegatronActor(MegatronRole):
                 step = averaged_optimizer_step(self.model, self.optimizer, self.lr_scheduler, self.dp_group, clip, log)
                 log.add(**step)
         metrics = {**log.mean("actor"), **corrections.mean("rollout_corr")}
+        if stats is not None:
+            metrics.update({f"actor/{name}": value for name, value in stats.metrics().items()})
         agreement = replay.agreement() if replay is not None else None  # over every rank: each routes its own tokens
         if agreement is not None:
             metrics["actor/moe/replay_agreement"] = agreement

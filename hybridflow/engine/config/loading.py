@@ -139,6 +139,7 @@ RESUMABLE_KEYS = (
     "trainer.mlflow_tracking_uri",
     "trainer.log_val_generations",
     "trainer.log_train_generations",
+    "trainer.log_routed_experts",
     "trainer.max_recoveries",
     "trainer.recovery_backoff_s",
     "trainer.resubmit_on_preemption",

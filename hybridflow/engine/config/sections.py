@@ -1043,6 +1043,12 @@ class TrainerConfig(_RunTrainer):
         0, ge=0, description="keep N (prompt, response, score, ground truth) samples of every validation"
     )
     log_train_generations: int = Field(0, ge=0, description="keep N samples of every iteration's rollout")
+    log_routed_experts: bool = Field(
+        False,
+        description="keep, with each kept rollout sample (trainer.log_train_generations), the experts each of its "
+        "response tokens went to in each MoE layer (the batch's routed_experts; hf runs samples --routes); needs "
+        "an MoE actor with actor.router_replay.mode R2 (the old_log_prob forward's routes) or R3 (the rollout's)",
+    )
     resubmit_on_preemption: bool = Field(
         True,
         description="on Slurm's warning (SIGUSR2 placement.slurm.signal_delay_s before the time limit, SIGTERM on "
@@ -1051,6 +1057,15 @@ class TrainerConfig(_RunTrainer):
         "resume) when two allocations in a row reach their time limit before an iteration (a preemption does not "
         "count). false: it stops at the first warning",
     )
+
+    @model_validator(mode="after")
+    def _routes_with_samples(self) -> TrainerConfig:
+        if self.log_routed_experts and not self.log_train_generations:
+            raise ValueError(
+                "trainer.log_routed_experts keeps the routes of the kept rollout samples, and "
+                "trainer.log_train_generations is 0 (none kept): set trainer.log_train_generations=N"
+            )
+        return self
 
 
 class SlurmConfig(_Section):

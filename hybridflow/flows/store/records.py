@@ -119,7 +119,9 @@ class Sample(_Record):
     ``reward_error``: why its score function gave no score (it raised or timed out and the sample scored 0.0; None:
     it was scored); ``token_versions``: a streaming rollout's response tokens by the weight version that sampled
     them, ``[(version, tokens), ...]`` in response order (more than one: a partial rollout continued across a
-    push; None: all of ``rollout_version``)."""
+    push; None: all of ``rollout_version``); ``routed_experts``: the experts each response token went to,
+    ``[token][MoE layer][k]`` expert ids, -1 where nothing was recorded (kept with ``trainer.log_routed_experts``;
+    None: not kept)."""
 
     run_id: str
     step: int
@@ -136,6 +138,7 @@ class Sample(_Record):
     judge_text: str | None = None
     reward_error: str | None = None
     token_versions: list[tuple[int, int]] | None = None
+    routed_experts: list[list[list[int]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

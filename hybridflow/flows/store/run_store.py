@@ -557,7 +557,8 @@ class RunStore:
         and ``rollout_version`` (int: the actor updates in the generating weights), ``rm_score`` (a number: the reward
         model's score), ``judge_text`` (str: a generative reward model's verdict), ``reward_error`` (str: why the
         score function gave none; "" or None when it did) and ``token_versions`` (``[(version, tokens), ...]``: a
-        streaming rollout's tokens by the version that sampled them). Raises ValueError for a bad step,
+        streaming rollout's tokens by the version that sampled them) and ``routed_experts`` (``[token][MoE layer][k]``
+        expert ids: the response tokens' routes). Raises ValueError for a bad step,
         a `kind` not in `SAMPLE_KINDS`, or a sample missing a key or with a non-numeric score (nothing is recorded),
         and UnknownRunError for an unknown run.
         """
@@ -590,6 +591,9 @@ class RunStore:
                     token_versions=None
                     if sample.get("token_versions") is None
                     else json.dumps([[int(v), int(n)] for v, n in sample["token_versions"]]),
+                    routed_experts=None
+                    if sample.get("routed_experts") is None
+                    else json.dumps(sample["routed_experts"], separators=(",", ":")),
                 )
             )
         with self._writing() as session:
@@ -868,6 +872,7 @@ class RunStore:
                     r.judge_text,
                     r.reward_error,
                     None if r.token_versions is None else [tuple(run) for run in json.loads(r.token_versions)],
+                    None if r.routed_experts is None else json.loads(r.routed_experts),
                 )
                 for r in rows
             ]

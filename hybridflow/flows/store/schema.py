@@ -210,6 +210,7 @@ class SampleRow(Base):
     judge_text: Mapped[str | None] = mapped_column(Text, nullable=True)  # a generative reward model's verdict
     reward_error: Mapped[str | None] = mapped_column(Text, nullable=True)  # why the score function gave none
     token_versions: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON [[version, tokens], ...]
+    routed_experts: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON [token][MoE layer][k] expert ids
 
 
 class StageTimeRow(Base):

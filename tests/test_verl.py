@@ -290,9 +290,11 @@ def test_the_keys_of_verls_7b_and_megatron_scripts_translate_or_are_refused_nami
     assert f"{arr}.actor.megatron.override_transformer_config.recompute_granularity" not in said  # it has effect
     explicit = translate([*script, f"{arr}.model.enable_gradient_checkpointing=False"]).overrides
     assert "model.gradient_checkpointing=false" in explicit and "model.gradient_checkpointing=true" not in explicit
+    split = translate([*script, f"{arr}.rollout.expert_parallel_size=2"]).overrides  # experts over the engine's ranks
+    assert "rollout.expert_parallel_size=2" in split
 
     refused = {
-        f"{arr}.rollout.expert_parallel_size=8": "expert parallelism is the megatron actor's here",
+        f"{arr}.rollout.data_parallel_size=2": "vLLM's data parallelism",
         f"+{arr}.actor.megatron.override_transformer_config.moe_pad_expert_input_to_capacity=True": "not impl",
         f"{arr}.actor.megatron.context_parallel_size=2": "context parallelism is not implemented",
         f"{arr}.actor.ulysses_sequence_parallel_size=2": "split the model with tensor parallelism instead",

@@ -159,7 +159,8 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
         InputError: an MoE architecture that does not run; on megatron, router replay with pipeline parallelism
             (not built there yet) or an ``actor.ep`` not dividing the experts; ``actor.router_replay.mode`` other
             than disabled with a dense model, or R3 with an agent loop (its token engine records no routes) or
-            another rollout than hf; ``trainer.log_routed_experts`` with a dense model or without router replay.
+            another rollout than hf; ``trainer.log_routed_experts`` with a dense model or without router replay;
+            ``rollout.expert_parallel_size`` with a dense model or not dividing the experts.
     """
     from transformers import AutoConfig
 
@@ -177,6 +178,11 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
                 else "actor.router_replay.mode=disabled records none: set it to R2 or R3"
             )
         )
+    if spec is None and cfg.rollout.expert_parallel_size > 1:
+        raise InputError(
+            f"rollout.expert_parallel_size={cfg.rollout.expert_parallel_size} splits a mixture-of-experts model's "
+            "experts over the vLLM engine's ranks, and model.path is a dense model: remove rollout.expert_parallel_size"
+        )
     if spec is None:
         if replay != "disabled":
             raise InputError(
@@ -192,6 +198,12 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
             f"{what}, and actor.router_replay.mode={replay} on megatron-core is built without pipeline parallelism "
             f"here (actor.pp={cfg.actor.pp}): set actor.pp=1 (tensor and expert parallelism replay), use "
             "actor.strategy=fsdp, or set actor.router_replay.mode=disabled"
+        )
+    if spec.num_experts % cfg.rollout.expert_parallel_size:
+        raise InputError(
+            f"{what}, and rollout.expert_parallel_size={cfg.rollout.expert_parallel_size} does not divide its "
+            f"{spec.num_experts} experts: pick a rollout.gen_tp and rollout.expert_parallel_size dividing "
+            f"{spec.num_experts}"
         )
     if cfg.actor.strategy == "megatron" and spec.num_experts % cfg.actor.ep:
         raise InputError(

@@ -110,6 +110,7 @@ class HybridFlowConfig(_Section):
             )
         self._check_mode()
         self._parallel_layout()
+        self._check_rollout_expert_parallel()
         self._divisible_by_ranks()
         self._even_pipeline_micro_batches()
         reports_log_probs = rollout_spec(self.rollout.name).reports_log_probs or self.rollout.multi_turn.enable
@@ -545,6 +546,27 @@ class HybridFlowConfig(_Section):
             raise ValueError(
                 f"placement.pools: a LoRA actor (model.lora_rank) syncs its rollout in process: remove "
                 f"model.lora_rank for a rollout pool of its own, {keep}"
+            )
+
+    def _check_rollout_expert_parallel(self) -> None:
+        """``rollout.expert_parallel_size`` splits the experts over the ranks of one vLLM engine, data parallel 1
+        here: so it is 1 or the engine's tensor-parallel size (verl: tensor x data parallel). Whether the model has
+        experts is checked against its config before work (`hybridflow.engine.preflight`)."""
+        ep = self.rollout.expert_parallel_size
+        if ep == 1:
+            return
+        if not rollout_spec(self.rollout.name).engine_tp:
+            raise ValueError(
+                f"rollout.expert_parallel_size={ep} splits experts over the ranks of a vLLM engine, and the "
+                f"{self.rollout.name} rollout generates on the actor's own layers: set rollout.name=vllm with "
+                f"rollout.gen_tp={ep}, or remove rollout.expert_parallel_size"
+            )
+        tp = engine_tp(self)
+        if ep != tp:
+            raise ValueError(
+                f"rollout.expert_parallel_size={ep} must equal the vLLM engine's ranks, rollout.gen_tp = {tp} "
+                "(each engine is data parallel 1, and vLLM splits experts over tensor x data parallel ranks): set "
+                f"rollout.gen_tp={ep} or rollout.expert_parallel_size={tp}"
             )
 
     def _resolve_rollout(self) -> None:

@@ -273,6 +273,14 @@ class RolloutConfig(_Section):
         "rollout.name=hf: the 3D-HybridEngine's t_g (must divide actor.tp); None: actor.tp (1 in a rollout pool)",
     )
     gen_pp: int = Field(1, ge=1, description="pipeline stages of generation (p_g); only 1 is implemented")
+    expert_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="rollout.name=vllm, an MoE actor: each vLLM engine splits the experts of every MoE layer over "
+        "its ranks (vLLM's enable_expert_parallel; verl's rollout.expert_parallel_size, which verl requires to equal "
+        "tensor x data parallel: engines here are data parallel 1, so 1 or the engine's rollout.gen_tp); 1: the "
+        "experts are tensor-parallel as dense weights",
+    )
 
     def filters(self, stream: str) -> tuple[int, float]:
         """(top-k, top-p) of a generation `stream`: ``val_top_k`` / ``val_top_p`` for validation (a stream named

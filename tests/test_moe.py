@@ -171,6 +171,11 @@ def test_an_moe_architecture_that_does_not_run_is_refused_before_work(tmp_path):
             + ("data.train_batch_size=6", "actor.ppo_mini_batch_size=3"),
             "rollout.expert_parallel_size=3 does not divide its 8 experts",
         ),
+        (
+            ("rollout.name=vllm", "rollout.gen_tp=2", "placement.tasks_per_node=2"),
+            "into 16 a rank, which vLLM 0.32's CPU kernel pads to a multiple of 32 and its weight reload then cannot "
+            "fill: set rollout.expert_parallel_size=2",
+        ),
     ],
 )
 def test_hf_run_refuses_what_an_moe_actor_cannot_use_yet(tmp_path, moe_dirs, override, expected):

